@@ -1,0 +1,57 @@
+// The narrow backend interface: memory for weights and the KV cache, and computing a graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "graph.h"
+
+namespace ggraph {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
+  virtual bool is_cuda() const { return false; }
+
+  // Makes weight bytes available to kernels; returns the address kernels read.
+  // The CPU backend reads the file mapping in place; the CUDA backend copies to device memory.
+  virtual void* upload_weight(const void* host, size_t bytes, const std::string& name) = 0;
+  // Zeroed memory for the KV cache. Throws DeviceError naming bytes needed and free on failure.
+  virtual void* alloc_kv(size_t bytes) = 0;
+  // Sizes the scratch and input buffers once per context, from the largest graph it will run.
+  virtual void reserve(size_t scratch_bytes, size_t input_bytes) = 0;
+  // Copies the graph's inputs in, runs every node, copies the output tensor (F32) to `out`.
+  // The graph must have been planned and fit the reserved buffers.
+  virtual void compute(const Graph& graph, float* out) = 0;
+
+  // Execution statistics (CUDA graph counters and the like), for Model.graph_stats.
+  virtual std::map<std::string, double> stats() const { return {}; }
+  virtual void reset_stats() {}
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+
+struct CudaOptions {
+  int device = 0;
+  std::string graphs = "patch";  // off | recapture | update | patch
+  bool debug = false;            // check replay inputs and patched parameters
+};
+bool cuda_compiled();
+// Throws DeviceError when no usable GPU is present.
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options);
+
+struct DeviceInfo {
+  int index;
+  std::string name;
+  size_t total_memory;
+  size_t free_memory;
+  int cc_major, cc_minor;
+  int multiprocessors;
+};
+std::vector<DeviceInfo> cuda_devices();  // empty when CUDA is not compiled or no GPU is present
+
+}  // namespace ggraph

@@ -1,0 +1,118 @@
+// Graph IR: tensors are descriptors, ops are constructors that do no work (ggml-style).
+// A backend computes a finished graph; the planner gives every intermediate a fixed offset.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "quant.h"
+
+namespace ggraph {
+
+enum class Op : uint8_t {
+  Leaf,       // weight, input or KV cache: no work
+  GetRows,    // dst[:, i] = src0[:, src1[i]]            src0 any computable type, src1 I32
+  RmsNorm,    // dst[:, j] = src0[:, j] / rms(src0[:, j])   params: eps (float)
+  Mul,        // dst = src0 * src1, src1 broadcast over columns when it has one column
+  Add,        // dst = src0 + src1, same broadcast
+  MulMat,     // dst[n, t] = sum_k src0[k, n] * src1[k, t]   src0 weights, src1 F32
+  Rope,       // rotate pairs of src0 [n_head*head_dim, T] by positions src1 (I32 [T])
+  KvStore,    // write src0 [n_embd_kv, T] (F32) into cache dst at rows kv[0]..kv[0]+T-1
+  Attention,  // causal attention of q=src0 over K=src1, V=src2 caches; GQA
+  Swiglu,     // dst = silu(src0) * src1
+  Count,
+};
+const char* op_name(Op op);
+
+enum class Storage : uint8_t {
+  Weight,   // uploaded once at load
+  Input,    // host data copied into a fixed place before each compute
+  Kv,       // the KV cache, allocated once per context
+  Scratch,  // intermediates: an offset in the scratch buffer, assigned by the planner
+};
+
+// Rope modes, as llama.cpp numbers them.
+constexpr int32_t kRopeNormal = 0;  // rotate adjacent pairs (x[2i], x[2i+1])
+constexpr int32_t kRopeNeox = 2;    // rotate halves (x[i], x[i + n_dims/2])
+
+struct Tensor {
+  Op op = Op::Leaf;
+  DType type = DType::F32;
+  Storage storage = Storage::Scratch;
+  int64_t ne[4] = {1, 1, 1, 1};  // ne[0] innermost
+  size_t nb[4] = {0, 0, 0, 0};   // strides in bytes (contiguous rows)
+  Tensor* src[3] = {nullptr, nullptr, nullptr};
+  // Op parameters that define the topology (shapes, modes, constants).
+  int32_t params[8] = {};
+  // Op parameters that follow the KV-cache position (cache row written, attention length,
+  // position of the first query). They change every decode step without changing topology:
+  // the CUDA graph executor patches them in place.
+  int32_t kv[2] = {0, 0};
+  size_t offset = 0;            // Scratch: from the planner. Input: in the input buffer.
+  void* data = nullptr;         // Weight/Kv: backend memory. Input: host source data.
+  int index = -1;               // position in Graph::nodes
+  std::string name;
+
+  int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
+  size_t nbytes() const { return nb[3] * ne[3]; }
+  int64_t rows() const { return ne[1] * ne[2] * ne[3]; }
+  float param_f(int i) const {
+    float f;
+    std::memcpy(&f, &params[i], sizeof f);
+    return f;
+  }
+  void set_param_f(int i, float f) { std::memcpy(&params[i], &f, sizeof f); }
+};
+
+// A graph owns its tensors. Leaves may be reused across graphs only through Graph::leaf().
+class Graph {
+ public:
+  Graph() = default;
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  // Leaves
+  Tensor* weight(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name);
+  Tensor* kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name);
+  Tensor* input_i32(int64_t n, const int32_t* host, const std::string& name);
+
+  // Ops (no work is done here)
+  Tensor* get_rows(Tensor* table, Tensor* ids);
+  Tensor* rms_norm(Tensor* x, float eps);
+  Tensor* mul(Tensor* a, Tensor* b);
+  Tensor* add(Tensor* a, Tensor* b);
+  Tensor* mul_mat(Tensor* w, Tensor* x);
+  Tensor* rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
+               float freq_base);
+  Tensor* kv_store(Tensor* cache, Tensor* x, int32_t first_row);
+  Tensor* attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
+                    int head_dim, float scale, int32_t n_kv, int32_t first_pos);
+  Tensor* swiglu(Tensor* gate, Tensor* up);
+
+  void set_output(Tensor* t) { output_ = t; }
+  Tensor* output() const { return output_; }
+  const std::vector<Tensor*>& nodes() const { return nodes_; }  // every tensor, in build order
+  int n_tokens = 0;  // batch size the graph was built for
+
+  // Bytes the planner assigned (scratch, inputs).
+  size_t scratch_size = 0;
+  size_t input_size = 0;
+
+ private:
+  Tensor* new_tensor(Op op, DType type, int64_t ne0, int64_t ne1, const std::string& name);
+  std::deque<Tensor> storage_;  // stable addresses
+  std::vector<Tensor*> nodes_;
+  Tensor* output_ = nullptr;
+};
+
+// Attention op parameter slots.
+enum AttnParam { kAttnNHead = 0, kAttnNHeadKv = 1, kAttnHeadDim = 2, kAttnScale = 3 };
+enum AttnKv { kAttnNKv = 0, kAttnFirstPos = 1 };
+// Rope op parameter slots.
+enum RopeParam { kRopeNHead = 0, kRopeHeadDim = 1, kRopeNDims = 2, kRopeMode = 3, kRopeBase = 4 };
+
+}  // namespace ggraph

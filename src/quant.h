@@ -1,0 +1,99 @@
+// Weight formats: type table, dequantization and dot products for the CPU backend.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ggraph {
+
+// Values are ggml's type ids as stored in GGUF tensor tables.
+enum class DType : uint32_t {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q8_1 = 9,
+  Q2_K = 10,
+  Q3_K = 11,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  Q8_K = 15,
+  IQ2_XXS = 16,
+  IQ2_XS = 17,
+  IQ3_XXS = 18,
+  IQ1_S = 19,
+  IQ4_NL = 20,
+  IQ3_S = 21,
+  IQ2_S = 22,
+  IQ4_XS = 23,
+  I8 = 24,
+  I16 = 25,
+  I32 = 26,
+  I64 = 27,
+  F64 = 28,
+  IQ1_M = 29,
+  BF16 = 30,
+  TQ1_0 = 34,
+  TQ2_0 = 35,
+  MXFP4 = 39,
+};
+
+struct TypeTraits {
+  const char* name;     // "Q4_1"
+  int64_t block_size;   // elements per block (1 for plain types)
+  size_t type_size;     // bytes per block
+  bool computable;      // ggraph can run mat-muls with it (F32 F16 BF16 Q8_0 Q4_0 Q4_1)
+};
+
+// Returns nullptr for an id that is not a known ggml type.
+const TypeTraits* type_traits_or_null(uint32_t id);
+const TypeTraits& type_traits(DType t);
+inline const char* type_name(DType t) { return type_traits(t).name; }
+// Bytes of one row of n elements; n must be a multiple of the block size.
+size_t row_size(DType t, int64_t n);
+
+// Block layouts (identical to ggml's on-disk formats).
+constexpr int QK = 32;  // elements per block of Q4_0, Q4_1, Q8_0
+struct BlockQ4_0 {
+  uint16_t d;  // f16 scale
+  uint8_t qs[QK / 2];
+};
+struct BlockQ4_1 {
+  uint16_t d;  // f16 scale
+  uint16_t m;  // f16 minimum
+  uint8_t qs[QK / 2];
+};
+struct BlockQ8_0 {
+  uint16_t d;  // f16 scale
+  int8_t qs[QK];
+};
+static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block layout");
+static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block layout");
+static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block layout");
+
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);  // round to nearest even
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_bf16(float f);  // round to nearest even
+
+// Dequantize n elements (n a multiple of the block size) of a computable type.
+void dequantize_row(DType t, const void* src, float* dst, int64_t n);
+// Reference quantizer (ggml's rounding) for computable types; used by tests and tools.
+void quantize_row(DType t, const float* src, void* dst, int64_t n);
+
+// Activations are prepared once per column into the form the weight type's dot product wants
+// (8-bit blocks for quantized weights, float for float weights), then dotted with many rows.
+size_t act_row_size(DType weight_type, int64_t n);
+void prepare_act(DType weight_type, const float* x, void* dst, int64_t n);
+
+// out[c * out_stride + r] = dot(row r of W, column c of act), for r < n_rows, c < n_cols.
+// W rows are w_stride bytes apart, prepared activation columns act_stride bytes apart.
+void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, int n_rows,
+                  const void* act, size_t act_stride, int n_cols, float* out, size_t out_stride);
+
+// The instruction sets the running CPU offers that the hot loops use ("avx2", "fma", ...).
+const char* cpu_features();
