@@ -97,3 +97,5 @@ void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, 
 
 // The instruction sets the running CPU offers that the hot loops use ("avx2", "fma", ...).
 const char* cpu_features();
+
+}  // namespace ggraph
