@@ -104,6 +104,7 @@ class Graph {
 
  private:
   Tensor* new_tensor(Op op, DType type, int64_t ne0, int64_t ne1, const std::string& name);
+  Tensor* elementwise(Op op, Tensor* a, Tensor* b);
   std::deque<Tensor> storage_;  // stable addresses
   std::vector<Tensor*> nodes_;
   Tensor* output_ = nullptr;

@@ -1,0 +1,46 @@
+// What every architecture provides: hyper-parameters, weights, and the per-token graph.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "backend.h"
+#include "gguf.h"
+#include "graph.h"
+#include "kv_cache.h"
+
+namespace ggraph {
+
+// One call's tokens. Inputs are host arrays the graph's input tensors point at.
+struct Batch {
+  const int32_t* tokens = nullptr;     // [n_tokens]
+  const int32_t* positions = nullptr;  // [n_tokens], n_past + i
+  const int32_t* out_ids = nullptr;    // [n_outputs], which positions produce logits
+  int n_tokens = 0;
+  int n_outputs = 0;
+  int n_past = 0;  // tokens already in the KV cache
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  // Builds the graph of one batch: logits F32 [n_vocab, n_outputs] as graph.output().
+  virtual void build(Graph& graph, const Batch& batch, const KvCache& kv) const = 0;
+
+  std::string arch;
+  int n_vocab = 0;
+  int n_layer = 0;
+  int64_t kv_width = 0;  // n_head_kv * head_dim
+  int n_ctx_train = 0;
+  size_t weight_bytes = 0;
+};
+
+// Reads the architecture from general.architecture and loads its weights through the backend.
+// Throws GGUFError naming a missing tensor, a wrong shape or an unsupported type.
+std::unique_ptr<Model> load_model(const GGUFFile& file, Backend& backend);
+
+// Architecture loaders (one per file in models/).
+std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend);
+
+}  // namespace ggraph

@@ -1,0 +1,21 @@
+#include <functional>
+#include <map>
+
+#include "model.h"
+
+namespace ggraph {
+
+std::unique_ptr<Model> load_model(const GGUFFile& file, Backend& backend) {
+  static const std::map<std::string, std::function<std::unique_ptr<Model>(const GGUFFile&, Backend&)>>
+      loaders = {{"llama", load_llama}};
+  const std::string arch = file.get_string("general.architecture");
+  auto it = loaders.find(arch);
+  if (it == loaders.end()) {
+    std::string known;
+    for (const auto& kv : loaders) known += (known.empty() ? "" : ", ") + kv.first;
+    throw GGUFError("unsupported architecture '" + arch + "' (supported: " + known + ")");
+  }
+  return it->second(file, backend);
+}
+
+}  // namespace ggraph

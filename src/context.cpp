@@ -1,0 +1,119 @@
+#include "context.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "planner.h"
+
+namespace ggraph {
+
+static std::unique_ptr<Backend> make_backend(const ContextOptions& o, std::string* device) {
+  std::string d = o.device;
+  if (d == "auto") d = cuda_devices().empty() ? "cpu" : "cuda";
+  if (d == "cpu") {
+    *device = "cpu";
+    return make_cpu_backend(o.n_threads);
+  }
+  if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
+    CudaOptions c;
+    if (d.size() > 5) {
+      try {
+        c.device = std::stoi(d.substr(5));
+      } catch (const std::exception&) {
+        throw ArgumentError("device '" + d + "': expected cuda:N with N a GPU index");
+      }
+    }
+    c.graphs = o.cuda_graphs;
+    c.debug = o.cuda_graph_debug;
+    if (!cuda_compiled())
+      throw ArgumentError("device '" + d + "': this build of ggraph has no CUDA backend");
+    *device = "cuda:" + std::to_string(c.device);
+    return make_cuda_backend(c);
+  }
+  throw ArgumentError("device '" + o.device + "': expected 'cpu', 'cuda', 'cuda:N' or 'auto'");
+}
+
+Context::Context(const std::string& path, const ContextOptions& o) {
+  if (o.n_ctx < 0) throw ArgumentError("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
+  if (o.n_batch < 1) throw ArgumentError("n_batch must be >= 1, got " + std::to_string(o.n_batch));
+  if (o.n_threads < 0)
+    throw ArgumentError("n_threads must be >= 0, got " + std::to_string(o.n_threads));
+  file_ = GGUFFile::open(path);
+  backend_ = make_backend(o, &device_);
+  model_ = load_model(*file_, *backend_);
+  n_ctx_ = o.n_ctx > 0 ? o.n_ctx : model_->n_ctx_train;
+  n_batch_ = std::min(o.n_batch, n_ctx_);
+  // The CPU keeps its cache in F32 (no conversions in its attention loop); GPUs use F16.
+  const DType kv_type = backend_->is_cuda() ? DType::F16 : DType::F32;
+  kv_.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
+
+  // Size the buffers once, from the largest graph: a full batch with every logit.
+  Graph worst;
+  Batch b;
+  build(worst, b, n_batch_, n_batch_, 0);
+  plan(worst);
+  backend_->reserve(worst.scratch_size, worst.input_size);
+}
+
+Context::~Context() = default;
+
+const Tokenizer& Context::tokenizer() const {
+  if (!tokenizer_) {
+    if (!tokenizer_error_.empty()) throw GGUFError(tokenizer_error_);
+    try {
+      tokenizer_ = Tokenizer::from_gguf(*file_);
+    } catch (const GGUFError& e) {
+      tokenizer_error_ = e.what();
+      throw;
+    }
+  }
+  return *tokenizer_;
+}
+
+void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_past) {
+  in_tokens_.resize(n_tokens);
+  in_positions_.resize(n_tokens);
+  std::iota(in_positions_.begin(), in_positions_.end(), n_past);
+  in_out_ids_.resize(n_outputs);
+  std::iota(in_out_ids_.begin(), in_out_ids_.end(), n_tokens - n_outputs);
+  b.tokens = in_tokens_.data();
+  b.positions = in_positions_.data();
+  b.out_ids = in_out_ids_.data();
+  b.n_tokens = n_tokens;
+  b.n_outputs = n_outputs;
+  b.n_past = n_past;
+  model_->build(graph, b, kv_);
+}
+
+std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logits) {
+  if (n == 0) throw ArgumentError("eval: the token list is empty");
+  const int n_vocab = model_->n_vocab;
+  for (size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= n_vocab)
+      throw ArgumentError("eval: token id " + std::to_string(tokens[i]) + " at index " +
+                          std::to_string(i) + " is outside [0, " + std::to_string(n_vocab) + ")");
+  }
+  if (size_t(n_past_) + n > size_t(n_ctx_))
+    throw ArgumentError("eval: " + std::to_string(n) + " tokens do not fit the context: " +
+                        std::to_string(n_past_) + " of " + std::to_string(n_ctx_) +
+                        " positions are used");
+
+  std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
+  int n_past = n_past_;
+  for (size_t start = 0; start < n; start += n_batch_) {
+    const int chunk = int(std::min<size_t>(n_batch_, n - start));
+    const int n_out = all_logits ? chunk : 1;
+    Graph graph;
+    Batch b;
+    build(graph, b, chunk, n_out, n_past);
+    std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
+    plan(graph);
+    // Earlier chunks only fill the KV cache; their logit row is overwritten by the last.
+    backend_->compute(graph, all_logits ? logits.data() + start * n_vocab : logits.data());
+    n_past += chunk;
+  }
+  n_past_ = n_past;  // only once every chunk has run: a failure leaves the context as it was
+  return logits;
+}
+
+}  // namespace ggraph

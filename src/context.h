@@ -1,0 +1,62 @@
+// A loaded model with its KV cache and backend: what Model in Python and ggraph_model in C wrap.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "gguf.h"
+#include "kv_cache.h"
+#include "model.h"
+#include "tokenizer.h"
+
+namespace ggraph {
+
+struct ContextOptions {
+  std::string device = "auto";  // cpu | cuda | cuda:N | auto
+  int n_ctx = 2048;             // 0 = the model's training context
+  int n_threads = 0;            // CPU threads; 0 = all cores
+  int n_batch = 512;            // most tokens per graph; longer inputs are split
+  std::string cuda_graphs = "patch";
+  bool cuda_graph_debug = false;
+};
+
+class Context {
+ public:
+  Context(const std::string& path, const ContextOptions& options);
+  ~Context();
+
+  // Appends tokens to the context and returns logits: the last position's (n_vocab) or, with
+  // all_logits, every position's (n_tokens x n_vocab). Throws ArgumentError, leaving the
+  // context unchanged, for an empty list, an id outside [0, n_vocab) or a context overflow.
+  std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits);
+  void reset() { n_past_ = 0; }
+
+  int n_past() const { return n_past_; }
+  int n_ctx() const { return n_ctx_; }
+  int n_vocab() const { return model_->n_vocab; }
+  const GGUFFile& file() const { return *file_; }
+  const Model& model() const { return *model_; }
+  Backend& backend() { return *backend_; }
+  const Tokenizer& tokenizer() const;  // throws GGUFError when the file has no usable vocabulary
+  const std::string& device() const { return device_; }
+
+ private:
+  void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past);
+
+  std::unique_ptr<GGUFFile> file_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Model> model_;
+  mutable std::unique_ptr<Tokenizer> tokenizer_;
+  mutable std::string tokenizer_error_;
+  KvCache kv_;
+  int n_ctx_ = 0;
+  int n_batch_ = 0;
+  int n_past_ = 0;
+  std::string device_;
+  std::vector<int32_t> in_tokens_, in_positions_, in_out_ids_;
+};
+
+}  // namespace ggraph

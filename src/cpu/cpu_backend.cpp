@@ -1,0 +1,335 @@
+// CPU backend: runs the graph's nodes in order, with threads inside each op.
+// It is the reference the CUDA backend is checked against.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "common.h"
+#include "cpu/thread_pool.h"
+#include "quant.h"
+
+namespace ggraph {
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
+
+Buffer alloc_buffer(size_t bytes, const char* what) {
+  size_t size = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, size);
+  if (!p) {
+    throw DeviceError("out of host memory: needed " + std::to_string(bytes >> 20) + " MiB for " +
+                      what);
+  }
+  std::memset(p, 0, size);
+  return Buffer(static_cast<uint8_t*>(p));
+}
+
+// Lane-wise accumulation: the same bits whichever clone runs.
+__attribute__((target_clones("avx2", "default"))) float dot_f32(const float* a, const float* b,
+                                                                int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// y = y * scale + w * x
+__attribute__((target_clones("avx2", "default"))) void scale_axpy(float* y, float scale, float w,
+                                                                  const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * scale + w * x[i];
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+
+  std::string name() const override { return "cpu (" + std::to_string(pool_.size()) + " threads)"; }
+
+  void* upload_weight(const void* host, size_t, const std::string&) override {
+    return const_cast<void*>(host);  // kernels read the file mapping in place
+  }
+
+  void* alloc_kv(size_t bytes) override {
+    kv_.push_back(alloc_buffer(bytes, "the KV cache"));
+    return kv_.back().get();
+  }
+
+  void reserve(size_t scratch_bytes, size_t input_bytes) override {
+    if (scratch_bytes > scratch_size_) {
+      scratch_ = alloc_buffer(scratch_bytes, "scratch");
+      scratch_size_ = scratch_bytes;
+    }
+    if (input_bytes > input_size_) {
+      input_ = alloc_buffer(input_bytes, "inputs");
+      input_size_ = input_bytes;
+    }
+  }
+
+  void compute(const Graph& graph, float* out) override {
+    if (graph.scratch_size > scratch_size_ || graph.input_size > input_size_)
+      throw std::logic_error("cpu backend: graph does not fit the reserved buffers");
+    for (const Tensor* t : graph.nodes())
+      if (t->storage == Storage::Input) std::memcpy(ptr(t), t->data, t->nbytes());
+    for (const Tensor* t : graph.nodes()) run(t);
+    const Tensor* o = graph.output();
+    std::memcpy(out, ptr(o), o->nbytes());
+  }
+
+ private:
+  uint8_t* ptr(const Tensor* t) const {
+    switch (t->storage) {
+      case Storage::Weight:
+      case Storage::Kv: return static_cast<uint8_t*>(t->data);
+      case Storage::Input: return input_.get() + t->offset;
+      case Storage::Scratch: return scratch_.get() + t->offset;
+    }
+    return nullptr;
+  }
+  float* f32(const Tensor* t) const { return reinterpret_cast<float*>(ptr(t)); }
+  const int32_t* i32(const Tensor* t) const { return reinterpret_cast<const int32_t*>(ptr(t)); }
+
+  // Splits n items into tasks of at least `grain` items; runs inline when there is one task.
+  template <typename F>
+  void parallel(int64_t n, int64_t grain, F&& fn) {
+    int64_t tasks = std::min<int64_t>((n + grain - 1) / grain, 4 * pool_.size());
+    if (tasks <= 1) {
+      fn(0, n);
+      return;
+    }
+    int64_t per = (n + tasks - 1) / tasks;
+    std::function<void(int)> body = [&](int task) {
+      int64_t begin = task * per, end = std::min(n, begin + per);
+      if (begin < end) fn(begin, end);
+    };
+    pool_.parallel_for(static_cast<int>(tasks), body);
+  }
+
+  void run(const Tensor* t) {
+    switch (t->op) {
+      case Op::Leaf: return;
+      case Op::GetRows: return get_rows(t);
+      case Op::RmsNorm: return rms_norm(t);
+      case Op::Mul:
+      case Op::Add: return elementwise(t);
+      case Op::MulMat: return mul_mat(t);
+      case Op::Rope: return rope(t);
+      case Op::KvStore: return kv_store(t);
+      case Op::Attention: return attention(t);
+      case Op::Swiglu: return swiglu(t);
+      case Op::Count: break;
+    }
+    throw std::logic_error("cpu backend: unknown op");
+  }
+
+  void get_rows(const Tensor* t) {
+    const Tensor* table = t->src[0];
+    const int32_t* ids = i32(t->src[1]);
+    float* dst = f32(t);
+    const int64_t n = t->ne[0];
+    parallel(t->ne[1], 8, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        dequantize_row(table->type, ptr(table) + size_t(ids[i]) * table->nb[1], dst + i * n, n);
+    });
+  }
+
+  void rms_norm(const Tensor* t) {
+    const float* x = f32(t->src[0]);
+    float* y = f32(t);
+    const int64_t n = t->ne[0];
+    const float eps = t->param_f(0);
+    parallel(t->ne[1], 16, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const float* xr = x + j * n;
+        double sum = 0;
+        for (int64_t i = 0; i < n; ++i) sum += double(xr[i]) * xr[i];
+        const float scale = float(1.0 / std::sqrt(sum / double(n) + eps));
+        for (int64_t i = 0; i < n; ++i) y[j * n + i] = xr[i] * scale;
+      }
+    });
+  }
+
+  void elementwise(const Tensor* t) {
+    const float* a = f32(t->src[0]);
+    const float* b = f32(t->src[1]);
+    float* y = f32(t);
+    const int64_t n = t->ne[0];
+    const bool broadcast = t->src[1]->ne[1] == 1;
+    const bool add = t->op == Op::Add;
+    parallel(t->ne[1], 64, [&](int64_t c0, int64_t c1) {
+      for (int64_t j = c0; j < c1; ++j) {
+        const float* ar = a + j * n;
+        const float* br = b + (broadcast ? 0 : j * n);
+        float* yr = y + j * n;
+        if (add)
+          for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] + br[i];
+        else
+          for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] * br[i];
+      }
+    });
+  }
+
+  void swiglu(const Tensor* t) {
+    const float* g = f32(t->src[0]);
+    const float* u = f32(t->src[1]);
+    float* y = f32(t);
+    parallel(t->n_elements(), 1 << 14, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    });
+  }
+
+  void mul_mat(const Tensor* t) {
+    const Tensor* w = t->src[0];
+    const Tensor* x = t->src[1];
+    const DType wt = w->type;
+    const int64_t k = w->ne[0], n_rows = w->ne[1], n_cols = x->ne[1];
+    const size_t act_row = act_row_size(wt, k);
+    if (act_.size() < act_row * n_cols) act_.resize(act_row * n_cols);
+    uint8_t* act = act_.data();
+    const float* xf = f32(x);
+    parallel(n_cols, 4, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) prepare_act(wt, xf + c * k, act + c * act_row, k);
+    });
+    float* out = f32(t);
+    const uint8_t* wd = ptr(w);
+    const size_t w_stride = w->nb[1];
+    constexpr int64_t kRows = 16, kCols = 4;
+    const int64_t row_tiles = (n_rows + kRows - 1) / kRows;
+    const int64_t col_tiles = (n_cols + kCols - 1) / kCols;
+    // Consecutive tasks share weight rows, so a tile of weights stays in cache across columns.
+    std::function<void(int)> body = [&](int task) {
+      const int64_t r0 = (task / col_tiles) * kRows, c0 = (task % col_tiles) * kCols;
+      const int nr = int(std::min(kRows, n_rows - r0)), nc = int(std::min(kCols, n_cols - c0));
+      mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, nr, act + c0 * act_row, act_row, nc,
+                   out + c0 * n_rows + r0, size_t(n_rows));
+    };
+    pool_.parallel_for(int(row_tiles * col_tiles), body);
+  }
+
+  void rope(const Tensor* t) {
+    const float* x = f32(t->src[0]);
+    const int32_t* pos = i32(t->src[1]);
+    float* y = f32(t);
+    const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
+    const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
+    const double base = t->param_f(kRopeBase);
+    const int64_t width = t->ne[0];
+    parallel(t->ne[1], 4, [&](int64_t b, int64_t e) {
+      std::vector<float> cs(n_dims);
+      for (int64_t j = b; j < e; ++j) {
+        for (int i = 0; i < n_dims / 2; ++i) {
+          const double theta = pos[j] * std::pow(base, -2.0 * i / n_dims);
+          cs[2 * i] = float(std::cos(theta));
+          cs[2 * i + 1] = float(std::sin(theta));
+        }
+        for (int h = 0; h < n_head; ++h) {
+          const float* xr = x + j * width + h * head_dim;
+          float* yr = y + j * width + h * head_dim;
+          for (int d = n_dims; d < head_dim; ++d) yr[d] = xr[d];
+          const int half = n_dims / 2;
+          for (int i = 0; i < half; ++i) {
+            const int a = mode == kRopeNeox ? i : 2 * i;
+            const int c = mode == kRopeNeox ? i + half : 2 * i + 1;
+            const float x0 = xr[a], x1 = xr[c], cos_t = cs[2 * i], sin_t = cs[2 * i + 1];
+            yr[a] = x0 * cos_t - x1 * sin_t;
+            yr[c] = x0 * sin_t + x1 * cos_t;
+          }
+        }
+      }
+    });
+  }
+
+  void kv_store(const Tensor* t) {
+    const Tensor* src = t->src[0];
+    const float* x = f32(src);
+    const int64_t n = src->ne[0];
+    uint8_t* cache = ptr(t) + size_t(t->kv[0]) * t->nb[1];
+    for (int64_t j = 0; j < src->ne[1]; ++j) {
+      if (t->type == DType::F32) {
+        std::memcpy(cache + j * t->nb[1], x + j * n, n * sizeof(float));
+      } else {
+        quantize_row(t->type, x + j * n, cache + j * t->nb[1], n);
+      }
+    }
+  }
+
+  void attention(const Tensor* t) {
+    const Tensor* q = t->src[0];
+    const Tensor* kc = t->src[1];
+    const Tensor* vc = t->src[2];
+    const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
+    const int hd = t->params[kAttnHeadDim];
+    const float scale = t->param_f(kAttnScale);
+    const int n_kv = t->kv[kAttnNKv], first_pos = t->kv[kAttnFirstPos];
+    const int64_t n_tok = q->ne[1];
+    const int group = n_head / n_head_kv;
+    const float* qd = f32(q);
+    float* out = f32(t);
+    const bool f32_cache = kc->type == DType::F32;
+    std::function<void(int)> body = [&](int task) {
+      const int64_t j = task / n_head;
+      const int h = task % n_head, hk = h / group;
+      const int len = std::min<int>(n_kv, first_pos + int(j) + 1);
+      thread_local std::vector<float> scores, krow, vrow;
+      scores.resize(len);
+      krow.resize(hd);
+      vrow.resize(hd);
+      const float* qr = qd + j * q->ne[0] + h * hd;
+      float* o = out + j * t->ne[0] + h * hd;
+      float max_s = -INFINITY;
+      for (int p = 0; p < len; ++p) {
+        const uint8_t* kp = ptr(kc) + size_t(p) * kc->nb[1] + size_t(hk) * hd * kc->nb[0];
+        const float* kr = reinterpret_cast<const float*>(kp);
+        if (!f32_cache) {
+          dequantize_row(kc->type, kp, krow.data(), hd);
+          kr = krow.data();
+        }
+        scores[p] = dot_f32(qr, kr, hd) * scale;
+        max_s = std::max(max_s, scores[p]);
+      }
+      double sum = 0;
+      for (int p = 0; p < len; ++p) {
+        scores[p] = std::exp(scores[p] - max_s);
+        sum += scores[p];
+      }
+      std::fill(o, o + hd, 0.0f);
+      for (int p = 0; p < len; ++p) {
+        const uint8_t* vp = ptr(vc) + size_t(p) * vc->nb[1] + size_t(hk) * hd * vc->nb[0];
+        const float* vr = reinterpret_cast<const float*>(vp);
+        if (!f32_cache) {
+          dequantize_row(vc->type, vp, vrow.data(), hd);
+          vr = vrow.data();
+        }
+        scale_axpy(o, 1.0f, scores[p], vr, hd);
+      }
+      const float inv = float(1.0 / sum);
+      for (int d = 0; d < hd; ++d) o[d] *= inv;
+    };
+    pool_.parallel_for(int(n_tok * n_head), body);
+  }
+
+  ThreadPool pool_;
+  Buffer scratch_, input_;
+  size_t scratch_size_ = 0, input_size_ = 0;
+  std::vector<Buffer> kv_;
+  std::vector<uint8_t> act_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
+  if (n_threads <= 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
+  return std::make_unique<CpuBackend>(n_threads);
+}
+
+}  // namespace ggraph

@@ -1,0 +1,176 @@
+#include "graph.h"
+
+#include <stdexcept>
+
+#include "common.h"
+
+namespace ggraph {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Leaf: return "leaf";
+    case Op::GetRows: return "get_rows";
+    case Op::RmsNorm: return "rms_norm";
+    case Op::Mul: return "mul";
+    case Op::Add: return "add";
+    case Op::MulMat: return "mul_mat";
+    case Op::Rope: return "rope";
+    case Op::KvStore: return "kv_store";
+    case Op::Attention: return "attention";
+    case Op::Swiglu: return "swiglu";
+    case Op::Count: break;
+  }
+  return "?";
+}
+
+static void set_contiguous_strides(Tensor* t) {
+  t->nb[0] = type_traits(t->type).type_size;
+  t->nb[1] = row_size(t->type, t->ne[0]);
+  t->nb[2] = t->nb[1] * t->ne[1];
+  t->nb[3] = t->nb[2] * t->ne[2];
+}
+
+Tensor* Graph::new_tensor(Op op, DType type, int64_t ne0, int64_t ne1, const std::string& name) {
+  storage_.emplace_back();
+  Tensor* t = &storage_.back();
+  t->op = op;
+  t->type = type;
+  t->ne[0] = ne0;
+  t->ne[1] = ne1;
+  set_contiguous_strides(t);
+  t->index = static_cast<int>(nodes_.size());
+  t->name = name;
+  nodes_.push_back(t);
+  return t;
+}
+
+static void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::logic_error(std::string("graph: ") + op + ": " + what);
+}
+
+static std::string shape(const Tensor* t) {
+  return std::to_string(t->ne[0]) + "x" + std::to_string(t->ne[1]);
+}
+
+Tensor* Graph::weight(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name) {
+  Tensor* t = new_tensor(Op::Leaf, type, ne0, ne1, name);
+  t->storage = Storage::Weight;
+  t->data = data;
+  return t;
+}
+
+Tensor* Graph::kv_cache(DType type, int64_t ne0, int64_t ne1, void* data,
+                        const std::string& name) {
+  Tensor* t = new_tensor(Op::Leaf, type, ne0, ne1, name);
+  t->storage = Storage::Kv;
+  t->data = data;
+  return t;
+}
+
+Tensor* Graph::input_i32(int64_t n, const int32_t* host, const std::string& name) {
+  Tensor* t = new_tensor(Op::Leaf, DType::I32, n, 1, name);
+  t->storage = Storage::Input;
+  t->data = const_cast<int32_t*>(host);
+  return t;
+}
+
+Tensor* Graph::get_rows(Tensor* table, Tensor* ids) {
+  require(ids->type == DType::I32 && ids->ne[1] == 1, "get_rows", "ids must be an I32 vector");
+  Tensor* t = new_tensor(Op::GetRows, DType::F32, table->ne[0], ids->ne[0], "get_rows");
+  t->src[0] = table;
+  t->src[1] = ids;
+  return t;
+}
+
+Tensor* Graph::rms_norm(Tensor* x, float eps) {
+  require(x->type == DType::F32, "rms_norm", "input must be F32");
+  Tensor* t = new_tensor(Op::RmsNorm, DType::F32, x->ne[0], x->ne[1], "rms_norm");
+  t->src[0] = x;
+  t->set_param_f(0, eps);
+  return t;
+}
+
+Tensor* Graph::elementwise(Op op, Tensor* a, Tensor* b) {
+  const char* name = op_name(op);
+  require(a->type == DType::F32 && b->type == DType::F32, name, "inputs must be F32");
+  require(a->ne[0] == b->ne[0] && (b->ne[1] == a->ne[1] || b->ne[1] == 1), name,
+          "shapes " + shape(a) + " and " + shape(b) + " do not broadcast");
+  Tensor* t = new_tensor(op, DType::F32, a->ne[0], a->ne[1], name);
+  t->src[0] = a;
+  t->src[1] = b;
+  return t;
+}
+
+Tensor* Graph::mul(Tensor* a, Tensor* b) { return elementwise(Op::Mul, a, b); }
+Tensor* Graph::add(Tensor* a, Tensor* b) { return elementwise(Op::Add, a, b); }
+
+Tensor* Graph::mul_mat(Tensor* w, Tensor* x) {
+  require(x->type == DType::F32, "mul_mat", "activations must be F32");
+  require(w->ne[0] == x->ne[0], "mul_mat",
+          "inner dimensions differ: weight " + shape(w) + ", input " + shape(x));
+  Tensor* t = new_tensor(Op::MulMat, DType::F32, w->ne[1], x->ne[1], "mul_mat");
+  t->src[0] = w;
+  t->src[1] = x;
+  return t;
+}
+
+Tensor* Graph::rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
+                    float freq_base) {
+  require(x->ne[0] == int64_t(n_head) * head_dim, "rope", "width must be n_head*head_dim");
+  require(pos->type == DType::I32 && pos->ne[0] == x->ne[1], "rope", "one position per token");
+  require(n_dims <= head_dim && n_dims % 2 == 0, "rope", "n_dims must be even and <= head_dim");
+  Tensor* t = new_tensor(Op::Rope, DType::F32, x->ne[0], x->ne[1], "rope");
+  t->src[0] = x;
+  t->src[1] = pos;
+  t->params[kRopeNHead] = n_head;
+  t->params[kRopeHeadDim] = head_dim;
+  t->params[kRopeNDims] = n_dims;
+  t->params[kRopeMode] = mode;
+  t->set_param_f(kRopeBase, freq_base);
+  return t;
+}
+
+Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
+  require(cache->storage == Storage::Kv, "kv_store", "destination must be a KV cache");
+  require(x->ne[0] == cache->ne[0], "kv_store", "row width differs from the cache's");
+  require(first_row >= 0 && first_row + x->ne[1] <= cache->ne[1], "kv_store",
+          "rows past the end of the cache");
+  Tensor* t = new_tensor(Op::KvStore, cache->type, cache->ne[0], cache->ne[1], "kv_store");
+  t->storage = Storage::Kv;
+  t->data = cache->data;
+  t->src[0] = x;
+  t->src[1] = cache;
+  t->kv[0] = first_row;
+  return t;
+}
+
+Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
+                         int head_dim, float scale, int32_t n_kv, int32_t first_pos) {
+  require(q->ne[0] == int64_t(n_head) * head_dim, "attention", "q width must be n_head*head_dim");
+  require(n_head % n_head_kv == 0, "attention", "n_head must be a multiple of n_head_kv");
+  require(k_cache->ne[0] == int64_t(n_head_kv) * head_dim && v_cache->ne[0] == k_cache->ne[0],
+          "attention", "cache width must be n_head_kv*head_dim");
+  require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",
+          "attention length outside the cache");
+  Tensor* t = new_tensor(Op::Attention, DType::F32, q->ne[0], q->ne[1], "attention");
+  t->src[0] = q;
+  t->src[1] = k_cache;
+  t->src[2] = v_cache;
+  t->params[kAttnNHead] = n_head;
+  t->params[kAttnNHeadKv] = n_head_kv;
+  t->params[kAttnHeadDim] = head_dim;
+  t->set_param_f(kAttnScale, scale);
+  t->kv[kAttnNKv] = n_kv;
+  t->kv[kAttnFirstPos] = first_pos;
+  return t;
+}
+
+Tensor* Graph::swiglu(Tensor* gate, Tensor* up) {
+  require(gate->ne[0] == up->ne[0] && gate->ne[1] == up->ne[1], "swiglu", "shapes differ");
+  Tensor* t = new_tensor(Op::Swiglu, DType::F32, gate->ne[0], gate->ne[1], "swiglu");
+  t->src[0] = gate;
+  t->src[1] = up;
+  return t;
+}
+
+}  // namespace ggraph

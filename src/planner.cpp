@@ -1,0 +1,91 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <iterator>
+#include <map>
+#include <vector>
+
+namespace ggraph {
+
+static size_t align_up(size_t n) { return (n + kPlanAlignment - 1) / kPlanAlignment * kPlanAlignment; }
+
+namespace {
+// First-fit allocator over [0, high-water mark); free blocks kept sorted and merged.
+class FreeList {
+ public:
+  size_t alloc(size_t size) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second >= size) {
+        size_t offset = it->first;
+        size_t rest = it->second - size;
+        free_.erase(it);
+        if (rest) free_[offset + size] = rest;
+        return offset;
+      }
+    }
+    // Grow, absorbing a free block that ends at the high-water mark.
+    size_t offset = high_;
+    if (!free_.empty()) {
+      auto last = std::prev(free_.end());
+      if (last->first + last->second == high_) {
+        offset = last->first;
+        free_.erase(last);
+      }
+    }
+    high_ = offset + size;
+    return offset;
+  }
+  void release(size_t offset, size_t size) {
+    auto it = free_.emplace(offset, size).first;
+    auto next = std::next(it);
+    if (next != free_.end() && it->first + it->second == next->first) {
+      it->second += next->second;
+      free_.erase(next);
+    }
+    if (it != free_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + prev->second == it->first) {
+        prev->second += it->second;
+        free_.erase(it);
+      }
+    }
+  }
+  size_t high() const { return high_; }
+
+ private:
+  std::map<size_t, size_t> free_;  // offset -> size
+  size_t high_ = 0;
+};
+}  // namespace
+
+void plan(Graph& graph) {
+  const auto& nodes = graph.nodes();
+  const int n = static_cast<int>(nodes.size());
+  std::vector<int> last_use(n, -1);
+  for (const Tensor* t : nodes)
+    for (const Tensor* s : t->src)
+      if (s) last_use[s->index] = std::max(last_use[s->index], t->index);
+  if (graph.output()) last_use[graph.output()->index] = n;  // never freed
+
+  size_t input = 0;
+  FreeList scratch;
+  std::vector<std::vector<const Tensor*>> frees_after(n);
+  for (Tensor* t : nodes) {
+    if (t->storage == Storage::Input) {
+      t->offset = input;
+      input += align_up(t->nbytes());
+    } else if (t->storage == Storage::Scratch) {
+      t->offset = scratch.alloc(align_up(t->nbytes()));
+      // A tensor nobody reads is freed right after it is written.
+      int last = std::max(last_use[t->index], t->index);
+      if (last < n) frees_after[last].push_back(t);
+    }
+    // Inputs of this node whose last reader it is become free once it has run.
+    for (const Tensor* done : frees_after[t->index])
+      scratch.release(done->offset, align_up(done->nbytes()));
+  }
+  graph.scratch_size = scratch.high();
+  graph.input_size = input;
+}
+
+}  // namespace ggraph

@@ -1,0 +1,322 @@
+// The Python binding: thin wrappers over Context, Tokenizer and the sampler.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "backend.h"
+#include "context.h"
+#include "quant.h"
+#include "sampling.h"
+#include "tokenizer.h"
+
+namespace py = pybind11;
+using namespace ggraph;
+
+namespace {
+
+py::object metadata_value(const GGUFValue& v) {
+  switch (v.type) {
+    case GGUFType::UINT8:
+    case GGUFType::UINT16:
+    case GGUFType::UINT32:
+    case GGUFType::UINT64: return py::int_(v.u);
+    case GGUFType::INT8:
+    case GGUFType::INT16:
+    case GGUFType::INT32:
+    case GGUFType::INT64: return py::int_(v.i);
+    case GGUFType::FLOAT32:
+    case GGUFType::FLOAT64: return py::float_(v.f);
+    case GGUFType::BOOL: return py::bool_(v.b);
+    case GGUFType::STRING: return py::str(PyUnicode_DecodeUTF8(v.str.data(), v.str.size(), "replace"), false);
+    case GGUFType::ARRAY: {
+      // Vocabularies run to 10^5 entries: large arrays are summarized.
+      if (v.arr.size() > 256)
+        return py::str("[" + std::to_string(v.arr.size()) + " x " + gguf_type_name(v.arr_type) +
+                       "]");
+      py::list out;
+      for (const auto& e : v.arr) out.append(metadata_value(e));
+      return std::move(out);
+    }
+  }
+  return py::none();
+}
+
+py::dict metadata_dict(const GGUFFile& f) {
+  py::dict d;
+  for (const auto& kv : f.metadata()) d[py::str(kv.first)] = metadata_value(kv.second);
+  return d;
+}
+
+std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
+  std::vector<int32_t> ids;
+  if (py::isinstance<py::str>(tokens) || py::isinstance<py::bytes>(tokens))
+    throw ArgumentError(std::string(what) + ": expected a sequence of token ids, got text");
+  for (const py::handle& t : tokens) {
+    if (!py::isinstance<py::int_>(t) && !py::hasattr(t, "__index__"))
+      throw ArgumentError(std::string(what) + ": expected integer token ids, found " +
+                          std::string(py::str(py::type::of(t).attr("__name__"))));
+    const long long v = py::int_(t).cast<long long>();
+    if (v < INT32_MIN || v > INT32_MAX)
+      throw ArgumentError(std::string(what) + ": token id " + std::to_string(v) +
+                          " is out of range");
+    ids.push_back(int32_t(v));
+  }
+  return ids;
+}
+
+py::str utf8(const std::string& s) {
+  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), s.size(), "replace"));
+}
+
+class PyTokenizer {
+ public:
+  explicit PyTokenizer(const std::string& path) : file_(GGUFFile::open(path)) {
+    tok_ = Tokenizer::from_gguf(*file_);
+  }
+  const Tokenizer& get() const { return *tok_; }
+
+ private:
+  std::unique_ptr<GGUFFile> file_;
+  std::unique_ptr<Tokenizer> tok_;
+};
+
+std::vector<int32_t> tokenize(const Tokenizer& tok, const std::string& text, py::object add_bos,
+                              bool special) {
+  const bool bos = add_bos.is_none() ? tok.add_bos_default() : add_bos.cast<bool>();
+  py::gil_scoped_release release;
+  return tok.tokenize(text, bos, special);
+}
+
+std::string detokenize(const Tokenizer& tok, const py::handle& ids, bool render_special) {
+  std::vector<int32_t> v = to_ids(ids, "detokenize");
+  for (int32_t id : v)
+    if (id < 0 || id >= tok.n_vocab())
+      throw ArgumentError("detokenize: token id " + std::to_string(id) + " is outside [0, " +
+                          std::to_string(tok.n_vocab()) + ")");
+  return tok.detokenize(v, render_special);
+}
+
+SamplingParams sampling_params(float temperature, int top_k, float top_p, float min_p,
+                               float repeat_penalty, float frequency_penalty,
+                               float presence_penalty, int penalty_last_n, py::object seed) {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  p.repeat_penalty = repeat_penalty;
+  p.frequency_penalty = frequency_penalty;
+  p.presence_penalty = presence_penalty;
+  p.penalty_last_n = penalty_last_n;
+  if (!seed.is_none()) {
+    const long long s = seed.cast<long long>();
+    if (s < 0) throw ArgumentError("seed must be >= 0, got " + std::to_string(s));
+    p.seed = uint64_t(s);
+  }
+  validate(p);
+  return p;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "ggraph engine (C++/CUDA)";
+  static py::exception<GGUFError> gguf_error(m, "GGUFError", PyExc_ValueError);
+  static py::exception<DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const GGUFError& e) {
+      PyErr_SetString(gguf_error.ptr(), e.what());
+    } catch (const DeviceError& e) {
+      PyErr_SetString(device_error.ptr(), e.what());
+    } catch (const ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = GGRAPH_VERSION;
+    d["cuda_compiled"] = cuda_compiled();
+    py::list archs;
+#ifdef GGRAPH_CUDA_ARCHS
+    std::string a = GGRAPH_CUDA_ARCHS;
+    size_t start = 0;
+    while (start <= a.size()) {
+      size_t end = a.find(';', start);
+      if (end == std::string::npos) end = a.size();
+      if (end > start) archs.append(a.substr(start, end - start));
+      start = end + 1;
+    }
+#endif
+    d["cuda_archs"] = archs;
+    py::list feats;
+    std::string f = cpu_features();
+    size_t start2 = 0;
+    while (start2 < f.size()) {
+      size_t end = f.find(' ', start2);
+      if (end == std::string::npos) end = f.size();
+      if (end > start2) feats.append(f.substr(start2, end - start2));
+      start2 = end + 1;
+    }
+    d["cpu_features"] = feats;
+    return d;
+  });
+
+  m.def("devices", [] {
+    py::list out;
+    for (const DeviceInfo& d : cuda_devices()) {
+      py::dict e;
+      e["index"] = d.index;
+      e["name"] = d.name;
+      e["total_memory"] = d.total_memory;
+      e["free_memory"] = d.free_memory;
+      e["compute_capability"] = py::make_tuple(d.cc_major, d.cc_minor);
+      e["multiprocessors"] = d.multiprocessors;
+      out.append(e);
+    }
+    return out;
+  });
+
+  m.def("read_metadata", [](const std::string& path) {
+    auto f = GGUFFile::open(path);
+    py::dict info;
+    info["metadata"] = metadata_dict(*f);
+    info["version"] = f->version();
+    py::list tensors;
+    for (const auto& t : f->tensors()) {
+      std::vector<int64_t> shape(t.ne, t.ne + t.n_dims);
+      tensors.append(py::make_tuple(t.name, type_name(t.type), shape, t.nbytes));
+    }
+    info["tensors"] = tensors;
+    return info;
+  }, py::arg("path"), "Reads a GGUF file's metadata and tensor table without loading weights.");
+
+  py::class_<PyTokenizer>(m, "Tokenizer")
+      .def(py::init<const std::string&>(), py::arg("path"))
+      .def("tokenize", [](const PyTokenizer& t, const std::string& text, py::object add_bos,
+                          bool special) { return tokenize(t.get(), text, add_bos, special); },
+           py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
+      .def("detokenize", [](const PyTokenizer& t, const py::handle& ids, bool render_special) {
+             return utf8(detokenize(t.get(), ids, render_special));
+           }, py::arg("ids"), py::arg("render_special") = false)
+      .def("token_to_piece", [](const PyTokenizer& t, int32_t id, bool render_special) {
+             if (id < 0 || id >= t.get().n_vocab())
+               throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
+                                   std::to_string(t.get().n_vocab()) + ")");
+             return py::bytes(t.get().token_to_piece(id, render_special));
+           }, py::arg("id"), py::arg("render_special") = false)
+      .def("decode_stream", [](const PyTokenizer& t) { return std::make_unique<StreamDecoder>(t.get()); },
+           py::keep_alive<0, 1>())
+      .def_property_readonly("n_vocab", [](const PyTokenizer& t) { return t.get().n_vocab(); })
+      .def_property_readonly("bos_id", [](const PyTokenizer& t) { return t.get().bos_id(); })
+      .def_property_readonly("eos_id", [](const PyTokenizer& t) { return t.get().eos_id(); })
+      .def("is_end_of_generation", [](const PyTokenizer& t, int32_t id) {
+        return t.get().is_end_of_generation(id);
+      });
+
+  py::class_<StreamDecoder>(m, "StreamDecoder")
+      .def("push", [](StreamDecoder& d, int32_t id) { return utf8(d.push(id)); })
+      .def("flush", [](StreamDecoder& d) { return utf8(d.flush()); });
+
+  m.def("sample",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+           float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
+           float frequency_penalty, float presence_penalty, int penalty_last_n, py::object seed,
+           const py::handle& history) {
+          if (logits.ndim() != 1 || logits.shape(0) == 0)
+            throw ArgumentError("logits: expected a non-empty 1-D array, got shape with " +
+                                std::to_string(logits.ndim()) + " dimensions");
+          SamplingParams p = sampling_params(temperature, top_k, top_p, min_p, repeat_penalty,
+                                             frequency_penalty, presence_penalty, penalty_last_n,
+                                             seed);
+          std::vector<int32_t> hist =
+              history.is_none() ? std::vector<int32_t>{} : to_ids(history, "history");
+          Sampler s(p);
+          return s.sample(logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
+        },
+        py::arg("logits"), py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
+        py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
+        py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
+        py::arg("penalty_last_n") = 64, py::arg("seed") = py::none(),
+        py::arg("history") = py::none());
+
+  py::class_<Sampler>(m, "Sampler")
+      .def(py::init([](float temperature, int top_k, float top_p, float min_p,
+                       float repeat_penalty, float frequency_penalty, float presence_penalty,
+                       int penalty_last_n, py::object seed) {
+             return std::make_unique<Sampler>(sampling_params(
+                 temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
+                 presence_penalty, penalty_last_n, seed));
+           }),
+           py::arg("temperature") = 0.8f, py::arg("top_k") = 40, py::arg("top_p") = 0.95f,
+           py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
+           py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
+           py::arg("penalty_last_n") = 64, py::arg("seed") = py::none())
+      .def("sample", [](Sampler& s, py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+                        const std::vector<int32_t>& history) {
+             if (logits.ndim() != 1 || logits.shape(0) == 0)
+               throw ArgumentError("logits: expected a non-empty 1-D array");
+             return s.sample(logits.data(), int32_t(logits.shape(0)), history.data(), history.size());
+           }, py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
+
+  py::class_<Context>(m, "Context")
+      .def(py::init([](const std::string& path, const std::string& device, int n_ctx,
+                       int n_threads, int n_batch, const std::string& cuda_graphs,
+                       bool cuda_graph_debug) {
+             ContextOptions o;
+             o.device = device;
+             o.n_ctx = n_ctx;
+             o.n_threads = n_threads;
+             o.n_batch = n_batch;
+             o.cuda_graphs = cuda_graphs;
+             o.cuda_graph_debug = cuda_graph_debug;
+             py::gil_scoped_release release;
+             return std::make_unique<Context>(path, o);
+           }),
+           py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = 2048,
+           py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
+           py::arg("cuda_graph_debug") = false)
+      .def("eval", [](Context& c, const py::handle& tokens, bool all_logits) {
+             std::vector<int32_t> ids = to_ids(tokens, "eval");
+             std::vector<float> logits;
+             {
+               py::gil_scoped_release release;
+               logits = c.eval(ids.data(), ids.size(), all_logits);
+             }
+             const py::ssize_t n_vocab = c.n_vocab();
+             auto* heap = new std::vector<float>(std::move(logits));
+             py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+             if (all_logits)
+               return py::array_t<float>({py::ssize_t(ids.size()), n_vocab}, heap->data(), owner);
+             return py::array_t<float>({n_vocab}, heap->data(), owner);
+           }, py::arg("tokens"), py::arg("all_logits") = false)
+      .def("reset", &Context::reset)
+      .def_property_readonly("n_past", &Context::n_past)
+      .def_property_readonly("n_ctx", &Context::n_ctx)
+      .def_property_readonly("n_vocab", &Context::n_vocab)
+      .def_property_readonly("device", &Context::device)
+      .def_property_readonly("backend_name", [](Context& c) { return c.backend().name(); })
+      .def_property_readonly("metadata", [](const Context& c) { return metadata_dict(c.file()); })
+      .def_property_readonly("n_layer", [](const Context& c) { return c.model().n_layer; })
+      .def_property_readonly("weight_bytes", [](const Context& c) { return c.model().weight_bytes; })
+      .def("tokenize", [](const Context& c, const std::string& text, py::object add_bos,
+                          bool special) { return tokenize(c.tokenizer(), text, add_bos, special); },
+           py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
+      .def("detokenize", [](const Context& c, const py::handle& ids, bool render_special) {
+             return utf8(detokenize(c.tokenizer(), ids, render_special));
+           }, py::arg("ids"), py::arg("render_special") = false)
+      .def("decode_stream", [](const Context& c) { return std::make_unique<StreamDecoder>(c.tokenizer()); },
+           py::keep_alive<0, 1>())
+      .def_property_readonly("bos_id", [](const Context& c) { return c.tokenizer().bos_id(); })
+      .def_property_readonly("eos_id", [](const Context& c) { return c.tokenizer().eos_id(); })
+      .def("is_end_of_generation", [](const Context& c, int32_t id) {
+        return c.tokenizer().is_end_of_generation(id);
+      })
+      .def_property_readonly("graph_stats", [](Context& c) { return c.backend().stats(); })
+      .def("reset_graph_stats", [](Context& c) { c.backend().reset_stats(); });
+}
