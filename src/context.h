@@ -33,6 +33,13 @@ class Context {
   // context unchanged, for an empty list, an id outside [0, n_vocab) or a context overflow.
   std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits);
   void reset() { n_past_ = 0; }
+  // Forgets every position from n on (keeps the first n tokens of the cache).
+  void rewind(int n) {
+    if (n < 0 || n > n_past_)
+      throw ArgumentError("rewind: expected a position in [0, " + std::to_string(n_past_) +
+                          "], got " + std::to_string(n));
+    n_past_ = n;
+  }
 
   int n_past() const { return n_past_; }
   int n_ctx() const { return n_ctx_; }

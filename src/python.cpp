@@ -296,6 +296,7 @@ PYBIND11_MODULE(_core, m) {
              return py::array_t<float>({n_vocab}, heap->data(), owner);
            }, py::arg("tokens"), py::arg("all_logits") = false)
       .def("reset", &Context::reset)
+      .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)
       .def_property_readonly("n_vocab", &Context::n_vocab)

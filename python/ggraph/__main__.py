@@ -1,0 +1,5 @@
+import sys
+
+from ggraph.cli import main
+
+sys.exit(main())

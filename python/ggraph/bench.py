@@ -1,0 +1,122 @@
+"""llama-bench-style throughput: pp (prompt processing) and tg (token generation) in tokens/s.
+
+python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [--device cuda] [--cuda-graphs off,patch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _time_pp(model, n_prompt, rng):
+    tokens = rng.integers(0, model.n_vocab, size=n_prompt).tolist()
+    model.reset()
+    t0 = time.perf_counter()
+    model.eval(tokens)
+    return time.perf_counter() - t0
+
+
+def _time_tg(model, n_gen, rng):
+    tokens = rng.integers(0, model.n_vocab, size=n_gen).tolist()
+    model.reset()
+    t0 = time.perf_counter()
+    for t in tokens:
+        model.eval([t])
+    return time.perf_counter() - t0
+
+
+def run_bench(path, n_prompt=512, n_gen=128, reps=5, device="auto", modes=("patch",),
+              n_threads=None, seed=0):
+    """Returns one result dict per (mode, test)."""
+    from ggraph.model import Model
+
+    rows = []
+    for mode in modes:
+        model = Model(path, device=device, n_ctx=max(n_prompt, n_gen) + 16, n_threads=n_threads,
+                      cuda_graphs=mode)
+        rng = np.random.default_rng(seed)
+        tests = []
+        if n_prompt > 0:
+            tests.append((f"pp{n_prompt}", n_prompt, _time_pp))
+        if n_gen > 0:
+            tests.append((f"tg{n_gen}", n_gen, _time_tg))
+        for name, n, fn in tests:
+            fn(model, min(n, 16), rng)  # warm-up: first use, capture of the graphs
+            model.reset_graph_stats()
+            times = [fn(model, n, rng) for _ in range(reps)]
+            stats = model.graph_stats
+            rates = [n / t for t in times]
+            row = {
+                "model": os.path.basename(path),
+                "size_mib": model._ctx.weight_bytes / 2**20,
+                "backend": model._ctx.backend_name,
+                "mode": mode if model.device.startswith("cuda") else "-",
+                "test": name,
+                "tokens_per_s": statistics.mean(rates),
+                "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+            }
+            steps = stats.get("steps", 0)
+            if name.startswith("tg") and steps:
+                row["host_us_per_step"] = stats.get("host_us_total", 0.0) / steps
+            rows.append(row)
+        del model
+        if not device.startswith("cuda") and device != "auto":
+            break  # graph modes mean nothing on the CPU
+    base = {r["test"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
+    for r in rows:
+        if r["test"] in base and r["mode"] not in ("off", "-"):
+            r["speedup_vs_off"] = r["tokens_per_s"] / base[r["test"]]
+    return rows
+
+
+def format_markdown(rows):
+    head = "| model | size | backend | graphs | test | t/s | host us/step | vs off |"
+    out = [head, "|" + "---|" * 8]
+    for r in rows:
+        host = f"{r['host_us_per_step']:.1f}" if "host_us_per_step" in r else ""
+        sp = f"{r['speedup_vs_off']:.2f}x" if "speedup_vs_off" in r else ""
+        out.append(
+            f"| {r['model']} | {r['size_mib']:.1f} MiB | {r['backend']} | {r['mode']} | "
+            f"{r['test']} | {r['tokens_per_s']:.2f} ± {r['stddev']:.2f} | {host} | {sp} |"
+        )
+    return "\n".join(out)
+
+
+def add_arguments(p):
+    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--cuda-graphs", default="patch",
+                   help="comma-separated modes: off,recapture,update,patch")
+    p.add_argument("-o", "--output", choices=("md", "json"), default="md")
+
+
+def main_args(args):
+    from ggraph.model import default_model_path
+
+    path = args.model or default_model_path()
+    modes = [m.strip() for m in args.cuda_graphs.split(",") if m.strip()]
+    rows = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.device, modes,
+                     args.threads)
+    print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ggraph.bench", description=__doc__)
+    add_arguments(p)
+    return main_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

