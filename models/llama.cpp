@@ -43,15 +43,15 @@ class Llama final : public Model {
       Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.v[il], "v_cache");
 
       Tensor* h = g.mul(g.rms_norm(x, norm_eps), w(L.attn_norm));
-      Tensor* q = g.rope(g.mul_mat(w(L.wq), h), positions, n_head, head_dim, n_rot, kRopeNormal,
+      Tensor* q =
+          g.rope(g.mul_mat(w(L.wq), h), positions, n_head, head_dim, n_rot, kRopeNormal, rope_base);
+      Tensor* k = g.rope(g.mul_mat(w(L.wk), h), positions, n_head_kv, head_dim, n_rot, kRopeNormal,
                          rope_base);
-      Tensor* k = g.rope(g.mul_mat(w(L.wk), h), positions, n_head_kv, head_dim, n_rot,
-                         kRopeNormal, rope_base);
       Tensor* v = g.mul_mat(w(L.wv), h);
       g.kv_store(k_cache, k, b.n_past);
       g.kv_store(v_cache, v, b.n_past);
-      Tensor* attn = g.attention(q, k_cache, v_cache, n_head, n_head_kv, head_dim, kq_scale, n_kv,
-                                 b.n_past);
+      Tensor* attn =
+          g.attention(q, k_cache, v_cache, n_head, n_head_kv, head_dim, kq_scale, n_kv, b.n_past);
       if (il == n_layer - 1 && b.n_outputs < b.n_tokens) {
         // Only the positions that produce logits go through the last layer's remainder.
         attn = g.get_rows(attn, out_ids);
@@ -130,7 +130,7 @@ std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend) {
                     " is not a multiple of head_count_kv " + std::to_string(m->n_head_kv));
   m->head_dim = m->n_embd / m->n_head;
   m->n_rot = file.has(a + "rope.dimension_count") ? int(ld.hparam(a + "rope.dimension_count"))
-                                                   : m->head_dim;
+                                                  : m->head_dim;
   if (m->n_rot > m->head_dim || m->n_rot % 2)
     throw GGUFError("rope.dimension_count " + std::to_string(m->n_rot) +
                     " must be even and at most the head size " + std::to_string(m->head_dim));

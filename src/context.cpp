@@ -94,9 +94,9 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
                           std::to_string(i) + " is outside [0, " + std::to_string(n_vocab) + ")");
   }
   if (size_t(n_past_) + n > size_t(n_ctx_))
-    throw ArgumentError("eval: " + std::to_string(n) + " tokens do not fit the context: " +
-                        std::to_string(n_past_) + " of " + std::to_string(n_ctx_) +
-                        " positions are used");
+    throw ArgumentError("eval: " + std::to_string(n) +
+                        " tokens do not fit the context: " + std::to_string(n_past_) + " of " +
+                        std::to_string(n_ctx_) + " positions are used");
 
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
   int n_past = n_past_;

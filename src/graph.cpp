@@ -8,17 +8,28 @@ namespace ggraph {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::Leaf: return "leaf";
-    case Op::GetRows: return "get_rows";
-    case Op::RmsNorm: return "rms_norm";
-    case Op::Mul: return "mul";
-    case Op::Add: return "add";
-    case Op::MulMat: return "mul_mat";
-    case Op::Rope: return "rope";
-    case Op::KvStore: return "kv_store";
-    case Op::Attention: return "attention";
-    case Op::Swiglu: return "swiglu";
-    case Op::Count: break;
+    case Op::Leaf:
+      return "leaf";
+    case Op::GetRows:
+      return "get_rows";
+    case Op::RmsNorm:
+      return "rms_norm";
+    case Op::Mul:
+      return "mul";
+    case Op::Add:
+      return "add";
+    case Op::MulMat:
+      return "mul_mat";
+    case Op::Rope:
+      return "rope";
+    case Op::KvStore:
+      return "kv_store";
+    case Op::Attention:
+      return "attention";
+    case Op::Swiglu:
+      return "swiglu";
+    case Op::Count:
+      break;
   }
   return "?";
 }
@@ -59,8 +70,7 @@ Tensor* Graph::weight(DType type, int64_t ne0, int64_t ne1, void* data, const st
   return t;
 }
 
-Tensor* Graph::kv_cache(DType type, int64_t ne0, int64_t ne1, void* data,
-                        const std::string& name) {
+Tensor* Graph::kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name) {
   Tensor* t = new_tensor(Op::Leaf, type, ne0, ne1, name);
   t->storage = Storage::Kv;
   t->data = data;

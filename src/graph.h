@@ -52,9 +52,9 @@ struct Tensor {
   // position of the first query). They change every decode step without changing topology:
   // the CUDA graph executor patches them in place.
   int32_t kv[2] = {0, 0};
-  size_t offset = 0;            // Scratch: from the planner. Input: in the input buffer.
-  void* data = nullptr;         // Weight/Kv: backend memory. Input: host source data.
-  int index = -1;               // position in Graph::nodes
+  size_t offset = 0;     // Scratch: from the planner. Input: in the input buffer.
+  void* data = nullptr;  // Weight/Kv: backend memory. Input: host source data.
+  int index = -1;        // position in Graph::nodes
   std::string name;
 
   int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }

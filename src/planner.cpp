@@ -7,7 +7,9 @@
 
 namespace ggraph {
 
-static size_t align_up(size_t n) { return (n + kPlanAlignment - 1) / kPlanAlignment * kPlanAlignment; }
+static size_t align_up(size_t n) {
+  return (n + kPlanAlignment - 1) / kPlanAlignment * kPlanAlignment;
+}
 
 namespace {
 // First-fit allocator over [0, high-water mark); free blocks kept sorted and merged.

@@ -17,20 +17,29 @@ using namespace ggraph;
 
 namespace {
 
+py::str utf8(const std::string& s) {
+  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), s.size(), "replace"));
+}
+
 py::object metadata_value(const GGUFValue& v) {
   switch (v.type) {
     case GGUFType::UINT8:
     case GGUFType::UINT16:
     case GGUFType::UINT32:
-    case GGUFType::UINT64: return py::int_(v.u);
+    case GGUFType::UINT64:
+      return py::int_(v.u);
     case GGUFType::INT8:
     case GGUFType::INT16:
     case GGUFType::INT32:
-    case GGUFType::INT64: return py::int_(v.i);
+    case GGUFType::INT64:
+      return py::int_(v.i);
     case GGUFType::FLOAT32:
-    case GGUFType::FLOAT64: return py::float_(v.f);
-    case GGUFType::BOOL: return py::bool_(v.b);
-    case GGUFType::STRING: return py::str(PyUnicode_DecodeUTF8(v.str.data(), v.str.size(), "replace"), false);
+    case GGUFType::FLOAT64:
+      return py::float_(v.f);
+    case GGUFType::BOOL:
+      return py::bool_(v.b);
+    case GGUFType::STRING:
+      return utf8(v.str);
     case GGUFType::ARRAY: {
       // Vocabularies run to 10^5 entries: large arrays are summarized.
       if (v.arr.size() > 256)
@@ -58,17 +67,13 @@ std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
     if (!py::isinstance<py::int_>(t) && !py::hasattr(t, "__index__"))
       throw ArgumentError(std::string(what) + ": expected integer token ids, found " +
                           std::string(py::str(py::type::of(t).attr("__name__"))));
-    const long long v = py::int_(t).cast<long long>();
+    const long long v = py::reinterpret_borrow<py::object>(t).cast<long long>();
     if (v < INT32_MIN || v > INT32_MAX)
       throw ArgumentError(std::string(what) + ": token id " + std::to_string(v) +
                           " is out of range");
     ids.push_back(int32_t(v));
   }
   return ids;
-}
-
-py::str utf8(const std::string& s) {
-  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), s.size(), "replace"));
 }
 
 class PyTokenizer {
@@ -182,92 +187,108 @@ PYBIND11_MODULE(_core, m) {
     return out;
   });
 
-  m.def("read_metadata", [](const std::string& path) {
-    auto f = GGUFFile::open(path);
-    py::dict info;
-    info["metadata"] = metadata_dict(*f);
-    info["version"] = f->version();
-    py::list tensors;
-    for (const auto& t : f->tensors()) {
-      std::vector<int64_t> shape(t.ne, t.ne + t.n_dims);
-      tensors.append(py::make_tuple(t.name, type_name(t.type), shape, t.nbytes));
-    }
-    info["tensors"] = tensors;
-    return info;
-  }, py::arg("path"), "Reads a GGUF file's metadata and tensor table without loading weights.");
+  m.def(
+      "read_metadata",
+      [](const std::string& path) {
+        auto f = GGUFFile::open(path);
+        py::dict info;
+        info["metadata"] = metadata_dict(*f);
+        info["version"] = f->version();
+        py::list tensors;
+        for (const auto& t : f->tensors()) {
+          std::vector<int64_t> shape(t.ne, t.ne + t.n_dims);
+          tensors.append(py::make_tuple(t.name, type_name(t.type), shape, t.nbytes));
+        }
+        info["tensors"] = tensors;
+        return info;
+      },
+      py::arg("path"), "Reads a GGUF file's metadata and tensor table without loading weights.");
 
   py::class_<PyTokenizer>(m, "Tokenizer")
       .def(py::init<const std::string&>(), py::arg("path"))
-      .def("tokenize", [](const PyTokenizer& t, const std::string& text, py::object add_bos,
-                          bool special) { return tokenize(t.get(), text, add_bos, special); },
-           py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
-      .def("detokenize", [](const PyTokenizer& t, const py::handle& ids, bool render_special) {
-             return utf8(detokenize(t.get(), ids, render_special));
-           }, py::arg("ids"), py::arg("render_special") = false)
-      .def("token_to_piece", [](const PyTokenizer& t, int32_t id, bool render_special) {
-             if (id < 0 || id >= t.get().n_vocab())
-               throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
-                                   std::to_string(t.get().n_vocab()) + ")");
-             return py::bytes(t.get().token_to_piece(id, render_special));
-           }, py::arg("id"), py::arg("render_special") = false)
-      .def("decode_stream", [](const PyTokenizer& t) { return std::make_unique<StreamDecoder>(t.get()); },
-           py::keep_alive<0, 1>())
+      .def(
+          "tokenize",
+          [](const PyTokenizer& t, const std::string& text, py::object add_bos, bool special) {
+            return tokenize(t.get(), text, add_bos, special);
+          },
+          py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
+      .def(
+          "detokenize",
+          [](const PyTokenizer& t, const py::handle& ids, bool render_special) {
+            return utf8(detokenize(t.get(), ids, render_special));
+          },
+          py::arg("ids"), py::arg("render_special") = false)
+      .def(
+          "token_to_piece",
+          [](const PyTokenizer& t, int32_t id, bool render_special) {
+            if (id < 0 || id >= t.get().n_vocab())
+              throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
+                                  std::to_string(t.get().n_vocab()) + ")");
+            return py::bytes(t.get().token_to_piece(id, render_special));
+          },
+          py::arg("id"), py::arg("render_special") = false)
+      .def(
+          "decode_stream",
+          [](const PyTokenizer& t) { return std::make_unique<StreamDecoder>(t.get()); },
+          py::keep_alive<0, 1>())
       .def_property_readonly("n_vocab", [](const PyTokenizer& t) { return t.get().n_vocab(); })
       .def_property_readonly("bos_id", [](const PyTokenizer& t) { return t.get().bos_id(); })
       .def_property_readonly("eos_id", [](const PyTokenizer& t) { return t.get().eos_id(); })
-      .def("is_end_of_generation", [](const PyTokenizer& t, int32_t id) {
-        return t.get().is_end_of_generation(id);
-      });
+      .def("is_end_of_generation",
+           [](const PyTokenizer& t, int32_t id) { return t.get().is_end_of_generation(id); });
 
   py::class_<StreamDecoder>(m, "StreamDecoder")
       .def("push", [](StreamDecoder& d, int32_t id) { return utf8(d.push(id)); })
       .def("flush", [](StreamDecoder& d) { return utf8(d.flush()); });
 
-  m.def("sample",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits,
-           float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
-           float frequency_penalty, float presence_penalty, int penalty_last_n, py::object seed,
-           const py::handle& history) {
-          if (logits.ndim() != 1 || logits.shape(0) == 0)
-            throw ArgumentError("logits: expected a non-empty 1-D array, got shape with " +
-                                std::to_string(logits.ndim()) + " dimensions");
-          SamplingParams p = sampling_params(temperature, top_k, top_p, min_p, repeat_penalty,
-                                             frequency_penalty, presence_penalty, penalty_last_n,
-                                             seed);
-          std::vector<int32_t> hist =
-              history.is_none() ? std::vector<int32_t>{} : to_ids(history, "history");
-          Sampler s(p);
-          return s.sample(logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
-        },
-        py::arg("logits"), py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
-        py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
-        py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-        py::arg("penalty_last_n") = 64, py::arg("seed") = py::none(),
-        py::arg("history") = py::none());
+  m.def(
+      "sample",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, float temperature,
+         int top_k, float top_p, float min_p, float repeat_penalty, float frequency_penalty,
+         float presence_penalty, int penalty_last_n, py::object seed, const py::handle& history) {
+        if (logits.ndim() != 1 || logits.shape(0) == 0)
+          throw ArgumentError("logits: expected a non-empty 1-D array, got shape with " +
+                              std::to_string(logits.ndim()) + " dimensions");
+        SamplingParams p =
+            sampling_params(temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
+                            presence_penalty, penalty_last_n, seed);
+        std::vector<int32_t> hist =
+            history.is_none() ? std::vector<int32_t>{} : to_ids(history, "history");
+        Sampler s(p);
+        return s.sample(logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
+      },
+      py::arg("logits"), py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
+      py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
+      py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
+      py::arg("penalty_last_n") = 64, py::arg("seed") = py::none(),
+      py::arg("history") = py::none());
 
   py::class_<Sampler>(m, "Sampler")
-      .def(py::init([](float temperature, int top_k, float top_p, float min_p,
-                       float repeat_penalty, float frequency_penalty, float presence_penalty,
-                       int penalty_last_n, py::object seed) {
-             return std::make_unique<Sampler>(sampling_params(
-                 temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-                 presence_penalty, penalty_last_n, seed));
+      .def(py::init([](float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
+                       float frequency_penalty, float presence_penalty, int penalty_last_n,
+                       py::object seed) {
+             return std::make_unique<Sampler>(
+                 sampling_params(temperature, top_k, top_p, min_p, repeat_penalty,
+                                 frequency_penalty, presence_penalty, penalty_last_n, seed));
            }),
            py::arg("temperature") = 0.8f, py::arg("top_k") = 40, py::arg("top_p") = 0.95f,
            py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
            py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
            py::arg("penalty_last_n") = 64, py::arg("seed") = py::none())
-      .def("sample", [](Sampler& s, py::array_t<float, py::array::c_style | py::array::forcecast> logits,
-                        const std::vector<int32_t>& history) {
-             if (logits.ndim() != 1 || logits.shape(0) == 0)
-               throw ArgumentError("logits: expected a non-empty 1-D array");
-             return s.sample(logits.data(), int32_t(logits.shape(0)), history.data(), history.size());
-           }, py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
+      .def(
+          "sample",
+          [](Sampler& s, py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+             const std::vector<int32_t>& history) {
+            if (logits.ndim() != 1 || logits.shape(0) == 0)
+              throw ArgumentError("logits: expected a non-empty 1-D array");
+            return s.sample(logits.data(), int32_t(logits.shape(0)), history.data(),
+                            history.size());
+          },
+          py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
 
   py::class_<Context>(m, "Context")
-      .def(py::init([](const std::string& path, const std::string& device, int n_ctx,
-                       int n_threads, int n_batch, const std::string& cuda_graphs,
-                       bool cuda_graph_debug) {
+      .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
+                       int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug) {
              ContextOptions o;
              o.device = device;
              o.n_ctx = n_ctx;
@@ -281,20 +302,23 @@ PYBIND11_MODULE(_core, m) {
            py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = 2048,
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
            py::arg("cuda_graph_debug") = false)
-      .def("eval", [](Context& c, const py::handle& tokens, bool all_logits) {
-             std::vector<int32_t> ids = to_ids(tokens, "eval");
-             std::vector<float> logits;
-             {
-               py::gil_scoped_release release;
-               logits = c.eval(ids.data(), ids.size(), all_logits);
-             }
-             const py::ssize_t n_vocab = c.n_vocab();
-             auto* heap = new std::vector<float>(std::move(logits));
-             py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<float>*>(p); });
-             if (all_logits)
-               return py::array_t<float>({py::ssize_t(ids.size()), n_vocab}, heap->data(), owner);
-             return py::array_t<float>({n_vocab}, heap->data(), owner);
-           }, py::arg("tokens"), py::arg("all_logits") = false)
+      .def(
+          "eval",
+          [](Context& c, const py::handle& tokens, bool all_logits) {
+            std::vector<int32_t> ids = to_ids(tokens, "eval");
+            std::vector<float> logits;
+            {
+              py::gil_scoped_release release;
+              logits = c.eval(ids.data(), ids.size(), all_logits);
+            }
+            const py::ssize_t n_vocab = c.n_vocab();
+            auto* heap = new std::vector<float>(std::move(logits));
+            py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+            if (all_logits)
+              return py::array_t<float>({py::ssize_t(ids.size()), n_vocab}, heap->data(), owner);
+            return py::array_t<float>({n_vocab}, heap->data(), owner);
+          },
+          py::arg("tokens"), py::arg("all_logits") = false)
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("n_past", &Context::n_past)
@@ -304,20 +328,28 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("backend_name", [](Context& c) { return c.backend().name(); })
       .def_property_readonly("metadata", [](const Context& c) { return metadata_dict(c.file()); })
       .def_property_readonly("n_layer", [](const Context& c) { return c.model().n_layer; })
-      .def_property_readonly("weight_bytes", [](const Context& c) { return c.model().weight_bytes; })
-      .def("tokenize", [](const Context& c, const std::string& text, py::object add_bos,
-                          bool special) { return tokenize(c.tokenizer(), text, add_bos, special); },
-           py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
-      .def("detokenize", [](const Context& c, const py::handle& ids, bool render_special) {
-             return utf8(detokenize(c.tokenizer(), ids, render_special));
-           }, py::arg("ids"), py::arg("render_special") = false)
-      .def("decode_stream", [](const Context& c) { return std::make_unique<StreamDecoder>(c.tokenizer()); },
-           py::keep_alive<0, 1>())
+      .def_property_readonly("weight_bytes",
+                             [](const Context& c) { return c.model().weight_bytes; })
+      .def(
+          "tokenize",
+          [](const Context& c, const std::string& text, py::object add_bos, bool special) {
+            return tokenize(c.tokenizer(), text, add_bos, special);
+          },
+          py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
+      .def(
+          "detokenize",
+          [](const Context& c, const py::handle& ids, bool render_special) {
+            return utf8(detokenize(c.tokenizer(), ids, render_special));
+          },
+          py::arg("ids"), py::arg("render_special") = false)
+      .def(
+          "decode_stream",
+          [](const Context& c) { return std::make_unique<StreamDecoder>(c.tokenizer()); },
+          py::keep_alive<0, 1>())
       .def_property_readonly("bos_id", [](const Context& c) { return c.tokenizer().bos_id(); })
       .def_property_readonly("eos_id", [](const Context& c) { return c.tokenizer().eos_id(); })
-      .def("is_end_of_generation", [](const Context& c, int32_t id) {
-        return c.tokenizer().is_end_of_generation(id);
-      })
+      .def("is_end_of_generation",
+           [](const Context& c, int32_t id) { return c.tokenizer().is_end_of_generation(id); })
       .def_property_readonly("graph_stats", [](Context& c) { return c.backend().stats(); })
       .def("reset_graph_stats", [](Context& c) { c.backend().reset_stats(); });
 }

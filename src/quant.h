@@ -43,10 +43,10 @@ enum class DType : uint32_t {
 };
 
 struct TypeTraits {
-  const char* name;     // "Q4_1"
-  int64_t block_size;   // elements per block (1 for plain types)
-  size_t type_size;     // bytes per block
-  bool computable;      // ggraph can run mat-muls with it (F32 F16 BF16 Q8_0 Q4_0 Q4_1)
+  const char* name;    // "Q4_1"
+  int64_t block_size;  // elements per block (1 for plain types)
+  size_t type_size;    // bytes per block
+  bool computable;     // ggraph can run mat-muls with it (F32 F16 BF16 Q8_0 Q4_0 Q4_1)
 };
 
 // Returns nullptr for an id that is not a known ggml type.
@@ -87,15 +87,30 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n);
 
 // Activations are prepared once per column into the form the weight type's dot product wants
 // (8-bit blocks for quantized weights, float for float weights), then dotted with many rows.
+// Quantized weights: per 32 elements an f32 scale amax/127, int8 values rounded to nearest even
+// and the f32 sum scale * sum(values). A block holding Inf or NaN gets a NaN scale, so every dot
+// it enters is NaN. act_row_size is a multiple of 64 bytes; pass it as act_stride so columns stay
+// cache-line aligned. The kernels read the padding prepare_act writes: always prepare a column.
 size_t act_row_size(DType weight_type, int64_t n);
 void prepare_act(DType weight_type, const float* x, void* dst, int64_t n);
 
 // out[c * out_stride + r] = dot(row r of W, column c of act), for r < n_rows, c < n_cols.
 // W rows are w_stride bytes apart, prepared activation columns act_stride bytes apart.
+// Each output element comes from one fixed sequence of operations, so results are identical bits
+// whatever the tile shape or thread split. Throws ArgumentError for a type that is not computable
+// or a k that is not a multiple of its block size.
+// Shapes that run fastest:
+// - one column (decode): give each thread all of its rows in one call, or chunks of 64+ rows;
+//   the weights stream from memory once.
+// - several columns (prompt): 16 to 64 rows by 4 to 8 columns (multiples of 4 are best), with
+//   consecutive calls on the same rows so that the rows stay in L1/L2 across column tiles.
 void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, int n_rows,
                   const void* act, size_t act_stride, int n_cols, float* out, size_t out_stride);
 
-// The instruction sets the running CPU offers that the hot loops use ("avx2", "fma", ...).
+// The instruction sets the hot loops use on the running CPU ("avx2 fma f16c"), or "scalar".
 const char* cpu_features();
+// Selects the portable kernels (true) or the best the CPU offers (false); for tests that compare
+// the two. Setting the environment variable GGRAPH_FORCE_SCALAR=1 starts in scalar mode.
+void force_scalar_kernels(bool scalar);
 
 }  // namespace ggraph

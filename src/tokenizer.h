@@ -28,7 +28,7 @@ class Tokenizer {
   int32_t bos_id() const { return bos_; }
   int32_t eos_id() const { return eos_; }
   bool add_bos_default() const { return add_bos_; }
-  bool is_end_of_generation(int32_t id) const;  // EOS, EOT and the like
+  bool is_end_of_generation(int32_t id) const;              // EOS, EOT and the like
   const std::string& model_name() const { return model_; }  // "gpt2" | "llama"
   const std::string& pre_name() const { return pre_; }
 

@@ -90,9 +90,12 @@ class CpuBackend final : public Backend {
   uint8_t* ptr(const Tensor* t) const {
     switch (t->storage) {
       case Storage::Weight:
-      case Storage::Kv: return static_cast<uint8_t*>(t->data);
-      case Storage::Input: return input_.get() + t->offset;
-      case Storage::Scratch: return scratch_.get() + t->offset;
+      case Storage::Kv:
+        return static_cast<uint8_t*>(t->data);
+      case Storage::Input:
+        return input_.get() + t->offset;
+      case Storage::Scratch:
+        return scratch_.get() + t->offset;
     }
     return nullptr;
   }
@@ -117,17 +120,27 @@ class CpuBackend final : public Backend {
 
   void run(const Tensor* t) {
     switch (t->op) {
-      case Op::Leaf: return;
-      case Op::GetRows: return get_rows(t);
-      case Op::RmsNorm: return rms_norm(t);
+      case Op::Leaf:
+        return;
+      case Op::GetRows:
+        return get_rows(t);
+      case Op::RmsNorm:
+        return rms_norm(t);
       case Op::Mul:
-      case Op::Add: return elementwise(t);
-      case Op::MulMat: return mul_mat(t);
-      case Op::Rope: return rope(t);
-      case Op::KvStore: return kv_store(t);
-      case Op::Attention: return attention(t);
-      case Op::Swiglu: return swiglu(t);
-      case Op::Count: break;
+      case Op::Add:
+        return elementwise(t);
+      case Op::MulMat:
+        return mul_mat(t);
+      case Op::Rope:
+        return rope(t);
+      case Op::KvStore:
+        return kv_store(t);
+      case Op::Attention:
+        return attention(t);
+      case Op::Swiglu:
+        return swiglu(t);
+      case Op::Count:
+        break;
     }
     throw std::logic_error("cpu backend: unknown op");
   }

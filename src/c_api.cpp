@@ -1,0 +1,167 @@
+// The C API: a thin shell over Context that turns exceptions into error codes.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "context.h"
+#include "ggraph.h"
+#include "sampling.h"
+
+struct ggraph_model {
+  std::unique_ptr<ggraph::Context> ctx;
+  std::vector<float> logits;
+  std::vector<int32_t> history;
+  std::string error;
+};
+
+namespace {
+
+template <typename F>
+int guarded(ggraph_model* m, F&& fn) {
+  if (!m) return GGRAPH_ERR_ARGUMENT;
+  try {
+    m->error.clear();
+    return fn();
+  } catch (const ggraph::GGUFError& e) {
+    m->error = e.what();
+    return GGRAPH_ERR_FILE;
+  } catch (const ggraph::ArgumentError& e) {
+    m->error = e.what();
+    return GGRAPH_ERR_ARGUMENT;
+  } catch (const ggraph::DeviceError& e) {
+    m->error = e.what();
+    return GGRAPH_ERR_DEVICE;
+  } catch (const std::exception& e) {
+    m->error = e.what();
+    return GGRAPH_ERR_INTERNAL;
+  }
+}
+
+void copy_error(const std::string& msg, char* err, size_t size) {
+  if (!err || size == 0) return;
+  const size_t n = std::min(msg.size(), size - 1);
+  std::memcpy(err, msg.data(), n);
+  err[n] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+ggraph_params ggraph_default_params(void) { return ggraph_params{"auto", 2048, 0, "patch"}; }
+
+ggraph_sampling ggraph_default_sampling(void) {
+  ggraph::SamplingParams p;
+  return ggraph_sampling{p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.seed};
+}
+
+ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* err,
+                          size_t err_size) {
+  if (!path) {
+    copy_error("ggraph_load: path is NULL", err, err_size);
+    return nullptr;
+  }
+  const ggraph_params p = params ? *params : ggraph_default_params();
+  ggraph::ContextOptions o;
+  o.device = p.device ? p.device : "auto";
+  o.n_ctx = p.n_ctx;
+  o.n_threads = p.n_threads;
+  o.cuda_graphs = p.cuda_graphs ? p.cuda_graphs : "patch";
+  try {
+    auto m = std::make_unique<ggraph_model>();
+    m->ctx = std::make_unique<ggraph::Context>(path, o);
+    return m.release();
+  } catch (const std::exception& e) {
+    copy_error(e.what(), err, err_size);
+    return nullptr;
+  }
+}
+
+void ggraph_free(ggraph_model* model) { delete model; }
+
+const char* ggraph_last_error(const ggraph_model* model) {
+  return model ? model->error.c_str() : "model is NULL";
+}
+
+int32_t ggraph_n_vocab(const ggraph_model* m) { return m ? m->ctx->n_vocab() : 0; }
+int32_t ggraph_n_ctx(const ggraph_model* m) { return m ? m->ctx->n_ctx() : 0; }
+int32_t ggraph_n_past(const ggraph_model* m) { return m ? m->ctx->n_past() : 0; }
+
+int32_t ggraph_eos(const ggraph_model* m) {
+  try {
+    return m ? m->ctx->tokenizer().eos_id() : -1;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+int ggraph_is_end_of_generation(const ggraph_model* m, int32_t token) {
+  try {
+    return m && m->ctx->tokenizer().is_end_of_generation(token) ? 1 : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits) {
+  return guarded(m, [&] {
+    if (!tokens && n) throw ggraph::ArgumentError("ggraph_eval: tokens is NULL");
+    m->logits = m->ctx->eval(tokens, n, false);
+    m->history.insert(m->history.end(), tokens, tokens + n);
+    if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
+    return GGRAPH_OK;
+  });
+}
+
+void ggraph_reset(ggraph_model* m) {
+  if (!m) return;
+  m->ctx->reset();
+  m->history.clear();
+  m->logits.clear();
+}
+
+int32_t ggraph_sample(ggraph_model* m, const ggraph_sampling* s) {
+  return guarded(m, [&] {
+    if (m->logits.empty()) throw ggraph::ArgumentError("ggraph_sample: no logits yet; eval first");
+    const ggraph_sampling in = s ? *s : ggraph_default_sampling();
+    ggraph::SamplingParams p;
+    p.temperature = in.temperature;
+    p.top_k = in.top_k;
+    p.top_p = in.top_p;
+    p.min_p = in.min_p;
+    p.repeat_penalty = in.repeat_penalty;
+    p.seed = in.seed;
+    ggraph::validate(p);
+    ggraph::Sampler sampler(p);
+    return int(sampler.sample(m->logits.data(), int32_t(m->logits.size()), m->history.data(),
+                              m->history.size()));
+  });
+}
+
+int32_t ggraph_tokenize(ggraph_model* m, const char* text, size_t len, int add_bos, int special,
+                        int32_t* tokens, int32_t max_tokens) {
+  return guarded(m, [&] {
+    if (!text && len) throw ggraph::ArgumentError("ggraph_tokenize: text is NULL");
+    const auto& tok = m->ctx->tokenizer();
+    const bool bos = add_bos < 0 ? tok.add_bos_default() : add_bos != 0;
+    std::vector<int32_t> ids = tok.tokenize(std::string(text ? text : "", len), bos, special != 0);
+    if (tokens && int64_t(ids.size()) <= max_tokens)
+      std::memcpy(tokens, ids.data(), ids.size() * sizeof(int32_t));
+    return int(ids.size());
+  });
+}
+
+int32_t ggraph_token_to_piece(ggraph_model* m, int32_t token, char* buf, int32_t size) {
+  return guarded(m, [&] {
+    const auto& tok = m->ctx->tokenizer();
+    if (token < 0 || token >= tok.n_vocab())
+      throw ggraph::ArgumentError("ggraph_token_to_piece: token id " + std::to_string(token) +
+                                  " is outside [0, " + std::to_string(tok.n_vocab()) + ")");
+    const std::string piece = tok.token_to_piece(token);
+    if (buf && int64_t(piece.size()) <= size) std::memcpy(buf, piece.data(), piece.size());
+    return int(piece.size());
+  });
+}
+
+}  // extern "C"

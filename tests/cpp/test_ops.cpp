@@ -1,0 +1,335 @@
+// Each CPU op against a naive float64 reference on random inputs of several shapes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "backend.h"
+#include "graph.h"
+#include "planner.h"
+#include "quant.h"
+
+namespace ggraph {
+namespace {
+
+std::vector<float> randn(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Runs a one-output graph on a fresh CPU backend.
+std::vector<float> run(Graph& g, int n_threads = 2) {
+  plan(g);
+  auto be = make_cpu_backend(n_threads);
+  be->reserve(g.scratch_size, g.input_size);
+  std::vector<float> out(g.output()->n_elements(), NAN);
+  be->compute(g, out.data());
+  return out;
+}
+
+// ||a - b|| / ||b||
+double rel_err(const std::vector<float>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// An F32 scratch tensor holding given values: the sum of a weight-like leaf and nothing else
+// would need a copy op, so tests feed activations through get_rows of an F32 table.
+Tensor* activations(Graph& g, const std::vector<float>& x, int64_t ne0, int64_t ne1,
+                    std::vector<int32_t>& ids) {
+  ids.resize(ne1);
+  for (int64_t i = 0; i < ne1; ++i) ids[i] = int32_t(i);
+  Tensor* table = g.weight(DType::F32, ne0, ne1, const_cast<float*>(x.data()), "x");
+  return g.get_rows(table, g.input_i32(ne1, ids.data(), "ids"));
+}
+
+struct Shape {
+  int64_t ne0, ne1;
+};
+const Shape kShapes[] = {{32, 1}, {64, 3}, {576, 7}, {96, 17}};
+
+TEST(CpuOps, RmsNormMatchesReference) {
+  std::mt19937 rng(1);
+  for (Shape s : kShapes) {
+    auto x = randn(s.ne0 * s.ne1, rng, 3.0f);
+    Graph g;
+    std::vector<int32_t> ids;
+    g.set_output(g.rms_norm(activations(g, x, s.ne0, s.ne1, ids), 1e-5f));
+    auto out = run(g);
+    std::vector<double> ref(x.size());
+    for (int64_t j = 0; j < s.ne1; ++j) {
+      double ss = 0;
+      for (int64_t i = 0; i < s.ne0; ++i) ss += double(x[j * s.ne0 + i]) * x[j * s.ne0 + i];
+      const double scale = 1.0 / std::sqrt(ss / s.ne0 + 1e-5);
+      for (int64_t i = 0; i < s.ne0; ++i) ref[j * s.ne0 + i] = x[j * s.ne0 + i] * scale;
+    }
+    EXPECT_LT(rel_err(out, ref), 1e-6) << s.ne0 << "x" << s.ne1;
+  }
+}
+
+TEST(CpuOps, AddMulSwigluMatchReferenceWithBroadcast) {
+  std::mt19937 rng(2);
+  for (Shape s : kShapes) {
+    for (bool broadcast : {false, true}) {
+      const int64_t b_cols = broadcast ? 1 : s.ne1;
+      auto a = randn(s.ne0 * s.ne1, rng), b = randn(s.ne0 * b_cols, rng);
+      for (int which = 0; which < 3; ++which) {
+        if (which == 2 && broadcast) continue;  // swiglu takes equal shapes
+        Graph g;
+        std::vector<int32_t> ia, ib;
+        Tensor* ta = activations(g, a, s.ne0, s.ne1, ia);
+        Tensor* tb = activations(g, b, s.ne0, b_cols, ib);
+        g.set_output(which == 0 ? g.add(ta, tb) : which == 1 ? g.mul(ta, tb) : g.swiglu(ta, tb));
+        auto out = run(g);
+        std::vector<double> ref(a.size());
+        for (int64_t j = 0; j < s.ne1; ++j)
+          for (int64_t i = 0; i < s.ne0; ++i) {
+            const double x = a[j * s.ne0 + i], y = b[(broadcast ? 0 : j) * s.ne0 + i];
+            ref[j * s.ne0 + i] = which == 0   ? x + y
+                                 : which == 1 ? x * y
+                                              : x / (1 + std::exp(-x)) * y;
+          }
+        EXPECT_LT(rel_err(out, ref), 1e-6) << "op " << which << " " << s.ne0 << "x" << s.ne1;
+      }
+    }
+  }
+}
+
+// Relative error bound of a mul_mat per weight type: float weights are exact up to float32
+// accumulation; quantized weights meet 8-bit activations (about 2^-8 relative per element).
+double mul_mat_bound(DType t) {
+  switch (t) {
+    case DType::F32:
+      return 1e-5;
+    case DType::F16:
+    case DType::BF16:
+      return 1e-5;
+    default:
+      return 2e-2;
+  }
+}
+
+TEST(CpuOps, MulMatEveryTypeMatchesReference) {
+  std::mt19937 rng(3);
+  const DType types[] = {DType::F32,  DType::F16,  DType::BF16,
+                         DType::Q8_0, DType::Q4_0, DType::Q4_1};
+  const struct {
+    int64_t k, n, t;
+  } shapes[] = {{32, 1, 1}, {64, 17, 3}, {576, 33, 7}, {1536, 40, 1}, {256, 5, 33}};
+  for (DType type : types) {
+    for (auto s : shapes) {
+      auto wf = randn(s.k * s.n, rng, 0.1f);
+      std::vector<uint8_t> wq(row_size(type, s.k) * s.n);
+      for (int64_t r = 0; r < s.n; ++r)
+        quantize_row(type, wf.data() + r * s.k, wq.data() + r * row_size(type, s.k), s.k);
+      // The reference multiplies the weights as stored (dequantized) in float64.
+      std::vector<float> wd(wf.size());
+      for (int64_t r = 0; r < s.n; ++r)
+        dequantize_row(type, wq.data() + r * row_size(type, s.k), wd.data() + r * s.k, s.k);
+      auto x = randn(s.k * s.t, rng);
+      Graph g;
+      std::vector<int32_t> ids;
+      Tensor* w = g.weight(type, s.k, s.n, wq.data(), "w");
+      g.set_output(g.mul_mat(w, activations(g, x, s.k, s.t, ids)));
+      auto out = run(g);
+      std::vector<double> ref(s.n * s.t);
+      for (int64_t c = 0; c < s.t; ++c)
+        for (int64_t r = 0; r < s.n; ++r) {
+          double acc = 0;
+          for (int64_t i = 0; i < s.k; ++i) acc += double(wd[r * s.k + i]) * x[c * s.k + i];
+          ref[c * s.n + r] = acc;
+        }
+      EXPECT_LT(rel_err(out, ref), mul_mat_bound(type))
+          << type_name(type) << " k=" << s.k << " n=" << s.n << " t=" << s.t;
+    }
+  }
+}
+
+TEST(CpuOps, GetRowsDequantizesEveryType) {
+  std::mt19937 rng(4);
+  const DType types[] = {DType::F32,  DType::F16,  DType::BF16,
+                         DType::Q8_0, DType::Q4_0, DType::Q4_1};
+  for (DType type : types) {
+    const int64_t k = 64, n = 11;
+    auto wf = randn(k * n, rng);
+    std::vector<uint8_t> wq(row_size(type, k) * n);
+    for (int64_t r = 0; r < n; ++r)
+      quantize_row(type, wf.data() + r * k, wq.data() + r * row_size(type, k), k);
+    std::vector<int32_t> ids = {3, 0, 10, 3, 7};
+    Graph g;
+    g.set_output(g.get_rows(g.weight(type, k, n, wq.data(), "t"),
+                            g.input_i32(int64_t(ids.size()), ids.data(), "ids")));
+    auto out = run(g);
+    std::vector<double> ref;
+    std::vector<float> row(k);
+    for (int32_t id : ids) {
+      dequantize_row(type, wq.data() + id * row_size(type, k), row.data(), k);
+      ref.insert(ref.end(), row.begin(), row.end());
+    }
+    EXPECT_EQ(rel_err(out, ref), 0.0) << type_name(type);
+  }
+}
+
+void rope_reference(const std::vector<float>& x, const std::vector<int32_t>& pos, int n_head,
+                    int hd, int n_dims, int mode, double base, std::vector<double>& out) {
+  const int64_t width = int64_t(n_head) * hd;
+  out.assign(x.begin(), x.end());
+  for (size_t t = 0; t < pos.size(); ++t)
+    for (int h = 0; h < n_head; ++h)
+      for (int i = 0; i < n_dims / 2; ++i) {
+        const double theta = pos[t] * std::pow(base, -2.0 * i / n_dims);
+        const int a = mode == kRopeNeox ? i : 2 * i;
+        const int b = mode == kRopeNeox ? i + n_dims / 2 : 2 * i + 1;
+        const double x0 = x[t * width + h * hd + a], x1 = x[t * width + h * hd + b];
+        out[t * width + h * hd + a] = x0 * std::cos(theta) - x1 * std::sin(theta);
+        out[t * width + h * hd + b] = x0 * std::sin(theta) + x1 * std::cos(theta);
+      }
+}
+
+TEST(CpuOps, RopeBothModesMatchReference) {
+  std::mt19937 rng(5);
+  const struct { int n_head, hd, n_dims; } cases[] = {{4, 64, 64}, {3, 32, 16}, {9, 64, 64}};
+  for (int mode : {kRopeNormal, kRopeNeox}) {
+    for (auto c : cases) {
+      std::vector<int32_t> pos = {0, 1, 5, 100, 4095};
+      auto x = randn(size_t(c.n_head) * c.hd * pos.size(), rng);
+      Graph g;
+      std::vector<int32_t> ids;
+      Tensor* xt = activations(g, x, int64_t(c.n_head) * c.hd, int64_t(pos.size()), ids);
+      g.set_output(g.rope(xt, g.input_i32(int64_t(pos.size()), pos.data(), "pos"), c.n_head, c.hd,
+                          c.n_dims, mode, 10000.0f));
+      auto out = run(g);
+      std::vector<double> ref;
+      rope_reference(x, pos, c.n_head, c.hd, c.n_dims, mode, 10000.0, ref);
+      EXPECT_LT(rel_err(out, ref), 1e-5) << "mode " << mode << " n_dims " << c.n_dims;
+    }
+  }
+}
+
+// Causal GQA attention over a cache that already holds `n_past` rows, against float64.
+void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_past, int n_tok,
+                     std::mt19937& rng) {
+  const int n_ctx = n_past + n_tok + 5;
+  const int64_t kv_w = int64_t(n_head_kv) * hd;
+  const size_t row = row_size(cache_type, kv_w);
+  std::vector<uint8_t> kc(row * n_ctx), vc(row * n_ctx);
+  auto k_all = randn(kv_w * (n_past + n_tok), rng), v_all = randn(kv_w * (n_past + n_tok), rng);
+  for (int p = 0; p < n_past; ++p) {  // the earlier positions, already in the cache
+    quantize_row(cache_type, k_all.data() + p * kv_w, kc.data() + p * row, kv_w);
+    quantize_row(cache_type, v_all.data() + p * kv_w, vc.data() + p * row, kv_w);
+  }
+  auto q = randn(size_t(n_head) * hd * n_tok, rng);
+  std::vector<float> k_new(k_all.begin() + n_past * kv_w, k_all.end());
+  std::vector<float> v_new(v_all.begin() + n_past * kv_w, v_all.end());
+  Graph g;
+  std::vector<int32_t> iq, ik, iv;
+  Tensor* kt = g.kv_cache(cache_type, kv_w, n_ctx, kc.data(), "k");
+  Tensor* vt = g.kv_cache(cache_type, kv_w, n_ctx, vc.data(), "v");
+  g.kv_store(kt, activations(g, k_new, kv_w, n_tok, ik), n_past);
+  g.kv_store(vt, activations(g, v_new, kv_w, n_tok, iv), n_past);
+  const float scale = 1.0f / std::sqrt(float(hd));
+  g.set_output(g.attention(activations(g, q, int64_t(n_head) * hd, n_tok, iq), kt, vt, n_head,
+                           n_head_kv, hd, scale, n_past + n_tok, n_past));
+  auto out = run(g);
+  // Reference on the values as the cache stores them.
+  std::vector<float> kr(k_all.size()), vr(v_all.size());
+  for (int p = 0; p < n_past + n_tok; ++p) {
+    std::vector<uint8_t> tmp(row);
+    quantize_row(cache_type, k_all.data() + p * kv_w, tmp.data(), kv_w);
+    dequantize_row(cache_type, tmp.data(), kr.data() + p * kv_w, kv_w);
+    quantize_row(cache_type, v_all.data() + p * kv_w, tmp.data(), kv_w);
+    dequantize_row(cache_type, tmp.data(), vr.data() + p * kv_w, kv_w);
+  }
+  std::vector<double> ref(q.size());
+  for (int t = 0; t < n_tok; ++t)
+    for (int h = 0; h < n_head; ++h) {
+      const int hk = h / (n_head / n_head_kv), len = n_past + t + 1;
+      std::vector<double> s(len);
+      double mx = -INFINITY, sum = 0;
+      for (int p = 0; p < len; ++p) {
+        double d = 0;
+        for (int i = 0; i < hd; ++i)
+          d += double(q[(t * n_head + h) * hd + i]) * kr[p * kv_w + hk * hd + i];
+        s[p] = d * scale;
+        mx = std::max(mx, s[p]);
+      }
+      for (auto& v : s) sum += (v = std::exp(v - mx));
+      for (int i = 0; i < hd; ++i) {
+        double acc = 0;
+        for (int p = 0; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * hd + i];
+        ref[(t * n_head + h) * hd + i] = acc / sum;
+      }
+    }
+  EXPECT_LT(rel_err(out, ref), 1e-5) << type_name(cache_type) << " heads " << n_head << "/"
+                                     << n_head_kv << " past " << n_past << " tokens " << n_tok;
+}
+
+TEST(CpuOps, AttentionCausalGqaMatchesReference) {
+  std::mt19937 rng(6);
+  for (DType ct : {DType::F32, DType::F16}) {
+    check_attention(ct, 4, 4, 32, 0, 1, rng);
+    check_attention(ct, 9, 3, 64, 0, 7, rng);
+    check_attention(ct, 8, 2, 64, 37, 1, rng);
+    check_attention(ct, 6, 1, 16, 100, 13, rng);
+  }
+}
+
+TEST(CpuOps, ThreadCountDoesNotChangeResults) {
+  std::mt19937 rng(7);
+  const int64_t k = 576, n = 200, t = 9;
+  auto wf = randn(k * n, rng, 0.1f);
+  std::vector<uint8_t> wq(row_size(DType::Q4_1, k) * n);
+  for (int64_t r = 0; r < n; ++r)
+    quantize_row(DType::Q4_1, wf.data() + r * k, wq.data() + r * row_size(DType::Q4_1, k), k);
+  auto x = randn(k * t, rng);
+  std::vector<float> results[2];
+  for (int threads : {1, 2}) {
+    Graph g;
+    std::vector<int32_t> ids;
+    g.set_output(
+        g.mul_mat(g.weight(DType::Q4_1, k, n, wq.data(), "w"), activations(g, x, k, t, ids)));
+    results[threads - 1] = run(g, threads);
+  }
+  EXPECT_EQ(results[0], results[1]);
+}
+
+TEST(Planner, EqualTopologiesGetEqualOffsetsAndLiveTensorsNeverOverlap) {
+  std::vector<float> w(64 * 64, 0.5f), table(64 * 10, 1.0f);
+  std::vector<int32_t> ids = {1, 2, 3};
+  auto build = [&](Graph& g) {
+    Tensor* x = g.get_rows(g.weight(DType::F32, 64, 10, table.data(), "t"),
+                           g.input_i32(3, ids.data(), "ids"));
+    for (int i = 0; i < 4; ++i)
+      x = g.add(x, g.mul_mat(g.weight(DType::F32, 64, 64, w.data(), "w"), g.rms_norm(x, 1e-5f)));
+    g.set_output(x);
+    plan(g);
+  };
+  Graph a, b;
+  build(a);
+  build(b);
+  ASSERT_EQ(a.nodes().size(), b.nodes().size());
+  for (size_t i = 0; i < a.nodes().size(); ++i)
+    EXPECT_EQ(a.nodes()[i]->offset, b.nodes()[i]->offset);
+  // A node's output never overlaps an input it reads.
+  for (const Tensor* t : a.nodes()) {
+    if (t->storage != Storage::Scratch) continue;
+    for (const Tensor* s : t->src) {
+      if (!s || s->storage != Storage::Scratch) continue;
+      const bool disjoint =
+          t->offset + t->nbytes() <= s->offset || s->offset + s->nbytes() <= t->offset;
+      EXPECT_TRUE(disjoint) << op_name(t->op) << " overlaps its input " << op_name(s->op);
+    }
+  }
+  EXPECT_LT(a.scratch_size, size_t(20) * 64 * 3 * 4 + 20 * kPlanAlignment);
+}
+
+}  // namespace
+}  // namespace ggraph
