@@ -32,15 +32,21 @@ def _time_tg(model, n_gen, rng):
     return time.perf_counter() - t0
 
 
-def run_bench(path, n_prompt=512, n_gen=128, reps=5, device="auto", modes=("patch",),
-              n_threads=None, seed=0):
+def run_bench(
+    path, n_prompt=512, n_gen=128, reps=5, device="auto", modes=("patch",), n_threads=None, seed=0
+):
     """Returns one result dict per (mode, test)."""
     from ggraph.model import Model
 
     rows = []
     for mode in modes:
-        model = Model(path, device=device, n_ctx=max(n_prompt, n_gen) + 16, n_threads=n_threads,
-                      cuda_graphs=mode)
+        model = Model(
+            path,
+            device=device,
+            n_ctx=max(n_prompt, n_gen) + 16,
+            n_threads=n_threads,
+            cuda_graphs=mode,
+        )
         rng = np.random.default_rng(seed)
         tests = []
         if n_prompt > 0:
@@ -96,8 +102,9 @@ def add_arguments(p):
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--device", default="auto")
-    p.add_argument("--cuda-graphs", default="patch",
-                   help="comma-separated modes: off,recapture,update,patch")
+    p.add_argument(
+        "--cuda-graphs", default="patch", help="comma-separated modes: off,recapture,update,patch"
+    )
     p.add_argument("-o", "--output", choices=("md", "json"), default="md")
 
 
@@ -106,8 +113,9 @@ def main_args(args):
 
     path = args.model or default_model_path()
     modes = [m.strip() for m in args.cuda_graphs.split(",") if m.strip()]
-    rows = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.device, modes,
-                     args.threads)
+    rows = run_bench(
+        path, args.n_prompt, args.n_gen, args.repetitions, args.device, modes, args.threads
+    )
     print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
     return 0
 

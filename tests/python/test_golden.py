@@ -1,0 +1,78 @@
+"""SmolLM2-135M-Instruct Q4_1 against llama.cpp's recorded outputs (tests/python/data).
+
+Bars, from the data's README: llama.cpp quantizes activations to 8 bits in its dot products,
+so an exact engine lands at cosine >= 0.995, top-1 agreement >= 95% of prompt positions,
+teacher-forced agreement >= 90% per prompt, and the same first 4 greedy tokens."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ggraph
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(os.path.join(DATA, "smollm2_greedy.json")) as f:
+        greedy = json.load(f)
+    return greedy, np.load(os.path.join(DATA, "smollm2_logits.npz"))
+
+
+@pytest.fixture(scope="module", params=["cpu"])
+def model(request, smollm2):
+    return ggraph.Model(smollm2, device=request.param, n_ctx=512)
+
+
+def _prompts(logits):
+    return sorted({k.split("_")[0] for k in logits.files})
+
+
+def test_last_position_logits_cosine(model, golden):
+    _, logits = golden
+    for p in _prompts(logits):
+        model.reset()
+        got = model.eval(logits[f"{p}_ids"].tolist())
+        ref = logits[f"{p}_logits"]
+        cos = float(np.dot(got, ref) / (np.linalg.norm(got) * np.linalg.norm(ref)))
+        assert cos >= 0.995, f"{p}: cosine {cos:.5f}"
+
+
+def test_top1_agreement_over_all_prompt_positions(model, golden):
+    _, logits = golden
+    agree = total = 0
+    for p in _prompts(logits):
+        model.reset()
+        got = model.eval(logits[f"{p}_ids"].tolist(), all_logits=True)
+        ref_top = logits[f"{p}_top8_all_positions"][:, 0]
+        agree += int(np.sum(got.argmax(axis=1) == ref_top))
+        total += len(ref_top)
+    assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
+
+
+def test_teacher_forced_agreement_with_greedy_ids(model, golden):
+    greedy, _ = golden
+    for g in greedy:
+        model.reset()
+        ids = g["prompt_ids"] + g["greedy_ids"]
+        got = model.eval(ids, all_logits=True)
+        n_p = len(g["prompt_ids"])
+        pred = got[n_p - 1 : len(ids) - 1].argmax(axis=1)
+        rate = float(np.mean(pred == np.array(g["greedy_ids"])))
+        assert rate >= 0.90, f"{g['prompt']!r}: {rate:.2%}"
+
+
+def test_first_four_greedy_tokens_equal(model, golden):
+    greedy, _ = golden
+    for g in greedy:
+        model.reset()
+        logits = model.eval(g["prompt_ids"])
+        out = []
+        for _ in range(4):
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            logits = model.eval([tok])
+        assert out == g["greedy_ids"][:4], g["prompt"]
