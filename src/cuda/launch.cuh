@@ -60,6 +60,8 @@ class Launcher {
   bool execute = true;                          // launch on the stream
   std::vector<KernelLaunch>* record = nullptr;  // when set, every launch is appended here
   int node = -1;                                // graph node being launched
+  // While the stream is being captured: the kernel node each launch became, in launch order.
+  std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
 
   template <typename... KArgs, typename... Args>
   void operator()(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
@@ -98,6 +100,17 @@ class Launcher {
     }
     if (execute) {
       GGRAPH_CUDA_CHECK(cudaLaunchKernel(func, grid, block, ptrs, smem, stream));
+      if (captured_nodes) {
+        // On a captured stream the last node added is the sole dependency of what comes next.
+        cudaStreamCaptureStatus status;
+        const cudaGraphNode_t* deps = nullptr;
+        size_t n_deps = 0;
+        GGRAPH_CUDA_CHECK(
+            cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
+        if (status != cudaStreamCaptureStatusActive || n_deps != 1)
+          throw std::logic_error("launch under capture: expected one dependency node");
+        captured_nodes->push_back(deps[0]);
+      }
     }
   }
 };

@@ -1,0 +1,88 @@
+// GraphExecutor: runs one step's kernels eagerly or through a CUDA graph. In patch mode (the
+// default) a step whose launches match the cached executable's in everything but argument
+// values (the KV-cache row, the attention length) patches exactly those kernel nodes in place
+// and replays; a changed topology is captured again and applied with cudaGraphExecUpdate.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda/launch.cuh"
+
+namespace ggraph::cuda {
+
+enum class GraphMode { Off, Recapture, Update, Patch };
+GraphMode parse_graph_mode(const std::string& name);  // throws ArgumentError
+
+struct GraphStats {
+  double captures = 0, instantiations = 0, exec_updates = 0, update_failures = 0;
+  double kernel_nodes_patched = 0, replays = 0, eager_evals = 0;
+  double capture_ms_total = 0;
+  double steps = 0, host_us_total = 0;
+};
+
+class GraphExecutor {
+ public:
+  using LaunchAll = std::function<void(Launcher&)>;
+
+  GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug);
+  ~GraphExecutor();
+  GraphExecutor(const GraphExecutor&) = delete;
+  GraphExecutor& operator=(const GraphExecutor&) = delete;
+
+  // Issues the step's kernels on the stream. `key` names the topology class (batch shape);
+  // launch_all must issue the same kernels in the same order whenever it is called for a step.
+  // node_names maps a launch's graph-node index to a name for debug messages.
+  void run(uint64_t key, const LaunchAll& launch_all,
+           const std::function<std::string(int)>& node_names);
+
+  GraphMode mode() const { return mode_; }
+  const GraphStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = GraphStats(); }
+  GraphStats& mutable_stats() { return stats_; }
+  size_t cached_graphs() const { return cache_.size(); }
+  // The graph behind the executable that ran last (nullptr before any capture).
+  cudaGraph_t current_graph() const { return current_ ? current_->graph : nullptr; }
+  void dump_dot(const std::string& path) const;
+  // Testing hook: the next patch writes a wrong value, which debug mode must catch.
+  void corrupt_next_patch() { corrupt_next_patch_ = true; }
+
+ private:
+  struct Entry {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    std::vector<KernelLaunch> launches;
+    std::vector<cudaGraphNode_t> nodes;
+    uint64_t last_used = 0;
+  };
+
+  void capture(const LaunchAll& launch_all, cudaGraph_t* graph,
+               std::vector<KernelLaunch>* launches, std::vector<cudaGraphNode_t>* nodes);
+  void instantiate(Entry& e);
+  void release(Entry& e);
+  // Applies a freshly captured graph to an entry's executable; instantiates anew if refused.
+  void update_or_instantiate(Entry& e, cudaGraph_t graph);
+  void patch(Entry& e, const std::function<std::string(int)>& node_names);
+  void check_nodes(const Entry& e, const std::function<std::string(int)>& node_names) const;
+  void launch(Entry& e);
+  Entry& entry_for(uint64_t key);
+
+  cudaStream_t stream_;
+  GraphMode mode_;
+  bool debug_;
+  bool corrupt_next_patch_ = false;
+  GraphStats stats_;
+  std::unordered_map<uint64_t, Entry> cache_;
+  Entry* current_ = nullptr;
+  uint64_t clock_ = 0;
+  std::vector<KernelLaunch> recorded_;  // this step's launches, reused between steps
+  static constexpr size_t kMaxCached = 8;
+};
+
+}  // namespace ggraph::cuda
