@@ -6,7 +6,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common.h"
 #include "graph.h"
 
 namespace ggraph {

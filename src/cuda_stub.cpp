@@ -1,5 +1,6 @@
 // Builds without the CUDA backend: it reports itself absent.
 #include "backend.h"
+#include "common.h"
 
 namespace ggraph {
 

@@ -1,0 +1,59 @@
+// The C API's error paths: every failure is a code and a message, never a crash.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "ggraph.h"
+
+namespace {
+
+std::string temp_file(const std::string& name, const std::string& bytes) {
+  std::string path = testing::TempDir() + name;
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fwrite(bytes.data(), 1, bytes.size(), f);
+  std::fclose(f);
+  return path;
+}
+
+TEST(CApi, LoadFailuresReturnNullWithAReason) {
+  char err[256] = {};
+  EXPECT_EQ(ggraph_load(nullptr, nullptr, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("NULL"), std::string::npos);
+
+  EXPECT_EQ(ggraph_load("/nonexistent/dir/model.gguf", nullptr, err, sizeof err), nullptr);
+  EXPECT_NE(std::string(err).find("/nonexistent/dir/model.gguf"), std::string::npos) << err;
+
+  const std::string bad = temp_file("not_a_model.gguf", "this is not a gguf file, at all.....");
+  EXPECT_EQ(ggraph_load(bad.c_str(), nullptr, err, sizeof err), nullptr);
+  EXPECT_GT(std::string(err).size(), 0u);
+
+  // A tiny error buffer is filled and terminated, never overrun.
+  char small[8];
+  std::memset(small, 'x', sizeof small);
+  EXPECT_EQ(ggraph_load(bad.c_str(), nullptr, small, 4), nullptr);
+  EXPECT_EQ(small[3], '\0');
+  EXPECT_EQ(small[4], 'x');
+}
+
+TEST(CApi, NullModelIsAnArgumentError) {
+  const int32_t tok = 1;
+  EXPECT_EQ(ggraph_eval(nullptr, &tok, 1, nullptr), GGRAPH_ERR_ARGUMENT);
+  EXPECT_EQ(ggraph_sample(nullptr, nullptr), GGRAPH_ERR_ARGUMENT);
+  EXPECT_EQ(ggraph_n_vocab(nullptr), 0);
+  EXPECT_STREQ(ggraph_last_error(nullptr), "model is NULL");
+  ggraph_reset(nullptr);
+  ggraph_free(nullptr);
+}
+
+TEST(CApi, DefaultsAreSensible) {
+  const ggraph_params p = ggraph_default_params();
+  EXPECT_STREQ(p.device, "auto");
+  EXPECT_STREQ(p.cuda_graphs, "patch");
+  const ggraph_sampling s = ggraph_default_sampling();
+  EXPECT_GT(s.temperature, 0.0f);
+  EXPECT_GT(s.top_p, 0.0f);
+}
+
+}  // namespace
