@@ -18,6 +18,8 @@ __all__ = [
     "Sampler",
     "Tokenizer",
     "build_info",
+    "c_include_dir",
+    "c_library_path",
     "default_model_path",
     "devices",
     "read_metadata",
@@ -28,3 +30,22 @@ __all__ = [
 def read_metadata(path):
     """The GGUF metadata and tensor table of a file, without loading its weights."""
     return _read_metadata(str(path))
+
+
+def c_library_path():
+    """Path of the shared library with the C API (include/ggraph.h), for embedding."""
+    import glob
+    import os
+
+    here = os.path.dirname(__file__)
+    found = sorted(glob.glob(os.path.join(here, "lib", "libggraph*")))
+    if not found:
+        raise FileNotFoundError(f"libggraph is not installed under {os.path.join(here, 'lib')}")
+    return found[0]
+
+
+def c_include_dir():
+    """Directory holding ggraph.h."""
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "include")

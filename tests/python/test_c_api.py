@@ -1,0 +1,108 @@
+"""The C API, used as an embedding application would: through the shared library."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import ggraph
+
+
+class Params(ctypes.Structure):
+    _fields_ = [
+        ("device", ctypes.c_char_p),
+        ("n_ctx", ctypes.c_int),
+        ("n_threads", ctypes.c_int),
+        ("cuda_graphs", ctypes.c_char_p),
+    ]
+
+
+class Sampling(ctypes.Structure):
+    _fields_ = [
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("top_p", ctypes.c_float),
+        ("min_p", ctypes.c_float),
+        ("repeat_penalty", ctypes.c_float),
+        ("seed", ctypes.c_uint64),
+    ]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        path = ggraph.c_library_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    lib = ctypes.CDLL(path)
+    lib.ggraph_load.restype = ctypes.c_void_p
+    lib.ggraph_load.argtypes = [
+        ctypes.c_char_p,
+        ctypes.POINTER(Params),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ]
+    lib.ggraph_last_error.restype = ctypes.c_char_p
+    lib.ggraph_last_error.argtypes = [ctypes.c_void_p]
+    for name in ("ggraph_n_vocab", "ggraph_n_past", "ggraph_n_ctx"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    lib.ggraph_eval.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_float),
+    ]
+    lib.ggraph_sample.argtypes = [ctypes.c_void_p, ctypes.POINTER(Sampling)]
+    lib.ggraph_tokenize.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_int32,
+    ]
+    lib.ggraph_free.argtypes = [ctypes.c_void_p]
+    lib.ggraph_reset.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _ids(values):
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+def test_c_api_eval_matches_python_and_refuses_bad_input(lib, tiny_model):
+    p = Params(b"cpu", 32, 1, b"patch")
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    assert m, err.value
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        logits = (ctypes.c_float * n_vocab)()
+        assert lib.ggraph_eval(m, _ids([1, 2, 3]), 3, logits) == 0
+        expected = ggraph.Model(tiny_model, device="cpu", n_ctx=32).eval([1, 2, 3])
+        np.testing.assert_allclose(np.frombuffer(logits, dtype=np.float32), expected, rtol=1e-6)
+        assert lib.ggraph_n_past(m) == 3
+
+        assert lib.ggraph_eval(m, _ids([n_vocab]), 1, logits) == -2  # GGRAPH_ERR_ARGUMENT
+        assert b"outside" in lib.ggraph_last_error(m)
+        assert lib.ggraph_n_past(m) == 3
+
+        greedy = Sampling(0.0, 0, 1.0, 0.0, 1.0, 1)
+        tok = lib.ggraph_sample(m, ctypes.byref(greedy))
+        assert tok == int(np.argmax(expected))
+
+        lib.ggraph_reset(m)
+        assert lib.ggraph_n_past(m) == 0
+        assert lib.ggraph_eval(m, _ids([0] * 40), 40, logits) == -2  # context of 32
+        assert b"context" in lib.ggraph_last_error(m)
+    finally:
+        lib.ggraph_free(m)
+
+
+def test_c_api_load_error_message(lib, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 60)
+    err = ctypes.create_string_buffer(256)
+    assert not lib.ggraph_load(str(bad).encode(), None, err, 256)
+    assert err.value

@@ -1,0 +1,57 @@
+"""The ggraph command, run as a user runs it."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def ggraph_cmd(*args, input=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "ggraph", *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+    )
+
+
+def test_generate_says_paris(smollm2):
+    r = ggraph_cmd("generate", "-n", "12", "--device", "cpu", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens/s" in r.stderr
+
+
+def test_generate_with_default_model_when_installed(smollm2):
+    r = ggraph_cmd("generate", "-n", "4", "--device", "cpu", "Hello")
+    assert r.returncode == 0, r.stderr
+
+
+def test_info_describes_the_file(tiny_model):
+    r = ggraph_cmd("info", tiny_model)
+    assert r.returncode == 0, r.stderr
+    assert "llama" in r.stdout and "Q4_1" in r.stdout and "chat template" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", [("info",), ("generate", "-m")])
+def test_missing_or_malformed_model_is_a_clean_error(tmp_path, cmd):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+    for path in (str(tmp_path / "missing.gguf"), str(bad)):
+        r = ggraph_cmd(*cmd, path, *(["hi"] if cmd[0] == "generate" else []))
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr
+        assert "ggraph: error:" in r.stderr
+
+
+def test_chat_answers_and_exits_on_eof(smollm2):
+    r = ggraph_cmd("chat", "--device", "cpu", "-n", "16", input="What is the capital of France?\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bench_prints_a_table(tiny_model):
+    r = ggraph_cmd("bench", "-m", tiny_model, "-p", "16", "-n", "8", "-r", "2", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "pp16" in r.stdout and "tg8" in r.stdout and "t/s" in r.stdout
