@@ -1,0 +1,229 @@
+// Speed of the CPU mat-mul kernels: mat-vec bandwidth, tile throughput and a SmolLM2-135M-shaped
+// pass over every weight matrix, for decode (one column) and for a 512-token prompt.
+//
+//   ggraph_bench_quant [--scalar] [--quick]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "quant.h"
+
+namespace {
+
+using ggraph::DType;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Runs fn repeatedly for at least min_s seconds (after one warm-up call); returns seconds per call.
+double time_per_call(const std::function<void()>& fn, double min_s) {
+  fn();
+  int reps = 0;
+  const auto t0 = Clock::now();
+  double elapsed = 0;
+  do {
+    fn();
+    ++reps;
+    elapsed = seconds_since(t0);
+  } while (elapsed < min_s);
+  return elapsed / reps;
+}
+
+struct Matrix {
+  DType type;
+  int64_t k, rows;
+  size_t stride;
+  std::vector<uint8_t> data;
+};
+
+Matrix random_matrix(DType type, int64_t k, int64_t rows, std::mt19937& rng) {
+  Matrix m{type, k, rows, ggraph::row_size(type, k), {}};
+  m.data.resize(m.stride * rows);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> row(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (float& v : row) v = dist(rng);
+    ggraph::quantize_row(type, row.data(), m.data.data() + r * m.stride, k);
+  }
+  return m;
+}
+
+struct Activations {
+  size_t stride;
+  std::vector<uint8_t> data;
+};
+
+Activations prepared(DType type, int64_t k, int64_t n_cols, std::mt19937& rng) {
+  Activations a{ggraph::act_row_size(type, k), {}};
+  a.data.resize(a.stride * n_cols);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> col(k);
+  for (int64_t c = 0; c < n_cols; ++c) {
+    for (float& v : col) v = dist(rng);
+    ggraph::prepare_act(type, col.data(), a.data.data() + c * a.stride, k);
+  }
+  return a;
+}
+
+// Mat-vec over `copies` distinct matrices in turn, so that with enough copies the weights come
+// from memory as in decoding a model larger than the last-level cache.
+void bench_matvec(DType type, int64_t k, int64_t rows, int copies, double min_s,
+                  std::mt19937& rng) {
+  std::vector<Matrix> ms;
+  for (int i = 0; i < copies; ++i) ms.push_back(random_matrix(type, k, rows, rng));
+  Activations a = prepared(type, k, 1, rng);
+  std::vector<float> out(rows);
+  int next = 0;
+  const double t = time_per_call(
+      [&] {
+        const Matrix& m = ms[next];
+        next = (next + 1) % copies;
+        ggraph::mul_mat_tile(type, k, m.data.data(), m.stride, int(rows), a.data.data(), a.stride,
+                             1, out.data(), rows);
+      },
+      min_s);
+  const double bytes = double(ms[0].data.size());
+  std::printf("  matvec %-5s k=%-5lld rows=%-6lld %-6s %7.2f GB/s  %8.1f us\n",
+              ggraph::type_name(type), (long long)k, (long long)rows,
+              copies > 1 ? "memory" : "cache", bytes / t / 1e9, t * 1e6);
+}
+
+// Tiles of tile_rows x n_cols over a k x rows matrix and 64 columns, as the CPU backend calls them.
+void bench_tiles(DType type, int64_t k, int64_t rows, int tile_rows, int n_cols, double min_s,
+                 std::mt19937& rng) {
+  const int64_t total_cols = 64;
+  Matrix m = random_matrix(type, k, rows, rng);
+  Activations a = prepared(type, k, total_cols, rng);
+  std::vector<float> out(rows * total_cols);
+  const double t = time_per_call(
+      [&] {
+        for (int64_t r = 0; r < rows; r += tile_rows) {
+          const int nr = int(std::min<int64_t>(tile_rows, rows - r));
+          for (int64_t c = 0; c < total_cols; c += n_cols) {
+            const int nc = int(std::min<int64_t>(n_cols, total_cols - c));
+            ggraph::mul_mat_tile(type, k, m.data.data() + r * m.stride, m.stride, nr,
+                                 a.data.data() + c * a.stride, a.stride, nc,
+                                 out.data() + c * rows + r, rows);
+          }
+        }
+      },
+      min_s);
+  std::printf("  tiles  %-5s k=%-5lld rows=%-5lld tile %2dx%d  %7.1f GFLOP/s\n",
+              ggraph::type_name(type), (long long)k, (long long)rows, tile_rows, n_cols,
+              2.0 * k * rows * total_cols / t / 1e9);
+}
+
+// The weight matrices of SmolLM2-135M: 30 layers of q, k, v, o, gate, up, down in Q4_1 and the
+// tied 49152 x 576 Q8_0 output matrix. Only the mat-muls are timed, split over threads by rows.
+struct ModelWeights {
+  std::vector<Matrix> ms;
+};
+
+ModelWeights smollm2_weights(std::mt19937& rng) {
+  ModelWeights w;
+  for (int l = 0; l < 30; ++l) {
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 576, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 192, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 192, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 576, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 1536, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 576, 1536, rng));
+    w.ms.push_back(random_matrix(DType::Q4_1, 1536, 576, rng));
+  }
+  w.ms.push_back(random_matrix(DType::Q8_0, 576, 49152, rng));
+  return w;
+}
+
+// One pass over all matrices with n_cols columns on n_threads threads (each thread takes a
+// contiguous share of every matrix's rows; a barrier-free split, as the weights dominate).
+double model_pass(const ModelWeights& w, int n_cols, int n_threads, int tile_rows, int tile_cols,
+                  bool with_output, std::mt19937& rng) {
+  Activations a576 = prepared(DType::Q4_1, 576, n_cols, rng);
+  Activations a1536 = prepared(DType::Q4_1, 1536, n_cols, rng);
+  std::vector<float> out(size_t(49152) * n_cols);
+  auto run = [&](int tid) {
+    for (size_t i = 0; i < w.ms.size(); ++i) {
+      const Matrix& m = w.ms[i];
+      if (!with_output && m.rows == 49152) continue;
+      const Activations& a = m.k == 576 ? a576 : a1536;
+      const int64_t r0 = m.rows * tid / n_threads, r1 = m.rows * (tid + 1) / n_threads;
+      if (n_cols == 1) {
+        ggraph::mul_mat_tile(m.type, m.k, m.data.data() + r0 * m.stride, m.stride, int(r1 - r0),
+                             a.data.data(), a.stride, 1, out.data() + r0, m.rows);
+        continue;
+      }
+      for (int64_t r = r0; r < r1; r += tile_rows) {
+        const int nr = int(std::min<int64_t>(tile_rows, r1 - r));
+        for (int c = 0; c < n_cols; c += tile_cols) {
+          const int nc = std::min(tile_cols, n_cols - c);
+          ggraph::mul_mat_tile(m.type, m.k, m.data.data() + r * m.stride, m.stride, nr,
+                               a.data.data() + c * a.stride, a.stride, nc,
+                               out.data() + c * m.rows + r, m.rows);
+        }
+      }
+    }
+  };
+  auto once = [&] {
+    std::vector<std::thread> threads;
+    for (int t = 1; t < n_threads; ++t) threads.emplace_back(run, t);
+    run(0);
+    for (std::thread& t : threads) t.join();
+  };
+  return time_per_call(once, n_cols == 1 ? 2.0 : 4.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--scalar") == 0) ggraph::force_scalar_kernels(true);
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+  }
+  const double min_s = quick ? 0.2 : 1.0;
+  std::mt19937 rng(1234);
+  std::printf("kernels: %s\n", ggraph::cpu_features());
+
+  std::printf("mat-vec, 1 thread (weight bytes / time):\n");
+  const int copies_small = 128;  // 128 x 0.55 MB: well past the last-level cache
+  bench_matvec(DType::Q4_1, 576, 1536, 1, min_s, rng);
+  bench_matvec(DType::Q4_1, 576, 1536, copies_small, min_s, rng);
+  bench_matvec(DType::Q4_1, 1536, 576, 1, min_s, rng);
+  bench_matvec(DType::Q4_1, 1536, 576, copies_small, min_s, rng);
+  bench_matvec(DType::Q8_0, 576, 49152, 3, min_s, rng);
+  bench_matvec(DType::Q4_0, 4096, 11008, 2, min_s, rng);
+  bench_matvec(DType::F16, 576, 1536, 1, min_s, rng);
+  bench_matvec(DType::F32, 576, 1536, 1, min_s, rng);
+
+  std::printf("tiles, 1 thread (64 columns, 2*k*rows*cols / time):\n");
+  for (DType t : {DType::Q4_1, DType::Q4_0, DType::Q8_0}) {
+    for (int nc : {1, 2, 4, 8}) bench_tiles(t, 576, 1536, 64, nc, min_s, rng);
+  }
+  for (int nc : {4, 8}) bench_tiles(DType::Q4_1, 1536, 576, 64, nc, min_s, rng);
+  for (int nr : {16, 32}) bench_tiles(DType::Q4_1, 576, 1536, nr, 4, min_s, rng);
+  for (DType t : {DType::F32, DType::F16, DType::BF16})
+    bench_tiles(t, 576, 1536, 64, 6, min_s, rng);
+  if (quick) return 0;
+
+  std::printf("SmolLM2-135M mat-muls only (30 x q,k,v,o,gate,up,down Q4_1 + output Q8_0):\n");
+  ModelWeights w = smollm2_weights(rng);
+  for (int threads : {1, 2}) {
+    const double t = model_pass(w, 1, threads, 0, 0, true, rng);
+    std::printf("  decode, %d thread(s): %6.2f ms/token = %6.1f tok/s\n", threads, t * 1e3,
+                1.0 / t);
+  }
+  for (int tile_cols : {4, 8}) {
+    const double t = model_pass(w, 512, 2, 64, tile_cols, false, rng);
+    std::printf("  prompt 512, 2 threads, tiles 64x%d, no output matrix: %6.1f tok/s\n", tile_cols,
+                512 / t);
+  }
+  return 0;
+}

@@ -1,0 +1,711 @@
+// Weight formats and CPU dot-product kernels: block layouts against the format definitions,
+// half-float rounding, quantizer error bounds, and mul_mat_tile against float64 references.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "quant.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace ggraph {
+namespace {
+
+constexpr DType kComputable[] = {DType::F32,  DType::F16,  DType::BF16,
+                                 DType::Q8_0, DType::Q4_0, DType::Q4_1};
+
+bool is_quantized(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// IEEE half decoded from its definition, in double: sign, 5-bit exponent (bias 15), 10-bit
+// fraction.
+double half_value(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
+  double v;
+  if (exp == 0x1f) {
+    v = frac == 0 ? std::numeric_limits<double>::infinity() : std::nan("");
+  } else if (exp == 0) {
+    v = std::ldexp(frac, -24);
+  } else {
+    v = std::ldexp(1024 + frac, exp - 25);
+  }
+  return sign ? -v : v;
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Restores the kernels the CPU offers after a test that forced the scalar ones.
+class KernelModeGuard {
+ public:
+  ~KernelModeGuard() { force_scalar_kernels(false); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Half floats
+
+TEST(HalfFloat, EveryF16DecodesToItsDefinedValue) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = f16_to_f32(static_cast<uint16_t>(h));
+    const double want = half_value(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(f)) << std::hex << h;
+    } else {
+      EXPECT_EQ(static_cast<double>(f), want) << std::hex << h;
+      EXPECT_EQ(std::signbit(f), (h & 0x8000) != 0) << std::hex << h;
+    }
+  }
+}
+
+TEST(HalfFloat, EveryF16RoundTripsThroughF32) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const uint16_t back = f32_to_f16(f16_to_f32(static_cast<uint16_t>(h)));
+    if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0) {
+      EXPECT_EQ(back & 0x7c00, 0x7c00) << std::hex << h;  // NaN stays NaN
+      EXPECT_NE(back & 0x3ff, 0) << std::hex << h;
+    } else {
+      EXPECT_EQ(back, h) << std::hex << h;
+    }
+  }
+}
+
+TEST(HalfFloat, F16RoundingEdgeCases) {
+  const float two_m24 = std::ldexp(1.0f, -24);  // smallest subnormal half
+  struct Case {
+    float in;
+    uint16_t want;
+  } cases[] = {
+      {0.0f, 0x0000},
+      {-0.0f, 0x8000},
+      {1.0f, 0x3c00},
+      {std::ldexp(1.0f, -11) + 1.0f, 0x3c00},      // tie between 0x3c00 and 0x3c01: even
+      {3 * std::ldexp(1.0f, -11) + 1.0f, 0x3c02},  // tie between 0x3c01 and 0x3c02: even
+      {std::nextafter(std::ldexp(1.0f, -11) + 1.0f, 2.0f), 0x3c01},  // just above a tie
+      {65504.0f, 0x7bff},                                            // largest half
+      {65519.996f, 0x7bff},                                          // below the Inf threshold
+      {65520.0f, 0x7c00},                                            // tie rounds to even: Inf
+      {-65520.0f, 0xfc00},
+      {1e10f, 0x7c00},
+      {std::numeric_limits<float>::infinity(), 0x7c00},
+      {-std::numeric_limits<float>::infinity(), 0xfc00},
+      {two_m24, 0x0001},
+      {two_m24 / 2, 0x0000},                        // tie with zero: even
+      {std::nextafter(two_m24 / 2, 1.0f), 0x0001},  // just above it
+      {3 * two_m24 / 2, 0x0002},                    // tie between 1 and 2: even
+      {5 * two_m24 / 2, 0x0002},                    // tie between 2 and 3: even
+      {1023 * two_m24, 0x03ff},                     // largest subnormal
+      {1023.5f * two_m24, 0x0400},                  // tie with the smallest normal: even
+      {std::ldexp(1.0f, -14), 0x0400},              // smallest normal
+      {1e-30f, 0x0000},
+      {-1e-30f, 0x8000},
+      {bits_float(1), 0x0000},  // f32 subnormal
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(f32_to_f16(c.in), c.want) << c.in;
+  }
+  const uint16_t nan = f32_to_f16(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(nan & 0x7c00, 0x7c00);
+  EXPECT_NE(nan & 0x3ff, 0);
+  const uint16_t snan = f32_to_f16(bits_float(0x7f800001));  // payload only in the low bits
+  EXPECT_EQ(snan & 0x7c00, 0x7c00);
+  EXPECT_NE(snan & 0x3ff, 0);
+}
+
+// For random floats the result must be a nearest half, ties to the even one: checked against the
+// neighbours of the returned value, with exact arithmetic in double.
+TEST(HalfFloat, F16IsNearestEvenForRandomFloats) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffffffffu);
+  for (int i = 0; i < 200000; ++i) {
+    // Exponents concentrated around the half range so that subnormals and overflow are covered.
+    uint32_t u = bits(rng);
+    const uint32_t exp = 100 + (u >> 23) % 45;  // 2^-27 .. 2^17
+    u = (u & 0x807fffffu) | (exp << 23);
+    const float f = bits_float(u);
+    const uint16_t h = f32_to_f16(f);
+    const double x = f, got = half_value(h);
+    if (std::isinf(got)) {
+      EXPECT_GE(std::fabs(x), 65520.0) << f;
+      continue;
+    }
+    const double err = std::fabs(got - x);
+    const uint16_t mag = h & 0x7fff;
+    for (int step : {-1, 1}) {
+      if (mag == 0 && step < 0) continue;
+      const uint16_t nb = static_cast<uint16_t>((h & 0x8000) | (mag + step));
+      const double other = half_value(nb);
+      if (std::isinf(other)) continue;
+      const double other_err = std::fabs(other - x);
+      ASSERT_LE(err, other_err) << f;
+      if (err == other_err) {
+        ASSERT_EQ(h & 1, 0) << "tie must go to even " << f;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("f16c"))) uint16_t hardware_f16(float f) {
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+}
+
+TEST(HalfFloat, F16MatchesTheF16cInstruction) {
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "CPU has no F16C";
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffffffffu);
+  for (int i = 0; i < 1000000; ++i) {
+    const float f = bits_float(bits(rng));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(f32_to_f16(f), hardware_f16(f)) << std::hexfloat << f;
+  }
+}
+#endif
+
+TEST(BFloat16, EveryBF16RoundTrips) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = bf16_to_f32(static_cast<uint16_t>(h));
+    EXPECT_EQ(float_bits(f), h << 16);
+    const uint16_t back = f32_to_bf16(f);
+    if ((h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(back))) << std::hex << h;
+    } else {
+      EXPECT_EQ(back, h) << std::hex << h;
+    }
+  }
+}
+
+TEST(BFloat16, RoundingEdgeCases) {
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);      // tie: even
+  EXPECT_EQ(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);  // tie: even
+  EXPECT_EQ(f32_to_bf16(std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f)), 0x3f81);
+  EXPECT_EQ(f32_to_bf16(-0.0f), 0x8000);
+  EXPECT_EQ(f32_to_bf16(std::numeric_limits<float>::max()), 0x7f80);  // rounds up to Inf
+  EXPECT_EQ(f32_to_bf16(-std::numeric_limits<float>::infinity()), 0xff80);
+  EXPECT_EQ(f32_to_bf16(bits_float(0x00018000)), 0x0002);    // subnormal tie: even
+  const uint16_t nan = f32_to_bf16(bits_float(0x7f800001));  // NaN whose payload is below bf16
+  EXPECT_EQ(nan & 0x7f80, 0x7f80);
+  EXPECT_NE(nan & 0x7f, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block formats
+
+// Random blocks: random quants and scales drawn from a normal distribution, stored as halves.
+std::vector<uint8_t> random_blocks(DType t, int64_t nb, std::mt19937& rng) {
+  const size_t bsize = row_size(t, QK);
+  std::vector<uint8_t> data(bsize * nb);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::normal_distribution<float> scale(0.0f, 0.02f);
+  for (uint8_t& b : data) b = static_cast<uint8_t>(byte(rng));
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* blk = data.data() + i * bsize;
+    const uint16_t d = f32_to_f16(scale(rng)), m = f32_to_f16(scale(rng) * 8);
+    std::memcpy(blk, &d, 2);
+    if (t == DType::Q4_1) std::memcpy(blk + 2, &m, 2);
+  }
+  return data;
+}
+
+// Element j of a block from the format definitions, in double.
+double reference_element(DType t, const uint8_t* blk, int j) {
+  const double d = half_value(load_u16(blk));
+  switch (t) {
+    case DType::Q8_0:
+      return static_cast<int8_t>(blk[2 + j]) * d;
+    case DType::Q4_0: {
+      const uint8_t byte = blk[2 + j % 16];
+      const int q = j < 16 ? byte & 0x0f : byte >> 4;
+      return (q - 8) * d;
+    }
+    case DType::Q4_1: {
+      const uint8_t byte = blk[4 + j % 16];
+      const int q = j < 16 ? byte & 0x0f : byte >> 4;
+      return q * d + half_value(load_u16(blk + 2));
+    }
+    default:
+      return std::nan("");
+  }
+}
+
+TEST(Dequantize, QuantizedBlocksMatchTheFormatDefinition) {
+  std::mt19937 rng(3);
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    const int64_t nb = 64;
+    const std::vector<uint8_t> data = random_blocks(t, nb, rng);
+    std::vector<float> out(nb * QK);
+    dequantize_row(t, data.data(), out.data(), nb * QK);
+    const size_t bsize = row_size(t, QK);
+    for (int64_t i = 0; i < nb; ++i) {
+      for (int j = 0; j < QK; ++j) {
+        // Products of a 4- or 8-bit integer and a half are exact in float; Q4_1 adds one rounding.
+        const float want = static_cast<float>(reference_element(t, data.data() + i * bsize, j));
+        ASSERT_EQ(out[i * QK + j], want) << type_name(t) << " block " << i << " element " << j;
+      }
+    }
+  }
+}
+
+TEST(Dequantize, FloatRowsMatchTheirDefinition) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffff);
+  std::vector<uint16_t> h(1000);
+  for (uint16_t& v : h) v = static_cast<uint16_t>(bits(rng));
+  std::vector<float> out(h.size());
+  dequantize_row(DType::F16, h.data(), out.data(), static_cast<int64_t>(h.size()));
+  for (size_t i = 0; i < h.size(); ++i) {
+    if (std::isnan(half_value(h[i]))) {
+      EXPECT_TRUE(std::isnan(out[i]));
+    } else {
+      EXPECT_EQ(out[i], half_value(h[i]));
+    }
+  }
+  dequantize_row(DType::BF16, h.data(), out.data(), static_cast<int64_t>(h.size()));
+  for (size_t i = 0; i < h.size(); ++i) EXPECT_EQ(float_bits(out[i]), uint32_t(h[i]) << 16);
+  const std::vector<float> f = {1.5f, -2.25f, 3e-39f};
+  std::vector<float> g(3);
+  dequantize_row(DType::F32, f.data(), g.data(), 3);
+  EXPECT_EQ(f, g);
+}
+
+TEST(Quantize, GgmlRoundingOnKnownBlocks) {
+  // Q8_0: amax 127 gives d = 1; ggml rounds halves away from zero.
+  std::vector<float> x(QK, 0.0f);
+  x[0] = 127.0f;
+  x[1] = 2.5f;
+  x[2] = -2.5f;
+  x[3] = 0.5f;
+  x[4] = -1.49f;
+  BlockQ8_0 q8;
+  quantize_row(DType::Q8_0, x.data(), &q8, QK);
+  EXPECT_EQ(q8.d, 0x3c00);
+  EXPECT_EQ(q8.qs[0], 127);
+  EXPECT_EQ(q8.qs[1], 3);
+  EXPECT_EQ(q8.qs[2], -3);
+  EXPECT_EQ(q8.qs[3], 1);
+  EXPECT_EQ(q8.qs[4], -1);
+  EXPECT_EQ(q8.qs[5], 0);
+
+  // Q4_0: the signed extreme -4 sets d = -4 / -8 = 0.5; values map to v / 0.5 + 8.
+  for (int j = 0; j < QK; ++j) x[j] = 0.5f * static_cast<float>(j % 16 - 8);
+  BlockQ4_0 q40;
+  quantize_row(DType::Q4_0, x.data(), &q40, QK);
+  EXPECT_EQ(q40.d, f32_to_f16(0.5f));
+  for (int j = 0; j < QK / 2; ++j) {
+    EXPECT_EQ(q40.qs[j] & 0x0f, j % 16) << j;
+    EXPECT_EQ(q40.qs[j] >> 4, j % 16) << j;
+  }
+  // A positive extreme gives a negative scale, and the extreme itself clamps to 15 (value 7 d).
+  for (int j = 0; j < QK; ++j) x[j] = j == 5 ? 8.0f : 0.0f;
+  quantize_row(DType::Q4_0, x.data(), &q40, QK);
+  EXPECT_EQ(q40.d, f32_to_f16(-1.0f));
+  EXPECT_EQ(q40.qs[5] & 0x0f, 0);  // 8 * (1 / -1) + 8.5 = 0.5 truncates to 0: value 8
+  EXPECT_EQ(q40.qs[0] & 0x0f, 8);
+
+  // Q4_1: min 1, max 4.75 gives d = 0.25 and quants (v - 1) / 0.25.
+  for (int j = 0; j < QK; ++j) x[j] = 1.0f + 0.25f * static_cast<float>((j * 7) % 16);
+  BlockQ4_1 q41;
+  quantize_row(DType::Q4_1, x.data(), &q41, QK);
+  EXPECT_EQ(q41.d, f32_to_f16(0.25f));
+  EXPECT_EQ(q41.m, f32_to_f16(1.0f));
+  for (int j = 0; j < QK / 2; ++j) {
+    EXPECT_EQ(q41.qs[j] & 0x0f, (j * 7) % 16) << j;
+    EXPECT_EQ(q41.qs[j] >> 4, ((j + 16) * 7) % 16) << j;
+  }
+  // A constant block has d = 0 and quants 0.
+  std::fill(x.begin(), x.end(), -3.0f);
+  quantize_row(DType::Q4_1, x.data(), &q41, QK);
+  EXPECT_EQ(q41.d, 0);
+  EXPECT_EQ(q41.m, f32_to_f16(-3.0f));
+  for (int j = 0; j < QK / 2; ++j) EXPECT_EQ(q41.qs[j], 0);
+}
+
+// Quantize then dequantize: every element within the format's rounding step, with the half
+// rounding of the stored scale (relative 2^-11) allowed on top.
+TEST(Quantize, RoundTripErrorIsWithinTheFormatStep) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const int64_t n = 4096;
+  std::vector<float> x(n), y(n);
+  for (float& v : x) v = dist(rng) * (rng() % 2 ? 1.0f : 1e-3f);
+  for (DType t : kComputable) {
+    std::vector<uint8_t> data(row_size(t, n));
+    quantize_row(t, x.data(), data.data(), n);
+    dequantize_row(t, data.data(), y.data(), n);
+    const double h = std::ldexp(1.0, -11);
+    for (int64_t b = 0; b < n / QK; ++b) {
+      float amax = 0, lo = x[b * QK], hi = x[b * QK];
+      for (int j = 0; j < QK; ++j) {
+        amax = std::max(amax, std::fabs(x[b * QK + j]));
+        lo = std::min(lo, x[b * QK + j]);
+        hi = std::max(hi, x[b * QK + j]);
+      }
+      for (int j = 0; j < QK; ++j) {
+        const int64_t i = b * QK + j;
+        double bound = 0;
+        switch (t) {
+          case DType::F32:
+            bound = 0;
+            break;
+          // Relative 2^-11, or half the subnormal spacing 2^-24 below the normal range.
+          case DType::F16:
+            bound = std::max(std::fabs(x[i]) * h, std::ldexp(1.0, -25));
+            break;
+          case DType::BF16:
+            bound = std::fabs(x[i]) * std::ldexp(1.0, -8);
+            break;
+          // Half a step, plus up to 127 steps of the scale's rounding.
+          case DType::Q8_0:
+            bound = amax / 127.0 * (0.5 + 127 * h);
+            break;
+          // The extreme clamps from 8 to 7 steps: a whole step, plus 8 steps of scale rounding.
+          case DType::Q4_0:
+            bound = amax / 8.0 * (1.0 + 8 * h);
+            break;
+          // Half a step, 15 steps of scale rounding and the minimum's rounding.
+          case DType::Q4_1:
+            bound = (hi - lo) / 15.0 * (0.5 + 15 * h) + std::fabs(lo) * h;
+            break;
+          default:
+            break;
+        }
+        ASSERT_LE(std::fabs(double(y[i]) - x[i]), bound * (1 + 1e-6) + 1e-30)
+            << type_name(t) << " element " << i << " value " << x[i];
+      }
+    }
+  }
+}
+
+TEST(Quantize, RejectsPartialBlocksAndOtherTypes) {
+  std::vector<float> x(48);
+  std::vector<uint8_t> buf(1024);
+  EXPECT_THROW(quantize_row(DType::Q4_0, x.data(), buf.data(), 48), ArgumentError);
+  EXPECT_THROW(dequantize_row(DType::Q8_0, buf.data(), x.data(), 40), ArgumentError);
+  EXPECT_THROW(dequantize_row(DType::Q4_K, buf.data(), x.data(), 256), ArgumentError);
+  EXPECT_THROW(quantize_row(DType::Q6_K, x.data(), buf.data(), 0), ArgumentError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// mul_mat_tile
+
+struct Problem {
+  DType type;
+  int64_t k;
+  int n_rows, n_cols;
+  std::vector<float> w_deq;  // dequantized weights, row-major n_rows x k
+  std::vector<float> x;      // activations, n_cols columns of k
+  std::vector<uint8_t> w;    // weights in the format
+  size_t w_stride = 0;
+  std::vector<uint8_t> act;  // prepared activations
+  size_t act_stride = 0;
+};
+
+Problem make_problem(DType t, int64_t k, int n_rows, int n_cols, std::mt19937& rng) {
+  Problem p{t, k, n_rows, n_cols, {}, {}, {}, 0, {}, 0};
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> offset(-0.5f, 0.5f);
+  // Weights with a per-row offset so that Q4_1's minimum and Q4_0's asymmetry matter.
+  std::vector<float> row(k);
+  // Rows padded by 2 bytes so that the kernels get rows that are not block-aligned.
+  p.w_stride = row_size(t, k) + 2;
+  p.w.assign(p.w_stride * n_rows, 0xcd);
+  p.w_deq.resize(size_t(k) * n_rows);
+  for (int r = 0; r < n_rows; ++r) {
+    const float off = offset(rng);
+    for (float& v : row) v = 0.1f * dist(rng) + off;
+    quantize_row(t, row.data(), p.w.data() + r * p.w_stride, k);
+    dequantize_row(t, p.w.data() + r * p.w_stride, p.w_deq.data() + size_t(r) * k, k);
+  }
+  p.x.resize(size_t(k) * n_cols);
+  for (float& v : p.x) v = dist(rng);
+  p.act_stride = act_row_size(t, k);
+  p.act.assign(p.act_stride * n_cols, 0);
+  for (int c = 0; c < n_cols; ++c) {
+    prepare_act(t, p.x.data() + size_t(c) * k, p.act.data() + c * p.act_stride, k);
+  }
+  return p;
+}
+
+std::vector<float> run_tile(const Problem& p) {
+  std::vector<float> out(size_t(p.n_rows) * p.n_cols, std::nanf(""));
+  mul_mat_tile(p.type, p.k, p.w.data(), p.w_stride, p.n_rows, p.act.data(), p.act_stride, p.n_cols,
+               out.data(), size_t(p.n_rows));
+  return out;
+}
+
+// The activation quantization as documented in quant.h, done here independently: per 32
+// elements d = amax / 127 and q = x * (127 / amax) rounded to nearest even.
+std::vector<double> quantized_activation(const float* x, int64_t k) {
+  std::vector<double> out(k);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    float amax = 0;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[b * QK + j]));
+    const float id = amax != 0 ? 127.0f / amax : 0.0f;
+    const float d = amax / 127.0f;
+    for (int j = 0; j < QK; ++j) {
+      const float prod = x[b * QK + j] * id;
+      out[b * QK + j] = std::nearbyint(prod) * static_cast<double>(d);
+    }
+  }
+  return out;
+}
+
+// Largest magnitude the kernels may hold in float while summing row r with column c: the
+// quantized formats sum unsigned quants times the scale and add the minimum's term apart, so
+// each element can contribute up to (|w| + 2|m|) |x| with m the block's minimum (-8 d for Q4_0).
+double float_magnitude(const Problem& p, int r, const std::vector<double>& xq) {
+  const float* w = p.w_deq.data() + size_t(r) * p.k;
+  const size_t bsize = is_quantized(p.type) ? row_size(p.type, QK) : 0;
+  double sum = 0;
+  for (int64_t i = 0; i < p.k; ++i) {
+    double m = 0;
+    if (p.type == DType::Q4_0 || p.type == DType::Q4_1) {
+      const uint8_t* blk = p.w.data() + r * p.w_stride + (i / QK) * bsize;
+      m = p.type == DType::Q4_0 ? 8 * std::fabs(half_value(load_u16(blk)))
+                                : std::fabs(half_value(load_u16(blk + 2)));
+    }
+    sum += (std::fabs(w[i]) + 2 * m) * std::fabs(xq[i]);
+  }
+  return sum;
+}
+
+// Rounding bound of float summation: a product and one addition per block or element in each
+// of 8 lanes, then the lane sum, all at unit roundoff 2^-24; doubled for second-order terms.
+double summation_bound(const Problem& p, double magnitude) {
+  const double terms = is_quantized(p.type) ? double(p.k / QK) : double(p.k);
+  return (terms + 16) * std::ldexp(1.0, -23) * magnitude;
+}
+
+void check_against_references(const Problem& p, const std::vector<float>& out,
+                              const std::string& label) {
+  for (int c = 0; c < p.n_cols; ++c) {
+    const float* x = p.x.data() + size_t(c) * p.k;
+    std::vector<double> xq(x, x + p.k);
+    if (is_quantized(p.type)) xq = quantized_activation(x, p.k);
+    for (int r = 0; r < p.n_rows; ++r) {
+      const float* w = p.w_deq.data() + size_t(r) * p.k;
+      double exact = 0, with_xq = 0, abs_dot = 0, act_bound = 0;
+      for (int64_t i = 0; i < p.k; ++i) {
+        exact += double(w[i]) * x[i];
+        with_xq += double(w[i]) * xq[i];
+        abs_dot += std::fabs(double(w[i]) * x[i]);
+      }
+      if (is_quantized(p.type)) {
+        // 8-bit rounding moves each activation by at most half a step, amax / 254, plus the
+        // float rounding of x * (127 / amax) (a few units of 2^-24 relative).
+        for (int64_t b = 0; b < p.k / QK; ++b) {
+          double amax = 0, wabs = 0;
+          for (int j = 0; j < QK; ++j) {
+            amax = std::max(amax, std::fabs(double(x[b * QK + j])));
+            wabs += std::fabs(double(w[b * QK + j]));
+          }
+          act_bound += amax / 127.0 * (0.5 + 127 * std::ldexp(1.0, -21)) * wabs;
+        }
+      }
+      const double got = out[size_t(c) * p.n_rows + r];
+      const double float_bound = summation_bound(p, float_magnitude(p, r, xq));
+      // Against the original activations: the 8-bit rounding dominates.
+      ASSERT_LE(std::fabs(got - exact), act_bound + float_bound + 1e-30)
+          << label << " r=" << r << " c=" << c << " exact=" << exact << " |w|.|x|=" << abs_dot;
+      // Against the same quantized activations: only float summation differs.
+      ASSERT_LE(std::fabs(got - with_xq), float_bound + 1e-30)
+          << label << " r=" << r << " c=" << c << " reference=" << with_xq;
+    }
+  }
+}
+
+std::string label_of(const Problem& p) {
+  return std::string(type_name(p.type)) + " k=" + std::to_string(p.k) + " " +
+         std::to_string(p.n_rows) + "x" + std::to_string(p.n_cols) + " " + cpu_features();
+}
+
+class MulMatTile : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { force_scalar_kernels(GetParam()); }
+  void TearDown() override { force_scalar_kernels(false); }
+};
+
+TEST_P(MulMatTile, MatchesFloat64ReferenceForEveryTypeAndShape) {
+  std::mt19937 rng(21);
+  for (DType t : kComputable) {
+    std::vector<int64_t> ks = {32, 64, 576, 1536, 4096};
+    if (!is_quantized(t)) ks.insert(ks.end(), {1, 7, 33});
+    for (int64_t k : ks) {
+      for (int n_rows : {1, 3, 7, 17}) {
+        for (int n_cols : {1, 3, 7, 17}) {
+          if (k == 4096 && n_rows * n_cols > 50) continue;  // keeps the float64 reference quick
+          const Problem p = make_problem(t, k, n_rows, n_cols, rng);
+          check_against_references(p, run_tile(p), label_of(p));
+        }
+      }
+    }
+  }
+}
+
+// Bits must not depend on how rows and columns are grouped into calls.
+TEST_P(MulMatTile, SameBitsWhateverTheTileShape) {
+  std::mt19937 rng(33);
+  for (DType t : kComputable) {
+    for (int64_t k : {64, 576, 1536}) {
+      const Problem p = make_problem(t, k, 37, 13, rng);
+      const std::vector<float> whole = run_tile(p);
+      // One element per call.
+      std::vector<float> single(whole.size());
+      for (int r = 0; r < p.n_rows; ++r) {
+        for (int c = 0; c < p.n_cols; ++c) {
+          mul_mat_tile(t, k, p.w.data() + r * p.w_stride, p.w_stride, 1,
+                       p.act.data() + c * p.act_stride, p.act_stride, 1,
+                       single.data() + size_t(c) * p.n_rows + r, size_t(p.n_rows));
+        }
+      }
+      ASSERT_EQ(0, std::memcmp(whole.data(), single.data(), whole.size() * sizeof(float)))
+          << label_of(p) << ": 1x1 calls differ from one call";
+      // Random tiles.
+      std::uniform_int_distribution<int> size(1, 9);
+      std::vector<float> tiled(whole.size());
+      for (int r = 0; r < p.n_rows;) {
+        const int nr = std::min(size(rng), p.n_rows - r);
+        for (int c = 0; c < p.n_cols;) {
+          const int nc = std::min(size(rng), p.n_cols - c);
+          mul_mat_tile(t, k, p.w.data() + r * p.w_stride, p.w_stride, nr,
+                       p.act.data() + c * p.act_stride, p.act_stride, nc,
+                       tiled.data() + size_t(c) * p.n_rows + r, size_t(p.n_rows));
+          c += nc;
+        }
+        r += nr;
+      }
+      ASSERT_EQ(0, std::memcmp(whole.data(), tiled.data(), whole.size() * sizeof(float)))
+          << label_of(p) << ": random tiles differ from one call";
+      // A column computed alone equals the same column inside a tile.
+      std::vector<float> col(p.n_rows);
+      mul_mat_tile(t, k, p.w.data(), p.w_stride, p.n_rows, p.act.data() + 5 * p.act_stride,
+                   p.act_stride, 1, col.data(), size_t(p.n_rows));
+      ASSERT_EQ(0, std::memcmp(whole.data() + 5 * p.n_rows, col.data(), col.size() * 4))
+          << label_of(p) << ": single column differs";
+    }
+  }
+}
+
+TEST_P(MulMatTile, NonFiniteActivationsGiveNaN) {
+  std::mt19937 rng(41);
+  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+    Problem p = make_problem(t, 64, 3, 2, rng);
+    p.x[40] = std::numeric_limits<float>::infinity();
+    p.x[64 + 3] = std::nanf("");
+    for (int c = 0; c < 2; ++c) {
+      prepare_act(t, p.x.data() + c * 64, p.act.data() + c * p.act_stride, 64);
+    }
+    const std::vector<float> out = run_tile(p);
+    for (float v : out) EXPECT_TRUE(std::isnan(v)) << label_of(p);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, MulMatTile, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Scalar" : "Best";
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// Scalar and vector kernels
+
+TEST(KernelDispatch, ReportsFeaturesAndForcesScalar) {
+  KernelModeGuard guard;
+  force_scalar_kernels(false);
+  const std::string best = cpu_features();
+  EXPECT_FALSE(best.empty());
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    EXPECT_NE(best.find("avx2"), std::string::npos) << best;
+  }
+#endif
+  force_scalar_kernels(true);
+  EXPECT_EQ(std::string(cpu_features()), "scalar");
+}
+
+TEST(KernelDispatch, PreparedActivationsAreIdenticalBytes) {
+  KernelModeGuard guard;
+  std::mt19937 rng(51);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (DType t : kComputable) {
+    for (int64_t k : {32, 96, 576, 4096}) {
+      std::vector<float> x(k);
+      for (float& v : x) v = dist(rng);
+      if (k >= 96) {
+        x[33] = std::numeric_limits<float>::infinity();   // second block non-finite
+        std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // third block all zero
+      }
+      const size_t size = act_row_size(t, k);
+      std::vector<uint8_t> a(size, 0xaa), b(size, 0x55);
+      force_scalar_kernels(true);
+      prepare_act(t, x.data(), a.data(), k);
+      force_scalar_kernels(false);
+      prepare_act(t, x.data(), b.data(), k);
+      EXPECT_EQ(a, b) << type_name(t) << " k=" << k;
+    }
+  }
+}
+
+// The vector kernels sum in a different order from the scalar ones: both must land within the
+// float summation bound of the same float64 value, so within twice that bound of each other.
+TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
+  KernelModeGuard guard;
+  std::mt19937 rng(61);
+  for (DType t : kComputable) {
+    for (int64_t k : {32, 576, 1536}) {
+      const Problem p = make_problem(t, k, 19, 6, rng);
+      force_scalar_kernels(true);
+      const std::vector<float> scalar = run_tile(p);
+      force_scalar_kernels(false);
+      const std::vector<float> vec = run_tile(p);
+      for (int c = 0; c < p.n_cols; ++c) {
+        std::vector<double> xq(p.x.begin() + c * k, p.x.begin() + (c + 1) * k);
+        if (is_quantized(t)) xq = quantized_activation(p.x.data() + c * k, k);
+        for (int r = 0; r < p.n_rows; ++r) {
+          const size_t i = size_t(c) * p.n_rows + r;
+          ASSERT_LE(std::fabs(double(scalar[i]) - vec[i]),
+                    2 * summation_bound(p, float_magnitude(p, r, xq)) + 1e-30)
+              << label_of(p) << " r=" << r << " c=" << c;
+        }
+      }
+    }
+  }
+}
+
+TEST(KernelDispatch, RejectsTypesWithoutKernelsAndPartialBlocks) {
+  std::vector<uint8_t> buf(4096);
+  float out[4];
+  EXPECT_THROW(act_row_size(DType::Q4_K, 256), ArgumentError);
+  EXPECT_THROW(act_row_size(DType::Q8_0, 48), ArgumentError);
+  EXPECT_THROW(prepare_act(DType::Q5_0, nullptr, buf.data(), 32), ArgumentError);
+  EXPECT_THROW(mul_mat_tile(DType::Q6_K, 256, buf.data(), 256, 1, buf.data(), 256, 1, out, 1),
+               ArgumentError);
+  EXPECT_THROW(mul_mat_tile(DType::Q4_1, 48, buf.data(), 48, 1, buf.data(), 48, 1, out, 1),
+               ArgumentError);
+}
+
+}  // namespace
+}  // namespace ggraph
