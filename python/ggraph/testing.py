@@ -1,0 +1,852 @@
+"""Test helpers: a GGUF v3 writer, ggml block quantizers and random-weight llama models.
+
+Pure Python and numpy, importable without the compiled extension::
+
+    from ggraph.testing import write_random_gguf
+    write_random_gguf("tiny.gguf", shape="tiny", weight_type="Q4_1")
+
+or from the shell::
+
+    python -m ggraph.testing model.gguf --shape smollm2-135m --type Q4_1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import struct
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Union
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSION = 3
+DEFAULT_ALIGNMENT = 32
+
+# Metadata value types: name -> GGUF type id.
+VALUE_TYPES = {
+    "uint8": 0,
+    "int8": 1,
+    "uint16": 2,
+    "int16": 3,
+    "uint32": 4,
+    "int32": 5,
+    "float32": 6,
+    "bool": 7,
+    "string": 8,
+    "array": 9,
+    "uint64": 10,
+    "int64": 11,
+    "float64": 12,
+}
+_SCALAR_DTYPES = {
+    "uint8": np.dtype("<u1"),
+    "int8": np.dtype("<i1"),
+    "uint16": np.dtype("<u2"),
+    "int16": np.dtype("<i2"),
+    "uint32": np.dtype("<u4"),
+    "int32": np.dtype("<i4"),
+    "float32": np.dtype("<f4"),
+    "bool": np.dtype("<u1"),
+    "uint64": np.dtype("<u8"),
+    "int64": np.dtype("<i8"),
+    "float64": np.dtype("<f8"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGMLType:
+    name: str
+    id: int
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+
+
+# ggml's tensor types with their block layouts (ggml-common.h).
+GGML_TYPES = {
+    t.name: t
+    for t in [
+        GGMLType("F32", 0, 1, 4),
+        GGMLType("F16", 1, 1, 2),
+        GGMLType("Q4_0", 2, 32, 18),
+        GGMLType("Q4_1", 3, 32, 20),
+        GGMLType("Q5_0", 6, 32, 22),
+        GGMLType("Q5_1", 7, 32, 24),
+        GGMLType("Q8_0", 8, 32, 34),
+        GGMLType("Q8_1", 9, 32, 36),
+        GGMLType("Q2_K", 10, 256, 84),
+        GGMLType("Q3_K", 11, 256, 110),
+        GGMLType("Q4_K", 12, 256, 144),
+        GGMLType("Q5_K", 13, 256, 176),
+        GGMLType("Q6_K", 14, 256, 210),
+        GGMLType("Q8_K", 15, 256, 292),
+        GGMLType("IQ2_XXS", 16, 256, 66),
+        GGMLType("IQ2_XS", 17, 256, 74),
+        GGMLType("IQ3_XXS", 18, 256, 98),
+        GGMLType("IQ1_S", 19, 256, 50),
+        GGMLType("IQ4_NL", 20, 32, 18),
+        GGMLType("IQ3_S", 21, 256, 110),
+        GGMLType("IQ2_S", 22, 256, 82),
+        GGMLType("IQ4_XS", 23, 256, 136),
+        GGMLType("I8", 24, 1, 1),
+        GGMLType("I16", 25, 1, 2),
+        GGMLType("I32", 26, 1, 4),
+        GGMLType("I64", 27, 1, 8),
+        GGMLType("F64", 28, 1, 8),
+        GGMLType("IQ1_M", 29, 256, 56),
+        GGMLType("BF16", 30, 1, 2),
+        GGMLType("TQ1_0", 34, 256, 54),
+        GGMLType("TQ2_0", 35, 256, 66),
+        GGMLType("MXFP4", 39, 32, 17),
+    ]
+}
+# Types the writer can encode from float data (and decode back).
+QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_INT_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}
+# general.file_type values (llama_ftype) for a model whose weights are mostly of one type.
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+
+
+def ggml_type(name: str) -> GGMLType:
+    try:
+        return GGML_TYPES[name.upper()]
+    except KeyError:
+        raise ValueError(
+            f"unknown ggml type {name!r}; expected one of {', '.join(GGML_TYPES)}"
+        ) from None
+
+
+def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of GGUF shape (ne[0] first) stored as type_name."""
+    t = ggml_type(type_name)
+    if not shape or any(int(n) < 1 for n in shape):
+        raise ValueError(f"shape {list(shape)}: expected 1 to 4 positive dimensions")
+    if shape[0] % t.block_size:
+        raise ValueError(
+            f"shape {list(shape)}: ne[0] must be a multiple of the {t.name} block size "
+            f"{t.block_size}"
+        )
+    return int(np.prod(shape[1:], dtype=np.int64)) * (shape[0] // t.block_size) * t.type_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers: ggml's reference rounding, on blocks of float32.
+
+
+def _blocks(x: np.ndarray, block_size: int) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size % block_size:
+        raise ValueError(f"{x.size} elements are not a multiple of the block size {block_size}")
+    return x.reshape(-1, block_size)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """1/d where d is non-zero, else 0 (float32, as ggml's `d ? 1.0f/d : 0.0f`)."""
+    safe = np.where(d == 0, np.float32(1), d)
+    return np.where(d == 0, np.float32(0), np.float32(1) / safe).astype(np.float32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Element j of a 32-block goes to the low nibble of byte j, element j+16 to the high one."""
+    q = q.astype(np.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even; NaN stays a quiet NaN (as ggml_compute_fp32_to_bf16)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = ((u >> 16) | 64).astype(np.uint16)
+    return np.where(np.isnan(x), nan, rounded)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (f16 d, 32 x int8) as an (n_blocks, 34) uint8 array."""
+    b = _blocks(x, 32)
+    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
+    v = b * _inverse(d)[:, None]
+    # roundf rounds halves away from zero; v - trunc(v) is exact, so the test for .5 is too.
+    t = np.trunc(v)
+    q = (t + np.copysign(np.abs(v - t) >= np.float32(0.5), v)).astype(np.int8)
+    out = np.empty((b.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = d.astype("<f2")[:, None].view(np.uint8)
+    out[:, 2:] = q.view(np.uint8)
+    return out
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks (f16 d, 16 bytes of nibbles) as an (n_blocks, 18) uint8 array."""
+    b = _blocks(x, 32)
+    # d comes from the first element of largest magnitude, keeping its sign.
+    hi = b.max(axis=1)
+    lo = b.min(axis=1)
+    extreme = np.where(-lo > hi, lo, hi)
+    ties = np.flatnonzero((-lo == hi) & (hi > 0))
+    if ties.size:
+        first = np.argmax(np.abs(b[ties]), axis=1)
+        extreme[ties] = b[ties, first]
+    d = (extreme / np.float32(-8)).astype(np.float32)
+    v = (b * _inverse(d)[:, None]).astype(np.float32)
+    q = np.minimum(np.trunc(v + np.float32(8.5)), 15)
+    out = np.empty((b.shape[0], 18), dtype=np.uint8)
+    out[:, :2] = d.astype("<f2")[:, None].view(np.uint8)
+    out[:, 2:] = _pack_nibbles(q)
+    return out
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks (f16 d, f16 m, 16 bytes of nibbles) as an (n_blocks, 20) uint8 array."""
+    b = _blocks(x, 32)
+    lo = b.min(axis=1)
+    hi = b.max(axis=1)
+    d = ((hi - lo) / np.float32(15)).astype(np.float32)
+    v = ((b - lo[:, None]) * _inverse(d)[:, None]).astype(np.float32)
+    q = np.minimum(np.trunc(v + np.float32(0.5)), 15)
+    out = np.empty((b.shape[0], 20), dtype=np.uint8)
+    out[:, 0:2] = d.astype("<f2")[:, None].view(np.uint8)
+    out[:, 2:4] = lo.astype("<f2")[:, None].view(np.uint8)
+    out[:, 4:] = _pack_nibbles(q)
+    return out
+
+
+def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, at : at + 2]).view("<f2")[:, 0].astype(np.float32)
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.reshape(-1, 34)
+    q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)
+    return (_scale(blocks, 0)[:, None] * q).reshape(-1)
+
+
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.reshape(-1, 18)
+    q = _unpack_nibbles(blocks[:, 2:]).astype(np.float32) - 8
+    return (_scale(blocks, 0)[:, None] * q).reshape(-1)
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.reshape(-1, 20)
+    q = _unpack_nibbles(blocks[:, 4:]).astype(np.float32)
+    return (_scale(blocks, 0)[:, None] * q + _scale(blocks, 2)[:, None]).reshape(-1)
+
+
+def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """Encodes float values as type_name; returns the bytes as a flat uint8 array."""
+    name = ggml_type(type_name).name
+    x = np.asarray(x)
+    if name == "F32":
+        out = np.ascontiguousarray(x, dtype="<f4")
+    elif name == "F16":
+        out = np.ascontiguousarray(x, dtype="<f2")
+    elif name == "BF16":
+        out = f32_to_bf16_bits(x.astype(np.float32)).astype("<u2")
+    elif name in _BLOCK_QUANTIZERS:
+        t = ggml_type(name)
+        b = _blocks(x, t.block_size)
+        out = np.empty((b.shape[0], t.type_size), dtype=np.uint8)
+        # Chunks that fit in cache make the many elementwise passes several times faster.
+        for i in range(0, b.shape[0], _CHUNK_BLOCKS):
+            out[i : i + _CHUNK_BLOCKS] = _BLOCK_QUANTIZERS[name](b[i : i + _CHUNK_BLOCKS])
+    else:
+        raise ValueError(f"cannot quantize to {name}; supported: {', '.join(QUANTIZABLE)}")
+    return out.reshape(-1).view(np.uint8)
+
+
+_BLOCK_QUANTIZERS = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1}
+_CHUNK_BLOCKS = 8192
+
+
+def dequantize(data: bytes | np.ndarray, type_name: str) -> np.ndarray:
+    """Decodes bytes of type_name into a flat float32 array."""
+    name = ggml_type(type_name).name
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if name == "F32":
+        return raw.view("<f4").astype(np.float32)
+    if name == "F16":
+        return raw.view("<f2").astype(np.float32)
+    if name == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if name == "Q8_0":
+        return dequantize_q8_0(raw)
+    if name == "Q4_0":
+        return dequantize_q4_0(raw)
+    if name == "Q4_1":
+        return dequantize_q4_1(raw)
+    raise ValueError(f"cannot dequantize {name}; supported: {', '.join(QUANTIZABLE)}")
+
+
+def random_blocks(
+    type_name: str, n_elements: int, std: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Random weights of about the given standard deviation, generated directly as blocks.
+
+    Quantized types get uniform random quants and scales chosen so that the dequantized values
+    have standard deviation near `std` and mean near zero; no float tensor is materialized.
+    """
+    name = ggml_type(type_name).name
+    if name in ("F32", "F16", "BF16"):
+        return quantize(rng.standard_normal(n_elements, dtype=np.float32) * np.float32(std), name)
+    t = ggml_type(name)
+    if name not in QUANTIZABLE or n_elements % t.block_size:
+        raise ValueError(f"cannot generate random {name} blocks for {n_elements} elements")
+    n = n_elements // t.block_size
+    out = np.empty((n, t.type_size), dtype=np.uint8)
+    jitter = rng.uniform(0.9, 1.1, n).astype(np.float32)
+    if name == "Q8_0":
+        # Uniform integers in [-127, 127] have standard deviation 73.3.
+        d = np.float32(std / 73.3) * jitter
+        out[:, 2:] = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
+    else:
+        # Uniform nibbles have standard deviation 4.61.
+        d = np.float32(std / 4.61) * jitter
+        out[:, 2:] = np.frombuffer(rng.bytes(n * (t.type_size - 2)), np.uint8).reshape(n, -1)
+        if name == "Q4_0":
+            d = d * rng.choice(np.array([-1, 1], np.float32), n)
+        else:
+            m = np.float32(-7.5) * d * rng.uniform(0.95, 1.05, n).astype(np.float32)
+            out[:, 2:4] = m.astype("<f2")[:, None].view(np.uint8)
+    out[:, 0:2] = d.astype("<f2")[:, None].view(np.uint8)
+    return out.reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+
+
+@dataclasses.dataclass(frozen=True)
+class Typed:
+    """A metadata value with an explicit GGUF type, e.g. Typed("uint64", 5) or
+    Typed("array", [1, 2], elem_type="uint8"). Arrays of arrays use elem_type="array"."""
+
+    type: str
+    value: Any
+    elem_type: str | None = None
+
+
+TensorData = Union[np.ndarray, bytes, bytearray, memoryview, Callable[[], Any]]
+
+
+@dataclasses.dataclass
+class Tensor:
+    """One tensor to write. shape is GGUF order (ne[0], the contiguous dimension, first).
+
+    data is float values (quantized to `type` on write), encoded bytes (bytes or a uint8 array
+    of exactly the tensor's size), integer values for I8..I64, or a callable returning any of
+    these, called only when the tensor is written (so large models never sit in memory).
+    """
+
+    name: str
+    data: TensorData
+    type: str = "F32"
+    shape: Sequence[int] | None = None
+
+    def resolved_shape(self) -> list[int]:
+        if self.shape is not None:
+            return [int(n) for n in self.shape]
+        if isinstance(self.data, np.ndarray) and self.data.dtype != np.uint8:
+            return [int(n) for n in reversed(self.data.shape)]
+        raise ValueError(f"tensor {self.name!r}: a shape is needed for bytes or lazy data")
+
+
+def _infer_type(value: Any) -> str:
+    if isinstance(value, Typed):
+        return value.type
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, np.integer):
+        return value.dtype.name
+    if isinstance(value, np.floating):
+        return {4: "float32", 8: "float64"}.get(value.dtype.itemsize, "float32")
+    if isinstance(value, int):
+        if 0 <= value < 2**32:
+            return "uint32"
+        if -(2**31) <= value < 0:
+            return "int32"
+        return "uint64" if value >= 0 else "int64"
+    if isinstance(value, float):
+        return "float32"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "array"
+    raise TypeError(f"cannot store a {type(value).__name__} in GGUF metadata")
+
+
+def _infer_elem_type(values: Any) -> str:
+    if isinstance(values, np.ndarray):
+        if values.dtype == np.bool_:
+            return "bool"
+        if values.dtype.kind in "iu":
+            return values.dtype.name
+        if values.dtype.kind == "f":
+            return "float64" if values.dtype.itemsize == 8 else "float32"
+        if values.dtype.kind in "US":
+            return "string"
+        raise TypeError(f"cannot store a numpy {values.dtype} array in GGUF metadata")
+    if len(values) == 0:
+        raise ValueError("cannot infer the element type of an empty array; use Typed")
+    kinds = {_infer_type(v) for v in values}
+    ints = {"uint32", "int32", "uint64", "int64"}
+    if kinds <= ints:
+        lo, hi = min(values), max(values)
+        if -(2**31) <= lo and hi < 2**31:
+            return "int32"
+        return "int64" if lo < 0 else "uint64"
+    if len(kinds) == 1:
+        return kinds.pop()
+    if kinds <= ints | {"float32"}:
+        return "float32"
+    raise TypeError(f"array mixes element types {sorted(kinds)}")
+
+
+def _encode_string(s: str | bytes) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def _encode_value(type_name: str, value: Any, elem_type: str | None = None) -> bytes:
+    if isinstance(value, Typed):
+        return _encode_value(value.type, value.value, value.elem_type)
+    if type_name == "string":
+        return _encode_string(value)
+    if type_name == "array":
+        elem = elem_type or _infer_elem_type(value)
+        if elem not in VALUE_TYPES:
+            raise ValueError(f"unknown array element type {elem!r}")
+        head = struct.pack("<IQ", VALUE_TYPES[elem], len(value))
+        if elem == "string":
+            return head + b"".join(_encode_string(v) for v in value)
+        if elem == "array":
+            return head + b"".join(_encode_value("array", v) for v in value)
+        if elem == "bool":
+            return head + np.asarray(value, dtype=bool).astype(np.uint8).tobytes()
+        arr = np.asarray(value)
+        out = arr.astype(_SCALAR_DTYPES[elem])
+        if out.dtype.kind in "iu" and not np.array_equal(out, arr):
+            raise ValueError(f"array values do not fit {elem}")
+        return head + out.tobytes()
+    if type_name not in _SCALAR_DTYPES:
+        raise ValueError(f"unknown metadata type {type_name!r}")
+    if type_name == "bool":
+        return struct.pack("<B", 1 if value else 0)
+    dtype = _SCALAR_DTYPES[type_name]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            raise ValueError(f"{value} does not fit {type_name}")
+        return np.array(int(value), dtype=dtype).tobytes()
+    return np.array(value, dtype=dtype).tobytes()
+
+
+def encode_kv(key: str, value: Any) -> bytes:
+    """One metadata entry: key, value type, value."""
+    type_name = _infer_type(value)
+    return (
+        _encode_string(key)
+        + struct.pack("<I", VALUE_TYPES[type_name])
+        + _encode_value(
+            type_name, value.value if isinstance(value, Typed) else value, _elem_type(value)
+        )
+    )
+
+
+def _elem_type(value: Any) -> str | None:
+    return value.elem_type if isinstance(value, Typed) else None
+
+
+def _encode_tensor(t: Tensor, shape: list[int], nbytes: int) -> np.ndarray:
+    data = t.data() if callable(t.data) else t.data
+    name = ggml_type(t.type).name
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        raw = np.frombuffer(data, dtype=np.uint8)
+    else:
+        arr = np.asarray(data)
+        if arr.dtype == np.uint8:
+            raw = arr.reshape(-1)
+        elif name in _INT_TYPES:
+            raw = np.ascontiguousarray(arr, dtype=_INT_TYPES[name]).reshape(-1).view(np.uint8)
+        elif arr.dtype.kind == "f":
+            n = int(np.prod(shape, dtype=np.int64))
+            if arr.size != n:
+                raise ValueError(
+                    f"tensor {t.name!r}: {arr.size} values for shape {shape} ({n} elements)"
+                )
+            raw = quantize(arr, name)
+        else:
+            raise TypeError(f"tensor {t.name!r}: cannot write {arr.dtype} data as {name}")
+    if raw.size != nbytes:
+        raise ValueError(
+            f"tensor {t.name!r}: {raw.size} bytes of data, {name} {shape} needs {nbytes}"
+        )
+    return raw
+
+
+def write_gguf(
+    path: str | os.PathLike,
+    metadata: dict[str, Any],
+    tensors: Iterable[Tensor | tuple],
+    alignment: int | None = None,
+) -> None:
+    """Writes a little-endian GGUF v3 file.
+
+    metadata maps keys to values; types are inferred (int -> uint32/int32/uint64/int64 by range,
+    float -> float32, str, bool, lists -> arrays) unless given with Typed. tensors are Tensor
+    objects or (name, data, type[, shape]) tuples, written in order.
+    """
+    metadata = dict(metadata)
+    if alignment is None:
+        a = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        alignment = int(a.value if isinstance(a, Typed) else a)
+    elif alignment != DEFAULT_ALIGNMENT:
+        metadata["general.alignment"] = Typed("uint32", alignment)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+
+    specs = [t if isinstance(t, Tensor) else Tensor(*t) for t in tensors]
+    names = [t.name for t in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names")
+
+    header = bytearray(GGUF_MAGIC)
+    header += struct.pack("<IQQ", GGUF_VERSION, len(specs), len(metadata))
+    for key, value in metadata.items():
+        header += encode_kv(key, value)
+    layout = []
+    offset = 0
+    for t in specs:
+        shape = t.resolved_shape()
+        if not 1 <= len(shape) <= 4:
+            raise ValueError(f"tensor {t.name!r}: {len(shape)} dimensions, expected 1 to 4")
+        nbytes = tensor_nbytes(t.type, shape)
+        header += _encode_string(t.name)
+        header += struct.pack(
+            f"<I{len(shape)}QIQ", len(shape), *shape, ggml_type(t.type).id, offset
+        )
+        layout.append((t, shape, nbytes))
+        offset += -(-nbytes // alignment) * alignment
+
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(b"\0" * (-len(header) % alignment))
+        for t, shape, nbytes in layout:
+            f.write(memoryview(_encode_tensor(t, shape, nbytes)))
+            f.write(b"\0" * (-nbytes % alignment))
+
+
+# ---------------------------------------------------------------------------------------------
+# Random llama models
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    n_ctx: int
+    rope_base: float = 10000.0
+    rope_dims: int | None = None  # head dimension when None
+    rms_eps: float = 1e-5
+    tied: bool = False  # output projection shares token_embd.weight
+    weight_type: str = "Q4_0"
+    embd_type: str | None = None  # weight_type when None
+    output_type: str | None = None  # weight_type when None
+    pre: str = "default"  # tokenizer.ggml.pre
+    add_bos: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.head_dim * self.n_head_kv
+
+
+SHAPES = {
+    "tiny": ModelShape(
+        n_embd=64,
+        n_ff=128,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        n_vocab=320,
+        n_ctx=256,
+        weight_type="Q4_1",
+    ),
+    "smollm2-135m": ModelShape(
+        n_embd=576,
+        n_ff=1536,
+        n_layer=30,
+        n_head=9,
+        n_head_kv=3,
+        n_vocab=49152,
+        n_ctx=8192,
+        rope_base=100000.0,
+        rope_dims=64,
+        tied=True,
+        weight_type="Q4_1",
+        embd_type="Q8_0",
+        pre="smollm",
+    ),
+    "llama2-7b": ModelShape(
+        n_embd=4096,
+        n_ff=11008,
+        n_layer=32,
+        n_head=32,
+        n_head_kv=32,
+        n_vocab=32000,
+        n_ctx=4096,
+        weight_type="Q4_0",
+        output_type="Q8_0",
+        add_bos=True,
+    ),
+}
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOKEN_NORMAL, TOKEN_CONTROL = 1, 3
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted
+    past U+0100 so that every byte is a visible character."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(0x100 + shifted)
+            shifted += 1
+    return mapping
+
+
+def byte_level_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """A gpt2-style vocabulary of exactly n_vocab tokens: three control tokens, the 256 byte
+    tokens, then tokens built by merges of letters (after a space, then longer and longer), so
+    that tokenization is real BPE with a consistent merge list."""
+    alphabet = byte_to_unicode()
+    tokens = list(SPECIAL_TOKENS) + [alphabet[b] for b in range(256)]
+    types = [TOKEN_CONTROL] * len(SPECIAL_TOKENS) + [TOKEN_NORMAL] * 256
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab}: a byte-level vocabulary needs at least {len(tokens)}")
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    merges: list[str] = []
+    frontier = [alphabet[0x20]] + list(letters)
+    while len(tokens) < n_vocab:
+        grown = []
+        for left in frontier:
+            for right in letters:
+                if len(tokens) == n_vocab:
+                    break
+                merges.append(f"{left} {right}")
+                tokens.append(left + right)
+                types.append(TOKEN_NORMAL)
+                grown.append(left + right)
+        frontier = grown
+    return tokens, types, merges
+
+
+def llama_metadata(shape: ModelShape, name: str, weight_type: str) -> dict[str, Any]:
+    tokens, token_types, merges = byte_level_vocab(shape.n_vocab)
+    return {
+        "general.architecture": "llama",
+        "general.type": "model",
+        "general.name": name,
+        "general.file_type": Typed("uint32", FILE_TYPES.get(weight_type, 0)),
+        "general.quantization_version": Typed("uint32", 2),
+        "llama.block_count": Typed("uint32", shape.n_layer),
+        "llama.context_length": Typed("uint32", shape.n_ctx),
+        "llama.embedding_length": Typed("uint32", shape.n_embd),
+        "llama.feed_forward_length": Typed("uint32", shape.n_ff),
+        "llama.attention.head_count": Typed("uint32", shape.n_head),
+        "llama.attention.head_count_kv": Typed("uint32", shape.n_head_kv),
+        "llama.rope.freq_base": Typed("float32", shape.rope_base),
+        "llama.attention.layer_norm_rms_epsilon": Typed("float32", shape.rms_eps),
+        "llama.vocab_size": Typed("uint32", shape.n_vocab),
+        "llama.rope.dimension_count": Typed("uint32", shape.rope_dims or shape.head_dim),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": shape.pre,
+        "tokenizer.ggml.tokens": Typed("array", tokens, "string"),
+        "tokenizer.ggml.token_type": Typed("array", token_types, "int32"),
+        "tokenizer.ggml.merges": Typed("array", merges, "string"),
+        "tokenizer.ggml.bos_token_id": Typed("uint32", 1),
+        "tokenizer.ggml.eos_token_id": Typed("uint32", 2),
+        "tokenizer.ggml.unknown_token_id": Typed("uint32", 0),
+        "tokenizer.ggml.padding_token_id": Typed("uint32", 2),
+        "tokenizer.ggml.add_bos_token": shape.add_bos,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+
+
+def llama_tensor_layout(shape: ModelShape) -> list[tuple[str, str, list[int]]]:
+    """(name, ggml type, GGUF shape) of every tensor of a llama model, in llama.cpp's order."""
+    e, f, kv, v = shape.n_embd, shape.n_ff, shape.n_embd_kv, shape.n_vocab
+    w = shape.weight_type
+    layout = [("token_embd.weight", shape.embd_type or w, [e, v])]
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        layout += [
+            (p + "attn_norm.weight", "F32", [e]),
+            (p + "attn_q.weight", w, [e, e]),
+            (p + "attn_k.weight", w, [e, kv]),
+            (p + "attn_v.weight", w, [e, kv]),
+            (p + "attn_output.weight", w, [e, e]),
+            (p + "ffn_norm.weight", "F32", [e]),
+            (p + "ffn_gate.weight", w, [e, f]),
+            (p + "ffn_up.weight", w, [e, f]),
+            (p + "ffn_down.weight", w, [f, e]),
+        ]
+    layout.append(("output_norm.weight", "F32", [e]))
+    if not shape.tied:
+        layout.append(("output.weight", shape.output_type or w, [e, v]))
+    return layout
+
+
+def resolve_shape(
+    shape: str | ModelShape = "tiny",
+    weight_type: str | None = None,
+    embd_type: str | None = None,
+    output_type: str | None = None,
+    tied: bool | None = None,
+    **overrides: Any,
+) -> ModelShape:
+    """A named (or given) shape with the options applied."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    changes = dict(overrides)
+    if weight_type is not None:
+        changes["weight_type"] = weight_type
+    if embd_type is not None:
+        changes["embd_type"] = embd_type
+    if output_type is not None:
+        changes["output_type"] = output_type
+    if tied is not None:
+        changes["tied"] = tied
+    shape = dataclasses.replace(shape, **changes)
+    for t in (shape.weight_type, shape.embd_type, shape.output_type):
+        if t is not None and ggml_type(t).name not in QUANTIZABLE:
+            raise ValueError(f"weight type {t!r}: expected one of {', '.join(QUANTIZABLE)}")
+    if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
+        raise ValueError("n_embd must divide into n_head heads, n_head into n_head_kv groups")
+    return shape
+
+
+def write_random_gguf(
+    path: str | os.PathLike,
+    shape: str | ModelShape = "tiny",
+    weight_type: str | None = None,
+    seed: int = 0,
+    embd_type: str | None = None,
+    output_type: str | None = None,
+    tied: bool | None = None,
+    direct_blocks: bool | None = None,
+    std: float = 0.02,
+    name: str | None = None,
+    **overrides: Any,
+) -> ModelShape:
+    """Writes a complete llama GGUF with random weights and a byte-level BPE vocabulary.
+
+    Weights are normal(0, std) (norms near 1) quantized with ggml's rounding, or, with
+    direct_blocks, random quantized blocks of the same spread generated without floats
+    (the default for models over 500M parameters, where quantizing would take minutes).
+    overrides replace ModelShape fields (n_layer=4, n_ctx=512, ...). Returns the shape used.
+    """
+    m = resolve_shape(shape, weight_type, embd_type, output_type, tied, **overrides)
+    layout = llama_tensor_layout(m)
+    if direct_blocks is None:
+        direct_blocks = sum(int(np.prod(s)) for _, _, s in layout) > 500_000_000
+    label = shape if isinstance(shape, str) else "custom"
+    metadata = llama_metadata(m, name or f"random {label}", m.weight_type)
+
+    def generator(index: int, type_name: str, n: int, is_norm: bool) -> Callable[[], np.ndarray]:
+        # Each tensor has its own stream, so one tensor's values do not depend on the others.
+        def make() -> np.ndarray:
+            rng = np.random.default_rng([seed, index])
+            if is_norm:
+                return 1.0 + np.float32(std) * rng.standard_normal(n, dtype=np.float32)
+            if direct_blocks:
+                return random_blocks(type_name, n, std, rng)
+            return rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+
+        return make
+
+    tensors = [
+        Tensor(tname, generator(i, ttype, int(np.prod(s)), tname.endswith("norm.weight")), ttype, s)
+        for i, (tname, ttype, s) in enumerate(layout)
+    ]
+    write_gguf(path, metadata, tensors)
+    return m
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ggraph.testing",
+        description="Write a llama GGUF with random weights (for tests and speed measurements).",
+    )
+    parser.add_argument("out", help="output .gguf path")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--type", dest="weight_type", choices=QUANTIZABLE, help="weight type")
+    parser.add_argument("--embd-type", choices=QUANTIZABLE, help="token embedding type")
+    parser.add_argument("--output-type", choices=QUANTIZABLE, help="output projection type")
+    tie = parser.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None)
+    tie.add_argument("--untied", dest="tied", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-layer", type=int, help="override the number of layers")
+    parser.add_argument("--n-ctx", type=int, help="override the context length")
+    blocks = parser.add_mutually_exclusive_group()
+    blocks.add_argument(
+        "--direct-blocks",
+        dest="direct_blocks",
+        action="store_true",
+        default=None,
+        help="generate random quantized blocks instead of quantizing random floats",
+    )
+    blocks.add_argument("--quantize-floats", dest="direct_blocks", action="store_false")
+    args = parser.parse_args(argv)
+
+    overrides = {}
+    if args.n_layer is not None:
+        overrides["n_layer"] = args.n_layer
+    if args.n_ctx is not None:
+        overrides["n_ctx"] = args.n_ctx
+    start = time.perf_counter()
+    try:
+        m = write_random_gguf(
+            args.out,
+            args.shape,
+            args.weight_type,
+            seed=args.seed,
+            embd_type=args.embd_type,
+            output_type=args.output_type,
+            tied=args.tied,
+            direct_blocks=args.direct_blocks,
+            **overrides,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    size = os.path.getsize(args.out)
+    print(
+        f"wrote {args.out}: {args.shape} ({m.n_layer} layers, {m.weight_type} weights), "
+        f"{size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
