@@ -33,6 +33,16 @@ class Backend {
   // Execution statistics (CUDA graph counters and the like), for Model.graph_stats.
   virtual std::map<std::string, double> stats() const { return {}; }
   virtual void reset_stats() {}
+  // Host time the caller spent on this step before compute (graph build, planning), so that the
+  // backend can report host time per step from eval call to launch.
+  virtual void add_host_time(double microseconds) {}
+
+  // CUDA graph inspection; other backends refuse.
+  virtual uint64_t graph_handle() const { throw ArgumentError(name() + " has no CUDA graph"); }
+  virtual void dump_graph(const std::string& path) const {
+    throw ArgumentError(name() + " has no CUDA graph");
+  }
+  virtual void debug_corrupt_next_patch() { throw ArgumentError(name() + " has no CUDA graph"); }
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads);

@@ -1,6 +1,7 @@
 #include "context.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 
 #include "planner.h"
@@ -103,11 +104,14 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   for (size_t start = 0; start < n; start += n_batch_) {
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
+    const auto t0 = std::chrono::steady_clock::now();
     Graph graph;
     Batch b;
     build(graph, b, chunk, n_out, n_past);
     std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
     plan(graph);
+    backend_->add_host_time(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     // Earlier chunks only fill the KV cache; their logit row is overwritten by the last.
     backend_->compute(graph, all_logits ? logits.data() + start * n_vocab : logits.data());
     n_past += chunk;

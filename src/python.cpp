@@ -351,5 +351,9 @@ PYBIND11_MODULE(_core, m) {
       .def("is_end_of_generation",
            [](const Context& c, int32_t id) { return c.tokenizer().is_end_of_generation(id); })
       .def_property_readonly("graph_stats", [](Context& c) { return c.backend().stats(); })
-      .def("reset_graph_stats", [](Context& c) { c.backend().reset_stats(); });
+      .def("reset_graph_stats", [](Context& c) { c.backend().reset_stats(); })
+      .def("cuda_graph_handle", [](Context& c) { return c.backend().graph_handle(); })
+      .def("dump_cuda_graph",
+           [](Context& c, const std::string& path) { c.backend().dump_graph(path); })
+      .def("debug_corrupt_next_patch", [](Context& c) { c.backend().debug_corrupt_next_patch(); });
 }

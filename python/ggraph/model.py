@@ -122,6 +122,14 @@ class Model:
     def reset_graph_stats(self) -> None:
         self._ctx.reset_graph_stats()
 
+    def cuda_graph_handle(self) -> int:
+        """The cudaGraph_t behind the executable that ran last, as an integer (CUDA only)."""
+        return self._ctx.cuda_graph_handle()
+
+    def dump_cuda_graph(self, path: str | os.PathLike) -> None:
+        """Writes the current CUDA graph as Graphviz DOT (cudaGraphDebugDotPrint)."""
+        self._ctx.dump_cuda_graph(os.fspath(path))
+
     def reset(self) -> None:
         """Empties the context."""
         self._ctx.reset()
