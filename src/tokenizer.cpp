@@ -25,17 +25,15 @@ enum TokenType : int32_t {
   kByte = 6,
 };
 
-// End-of-turn markers of chat vocabularies that files do not always name in their metadata.
+// Tokens that end a generation although the metadata may not name them: end-of-turn markers of
+// chat vocabularies, and the fill-in-the-middle pad, repository and file-separator tokens, which
+// end a code completion. The same texts llama.cpp recognises, so both stop at the same tokens.
 const char* const kEndOfGenerationTexts[] = {
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<EOT>",
-    "<|eom_id|>",
-    "<\xEF\xBD\x9C"
-    "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>",
+    "<|eot_id|>",      "<|im_end|>",         "<|end|>",       "<|return|>", "<|call|>",
+    "<end_of_turn>",   "<|endoftext|>",      "<|eom_id|>",    "<EOT>",      "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>", "<|fim_pad|>",   "<fim-pad>",  "<fim_pad>",
+    "<PAD>",           "<|fim_repo|>",       "<|repo_name|>", "<fim-repo>", "<REPO>",
+    "<reponame>",      "<|file_sep|>",
 };
 
 const char kSpmSpace[] = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
@@ -161,7 +159,7 @@ VocabTokenizer::VocabTokenizer(const GGUFFile& file, const std::string& model) {
   }
   for (const char* marker : kEndOfGenerationTexts) {
     const int32_t id = find(marker);
-    if (id >= 0 && types_[id] == kControl) end_of_generation_.push_back(id);
+    if (id >= 0) end_of_generation_.push_back(id);
   }
   std::sort(end_of_generation_.begin(), end_of_generation_.end());
   end_of_generation_.erase(std::unique(end_of_generation_.begin(), end_of_generation_.end()),
