@@ -358,7 +358,11 @@ def main() -> int:
             "llama.cpp": "llama-cpp-python " + importlib.metadata.version("llama-cpp-python"),
             "sentencepiece": "sentencepiece " + spm.__version__,
         },
-        "note": "ids recorded by tools/make_tokenizer_corpus.py with add_bos=False",
+        "note": (
+            "Recorded by tools/make_tokenizer_corpus.py, add_bos=False. smollm2.*, "
+            "smollm2_digits.*, spm.llama.cpp, spm.special and *.vocab: llama.cpp; "
+            "spm.sentencepiece and spm.sentencepiece_decoded: SentencePiece."
+        ),
         "texts": CORPUS,
         "special_texts": SPECIAL_CORPUS,
         "smollm2": {},
