@@ -21,6 +21,7 @@ class Tokenizer {
   virtual std::vector<int32_t> tokenize(const std::string& text, bool add_bos,
                                         bool parse_special) const = 0;
   // The bytes of one token as text (may be part of a UTF-8 character). Control tokens give "".
+  // Ids outside the vocabulary throw ArgumentError.
   virtual std::string token_to_piece(int32_t id, bool render_special = false) const = 0;
   std::string detokenize(const std::vector<int32_t>& ids, bool render_special = false) const;
 
