@@ -1,0 +1,662 @@
+// The CUDA backend: device memory for weights, KV cache, scratch and inputs; validation; the
+// per-op dispatch of a graph's kernels (launch_graph); and the copies around a compute.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/graph_executor.h"
+#include "cuda/kernels.cuh"
+
+namespace ggraph {
+namespace cuda {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* what, const char* file, int line) {
+  // Clears the error where it is not sticky, so the process can go on after the exception.
+  cudaGetLastError();
+  const char* base = std::strrchr(file, '/');
+  throw DeviceError(std::string("CUDA error ") + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ") in " + what + " at " + (base ? base + 1 : file) +
+                    ":" + std::to_string(line));
+}
+
+namespace {
+
+std::string mib(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+std::string shape_str(const Tensor* t) {
+  return "[" + std::to_string(t->ne[0]) + ", " + std::to_string(t->ne[1]) + "]";
+}
+
+[[noreturn]] void bad_node(const Tensor* t, const std::string& what) {
+  throw ArgumentError(std::string("cuda: node ") + op_name(t->op) + " '" + t->name + "': " + what);
+}
+
+// The cache a KvStore writes (and that an Attention reading the KvStore node reads): the node's
+// own Kv storage, or the Kv tensor among its sources.
+const Tensor* kv_target(const Tensor* t) {
+  if (t->storage == Storage::Kv && t->data) return t;
+  for (const Tensor* s : t->src) {
+    if (s && s->storage == Storage::Kv && s->data) return s;
+  }
+  for (const Tensor* s : t->src) {
+    if (s && s->op == Op::KvStore) return kv_target(s);
+  }
+  return nullptr;
+}
+
+// KV cache operand of an Attention node.
+const Tensor* cache_of(const Tensor* t) { return t->op == Op::KvStore ? kv_target(t) : t; }
+
+size_t elem_size(DType t) { return block_bytes(t); }
+
+// How far ahead a mat-vec looks for others of the same activation to launch with it.
+constexpr int kGroupWindow = 6;
+
+// Whether two tensors' scratch byte ranges intersect.
+bool scratch_overlap(const Tensor* a, const Tensor* b) {
+  if (a->storage != Storage::Scratch || b->storage != Storage::Scratch) return false;
+  const size_t a_end = a->offset + static_cast<size_t>(a->n_elements()) * elem_size(a->type);
+  const size_t b_end = b->offset + static_cast<size_t>(b->n_elements()) * elem_size(b->type);
+  return a->offset < b_end && b->offset < a_end;
+}
+
+}  // namespace
+
+void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf) {
+  if (t->op == Op::KvStore) return kv_target(t)->data;
+  switch (t->storage) {
+    case Storage::Weight:
+    case Storage::Kv:
+      return t->data;
+    case Storage::Input:
+      return buf.input + t->offset;
+    case Storage::Scratch:
+      return buf.scratch + t->offset;
+  }
+  return nullptr;
+}
+
+size_t act_workspace_bytes(const Graph& graph) {
+  size_t need = 0;
+  for (const Tensor* t : graph.nodes()) {
+    if (t->op != Op::MulMat) continue;
+    const int64_t k = t->src[0]->ne[0], cols = t->src[1]->ne[1];
+    if (cols > kMatVecMaxCols) {
+      need = std::max(need, act_half_bytes(k, cols));
+    } else if (is_quantized(t->src[0]->type)) {
+      need = std::max(need, act_q8_bytes(k, cols));
+    }
+  }
+  return need;
+}
+
+size_t attn_workspace_bytes(const Graph& graph) {
+  size_t need = 0;
+  for (const Tensor* t : graph.nodes()) {
+    if (t->op != Op::Attention) continue;
+    need = std::max(need, attn_partials_bytes(t->params[kAttnNHead], t->params[kAttnHeadDim],
+                                              static_cast<int>(t->src[0]->ne[1])));
+  }
+  return need;
+}
+
+uint64_t topology_key(const Graph& graph) {
+  // What decides the kernels and grids a graph launches besides its node list: the batch and
+  // each attention's split bucket. FNV-1a over those values.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xFF;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(graph.nodes().size());
+  for (const Tensor* t : graph.nodes()) {
+    if (t->op == Op::Leaf) continue;
+    mix(static_cast<uint64_t>(t->op) | (static_cast<uint64_t>(t->ne[1]) << 8));
+    if (t->op == Op::Attention && t->src[0]->ne[1] <= kDecodeAttnMaxTokens)
+      mix(static_cast<uint64_t>(kv_bucket(t->kv[kAttnNKv])));
+  }
+  return h;
+}
+
+void validate_graph(const Graph& graph) {
+  const Tensor* out = graph.output();
+  if (!out) throw ArgumentError("cuda: the graph has no output tensor");
+  if (out->type != DType::F32)
+    throw ArgumentError(std::string("cuda: the graph output must be F32, found ") +
+                        dtype_name(out->type));
+  for (const Tensor* t : graph.nodes()) {
+    auto need_src = [&](int i, DType type) {
+      const Tensor* s = t->src[i];
+      if (!s) bad_node(t, "source " + std::to_string(i) + " is missing");
+      if (s->type != type)
+        bad_node(t, "source " + std::to_string(i) + " must be " + dtype_name(type) + ", found " +
+                        dtype_name(s->type));
+      return s;
+    };
+    auto need_same = [&](const Tensor* a, const Tensor* b) {
+      if (a->ne[0] != b->ne[0] || a->ne[1] != b->ne[1])
+        bad_node(t, "shapes " + shape_str(a) + " and " + shape_str(b) + " differ");
+    };
+    auto need_broadcast = [&](const Tensor* a, const Tensor* b) {
+      if (b->ne[0] != a->ne[0] || (b->ne[1] != 1 && b->ne[1] != a->ne[1]))
+        bad_node(t, "cannot broadcast " + shape_str(b) + " over " + shape_str(a));
+    };
+    switch (t->op) {
+      case Op::Leaf:
+        if ((t->storage == Storage::Weight || t->storage == Storage::Kv) && !t->data)
+          bad_node(t, "leaf has no device memory");
+        break;
+      case Op::GetRows: {
+        const Tensor* table = t->src[0];
+        if (!table || !is_computable(table->type))
+          bad_node(t, std::string("table type ") + (table ? dtype_name(table->type) : "missing") +
+                          " is not computable");
+        const Tensor* ids = need_src(1, DType::I32);
+        if (ids->storage == Storage::Input && ids->data) {
+          const auto* v = static_cast<const int32_t*>(ids->data);
+          for (int64_t i = 0; i < ids->ne[0]; ++i) {
+            if (v[i] < 0 || v[i] >= table->ne[1])
+              bad_node(t, "row id " + std::to_string(v[i]) + " at " + std::to_string(i) +
+                              " is outside [0, " + std::to_string(table->ne[1]) + ")");
+          }
+        }
+        break;
+      }
+      case Op::RmsNorm:
+        need_src(0, DType::F32);
+        break;
+      case Op::Mul:
+      case Op::Add:
+        need_broadcast(need_src(0, DType::F32), need_src(1, DType::F32));
+        break;
+      case Op::Swiglu:
+        need_same(need_src(0, DType::F32), need_src(1, DType::F32));
+        break;
+      case Op::MulMat: {
+        const Tensor* w = t->src[0];
+        const Tensor* x = need_src(1, DType::F32);
+        if (!w || !is_computable(w->type))
+          bad_node(t, std::string("weight type ") + (w ? dtype_name(w->type) : "missing") +
+                          " is not computable");
+        if (w->ne[0] != x->ne[0])
+          bad_node(t,
+                   "weight " + shape_str(w) + " and activation " + shape_str(x) + " disagree on k");
+        if (is_quantized(w->type) && w->ne[0] % 32 != 0)
+          bad_node(t, "k = " + std::to_string(w->ne[0]) + " is not a multiple of 32");
+        if (w->ne[1] > (1 << 30) || x->ne[1] > (1 << 30)) bad_node(t, "too large");
+        break;
+      }
+      case Op::Rope: {
+        const Tensor* x = need_src(0, DType::F32);
+        const Tensor* pos = need_src(1, DType::I32);
+        const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
+        const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
+        if (n_head <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
+            x->ne[0] != static_cast<int64_t>(n_head) * head_dim)
+          bad_node(t, "expected [n_head*head_dim, T] with even head_dim, found " + shape_str(x));
+        if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > head_dim)
+          bad_node(t, "n_dims " + std::to_string(n_dims) + " must be even and <= head_dim");
+        if (mode != kRopeNormal && mode != kRopeNeox)
+          bad_node(t, "unknown rope mode " + std::to_string(mode));
+        if (pos->ne[0] != x->ne[1]) bad_node(t, "positions and tokens differ in count");
+        break;
+      }
+      case Op::KvStore: {
+        const Tensor* x = need_src(0, DType::F32);
+        const Tensor* cache = kv_target(t);
+        if (!cache) bad_node(t, "no KV cache tensor to write");
+        if (cache->type != DType::F16)
+          bad_node(t, std::string("cache must be F16, found ") + dtype_name(cache->type));
+        if (x->ne[0] != cache->ne[0])
+          bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
+                          std::to_string(cache->ne[0]));
+        if (t->kv[0] < 0 || t->kv[0] + x->ne[1] > cache->ne[1])
+          bad_node(t, "rows " + std::to_string(t->kv[0]) + ".." +
+                          std::to_string(t->kv[0] + x->ne[1]) + " outside a cache of " +
+                          std::to_string(cache->ne[1]));
+        break;
+      }
+      case Op::Attention: {
+        const Tensor* q = need_src(0, DType::F32);
+        const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
+        const int head_dim = t->params[kAttnHeadDim];
+        if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
+          bad_node(t, "n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
+                          std::to_string(n_head_kv));
+        if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256)
+          bad_node(t, "head_dim " + std::to_string(head_dim) +
+                          " must be a multiple of 8 and at most 256");
+        if (q->ne[0] != static_cast<int64_t>(n_head) * head_dim)
+          bad_node(t, "q " + shape_str(q) + " is not [n_head*head_dim, T]");
+        for (int i = 1; i <= 2; ++i) {
+          const Tensor* c = t->src[i] ? cache_of(t->src[i]) : nullptr;
+          if (!c || c->type != DType::F16) bad_node(t, "K/V cache must be an F16 tensor");
+          if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
+            bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
+                            "head_dim = " + std::to_string(n_head_kv * head_dim));
+          if (t->kv[kAttnNKv] < 0 || t->kv[kAttnNKv] > c->ne[1])
+            bad_node(t, "n_kv " + std::to_string(t->kv[kAttnNKv]) + " outside a cache of " +
+                            std::to_string(c->ne[1]));
+        }
+        if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
+        break;
+      }
+      default:
+        bad_node(t, "op not supported by the CUDA backend");
+    }
+  }
+}
+
+void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  const int n = static_cast<int>(nodes.size());
+  // Consumers per node, to know when an intermediate can be fused away.
+  std::vector<int> uses(n, 0);
+  bool indexed = true;
+  for (int i = 0; i < n && indexed; ++i) indexed = nodes[i]->index == i;
+  std::unordered_map<const Tensor*, int> position;
+  if (!indexed) {
+    for (int i = 0; i < n; ++i) position[nodes[i]] = i;
+  }
+  for (const Tensor* t : nodes) {
+    for (const Tensor* s : t->src) {
+      if (!s) continue;
+      if (indexed) {
+        if (s->index >= 0 && s->index < n && nodes[s->index] == s) ++uses[s->index];
+      } else {
+        auto it = position.find(s);
+        if (it != position.end()) ++uses[it->second];
+      }
+    }
+  }
+  auto ptr = [&](const Tensor* t) { return tensor_ptr(t, buf); };
+  auto fptr = [&](const Tensor* t) { return static_cast<float*>(tensor_ptr(t, buf)); };
+
+  // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
+  const Tensor* prepared = nullptr;
+  bool prepared_half = false;
+
+  // Nodes already launched as part of an earlier node's kernel.
+  std::vector<char> done(n, 0);
+
+  for (int i = 0; i < n; ++i) {
+    const Tensor* t = nodes[i];
+    if (done[i]) continue;
+    l.node = i;
+    switch (t->op) {
+      case Op::Leaf:
+        break;
+      case Op::GetRows:
+        launch_get_rows(l, t->src[0]->type, ptr(t->src[0]), t->src[0]->ne[0], t->src[0]->ne[1],
+                        static_cast<const int32_t*>(ptr(t->src[1])),
+                        static_cast<int>(t->src[1]->ne[0]), fptr(t));
+        break;
+      case Op::RmsNorm: {
+        // rms_norm followed by its weight multiply, with no other use of the normalized value:
+        // one kernel (the multiply node then launches nothing).
+        const Tensor* next = i + 1 < n ? nodes[i + 1] : nullptr;
+        const Tensor* w = nullptr;
+        if (next && next->op == Op::Mul && uses[i] == 1 && t != graph.output()) {
+          if (next->src[0] == t && next->src[1] != t) w = next->src[1];
+          if (next->src[1] == t && next->src[0] != t && next->src[0]->ne[1] == t->ne[1] &&
+              t->ne[1] == 1)
+            w = next->src[0];
+        }
+        if (w) {
+          launch_rms_norm(l, fptr(t->src[0]), fptr(w), w->ne[1], fptr(next), t->ne[0], t->ne[1],
+                          t->param_f(0));
+          done[i + 1] = 1;
+        } else {
+          launch_rms_norm(l, fptr(t->src[0]), nullptr, 1, fptr(t), t->ne[0], t->ne[1],
+                          t->param_f(0));
+        }
+        break;
+      }
+      case Op::Mul:
+      case Op::Add:
+        launch_binary(l, t->op == Op::Add ? 0 : 1, fptr(t->src[0]), fptr(t->src[1]),
+                      t->src[1]->ne[1], fptr(t), t->src[0]->ne[0], t->src[0]->ne[1]);
+        break;
+      case Op::Swiglu:
+        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->n_elements());
+        break;
+      case Op::MulMat: {
+        const Tensor* w = t->src[0];
+        const Tensor* x = t->src[1];
+        const int64_t k = w->ne[0];
+        const int cols = static_cast<int>(x->ne[1]);
+        if (cols > kMatVecMaxCols) {
+          if (prepared != x || !prepared_half) {
+            launch_act_to_half(l, fptr(x), k, cols, buf.act);
+            prepared = x;
+            prepared_half = true;
+          }
+          launch_mat_mul_tc(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t));
+          break;
+        }
+        if (is_quantized(w->type) && (prepared != x || prepared_half)) {
+          launch_quantize_act(l, fptr(x), k, cols, buf.act);
+          prepared = x;
+          prepared_half = false;
+        }
+        // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
+        // go out as one launch at the first of them, where that moves no write over memory
+        // that the nodes in between still use.
+        MatVecPart parts[3];
+        int n_parts = 0;
+        parts[n_parts++] = {ptr(w), w->ne[1], fptr(t)};
+        for (int j = i + 1; j < n && j <= i + kGroupWindow && n_parts < 3; ++j) {
+          const Tensor* c = nodes[j];
+          if (c->op != Op::MulMat || done[j] || c->src[1] != x || c->src[0]->type != w->type ||
+              c->src[0]->ne[0] != k)
+            continue;
+          bool safe = true;
+          for (int m = i + 1; m < j && safe; ++m) {
+            const Tensor* between = nodes[m];
+            if (between->op == Op::Leaf) continue;
+            safe = !scratch_overlap(c, between);
+            for (const Tensor* s : between->src) safe = safe && !(s && scratch_overlap(c, s));
+          }
+          if (!safe) continue;
+          parts[n_parts++] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c)};
+          done[j] = 1;
+        }
+        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
+        break;
+      }
+      case Op::Rope:
+        launch_rope(l, fptr(t->src[0]), static_cast<const int32_t*>(ptr(t->src[1])), fptr(t),
+                    t->params[kRopeNHead], t->params[kRopeHeadDim], t->params[kRopeNDims],
+                    t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]));
+        break;
+      case Op::KvStore:
+        launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, t->src[0]->ne[0],
+                        static_cast<int>(t->src[0]->ne[1]), t->kv[0]);
+        break;
+      case Op::Attention: {
+        float scale;
+        std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
+        launch_attention(l, fptr(t->src[0]), cache_of(t->src[1])->data, cache_of(t->src[2])->data,
+                         fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
+                         t->params[kAttnHeadDim], scale, static_cast<int>(t->src[0]->ne[1]),
+                         t->kv[kAttnNKv], t->kv[kAttnFirstPos], buf.attn);
+        break;
+      }
+      default:
+        break;  // rejected by validate_graph
+    }
+  }
+}
+
+namespace {
+
+class CudaBackend : public Backend {
+ public:
+  explicit CudaBackend(const CudaOptions& options) : device_(options.device) {
+    const GraphMode mode = parse_graph_mode(options.graphs);
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw DeviceError(std::string("no usable CUDA device: ") + cudaGetErrorString(err));
+    }
+    if (device_ < 0 || device_ >= count)
+      throw DeviceError("CUDA device " + std::to_string(device_) + " requested, " +
+                        std::to_string(count) + " present");
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    cudaDeviceProp prop;
+    GGRAPH_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+    if (prop.major < 8)
+      throw DeviceError(std::string("CUDA device ") + prop.name + " has compute capability " +
+                        std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                        "; ggraph needs 8.0 or newer");
+    name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+    GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug);
+  }
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (void* p : allocations_) cudaFree(p);
+    cudaFree(scratch_);
+    cudaFree(input_);
+    cudaFree(act_);
+    cudaFree(attn_);
+    cudaFreeHost(input_staging_);
+    cudaFreeHost(output_staging_);
+    executor_.reset();
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return name_; }
+  bool is_cuda() const override { return true; }
+
+  void* upload_weight(const void* host, size_t bytes, const std::string& name) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = device_alloc(bytes + kWeightPadding, "weight " + name);
+    allocations_.push_back(p);
+    GGRAPH_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+    GGRAPH_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(p) + bytes, 0, kWeightPadding));
+    return p;
+  }
+
+  void* alloc_kv(size_t bytes) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = device_alloc(bytes, "the KV cache");
+    allocations_.push_back(p);
+    GGRAPH_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    return p;
+  }
+
+  void reserve(size_t scratch_bytes, size_t input_bytes) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    release(scratch_);
+    release(input_);
+    if (input_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(input_staging_));
+    input_staging_ = nullptr;
+    scratch_bytes_ = input_bytes_ = 0;
+    scratch_ = static_cast<uint8_t*>(device_alloc(std::max<size_t>(scratch_bytes, 256), "scratch"));
+    scratch_bytes_ = scratch_bytes;
+    input_ = static_cast<uint8_t*>(device_alloc(std::max<size_t>(input_bytes, 256), "inputs"));
+    input_bytes_ = input_bytes;
+    GGRAPH_CUDA_CHECK(cudaMallocHost(&input_staging_, std::max<size_t>(input_bytes, 256)));
+    // Mat-mul activations are scratch tensors; their prepared forms are at most half their size.
+    ensure(act_, act_bytes_, scratch_bytes / 2 + (1 << 20), "mat-mul activations");
+  }
+
+  void compute(const Graph& graph, float* out) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    validate_graph(graph);
+    if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
+      throw ArgumentError("cuda: the graph needs " + std::to_string(graph.scratch_size) +
+                          " bytes of scratch and " + std::to_string(graph.input_size) +
+                          " of inputs; reserved " + std::to_string(scratch_bytes_) + " and " +
+                          std::to_string(input_bytes_));
+    // Workspaces only grow, and before any launch: never inside the launches themselves.
+    ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations");
+    ensure(attn_, attn_bytes_, attn_workspace_bytes(graph), "attention partials");
+
+    for (const Tensor* t : graph.nodes()) {
+      if (t->storage != Storage::Input) continue;
+      const size_t bytes = static_cast<size_t>(t->n_elements()) * elem_size(t->type);
+      if (t->offset + bytes > input_bytes_)
+        throw ArgumentError("cuda: input '" + t->name + "' lies outside the input buffer");
+      std::memcpy(static_cast<uint8_t*>(input_staging_) + t->offset, t->data, bytes);
+    }
+    if (graph.input_size > 0)
+      GGRAPH_CUDA_CHECK(cudaMemcpyAsync(input_, input_staging_, graph.input_size,
+                                        cudaMemcpyHostToDevice, stream_));
+
+    DeviceBuffers buf;
+    buf.scratch = scratch_;
+    buf.input = input_;
+    buf.act = static_cast<uint8_t*>(act_);
+    buf.act_bytes = act_bytes_;
+    buf.attn = static_cast<float*>(attn_);
+    buf.attn_bytes = attn_bytes_;
+    const std::vector<Tensor*>& nodes = graph.nodes();
+    executor_->run(
+        topology_key(graph), [&](Launcher& l) { launch_graph(graph, buf, l); },
+        [&](int i) {
+          if (i < 0 || i >= static_cast<int>(nodes.size())) return std::string("?");
+          return std::string(op_name(nodes[i]->op)) + " '" + nodes[i]->name + "' (node " +
+                 std::to_string(i) + ")";
+        });
+
+    const Tensor* o = graph.output();
+    const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
+    if (out_bytes > output_staging_bytes_) {
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (output_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(output_staging_));
+      output_staging_ = nullptr;
+      output_staging_bytes_ = 0;
+      GGRAPH_CUDA_CHECK(cudaMallocHost(&output_staging_, out_bytes));
+      output_staging_bytes_ = out_bytes;
+    }
+    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(output_staging_, tensor_ptr(o, buf), out_bytes,
+                                      cudaMemcpyDeviceToHost, stream_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::memcpy(out, output_staging_, out_bytes);
+  }
+
+  std::map<std::string, double> stats() const override {
+    const GraphStats& s = executor_->stats();
+    return {{"captures", s.captures},
+            {"instantiations", s.instantiations},
+            {"exec_updates", s.exec_updates},
+            {"update_failures", s.update_failures},
+            {"kernel_nodes_patched", s.kernel_nodes_patched},
+            {"replays", s.replays},
+            {"eager_evals", s.eager_evals},
+            {"capture_ms_total", s.capture_ms_total},
+            {"steps", s.steps},
+            {"host_us_total", s.host_us_total}};
+  }
+  void reset_stats() override { executor_->reset_stats(); }
+
+  void poison(uint8_t byte) {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (scratch_)
+      GGRAPH_CUDA_CHECK(cudaMemset(scratch_, byte, std::max<size_t>(scratch_bytes_, 256)));
+    if (act_) GGRAPH_CUDA_CHECK(cudaMemset(act_, byte, act_bytes_));
+    if (attn_) GGRAPH_CUDA_CHECK(cudaMemset(attn_, byte, attn_bytes_));
+    GGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+ private:
+  // cudaMalloc that turns out-of-memory into a DeviceError naming the sizes and leaves no error.
+  void* device_alloc(size_t bytes, const std::string& what) {
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      cudaGetLastError();
+      throw DeviceError("out of device memory: needed " + mib(bytes) + " MiB for " + what + ", " +
+                        mib(free_b) + " MiB free of " + mib(total_b) + " MiB");
+    }
+    if (err != cudaSuccess) throw_cuda_error(err, "cudaMalloc", __FILE__, __LINE__);
+    return p;
+  }
+
+  void release(uint8_t*& p) {
+    if (p) GGRAPH_CUDA_CHECK(cudaFree(p));
+    p = nullptr;
+  }
+
+  void ensure(void*& p, size_t& have, size_t need, const char* what) {
+    if (need <= have) return;
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (p) GGRAPH_CUDA_CHECK(cudaFree(p));
+    p = nullptr;
+    have = 0;
+    p = device_alloc(need, what);
+    have = need;
+  }
+
+  int device_;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<GraphExecutor> executor_;
+  std::vector<void*> allocations_;  // weights and KV caches, freed with the backend
+  uint8_t* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  uint8_t* input_ = nullptr;
+  size_t input_bytes_ = 0;
+  void* input_staging_ = nullptr;  // pinned, so the input copy is a true async copy
+  void* output_staging_ = nullptr;
+  size_t output_staging_bytes_ = 0;
+  void* act_ = nullptr;
+  size_t act_bytes_ = 0;
+  void* attn_ = nullptr;
+  size_t attn_bytes_ = 0;
+};
+
+}  // namespace
+}  // namespace cuda
+
+bool cuda_compiled() { return true; }
+
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options) {
+  return std::make_unique<cuda::CudaBackend>(options);
+}
+
+std::vector<DeviceInfo> cuda_devices() {
+  std::vector<DeviceInfo> out;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return out;
+  }
+  int current = 0;
+  cudaGetDevice(&current);
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    DeviceInfo d;
+    d.index = i;
+    d.name = prop.name;
+    d.total_memory = prop.totalGlobalMem;
+    d.free_memory = 0;
+    size_t free_b = 0, total_b = 0;
+    if (cudaSetDevice(i) == cudaSuccess && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+      d.free_memory = free_b;
+    cudaGetLastError();
+    d.cc_major = prop.major;
+    d.cc_minor = prop.minor;
+    d.multiprocessors = prop.multiProcessorCount;
+    out.push_back(d);
+  }
+  cudaSetDevice(current);
+  cudaGetLastError();
+  return out;
+}
+
+void cuda_poison_buffers(Backend& backend, uint8_t byte) {
+  auto* cb = dynamic_cast<cuda::CudaBackend*>(&backend);
+  if (!cb) throw ArgumentError("cuda_poison_buffers: not a CUDA backend");
+  cb->poison(byte);
+}
+
+}  // namespace ggraph

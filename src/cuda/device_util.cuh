@@ -1,0 +1,86 @@
+// Device-side helpers shared by the CUDA backend's kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "quant.h"
+
+namespace ggraph::cuda {
+
+constexpr int kTypeF32 = static_cast<int>(DType::F32);
+constexpr int kTypeF16 = static_cast<int>(DType::F16);
+constexpr int kTypeBF16 = static_cast<int>(DType::BF16);
+constexpr int kTypeQ4_0 = static_cast<int>(DType::Q4_0);
+constexpr int kTypeQ4_1 = static_cast<int>(DType::Q4_1);
+constexpr int kTypeQ8_0 = static_cast<int>(DType::Q8_0);
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
+  return __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
+
+// Element i of a row of a computable type, as float.
+template <int TYPE>
+__device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {
+  if constexpr (TYPE == kTypeF32) {
+    return reinterpret_cast<const float*>(row)[i];
+  } else if constexpr (TYPE == kTypeF16) {
+    return f16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
+  } else if constexpr (TYPE == kTypeBF16) {
+    return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
+  } else if constexpr (TYPE == kTypeQ8_0) {
+    const uint8_t* b = row + (i / 32) * 34;
+    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
+    return d * static_cast<float>(static_cast<int8_t>(b[2 + i % 32]));
+  } else if constexpr (TYPE == kTypeQ4_0) {
+    const uint8_t* b = row + (i / 32) * 18;
+    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
+    int j = static_cast<int>(i % 32);
+    int q = j < 16 ? (b[2 + j] & 0xF) : (b[2 + j - 16] >> 4);
+    return d * static_cast<float>(q - 8);
+  } else {
+    static_assert(TYPE == kTypeQ4_1, "computable type");
+    const uint8_t* b = row + (i / 32) * 20;
+    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
+    float m = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b + 2));
+    int j = static_cast<int>(i % 32);
+    int q = j < 16 ? (b[4 + j] & 0xF) : (b[4 + j - 16] >> 4);
+    return d * static_cast<float>(q) + m;
+  }
+}
+
+// Asynchronous 16-byte global-to-shared copies (sm_80+). src_bytes < 16 zero-fills the rest.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+}  // namespace ggraph::cuda

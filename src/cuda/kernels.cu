@@ -1,0 +1,256 @@
+// Element-wise and per-column kernels: get_rows, rms_norm, add/mul, swiglu, rope, KV store, and
+// the activation preparation that mat-muls share.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "cuda/device_util.cuh"
+#include "cuda/kernels.cuh"
+
+namespace ggraph::cuda {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- get_rows --------------------------------------------------------------------------------
+
+template <int TYPE>
+__global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_rows,
+                                size_t row_stride, const int32_t* ids, float* dst) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  float* out = dst + t * ne0;
+  // Host validation rejects out-of-range ids of input tensors; computed ids read as zero rows.
+  if (id < 0 || id >= n_rows) {
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = 0.0f;
+    return;
+  }
+  const uint8_t* row = table + static_cast<size_t>(id) * row_stride;
+  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = load_elem<TYPE>(row, i);
+}
+
+// ---- rms_norm (optionally fused with the weight multiply that follows it) -------------------
+
+__global__ void rms_norm_kernel(const float* src, const float* w, int64_t w_cols, float* dst,
+                                int64_t ne0, float eps) {
+  __shared__ float partial[32];
+  const int64_t col = blockIdx.x;
+  const float* x = src + col * ne0;
+  float* y = dst + col * ne0;
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) sum += x[i] * x[i];
+  sum = warp_sum(sum);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    const int n_warps = blockDim.x / 32;
+    float v = lane < n_warps ? partial[lane] : 0.0f;
+    v = warp_sum(v);
+    if (lane == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float scale = 1.0f / sqrtf(partial[0] / static_cast<float>(ne0) + eps);
+  // Each thread rewrites exactly the elements it read, so dst may alias src.
+  if (w) {
+    const float* wc = w + (w_cols == 1 ? 0 : col * ne0);
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) y[i] = x[i] * scale * wc[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) y[i] = x[i] * scale;
+  }
+}
+
+// ---- add / mul ---------------------------------------------------------------------------------
+
+template <int OP>
+__global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, float* dst,
+                              int64_t ne0) {
+  const int64_t col = blockIdx.y;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= ne0) return;
+  const float x = a[col * ne0 + i];
+  const float z = b[(b_cols == 1 ? 0 : col * ne0) + i];
+  dst[col * ne0 + i] = OP == 0 ? x + z : x * z;
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* up, float* dst, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i];
+  dst[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// ---- rope ----------------------------------------------------------------------------------
+
+// One thread per pair slot p < head_dim/2 of one head of one token. Angles are computed in
+// double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
+__global__ void rope_kernel(const float* src, const int32_t* pos, float* dst, int n_head,
+                            int head_dim, int n_dims, int mode, float freq_base) {
+  const int half_dim = head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(n_head) * half_dim) return;
+  const int h = static_cast<int>(idx / half_dim);
+  const int p = static_cast<int>(idx % half_dim);
+  const int64_t t = blockIdx.y;
+  const int64_t base = t * n_head * head_dim + static_cast<int64_t>(h) * head_dim;
+  const float* x = src + base;
+  float* y = dst + base;
+  int i0, i1, freq_i;
+  bool rotate;
+  if (mode == kRopeNeox) {
+    const int rot_half = n_dims / 2;
+    rotate = p < rot_half;
+    if (rotate) {
+      i0 = p;
+      i1 = p + rot_half;
+    } else {
+      i0 = n_dims + 2 * (p - rot_half);
+      i1 = i0 + 1;
+    }
+    freq_i = p;
+  } else {
+    i0 = 2 * p;
+    i1 = i0 + 1;
+    rotate = i0 < n_dims;
+    freq_i = p;
+  }
+  const float x0 = x[i0], x1 = x[i1];
+  if (!rotate) {
+    y[i0] = x0;
+    y[i1] = x1;
+    return;
+  }
+  const double theta = static_cast<double>(pos[t]) *
+                       exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+  double s, c;
+  sincos(theta, &s, &c);
+  const float sf = static_cast<float>(s), cf = static_cast<float>(c);
+  y[i0] = x0 * cf - x1 * sf;
+  y[i1] = x0 * sf + x1 * cf;
+}
+
+// ---- KV store ------------------------------------------------------------------------------
+
+// first_row arrives by value: the graph executor patches it per step; the cache pointer stays.
+__global__ void kv_store_kernel(const float* src, __half* cache, int64_t n_embd_kv, int64_t n,
+                                int32_t first_row) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  cache[static_cast<int64_t>(first_row) * n_embd_kv + i] = __float2half_rn(src[i]);
+}
+
+// ---- Activation preparation ------------------------------------------------------------------
+
+// One warp per block of 32: q = round(x / d), d = max|x| / 127; ds = (d, d * sum(q)).
+__global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs, float2* ds) {
+  const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (b >= n_blocks) return;
+  const float v = x[b * 32 + lane];
+  const float amax = warp_max(fabsf(v));
+  const float d = amax / 127.0f;
+  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(v / d)));
+  const int sum = warp_sum_int(q);
+  qs[b * 32 + lane] = static_cast<int8_t>(q);
+  if (lane == 0) ds[b] = make_float2(d, d * static_cast<float>(sum));
+}
+
+__global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_t n, __half* h) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t col = i / kp, kk = i % kp;
+  h[i] = __float2half_rn(kk < k ? x[col * k + kk] : 0.0f);
+}
+
+}  // namespace
+
+void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
+                     const int32_t* ids, int n_ids, float* dst) {
+  const auto* t = static_cast<const uint8_t*>(table);
+  const size_t rb = row_bytes(type, ne0);
+  const dim3 grid(n_ids), block(256);
+  switch (type) {
+    case DType::F32:
+      l(get_rows_kernel<kTypeF32>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    case DType::F16:
+      l(get_rows_kernel<kTypeF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    case DType::BF16:
+      l(get_rows_kernel<kTypeBF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    case DType::Q8_0:
+      l(get_rows_kernel<kTypeQ8_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    case DType::Q4_0:
+      l(get_rows_kernel<kTypeQ4_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    case DType::Q4_1:
+      l(get_rows_kernel<kTypeQ4_1>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      break;
+    default:
+      throw ArgumentError(std::string("get_rows: unsupported table type ") + dtype_name(type));
+  }
+}
+
+void launch_rms_norm(Launcher& l, const float* src, const float* w, int64_t w_cols, float* dst,
+                     int64_t ne0, int64_t cols, float eps) {
+  const int threads =
+      static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (ne0 / 4 + 31) / 32 * 32)));
+  l(rms_norm_kernel, dim3(cols), dim3(threads), 0, src, w, w_cols, dst, ne0, eps);
+}
+
+void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
+                   int64_t ne0, int64_t cols) {
+  const dim3 grid(ceil_div(ne0, 256), cols), block(256);
+  if (op == 0) {
+    l(binary_kernel<0>, grid, block, 0, a, b, b_cols, dst, ne0);
+  } else {
+    l(binary_kernel<1>, grid, block, 0, a, b, b_cols, dst, ne0);
+  }
+}
+
+void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t n) {
+  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n);
+}
+
+void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
+                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens) {
+  const int64_t pairs = static_cast<int64_t>(n_head) * (head_dim / 2);
+  l(rope_kernel, dim3(ceil_div(pairs, 128), n_tokens), dim3(128), 0, src, pos, dst, n_head,
+    head_dim, n_dims, mode, freq_base);
+}
+
+void launch_kv_store(Launcher& l, const float* src, void* cache, int64_t n_embd_kv, int n_tokens,
+                     int32_t first_row) {
+  const int64_t n = n_embd_kv * n_tokens;
+  l(kv_store_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, src, static_cast<__half*>(cache),
+    n_embd_kv, n, first_row);
+}
+
+size_t act_q8_bytes(int64_t k, int64_t cols) {
+  const size_t qs = static_cast<size_t>(k * cols + 255) / 256 * 256;
+  return qs + static_cast<size_t>(k / 32 * cols) * sizeof(float2);
+}
+
+void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
+  const int64_t n_blocks = k / 32 * cols;
+  auto* qs = reinterpret_cast<int8_t*>(ws);
+  auto* ds = reinterpret_cast<float2*>(ws + static_cast<size_t>(k * cols + 255) / 256 * 256);
+  l(quantize_act_kernel, dim3(ceil_div(n_blocks, 8)), dim3(256), 0, x, n_blocks, qs, ds);
+}
+
+size_t act_half_bytes(int64_t k, int64_t cols) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  return static_cast<size_t>(kp * cols) * sizeof(__half);
+}
+
+void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  const int64_t n = kp * cols;
+  l(act_to_half_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, x, k, kp, n,
+    reinterpret_cast<__half*>(ws));
+}
+
+}  // namespace ggraph::cuda

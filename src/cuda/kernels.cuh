@@ -1,0 +1,167 @@
+// Internal declarations of the CUDA backend: device buffers, per-op launch functions and the
+// bucket function that decides the flash-decoding split count.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/launch.cuh"
+#include "graph.h"
+
+namespace ggraph::cuda {
+
+// ---- Weight formats as the kernels see them -------------------------------------------------
+
+inline int64_t block_elems(DType t) {
+  return (t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0) ? 32 : 1;
+}
+inline size_t block_bytes(DType t) {
+  switch (t) {
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::F16:
+    case DType::BF16:
+      return 2;
+    case DType::Q4_0:
+      return 18;
+    case DType::Q4_1:
+      return 20;
+    case DType::Q8_0:
+      return 34;
+    default:
+      return 0;
+  }
+}
+inline bool is_quantized(DType t) {
+  return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0;
+}
+// The weight formats every kernel handles.
+inline bool is_computable(DType t) {
+  return t == DType::F32 || t == DType::F16 || t == DType::BF16 || is_quantized(t);
+}
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32:
+      return "F32";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::Q4_0:
+      return "Q4_0";
+    case DType::Q4_1:
+      return "Q4_1";
+    case DType::Q8_0:
+      return "Q8_0";
+    case DType::I32:
+      return "I32";
+    default:
+      return "unsupported type";
+  }
+}
+inline size_t row_bytes(DType t, int64_t n) {
+  return static_cast<size_t>(n / block_elems(t)) * block_bytes(t);
+}
+
+// Weight allocations get this many spare bytes so that the mat-vec kernels' 16-byte copies of a
+// row's last bytes stay inside the allocation whatever the row alignment.
+constexpr size_t kWeightPadding = 64;
+
+// Mat-muls with at most this many columns (tokens) take the mat-vec kernels; more take the
+// tensor-core tiled kernels. The choice depends on the batch only, never on KV values.
+constexpr int kMatVecMaxCols = 8;
+// Attention over at most this many queries takes the flash-decoding kernels.
+constexpr int kDecodeAttnMaxTokens = 8;
+
+// ---- Flash-decoding split count ---------------------------------------------------------------
+
+// The KV length rounded up to its bucket: a power of two, at least 256. Within one bucket the
+// attention kernels' grids are fixed, so a captured graph only needs its kv arguments patched;
+// crossing into another bucket is a topology change.
+int kv_bucket(int n_kv);
+// Number of KV splits for flash-decoding, a function of the bucket and the model's KV head
+// count (never of n_kv itself): enough blocks to fill the GPU, at least 128 keys per split.
+int attention_splits(int n_kv_bucket, int n_head_kv);
+constexpr int kMaxAttnSplits = 32;
+
+// ---- Buffers a graph's kernels address --------------------------------------------------------
+
+struct DeviceBuffers {
+  uint8_t* scratch = nullptr;
+  uint8_t* input = nullptr;
+  uint8_t* act = nullptr;  // activations prepared for mat-muls (8-bit blocks or half)
+  size_t act_bytes = 0;
+  float* attn = nullptr;  // flash-decoding partial results
+  size_t attn_bytes = 0;
+};
+
+// Device address of a tensor's data.
+void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
+
+// Workspace sizes a graph needs (computed on the host from shapes; never depends on kv values).
+size_t act_workspace_bytes(const Graph& graph);
+size_t attn_workspace_bytes(const Graph& graph);
+
+// A hash of what decides the kernels a graph launches and their grids: node ops and batch
+// sizes, and each flash-decoding attention's KV bucket. Equal keys, equal launch topology.
+uint64_t topology_key(const Graph& graph);
+
+// Checks every node's shapes, types and KV arguments against what the kernels support, before
+// anything is launched. Throws ArgumentError naming the node.
+void validate_graph(const Graph& graph);
+
+// Launches every node's kernels on launcher (which sets launcher.node for each node). No
+// allocation, no synchronisation, no host read of device data: it may run under stream capture.
+void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& launcher);
+
+// ---- Per-op launches (pointers already resolved) ----------------------------------------------
+
+void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
+                     const int32_t* ids, int n_ids, float* dst);
+// dst = src * rsqrt(mean(src^2) + eps) [* w] per column; w (optional) broadcast when w_cols == 1.
+void launch_rms_norm(Launcher& l, const float* src, const float* w, int64_t w_cols, float* dst,
+                     int64_t ne0, int64_t cols, float eps);
+// op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1.
+void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
+                   int64_t ne0, int64_t cols);
+void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t n);
+void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
+                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens);
+void launch_kv_store(Launcher& l, const float* src, void* cache, int64_t n_embd_kv, int n_tokens,
+                     int32_t first_row);
+
+// Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
+// d*sum(q) as float2), one column after another. Needs k % 32 == 0.
+size_t act_q8_bytes(int64_t k, int64_t cols);
+void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
+// Activation preparation for the tensor-core path: half, columns padded to kp = round_up(k, 32).
+size_t act_half_bytes(int64_t k, int64_t cols);
+void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
+
+// One weight matrix of a (possibly grouped) mat-vec: weights [k, n] and its output [n, cols].
+struct MatVecPart {
+  const void* w = nullptr;
+  int64_t n = 0;
+  float* dst = nullptr;
+};
+// Up to 3 weights of the same type and k that share one activation (q, k, v) in one launch.
+// Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act); float
+// types read x directly.
+void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
+                    const float* x, const uint8_t* ws, int cols);
+// Tensor-core tiled product for cols > kMatVecMaxCols; activations from launch_act_to_half.
+void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
+                       const uint8_t* ws, int cols, float* dst);
+
+// Attention: q [n_head*head_dim, T] F32; caches F16 rows of n_head_kv*head_dim; out like q.
+// n_kv and first_pos are passed to the kernels by value; the grid depends on n_tokens and the
+// bucket of n_kv only.
+void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
+                      float* out, int n_head, int n_head_kv, int head_dim, float scale,
+                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials);
+size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
+
+}  // namespace ggraph::cuda

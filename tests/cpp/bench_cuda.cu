@@ -1,0 +1,244 @@
+// Kernel timings of the CUDA backend: device-to-device copy bandwidth (the ceiling), mat-vec
+// bandwidth per weight format at the 7B FFN shapes, tiled mat-mul throughput at a 512-token
+// prompt, and attention. Weights rotate over enough copies to exceed the L2 cache, so mat-vec
+// figures are DRAM bandwidth. Prints one table; the command is the row's reproduction.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels.cuh"
+#include "quant.h"
+
+namespace {
+
+using ggraph::DType;
+namespace gc = ggraph::cuda;
+
+#define CHECK(expr) GGRAPH_CUDA_CHECK(expr)
+
+struct Events {
+  cudaEvent_t start, stop;
+  Events() {
+    CHECK(cudaEventCreate(&start));
+    CHECK(cudaEventCreate(&stop));
+  }
+  ~Events() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  // Milliseconds of the work fn enqueues, averaged over iters (after warm-up runs).
+  template <typename Fn>
+  double time_ms(cudaStream_t s, int iters, Fn fn) {
+    for (int i = 0; i < 3; ++i) fn(i);
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaEventRecord(start, s));
+    for (int i = 0; i < iters; ++i) fn(i);
+    CHECK(cudaEventRecord(stop, s));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms / iters;
+  }
+};
+
+void* device_copy_of(const std::vector<uint8_t>& host) {
+  void* p = nullptr;
+  CHECK(cudaMalloc(&p, host.size() + gc::kWeightPadding));
+  CHECK(cudaMemcpy(p, host.data(), host.size(), cudaMemcpyHostToDevice));
+  CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
+  return p;
+}
+
+// Random weights of a format with sane scales (the values do not change the timing).
+std::vector<uint8_t> random_weights(DType t, int64_t k, int64_t n, std::mt19937& rng) {
+  const size_t bytes = gc::row_bytes(t, k) * n;
+  std::vector<uint8_t> w(bytes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : w) b = uint8_t(byte(rng));
+  const uint16_t scale = ggraph::f32_to_f16(0.01f);
+  if (t == DType::F16 || t == DType::BF16) {
+    auto* h = reinterpret_cast<uint16_t*>(w.data());
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    for (size_t i = 0; i < bytes / 2; ++i)
+      h[i] = t == DType::F16 ? ggraph::f32_to_f16(u(rng)) : ggraph::f32_to_bf16(u(rng));
+  } else if (t == DType::F32) {
+    auto* f = reinterpret_cast<float*>(w.data());
+    for (size_t i = 0; i < bytes / 4; ++i) f[i] = float(byte(rng)) / 255.f - 0.5f;
+  } else {
+    const size_t bb = gc::block_bytes(t);
+    for (size_t off = 0; off < bytes; off += bb) {
+      std::memcpy(&w[off], &scale, 2);
+      if (t == DType::Q4_1) std::memcpy(&w[off + 2], &scale, 2);
+    }
+  }
+  return w;
+}
+
+float* device_randn(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> h(n);
+  for (auto& v : h) v = d(rng);
+  float* p = nullptr;
+  CHECK(cudaMalloc(&p, n * sizeof(float)));
+  CHECK(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  return p;
+}
+
+double copy_tb_s(cudaStream_t s) {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK(cudaMalloc(&a, bytes));
+  CHECK(cudaMalloc(&b, bytes));
+  CHECK(cudaMemset(a, 1, bytes));
+  Events ev;
+  const double ms = ev.time_ms(
+      s, 20, [&](int) { CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s)); });
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (ms * 1e-3) / 1e12;  // bytes read plus bytes written
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t s;
+  CHECK(cudaStreamCreate(&s));
+  gc::Launcher l;
+  l.stream = s;
+  std::mt19937 rng(1);
+  Events ev;
+
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+  const double copy = copy_tb_s(s);
+  std::printf("device-to-device copy: %.2f TB/s (read + write)\n\n", copy);
+
+  // ---- mat-vec -----------------------------------------------------------------------------
+  std::printf("| mat-vec | k x n | cols | weight MB | us | GB/s | %% of copy |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  struct KN {
+    int64_t k, n;
+  };
+  const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::BF16}) {
+    for (KN sh : shapes) {
+      const auto host = random_weights(t, sh.k, sh.n, rng);
+      const double mb = host.size() / 1e6;
+      const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
+      std::vector<void*> w(copies);
+      for (auto& p : w) p = device_copy_of(host);
+      for (int cols : {1, 2, 4, 8}) {
+        float* x = device_randn(size_t(sh.k) * cols, rng);
+        float* dst = nullptr;
+        CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+        uint8_t* ws = nullptr;
+        CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
+        const bool q = gc::is_quantized(t);
+        if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
+        const double ms = ev.time_ms(s, 200, [&](int i) {
+          gc::MatVecPart part{w[i % copies], sh.n, dst};
+          gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
+        });
+        std::printf("| %s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
+                    (long long)sh.k, (long long)sh.n, cols, mb, ms * 1e3,
+                    host.size() / (ms * 1e-3) / 1e9,
+                    100.0 * host.size() / (ms * 1e-3) / (copy * 1e12));
+        cudaFree(x);
+        cudaFree(dst);
+        cudaFree(ws);
+      }
+      for (void* p : w) cudaFree(p);
+    }
+  }
+  {
+    float* x = device_randn(4096, rng);
+    uint8_t* ws = nullptr;
+    CHECK(cudaMalloc(&ws, gc::act_q8_bytes(4096, 1)));
+    const double ms = ev.time_ms(s, 200, [&](int) { gc::launch_quantize_act(l, x, 4096, 1, ws); });
+    std::printf("\nactivation quantization, k 4096, 1 column: %.2f us per launch\n", ms * 1e3);
+    cudaFree(x);
+    cudaFree(ws);
+  }
+
+  // ---- tiled mat-mul ------------------------------------------------------------------------
+  std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16}) {
+    for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
+      const int cols = 512;
+      const auto host = random_weights(t, sh.k, sh.n, rng);
+      void* w = device_copy_of(host);
+      float* x = device_randn(size_t(sh.k) * cols, rng);
+      float* dst = nullptr;
+      CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+      uint8_t* ws = nullptr;
+      CHECK(cudaMalloc(&ws, gc::act_half_bytes(sh.k, cols)));
+      gc::launch_act_to_half(l, x, sh.k, cols, ws);
+      const double ms = ev.time_ms(
+          s, 20, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, ws, cols, dst); });
+      std::printf("| %s | %lldx%lld | %d | %.1f | %.1f |\n", gc::dtype_name(t), (long long)sh.k,
+                  (long long)sh.n, cols, ms * 1e3, 2.0 * sh.k * sh.n * cols / (ms * 1e-3) / 1e12);
+      cudaFree(w);
+      cudaFree(x);
+      cudaFree(dst);
+      cudaFree(ws);
+    }
+  }
+
+  // ---- attention --------------------------------------------------------------------------
+  std::printf(
+      "\n| attention | heads | head_dim | tokens | n_kv | us |\n|---|---|---|---|---|---|\n");
+  struct A {
+    int n_head, n_head_kv, hd;
+  };
+  for (A a : {A{32, 32, 128}, A{9, 3, 64}}) {
+    const int n_ctx = 4096;
+    const size_t kv_elems = size_t(n_ctx) * a.n_head_kv * a.hd;
+    std::vector<uint16_t> kv_host(kv_elems);
+    std::normal_distribution<float> d(0.f, 1.f);
+    for (auto& h : kv_host) h = ggraph::f32_to_f16(d(rng));
+    void *kc = nullptr, *vc = nullptr;
+    CHECK(cudaMalloc(&kc, kv_elems * 2));
+    CHECK(cudaMalloc(&vc, kv_elems * 2));
+    CHECK(cudaMemcpy(kc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(vc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+    float* part = nullptr;
+    CHECK(cudaMalloc(&part, gc::attn_partials_bytes(a.n_head, a.hd, 1)));
+    for (int tokens : {1, 512}) {
+      float* q = device_randn(size_t(a.n_head) * a.hd * tokens, rng);
+      float* out = nullptr;
+      CHECK(cudaMalloc(&out, size_t(a.n_head) * a.hd * tokens * sizeof(float)));
+      for (int n_kv : {128, 512, 1024, 4096}) {
+        if (tokens > 1 && n_kv != 512) continue;
+        const int first = n_kv - tokens;
+        const double ms = ev.time_ms(s, 50, [&](int) {
+          gc::launch_attention(l, q, kc, vc, out, a.n_head, a.n_head_kv, a.hd, 0.1f, tokens, n_kv,
+                               first, part);
+        });
+        std::printf("| %s | %d/%d | %d | %d | %d | %.1f |\n", tokens == 1 ? "decode" : "prompt",
+                    a.n_head, a.n_head_kv, a.hd, tokens, n_kv, ms * 1e3);
+      }
+      cudaFree(q);
+      cudaFree(out);
+    }
+    cudaFree(kc);
+    cudaFree(vc);
+    cudaFree(part);
+  }
+
+  // ---- launch cost of a tiny kernel ----------------------------------------------------------
+  {
+    float* x = device_randn(576, rng);
+    const double ms =
+        ev.time_ms(s, 1000, [&](int) { gc::launch_rms_norm(l, x, nullptr, 1, x, 576, 1, 1e-5f); });
+    std::printf("\nback-to-back tiny kernel (rms_norm 576x1): %.2f us per launch\n", ms * 1e3);
+    cudaFree(x);
+  }
+  CHECK(cudaStreamDestroy(s));
+  return 0;
+}

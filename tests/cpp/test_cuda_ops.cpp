@@ -1,0 +1,747 @@
+// Every CUDA op against a float64 reference computed here from the dequantized inputs, and
+// against the CPU backend on the same one-op graph: every weight format, shapes that are not
+// multiples of the block or tile sizes, batches on both sides of the mat-vec/tiled switch.
+// Scratch and workspaces are poisoned (NaN bytes) before every run. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/kernels.cuh"
+#include "graph.h"
+#include "planner.h"
+#include "quant.h"
+
+namespace ggraph {
+namespace {
+
+std::string gpu_absent_reason() {
+  if (!cuda_compiled()) return "this build has no CUDA backend";
+  if (cuda_devices().empty()) return "no CUDA device is present";
+  return "";
+}
+
+#define REQUIRE_GPU()                                \
+  do {                                               \
+    const std::string reason_ = gpu_absent_reason(); \
+    if (!reason_.empty()) GTEST_SKIP() << reason_;   \
+  } while (0)
+
+std::vector<float> randn(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// ||a - b|| / ||b||; infinite when a holds a non-finite value.
+template <typename T>
+double rel_err(const std::vector<float>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// Builds a graph's nodes on a backend (weights go through its upload_weight) and returns the
+// output tensor. Host data the graph points at must outlive the run.
+using Build = std::function<Tensor*(Graph&, Backend&)>;
+
+std::vector<float> run_on(Backend& be, const Build& build) {
+  Graph g;
+  Tensor* out = build(g, be);
+  g.set_output(out);
+  plan(g);
+  be.reserve(g.scratch_size, g.input_size);
+  if (be.is_cuda()) cuda_poison_buffers(be, 0xFF);
+  std::vector<float> result(out->n_elements(), NAN);
+  be.compute(g, result.data());
+  return result;
+}
+
+Tensor* upload(Graph& g, Backend& be, DType type, int64_t ne0, int64_t ne1, const void* host,
+               const std::string& name) {
+  const size_t bytes = row_size(type, ne0) * ne1;
+  return g.weight(type, ne0, ne1, be.upload_weight(host, bytes, name), name);
+}
+
+// An F32 scratch tensor holding x: get_rows of an F32 table with ids 0..ne1-1.
+Tensor* activations(Graph& g, Backend& be, const std::vector<float>& x, int64_t ne0, int64_t ne1,
+                    std::vector<int32_t>& ids) {
+  ids.resize(ne1);
+  for (int64_t i = 0; i < ne1; ++i) ids[i] = int32_t(i);
+  Tensor* table = upload(g, be, DType::F32, ne0, ne1, x.data(), "x");
+  return g.get_rows(table, g.input_i32(ne1, ids.data(), "ids"));
+}
+
+// Quantizes n rows of k floats; returns the bytes and, in deq, the values they decode to.
+std::vector<uint8_t> quantize(DType t, const std::vector<float>& w, int64_t k, int64_t n,
+                              std::vector<float>& deq) {
+  const size_t rb = row_size(t, k);
+  std::vector<uint8_t> q(rb * n);
+  deq.resize(size_t(k) * n);
+  for (int64_t r = 0; r < n; ++r) {
+    quantize_row(t, w.data() + r * k, q.data() + r * rb, k);
+    dequantize_row(t, q.data() + r * rb, deq.data() + r * k, k);
+  }
+  return q;
+}
+
+const DType kAllTypes[] = {DType::F32,  DType::F16,  DType::BF16,
+                           DType::Q8_0, DType::Q4_0, DType::Q4_1};
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    CudaOptions o;
+    o.graphs = "off";
+    cuda_ = make_cuda_backend(o);
+    cpu_ = make_cpu_backend(2);
+  }
+
+  // Runs build on both backends; checks CUDA against the reference and against the CPU.
+  void check(const Build& build, const std::vector<double>& ref, double bound_ref, double bound_cpu,
+             const std::string& what) {
+    const std::vector<float> gpu = run_on(*cuda_, build);
+    const std::vector<float> cpu = run_on(*cpu_, build);
+    ASSERT_EQ(gpu.size(), ref.size()) << what;
+    EXPECT_LT(rel_err(gpu, ref), bound_ref) << "CUDA vs float64 reference: " << what;
+    EXPECT_LT(rel_err(gpu, cpu), bound_cpu) << "CUDA vs CPU: " << what;
+  }
+
+  std::unique_ptr<Backend> cuda_, cpu_;
+};
+
+// ---- get_rows -------------------------------------------------------------------------------
+
+TEST_F(CudaOps, GetRowsDequantizesEveryType) {
+  std::mt19937 rng(11);
+  for (DType t : kAllTypes) {
+    const bool q = type_traits(t).block_size > 1;
+    for (int64_t ne0 : {int64_t(32), int64_t(96), int64_t(576), int64_t(q ? 4096 : 33)}) {
+      const int64_t n_rows = 37;
+      auto table = randn(size_t(ne0) * n_rows, rng);
+      std::vector<float> deq;
+      auto bytes = quantize(t, table, ne0, n_rows, deq);
+      for (int n_ids : {1, 7, 33}) {
+        std::vector<int32_t> ids(n_ids);
+        std::uniform_int_distribution<int32_t> pick(0, int32_t(n_rows - 1));
+        for (auto& id : ids) id = pick(rng);
+        std::vector<double> ref;
+        for (int32_t id : ids)
+          ref.insert(ref.end(), deq.begin() + id * ne0, deq.begin() + (id + 1) * ne0);
+        check(
+            [&](Graph& g, Backend& be) {
+              return g.get_rows(upload(g, be, t, ne0, n_rows, bytes.data(), "table"),
+                                g.input_i32(n_ids, ids.data(), "ids"));
+            },
+            ref, 1e-6, 1e-6, std::string(type_name(t)) + " ne0 " + std::to_string(ne0));
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, GetRowsRejectsAnIdOutOfRangeAndStaysUsable) {
+  std::vector<float> table(64 * 4, 1.0f);
+  std::vector<int32_t> ids = {0, 4};
+  Build bad = [&](Graph& g, Backend& be) {
+    return g.get_rows(upload(g, be, DType::F32, 64, 4, table.data(), "t"),
+                      g.input_i32(2, ids.data(), "ids"));
+  };
+  EXPECT_THROW(run_on(*cuda_, bad), ArgumentError);
+  ids[1] = 3;
+  const auto out = run_on(*cuda_, bad);
+  for (float v : out) EXPECT_EQ(v, 1.0f);
+}
+
+// ---- rms_norm, add, mul, swiglu --------------------------------------------------------------
+
+struct Shape {
+  int64_t ne0, ne1;
+};
+const Shape kShapes[] = {{32, 1}, {64, 3}, {576, 7}, {96, 33}, {4096, 2}, {4097, 1}, {8, 512}};
+
+std::vector<double> rms_norm_ref(const std::vector<float>& x, Shape s, float eps) {
+  std::vector<double> ref(x.size());
+  for (int64_t j = 0; j < s.ne1; ++j) {
+    double ss = 0;
+    for (int64_t i = 0; i < s.ne0; ++i) ss += double(x[j * s.ne0 + i]) * x[j * s.ne0 + i];
+    const double scale = 1.0 / std::sqrt(ss / s.ne0 + eps);
+    for (int64_t i = 0; i < s.ne0; ++i) ref[j * s.ne0 + i] = x[j * s.ne0 + i] * scale;
+  }
+  return ref;
+}
+
+TEST_F(CudaOps, RmsNormAloneAndFusedWithItsWeight) {
+  std::mt19937 rng(12);
+  for (Shape s : kShapes) {
+    auto x = randn(size_t(s.ne0) * s.ne1, rng, 3.0f);
+    std::vector<int32_t> ids;
+    const auto norm = rms_norm_ref(x, s, 1e-5f);
+    check([&](Graph& g,
+              Backend& be) { return g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-5f); },
+          norm, 1e-6, 1e-6, "rms_norm " + std::to_string(s.ne0) + "x" + std::to_string(s.ne1));
+    // Followed by a multiply with a broadcast weight (fused on CUDA) or a per-column one.
+    for (bool broadcast : {true, false}) {
+      const int64_t w_cols = broadcast ? 1 : s.ne1;
+      auto w = randn(size_t(s.ne0) * w_cols, rng);
+      std::vector<double> ref(norm.size());
+      for (int64_t j = 0; j < s.ne1; ++j)
+        for (int64_t i = 0; i < s.ne0; ++i)
+          ref[j * s.ne0 + i] = norm[j * s.ne0 + i] * w[(broadcast ? 0 : j) * s.ne0 + i];
+      std::vector<int32_t> wids;
+      check(
+          [&](Graph& g, Backend& be) {
+            Tensor* n = g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-5f);
+            Tensor* wt = broadcast ? upload(g, be, DType::F32, s.ne0, 1, w.data(), "w")
+                                   : activations(g, be, w, s.ne0, w_cols, wids);
+            return g.mul(n, wt);
+          },
+          ref, 1e-6, 1e-6, "rms_norm*w " + std::to_string(s.ne0) + "x" + std::to_string(s.ne1));
+    }
+  }
+}
+
+TEST_F(CudaOps, NormUsedTwiceIsNotFusedAway) {
+  std::mt19937 rng(13);
+  const Shape s = {576, 3};
+  auto x = randn(size_t(s.ne0) * s.ne1, rng);
+  auto w = randn(size_t(s.ne0), rng);
+  const auto norm = rms_norm_ref(x, s, 1e-6f);
+  std::vector<double> ref(norm.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] = norm[i] * w[i % s.ne0] + norm[i];
+  std::vector<int32_t> ids;
+  check(
+      [&](Graph& g, Backend& be) {
+        Tensor* n = g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-6f);
+        return g.add(g.mul(n, upload(g, be, DType::F32, s.ne0, 1, w.data(), "w")), n);
+      },
+      ref, 1e-6, 1e-6, "norm*w + norm");
+}
+
+TEST_F(CudaOps, AddMulSwigluWithBroadcast) {
+  std::mt19937 rng(14);
+  for (Shape s : kShapes) {
+    for (bool broadcast : {false, true}) {
+      const int64_t b_cols = broadcast ? 1 : s.ne1;
+      auto a = randn(size_t(s.ne0) * s.ne1, rng), b = randn(size_t(s.ne0) * b_cols, rng);
+      for (int which = 0; which < 3; ++which) {
+        if (which == 2 && broadcast) continue;
+        std::vector<double> ref(a.size());
+        for (int64_t j = 0; j < s.ne1; ++j)
+          for (int64_t i = 0; i < s.ne0; ++i) {
+            const double x = a[j * s.ne0 + i], y = b[(broadcast ? 0 : j) * s.ne0 + i];
+            ref[j * s.ne0 + i] = which == 0   ? x + y
+                                 : which == 1 ? x * y
+                                              : x / (1 + std::exp(-x)) * y;
+          }
+        std::vector<int32_t> ia, ib;
+        check(
+            [&](Graph& g, Backend& be) {
+              Tensor* ta = activations(g, be, a, s.ne0, s.ne1, ia);
+              Tensor* tb = activations(g, be, b, s.ne0, b_cols, ib);
+              return which == 0 ? g.add(ta, tb) : which == 1 ? g.mul(ta, tb) : g.swiglu(ta, tb);
+            },
+            ref, 1e-6, 1e-6,
+            "op " + std::to_string(which) + " " + std::to_string(s.ne0) + "x" +
+                std::to_string(s.ne1) + (broadcast ? " broadcast" : ""));
+      }
+    }
+  }
+}
+
+// ---- mul_mat ----------------------------------------------------------------------------------
+
+// Error bounds (relative, whole output) per path. Mat-vec (<= 8 columns): float weights in
+// float32; quantized weights against activations quantized to 8 bits (as the CPU does).
+// Tiled (> 8 columns): activations and dequantized weights rounded to half, fp32 accumulation.
+double mul_mat_bound(DType t, int64_t cols) {
+  const bool quantized = type_traits(t).block_size > 1;
+  if (cols <= 8) return quantized ? 2e-2 : 1e-5;
+  return 3e-3;
+}
+
+std::vector<double> mul_mat_ref(const std::vector<float>& w, const std::vector<float>& x, int64_t k,
+                                int64_t n, int64_t t) {
+  std::vector<double> ref(size_t(n) * t);
+  for (int64_t c = 0; c < t; ++c)
+    for (int64_t r = 0; r < n; ++r) {
+      double acc = 0;
+      for (int64_t i = 0; i < k; ++i) acc += double(w[r * k + i]) * x[c * k + i];
+      ref[c * n + r] = acc;
+    }
+  return ref;
+}
+
+void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rng,
+                   const std::function<void(const Build&, const std::vector<double>&, double,
+                                            double, const std::string&)>& check) {
+  auto wf = randn(size_t(k) * n, rng, 0.05f);
+  std::vector<float> deq;
+  auto bytes = quantize(t, wf, k, n, deq);
+  auto x = randn(size_t(k) * cols, rng);
+  const auto ref = mul_mat_ref(deq, x, k, n, cols);
+  const double bound = mul_mat_bound(t, cols);
+  std::vector<int32_t> ids;
+  check(
+      [&](Graph& g, Backend& be) {
+        return g.mul_mat(upload(g, be, t, k, n, bytes.data(), "w"),
+                         activations(g, be, x, k, cols, ids));
+      },
+      ref, bound, 2 * bound,
+      std::string(type_name(t)) + " k " + std::to_string(k) + " n " + std::to_string(n) + " cols " +
+          std::to_string(cols));
+}
+
+TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
+  std::mt19937 rng(15);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w) { check(b, r, br, bc, w); };
+  const Shape kn[] = {{32, 1}, {96, 7}, {160, 33}, {576, 257}, {800, 129}, {4096, 65}};
+  for (DType t : kAllTypes) {
+    for (Shape s : kn) {
+      for (int64_t cols : {1, 2, 7, 8, 9, 33}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+    }
+  }
+}
+
+TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
+  std::mt19937 rng(16);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w) { check(b, r, br, bc, w); };
+  for (DType t : {DType::F32, DType::F16, DType::BF16}) {
+    for (Shape s : {Shape{33, 5}, Shape{100, 17}, Shape{7, 3}, Shape{1030, 9}}) {
+      for (int64_t cols : {1, 3, 8, 9, 40}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+    }
+  }
+}
+
+TEST_F(CudaOps, MulMatPromptBatches) {
+  std::mt19937 rng(17);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w) { check(b, r, br, bc, w); };
+  for (DType t : kAllTypes) {
+    check_mul_mat(t, 576, 257, 512, rng, chk);
+    check_mul_mat(t, 256, 130, 100, rng, chk);
+  }
+}
+
+// q, k, v projections of one activation, in the llama graph's order (a rope after each of
+// q and k) and with the three products first; CUDA may launch them as one grouped mat-vec when
+// that moves no write over memory in use. GQA widths differ. Checked through attention.
+TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
+  std::mt19937 rng(18);
+  const int n_head = 8, n_head_kv = 2, hd = 64, n_embd = n_head * hd, kv_w = n_head_kv * hd;
+  for (DType t : {DType::Q4_1, DType::Q8_0, DType::F16}) {
+    for (int n_tok : {1, 3, 12}) {
+      for (bool products_first : {false, true}) {
+        const int n_ctx = 64, n_past = 5;
+        auto wq = randn(size_t(n_embd) * n_embd, rng, 0.05f);
+        auto wk = randn(size_t(n_embd) * kv_w, rng, 0.05f);
+        auto wv = randn(size_t(n_embd) * kv_w, rng, 0.05f);
+        std::vector<float> dq, dk, dv;
+        auto bq = quantize(t, wq, n_embd, n_embd, dq), bk = quantize(t, wk, n_embd, kv_w, dk);
+        auto bv = quantize(t, wv, n_embd, kv_w, dv);
+        auto x = randn(size_t(n_embd) * n_tok, rng);
+        std::vector<int32_t> pos(n_tok), ids;
+        for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
+        // Earlier cache rows: random F16 values, the same on both backends.
+        auto past_k = randn(size_t(kv_w) * n_ctx, rng), past_v = randn(size_t(kv_w) * n_ctx, rng);
+        std::vector<uint16_t> k16(past_k.size()), v16(past_v.size());
+        for (size_t i = 0; i < k16.size(); ++i) {
+          k16[i] = f32_to_f16(past_k[i]);
+          v16[i] = f32_to_f16(past_v[i]);
+        }
+        Build build = [&](Graph& g, Backend& be) {
+          Tensor* kc = g.kv_cache(DType::F16, kv_w, n_ctx,
+                                  be.upload_weight(k16.data(), k16.size() * 2, "k"), "k");
+          Tensor* vc = g.kv_cache(DType::F16, kv_w, n_ctx,
+                                  be.upload_weight(v16.data(), v16.size() * 2, "v"), "v");
+          Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
+          Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+          Tensor* wqt = upload(g, be, t, n_embd, n_embd, bq.data(), "wq");
+          Tensor* wkt = upload(g, be, t, n_embd, kv_w, bk.data(), "wk");
+          Tensor* wvt = upload(g, be, t, n_embd, kv_w, bv.data(), "wv");
+          Tensor *q, *k, *v;
+          if (products_first) {
+            Tensor* qm = g.mul_mat(wqt, xt);
+            Tensor* km = g.mul_mat(wkt, xt);
+            v = g.mul_mat(wvt, xt);
+            q = g.rope(qm, p, n_head, hd, hd, kRopeNormal, 10000.0f);
+            k = g.rope(km, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+          } else {
+            q = g.rope(g.mul_mat(wqt, xt), p, n_head, hd, hd, kRopeNormal, 10000.0f);
+            k = g.rope(g.mul_mat(wkt, xt), p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+            v = g.mul_mat(wvt, xt);
+          }
+          g.kv_store(kc, k, n_past);
+          g.kv_store(vc, v, n_past);
+          return g.attention(q, kc, vc, n_head, n_head_kv, hd, 1.0f / std::sqrt(float(hd)),
+                             n_past + n_tok, n_past);
+        };
+        const auto gpu = run_on(*cuda_, build);
+        const auto cpu = run_on(*cpu_, build);
+        EXPECT_LT(rel_err(gpu, cpu), type_traits(t).block_size > 1 ? 3e-2 : 5e-3)
+            << type_name(t) << " tokens " << n_tok << (products_first ? " products first" : "");
+      }
+    }
+  }
+}
+
+// ---- rope -------------------------------------------------------------------------------------
+
+void rope_ref(const std::vector<float>& x, const std::vector<int32_t>& pos, int n_head, int hd,
+              int n_dims, int mode, double base, std::vector<double>& out) {
+  out.assign(x.begin(), x.end());
+  for (size_t t = 0; t < pos.size(); ++t)
+    for (int h = 0; h < n_head; ++h) {
+      const size_t o = (t * n_head + h) * hd;
+      for (int i = 0; i < n_dims / 2; ++i) {
+        const double theta = pos[t] * std::pow(base, -2.0 * i / n_dims);
+        const int a = mode == kRopeNeox ? i : 2 * i,
+                  b = mode == kRopeNeox ? i + n_dims / 2 : 2 * i + 1;
+        const double x0 = x[o + a], x1 = x[o + b];
+        out[o + a] = x0 * std::cos(theta) - x1 * std::sin(theta);
+        out[o + b] = x0 * std::sin(theta) + x1 * std::cos(theta);
+      }
+    }
+}
+
+TEST_F(CudaOps, RopeBothModesPartialRotationLargePositions) {
+  std::mt19937 rng(19);
+  const struct {
+    int n_head, hd, n_dims;
+  } cases[] = {{4, 64, 64}, {3, 32, 16}, {9, 64, 64}, {2, 128, 96}, {32, 128, 128}};
+  for (int mode : {kRopeNormal, kRopeNeox}) {
+    for (auto c : cases) {
+      std::vector<int32_t> pos = {0, 1, 5, 100, 4095, 32767, 7};
+      auto x = randn(size_t(c.n_head) * c.hd * pos.size(), rng);
+      std::vector<double> ref;
+      rope_ref(x, pos, c.n_head, c.hd, c.n_dims, mode, 10000.0, ref);
+      std::vector<int32_t> ids;
+      check(
+          [&](Graph& g, Backend& be) {
+            return g.rope(activations(g, be, x, int64_t(c.n_head) * c.hd, int64_t(pos.size()), ids),
+                          g.input_i32(int64_t(pos.size()), pos.data(), "pos"), c.n_head, c.hd,
+                          c.n_dims, mode, 10000.0f);
+          },
+          ref, 1e-6, 1e-5,
+          "mode " + std::to_string(mode) + " hd " + std::to_string(c.hd) + " n_dims " +
+              std::to_string(c.n_dims));
+    }
+  }
+}
+
+// ---- kv_store + attention
+// ------------------------------------------------------------------------
+
+struct AttnCase {
+  int n_head, n_head_kv, hd, n_past, n_tok;
+};
+
+// Cache rows 0..n_past-1 already hold values; kv_store writes the new rows; attention reads all.
+void check_attention(const AttnCase& c, std::mt19937& rng,
+                     const std::function<void(const Build&, const std::vector<double>&, double,
+                                              double, const std::string&)>& check) {
+  const int n_ctx = c.n_past + c.n_tok + 7;
+  const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
+  auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
+  auto v_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
+  std::vector<uint16_t> k16(size_t(kv_w) * n_ctx, 0), v16(size_t(kv_w) * n_ctx, 0);
+  for (int64_t i = 0; i < kv_w * c.n_past; ++i)
+    k16[i] = f32_to_f16(k_all[i]), v16[i] = f32_to_f16(v_all[i]);
+  std::vector<float> k_new(k_all.begin() + kv_w * c.n_past, k_all.end());
+  std::vector<float> v_new(v_all.begin() + kv_w * c.n_past, v_all.end());
+  auto q = randn(size_t(c.n_head) * c.hd * c.n_tok, rng);
+  const float scale = 1.0f / std::sqrt(float(c.hd));
+  // Reference on the values as the F16 cache holds them.
+  std::vector<double> kr(k_all.size()), vr(v_all.size());
+  for (size_t i = 0; i < k_all.size(); ++i) kr[i] = f16_to_f32(f32_to_f16(k_all[i]));
+  for (size_t i = 0; i < v_all.size(); ++i) vr[i] = f16_to_f32(f32_to_f16(v_all[i]));
+  std::vector<double> ref(q.size());
+  for (int t = 0; t < c.n_tok; ++t)
+    for (int h = 0; h < c.n_head; ++h) {
+      const int hk = h / (c.n_head / c.n_head_kv), len = c.n_past + t + 1;
+      std::vector<double> s(len);
+      double mx = -INFINITY, sum = 0;
+      for (int p = 0; p < len; ++p) {
+        double d = 0;
+        for (int i = 0; i < c.hd; ++i)
+          d += double(q[(size_t(t) * c.n_head + h) * c.hd + i]) * kr[p * kv_w + hk * c.hd + i];
+        s[p] = d * scale;
+        mx = std::max(mx, s[p]);
+      }
+      for (auto& v : s) sum += (v = std::exp(v - mx));
+      for (int i = 0; i < c.hd; ++i) {
+        double acc = 0;
+        for (int p = 0; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * c.hd + i];
+        ref[(size_t(t) * c.n_head + h) * c.hd + i] = acc / sum;
+      }
+    }
+  std::vector<int32_t> iq, ik, iv;
+  check(
+      [&](Graph& g, Backend& be) {
+        Tensor* kt = g.kv_cache(DType::F16, kv_w, n_ctx,
+                                be.upload_weight(k16.data(), k16.size() * 2, "k"), "k");
+        Tensor* vt = g.kv_cache(DType::F16, kv_w, n_ctx,
+                                be.upload_weight(v16.data(), v16.size() * 2, "v"), "v");
+        g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
+        g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
+        return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
+                           c.n_head, c.n_head_kv, c.hd, scale, c.n_past + c.n_tok, c.n_past);
+      },
+      ref, 2e-5, 2e-5,
+      "heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " hd " +
+          std::to_string(c.hd) + " past " + std::to_string(c.n_past) + " tokens " +
+          std::to_string(c.n_tok));
+}
+
+TEST_F(CudaOps, AttentionDecodeSplitsAndGqa) {
+  std::mt19937 rng(20);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w) { check(b, r, br, bc, w); };
+  const AttnCase cases[] = {{4, 4, 32, 0, 1},      {9, 3, 64, 0, 7},    {8, 2, 64, 37, 1},
+                            {32, 32, 128, 300, 1}, {9, 3, 64, 1000, 1}, {9, 3, 64, 1000, 8},
+                            {16, 1, 64, 10, 1},    {2, 2, 256, 600, 2}, {6, 1, 16, 100, 5},
+                            {8, 8, 80, 3000, 1},   {12, 4, 96, 4500, 3}};
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+TEST_F(CudaOps, AttentionPrompt) {
+  std::mt19937 rng(21);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w) { check(b, r, br, bc, w); };
+  const AttnCase cases[] = {{6, 1, 16, 100, 13}, {12, 4, 80, 5, 33},  {4, 1, 256, 50, 9},
+                            {9, 3, 64, 0, 512},  {8, 2, 128, 0, 100}, {4, 4, 128, 40, 77}};
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// ---- determinism, memory errors, devices
+// ---------------------------------------------------------
+
+TEST_F(CudaOps, RepeatedRunsAreBitwiseEqual) {
+  std::mt19937 rng(22);
+  const int64_t k = 4096, n = 1000;
+  auto wf = randn(size_t(k) * n, rng, 0.05f);
+  std::vector<float> deq;
+  auto bytes = quantize(DType::Q4_0, wf, k, n, deq);
+  for (int64_t cols : {1, 5, 64}) {
+    auto x = randn(size_t(k) * cols, rng);
+    std::vector<int32_t> ids;
+    Build b = [&](Graph& g, Backend& be) {
+      return g.mul_mat(upload(g, be, DType::Q4_0, k, n, bytes.data(), "w"),
+                       activations(g, be, x, k, cols, ids));
+    };
+    const auto first = run_on(*cuda_, b);
+    const auto second = run_on(*cuda_, b);
+    EXPECT_EQ(0, std::memcmp(first.data(), second.data(), first.size() * sizeof(float)))
+        << "cols " << cols;
+  }
+}
+
+TEST_F(CudaOps, OutOfMemoryIsADeviceErrorAndTheBackendStaysUsable) {
+  const size_t huge = size_t(1) << 50;  // 1 PiB
+  std::vector<uint8_t> small(16);
+  try {
+    cuda_->alloc_kv(huge);
+    FAIL() << "allocating 1 PiB succeeded";
+  } catch (const DeviceError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("out of device memory"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("MiB free of"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(cuda_->reserve(huge, 16), DeviceError);
+  std::mt19937 rng(23);
+  Shape s = {64, 2};
+  auto x = randn(size_t(s.ne0) * s.ne1, rng);
+  std::vector<int32_t> ids;
+  const auto out = run_on(*cuda_, [&](Graph& g, Backend& be) {
+    return g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-5f);
+  });
+  EXPECT_LT(rel_err(out, rms_norm_ref(x, s, 1e-5f)), 1e-6);
+}
+
+TEST(CudaDevices, ListsUsableGpus) {
+  REQUIRE_GPU();
+  for (const DeviceInfo& d : cuda_devices()) {
+    EXPECT_FALSE(d.name.empty());
+    EXPECT_GT(d.total_memory, d.free_memory);
+    EXPECT_GT(d.multiprocessors, 0);
+    EXPECT_GE(d.cc_major, 5);
+  }
+  CudaOptions o;
+  o.device = int(cuda_devices().size());
+  EXPECT_THROW(make_cuda_backend(o), DeviceError);
+  o.device = 0;
+  o.graphs = "sometimes";
+  EXPECT_THROW(make_cuda_backend(o), ArgumentError);
+}
+
+// ---- Launch plan (host only: no GPU needed)
+// ------------------------------------------------------
+//
+// launch_graph with launches recorded and not executed: what the CUDA graph executor relies on.
+
+// Two llama-style layers at the given batch and cache position, weights at fake device addresses.
+struct LayerGraph {
+  Graph g;
+  std::vector<int32_t> tokens, positions;
+  Tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *gate = nullptr, *up = nullptr;
+  Tensor *attn_norm_mul = nullptr, *attention = nullptr;
+
+  LayerGraph(int n_tokens, int n_past, bool products_first = false) {
+    const int n_embd = 576, n_head = 9, n_head_kv = 3, hd = 64, n_ff = 1536, n_ctx = 1024;
+    uintptr_t next = 0x100000;
+    auto fake = [&](size_t bytes) {
+      void* p = reinterpret_cast<void*>(next);
+      next += (bytes + 4095) / 4096 * 4096 + 4096;
+      return p;
+    };
+    auto weight = [&](DType t, int64_t ne0, int64_t ne1, const char* name) {
+      return g.weight(t, ne0, ne1, fake(row_size(t, ne0) * ne1), name);
+    };
+    tokens.assign(n_tokens, 1);
+    positions.resize(n_tokens);
+    for (int i = 0; i < n_tokens; ++i) positions[i] = n_past + i;
+    Tensor* tok = g.input_i32(n_tokens, tokens.data(), "tokens");
+    Tensor* pos = g.input_i32(n_tokens, positions.data(), "positions");
+    Tensor* x = g.get_rows(weight(DType::Q8_0, n_embd, 49152, "tok_embd"), tok);
+    for (int il = 0; il < 2; ++il) {
+      Tensor* kc =
+          g.kv_cache(DType::F16, n_head_kv * hd, n_ctx, fake(n_ctx * n_head_kv * hd * 2), "k");
+      Tensor* vc =
+          g.kv_cache(DType::F16, n_head_kv * hd, n_ctx, fake(n_ctx * n_head_kv * hd * 2), "v");
+      Tensor* h = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "attn_norm"));
+      attn_norm_mul = h;
+      Tensor* wqt = weight(DType::Q4_1, n_embd, n_embd, "wq");
+      Tensor* wkt = weight(DType::Q4_1, n_embd, n_head_kv * hd, "wk");
+      Tensor* wvt = weight(DType::Q4_1, n_embd, n_head_kv * hd, "wv");
+      Tensor *q, *k, *v;
+      if (products_first) {
+        wq = g.mul_mat(wqt, h);
+        wk = g.mul_mat(wkt, h);
+        wv = v = g.mul_mat(wvt, h);
+        q = g.rope(wq, pos, n_head, hd, hd, kRopeNormal, 10000.0f);
+        k = g.rope(wk, pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+      } else {
+        q = g.rope(wq = g.mul_mat(wqt, h), pos, n_head, hd, hd, kRopeNormal, 10000.0f);
+        k = g.rope(wk = g.mul_mat(wkt, h), pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+        wv = v = g.mul_mat(wvt, h);
+      }
+      g.kv_store(kc, k, n_past);
+      g.kv_store(vc, v, n_past);
+      attention = g.attention(q, kc, vc, n_head, n_head_kv, hd, 0.125f, n_past + n_tokens, n_past);
+      x = g.add(x, g.mul_mat(weight(DType::Q4_1, n_embd, n_embd, "wo"), attention));
+      Tensor* f = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "ffn_norm"));
+      gate = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "gate"), f);
+      up = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "up"), f);
+      x = g.add(x, g.mul_mat(weight(DType::Q4_1, n_ff, n_embd, "down"), g.swiglu(gate, up)));
+    }
+    g.set_output(g.mul_mat(weight(DType::Q8_0, n_embd, 49152, "output"), x));
+    plan(g);
+  }
+
+  std::vector<cuda::KernelLaunch> launches() const {
+    cuda::validate_graph(g);
+    cuda::DeviceBuffers buf;
+    buf.scratch = reinterpret_cast<uint8_t*>(uintptr_t(0x7000000000));
+    buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
+    buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
+    buf.attn = reinterpret_cast<float*>(uintptr_t(0x7300000000));
+    std::vector<cuda::KernelLaunch> rec;
+    cuda::Launcher l;
+    l.execute = false;
+    l.record = &rec;
+    cuda::launch_graph(g, buf, l);
+    return rec;
+  }
+};
+
+int launches_of(const std::vector<cuda::KernelLaunch>& rec, const Tensor* t) {
+  return int(std::count_if(rec.begin(), rec.end(),
+                           [&](const cuda::KernelLaunch& k) { return k.node == t->index; }));
+}
+
+TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
+  {
+    LayerGraph lg(1, 20, /*products_first=*/true);
+    const auto rec = lg.launches();
+    // q's node quantizes the activation and launches q, k and v together.
+    EXPECT_EQ(launches_of(rec, lg.wq), 2);
+    EXPECT_EQ(launches_of(rec, lg.wk), 0);
+    EXPECT_EQ(launches_of(rec, lg.wv), 0);
+    // The norm's weight multiply is done by the norm's kernel.
+    EXPECT_EQ(launches_of(rec, lg.attn_norm_mul), 0);
+  }
+  {
+    // In the llama order, gate and up are adjacent: one quantization and one launch for both.
+    LayerGraph lg(1, 20);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.gate) + launches_of(rec, lg.up), 2);
+    EXPECT_EQ(launches_of(rec, lg.up), 0);
+  }
+  {
+    // Prompts take the tiled path: one half-precision conversion shared by q, k and v.
+    LayerGraph lg(16, 0, true);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 2);
+    EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+  }
+}
+
+TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInKvArguments) {
+  for (int n_tokens : {1, 4, 64}) {
+    LayerGraph a(n_tokens, 100), b(n_tokens, 101);
+    EXPECT_EQ(cuda::topology_key(a.g), cuda::topology_key(b.g));
+    const auto ra = a.launches(), rb = b.launches();
+    ASSERT_EQ(ra.size(), rb.size());
+    int differing = 0;
+    for (size_t i = 0; i < ra.size(); ++i) {
+      ASSERT_TRUE(ra[i].same_shape(rb[i])) << "launch " << i;
+      ASSERT_EQ(ra[i].node, rb[i].node);
+      if (ra[i].same_args(rb[i])) continue;
+      const Op op = a.g.nodes()[ra[i].node]->op;
+      EXPECT_TRUE(op == Op::KvStore || op == Op::Attention)
+          << "launch " << i << " of " << op_name(op) << " changed its arguments";
+      ++differing;
+    }
+    // Per layer: two KV stores and the attention kernel.
+    EXPECT_EQ(differing, 2 * 3) << "tokens " << n_tokens;
+  }
+  // Crossing a KV bucket changes the attention grid: another topology.
+  LayerGraph near(1, 200), far(1, 300);
+  EXPECT_NE(cuda::topology_key(near.g), cuda::topology_key(far.g));
+  EXPECT_NE(cuda::topology_key(LayerGraph(1, 20).g), cuda::topology_key(LayerGraph(2, 20).g));
+}
+
+TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
+  for (int n_kv : {1, 100, 256, 257, 1000, 4096, 100000}) {
+    const int b = cuda::kv_bucket(n_kv);
+    EXPECT_GE(b, n_kv);
+    EXPECT_EQ(b & (b - 1), 0) << "bucket " << b << " is not a power of two";
+    for (int other = b / 2 + 1; other <= b; other += std::max(1, b / 7))
+      if (other >= 256 || b == 256) {
+        EXPECT_EQ(cuda::kv_bucket(other), b) << other;
+      }
+    const int s = cuda::attention_splits(b, 32);
+    EXPECT_GE(s, 1);
+    EXPECT_LE(s, cuda::kMaxAttnSplits);
+  }
+}
+
+}  // namespace
+}  // namespace ggraph
