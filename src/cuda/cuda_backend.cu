@@ -264,23 +264,30 @@ void validate_graph(const Graph& graph) {
 void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
   const std::vector<Tensor*>& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
-  // Consumers per node, to know when an intermediate can be fused away.
+  // Consumers per node, to know when an intermediate can be fused away; and which nodes a
+  // quantized mat-vec reads, so that their producer can hand over 8-bit activations too.
   std::vector<int> uses(n, 0);
+  std::vector<char> q8_read(n, 0);
   bool indexed = true;
   for (int i = 0; i < n && indexed; ++i) indexed = nodes[i]->index == i;
   std::unordered_map<const Tensor*, int> position;
   if (!indexed) {
     for (int i = 0; i < n; ++i) position[nodes[i]] = i;
   }
+  auto pos = [&](const Tensor* s) {
+    if (indexed) return s->index >= 0 && s->index < n && nodes[s->index] == s ? s->index : -1;
+    auto it = position.find(s);
+    return it == position.end() ? -1 : it->second;
+  };
   for (const Tensor* t : nodes) {
     for (const Tensor* s : t->src) {
-      if (!s) continue;
-      if (indexed) {
-        if (s->index >= 0 && s->index < n && nodes[s->index] == s) ++uses[s->index];
-      } else {
-        auto it = position.find(s);
-        if (it != position.end()) ++uses[it->second];
-      }
+      const int p = s ? pos(s) : -1;
+      if (p >= 0) ++uses[p];
+    }
+    if (t->op == Op::MulMat && is_quantized(t->src[0]->type) &&
+        t->src[1]->ne[1] <= kMatVecMaxCols) {
+      const int p = pos(t->src[1]);
+      if (p >= 0) q8_read[p] = 1;
     }
   }
   auto ptr = [&](const Tensor* t) { return tensor_ptr(t, buf); };
@@ -292,6 +299,49 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
 
   // Nodes already launched as part of an earlier node's kernel.
   std::vector<char> done(n, 0);
+
+  // Whether the producer of x should also write its 8-bit form (then x is marked prepared).
+  auto quantize_for_readers = [&](const Tensor* x) {
+    const int p = pos(x);
+    return p >= 0 && q8_read[p] && x->ne[0] % 32 == 0 && x->ne[1] <= kMatVecMaxCols;
+  };
+
+  // Launches rms_norm node ri as one kernel with: the Add node `add` before it (or none), the
+  // weight multiply after it when nothing else reads the norm, and the 8-bit form of the result
+  // when quantized mat-vecs read it. Refuses (false) when the result's memory overlaps inputs
+  // that other threads of the kernel still read.
+  auto launch_norm = [&](int ri, const Tensor* add) {
+    const Tensor* r = nodes[ri];
+    const Tensor* in = add ? add : r->src[0];
+    const Tensor* next = ri + 1 < n ? nodes[ri + 1] : nullptr;
+    const Tensor* w = nullptr;
+    if (next && next->op == Op::Mul && !done[ri + 1] && uses[ri] == 1 && r != graph.output() &&
+        next->src[0] == r && next->src[1] != r && !scratch_overlap(next, in))
+      w = next->src[1];
+    const Tensor* out = w ? next : r;
+    if (add && (scratch_overlap(out, add->src[0]) || scratch_overlap(out, add->src[1])))
+      return false;
+    NormArgs a;
+    a.src = fptr(add ? add->src[0] : r->src[0]);
+    if (add) {
+      a.add = fptr(add->src[1]);
+      a.sum_out = fptr(add);
+    }
+    if (w) {
+      a.w = fptr(w);
+      a.w_cols = w->ne[1];
+    }
+    a.dst = fptr(out);
+    if (quantize_for_readers(out)) {
+      a.quant_ws = buf.act;
+      prepared = out;
+      prepared_half = false;
+    }
+    launch_rms_norm(l, a, r->ne[0], r->ne[1], r->param_f(0));
+    done[ri] = 1;
+    if (w) done[ri + 1] = 1;
+    return true;
+  };
 
   for (int i = 0; i < n; ++i) {
     const Tensor* t = nodes[i];
@@ -305,35 +355,33 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
                         static_cast<const int32_t*>(ptr(t->src[1])),
                         static_cast<int>(t->src[1]->ne[0]), fptr(t));
         break;
-      case Op::RmsNorm: {
-        // rms_norm followed by its weight multiply, with no other use of the normalized value:
-        // one kernel (the multiply node then launches nothing).
-        const Tensor* next = i + 1 < n ? nodes[i + 1] : nullptr;
-        const Tensor* w = nullptr;
-        if (next && next->op == Op::Mul && uses[i] == 1 && t != graph.output()) {
-          if (next->src[0] == t && next->src[1] != t) w = next->src[1];
-          if (next->src[1] == t && next->src[0] != t && next->src[0]->ne[1] == t->ne[1] &&
-              t->ne[1] == 1)
-            w = next->src[0];
-        }
-        if (w) {
-          launch_rms_norm(l, fptr(t->src[0]), fptr(w), w->ne[1], fptr(next), t->ne[0], t->ne[1],
-                          t->param_f(0));
-          done[i + 1] = 1;
-        } else {
-          launch_rms_norm(l, fptr(t->src[0]), nullptr, 1, fptr(t), t->ne[0], t->ne[1],
-                          t->param_f(0));
-        }
+      case Op::RmsNorm:
+        launch_norm(i, nullptr);
+        break;
+      case Op::Add: {
+        // The residual add and the norm that reads it (as each layer has them): one kernel.
+        const Tensor* r = i + 1 < n ? nodes[i + 1] : nullptr;
+        if (r && r->op == Op::RmsNorm && r->src[0] == t && t->src[1]->ne[1] == t->ne[1] &&
+            launch_norm(i + 1, t))
+          break;
+        launch_binary(l, 0, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
+                      t->src[0]->ne[0], t->src[0]->ne[1]);
         break;
       }
       case Op::Mul:
-      case Op::Add:
-        launch_binary(l, t->op == Op::Add ? 0 : 1, fptr(t->src[0]), fptr(t->src[1]),
-                      t->src[1]->ne[1], fptr(t), t->src[0]->ne[0], t->src[0]->ne[1]);
+        launch_binary(l, 1, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
+                      t->src[0]->ne[0], t->src[0]->ne[1]);
         break;
-      case Op::Swiglu:
-        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->n_elements());
+      case Op::Swiglu: {
+        uint8_t* q = nullptr;
+        if (quantize_for_readers(t)) {
+          q = buf.act;
+          prepared = t;
+          prepared_half = false;
+        }
+        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1], q);
         break;
+      }
       case Op::MulMat: {
         const Tensor* w = t->src[0];
         const Tensor* x = t->src[1];
@@ -383,10 +431,18 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
                     t->params[kRopeNHead], t->params[kRopeHeadDim], t->params[kRopeNDims],
                     t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]));
         break;
-      case Op::KvStore:
-        launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, t->src[0]->ne[0],
+      case Op::KvStore: {
+        // K and V stores of the same rows, one after the other: one launch.
+        const Tensor* nx = i + 1 < n ? nodes[i + 1] : nullptr;
+        const bool pair = nx && nx->op == Op::KvStore && nx->kv[0] == t->kv[0] &&
+                          nx->src[0]->ne[0] == t->src[0]->ne[0] &&
+                          nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t);
+        launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, pair ? fptr(nx->src[0]) : nullptr,
+                        pair ? kv_target(nx)->data : nullptr, t->src[0]->ne[0],
                         static_cast<int>(t->src[0]->ne[1]), t->kv[0]);
+        if (pair) done[i + 1] = 1;
         break;
+      }
       case Op::Attention: {
         float scale;
         std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
@@ -549,6 +605,9 @@ class CudaBackend : public Backend {
             {"host_us_total", s.host_us_total}};
   }
   void reset_stats() override { executor_->reset_stats(); }
+  void add_host_time(double microseconds) override {
+    executor_->mutable_stats().host_us_total += microseconds;
+  }
 
   void poison(uint8_t byte) {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));

@@ -30,16 +30,40 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
   for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = load_elem<TYPE>(row, i);
 }
 
-// ---- rms_norm (optionally fused with the weight multiply that follows it) -------------------
+// ---- rms_norm, optionally fused with the residual add before it, the weight multiply after
+// it and the 8-bit quantization of the result for the mat-vecs that read it -----------------
 
-__global__ void rms_norm_kernel(const float* src, const float* w, int64_t w_cols, float* dst,
-                                int64_t ne0, float eps) {
+// Writes q = round(y / d) of the warp's 32 consecutive elements (block `b`), d = max|y| / 127.
+__device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* qs, float2* ds) {
+  const float amax = warp_max(fabsf(y));
+  const float d = amax / 127.0f;
+  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(y / d)));
+  const int sum = warp_sum_int(q);
+  qs[i] = static_cast<int8_t>(q);
+  if (threadIdx.x % 32 == 0) ds[i / 32] = make_float2(d, d * static_cast<float>(sum));
+}
+
+// One block per column. add/sum_out: x = src + add is written to sum_out and normalized.
+// w: multiplied in (broadcast when w_cols == 1). qs/ds: also quantize the result (needs ne0 a
+// multiple of 32, so that each warp iteration covers one whole quant block).
+__global__ void rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
+                                int64_t w_cols, float* dst, int64_t ne0, float eps, int8_t* qs,
+                                float2* ds) {
   __shared__ float partial[32];
   const int64_t col = blockIdx.x;
   const float* x = src + col * ne0;
+  const float* a = add ? add + col * ne0 : nullptr;
+  float* xs = sum_out ? sum_out + col * ne0 : nullptr;
   float* y = dst + col * ne0;
   float sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) sum += x[i] * x[i];
+  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+    float v = x[i];
+    if (a) {
+      v += a[i];
+      xs[i] = v;
+    }
+    sum += v * v;
+  }
   sum = warp_sum(sum);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) partial[warp] = sum;
@@ -52,12 +76,14 @@ __global__ void rms_norm_kernel(const float* src, const float* w, int64_t w_cols
   }
   __syncthreads();
   const float scale = 1.0f / sqrtf(partial[0] / static_cast<float>(ne0) + eps);
-  // Each thread rewrites exactly the elements it read, so dst may alias src.
-  if (w) {
-    const float* wc = w + (w_cols == 1 ? 0 : col * ne0);
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) y[i] = x[i] * scale * wc[i];
-  } else {
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) y[i] = x[i] * scale;
+  const float* wc = w ? w + (w_cols == 1 ? 0 : col * ne0) : nullptr;
+  // The second pass reads what this same thread read (or wrote) in the first, so dst may be
+  // the very memory of src; the host never fuses when dst overlaps src any other way.
+  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+    float v = (xs ? xs[i] : x[i]) * scale;
+    if (wc) v *= wc[i];
+    y[i] = v;
+    if (qs) quantize_warp_block(v, col * ne0 + i, qs, ds);
   }
 }
 
@@ -74,11 +100,15 @@ __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, fl
   dst[col * ne0 + i] = OP == 0 ? x + z : x * z;
 }
 
-__global__ void swiglu_kernel(const float* gate, const float* up, float* dst, int64_t n) {
+// qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range).
+__global__ void swiglu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
+                              float2* ds) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = gate[i];
-  dst[i] = g / (1.0f + expf(-g)) * up[i];
+  const float v = g / (1.0f + expf(-g)) * up[i];
+  dst[i] = v;
+  if (qs) quantize_warp_block(v, i, qs, ds);
 }
 
 // ---- rope ----------------------------------------------------------------------------------
@@ -132,11 +162,14 @@ __global__ void rope_kernel(const float* src, const int32_t* pos, float* dst, in
 
 // ---- KV store ------------------------------------------------------------------------------
 
-// first_row arrives by value: the graph executor patches it per step; the cache pointer stays.
-__global__ void kv_store_kernel(const float* src, __half* cache, int64_t n_embd_kv, int64_t n,
-                                int32_t first_row) {
+// first_row arrives by value: the graph executor patches it per step; the cache pointers stay.
+// blockIdx.y picks one of two stores of the same rows (K and V).
+__global__ void kv_store_kernel(const float* src0, const float* src1, __half* cache0,
+                                __half* cache1, int64_t n_embd_kv, int64_t n, int32_t first_row) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
+  const float* src = blockIdx.y == 0 ? src0 : src1;
+  __half* cache = blockIdx.y == 0 ? cache0 : cache1;
   cache[static_cast<int64_t>(first_row) * n_embd_kv + i] = __float2half_rn(src[i]);
 }
 
@@ -194,11 +227,17 @@ void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, in
   }
 }
 
-void launch_rms_norm(Launcher& l, const float* src, const float* w, int64_t w_cols, float* dst,
-                     int64_t ne0, int64_t cols, float eps) {
+void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, float eps) {
   const int threads =
       static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (ne0 / 4 + 31) / 32 * 32)));
-  l(rms_norm_kernel, dim3(cols), dim3(threads), 0, src, w, w_cols, dst, ne0, eps);
+  int8_t* qs = nullptr;
+  float2* ds = nullptr;
+  if (a.quant_ws) {
+    qs = reinterpret_cast<int8_t*>(a.quant_ws);
+    ds = reinterpret_cast<float2*>(a.quant_ws + static_cast<size_t>(ne0 * cols + 255) / 256 * 256);
+  }
+  l(rms_norm_kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols, a.dst,
+    ne0, eps, qs, ds);
 }
 
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
@@ -211,8 +250,16 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
   }
 }
 
-void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t n) {
-  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n);
+void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
+                   int64_t cols, uint8_t* quant_ws) {
+  const int64_t n = ne0 * cols;
+  int8_t* qs = nullptr;
+  float2* ds = nullptr;
+  if (quant_ws) {
+    qs = reinterpret_cast<int8_t*>(quant_ws);
+    ds = reinterpret_cast<float2*>(quant_ws + static_cast<size_t>(n + 255) / 256 * 256);
+  }
+  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n, qs, ds);
 }
 
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
@@ -222,11 +269,13 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     head_dim, n_dims, mode, freq_base);
 }
 
-void launch_kv_store(Launcher& l, const float* src, void* cache, int64_t n_embd_kv, int n_tokens,
-                     int32_t first_row) {
+void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
+                     int64_t n_embd_kv, int n_tokens, int32_t first_row) {
   const int64_t n = n_embd_kv * n_tokens;
-  l(kv_store_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, src, static_cast<__half*>(cache),
-    n_embd_kv, n, first_row);
+  const bool pair = src1 != nullptr;
+  l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
+    static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
+    first_row);
 }
 
 size_t act_q8_bytes(int64_t k, int64_t cols) {

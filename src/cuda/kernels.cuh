@@ -121,17 +121,30 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& launch
 
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
                      const int32_t* ids, int n_ids, float* dst);
-// dst = src * rsqrt(mean(src^2) + eps) [* w] per column; w (optional) broadcast when w_cols == 1.
-void launch_rms_norm(Launcher& l, const float* src, const float* w, int64_t w_cols, float* dst,
-                     int64_t ne0, int64_t cols, float eps);
+// rms_norm per column, with optional fusions: x = src + add (written to sum_out) before the
+// norm; the weight multiply after it (w broadcast when w_cols == 1); and the 8-bit
+// quantization of the result into quant_ws (the layout of launch_quantize_act; ne0 % 32 == 0).
+struct NormArgs {
+  const float* src = nullptr;
+  const float* add = nullptr;
+  float* sum_out = nullptr;
+  const float* w = nullptr;
+  int64_t w_cols = 1;
+  float* dst = nullptr;
+  uint8_t* quant_ws = nullptr;
+};
+void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t cols, float eps);
 // op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1.
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
                    int64_t ne0, int64_t cols);
-void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t n);
+// quant_ws (optional, ne0 % 32 == 0): also the 8-bit quantization of the result.
+void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
+                   int64_t cols, uint8_t* quant_ws);
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens);
-void launch_kv_store(Launcher& l, const float* src, void* cache, int64_t n_embd_kv, int n_tokens,
-                     int32_t first_row);
+// Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows first_row...
+void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
+                     int64_t n_embd_kv, int n_tokens, int32_t first_row);
 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
