@@ -248,9 +248,8 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
 
 namespace {
 
-using quant_impl::act_scales;
-using quant_impl::act_sums;
-using quant_impl::padded_blocks;
+using quant_impl::act_ds;
+using quant_impl::act_q_offset;
 
 // Round to nearest even for |v| < 2^22 without a float-to-int conversion: adding 1.5 * 2^23 moves
 // the integer part to the last mantissa bits. Matches the vector code's cvtps2dq in default mode.
@@ -262,9 +261,9 @@ int32_t round_even(float v) {
 void prepare_q8_scalar(const float* x, void* dst, int64_t k) {
   const int64_t nb = k / QK;
   int8_t* q = static_cast<int8_t*>(dst);
-  float* d = reinterpret_cast<float*>(q + k);
-  float* s = d + padded_blocks(k);
-  for (int64_t b = 0; b < nb; ++b, x += QK, q += QK) {
+  std::memset(dst, 0, quant_impl::q8_act_size(k));
+  float* ds = const_cast<float*>(act_ds(dst, k));
+  for (int64_t b = 0; b < nb; ++b, x += QK) {
     // The maximum over the magnitude bits is order-free and ranks NaN above Inf above numbers.
     uint32_t amax_bits = 0;
     for (int j = 0; j < QK; ++j) {
@@ -273,8 +272,7 @@ void prepare_q8_scalar(const float* x, void* dst, int64_t k) {
     }
     if (amax_bits >= 0x7f800000) {
       // A non-finite value makes the whole block NaN so that it shows in every dot it enters.
-      std::memset(q, 0, QK);
-      d[b] = s[b] = bits_float(0x7fc00000);
+      ds[2 * b] = ds[2 * b + 1] = bits_float(0x7fc00000);
       continue;
     }
     const float amax = bits_float(amax_bits);
@@ -282,15 +280,13 @@ void prepare_q8_scalar(const float* x, void* dst, int64_t k) {
     int32_t sum = 0;
     for (int j = 0; j < QK; ++j) {
       const int32_t v = round_even(x[j] * id);
-      q[j] = static_cast<int8_t>(v);
+      q[act_q_offset(b, j)] = static_cast<int8_t>(v);
       sum += v;
     }
-    d[b] = amax / 127.0f;
-    s[b] = d[b] * static_cast<float>(sum);
+    const float d = amax / 127.0f;
+    ds[2 * b] = d;
+    ds[2 * b + 1] = d * static_cast<float>(sum);
   }
-  for (int64_t b = nb; b < padded_blocks(k); ++b) d[b] = s[b] = 0.0f;
-  const size_t used = static_cast<size_t>(k + 8 * padded_blocks(k));
-  std::memset(static_cast<uint8_t*>(dst) + used, 0, quant_impl::q8_act_size(k) - used);
 }
 
 void prepare_f32_scalar(const float* x, void* dst, int64_t k) {
@@ -310,19 +306,18 @@ void tile_q4_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, co
     for (int c = 0; c < n_cols; ++c) {
       const uint8_t* col = act + c * act_stride;
       const int8_t* q = reinterpret_cast<const int8_t*>(col);
-      const float* da = act_scales(col, k);
-      const float* sa = act_sums(col, k);
+      const float* ds = act_ds(col, k);
       float acc = 0.0f, acc_min = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * bsize;
-        uint16_t dh, mh;
-        std::memcpy(&dh, blk, 2);
         const uint8_t* qs = blk + qoff;
-        const int8_t* qa = q + b * QK;
         int32_t isum = 0;
         for (int j = 0; j < QK / 2; ++j) {
-          isum += (qs[j] & 0x0f) * qa[j] + (qs[j] >> 4) * qa[j + QK / 2];
+          isum += (qs[j] & 0x0f) * q[act_q_offset(b, j)] +
+                  (qs[j] >> 4) * q[act_q_offset(b, j + QK / 2)];
         }
+        uint16_t dh, mh;
+        std::memcpy(&dh, blk, 2);
         const float dw = f16_to_f32(dh);
         float m;
         if (kQ4_1) {
@@ -331,8 +326,8 @@ void tile_q4_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, co
         } else {
           m = -8.0f * dw;
         }
-        acc += dw * da[b] * static_cast<float>(isum);
-        acc_min += m * sa[b];
+        acc += dw * ds[2 * b] * static_cast<float>(isum);
+        acc_min += m * ds[2 * b + 1];
       }
       out[c * out_stride + r] = acc + acc_min;
     }
@@ -347,13 +342,12 @@ void tile_q8_0_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, 
     for (int c = 0; c < n_cols; ++c) {
       const uint8_t* col = act + c * act_stride;
       const int8_t* q = reinterpret_cast<const int8_t*>(col);
-      const float* da = act_scales(col, k);
+      const float* ds = act_ds(col, k);
       float acc = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* qa = q + b * QK;
         int32_t isum = 0;
-        for (int j = 0; j < QK; ++j) isum += row[b].qs[j] * qa[j];
-        acc += f16_to_f32(row[b].d) * da[b] * static_cast<float>(isum);
+        for (int j = 0; j < QK; ++j) isum += row[b].qs[j] * q[act_q_offset(b, j)];
+        acc += f16_to_f32(row[b].d) * ds[2 * b] * static_cast<float>(isum);
       }
       out[c * out_stride + r] = acc;
     }
@@ -408,9 +402,20 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 const quant_impl::Kernels* best_kernels() {
-  const quant_impl::Kernels* avx2 = quant_impl::avx2_kernels();
-  if (avx2 != nullptr && cpu_has_avx2()) return avx2;
+  for (const quant_impl::Kernels* k : {quant_impl::avx512_kernels(), quant_impl::avx2_kernels()}) {
+    if (quant_impl::cpu_supports(k)) return k;
+  }
   return &kScalar;
 }
 
@@ -436,12 +441,24 @@ bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType
 }  // namespace
 
 namespace quant_impl {
+
 const Kernels& scalar_kernels() { return kScalar; }
+
+bool cpu_supports(const Kernels* k) {
+  if (k == nullptr) return false;
+  if (k == &kScalar) return true;
+  if (k == avx2_kernels()) return cpu_has_avx2();
+  if (k == avx512_kernels()) return cpu_has_avx512_vnni();
+  return false;
+}
+
+void use_kernels(const Kernels* k) {
+  g_kernels.store(k != nullptr ? k : best_kernels(), std::memory_order_release);
+}
+
 }  // namespace quant_impl
 
-void force_scalar_kernels(bool scalar) {
-  g_kernels.store(scalar ? &kScalar : best_kernels(), std::memory_order_release);
-}
+void force_scalar_kernels(bool scalar) { quant_impl::use_kernels(scalar ? &kScalar : nullptr); }
 
 const char* cpu_features() { return kernels().features; }
 

@@ -8,28 +8,31 @@
 namespace ggraph {
 namespace quant_impl {
 
-// A prepared column for quantized weights (Q8_0, Q4_0, Q4_1), for k elements in nb = k/32 blocks:
-//   int8  q[k]        the 8-bit values, block after block
-//   float d[nb_pad]   per block scale (amax / 127), zero past nb
-//   float s[nb_pad]   per block d * sum(q), zero past nb
-// nb_pad is nb rounded up to 8, so the per-block arrays can be read 8 at a time.
+// A prepared column for quantized weights (Q8_0, Q4_0, Q4_1) of k elements in nb = k/32 blocks:
+//   int8  q[64 * n_pairs]   blocks in pairs (2p, 2p+1), each pair as 64 bytes:
+//                           [2p: 0..15][2p+1: 0..15][2p: 16..31][2p+1: 16..31]
+//                           (a Q4 block's low nibbles are its elements 0..15, so one 32-byte
+//                           load of both blocks' low nibbles lines up with one load here)
+//   float ds[2 * n_groups4] per block its scale d = amax/127 and sum s = d * sum(q), interleaved
+// n_pairs = ceil(nb / 2) and n_groups4 = nb rounded up to 4; the padding is zero.
 // A prepared column for float weights is k floats followed by zeros up to a multiple of 8.
 // Both sizes are rounded up to 64 bytes so consecutive columns stay cache-line aligned.
 constexpr int64_t kActAlign = 64;
-inline int64_t padded_blocks(int64_t k) { return (k / 32 + 7) / 8 * 8; }
+inline int64_t act_pairs(int64_t k) { return (k / 32 + 1) / 2; }
+inline int64_t act_blocks4(int64_t k) { return (k / 32 + 3) / 4 * 4; }
+inline size_t round_to_align(int64_t bytes) {
+  return static_cast<size_t>((bytes + kActAlign - 1) / kActAlign * kActAlign);
+}
 inline size_t q8_act_size(int64_t k) {
-  const int64_t bytes = k + 8 * padded_blocks(k);
-  return static_cast<size_t>((bytes + kActAlign - 1) / kActAlign * kActAlign);
+  return round_to_align(64 * act_pairs(k) + 8 * act_blocks4(k));
 }
-inline size_t f32_act_size(int64_t k) {
-  const int64_t bytes = (k + 7) / 8 * 8 * 4;
-  return static_cast<size_t>((bytes + kActAlign - 1) / kActAlign * kActAlign);
+inline size_t f32_act_size(int64_t k) { return round_to_align((k + 7) / 8 * 8 * 4); }
+// Byte offset of element j (0..31) of block b in the q array.
+inline int64_t act_q_offset(int64_t b, int j) {
+  return 64 * (b / 2) + 16 * (b % 2) + (j < 16 ? j : j + 16);
 }
-inline const float* act_scales(const void* act, int64_t k) {
-  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(act) + k);
-}
-inline const float* act_sums(const void* act, int64_t k) {
-  return act_scales(act, k) + padded_blocks(k);
+inline const float* act_ds(const void* act, int64_t k) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(act) + 64 * act_pairs(k));
 }
 
 using TileFn = void (*)(int64_t k, const uint8_t* w, size_t w_stride, int n_rows,
@@ -46,9 +49,15 @@ struct Kernels {
 
 // The portable kernels (quant.cpp).
 const Kernels& scalar_kernels();
-// The AVX2+FMA+F16C kernels (quant_avx2.cpp), or nullptr where they were not compiled in.
-// The caller checks that the running CPU supports them.
-const Kernels* avx2_kernels();
+// Kernels for x86 instruction sets, or nullptr where they were not compiled in; the caller checks
+// that the running CPU supports them.
+const Kernels* avx2_kernels();    // AVX2 + FMA + F16C (quant_avx2.cpp)
+const Kernels* avx512_kernels();  // the same plus AVX512 F/BW/VL/VNNI (quant_avx512.cpp)
+// Whether the running CPU can run a table (the scalar one always).
+bool cpu_supports(const Kernels* kernels);
+// Makes mul_mat_tile and prepare_act use `kernels`; nullptr restores the best the CPU supports.
+// For tests and benchmarks that compare instruction sets.
+void use_kernels(const Kernels* kernels);
 
 }  // namespace quant_impl
 }  // namespace ggraph

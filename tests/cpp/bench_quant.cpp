@@ -1,11 +1,12 @@
 // Speed of the CPU mat-mul kernels: mat-vec bandwidth, tile throughput and a SmolLM2-135M-shaped
 // pass over every weight matrix, for decode (one column) and for a 512-token prompt.
 //
-//   ggraph_bench_quant [--scalar] [--quick]
+//   ggraph_bench_quant [--scalar | --avx2] [--quick]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "quant.h"
+#include "quant_impl.h"
 
 namespace {
 
@@ -23,18 +25,33 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Runs fn repeatedly for at least min_s seconds (after one warm-up call); returns seconds per call.
-double time_per_call(const std::function<void()>& fn, double min_s) {
+// CPU time of the calling thread: on a machine shared with other work, time spent descheduled
+// does not count against single-threaded kernels.
+double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// Seconds per call of fn: the fastest of batches of about 50 ms within min_s seconds, measured in
+// wall time or in this thread's CPU time.
+double time_per_call(const std::function<void()>& fn, double min_s, bool cpu_time = true) {
   fn();
-  int reps = 0;
-  const auto t0 = Clock::now();
-  double elapsed = 0;
+  const auto start = Clock::now();
+  double best = 1e30;
   do {
-    fn();
-    ++reps;
-    elapsed = seconds_since(t0);
-  } while (elapsed < min_s);
-  return elapsed / reps;
+    int reps = 0;
+    const auto t0 = Clock::now();
+    const double c0 = thread_seconds();
+    double elapsed = 0;
+    do {
+      fn();
+      ++reps;
+      elapsed = cpu_time ? thread_seconds() - c0 : seconds_since(t0);
+    } while (elapsed < 0.05);
+    best = std::min(best, elapsed / reps);
+  } while (seconds_since(start) < min_s);
+  return best;
 }
 
 struct Matrix {
@@ -71,6 +88,27 @@ Activations prepared(DType type, int64_t k, int64_t n_cols, std::mt19937& rng) {
     ggraph::prepare_act(type, col.data(), a.data.data() + c * a.stride, k);
   }
   return a;
+}
+
+// Reading 256 MB with plain 64-bit adds: the memory bandwidth one thread gets right now, to judge
+// the memory-bound mat-vec numbers against (other work on the machine lowers both).
+void bench_stream(double min_s) {
+  std::vector<uint64_t> buf((size_t(256) << 20) / 8, 1);
+  uint64_t sink = 0;
+  const double t = time_per_call(
+      [&] {
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (size_t i = 0; i < buf.size(); i += 4) {
+          s0 += buf[i];
+          s1 += buf[i + 1];
+          s2 += buf[i + 2];
+          s3 += buf[i + 3];
+        }
+        sink += s0 + s1 + s2 + s3;
+      },
+      min_s);
+  std::printf("  plain read of 256 MB                        %7.2f GB/s  (checksum %llu)\n",
+              double(buf.size() * 8) / t / 1e9, (unsigned long long)(sink % 10));
 }
 
 // Mat-vec over `copies` distinct matrices in turn, so that with enough copies the weights come
@@ -177,7 +215,7 @@ double model_pass(const ModelWeights& w, int n_cols, int n_threads, int tile_row
     run(0);
     for (std::thread& t : threads) t.join();
   };
-  return time_per_call(once, n_cols == 1 ? 2.0 : 4.0);
+  return time_per_call(once, n_cols == 1 ? 3.0 : 6.0, /*cpu_time=*/false);
 }
 
 }  // namespace
@@ -186,13 +224,21 @@ int main(int argc, char** argv) {
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--scalar") == 0) ggraph::force_scalar_kernels(true);
+    if (std::strcmp(argv[i], "--avx2") == 0) {
+      if (!ggraph::quant_impl::cpu_supports(ggraph::quant_impl::avx2_kernels())) {
+        std::fprintf(stderr, "AVX2 kernels are not available on this CPU or build\n");
+        return 1;
+      }
+      ggraph::quant_impl::use_kernels(ggraph::quant_impl::avx2_kernels());
+    }
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
   }
   const double min_s = quick ? 0.2 : 1.0;
   std::mt19937 rng(1234);
   std::printf("kernels: %s\n", ggraph::cpu_features());
 
-  std::printf("mat-vec, 1 thread (weight bytes / time):\n");
+  std::printf("mat-vec, 1 thread (weight bytes / thread CPU time):\n");
+  bench_stream(min_s);
   const int copies_small = 128;  // 128 x 0.55 MB: well past the last-level cache
   bench_matvec(DType::Q4_1, 576, 1536, 1, min_s, rng);
   bench_matvec(DType::Q4_1, 576, 1536, copies_small, min_s, rng);
@@ -203,7 +249,7 @@ int main(int argc, char** argv) {
   bench_matvec(DType::F16, 576, 1536, 1, min_s, rng);
   bench_matvec(DType::F32, 576, 1536, 1, min_s, rng);
 
-  std::printf("tiles, 1 thread (64 columns, 2*k*rows*cols / time):\n");
+  std::printf("tiles, 1 thread (64 columns, 2*k*rows*cols / thread CPU time):\n");
   for (DType t : {DType::Q4_1, DType::Q4_0, DType::Q8_0}) {
     for (int nc : {1, 2, 4, 8}) bench_tiles(t, 576, 1536, 64, nc, min_s, rng);
   }
@@ -213,7 +259,8 @@ int main(int argc, char** argv) {
     bench_tiles(t, 576, 1536, 64, 6, min_s, rng);
   if (quick) return 0;
 
-  std::printf("SmolLM2-135M mat-muls only (30 x q,k,v,o,gate,up,down Q4_1 + output Q8_0):\n");
+  std::printf(
+      "SmolLM2-135M mat-muls only, wall time (30 x q,k,v,o,gate,up,down Q4_1 + output Q8_0):\n");
   ModelWeights w = smollm2_weights(rng);
   for (int threads : {1, 2}) {
     const double t = model_pass(w, 1, threads, 0, 0, true, rng);

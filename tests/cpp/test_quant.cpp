@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "quant.h"
+#include "quant_impl.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -542,10 +543,29 @@ std::string label_of(const Problem& p) {
          std::to_string(p.n_rows) + "x" + std::to_string(p.n_cols) + " " + cpu_features();
 }
 
-class MulMatTile : public ::testing::TestWithParam<bool> {
+enum class KernelSet { kScalar, kAvx2, kAvx512 };
+
+const quant_impl::Kernels* kernels_of(KernelSet set) {
+  switch (set) {
+    case KernelSet::kScalar:
+      return &quant_impl::scalar_kernels();
+    case KernelSet::kAvx2:
+      return quant_impl::avx2_kernels();
+    case KernelSet::kAvx512:
+      return quant_impl::avx512_kernels();
+  }
+  return nullptr;
+}
+
+// Runs each test with one kernel table; tables the CPU or build lacks are skipped.
+class MulMatTile : public ::testing::TestWithParam<KernelSet> {
  protected:
-  void SetUp() override { force_scalar_kernels(GetParam()); }
-  void TearDown() override { force_scalar_kernels(false); }
+  void SetUp() override {
+    const quant_impl::Kernels* k = kernels_of(GetParam());
+    if (!quant_impl::cpu_supports(k)) GTEST_SKIP() << "kernels not available on this CPU/build";
+    quant_impl::use_kernels(k);
+  }
+  void TearDown() override { quant_impl::use_kernels(nullptr); }
 };
 
 TEST_P(MulMatTile, MatchesFloat64ReferenceForEveryTypeAndShape) {
@@ -623,9 +643,13 @@ TEST_P(MulMatTile, NonFiniteActivationsGiveNaN) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, MulMatTile, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "Scalar" : "Best";
+INSTANTIATE_TEST_SUITE_P(Kernels, MulMatTile,
+                         ::testing::Values(KernelSet::kScalar, KernelSet::kAvx2,
+                                           KernelSet::kAvx512),
+                         [](const ::testing::TestParamInfo<KernelSet>& info) {
+                           return std::string(info.param == KernelSet::kScalar ? "Scalar"
+                                              : info.param == KernelSet::kAvx2 ? "Avx2"
+                                                                               : "Avx512");
                          });
 
 // ---------------------------------------------------------------------------------------------
@@ -690,6 +714,36 @@ TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
                     2 * summation_bound(p, float_magnitude(p, r, xq)) + 1e-30)
               << label_of(p) << " r=" << r << " c=" << c;
         }
+      }
+    }
+  }
+}
+
+// The AVX2 and AVX512-VNNI kernels do the same arithmetic (the 8-bit dots are exact integers
+// either way), so they must agree bit for bit; a CPU without both skips.
+TEST(KernelDispatch, InstructionSetsGiveSameBits) {
+  KernelModeGuard guard;
+  const quant_impl::Kernels* avx2 = quant_impl::avx2_kernels();
+  const quant_impl::Kernels* avx512 = quant_impl::avx512_kernels();
+  if (!quant_impl::cpu_supports(avx2) || !quant_impl::cpu_supports(avx512)) {
+    GTEST_SKIP() << "needs a CPU and build with both AVX2 and AVX512-VNNI kernels";
+  }
+  std::mt19937 rng(71);
+  for (DType t : kComputable) {
+    for (int64_t k : {32, 96, 576, 1536}) {
+      for (int n_cols : {1, 5}) {
+        Problem p = make_problem(t, k, 23, n_cols, rng);
+        quant_impl::use_kernels(avx2);
+        const std::vector<float> a = run_tile(p);
+        std::vector<uint8_t> act_a = p.act;
+        quant_impl::use_kernels(avx512);
+        for (int c = 0; c < n_cols; ++c) {
+          prepare_act(t, p.x.data() + size_t(c) * k, p.act.data() + c * p.act_stride, k);
+        }
+        EXPECT_EQ(act_a, p.act) << type_name(t) << " k=" << k;
+        const std::vector<float> b = run_tile(p);
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+            << type_name(t) << " k=" << k << " n_cols=" << n_cols;
       }
     }
   }

@@ -1,0 +1,524 @@
+// Mat-mul kernels for x86 vector instruction sets, written once and compiled per set: included
+// only by quant_avx2.cpp and quant_avx512.cpp, each built with its own -m flags. Everything here
+// has internal linkage, so no copy compiled for one set can be linked into code built for another.
+//
+// Each output element is computed by one fixed sequence of operations whatever the tile shape
+// and instruction set: 8-bit block dots are exact integers, scaled and summed in one 8-lane float
+// accumulator per (row, column) in block order, then reduced in a fixed order. Register tiles
+// only decide how many such sequences run side by side, and the AVX512-VNNI dot gives the same
+// integers as the AVX2 one, so both produce the same bits.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <utility>
+
+#include "quant_impl.h"
+
+namespace ggraph {
+namespace quant_impl {
+namespace {
+
+constexpr int kQK = 32;
+
+// Keeps a product from being fused into the addition that consumes it (-ffp-contract), so that
+// every instantiation rounds it the same way.
+inline __m256 materialize(__m256 v) {
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(v));
+#else
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sum of lanes 1, 3, 5 and 7: (l1 + l5) + (l3 + l7).
+inline float odd_lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m128i load128(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// ----- 8-bit dot products ----------------------------------------------------------------------
+
+// Both give, per 32-bit lane l, the exact sum of the 8 products u*s at bytes 4l..4l+3 of the
+// first and of the second pair of operands (u unsigned, s signed).
+struct DotAvx2 {
+  // u <= 15: each 16-bit sum of two products is at most 2*15*127, so two of them still fit.
+  static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    const __m256i p16 =
+        _mm256_add_epi16(_mm256_maddubs_epi16(ulo, slo), _mm256_maddubs_epi16(uhi, shi));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+  }
+  // u <= 128: 2*128*127 fits 16 bits once, so each half widens to 32 bits on its own.
+  static __m256i bytes(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, slo), one),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, shi), one));
+  }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+struct DotVnni {
+  static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ulo, slo), uhi, shi);
+  }
+  static __m256i bytes(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    return nibbles(ulo, slo, uhi, shi);
+  }
+};
+#endif
+
+// ----- activations -----------------------------------------------------------------------------
+
+void prepare_q8_x86(const float* x, void* dst, int64_t k) {
+  const int64_t nb = k / kQK;
+  uint8_t* q = static_cast<uint8_t*>(dst);
+  std::memset(dst, 0, q8_act_size(k));
+  float* ds = reinterpret_cast<float*>(q + 64 * act_pairs(k));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  for (int64_t b = 0; b < nb; ++b, x += kQK) {
+    __m256 v[4];
+    __m256i amax = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      // Unsigned maximum of the magnitude bits: order-free, and NaN ranks above Inf.
+      amax = _mm256_max_epu32(amax, _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask));
+    }
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(amax), _mm256_extracti128_si256(amax, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    const uint32_t amax_bits = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+    if (amax_bits >= 0x7f800000) {
+      // A non-finite value makes the whole block NaN so that it shows in every dot it enters.
+      ds[2 * b] = ds[2 * b + 1] = __builtin_nanf("");
+      continue;
+    }
+    float amax_f;
+    std::memcpy(&amax_f, &amax_bits, sizeof(amax_f));
+    const __m256 id = _mm256_set1_ps(amax_f != 0.0f ? 127.0f / amax_f : 0.0f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    const __m256i sum8 =
+        _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4e));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xb1));
+    // Packing interleaves 128-bit lanes; the permute restores element order.
+    const __m256i p8 =
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i ordered =
+        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    uint8_t* pair = q + 64 * (b / 2) + 16 * (b % 2);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(ordered));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(ordered, 1));
+    const float d = amax_f / 127.0f;
+    ds[2 * b] = d;
+    ds[2 * b + 1] = d * static_cast<float>(_mm_cvtsi128_si32(sum4));
+  }
+}
+
+void prepare_f32_x86(const float* x, void* dst, int64_t k) {
+  std::memcpy(dst, x, static_cast<size_t>(k) * sizeof(float));
+  std::memset(static_cast<float*>(dst) + k, 0, f32_act_size(k) - static_cast<size_t>(k) * 4);
+}
+
+// ----- quantized weights -----------------------------------------------------------------------
+
+enum class Fmt { kQ4_0, kQ4_1, kQ8_0 };
+
+template <Fmt F>
+struct Format {
+  static constexpr size_t kBlock = F == Fmt::kQ4_0 ? 18 : F == Fmt::kQ4_1 ? 20 : 34;
+  static constexpr size_t kQs = F == Fmt::kQ4_1 ? 4 : 2;  // offset of the quants in a block
+  static constexpr bool kNibbles = F != Fmt::kQ8_0;
+  static constexpr bool kMin = F != Fmt::kQ8_0;  // Q4_0 counts as minimum -8 d
+};
+
+// Scale and minimum of 4 consecutive blocks as [d0 m0 d1 m1 d2 m2 d3 m3]; blocks from nb on give
+// zeros (b < nb). Q4_0's minimum is -8 d (exact); Q8_0's minimum lanes are unused.
+template <Fmt F>
+inline __m256 block_scales4(const uint8_t* row, int64_t b, int64_t nb) {
+  constexpr size_t B = Format<F>::kBlock;
+  const uint8_t* p = row + b * B;
+  const int64_t left = nb - b;
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i x0 = _mm_cvtsi32_si128(static_cast<int>(load_u32(p)));
+  const __m128i x1 = left > 1 ? _mm_cvtsi32_si128(static_cast<int>(load_u32(p + B))) : zero;
+  const __m128i x2 = left > 2 ? _mm_cvtsi32_si128(static_cast<int>(load_u32(p + 2 * B))) : zero;
+  const __m128i x3 = left > 3 ? _mm_cvtsi32_si128(static_cast<int>(load_u32(p + 3 * B))) : zero;
+  __m128i v = _mm_unpacklo_epi64(_mm_unpacklo_epi32(x0, x1), _mm_unpacklo_epi32(x2, x3));
+  if (F != Fmt::kQ4_1) {
+    v = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+  }
+  __m256 f = _mm256_cvtph_ps(v);
+  if (F == Fmt::kQ4_0) f = _mm256_mul_ps(f, _mm256_setr_ps(1, -8, 1, -8, 1, -8, 1, -8));
+  return f;
+}
+
+// Quants of blocks b and b+1 (zeros for b+1 when kBoth is false) in the activation's pair order:
+// lo = [b: 0..15][b+1: 0..15], hi = [b: 16..31][b+1: 16..31].
+template <Fmt F, bool kBoth>
+inline void load_pair(const uint8_t* blk, __m256i* lo, __m256i* hi) {
+  constexpr size_t B = Format<F>::kBlock, Q = Format<F>::kQs;
+  if (Format<F>::kNibbles) {
+    const __m128i q1 = kBoth ? load128(blk + B + Q) : _mm_setzero_si128();
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(blk + Q)), q1, 1);
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, mask);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  } else {
+    const __m256i x0 = load256(blk + Q);
+    const __m256i x1 = kBoth ? load256(blk + B + Q) : _mm256_setzero_si256();
+    *lo = _mm256_permute2x128_si256(x0, x1, 0x20);
+    *hi = _mm256_permute2x128_si256(x0, x1, 0x31);
+  }
+}
+
+template <class Dot, Fmt F>
+struct QuantTile {
+  static constexpr int kChunk = 32;  // blocks whose scales are expanded at a time
+  static constexpr size_t kBlock = Format<F>::kBlock;
+
+  template <int NR, int NC>
+  struct State {
+    __m256 acc[NR][NC];
+    alignas(32) float acc_min[NR][NC][8];
+    alignas(32) __m256 dm[NR][kChunk / 4];      // block_scales4 per group of 4 blocks
+    alignas(32) __m256 wscale[NR][kChunk / 2];  // per pair: [d_b x4][d_b+1 x4]
+    alignas(32) __m256 ascale[NC][kChunk / 2];  // the same for the activations
+  };
+
+  template <int NR, int NC, bool kBoth>
+  static inline void pair_step(State<NR, NC>& st, const uint8_t* const* rows,
+                               const uint8_t* const* cols, int64_t b, int p) {
+    __m256i lo[NR], hi[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
+    __m256i ulo[NR], uhi[NR];
+    if (!Format<F>::kNibbles) {
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        ulo[r] = _mm256_abs_epi8(lo[r]);
+        uhi[r] = _mm256_abs_epi8(hi[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m256i alo = load256(cols[c] + 32 * b);
+      const __m256i ahi = load256(cols[c] + 32 * b + 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        __m256i isum;
+        if (Format<F>::kNibbles) {
+          isum = Dot::nibbles(lo[r], alo, hi[r], ahi);
+        } else {
+          // |w| * (a * sign(w)) = w * a puts the sign on the signed operand.
+          isum = Dot::bytes(ulo[r], _mm256_sign_epi8(alo, lo[r]), uhi[r],
+                            _mm256_sign_epi8(ahi, hi[r]));
+        }
+        const __m256 scale = _mm256_mul_ps(st.wscale[r][p], st.ascale[c][p]);
+        st.acc[r][c] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), st.acc[r][c]);
+      }
+    }
+  }
+
+  // One column: the scales of a group of 4 blocks are expanded right before its two pairs, and
+  // the product of weight and activation scales gives both the pair scales and the minimum's
+  // term. The values are those of tile<NR, 1>: a permutation moves products, it does not round.
+  template <int NR, bool kBoth>
+  static inline void matvec_pair(const uint8_t* const* rows, const uint8_t* col, int64_t b,
+                                 const __m256* scale, __m256* acc) {
+    __m256i lo[NR], hi[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
+    const __m256i alo = load256(col + 32 * b);
+    const __m256i ahi = load256(col + 32 * b + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      __m256i isum;
+      if (Format<F>::kNibbles) {
+        isum = Dot::nibbles(lo[r], alo, hi[r], ahi);
+      } else {
+        isum = Dot::bytes(_mm256_abs_epi8(lo[r]), _mm256_sign_epi8(alo, lo[r]),
+                          _mm256_abs_epi8(hi[r]), _mm256_sign_epi8(ahi, hi[r]));
+      }
+      acc[r] = _mm256_fmadd_ps(scale[r], _mm256_cvtepi32_ps(isum), acc[r]);
+    }
+  }
+
+  // Rows w, w + w_stride, ...; results to out[0], out[out_stride], ...
+  template <int NR>
+  static void matvec(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act, float* out,
+                     size_t out_stride) {
+    const int64_t nb = k / kQK;
+    const uint8_t* rows[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
+    const float* ds = act_ds(act, k);
+    __m256 acc[NR], acc_min[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+    const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i hi_idx = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+    for (int64_t b = 0; b < nb; b += 4) {
+      const __m256 da = _mm256_loadu_ps(ds + 2 * b);
+      __m256 s01[NR], s23[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const __m256 prod = _mm256_mul_ps(block_scales4<F>(rows[r], b, nb), da);
+        if (Format<F>::kMin) acc_min[r] = _mm256_add_ps(acc_min[r], materialize(prod));
+        s01[r] = _mm256_permutevar8x32_ps(prod, lo_idx);
+        s23[r] = _mm256_permutevar8x32_ps(prod, hi_idx);
+      }
+      if (b + 4 <= nb) {
+        matvec_pair<NR, true>(rows, act, b, s01, acc);
+        matvec_pair<NR, true>(rows, act, b + 2, s23, acc);
+      } else {
+        const int64_t left = nb - b;  // 1 to 3 blocks
+        if (left >= 2) {
+          matvec_pair<NR, true>(rows, act, b, s01, acc);
+        } else {
+          matvec_pair<NR, false>(rows, act, b, s01, acc);
+        }
+        if (left == 3) matvec_pair<NR, false>(rows, act, b + 2, s23, acc);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      float v = hsum(acc[r]);
+      if (Format<F>::kMin) v += odd_lane_sum(acc_min[r]);
+      out[r * out_stride] = v;
+    }
+  }
+
+  template <int NR, int NC>
+  static void tile(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act,
+                   size_t act_stride, float* out, size_t out_stride) {
+    const int64_t nb = k / kQK;
+    const uint8_t* rows[NR];
+    const uint8_t* cols[NC];
+    const float* ds[NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      cols[c] = act + c * act_stride;
+      ds[c] = act_ds(cols[c], k);
+    }
+    State<NR, NC> st;
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        st.acc[r][c] = _mm256_setzero_ps();
+        if (Format<F>::kMin) _mm256_store_ps(st.acc_min[r][c], _mm256_setzero_ps());
+      }
+    }
+    const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i hi_idx = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+
+    for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+      const int n = static_cast<int>(nb - b0 < kChunk ? nb - b0 : kChunk);
+      const int groups = (n + 3) / 4;
+      for (int r = 0; r < NR; ++r) {
+        for (int g = 0; g < groups; ++g) {
+          const __m256 dm = block_scales4<F>(rows[r], b0 + 4 * g, nb);
+          st.dm[r][g] = dm;
+          st.wscale[r][2 * g] = _mm256_permutevar8x32_ps(dm, lo_idx);
+          st.wscale[r][2 * g + 1] = _mm256_permutevar8x32_ps(dm, hi_idx);
+        }
+      }
+      for (int c = 0; c < NC; ++c) {
+        for (int g = 0; g < groups; ++g) {
+          const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
+          st.ascale[c][2 * g] = _mm256_permutevar8x32_ps(da, lo_idx);
+          st.ascale[c][2 * g + 1] = _mm256_permutevar8x32_ps(da, hi_idx);
+        }
+      }
+      const int full = n / 2;
+      for (int p = 0; p < full; ++p) pair_step<NR, NC, true>(st, rows, cols, b0 + 2 * p, p);
+      if (n % 2) pair_step<NR, NC, false>(st, rows, cols, b0 + 2 * full, full);
+      if (Format<F>::kMin) {
+        // sum over blocks of m * s, in the odd lanes of the same products as the scales.
+        for (int r = 0; r < NR; ++r) {
+          for (int c = 0; c < NC; ++c) {
+            __m256 m = _mm256_load_ps(st.acc_min[r][c]);
+            for (int g = 0; g < groups; ++g) {
+              const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
+              m = _mm256_add_ps(m, materialize(_mm256_mul_ps(st.dm[r][g], da)));
+            }
+            _mm256_store_ps(st.acc_min[r][c], m);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        float v = hsum(st.acc[r][c]);
+        if (Format<F>::kMin) v += odd_lane_sum(_mm256_load_ps(st.acc_min[r][c]));
+        out[c * out_stride + r] = v;
+      }
+    }
+  }
+};
+
+// ----- float weights ---------------------------------------------------------------------------
+
+struct LoadF32 {
+  static constexpr size_t kSize = 4;
+  static __m256 load(const uint8_t* p) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+};
+struct LoadF16 {
+  static constexpr size_t kSize = 2;
+  static __m256 load(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+};
+struct LoadBF16 {
+  static constexpr size_t kSize = 2;
+  static __m256 load(const uint8_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(p)), 16));
+  }
+};
+
+template <typename L>
+struct FloatTile {
+  template <int NR>
+  static void matvec(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act, float* out,
+                     size_t out_stride) {
+    float v[NR];
+    tile<NR, 1>(k, w, w_stride, act, 0, v, 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) out[r * out_stride] = v[r];
+  }
+
+  template <int NR, int NC>
+  static void tile(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act,
+                   size_t act_stride, float* out, size_t out_stride) {
+    __m256 acc[NR][NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    }
+    const int64_t k8 = k / 8 * 8;
+    for (int64_t i = 0; i < k8; i += 8) {
+      __m256 wv[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) wv[r] = L::load(w + r * w_stride + i * L::kSize);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m256 x = _mm256_loadu_ps(reinterpret_cast<const float*>(act + c * act_stride) + i);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], x, acc[r][c]);
+      }
+    }
+    if (k8 < k) {
+      // The tail runs as one more 8-wide step over zero-padded weights; prepared activations
+      // are zero-padded already, so the extra lanes add exact zeros.
+      __m256 wv[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        alignas(32) uint8_t tail[32] = {};
+        std::memcpy(tail, w + r * w_stride + k8 * L::kSize, static_cast<size_t>(k - k8) * L::kSize);
+        wv[r] = L::load(tail);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m256 x = _mm256_loadu_ps(reinterpret_cast<const float*>(act + c * act_stride) + k8);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[r][c] = _mm256_fmadd_ps(wv[r], x, acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) out[c * out_stride + r] = hsum(acc[r][c]);
+    }
+  }
+};
+
+// ----- tiling ----------------------------------------------------------------------------------
+
+using Micro = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, size_t, float*, size_t);
+using MatVec = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, float*, size_t);
+
+// Register tiles: kMatVecRows rows for one column (memory-bound), kRows x kCols otherwise.
+template <typename K, int kRows, int kCols, int kMatVecRows>
+struct Tiler {
+  struct Table {
+    Micro tiles[kRows][kCols];
+    MatVec matvec[kMatVecRows];
+  };
+  template <int... I>
+  static void fill_tiles(Table& t, std::integer_sequence<int, I...>) {
+    ((t.tiles[I / kCols][I % kCols] = &K::template tile<I / kCols + 1, I % kCols + 1>), ...);
+  }
+  template <int... I>
+  static void fill_matvec(Table& t, std::integer_sequence<int, I...>) {
+    ((t.matvec[I] = &K::template matvec<I + 1>), ...);
+  }
+  static Table make_table() {
+    Table t{};
+    fill_tiles(t, std::make_integer_sequence<int, kRows * kCols>());
+    fill_matvec(t, std::make_integer_sequence<int, kMatVecRows>());
+    return t;
+  }
+
+  static void run(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
+                  size_t act_stride, int n_cols, float* out, size_t out_stride) {
+    static const Table table = make_table();
+    if (n_cols == 1) {
+      // kMatVecRows rows at a time from as many distant parts of the range, each part read in
+      // order: one sequential stream per part keeps the hardware prefetcher effective, where
+      // neighbouring rows read side by side would not.
+      const int per = n_rows / kMatVecRows;
+      for (int i = 0; i < per; ++i) {
+        table.matvec[kMatVecRows - 1](k, w + i * w_stride, per * w_stride, act, out + i, per);
+      }
+      for (int r = per * kMatVecRows; r < n_rows; ++r) {
+        table.matvec[0](k, w + r * w_stride, w_stride, act, out + r, 1);
+      }
+      return;
+    }
+    // Rows outside, columns inside: a register tile's weights come from memory once and are
+    // reused from L1 for every column group of the call.
+    for (int r = 0; r < n_rows; r += kRows) {
+      const int nr = n_rows - r < kRows ? n_rows - r : kRows;
+      for (int c = 0; c < n_cols; c += kCols) {
+        const int nc = n_cols - c < kCols ? n_cols - c : kCols;
+        table.tiles[nr - 1][nc - 1](k, w + r * w_stride, w_stride, act + c * act_stride, act_stride,
+                                    out + c * out_stride + r, out_stride);
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace quant_impl
+}  // namespace ggraph
