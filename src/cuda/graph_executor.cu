@@ -1,8 +1,8 @@
-// Eager execution: a step's kernels are launched on the stream one by one. Capture, replay,
-// patch and update of CUDA graphs replace this in the graph executor's own change; until then
-// every mode launches eagerly and counts its steps as eager evaluations.
 #include <chrono>
+#include <cstring>
+#include <stdexcept>
 
+#include "common.h"
 #include "cuda/graph_executor.h"
 
 namespace ggraph::cuda {
@@ -12,25 +12,206 @@ GraphMode parse_graph_mode(const std::string& name) {
   if (name == "recapture") return GraphMode::Recapture;
   if (name == "update") return GraphMode::Update;
   if (name == "patch") return GraphMode::Patch;
-  throw ArgumentError("cuda_graphs must be one of off, recapture, update, patch; got '" + name +
-                      "'");
+  throw ArgumentError("cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', got '" +
+                      name + "'");
 }
 
 GraphExecutor::GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug)
-    : stream_(stream), mode_(mode), debug_(debug) {}
+    : stream_(stream), mode_(mode), debug_(debug) {
+  recorded_.reserve(4096);
+}
 
-GraphExecutor::~GraphExecutor() = default;
+GraphExecutor::~GraphExecutor() {
+  for (auto& kv : cache_) release(kv.second);
+}
+
+void GraphExecutor::release(Entry& e) {
+  if (e.exec) cudaGraphExecDestroy(e.exec);
+  if (e.graph) cudaGraphDestroy(e.graph);
+  e.exec = nullptr;
+  e.graph = nullptr;
+}
+
+void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
+                            std::vector<KernelLaunch>* launches,
+                            std::vector<cudaGraphNode_t>* nodes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  launches->clear();
+  nodes->clear();
+  GGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  Launcher L;
+  L.stream = stream_;
+  L.execute = true;
+  L.record = launches;
+  L.captured_nodes = nodes;
+  try {
+    launch_all(L);
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream_, &broken);
+    if (broken) cudaGraphDestroy(broken);
+    cudaGetLastError();
+    throw;
+  }
+  GGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream_, graph));
+  stats_.captures += 1;
+  stats_.capture_ms_total +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void GraphExecutor::instantiate(Entry& e) {
+  GGRAPH_CUDA_CHECK(cudaGraphInstantiate(&e.exec, e.graph, 0));
+  stats_.instantiations += 1;
+}
+
+void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph) {
+  if (e.exec) {
+    cudaGraphExecUpdateResultInfo info;
+    const cudaError_t err = cudaGraphExecUpdate(e.exec, graph, &info);
+    if (err == cudaSuccess) {
+      stats_.exec_updates += 1;
+      if (e.graph) cudaGraphDestroy(e.graph);
+      e.graph = graph;  // its nodes now name the executable's nodes
+      return;
+    }
+    cudaGetLastError();  // a refused update is an ordinary outcome, not a sticky error
+    stats_.update_failures += 1;
+  }
+  release(e);
+  e.graph = graph;
+  instantiate(e);
+}
+
+GraphExecutor::Entry& GraphExecutor::entry_for(uint64_t key) {
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return it->second;
+  if (cache_.size() >= kMaxCached) {  // evict the least recently used topology
+    auto victim = cache_.begin();
+    for (auto i = cache_.begin(); i != cache_.end(); ++i)
+      if (i->second.last_used < victim->second.last_used) victim = i;
+    if (current_ == &victim->second) current_ = nullptr;
+    release(victim->second);
+    cache_.erase(victim);
+  }
+  return cache_[key];
+}
+
+static bool same_topology(const std::vector<KernelLaunch>& a, const std::vector<KernelLaunch>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!a[i].same_shape(b[i])) return false;
+  return true;
+}
+
+void GraphExecutor::patch(Entry& e, const std::function<std::string(int)>& node_names) {
+  void* ptrs[KernelLaunch::kMaxArgs];
+  for (size_t i = 0; i < recorded_.size(); ++i) {
+    KernelLaunch& want = recorded_[i];
+    if (want.same_args(e.launches[i])) continue;
+    KernelLaunch applied = want;
+    if (corrupt_next_patch_) {
+      applied.args[0] ^= 0x40;  // flips a bit of the first argument
+      corrupt_next_patch_ = false;
+    }
+    applied.fill_param_ptrs(ptrs);
+    cudaKernelNodeParams p = {};
+    p.func = const_cast<void*>(applied.func);
+    p.gridDim = applied.grid;
+    p.blockDim = applied.block;
+    p.sharedMemBytes = static_cast<unsigned>(applied.smem);
+    p.kernelParams = ptrs;
+    GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
+    // Keep the captured graph in step, so that what it shows is what runs.
+    GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
+    e.launches[i] = want;
+    stats_.kernel_nodes_patched += 1;
+  }
+}
+
+void GraphExecutor::check_nodes(const Entry& e,
+                                const std::function<std::string(int)>& node_names) const {
+  // The graph's kernel nodes must hold exactly the arguments this step's graph asks for:
+  // pointers at the captured addresses, KV parameters as patched.
+  for (size_t i = 0; i < recorded_.size(); ++i) {
+    const KernelLaunch& want = recorded_[i];
+    cudaKernelNodeParams p = {};
+    GGRAPH_CUDA_CHECK(cudaGraphKernelNodeGetParams(e.nodes[i], &p));
+    bool ok = p.func == want.func && p.gridDim.x == want.grid.x && p.gridDim.y == want.grid.y &&
+              p.gridDim.z == want.grid.z;
+    for (int a = 0; ok && a < want.n_args; ++a)
+      ok = std::memcmp(p.kernelParams[a], want.args + want.arg_offset[a], want.arg_size[a]) == 0;
+    if (!ok)
+      throw DeviceError("CUDA graph debug: kernel node " + std::to_string(i) + " of graph node " +
+                        std::to_string(want.node) + " (" + node_names(want.node) +
+                        ") does not hold the parameters this step asks for");
+  }
+}
+
+void GraphExecutor::launch(Entry& e) {
+  e.last_used = ++clock_;
+  current_ = &e;
+  GGRAPH_CUDA_CHECK(cudaGraphLaunch(e.exec, stream_));
+  stats_.replays += 1;
+}
 
 void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
                         const std::function<std::string(int)>& node_names) {
   const auto start = std::chrono::steady_clock::now();
-  Launcher launcher;
-  launcher.stream = stream_;
-  launch_all(launcher);
-  stats_.eager_evals += 1;
+  run_mode(key, launch_all, node_names);
   stats_.steps += 1;
   stats_.host_us_total +=
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+}
+
+void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
+                             const std::function<std::string(int)>& node_names) {
+  if (mode_ == GraphMode::Off) {
+    Launcher L;
+    L.stream = stream_;
+    launch_all(L);
+    stats_.eager_evals += 1;
+    return;
+  }
+  if (mode_ == GraphMode::Recapture) {
+    Entry& e = entry_for(key);
+    release(e);
+    capture(launch_all, &e.graph, &e.launches, &e.nodes);
+    instantiate(e);
+    launch(e);
+    return;
+  }
+  if (mode_ == GraphMode::Update) {
+    Entry& e = entry_for(key);
+    cudaGraph_t g = nullptr;
+    capture(launch_all, &g, &e.launches, &e.nodes);
+    update_or_instantiate(e, g);
+    launch(e);
+    return;
+  }
+  // Patch: find out what this step launches without launching it.
+  recorded_.clear();
+  Launcher L;
+  L.stream = stream_;
+  L.execute = false;
+  L.record = &recorded_;
+  launch_all(L);
+  Entry& e = entry_for(key);
+  if (e.exec && same_topology(recorded_, e.launches)) {
+    patch(e, node_names);
+  } else {
+    cudaGraph_t g = nullptr;
+    capture(launch_all, &g, &e.launches, &e.nodes);
+    update_or_instantiate(e, g);
+  }
+  if (debug_) check_nodes(e, node_names);
+  launch(e);
+}
+
+void GraphExecutor::dump_dot(const std::string& path) const {
+  if (!current_ || !current_->graph)
+    throw ArgumentError("dump_cuda_graph: no CUDA graph has been captured yet");
+  GGRAPH_CUDA_CHECK(
+      cudaGraphDebugDotPrint(current_->graph, path.c_str(), cudaGraphDebugDotFlagsVerbose));
 }
 
 }  // namespace ggraph::cuda

@@ -62,8 +62,10 @@ class GraphExecutor {
     uint64_t last_used = 0;
   };
 
-  void capture(const LaunchAll& launch_all, cudaGraph_t* graph,
-               std::vector<KernelLaunch>* launches, std::vector<cudaGraphNode_t>* nodes);
+  void run_mode(uint64_t key, const LaunchAll& launch_all,
+                const std::function<std::string(int)>& node_names);
+  void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
+               std::vector<cudaGraphNode_t>* nodes);
   void instantiate(Entry& e);
   void release(Entry& e);
   // Applies a freshly captured graph to an entry's executable; instantiates anew if refused.
