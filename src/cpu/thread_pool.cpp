@@ -76,7 +76,13 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int)>& fn) {
   wake_.notify_all();
   run_tasks();
   const int workers = n_threads_ - 1;
-  while (finished_.load(std::memory_order_acquire) < workers) GGRAPH_PAUSE();
+  // A worker may have been descheduled: after a short spin, give the core away.
+  for (int spins = 0; finished_.load(std::memory_order_acquire) < workers; ++spins) {
+    if (spins < kSpinIterations)
+      GGRAPH_PAUSE();
+    else
+      std::this_thread::yield();
+  }
   if (error_) std::rethrow_exception(error_);
 }
 
