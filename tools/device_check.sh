@@ -63,8 +63,11 @@ if [ -d .carry/googletest ]; then
 fi
 
 PYBIND=$(python3 -m pybind11 --cmakedir 2>/dev/null)
+# Newer host compilers warn where the project's CI compiler does not (redundant-move): keep
+# those warnings visible but not fatal here.
 CONFIGURE=(cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGRAPH_CUDA=ON
-  -DGGRAPH_CUDA_ARCHS="$ARCHS" -DGGRAPH_BUILD_TESTS=ON "${GTEST_ARGS[@]}")
+  -DGGRAPH_CUDA_ARCHS="$ARCHS" -DGGRAPH_BUILD_TESTS=ON -DCMAKE_CXX_FLAGS=-Wno-error=redundant-move
+  "${GTEST_ARGS[@]}")
 step configure "$OUT/build.log" 120 "${CONFIGURE[@]}" -DGGRAPH_BUILD_PYTHON=ON \
   -Dpybind11_DIR="$PYBIND" -DPython_EXECUTABLE="$(command -v python3)" ||
   step configure-without-python "$OUT/build.log" 120 "${CONFIGURE[@]}" -DGGRAPH_BUILD_PYTHON=OFF
@@ -74,8 +77,14 @@ HAVE_PY=0
 step build-python "$OUT/build.log" 200 cmake --build "$BUILD" -j "$JOBS" --target _core && HAVE_PY=1
 
 step op-suite "$OUT/tests.log" 240 "$BUILD/ggraph_cuda_tests"
+# The alternative kernels kept for comparison: shared-memory staged quantized mat-vec and the
+# 32-deep tensor-core tiles.
+step op-suite-staged-bk32 "$OUT/tests.log" 120 env GGRAPH_CUDA_STAGED_MATVEC=1 \
+  GGRAPH_CUDA_MMA_BK=32 "$BUILD/ggraph_cuda_tests" --gtest_filter='CudaOps.MulMat*:CudaOps.Decoder*'
 if [ "$QUICK" = 0 ]; then
   step kernel-bench "$OUT/bench.log" 150 "$BUILD/ggraph_bench_cuda"
+  step kernel-bench-staged-bk32 "$OUT/bench.log" 150 env GGRAPH_CUDA_STAGED_MATVEC=1 \
+    GGRAPH_CUDA_MMA_BK=32 "$BUILD/ggraph_bench_cuda"
 
   if [ "$HAVE_PY" = 1 ]; then
     # The package from the source tree with the freshly built extension beside it.
@@ -96,10 +105,10 @@ if [ "$QUICK" = 0 ]; then
       -p 512 -n 128 -r 3 --device cuda --cuda-graphs off
   fi
 
-  SAN_FILTER='CudaOps.GetRows*:CudaOps.RmsNorm*:CudaOps.MulMatFloat*:CudaOps.MulMatPrompt*:CudaOps.Attention*:CudaOps.Rope*'
+  # The whole suite under memcheck; racecheck on the kernels that share memory between threads.
   step memcheck "$OUT/sanitizer.log" 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    "$BUILD/ggraph_cuda_tests" --gtest_filter="$SAN_FILTER"
-  RACE_FILTER='CudaOps.RmsNormAlone*:CudaOps.AttentionBlock*:CudaOps.MulMatFloat*:CudaOps.AttentionDecode*'
+    "$BUILD/ggraph_cuda_tests"
+  RACE_FILTER='CudaOps.RmsNorm*:CudaOps.Attention*:CudaOps.MulMat*:CudaOps.Decoder*'
   step racecheck "$OUT/sanitizer.log" 200 compute-sanitizer --tool racecheck \
     --racecheck-report all --error-exitcode 9 "$BUILD/ggraph_cuda_tests" \
     --gtest_filter="$RACE_FILTER"

@@ -16,7 +16,8 @@ int kv_bucket(int n_kv) {
 }
 
 int attention_splits(int n_kv_bucket, int n_head_kv) {
-  const int keys_per_split = n_head_kv >= 16 ? 256 : 128;
+  // One split (no reduce launch) up to 256 keys per KV head group, more as the cache grows.
+  const int keys_per_split = n_head_kv >= 16 ? 512 : 256;
   return std::max(1, std::min(kMaxAttnSplits, n_kv_bucket / keys_per_split));
 }
 
@@ -28,7 +29,7 @@ size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens) {
 namespace {
 
 constexpr int kAttnWarps = 4;
-constexpr int kDecodeGroup = 8;  // query heads per block sharing one KV head's loads
+constexpr int kDecodeGroup = 8;  // at most this many query heads per block share a KV head
 constexpr float kNegInf = -INFINITY;
 
 // Online-softmax merge of a tile's scores into (m, l); returns the rescale factor for acc and
@@ -49,14 +50,14 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 
 // ---- Flash-decoding -------------------------------------------------------------------------
 //
-// Block (kv head group chunk, split, token): up to kDecodeGroup query heads that share one KV head,
+// Block (kv head group chunk, split, token): up to G query heads that share one KV head,
 // keys [split start, split end) of the causal range. Each warp takes 32-key tiles: lane j
 // computes key j's scores for every head (its K row read once for the whole group), then lanes
 // own head dimensions for the P*V update. The 4 warps are merged in shared memory; with one
 // split the block writes the normalized output, otherwise (m, l, acc) partials for the reduce.
 // DI: head_dim <= 64 * DI.
 
-template <int DI>
+template <int DI, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv,
@@ -64,16 +65,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   extern __shared__ float smem[];
   const int group = n_head / n_head_kv;
   const int hkv = blockIdx.x / n_gchunks;
-  const int h_first = hkv * group + (blockIdx.x % n_gchunks) * kDecodeGroup;
-  const int n_g = min(kDecodeGroup, hkv * group + group - h_first);
+  const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
+  const int n_g = min(G, hkv * group + group - h_first);
   const int split = blockIdx.y;
   const int t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
 
-  float* qs = smem;                               // [kDecodeGroup][head_dim], pre-scaled
-  float* merge = smem + kDecodeGroup * head_dim;  // [warps][kDecodeGroup][head_dim + 2]
+  float* qs = smem;                    // [G][head_dim], pre-scaled
+  float* merge = smem + G * head_dim;  // [warps][G][head_dim + 2]
   for (int i = threadIdx.x; i < n_g * head_dim; i += blockDim.x)
     qs[i] = q[t * q_stride + static_cast<int64_t>(h_first) * head_dim + i] * scale;
   __syncthreads();
@@ -83,9 +84,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int k_begin = split * split_len;
   const int k_end = min(k_begin + split_len, lim);
 
-  float m[kDecodeGroup], l[kDecodeGroup], acc[kDecodeGroup][DI][2];
+  float m[G], l[G], acc[G][DI][2];
 #pragma unroll
-  for (int g = 0; g < kDecodeGroup; ++g) {
+  for (int g = 0; g < G; ++g) {
     m[g] = kNegInf;
     l[g] = 0.0f;
 #pragma unroll
@@ -94,12 +95,30 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
   const __half* k_head = kc + static_cast<int64_t>(hkv) * head_dim;
   const __half* v_head = vc + static_cast<int64_t>(hkv) * head_dim;
+  // V rows of a tile come KC at a time with all their loads in flight together; the first KC
+  // are requested before the scores, so that their latency overlaps that of the K rows.
+  constexpr int KC = DI <= 2 ? 32 : 16;
   for (int tile = k_begin + warp * 32; tile < k_end; tile += kAttnWarps * 32) {
     const int j = tile + lane;
     const bool valid = j < k_end;
-    float s[kDecodeGroup];
+    const int n_valid = min(32, k_end - tile);
+    __half2 vr[KC][DI];
+    auto load_v = [&](int j0) {
 #pragma unroll
-    for (int g = 0; g < kDecodeGroup; ++g) s[g] = 0.0f;
+      for (int jj = 0; jj < KC; ++jj) {
+        const __half2* vrow =
+            reinterpret_cast<const __half2*>(v_head + (tile + j0 + jj) * kv_stride);
+#pragma unroll
+        for (int i = 0; i < DI; ++i) {
+          const int d = 64 * i + 2 * lane;
+          vr[jj][i] = j0 + jj < n_valid && d < head_dim ? vrow[d / 2] : __float2half2_rn(0.f);
+        }
+      }
+    };
+    load_v(0);
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = 0.0f;
     if (valid) {
       const uint4* krow = reinterpret_cast<const uint4*>(k_head + j * kv_stride);
 #pragma unroll
@@ -119,7 +138,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
             kf[2 * e] = f.x, kf[2 * e + 1] = f.y;
           }
 #pragma unroll
-          for (int g = 0; g < kDecodeGroup; ++g) {
+          for (int g = 0; g < G; ++g) {
             if (g >= n_g) break;
             const float4* qv = reinterpret_cast<const float4*>(qs + g * head_dim + c0 + u * 8);
             const float4 qa = qv[0], qb = qv[1];
@@ -129,30 +148,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         }
       }
     }
-    float p[kDecodeGroup];
+    float p[G];
 #pragma unroll
-    for (int g = 0; g < kDecodeGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       if (g >= n_g) break;
       const float alpha = softmax_step(s[g], valid, m[g], l[g], p[g]);
 #pragma unroll
       for (int i = 0; i < DI; ++i) acc[g][i][0] *= alpha, acc[g][i][1] *= alpha;
     }
-    const int n_valid = min(32, k_end - tile);
-#pragma unroll 4
-    for (int jj = 0; jj < n_valid; ++jj) {
-      const __half2* vrow = reinterpret_cast<const __half2*>(v_head + (tile + jj) * kv_stride);
-      float2 v[DI];
+    for (int j0 = 0; j0 < n_valid; j0 += KC) {
+      if (j0 > 0) load_v(j0);
 #pragma unroll
-      for (int i = 0; i < DI; ++i) {
-        const int d = 64 * i + 2 * lane;
-        v[i] = d < head_dim ? __half22float2(vrow[d / 2]) : make_float2(0.f, 0.f);
-      }
+      for (int jj = 0; jj < KC; ++jj) {
+        if (j0 + jj >= n_valid) break;
+        float2 v[DI];
 #pragma unroll
-      for (int g = 0; g < kDecodeGroup; ++g) {
-        if (g >= n_g) break;
-        const float pj = __shfl_sync(0xffffffffu, p[g], jj);
+        for (int i = 0; i < DI; ++i) v[i] = __half22float2(vr[jj][i]);
 #pragma unroll
-        for (int i = 0; i < DI; ++i) acc[g][i][0] += pj * v[i].x, acc[g][i][1] += pj * v[i].y;
+        for (int g = 0; g < G; ++g) {
+          if (g >= n_g) break;
+          const float pj = __shfl_sync(0xffffffffu, p[g], j0 + jj);
+#pragma unroll
+          for (int i = 0; i < DI; ++i) acc[g][i][0] += pj * v[i].x, acc[g][i][1] += pj * v[i].y;
+        }
       }
     }
   }
@@ -160,13 +178,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   // Merge the warps: each writes (m, l, acc) for its heads, then threads combine per element.
   const int rec = head_dim + 2;
   for (int g = 0; g < n_g; ++g) {
-    float* r = merge + (warp * kDecodeGroup + g) * rec;
+    float* r = merge + (warp * G + g) * rec;
     if (lane == 0) r[0] = m[g], r[1] = l[g];
   }
 #pragma unroll
-  for (int g = 0; g < kDecodeGroup; ++g) {
+  for (int g = 0; g < G; ++g) {
     if (g >= n_g) break;
-    float* r = merge + (warp * kDecodeGroup + g) * rec;
+    float* r = merge + (warp * G + g) * rec;
 #pragma unroll
     for (int i = 0; i < DI; ++i) {
       const int d = 64 * i + 2 * lane;
@@ -177,11 +195,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm = kNegInf;
-    for (int w = 0; w < kAttnWarps; ++w) mm = fmaxf(mm, merge[(w * kDecodeGroup + g) * rec]);
+    for (int w = 0; w < kAttnWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
     float ll = 0.0f, a = 0.0f;
     if (mm != kNegInf) {
       for (int w = 0; w < kAttnWarps; ++w) {
-        const float* r = merge + (w * kDecodeGroup + g) * rec;
+        const float* r = merge + (w * G + g) * rec;
         const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
         ll += r[1] * e;
         a += r[2 + d] * e;
@@ -345,13 +363,21 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
                   int32_t first_pos, float* partials) {
   if (n_tokens <= kDecodeAttnMaxTokens) {
     const int group = n_head / n_head_kv;
-    const int n_gchunks = (group + kDecodeGroup - 1) / kDecodeGroup;
+    // Heads per block: the group (rounded up to a power of two), at most kDecodeGroup.
+    int g = 1;
+    while (g < group && g < kDecodeGroup) g *= 2;
+    const int n_gchunks = (group + g - 1) / g;
     const int n_splits = attention_splits(kv_bucket(n_kv), n_head_kv);
-    const size_t smem =
-        (kDecodeGroup * head_dim + kAttnWarps * kDecodeGroup * (head_dim + 2)) * sizeof(float);
-    l(attn_decode_kernel<DI>, dim3(n_head_kv * n_gchunks, n_splits, n_tokens),
-      dim3(kAttnWarps * 32), smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
-      n_kv, first_pos, n_splits, n_gchunks);
+    const size_t smem = (g * head_dim + kAttnWarps * g * (head_dim + 2)) * sizeof(float);
+    const dim3 grid(n_head_kv * n_gchunks, n_splits, n_tokens), block(kAttnWarps * 32);
+    auto launch = [&](auto kernel) {
+      l(kernel, grid, block, smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
+        n_kv, first_pos, n_splits, n_gchunks);
+    };
+    if (g == 1) launch(attn_decode_kernel<DI, 1>);
+    if (g == 2) launch(attn_decode_kernel<DI, 2>);
+    if (g == 4) launch(attn_decode_kernel<DI, 4>);
+    if (g == 8) launch(attn_decode_kernel<DI, 8>);
     if (n_splits > 1) {
       l(attn_reduce_kernel, dim3(n_head, n_tokens), dim3(128), 0,
         static_cast<const float*>(partials), out, n_head, head_dim, n_splits);

@@ -481,6 +481,7 @@ class CudaBackend : public Backend {
                         std::to_string(prop.major) + "." + std::to_string(prop.minor) +
                         "; ggraph needs 8.0 or newer");
     name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
+    prepare_kernels();
     GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug);
   }

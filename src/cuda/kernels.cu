@@ -291,12 +291,12 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
 }
 
 size_t act_half_bytes(int64_t k, int64_t cols) {
-  const int64_t kp = (k + 31) / 32 * 32;
+  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
   return static_cast<size_t>(kp * cols) * sizeof(__half);
 }
 
 void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
-  const int64_t kp = (k + 31) / 32 * 32;
+  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
   const int64_t n = kp * cols;
   l(act_to_half_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, x, k, kp, n,
     reinterpret_cast<__half*>(ws));

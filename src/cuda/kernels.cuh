@@ -150,7 +150,9 @@ void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* 
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
 size_t act_q8_bytes(int64_t k, int64_t cols);
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
-// Activation preparation for the tensor-core path: half, columns padded to kp = round_up(k, 32).
+// Activation preparation for the tensor-core path: half, columns padded to
+// kp = round_up(k, kActPad) with zeros.
+constexpr int kActPad = 64;
 size_t act_half_bytes(int64_t k, int64_t cols);
 void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
 
@@ -165,6 +167,13 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
+// Quantized mat-vecs stream rows 16-byte aligned (k a multiple of 256, 128 for Q4_1) straight
+// into registers; other rows go through the shared-memory staged kernel, which
+// GGRAPH_CUDA_STAGED_MATVEC=1 also selects for every row (to compare the two).
+bool staged_mat_vec();
+// Once per process before any launch: raises the shared memory limit of the kernels that
+// need more than 48 KiB (never during a stream capture).
+void prepare_kernels();
 // Tensor-core tiled product for cols > kMatVecMaxCols; activations from launch_act_to_half.
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst);

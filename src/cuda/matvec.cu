@@ -1,10 +1,13 @@
 // Matrix products with weights: mat-vec kernels for a few columns (decode) and tensor-core tiled
 // kernels for many (prompt). Weights are [k, n] with row n contiguous (k elements).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/quant_words.h"
 
 namespace ggraph::cuda {
 
@@ -64,44 +67,132 @@ struct MvqConfig {
   static constexpr int kStages = kRows * kPitch * 3 <= 40 * 1024 ? 3 : 2;
 };
 
+// One block's dot product with an 8-bit activation block (a: its 32 int8 as 8 words; ad: its
+// d and d * sum(q)), from the block's header and quant words.
+template <int TYPE>
+__device__ __forceinline__ void quant_dot_words(uint32_t header, const uint32_t* q,
+                                                const int (&a)[8], float2 ad, float& acc) {
+  const float d = f16_bits_to_float(static_cast<uint16_t>(header & 0xFFFF));
+  int s = 0;
+  if constexpr (TYPE == kTypeQ8_0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = __dp4a(static_cast<int>(q[i]), a[i], s);
+    acc += d * static_cast<float>(s) * ad.x;
+  } else {
+    // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = static_cast<int>(q[i]);
+      s = __dp4a(v & 0x0F0F0F0F, a[i], s);
+      s = __dp4a((v >> 4) & 0x0F0F0F0F, a[i + 4], s);
+    }
+    if constexpr (TYPE == kTypeQ4_0) {
+      // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
+      acc += d * (static_cast<float>(s) * ad.x - 8.0f * ad.y);
+    } else {
+      const float m = f16_bits_to_float(static_cast<uint16_t>(header >> 16));
+      acc += d * static_cast<float>(s) * ad.x + m * ad.y;
+    }
+  }
+}
+
+// The same from a block in shared memory (2-byte aligned; 4-byte for Q4_1).
 template <int TYPE>
 __device__ __forceinline__ void quant_dot(const uint8_t* bp, const int (&a)[8], float2 ad,
                                           float& acc) {
-  if constexpr (TYPE == kTypeQ4_0) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(bp);
-    const float d = f16_bits_to_float(h[0]);
-    int s = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int q = static_cast<int>(h[1 + 2 * i] | (static_cast<uint32_t>(h[2 + 2 * i]) << 16));
-      s = __dp4a(q & 0x0F0F0F0F, a[i], s);
-      s = __dp4a((q >> 4) & 0x0F0F0F0F, a[i + 4], s);
-    }
-    // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
-    acc += d * (static_cast<float>(s) * ad.x - 8.0f * ad.y);
-  } else if constexpr (TYPE == kTypeQ4_1) {
+  uint32_t q[8];
+  uint32_t header;
+  if constexpr (TYPE == kTypeQ4_1) {
     const uint32_t* u = reinterpret_cast<const uint32_t*>(bp);
-    const uint32_t dm = u[0];
-    const float d = f16_bits_to_float(static_cast<uint16_t>(dm & 0xFFFF));
-    const float m = f16_bits_to_float(static_cast<uint16_t>(dm >> 16));
-    int s = 0;
+    header = u[0];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int q = static_cast<int>(u[1 + i]);
-      s = __dp4a(q & 0x0F0F0F0F, a[i], s);
-      s = __dp4a((q >> 4) & 0x0F0F0F0F, a[i + 4], s);
-    }
-    acc += d * static_cast<float>(s) * ad.x + m * ad.y;
+    for (int i = 0; i < 4; ++i) q[i] = u[1 + i];
   } else {
+    constexpr int NQ = TYPE == kTypeQ8_0 ? 8 : 4;
     const uint16_t* h = reinterpret_cast<const uint16_t*>(bp);
-    const float d = f16_bits_to_float(h[0]);
-    int s = 0;
+    header = h[0];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int q = static_cast<int>(h[1 + 2 * i] | (static_cast<uint32_t>(h[2 + 2 * i]) << 16));
-      s = __dp4a(q, a[i], s);
+    for (int i = 0; i < NQ; ++i) q[i] = h[1 + 2 * i] | (static_cast<uint32_t>(h[2 + 2 * i]) << 16);
+  }
+  quant_dot_words<TYPE>(header, q, a, ad, acc);
+}
+
+// Loads the 8-bit activation block kb of column t.
+__device__ __forceinline__ void load_act(const int8_t* aq, const float2* ads, int64_t k, int nb,
+                                         int t, int kb, int (&a)[8], float2& ad) {
+  const int4* ap = reinterpret_cast<const int4*>(aq + t * k + static_cast<int64_t>(kb) * 32);
+  const int4 lo = __ldg(ap), hi = __ldg(ap + 1);
+  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+  a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+  ad = __ldg(ads + static_cast<int64_t>(t) * nb + kb);
+}
+
+// ---- Quantized mat-vec, direct (rows 16-byte aligned) -----------------------------------------
+//
+// Each lane streams superblocks (8 Q4_0/Q8_0 or 4 Q4_1 blocks: 144, 272 or 80 bytes) of one row
+// straight into registers with 16-byte loads, all in flight at once, then dots every block with
+// the 8-bit activation. `lpr` lanes share a row (the superblock count rounded up to a power of
+// two, at most 32), so short rows still fill the warp; a segmented shuffle sums each row.
+
+template <int TYPE>
+struct SuperOf;
+template <>
+struct SuperOf<kTypeQ4_0> {
+  using L = SuperQ4_0;
+};
+template <>
+struct SuperOf<kTypeQ4_1> {
+  using L = SuperQ4_1;
+};
+template <>
+struct SuperOf<kTypeQ8_0> {
+  using L = SuperQ8_0;
+};
+
+template <int TYPE, int NCOLS>
+__global__ void __launch_bounds__(kMvThreads)
+    mat_vec_q_direct_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                            int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nsb,
+                            int lpr, const int8_t* aq, const float2* ads, int64_t k) {
+  using L = typename SuperOf<TYPE>::L;
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int rows_per_warp = 32 / lpr;
+  const int row = (part.local_block * 8 + warp) * rows_per_warp + lane / lpr;
+  const int nb = nsb * L::kBlocks;
+  const uint8_t* wrow = part.w + static_cast<size_t>(min(row, part.n - 1)) * nb * L::kBlockBytes;
+
+  float acc[NCOLS];
+#pragma unroll
+  for (int t = 0; t < NCOLS; ++t) acc[t] = 0.0f;
+
+  for (int j = lane % lpr; j < nsb; j += lpr) {
+    const uint4* src = reinterpret_cast<const uint4*>(wrow + static_cast<size_t>(j) * L::kBytes);
+    uint32_t w[L::kWords];
+#pragma unroll
+    for (int i = 0; i < L::kWords / 4; ++i) {
+      const uint4 v = __ldg(src + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
     }
-    acc += d * static_cast<float>(s) * ad.x;
+#pragma unroll
+    for (int b = 0; b < L::kBlocks; ++b) {
+      uint32_t header, q[L::kQuantWords];
+      split_block<L>(w, b, header, q);
+#pragma unroll
+      for (int t = 0; t < NCOLS; ++t) {
+        int a[8];
+        float2 ad;
+        load_act(aq, ads, k, nb, t, j * L::kBlocks + b, a, ad);
+        quant_dot_words<TYPE>(header, q, a, ad, acc[t]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int t = 0; t < NCOLS; ++t) {
+    float v = acc[t];
+    for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane % lpr == 0 && row < part.n) part.dst[static_cast<int64_t>(t) * part.n + row] = v;
   }
 }
 
@@ -159,13 +250,7 @@ __global__ void __launch_bounds__(kMvThreads)
       int a[NCOLS][8];
       float2 ad[NCOLS];
 #pragma unroll
-      for (int t = 0; t < NCOLS; ++t) {
-        const int4* ap = reinterpret_cast<const int4*>(aq + t * k + static_cast<int64_t>(kb) * 32);
-        const int4 lo = __ldg(ap), hi = __ldg(ap + 1);
-        a[t][0] = lo.x, a[t][1] = lo.y, a[t][2] = lo.z, a[t][3] = lo.w;
-        a[t][4] = hi.x, a[t][5] = hi.y, a[t][6] = hi.z, a[t][7] = hi.w;
-        ad[t] = __ldg(ads + static_cast<int64_t>(t) * nb + kb);
-      }
+      for (int t = 0; t < NCOLS; ++t) load_act(aq, ads, k, nb, t, kb, a[t], ad[t]);
       const int s = c % STAGES;
 #pragma unroll
       for (int j = 0; j < RW; ++j) {
@@ -322,12 +407,26 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
 
 template <int TYPE, int NCOLS>
 void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
-  constexpr int RW = NCOLS <= 2 ? 1 : 2;
-  const GroupArgs g = group_args(parts, n_parts, 8 * RW);
   const int nb = static_cast<int>(k / 32);
   const auto* aq = reinterpret_cast<const int8_t*>(ws);
   const auto* ads =
       reinterpret_cast<const float2*>(ws + static_cast<size_t>(k * NCOLS + 255) / 256 * 256);
+  using L = typename SuperOf<TYPE>::L;
+  bool direct = nb % L::kBlocks == 0 && !staged_mat_vec();
+  for (int i = 0; i < n_parts; ++i)
+    direct = direct && reinterpret_cast<uintptr_t>(parts[i].w) % 16 == 0;
+  if (direct) {
+    const int nsb = nb / L::kBlocks;
+    int lpr = 1;
+    while (lpr < nsb && lpr < 32) lpr *= 2;
+    const GroupArgs g = group_args(parts, n_parts, 8 * (32 / lpr));
+    l(mat_vec_q_direct_kernel<TYPE, NCOLS>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
+      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nsb, lpr, aq,
+      ads, k);
+    return;
+  }
+  constexpr int RW = NCOLS <= 2 ? 1 : 2;
+  const GroupArgs g = group_args(parts, n_parts, 8 * RW);
   l(mat_vec_q_kernel<TYPE, NCOLS, RW>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1], g.w[2],
     g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb, aq, ads, k);
 }
@@ -372,11 +471,10 @@ void mat_vec_cols(Launcher& l, DType type, const MatVecPart* parts, int n_parts,
 //
 // dst[t, n] = sum_k x[t, k] * w[n, k]: A = activations (half, prepared once per mat-mul), B =
 // weights dequantized to half in shared memory, fp32 accumulation with mma.sync m16n8k16.
-// Block tile: BT tokens x 128 weights x 32 k, double-buffered; the next weight tile is loaded
-// into registers while the current one is multiplied.
+// Block tile: BT tokens x 128 weights x BK k (64; 32 to compare), double-buffered in dynamic
+// shared memory; the next weight tile is loaded into registers while the current one is
+// multiplied.
 
-constexpr int kTcBK = 32;
-constexpr int kTcPitch = kTcBK + 8;  // halves; 80-byte rows keep ldmatrix free of bank conflicts
 constexpr int kTcBW = 128;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
@@ -401,36 +499,50 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// What one thread holds of the next weight tile: 16 consecutive k of one row.
+// What one thread holds of the next weight tile: BK/2 consecutive k of one row (half a quant
+// block at BK 32, a whole one at BK 64), raw, with the block's scale and minimum.
 struct WeightRegs {
-  uint32_t v[16];
+  uint32_t v[32];
   float d, m;
 };
 
-template <int TYPE, bool KALIGNED>
+template <int TYPE, bool KALIGNED, int BK>
 __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* row, int kt,
                                                  int hsel, int64_t k) {
-  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0) {
-    constexpr int BS = TYPE == kTypeQ4_0 ? 18 : 34;
-    constexpr int NQ = TYPE == kTypeQ4_0 ? 4 : 8;  // 16-bit words of quants this thread takes
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(row + static_cast<size_t>(kt) * BS);
-    r.d = f16_bits_to_float(__ldg(h));
+  constexpr int E = BK / 2;  // elements per thread
+  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0 || TYPE == kTypeQ4_1) {
+    constexpr int BS = TYPE == kTypeQ4_0 ? 18 : TYPE == kTypeQ4_1 ? 20 : 34;
+    // At BK 64 each thread takes block 2 kt + hsel; at BK 32 half of block kt.
+    const int blk = BK == 64 ? 2 * kt + hsel : kt;
+    const int part = BK == 64 ? 0 : hsel;
+    r.d = 0.0f;
+    r.m = 0.0f;
 #pragma unroll
-    for (int i = 0; i < NQ; ++i) r.v[i] = __ldg(h + 1 + hsel * NQ + i);
-  } else if constexpr (TYPE == kTypeQ4_1) {
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(row + static_cast<size_t>(kt) * 20);
-    const uint32_t dm = __ldg(u);
-    r.d = f16_bits_to_float(static_cast<uint16_t>(dm & 0xFFFF));
-    r.m = f16_bits_to_float(static_cast<uint16_t>(dm >> 16));
-    r.v[0] = __ldg(u + 1 + hsel * 2);
-    r.v[1] = __ldg(u + 2 + hsel * 2);
+    for (int i = 0; i < 32; ++i) r.v[i] = 0;
+    if (static_cast<int64_t>(blk) * 32 >= k) return;  // past the row's last block: zeros
+    const uint8_t* b = row + static_cast<size_t>(blk) * BS;
+    if constexpr (TYPE == kTypeQ4_1) {
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(b);
+      const uint32_t dm = __ldg(u);
+      r.d = f16_bits_to_float(static_cast<uint16_t>(dm & 0xFFFF));
+      r.m = f16_bits_to_float(static_cast<uint16_t>(dm >> 16));
+      constexpr int NW = E / 8;  // 32-bit words of quants: 2 (half block) or 4
+#pragma unroll
+      for (int i = 0; i < NW; ++i) r.v[i] = __ldg(u + 1 + part * NW + i);
+    } else {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
+      r.d = f16_bits_to_float(__ldg(h));
+      constexpr int NH = TYPE == kTypeQ4_0 ? E / 4 : E / 2;  // 16-bit words of quants
+#pragma unroll
+      for (int i = 0; i < NH; ++i) r.v[i] = __ldg(h + 1 + part * NH + i);
+    }
   } else {
-    const int64_t e0 = static_cast<int64_t>(kt) * kTcBK + hsel * 16;
+    const int64_t e0 = static_cast<int64_t>(kt) * BK + hsel * E;
     if constexpr (TYPE == kTypeF32) {
       const float* f = reinterpret_cast<const float*>(row);
       if constexpr (KALIGNED) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < E / 4; ++i) {
           const float4 q = e0 + 4 * i < k ? __ldg(reinterpret_cast<const float4*>(f + e0) + i)
                                           : make_float4(0.f, 0.f, 0.f, 0.f);
           r.v[4 * i] = __float_as_uint(q.x), r.v[4 * i + 1] = __float_as_uint(q.y);
@@ -438,20 +550,20 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) r.v[i] = e0 + i < k ? __float_as_uint(__ldg(f + e0 + i)) : 0u;
+        for (int i = 0; i < E; ++i) r.v[i] = e0 + i < k ? __float_as_uint(__ldg(f + e0 + i)) : 0u;
       }
     } else {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
       if constexpr (KALIGNED) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < E / 8; ++i) {
           const uint4 q = e0 + 8 * i < k ? __ldg(reinterpret_cast<const uint4*>(h + e0) + i)
                                          : make_uint4(0, 0, 0, 0);
           r.v[4 * i] = q.x, r.v[4 * i + 1] = q.y, r.v[4 * i + 2] = q.z, r.v[4 * i + 3] = q.w;
         }
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < E / 2; ++i) {
           const uint32_t lo = e0 + 2 * i < k ? __ldg(h + e0 + 2 * i) : 0u;
           const uint32_t hi = e0 + 2 * i + 1 < k ? __ldg(h + e0 + 2 * i + 1) : 0u;
           r.v[i] = lo | (hi << 16);
@@ -461,92 +573,95 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
   }
 }
 
-// Writes the thread's 16 values of the weight tile as half into row `dst` of shared memory.
-template <int TYPE>
+// Writes the thread's BK/2 values of the weight tile as half into row `dst` of shared memory.
+template <int TYPE, int BK>
 __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* dst, int hsel) {
-  uint4 out[2];
-  uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  int c0, c1;  // element columns of the two 8-wide halves
+  constexpr int E = BK / 2;
+  uint32_t o[E / 2];  // half pairs, in element order of the thread's columns (see below)
+  int col[E / 8];     // start column of each 8-wide group of o
   if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1) {
-    // Bytes j of the block hold element j (low nibble) and j + 16 (high nibble).
+    // Byte j of a block's quants holds element j (low nibble) and element j + 16 (high).
+    constexpr int NB = E / 2;  // quant bytes this thread holds: 8 (half block) or 16
     const float m = TYPE == kTypeQ4_1 ? r.m : -8.0f * r.d;
-    uint32_t qq[2];
-    if constexpr (TYPE == kTypeQ4_0) {
-      qq[0] = (r.v[0] & 0xFFFF) | (r.v[1] << 16);
-      qq[1] = (r.v[2] & 0xFFFF) | (r.v[3] << 16);
-    } else {
-      qq[0] = r.v[0], qq[1] = r.v[1];
+    auto byte_at = [&](int e) -> uint32_t {
+      if constexpr (TYPE == kTypeQ4_0) return (r.v[e / 2] >> (8 * (e % 2))) & 0xFF;
+      return (r.v[e / 4] >> (8 * (e % 4))) & 0xFF;
+    };
+#pragma unroll
+    for (int p = 0; p < NB / 2; ++p) {
+      const uint32_t b0 = byte_at(2 * p), b1 = byte_at(2 * p + 1);
+      o[p] = pack_half2(static_cast<float>(b0 & 0xF) * r.d + m,
+                        static_cast<float>(b1 & 0xF) * r.d + m);
+      o[NB / 2 + p] =
+          pack_half2(static_cast<float>(b0 >> 4) * r.d + m, static_cast<float>(b1 >> 4) * r.d + m);
     }
+    // Low nibbles are elements [first quant byte, +NB), high nibbles the same plus 16.
+    const int first = BK == 64 ? hsel * 32 : hsel * 8;
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-#pragma unroll
-      for (int b = 0; b < 4; b += 2) {
-        const uint32_t b0 = (qq[w] >> (8 * b)) & 0xFF, b1 = (qq[w] >> (8 * b + 8)) & 0xFF;
-        o[2 * w + b / 2] = pack_half2(static_cast<float>(b0 & 0xF) * r.d + m,
-                                      static_cast<float>(b1 & 0xF) * r.d + m);
-        o[4 + 2 * w + b / 2] = pack_half2(static_cast<float>(b0 >> 4) * r.d + m,
-                                          static_cast<float>(b1 >> 4) * r.d + m);
-      }
-    }
-    c0 = hsel * 8;
-    c1 = 16 + hsel * 8;
-  } else if constexpr (TYPE == kTypeQ8_0) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int8_t q0 = static_cast<int8_t>(r.v[i] & 0xFF);
-      const int8_t q1 = static_cast<int8_t>((r.v[i] >> 8) & 0xFF);
-      o[i] = pack_half2(static_cast<float>(q0) * r.d, static_cast<float>(q1) * r.d);
-    }
-    c0 = hsel * 16;
-    c1 = c0 + 8;
-  } else if constexpr (TYPE == kTypeF32) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      o[i] = pack_half2(__uint_as_float(r.v[2 * i]), __uint_as_float(r.v[2 * i + 1]));
-    c0 = hsel * 16;
-    c1 = c0 + 8;
-  } else if constexpr (TYPE == kTypeF16) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = r.v[i];
-    c0 = hsel * 16;
-    c1 = c0 + 8;
+    for (int c = 0; c < E / 8; ++c) col[c] = first + (c < E / 16 ? 8 * c : 16 + 8 * (c - E / 16));
   } else {
+    if constexpr (TYPE == kTypeQ8_0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      o[i] = pack_half2(__uint_as_float(r.v[i] << 16), __uint_as_float(r.v[i] & 0xFFFF0000u));
-    c0 = hsel * 16;
-    c1 = c0 + 8;
+      for (int i = 0; i < E / 2; ++i) {
+        const int8_t q0 = static_cast<int8_t>(r.v[i] & 0xFF);
+        const int8_t q1 = static_cast<int8_t>((r.v[i] >> 8) & 0xFF);
+        o[i] = pack_half2(static_cast<float>(q0) * r.d, static_cast<float>(q1) * r.d);
+      }
+    } else if constexpr (TYPE == kTypeF32) {
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i)
+        o[i] = pack_half2(__uint_as_float(r.v[2 * i]), __uint_as_float(r.v[2 * i + 1]));
+    } else if constexpr (TYPE == kTypeF16) {
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i) o[i] = r.v[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i)
+        o[i] = pack_half2(__uint_as_float(r.v[i] << 16), __uint_as_float(r.v[i] & 0xFFFF0000u));
+    }
+#pragma unroll
+    for (int c = 0; c < E / 8; ++c) col[c] = hsel * E + 8 * c;
   }
-  *reinterpret_cast<uint4*>(dst + c0) = out[0];
-  *reinterpret_cast<uint4*>(dst + c1) = out[1];
+#pragma unroll
+  for (int c = 0; c < E / 8; ++c)
+    *reinterpret_cast<uint4*>(dst + col[c]) =
+        make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
 }
 
-template <int TYPE, int WT, int MT, int NT, bool KALIGNED>
+template <int BT, int BK>
+constexpr size_t tc_smem_bytes() {
+  return 2 * static_cast<size_t>(BT + kTcBW) * (BK + 8) * sizeof(__half);
+}
+
+template <int TYPE, int BK, int WT, int MT, int NT, bool KALIGNED>
 __global__ void __launch_bounds__(256)
     mat_mul_tc_kernel(const uint8_t* w, size_t rb, int n, int64_t k, const __half* xh, int64_t kp,
                       int n_cols, float* dst) {
   constexpr int WW = 8 / WT;
   constexpr int BT = WT * MT * 16;
+  constexpr int PITCH = BK + 8;  // halves; rows 16-byte aligned and ldmatrix conflict-free
   static_assert(WW * NT * 8 == kTcBW, "weight tile");
   static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
-  __shared__ __align__(16) __half as[2][BT][kTcPitch];
-  __shared__ __align__(16) __half bs[2][kTcBW][kTcPitch];
+  extern __shared__ __align__(16) uint8_t tc_smem[];
+  auto as = reinterpret_cast<__half(*)[BT][PITCH]>(tc_smem);
+  auto bs = reinterpret_cast<__half(*)[kTcBW][PITCH]>(tc_smem + 2 * BT * PITCH * sizeof(__half));
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wt = warp % WT, ww = warp / WT;
   const int t0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * kTcBW;
-  const int n_kt = static_cast<int>((k + kTcBK - 1) / kTcBK);
-  // Weight rows: two threads per row, each 16 of the 32 k of a tile.
+  const int n_kt = static_cast<int>((k + BK - 1) / BK);
+  // Weight rows: two threads per row, each half of the BK k of a tile.
   const int b_row = tid / 2, hsel = tid % 2;
   const uint8_t* w_row = w + static_cast<size_t>(min(n0 + b_row, n - 1)) * rb;
 
   auto load_a = [&](int s, int kt) {
-    for (int p = tid; p < BT * 4; p += 256) {
-      const int r = p / 4, ch = p % 4;
+    constexpr int CH = BK / 8;  // 16-byte pieces per row
+    for (int p = tid; p < BT * CH; p += 256) {
+      const int r = p / CH, ch = p % CH;
       const int t = t0 + r;
       const __half* src = xh + static_cast<int64_t>(min(t, n_cols - 1)) * kp +
-                          static_cast<int64_t>(kt) * kTcBK + ch * 8;
+                          static_cast<int64_t>(kt) * BK + ch * 8;
       cp_async16(&as[s][r][ch * 8], src, t < n_cols ? 16 : 0);
     }
     cp_async_commit();
@@ -562,8 +677,8 @@ __global__ void __launch_bounds__(256)
 
   WeightRegs regs;
   load_a(0, 0);
-  load_weight_regs<TYPE, KALIGNED>(regs, w_row, 0, hsel, k);
-  store_weight_regs<TYPE>(regs, &bs[0][b_row][0], hsel);
+  load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, 0, hsel, k);
+  store_weight_regs<TYPE, BK>(regs, &bs[0][b_row][0], hsel);
   cp_async_wait<0>();
   __syncthreads();
 
@@ -572,10 +687,10 @@ __global__ void __launch_bounds__(256)
     const bool more = kt + 1 < n_kt;
     if (more) {
       load_a(nxt, kt + 1);
-      load_weight_regs<TYPE, KALIGNED>(regs, w_row, kt + 1, hsel, k);
+      load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, kt + 1, hsel, k);
     }
 #pragma unroll
-    for (int kk = 0; kk < kTcBK; kk += 16) {
+    for (int kk = 0; kk < BK; kk += 16) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i)
@@ -593,7 +708,7 @@ __global__ void __launch_bounds__(256)
       }
     }
     if (more) {
-      store_weight_regs<TYPE>(regs, &bs[nxt][b_row][0], hsel);
+      store_weight_regs<TYPE, BK>(regs, &bs[nxt][b_row][0], hsel);
       cp_async_wait<0>();
     }
     __syncthreads();
@@ -622,39 +737,98 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <int TYPE, int WT, int MT, int NT>
-void mat_mul_tc_cfg(Launcher& l, const void* w, int64_t n, int64_t k, const uint8_t* ws, int cols,
-                    float* dst) {
+// The tile depth of the tiled product: 64 (default) or 32 (GGRAPH_CUDA_MMA_BK=32, to compare).
+int mma_bk() {
+  static const int bk = [] {
+    const char* v = std::getenv("GGRAPH_CUDA_MMA_BK");
+    return v && std::strcmp(v, "32") == 0 ? 32 : 64;
+  }();
+  return bk;
+}
+
+template <int TYPE, int BK, int WT, int MT, int NT>
+void mat_mul_tc_launch(Launcher& l, const void* w, int64_t n, int64_t k, const uint8_t* ws,
+                       int cols, float* dst) {
   constexpr int BT = WT * MT * 16;
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, BT)),
                   static_cast<unsigned>(ceil_div(n, kTcBW)));
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* xh = reinterpret_cast<const __half*>(ws);
-  const int64_t kp = (k + kTcBK - 1) / kTcBK * kTcBK;
+  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
   const size_t rb = row_bytes(static_cast<DType>(TYPE), k);
   const bool aligned = k % 8 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const size_t smem = tc_smem_bytes<BT, BK>();
   if (aligned) {
-    l(mat_mul_tc_kernel<TYPE, WT, MT, NT, true>, grid, dim3(256), 0, wp, rb, static_cast<int>(n), k,
-      xh, kp, cols, dst);
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>, grid, dim3(256), smem, wp, rb,
+      static_cast<int>(n), k, xh, kp, cols, dst);
   } else {
-    l(mat_mul_tc_kernel<TYPE, WT, MT, NT, false>, grid, dim3(256), 0, wp, rb, static_cast<int>(n),
-      k, xh, kp, cols, dst);
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>, grid, dim3(256), smem, wp, rb,
+      static_cast<int>(n), k, xh, kp, cols, dst);
+  }
+}
+
+// Raises the dynamic shared memory limit of one configuration's kernels (once, at start-up).
+template <int TYPE, int BK, int WT, int MT, int NT>
+void mat_mul_tc_prepare() {
+  constexpr int BT = WT * MT * 16;
+  const int smem = static_cast<int>(tc_smem_bytes<BT, BK>());
+  GGRAPH_CUDA_CHECK(cudaFuncSetAttribute(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  GGRAPH_CUDA_CHECK(cudaFuncSetAttribute(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+}
+
+// Batch tiles: 32 tokens up to 32 columns, 64 up to 64, then 128.
+template <int TYPE, int BK>
+void mat_mul_tc_bk(Launcher& l, const void* w, int64_t n, int64_t k, const uint8_t* ws, int cols,
+                   float* dst) {
+  if (cols <= 32) {
+    mat_mul_tc_launch<TYPE, BK, 1, 2, 2>(l, w, n, k, ws, cols, dst);
+  } else if (cols <= 64) {
+    mat_mul_tc_launch<TYPE, BK, 2, 2, 4>(l, w, n, k, ws, cols, dst);
+  } else {
+    mat_mul_tc_launch<TYPE, BK, 2, 4, 4>(l, w, n, k, ws, cols, dst);
   }
 }
 
 template <int TYPE>
 void mat_mul_tc_type(Launcher& l, const void* w, int64_t n, int64_t k, const uint8_t* ws, int cols,
                      float* dst) {
-  if (cols <= 32) {
-    mat_mul_tc_cfg<TYPE, 1, 2, 2>(l, w, n, k, ws, cols, dst);
-  } else if (cols <= 64) {
-    mat_mul_tc_cfg<TYPE, 2, 2, 4>(l, w, n, k, ws, cols, dst);
+  if (mma_bk() == 32) {
+    mat_mul_tc_bk<TYPE, 32>(l, w, n, k, ws, cols, dst);
   } else {
-    mat_mul_tc_cfg<TYPE, 2, 4, 4>(l, w, n, k, ws, cols, dst);
+    mat_mul_tc_bk<TYPE, 64>(l, w, n, k, ws, cols, dst);
   }
 }
 
+template <int TYPE>
+void mat_mul_tc_prepare_type() {
+  mat_mul_tc_prepare<TYPE, 32, 1, 2, 2>();
+  mat_mul_tc_prepare<TYPE, 32, 2, 2, 4>();
+  mat_mul_tc_prepare<TYPE, 32, 2, 4, 4>();
+  mat_mul_tc_prepare<TYPE, 64, 1, 2, 2>();
+  mat_mul_tc_prepare<TYPE, 64, 2, 2, 4>();
+  mat_mul_tc_prepare<TYPE, 64, 2, 4, 4>();
+}
+
 }  // namespace
+
+void prepare_kernels() {
+  mat_mul_tc_prepare_type<kTypeQ4_0>();
+  mat_mul_tc_prepare_type<kTypeQ4_1>();
+  mat_mul_tc_prepare_type<kTypeQ8_0>();
+  mat_mul_tc_prepare_type<kTypeF32>();
+  mat_mul_tc_prepare_type<kTypeF16>();
+  mat_mul_tc_prepare_type<kTypeBF16>();
+}
+
+bool staged_mat_vec() {
+  static const bool staged = [] {
+    const char* v = std::getenv("GGRAPH_CUDA_STAGED_MATVEC");
+    return v && std::strcmp(v, "0") != 0;
+  }();
+  return staged;
+}
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols) {

@@ -107,6 +107,7 @@ double copy_tb_s(cudaStream_t s) {
 int main() {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
+  gc::prepare_kernels();
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
   gc::Launcher l;

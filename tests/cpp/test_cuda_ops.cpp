@@ -16,6 +16,7 @@
 #include "backend.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels.cuh"
+#include "cuda/quant_words.h"
 #include "graph.h"
 #include "planner.h"
 #include "quant.h"
@@ -113,13 +114,17 @@ class CudaOps : public ::testing::Test {
   }
 
   // Runs build on both backends; checks CUDA against the reference and against the CPU.
+  // Errors are relative to ||ref||, or to `scale` when given (for sums that may cancel).
   void check(const Build& build, const std::vector<double>& ref, double bound_ref, double bound_cpu,
-             const std::string& what) {
+             const std::string& what, double scale = 0) {
     const std::vector<float> gpu = run_on(*cuda_, build);
     const std::vector<float> cpu = run_on(*cpu_, build);
     ASSERT_EQ(gpu.size(), ref.size()) << what;
-    EXPECT_LT(rel_err(gpu, ref), bound_ref) << "CUDA vs float64 reference: " << what;
-    EXPECT_LT(rel_err(gpu, cpu), bound_cpu) << "CUDA vs CPU: " << what;
+    double ref_norm = 0;
+    for (double v : ref) ref_norm += v * v;
+    const double f = scale > 0 ? std::sqrt(ref_norm) / scale : 1.0;
+    EXPECT_LT(rel_err(gpu, ref) * f, bound_ref) << "CUDA vs float64 reference: " << what;
+    EXPECT_LT(rel_err(gpu, cpu) * f, bound_cpu) << "CUDA vs CPU: " << what;
   }
 
   std::unique_ptr<Backend> cuda_, cpu_;
@@ -274,26 +279,35 @@ double mul_mat_bound(DType t, int64_t cols) {
   return 3e-3;
 }
 
+// The product, and in *scale the size of its terms: sqrt(sum over outputs of sum_k (w x)^2),
+// which is what quantization errors scale with (a single short dot product may cancel).
 std::vector<double> mul_mat_ref(const std::vector<float>& w, const std::vector<float>& x, int64_t k,
-                                int64_t n, int64_t t) {
+                                int64_t n, int64_t t, double* scale) {
   std::vector<double> ref(size_t(n) * t);
+  double sq = 0;
   for (int64_t c = 0; c < t; ++c)
     for (int64_t r = 0; r < n; ++r) {
       double acc = 0;
-      for (int64_t i = 0; i < k; ++i) acc += double(w[r * k + i]) * x[c * k + i];
+      for (int64_t i = 0; i < k; ++i) {
+        const double term = double(w[r * k + i]) * x[c * k + i];
+        acc += term;
+        sq += term * term;
+      }
       ref[c * n + r] = acc;
     }
+  *scale = std::sqrt(sq);
   return ref;
 }
 
 void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rng,
                    const std::function<void(const Build&, const std::vector<double>&, double,
-                                            double, const std::string&)>& check) {
+                                            double, const std::string&, double)>& check) {
   auto wf = randn(size_t(k) * n, rng, 0.05f);
   std::vector<float> deq;
   auto bytes = quantize(t, wf, k, n, deq);
   auto x = randn(size_t(k) * cols, rng);
-  const auto ref = mul_mat_ref(deq, x, k, n, cols);
+  double scale = 0;
+  const auto ref = mul_mat_ref(deq, x, k, n, cols, &scale);
   const double bound = mul_mat_bound(t, cols);
   const bool quantized = type_traits(t).block_size > 1;
   std::vector<int32_t> ids;
@@ -306,14 +320,18 @@ void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rn
       // differs by the CPU's own error.
       ref, bound, quantized ? 3e-2 : 2 * bound,
       std::string(type_name(t)) + " k " + std::to_string(k) + " n " + std::to_string(n) + " cols " +
-          std::to_string(cols));
+          std::to_string(cols),
+      scale);
 }
 
 TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w) { check(b, r, br, bc, w); };
-  const Shape kn[] = {{32, 1}, {96, 7}, {160, 33}, {576, 257}, {800, 129}, {4096, 65}};
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  // k = 256, 512, 1024, 4096 and 11008 reach the direct quantized mat-vec with 1, 2, 4, 16 and
+  // (looping) 43 superblocks per row; the others the staged one.
+  const Shape kn[] = {{32, 1},    {96, 7},    {160, 33},  {256, 3},   {512, 130},
+                      {576, 257}, {800, 129}, {1024, 33}, {4096, 65}, {11008, 20}};
   for (DType t : kAllTypes) {
     for (Shape s : kn) {
       for (int64_t cols : {1, 2, 7, 8, 9, 33}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
@@ -324,7 +342,7 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
   std::mt19937 rng(16);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w) { check(b, r, br, bc, w); };
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   for (DType t : {DType::F32, DType::F16, DType::BF16}) {
     for (Shape s : {Shape{33, 5}, Shape{100, 17}, Shape{7, 3}, Shape{1030, 9}}) {
       for (int64_t cols : {1, 3, 8, 9, 40}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
@@ -335,7 +353,7 @@ TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
 TEST_F(CudaOps, MulMatPromptBatches) {
   std::mt19937 rng(17);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w) { check(b, r, br, bc, w); };
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   for (DType t : kAllTypes) {
     check_mul_mat(t, 576, 257, 512, rng, chk);
     check_mul_mat(t, 256, 130, 100, rng, chk);
@@ -553,7 +571,7 @@ struct AttnCase {
 // Cache rows 0..n_past-1 already hold values; kv_store writes the new rows; attention reads all.
 void check_attention(const AttnCase& c, std::mt19937& rng,
                      const std::function<void(const Build&, const std::vector<double>&, double,
-                                              double, const std::string&)>& check) {
+                                              double, const std::string&, double)>& check) {
   const int n_ctx = c.n_past + c.n_tok + 7;
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
@@ -604,24 +622,26 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
       ref, 2e-5, 2e-5,
       "heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " hd " +
           std::to_string(c.hd) + " past " + std::to_string(c.n_past) + " tokens " +
-          std::to_string(c.n_tok));
+          std::to_string(c.n_tok),
+      0);
 }
 
 TEST_F(CudaOps, AttentionDecodeSplitsAndGqa) {
   std::mt19937 rng(20);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w) { check(b, r, br, bc, w); };
-  const AttnCase cases[] = {{4, 4, 32, 0, 1},      {9, 3, 64, 0, 7},    {8, 2, 64, 37, 1},
-                            {32, 32, 128, 300, 1}, {9, 3, 64, 1000, 1}, {9, 3, 64, 1000, 8},
-                            {16, 1, 64, 10, 1},    {2, 2, 256, 600, 2}, {6, 1, 16, 100, 5},
-                            {8, 8, 80, 3000, 1},   {12, 4, 96, 4500, 3}};
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const AttnCase cases[] = {{4, 4, 32, 0, 1},      {9, 3, 64, 0, 7},     {8, 2, 64, 37, 1},
+                            {32, 32, 128, 300, 1}, {9, 3, 64, 1000, 1},  {9, 3, 64, 1000, 8},
+                            {16, 1, 64, 10, 1},    {2, 2, 256, 600, 2},  {6, 1, 16, 100, 5},
+                            {8, 8, 80, 3000, 1},   {12, 4, 96, 4500, 3}, {4, 2, 160, 70, 2},
+                            {8, 1, 192, 20, 1}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
 TEST_F(CudaOps, AttentionPrompt) {
   std::mt19937 rng(21);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w) { check(b, r, br, bc, w); };
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   const AttnCase cases[] = {{6, 1, 16, 100, 13}, {12, 4, 80, 5, 33},  {4, 1, 256, 50, 9},
                             {9, 3, 64, 0, 512},  {8, 2, 128, 0, 100}, {4, 4, 128, 40, 77}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
@@ -842,6 +862,39 @@ TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
     const int s = cuda::attention_splits(b, 32);
     EXPECT_GE(s, 1);
     EXPECT_LE(s, cuda::kMaxAttnSplits);
+  }
+}
+
+// The register-level split of superblocks that the direct mat-vec kernel does, on the host.
+template <typename L>
+void check_split(std::mt19937& rng, const char* what) {
+  std::vector<uint8_t> bytes(L::kBytes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : bytes) b = uint8_t(byte(rng));
+  std::vector<uint32_t> w(L::kWords);
+  std::memcpy(w.data(), bytes.data(), bytes.size());
+  for (int b = 0; b < L::kBlocks; ++b) {
+    uint32_t header = 0, q[8] = {};
+    cuda::split_block<L>(w.data(), b, header, q);
+    const uint8_t* blk = bytes.data() + b * L::kBlockBytes;
+    uint32_t want_header = 0;
+    std::memcpy(&want_header, blk, L::kHeaderBytes);
+    const uint32_t mask = L::kHeaderBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
+    EXPECT_EQ(header & mask, want_header) << what << " block " << b;
+    for (int i = 0; i < L::kQuantWords; ++i) {
+      uint32_t want = 0;
+      std::memcpy(&want, blk + L::kHeaderBytes + 4 * i, 4);
+      EXPECT_EQ(q[i], want) << what << " block " << b << " word " << i;
+    }
+  }
+}
+
+TEST(CudaLaunchPlan, SuperblockSplitFindsEveryBlocksHeaderAndQuants) {
+  std::mt19937 rng(25);
+  for (int rep = 0; rep < 20; ++rep) {
+    check_split<cuda::SuperQ4_0>(rng, "Q4_0");
+    check_split<cuda::SuperQ4_1>(rng, "Q4_1");
+    check_split<cuda::SuperQ8_0>(rng, "Q8_0");
   }
 }
 
