@@ -152,7 +152,7 @@ PYBIND11_MODULE(_core, m) {
     std::string a = GGRAPH_CUDA_ARCHS;
     size_t start = 0;
     while (start <= a.size()) {
-      size_t end = a.find(';', start);
+      size_t end = a.find(',', start);
       if (end == std::string::npos) end = a.size();
       if (end > start) archs.append(a.substr(start, end - start));
       start = end + 1;
