@@ -167,10 +167,10 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
-// Quantized mat-vecs stream rows 16-byte aligned (k a multiple of 256, 128 for Q4_1) straight
-// into registers; other rows go through the shared-memory staged kernel, which
-// GGRAPH_CUDA_STAGED_MATVEC=1 also selects for every row (to compare the two).
-bool staged_mat_vec();
+// Quantized mat-vecs stream rows through shared memory (the staged kernel). With
+// GGRAPH_CUDA_DIRECT_MATVEC=1, rows 16-byte aligned (k a multiple of 256, 128 for Q4_1) are
+// loaded straight into registers instead: the kernel measured slower, kept to compare.
+bool direct_mat_vec();
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();

@@ -328,8 +328,8 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
-  // k = 256, 512, 1024, 4096 and 11008 reach the direct quantized mat-vec with 1, 2, 4, 16 and
-  // (looping) 43 superblocks per row; the others the staged one.
+  // Odd k and n for the staged quantized mat-vec; with GGRAPH_CUDA_DIRECT_MATVEC=1, k = 256, 512,
+  // 1024, 4096 and 11008 take the direct one with 1, 2, 4, 16 and (looping) 43 superblocks a row.
   const Shape kn[] = {{32, 1},    {96, 7},    {160, 33},  {256, 3},   {512, 130},
                       {576, 257}, {800, 129}, {1024, 33}, {4096, 65}, {11008, 20}};
   for (DType t : kAllTypes) {
