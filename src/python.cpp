@@ -47,7 +47,7 @@ py::object metadata_value(const GGUFValue& v) {
                        "]");
       py::list out;
       for (const auto& e : v.arr) out.append(metadata_value(e));
-      return std::move(out);
+      return py::object(std::move(out));
     }
   }
   return py::none();

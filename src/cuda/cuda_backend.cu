@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -538,6 +539,7 @@ class CudaBackend : public Backend {
   }
 
   void compute(const Graph& graph, float* out) override {
+    const auto t_enter = std::chrono::steady_clock::now();
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     validate_graph(graph);
     if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
@@ -568,8 +570,14 @@ class CudaBackend : public Backend {
     buf.attn = static_cast<float*>(attn_);
     buf.attn_bytes = attn_bytes_;
     const std::vector<Tensor*>& nodes = graph.nodes();
+    executor_->mutable_stats().host_us_total +=
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
+            .count();
+    // One executable per batch shape; a changed topology within it (an attention split bucket
+    // crossed) is applied to that executable with cudaGraphExecUpdate.
+    const uint64_t batch_key = (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
     executor_->run(
-        topology_key(graph), [&](Launcher& l) { launch_graph(graph, buf, l); },
+        batch_key, [&](Launcher& l) { launch_graph(graph, buf, l); },
         [&](int i) {
           if (i < 0 || i >= static_cast<int>(nodes.size())) return std::string("?");
           return std::string(op_name(nodes[i]->op)) + " '" + nodes[i]->name + "' (node " +
@@ -603,11 +611,30 @@ class CudaBackend : public Backend {
             {"eager_evals", s.eager_evals},
             {"capture_ms_total", s.capture_ms_total},
             {"steps", s.steps},
-            {"host_us_total", s.host_us_total}};
+            {"host_us_total", s.host_us_total},
+            {"cached_graphs", double(executor_->cached_graphs())},
+            {"graph_pool_bytes", double(graph_pool_bytes())}};
   }
+  uint64_t graph_handle() const override {
+    cudaGraph_t g = executor_->current_graph();
+    if (!g) throw ArgumentError("no CUDA graph has been captured yet (cuda_graphs='off'?)");
+    return reinterpret_cast<uint64_t>(g);
+  }
+  void dump_graph(const std::string& path) const override { executor_->dump_dot(path); }
+  void debug_corrupt_next_patch() override { executor_->corrupt_next_patch(); }
   void reset_stats() override { executor_->reset_stats(); }
   void add_host_time(double microseconds) override {
     executor_->mutable_stats().host_us_total += microseconds;
+  }
+
+  size_t graph_pool_bytes() const {
+    uint64_t used = 0;
+    if (cudaDeviceGetGraphMemAttribute(device_, cudaGraphMemAttrUsedMemCurrent, &used) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return size_t(used);
   }
 
   void poison(uint8_t byte) {
