@@ -64,21 +64,45 @@ void GraphExecutor::instantiate(Entry& e) {
   stats_.instantiations += 1;
 }
 
-void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph) {
-  if (e.exec) {
+static void set_kernel_params(KernelLaunch& k, cudaKernelNodeParams* p, void** ptrs) {
+  k.fill_param_ptrs(ptrs);
+  *p = {};
+  p->func = const_cast<void*>(k.func);
+  p->gridDim = k.grid;
+  p->blockDim = k.block;
+  p->sharedMemBytes = static_cast<unsigned>(k.smem);
+  p->kernelParams = ptrs;
+}
+
+void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
+                                          std::vector<KernelLaunch>& launches,
+                                          std::vector<cudaGraphNode_t>& nodes) {
+  if (e.exec && e.launches.size() == launches.size()) {
     cudaGraphExecUpdateResultInfo info;
-    const cudaError_t err = cudaGraphExecUpdate(e.exec, graph, &info);
-    if (err == cudaSuccess) {
+    if (cudaGraphExecUpdate(e.exec, graph, &info) == cudaSuccess) {
       stats_.exec_updates += 1;
-      if (e.graph) cudaGraphDestroy(e.graph);
-      e.graph = graph;  // its nodes now name the executable's nodes
+      // The executable keeps the nodes it was instantiated from: later patches must name those,
+      // so the instantiation graph is brought in step and the new capture is dropped.
+      void* ptrs[KernelLaunch::kMaxArgs];
+      cudaKernelNodeParams p;
+      for (size_t i = 0; i < launches.size(); ++i) {
+        if (launches[i].same_shape(e.launches[i]) && launches[i].same_args(e.launches[i])) continue;
+        set_kernel_params(launches[i], &p, ptrs);
+        GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
+      }
+      cudaGraphDestroy(graph);
+      e.launches.swap(launches);
       return;
     }
     cudaGetLastError();  // a refused update is an ordinary outcome, not a sticky error
     stats_.update_failures += 1;
+  } else if (e.exec) {
+    stats_.update_failures += 1;  // a different number of kernels cannot be updated
   }
   release(e);
   e.graph = graph;
+  e.launches.swap(launches);
+  e.nodes.swap(nodes);
   instantiate(e);
 }
 
@@ -113,13 +137,8 @@ void GraphExecutor::patch(Entry& e, const std::function<std::string(int)>& node_
       applied.args[0] ^= 0x40;  // flips a bit of the first argument
       corrupt_next_patch_ = false;
     }
-    applied.fill_param_ptrs(ptrs);
-    cudaKernelNodeParams p = {};
-    p.func = const_cast<void*>(applied.func);
-    p.gridDim = applied.grid;
-    p.blockDim = applied.block;
-    p.sharedMemBytes = static_cast<unsigned>(applied.smem);
-    p.kernelParams = ptrs;
+    cudaKernelNodeParams p;
+    set_kernel_params(applied, &p, ptrs);
     GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
     // Keep the captured graph in step, so that what it shows is what runs.
     GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
@@ -183,8 +202,8 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   if (mode_ == GraphMode::Update) {
     Entry& e = entry_for(key);
     cudaGraph_t g = nullptr;
-    capture(launch_all, &g, &e.launches, &e.nodes);
-    update_or_instantiate(e, g);
+    capture(launch_all, &g, &captured_, &captured_nodes_);
+    update_or_instantiate(e, g, captured_, captured_nodes_);
     launch(e);
     return;
   }
@@ -200,8 +219,8 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     patch(e, node_names);
   } else {
     cudaGraph_t g = nullptr;
-    capture(launch_all, &g, &e.launches, &e.nodes);
-    update_or_instantiate(e, g);
+    capture(launch_all, &g, &captured_, &captured_nodes_);
+    update_or_instantiate(e, g, captured_, captured_nodes_);
   }
   if (debug_) check_nodes(e, node_names);
   launch(e);

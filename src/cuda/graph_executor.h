@@ -69,7 +69,9 @@ class GraphExecutor {
   void instantiate(Entry& e);
   void release(Entry& e);
   // Applies a freshly captured graph to an entry's executable; instantiates anew if refused.
-  void update_or_instantiate(Entry& e, cudaGraph_t graph);
+  // Takes the capture's launches and nodes (swapped out of the arguments).
+  void update_or_instantiate(Entry& e, cudaGraph_t graph, std::vector<KernelLaunch>& launches,
+                             std::vector<cudaGraphNode_t>& nodes);
   void patch(Entry& e, const std::function<std::string(int)>& node_names);
   void check_nodes(const Entry& e, const std::function<std::string(int)>& node_names) const;
   void launch(Entry& e);
@@ -84,6 +86,8 @@ class GraphExecutor {
   Entry* current_ = nullptr;
   uint64_t clock_ = 0;
   std::vector<KernelLaunch> recorded_;  // this step's launches, reused between steps
+  std::vector<KernelLaunch> captured_;  // a fresh capture's launches and nodes
+  std::vector<cudaGraphNode_t> captured_nodes_;
   static constexpr size_t kMaxCached = 8;
 };
 

@@ -45,3 +45,9 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models):
     return tiny_models["Q4_1"]
+
+
+def cuda_available():
+    import ggraph
+
+    return ggraph.build_info()["cuda_compiled"] and bool(ggraph.devices())

@@ -84,76 +84,67 @@ def test_counters_follow_each_mode(smol_shape):
             assert s["instantiations"] + s["exec_updates"] <= s["captures"]
 
 
-def test_graph_read_with_cuda_python_holds_the_patched_arguments(smol_shape):
-    cudart = pytest.importorskip("cuda.bindings.runtime")
-
-    def kernel_args(handle):
-        graph = cudart.cudaGraph_t(init_value=handle)
-        err, _, count = cudart.cudaGraphGetNodes(graph, numNodes=0)
-        assert err == cudart.cudaError_t.cudaSuccess
-        err, nodes, count = cudart.cudaGraphGetNodes(graph, numNodes=count)
-        assert err == cudart.cudaError_t.cudaSuccess
-        params = {}
-        for node in nodes:
-            err, kind = cudart.cudaGraphNodeGetType(node)
-            if kind != cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel:
-                continue
-            err, p = cudart.cudaGraphKernelNodeGetParams(node)
-            assert err == cudart.cudaError_t.cudaSuccess
-            params[int(node)] = (int(p.func), (p.gridDim.x, p.gridDim.y, p.gridDim.z))
-        return params, nodes
-
-    m = ggraph.Model(smol_shape, device="cuda", n_ctx=1024, cuda_graphs="patch")
-    m.eval([1, 2, 3, 4])
-    m.eval([5])
-    before, nodes = kernel_args(m.cuda_graph_handle())
-    assert len(before) >= 30 * 8, "fewer kernel nodes than the model has ops"
-    raw_before = {int(n): _raw_args(cudart, n) for n in nodes}
-    m.eval([6])
-    after, nodes_after = kernel_args(m.cuda_graph_handle())
-    assert after.keys() == before.keys(), "patching must not add or remove nodes"
-    raw_after = {int(n): _raw_args(cudart, n) for n in nodes_after}
-    changed = [k for k in raw_before if raw_before[k] != raw_after[k]]
-    # The KV row written, the attention length and the first position each advance by one.
-    assert 0 < len(changed) < len(before) // 2
-    for k in changed:
-        diffs = _int_diffs(raw_before[k], raw_after[k])
-        assert diffs and all(d == 1 for d in diffs), f"node {k}: argument changes {diffs}"
-
-
-def _raw_args(cudart, node):
-    """A kernel node's arguments as read back from the graph: (size, bytes) per argument, the
-    sizes from the driver's description of the kernel's parameters."""
+def _kernel_nodes(drv, handle):
+    """{node: (function, grid, argument bytes)} for every kernel node of a graph, read through
+    the CUDA driver API (shared by every runtime in the process)."""
     import ctypes
 
-    drv = pytest.importorskip("cuda.bindings.driver")
-    err, p = cudart.cudaGraphKernelNodeGetParams(node)
-    assert err == cudart.cudaError_t.cudaSuccess
-    err, func = cudart.cudaGetFuncBySymbol(p.func)
-    assert err == cudart.cudaError_t.cudaSuccess
-    if not hasattr(drv, "cuFuncGetParamInfo"):
-        pytest.skip("this cuda-python has no cuFuncGetParamInfo")
-    arr = ctypes.cast(int(p.kernelParams), ctypes.POINTER(ctypes.c_void_p))
-    values = []
-    for i in range(64):
-        err, _, size = drv.cuFuncGetParamInfo(drv.CUfunction(int(func)), i)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            break
-        values.append(ctypes.string_at(arr[i], size))
-    return values
+    graph = drv.CUgraph(handle)
+    err, _, count = drv.cuGraphGetNodes(graph, numNodes=0)
+    assert err == drv.CUresult.CUDA_SUCCESS, err
+    err, nodes, count = drv.cuGraphGetNodes(graph, numNodes=count)
+    assert err == drv.CUresult.CUDA_SUCCESS, err
+    out = {}
+    for node in nodes:
+        err, kind = drv.cuGraphNodeGetType(node)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        if kind != drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            continue
+        err, p = drv.cuGraphKernelNodeGetParams(node)
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        arr = ctypes.cast(int(p.kernelParams), ctypes.POINTER(ctypes.c_void_p))
+        args = []
+        for i in range(64):
+            err, _, size = drv.cuFuncGetParamInfo(p.func, i)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                break
+            args.append(ctypes.string_at(arr[i], size))
+        out[int(node)] = (int(p.func), (p.gridDimX, p.gridDimY, p.gridDimZ), args)
+    return out
 
 
 def _int_diffs(before, after):
-    """Differences of the 32-bit integer arguments that changed."""
+    """Differences of the 32-bit integer arguments that changed (None if another kind did)."""
     out = []
     for a, b in zip(before, after):
         if a != b:
             if len(a) != 4:
-                return None  # a pointer or wider value changed: not a KV parameter
-            out.append(
-                int.from_bytes(b, "little", signed=True) - int.from_bytes(a, "little", signed=True)
-            )
+                return None
+            old = int.from_bytes(a, "little", signed=True)
+            out.append(int.from_bytes(b, "little", signed=True) - old)
     return out
+
+
+def test_graph_read_with_cuda_python_holds_the_patched_arguments(smol_shape):
+    drv = pytest.importorskip("cuda.bindings.driver")
+    if not hasattr(drv, "cuFuncGetParamInfo"):
+        pytest.skip("this cuda-python has no cuFuncGetParamInfo")
+    m = ggraph.Model(smol_shape, device="cuda", n_ctx=1024, cuda_graphs="patch")
+    m.eval([1, 2, 3, 4])
+    m.eval([5])
+    before = _kernel_nodes(drv, m.cuda_graph_handle())
+    assert len(before) >= 30 * 8, "fewer kernel nodes than the model has ops"
+    m.eval([6])
+    after = _kernel_nodes(drv, m.cuda_graph_handle())
+    assert after.keys() == before.keys(), "patching must not add or remove nodes"
+    changed = [k for k in before if before[k] != after[k]]
+    # Only KV-position arguments move: the cache row written, the attention length and the
+    # first query position, each by one; functions, grids and pointers stay.
+    assert 0 < len(changed) < len(before) // 2
+    for k in changed:
+        assert before[k][:2] == after[k][:2], f"node {k}: function or grid changed"
+        diffs = _int_diffs(before[k][2], after[k][2])
+        assert diffs and all(d == 1 for d in diffs), f"node {k}: argument changes {diffs}"
 
 
 def test_debug_mode_passes_and_catches_a_corrupted_patch(smol_shape, monkeypatch):
