@@ -38,8 +38,8 @@ class Backend {
   virtual void add_host_time(double microseconds) {}
 
   // CUDA graph inspection; other backends refuse.
-  virtual uint64_t graph_handle() const { throw ArgumentError(name() + " has no CUDA graph"); }
-  virtual void dump_graph(const std::string& path) const {
+  virtual uint64_t graph_handle() { throw ArgumentError(name() + " has no CUDA graph"); }
+  virtual void dump_graph(const std::string& path) {
     throw ArgumentError(name() + " has no CUDA graph");
   }
   virtual void debug_corrupt_next_patch() { throw ArgumentError(name() + " has no CUDA graph"); }

@@ -263,6 +263,20 @@ PYBIND11_MODULE(_core, m) {
       py::arg("penalty_last_n") = 64, py::arg("seed") = py::none(),
       py::arg("history") = py::none());
 
+  // Validation as a plain function: the Python side checks parameters before constructing,
+  // so that a bad value is reported without unwinding through a constructor.
+  m.def(
+      "validate_sampling",
+      [](float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
+         float frequency_penalty, float presence_penalty, int penalty_last_n, py::object seed) {
+        sampling_params(temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
+                        presence_penalty, penalty_last_n, seed);
+      },
+      py::arg("temperature") = 0.8f, py::arg("top_k") = 40, py::arg("top_p") = 0.95f,
+      py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
+      py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
+      py::arg("penalty_last_n") = 64, py::arg("seed") = py::none());
+
   py::class_<Sampler>(m, "Sampler")
       .def(py::init([](float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
                        float frequency_penalty, float presence_penalty, int penalty_last_n,

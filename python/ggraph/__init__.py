@@ -5,9 +5,9 @@
 >>> for piece in m.generate("Once upon a time", max_tokens=32): print(piece, end="")
 """
 
-from ggraph._core import DeviceError, GGUFError, Sampler, Tokenizer, build_info, devices
+from ggraph._core import DeviceError, GGUFError, Tokenizer, build_info, devices
 from ggraph._core import read_metadata as _read_metadata
-from ggraph.model import Model, default_model_path, sample
+from ggraph.model import Model, default_model_path, make_sampler, sample
 
 __version__ = build_info()["version"]
 
@@ -15,7 +15,7 @@ __all__ = [
     "DeviceError",
     "GGUFError",
     "Model",
-    "Sampler",
+    "make_sampler",
     "Tokenizer",
     "build_info",
     "c_include_dir",

@@ -71,6 +71,9 @@ def run_bench(
             steps = stats.get("steps", 0)
             if name.startswith("tg") and steps:
                 row["host_us_per_step"] = stats.get("host_us_total", 0.0) / steps
+                for part in ("build", "record", "patch"):
+                    row[f"{part}_us_per_step"] = stats.get(f"{part}_us_total", 0.0) / steps
+                row["patched_nodes_per_step"] = stats.get("kernel_nodes_patched", 0.0) / steps
             rows.append(row)
         del model
         if not device.startswith("cuda") and device != "auto":

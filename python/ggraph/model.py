@@ -40,7 +40,15 @@ def default_model_path() -> str:
 def sample(logits, *, history=None, **params) -> int:
     """Samples one token id from a logits vector (see Model.sample for the parameters)."""
     _check_keys(params)
+    _core.validate_sampling(**params)
     return _core.sample(np.asarray(logits, dtype=np.float32), history=history, **params)
+
+
+def make_sampler(**params) -> _core.Sampler:
+    """A sampler whose random stream continues across calls (see Model.sample's parameters)."""
+    _check_keys(params)
+    _core.validate_sampling(**params)
+    return _core.Sampler(**params)
 
 
 def _check_keys(params):
@@ -162,6 +170,7 @@ class Model:
             if self._last_logits is None:
                 raise ValueError("sample: no logits yet; call eval first or pass logits")
             logits = self._last_logits
+        _core.validate_sampling(**params)
         return _core.sample(np.asarray(logits, dtype=np.float32), history=self._tokens, **params)
 
     # -- text --------------------------------------------------------------------------------
@@ -214,7 +223,7 @@ class Model:
             raise ValueError(
                 f"generate: the prompt has {len(ids)} tokens; the context holds {self.n_ctx}"
             )
-        sampler = _core.Sampler(**sampling)
+        sampler = make_sampler(**sampling)
         return self._generate(ids, max_tokens, stops, sampler)
 
     def _generate(self, ids, max_tokens, stops, sampler) -> Iterator[str]:

@@ -612,19 +612,23 @@ class CudaBackend : public Backend {
             {"capture_ms_total", s.capture_ms_total},
             {"steps", s.steps},
             {"host_us_total", s.host_us_total},
+            {"build_us_total", s.build_us_total},
+            {"record_us_total", s.record_us_total},
+            {"patch_us_total", s.patch_us_total},
             {"cached_graphs", double(executor_->cached_graphs())},
             {"graph_pool_bytes", double(graph_pool_bytes())}};
   }
-  uint64_t graph_handle() const override {
+  uint64_t graph_handle() override {
     cudaGraph_t g = executor_->current_graph();
     if (!g) throw ArgumentError("no CUDA graph has been captured yet (cuda_graphs='off'?)");
     return reinterpret_cast<uint64_t>(g);
   }
-  void dump_graph(const std::string& path) const override { executor_->dump_dot(path); }
+  void dump_graph(const std::string& path) override { executor_->dump_dot(path); }
   void debug_corrupt_next_patch() override { executor_->corrupt_next_patch(); }
   void reset_stats() override { executor_->reset_stats(); }
   void add_host_time(double microseconds) override {
     executor_->mutable_stats().host_us_total += microseconds;
+    executor_->mutable_stats().build_us_total += microseconds;
   }
 
   size_t graph_pool_bytes() const {

@@ -82,14 +82,10 @@ void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
     if (cudaGraphExecUpdate(e.exec, graph, &info) == cudaSuccess) {
       stats_.exec_updates += 1;
       // The executable keeps the nodes it was instantiated from: later patches must name those,
-      // so the instantiation graph is brought in step and the new capture is dropped.
-      void* ptrs[KernelLaunch::kMaxArgs];
-      cudaKernelNodeParams p;
-      for (size_t i = 0; i < launches.size(); ++i) {
-        if (launches[i].same_shape(e.launches[i]) && launches[i].same_args(e.launches[i])) continue;
-        set_kernel_params(launches[i], &p, ptrs);
-        GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
-      }
+      // so the new capture is dropped and the instantiation graph marked for catching up.
+      for (size_t i = 0; i < launches.size(); ++i)
+        if (!launches[i].same_shape(e.launches[i]) || !launches[i].same_args(e.launches[i]))
+          e.stale[i] = 1;
       cudaGraphDestroy(graph);
       e.launches.swap(launches);
       return;
@@ -103,7 +99,26 @@ void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
   e.graph = graph;
   e.launches.swap(launches);
   e.nodes.swap(nodes);
+  e.stale.assign(e.nodes.size(), 0);
   instantiate(e);
+}
+
+void GraphExecutor::sync_graph(Entry& e) {
+  // Keeps the captured graph in step with the executable, so that what it shows is what runs.
+  void* ptrs[KernelLaunch::kMaxArgs];
+  cudaKernelNodeParams p;
+  for (size_t i = 0; i < e.stale.size(); ++i) {
+    if (!e.stale[i]) continue;
+    set_kernel_params(e.launches[i], &p, ptrs);
+    GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
+    e.stale[i] = 0;
+  }
+}
+
+cudaGraph_t GraphExecutor::current_graph() {
+  if (!current_ || !current_->graph) return nullptr;
+  sync_graph(*current_);
+  return current_->graph;
 }
 
 GraphExecutor::Entry& GraphExecutor::entry_for(uint64_t key) {
@@ -140,9 +155,8 @@ void GraphExecutor::patch(Entry& e, const std::function<std::string(int)>& node_
     cudaKernelNodeParams p;
     set_kernel_params(applied, &p, ptrs);
     GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
-    // Keep the captured graph in step, so that what it shows is what runs.
-    GGRAPH_CUDA_CHECK(cudaGraphKernelNodeSetParams(e.nodes[i], &p));
-    e.launches[i] = want;
+    e.launches[i] = applied;
+    e.stale[i] = 1;  // the captured graph catches up when someone looks at it
     stats_.kernel_nodes_patched += 1;
   }
 }
@@ -195,6 +209,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     Entry& e = entry_for(key);
     release(e);
     capture(launch_all, &e.graph, &e.launches, &e.nodes);
+    e.stale.assign(e.nodes.size(), 0);
     instantiate(e);
     launch(e);
     return;
@@ -208,29 +223,36 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     return;
   }
   // Patch: find out what this step launches without launching it.
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   recorded_.clear();
   Launcher L;
   L.stream = stream_;
   L.execute = false;
   L.record = &recorded_;
   launch_all(L);
+  const auto t1 = Clock::now();
+  stats_.record_us_total += std::chrono::duration<double, std::micro>(t1 - t0).count();
   Entry& e = entry_for(key);
   if (e.exec && same_topology(recorded_, e.launches)) {
     patch(e, node_names);
+    stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t1).count();
   } else {
     cudaGraph_t g = nullptr;
     capture(launch_all, &g, &captured_, &captured_nodes_);
     update_or_instantiate(e, g, captured_, captured_nodes_);
   }
-  if (debug_) check_nodes(e, node_names);
+  if (debug_) {
+    sync_graph(e);
+    check_nodes(e, node_names);
+  }
   launch(e);
 }
 
-void GraphExecutor::dump_dot(const std::string& path) const {
-  if (!current_ || !current_->graph)
-    throw ArgumentError("dump_cuda_graph: no CUDA graph has been captured yet");
-  GGRAPH_CUDA_CHECK(
-      cudaGraphDebugDotPrint(current_->graph, path.c_str(), cudaGraphDebugDotFlagsVerbose));
+void GraphExecutor::dump_dot(const std::string& path) {
+  cudaGraph_t g = current_graph();
+  if (!g) throw ArgumentError("dump_cuda_graph: no CUDA graph has been captured yet");
+  GGRAPH_CUDA_CHECK(cudaGraphDebugDotPrint(g, path.c_str(), cudaGraphDebugDotFlagsVerbose));
 }
 
 }  // namespace ggraph::cuda

@@ -25,6 +25,9 @@ struct GraphStats {
   double kernel_nodes_patched = 0, replays = 0, eager_evals = 0;
   double capture_ms_total = 0;
   double steps = 0, host_us_total = 0;
+  // Where patch mode's host time goes: graph build and planning (reported by the caller),
+  // the record pass over the step's launches, and the node patches.
+  double build_us_total = 0, record_us_total = 0, patch_us_total = 0;
 };
 
 class GraphExecutor {
@@ -47,9 +50,10 @@ class GraphExecutor {
   void reset_stats() { stats_ = GraphStats(); }
   GraphStats& mutable_stats() { return stats_; }
   size_t cached_graphs() const { return cache_.size(); }
-  // The graph behind the executable that ran last (nullptr before any capture).
-  cudaGraph_t current_graph() const { return current_ ? current_->graph : nullptr; }
-  void dump_dot(const std::string& path) const;
+  // The graph behind the executable that ran last (nullptr before any capture), brought in
+  // step with every patch applied to the executable.
+  cudaGraph_t current_graph();
+  void dump_dot(const std::string& path);
   // Testing hook: the next patch writes a wrong value, which debug mode must catch.
   void corrupt_next_patch() { corrupt_next_patch_ = true; }
 
@@ -59,6 +63,7 @@ class GraphExecutor {
     cudaGraphExec_t exec = nullptr;
     std::vector<KernelLaunch> launches;
     std::vector<cudaGraphNode_t> nodes;
+    std::vector<uint8_t> stale;  // node's parameters in `graph` lag behind the executable's
     uint64_t last_used = 0;
   };
 
@@ -73,6 +78,7 @@ class GraphExecutor {
   void update_or_instantiate(Entry& e, cudaGraph_t graph, std::vector<KernelLaunch>& launches,
                              std::vector<cudaGraphNode_t>& nodes);
   void patch(Entry& e, const std::function<std::string(int)>& node_names);
+  void sync_graph(Entry& e);
   void check_nodes(const Entry& e, const std::function<std::string(int)>& node_names) const;
   void launch(Entry& e);
   Entry& entry_for(uint64_t key);
