@@ -362,16 +362,28 @@ struct QuantTile {
       for (int p = 0; p < full; ++p) pair_step<NR, NC, true>(st, rows, cols, b0 + 2 * p, p);
       if (n % 2) pair_step<NR, NC, false>(st, rows, cols, b0 + 2 * full, full);
       if (Format<F>::kMin) {
-        // sum over blocks of m * s, in the odd lanes of the same products as the scales.
+        // Sum over blocks of m * s, in the odd lanes of the same products as the scales; the
+        // NR x NC sums advance together so that their additions overlap.
+        __m256 m[NR][NC];
+#pragma GCC unroll 8
         for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) m[r][c] = _mm256_load_ps(st.acc_min[r][c]);
+        }
+        for (int g = 0; g < groups; ++g) {
+#pragma GCC unroll 8
           for (int c = 0; c < NC; ++c) {
-            __m256 m = _mm256_load_ps(st.acc_min[r][c]);
-            for (int g = 0; g < groups; ++g) {
-              const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
-              m = _mm256_add_ps(m, materialize(_mm256_mul_ps(st.dm[r][g], da)));
+            const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; ++r) {
+              m[r][c] = _mm256_add_ps(m[r][c], materialize(_mm256_mul_ps(st.dm[r][g], da)));
             }
-            _mm256_store_ps(st.acc_min[r][c], m);
           }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) _mm256_store_ps(st.acc_min[r][c], m[r][c]);
         }
       }
     }
@@ -471,6 +483,8 @@ using MatVec = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, float*,
 // Register tiles: kMatVecRows rows for one column (memory-bound), kRows x kCols otherwise.
 template <typename K, int kRows, int kCols, int kMatVecRows>
 struct Tiler {
+  static constexpr size_t kMinStreamGap = 65536;  // bytes between the parts read side by side
+
   struct Table {
     Micro tiles[kRows][kCols];
     MatVec matvec[kMatVecRows];
@@ -497,7 +511,10 @@ struct Tiler {
       // kMatVecRows rows at a time from as many distant parts of the range, each part read in
       // order: one sequential stream per part keeps the hardware prefetcher effective, where
       // neighbouring rows read side by side would not.
-      const int per = n_rows / kMatVecRows;
+      // Parts closer than a few pages make interleaved streams again: then go row by row.
+      const int per = static_cast<size_t>(n_rows / kMatVecRows) * w_stride >= kMinStreamGap
+                          ? n_rows / kMatVecRows
+                          : 0;
       for (int i = 0; i < per; ++i) {
         table.matvec[kMatVecRows - 1](k, w + i * w_stride, per * w_stride, act, out + i, per);
       }
