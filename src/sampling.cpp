@@ -3,22 +3,36 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
-#include <sstream>
 #include <string>
+#include <type_traits>
 
 namespace ggraph {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// Messages are formatted with snprintf, not iostreams: a Python process may have loaded an
+// older libstdc++ than the one the extension was built with, and its stream formatting of
+// floating-point values is where such a mismatch shows.
+std::string format_value(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+std::string format_value(long long v) { return std::to_string(v); }
+std::string format_value(unsigned long long v) { return std::to_string(v); }
+
 template <typename T>
 [[noreturn]] void invalid(const char* name, const char* range, T value) {
-  std::ostringstream msg;
-  msg << "sampling: " << name << " must be " << range << ", got " << value;
-  throw ArgumentError(msg.str());
+  using Wide = std::conditional_t<
+      std::is_floating_point<T>::value, double,
+      std::conditional_t<std::is_signed<T>::value, long long, unsigned long long>>;
+  throw ArgumentError(std::string("sampling: ") + name + " must be " + range + ", got " +
+                      format_value(static_cast<Wide>(value)));
 }
 
 uint64_t splitmix64(uint64_t* state) {
@@ -225,10 +239,9 @@ void Sampler::apply_penalties(float* logits, int32_t n_vocab, const int32_t* his
   // Check every id before counting, so that an error leaves counts_ all zero.
   for (size_t i = 0; i < window; ++i) {
     if (recent[i] < 0 || recent[i] >= n_vocab) {
-      std::ostringstream msg;
-      msg << "sampling: history token at position " << (n_history - window + i)
-          << " must be in [0, " << n_vocab << "), got " << recent[i];
-      throw ArgumentError(msg.str());
+      throw ArgumentError("sampling: history token at position " +
+                          std::to_string(n_history - window + i) + " must be in [0, " +
+                          std::to_string(n_vocab) + "), got " + std::to_string(recent[i]));
     }
   }
   reserve(n_vocab);
@@ -461,9 +474,8 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
   apply_penalties(work, n_vocab, history, n_history);
   float max_logit = max_of(work, n_all);
   if (!(max_logit > -kInf)) {
-    std::ostringstream msg;
-    msg << "sampling: expected a logit above -inf, got " << n_vocab << " logits all NaN or -inf";
-    throw ArgumentError(msg.str());
+    throw ArgumentError("sampling: expected a logit above -inf, got " + std::to_string(n_vocab) +
+                        " logits all NaN or -inf");
   }
   const SamplingParams& p = params_;
   if (p.temperature == 0.0f || p.top_k == 1) {
