@@ -100,10 +100,11 @@ void prepare_act(DType weight_type, const float* x, void* dst, int64_t n);
 // whatever the tile shape or thread split. Throws ArgumentError for a type that is not computable
 // or a k that is not a multiple of its block size.
 // Shapes that run fastest:
-// - one column (decode): give each thread all of its rows in one call, or chunks of 64+ rows;
-//   the weights stream from memory once.
-// - several columns (prompt): 16 to 64 rows by 4 to 8 columns (multiples of 4 are best), with
-//   consecutive calls on the same rows so that the rows stay in L1/L2 across column tiles.
+// - one column (decode, memory-bound): give each thread its whole share of rows in one call. The
+//   kernel reads a large share as a few sequential streams from distant parts of it, which
+//   reaches memory bandwidth; neighbouring rows read side by side, or many small calls, do not.
+// - several columns (prompt, compute-bound): 16 to 64 rows by 4 or 8 columns, with consecutive
+//   calls on the same rows so that the rows stay in L1/L2 across column tiles.
 void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, int n_rows,
                   const void* act, size_t act_stride, int n_cols, float* out, size_t out_stride);
 
