@@ -105,11 +105,22 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();
-    Graph graph;
-    Batch b;
-    build(graph, b, chunk, n_out, n_past);
+    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out) {
+      step_graph_->shift_kv(n_past - step_n_past_);
+      std::iota(in_positions_.begin(), in_positions_.end(), n_past);
+    } else {
+      step_graph_.reset();  // a failed build must not leave a half-made graph behind
+      auto graph = std::make_unique<Graph>();
+      Batch b;
+      build(*graph, b, chunk, n_out, n_past);
+      plan(*graph);
+      step_graph_ = std::move(graph);
+      step_tokens_ = chunk;
+      step_outputs_ = n_out;
+    }
+    step_n_past_ = n_past;
     std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
-    plan(graph);
+    const Graph& graph = *step_graph_;
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     // Earlier chunks only fill the KV cache; their logit row is overwritten by the last.

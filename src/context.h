@@ -64,6 +64,10 @@ class Context {
   int n_past_ = 0;
   std::string device_;
   std::vector<int32_t> in_tokens_, in_positions_, in_out_ids_;
+  // The last step's planned graph: a step of the same batch shape reuses it, shifted to the
+  // new position, instead of building and planning again.
+  std::unique_ptr<Graph> step_graph_;
+  int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
 };
 
 }  // namespace ggraph

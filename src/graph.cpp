@@ -175,6 +175,13 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   return t;
 }
 
+void Graph::shift_kv(int32_t delta) {
+  for (Tensor* t : nodes_) {
+    const int slots = t->op == Op::KvStore ? 1 : t->op == Op::Attention ? 2 : 0;
+    for (int i = 0; i < slots; ++i) t->kv[i] += delta;
+  }
+}
+
 Tensor* Graph::swiglu(Tensor* gate, Tensor* up) {
   require(gate->ne[0] == up->ne[0] && gate->ne[1] == up->ne[1], "swiglu", "shapes differ");
   Tensor* t = new_tensor(Op::Swiglu, DType::F32, gate->ne[0], gate->ne[1], "swiglu");

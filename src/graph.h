@@ -93,6 +93,10 @@ class Graph {
                     int head_dim, float scale, int32_t n_kv, int32_t first_pos);
   Tensor* swiglu(Tensor* gate, Tensor* up);
 
+  // Moves every KV-position parameter by delta: the graph of one step, shifted, is the graph of
+  // the step `delta` positions later with the same batch shape (what Tensor::kv means).
+  void shift_kv(int32_t delta);
+
   void set_output(Tensor* t) { output_ = t; }
   Tensor* output() const { return output_; }
   const std::vector<Tensor*>& nodes() const { return nodes_; }  // every tensor, in build order
