@@ -216,7 +216,20 @@ class CpuBackend final : public Backend {
     float* out = f32(t);
     const uint8_t* wd = ptr(w);
     const size_t w_stride = w->nb[1];
-    constexpr int64_t kRows = 16, kCols = 4;
+    if (n_cols == 1) {
+      // Memory-bound mat-vec: each thread streams its whole share of rows in one call.
+      const int n_tasks = int(std::min<int64_t>(pool_.size(), (n_rows + 15) / 16));
+      const int64_t per = (n_rows + n_tasks - 1) / n_tasks;
+      std::function<void(int)> body = [&](int task) {
+        const int64_t r0 = task * per, r1 = std::min(n_rows, r0 + per);
+        if (r0 < r1)
+          mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, int(r1 - r0), act, act_row, 1, out + r0,
+                       size_t(n_rows));
+      };
+      pool_.parallel_for(n_tasks, body);
+      return;
+    }
+    constexpr int64_t kRows = 64, kCols = 8;
     const int64_t row_tiles = (n_rows + kRows - 1) / kRows;
     const int64_t col_tiles = (n_cols + kCols - 1) / kCols;
     // Consecutive tasks share weight rows, so a tile of weights stays in cache across columns.
