@@ -35,10 +35,13 @@ struct KernelLaunch {
   size_t smem = 0;
   int node = -1;  // index of the graph node that launched it
   int n_args = 0;
-  uint16_t arg_offset[kMaxArgs] = {};
-  uint16_t arg_size[kMaxArgs] = {};
-  alignas(16) uint8_t args[kMaxArgBytes] = {};  // each argument at an 8-byte aligned offset
-  int arg_bytes = 0;
+  int arg_bytes = 0;  // only the first n_args / arg_bytes entries below are meaningful
+  uint16_t arg_offset[kMaxArgs];
+  uint16_t arg_size[kMaxArgs];
+  alignas(16) uint8_t args[kMaxArgBytes];  // each argument at an 8-byte aligned offset
+
+  // User-provided so that recording a launch does not zero the whole record first.
+  KernelLaunch() {}
 
   // Pointers for cudaKernelNodeParams::kernelParams; valid while this object is unchanged.
   void fill_param_ptrs(void** out) {
@@ -86,16 +89,19 @@ class Launcher {
       k.smem = smem;
       k.node = node;
       k.n_args = int(sizeof...(I));
-      const size_t sizes[sizeof...(I) + 1] = {sizeof(std::get<I>(values))...};
+      constexpr size_t sizes[sizeof...(I) + 1] = {sizeof(std::tuple_element_t<I, Tuple>)...};
       int total = 0;
       for (size_t i = 0; i < sizeof...(I); ++i) {
-        if (total + sizes[i] > size_t(KernelLaunch::kMaxArgBytes))
-          throw std::logic_error("kernel arguments exceed KernelLaunch::kMaxArgBytes");
         k.arg_offset[i] = uint16_t(total);
         k.arg_size[i] = uint16_t(sizes[i]);
-        std::memcpy(k.args + total, ptrs[i], sizes[i]);
         total += int((sizes[i] + 7) / 8 * 8);
       }
+      if (total > KernelLaunch::kMaxArgBytes)
+        throw std::logic_error("kernel arguments exceed KernelLaunch::kMaxArgBytes");
+      // Zero the argument bytes first: padding between arguments is compared too.
+      std::memset(k.args, 0, size_t(total));
+      for (size_t i = 0; i < sizeof...(I); ++i)
+        std::memcpy(k.args + k.arg_offset[i], ptrs[i], sizes[i]);
       k.arg_bytes = total;
     }
     if (execute) {
