@@ -29,20 +29,17 @@ def cmd_generate(args):
     model = _load(args)
     ids = model.tokenize(args.prompt)
     t0 = time.perf_counter()
-    model._prefill(ids)
+    model.eval(ids)  # the prompt, timed on its own; generate() finds it in the cache
     t_prompt = time.perf_counter() - t0
-    n_gen = 0
-    t1 = time.perf_counter()
-    gen = model.generate(ids, max_tokens=args.n_predict, stop=args.stop, **_sampling(args))
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    before = model.n_past
-    for piece in gen:
+    t1 = time.perf_counter()
+    for piece in model.generate(ids, max_tokens=args.n_predict, stop=args.stop, **_sampling(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
-    n_gen = model.n_past - before + (1 if model.stop_reason in ("length", "context_full") else 0)
     t_gen = time.perf_counter() - t1
     sys.stdout.write("\n")
+    n_gen = model.n_generated
     print(
         f"[{model.device}] prompt: {len(ids)} tokens, {len(ids) / t_prompt:.1f} tokens/s | "
         f"generated: {n_gen} tokens, {n_gen / max(t_gen, 1e-9):.1f} tokens/s | "

@@ -101,6 +101,7 @@ class Model:
         self._tokens: list[int] = []  # what the KV cache holds
         self._last_logits: np.ndarray | None = None
         self.stop_reason: str | None = None
+        self.n_generated = 0  # tokens sampled by the last generate/chat
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -228,6 +229,7 @@ class Model:
 
     def _generate(self, ids, max_tokens, stops, sampler) -> Iterator[str]:
         self.stop_reason = None
+        self.n_generated = 0
         self._prefill(ids)
         decoder = self._ctx.decode_stream()
         pending = ""  # text held back while it could be the start of a stop string
@@ -237,6 +239,7 @@ class Model:
                 self.stop_reason = "length"
                 break
             tok = sampler.sample(self._last_logits, self._tokens)
+            self.n_generated += 1
             if self._ctx.is_end_of_generation(tok):
                 self.stop_reason = "eos"
                 break
