@@ -125,6 +125,41 @@ SamplingParams sampling_params(float temperature, int top_k, float top_p, float 
   return p;
 }
 
+// Text methods shared by Tokenizer and Context (whose tokenizer is loaded on first use).
+template <typename Cls, typename GetTokenizer>
+void bind_text(Cls& cls, GetTokenizer tok) {
+  using T = typename Cls::type;
+  cls.def(
+         "tokenize",
+         [tok](const T& o, const std::string& text, py::object add_bos, bool special) {
+           return tokenize(tok(o), text, add_bos, special);
+         },
+         py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
+      .def(
+          "detokenize",
+          [tok](const T& o, const py::handle& ids, bool render_special) {
+            return utf8(detokenize(tok(o), ids, render_special));
+          },
+          py::arg("ids"), py::arg("render_special") = false)
+      .def(
+          "token_to_piece",
+          [tok](const T& o, int32_t id, bool render_special) {
+            const Tokenizer& t = tok(o);
+            if (id < 0 || id >= t.n_vocab())
+              throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
+                                  std::to_string(t.n_vocab()) + ")");
+            return py::bytes(t.token_to_piece(id, render_special));
+          },
+          py::arg("id"), py::arg("render_special") = false)
+      .def(
+          "decode_stream", [tok](const T& o) { return std::make_unique<StreamDecoder>(tok(o)); },
+          py::keep_alive<0, 1>())
+      .def_property_readonly("bos_id", [tok](const T& o) { return tok(o).bos_id(); })
+      .def_property_readonly("eos_id", [tok](const T& o) { return tok(o).eos_id(); })
+      .def("is_end_of_generation",
+           [tok](const T& o, int32_t id) { return tok(o).is_end_of_generation(id); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -204,38 +239,10 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("path"), "Reads a GGUF file's metadata and tensor table without loading weights.");
 
-  py::class_<PyTokenizer>(m, "Tokenizer")
-      .def(py::init<const std::string&>(), py::arg("path"))
-      .def(
-          "tokenize",
-          [](const PyTokenizer& t, const std::string& text, py::object add_bos, bool special) {
-            return tokenize(t.get(), text, add_bos, special);
-          },
-          py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
-      .def(
-          "detokenize",
-          [](const PyTokenizer& t, const py::handle& ids, bool render_special) {
-            return utf8(detokenize(t.get(), ids, render_special));
-          },
-          py::arg("ids"), py::arg("render_special") = false)
-      .def(
-          "token_to_piece",
-          [](const PyTokenizer& t, int32_t id, bool render_special) {
-            if (id < 0 || id >= t.get().n_vocab())
-              throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
-                                  std::to_string(t.get().n_vocab()) + ")");
-            return py::bytes(t.get().token_to_piece(id, render_special));
-          },
-          py::arg("id"), py::arg("render_special") = false)
-      .def(
-          "decode_stream",
-          [](const PyTokenizer& t) { return std::make_unique<StreamDecoder>(t.get()); },
-          py::keep_alive<0, 1>())
-      .def_property_readonly("n_vocab", [](const PyTokenizer& t) { return t.get().n_vocab(); })
-      .def_property_readonly("bos_id", [](const PyTokenizer& t) { return t.get().bos_id(); })
-      .def_property_readonly("eos_id", [](const PyTokenizer& t) { return t.get().eos_id(); })
-      .def("is_end_of_generation",
-           [](const PyTokenizer& t, int32_t id) { return t.get().is_end_of_generation(id); });
+  py::class_<PyTokenizer> tokenizer(m, "Tokenizer");
+  tokenizer.def(py::init<const std::string&>(), py::arg("path"))
+      .def_property_readonly("n_vocab", [](const PyTokenizer& t) { return t.get().n_vocab(); });
+  bind_text(tokenizer, [](const PyTokenizer& t) -> const Tokenizer& { return t.get(); });
 
   py::class_<StreamDecoder>(m, "StreamDecoder")
       .def("push", [](StreamDecoder& d, int32_t id) { return utf8(d.push(id)); })
@@ -300,7 +307,8 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
 
-  py::class_<Context>(m, "Context")
+  py::class_<Context> context(m, "Context");
+  context
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
                        int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug) {
              ContextOptions o;
@@ -344,30 +352,11 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_layer", [](const Context& c) { return c.model().n_layer; })
       .def_property_readonly("weight_bytes",
                              [](const Context& c) { return c.model().weight_bytes; })
-      .def(
-          "tokenize",
-          [](const Context& c, const std::string& text, py::object add_bos, bool special) {
-            return tokenize(c.tokenizer(), text, add_bos, special);
-          },
-          py::arg("text"), py::arg("add_bos") = py::none(), py::arg("special") = false)
-      .def(
-          "detokenize",
-          [](const Context& c, const py::handle& ids, bool render_special) {
-            return utf8(detokenize(c.tokenizer(), ids, render_special));
-          },
-          py::arg("ids"), py::arg("render_special") = false)
-      .def(
-          "decode_stream",
-          [](const Context& c) { return std::make_unique<StreamDecoder>(c.tokenizer()); },
-          py::keep_alive<0, 1>())
-      .def_property_readonly("bos_id", [](const Context& c) { return c.tokenizer().bos_id(); })
-      .def_property_readonly("eos_id", [](const Context& c) { return c.tokenizer().eos_id(); })
-      .def("is_end_of_generation",
-           [](const Context& c, int32_t id) { return c.tokenizer().is_end_of_generation(id); })
       .def_property_readonly("graph_stats", [](Context& c) { return c.backend().stats(); })
       .def("reset_graph_stats", [](Context& c) { c.backend().reset_stats(); })
       .def("cuda_graph_handle", [](Context& c) { return c.backend().graph_handle(); })
       .def("dump_cuda_graph",
            [](Context& c, const std::string& path) { c.backend().dump_graph(path); })
       .def("debug_corrupt_next_patch", [](Context& c) { c.backend().debug_corrupt_next_patch(); });
+  bind_text(context, [](const Context& c) -> const Tokenizer& { return c.tokenizer(); });
 }

@@ -47,7 +47,16 @@ def tiny_model(tiny_models):
     return tiny_models["Q4_1"]
 
 
-def cuda_available():
+def gpu_skip_reason():
+    """Why CUDA tests cannot run here, or None when they can."""
     import ggraph
 
-    return ggraph.build_info()["cuda_compiled"] and bool(ggraph.devices())
+    if not ggraph.build_info()["cuda_compiled"]:
+        return "this build of ggraph has no CUDA backend"
+    if not ggraph.devices():
+        return "no CUDA device is present"
+    return None
+
+
+def cuda_available():
+    return gpu_skip_reason() is None

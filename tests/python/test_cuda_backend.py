@@ -7,19 +7,11 @@ Runs on a machine with an NVIDIA GPU; elsewhere every test skips with the reason
 
 import numpy as np
 import pytest
+from conftest import gpu_skip_reason
 
 import ggraph
 
-
-def _gpu_reason():
-    if not ggraph.build_info()["cuda_compiled"]:
-        return "this build of ggraph has no CUDA backend"
-    if not ggraph.devices():
-        return "no CUDA device is present"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
 
 # Quantized weights meet 8-bit activations on both backends (with different rounding); float
 # weights differ only by the GPU's half-precision prompt products.
