@@ -67,7 +67,13 @@ std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
     if (!py::isinstance<py::int_>(t) && !py::hasattr(t, "__index__"))
       throw ArgumentError(std::string(what) + ": expected integer token ids, found " +
                           std::string(py::str(py::type::of(t).attr("__name__"))));
-    const long long v = py::reinterpret_borrow<py::object>(t).cast<long long>();
+    long long v = 0;
+    try {
+      v = py::reinterpret_borrow<py::object>(t).cast<long long>();
+    } catch (const py::cast_error&) {
+      throw ArgumentError(std::string(what) + ": token id " + std::string(py::str(t)) +
+                          " is out of range");
+    }
     if (v < INT32_MIN || v > INT32_MAX)
       throw ArgumentError(std::string(what) + ": token id " + std::to_string(v) +
                           " is out of range");

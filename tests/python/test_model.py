@@ -80,7 +80,7 @@ def test_bad_token_id_is_refused_and_changes_nothing(tiny_model):
     expected = fresh.eval([11])
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=16)
     m.eval([1, 2])
-    for bad in ([1, m.n_vocab], [-1], [3, 2**40]):
+    for bad in ([1, m.n_vocab], [-1], [3, 2**40], [2**70]):
         err, after = _state_unchanged_after(m, lambda bad=bad: m.eval(bad))
         assert "token id" in str(err) or "range" in str(err)
         np.testing.assert_array_equal(after, expected)
