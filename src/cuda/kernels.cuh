@@ -140,8 +140,20 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 // quant_ws (optional, ne0 % 32 == 0): also the 8-bit quantization of the result.
 void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
                    int64_t cols, uint8_t* quant_ws);
+// The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
+// as k's) go to F16 caches at rows first_row...
+struct RopeKvStore {
+  void* k_cache = nullptr;
+  const float* v = nullptr;
+  void* v_cache = nullptr;
+  int32_t first_row = 0;
+};
+// With src1 given, also rotates src1 (n_head1 heads, the same positions) into dst1: q and k in
+// one launch; with kv given too, the K and V stores as well.
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
-                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens);
+                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
+                 const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
+                 const RopeKvStore* kv = nullptr);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows first_row...
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
                      int64_t n_embd_kv, int n_tokens, int32_t first_row);
@@ -167,10 +179,12 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
-// Quantized mat-vecs stream rows through shared memory (the staged kernel). With
-// GGRAPH_CUDA_DIRECT_MATVEC=1, rows 16-byte aligned (k a multiple of 256, 128 for Q4_1) are
-// loaded straight into registers instead: the kernel measured slower, kept to compare.
+// Quantized mat-vecs: each warp streams one row through its own shared buffer (the warp
+// kernel). With GGRAPH_CUDA_STAGED_MATVEC=1, blocks of 8 rows go through a block-wide cp.async
+// pipeline instead; with GGRAPH_CUDA_DIRECT_MATVEC=1, rows 16-byte aligned (k a multiple of 256,
+// 128 for Q4_1) are loaded straight into registers. Both measured slower, kept to compare.
 bool direct_mat_vec();
+bool staged_mat_vec();
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();

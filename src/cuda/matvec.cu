@@ -276,6 +276,102 @@ __global__ void __launch_bounds__(kMvThreads)
   }
 }
 
+// ---- Quantized mat-vec, warp-streamed (the default) --------------------------------------------
+//
+// A warp owns one row and walks it in chunks of 32 * U quant blocks. All lanes first load the
+// chunk's 16-byte pieces side by side (fully coalesced, every load in flight before any use),
+// park them in the warp's own shared buffer, then lane l dots blocks l, l + 32, ... of the chunk
+// with the 8-bit activation. No block-wide barrier: each warp runs at its own pace, and the
+// many resident warps keep the memory system busy. A chunk's bytes are a multiple of 16, so a
+// row's offset inside its first piece holds for every chunk.
+
+constexpr int kMvwWarps = 4;
+constexpr int kMvwThreads = 32 * kMvwWarps;
+
+template <int TYPE>
+struct MvwConfig {
+  static constexpr int kBS = QuantInfo<TYPE>::kBytes;
+  // 4-5 (Q4_0, Q4_1) or 9 (Q8_0) 16-byte loads per lane in flight.
+  static constexpr int kU = 4;
+  static constexpr int kChunkBlocks = 32 * kU;
+  static constexpr int kChunkBytes = kChunkBlocks * kBS;
+  // One spare piece: a row starts at any even offset inside its first piece.
+  static constexpr int kPieces = kChunkBytes / 16 + 1;
+  static constexpr int kLoads = (kPieces + 31) / 32;
+  static_assert(kChunkBytes % 16 == 0, "chunks are whole 16-byte pieces");
+};
+
+// Weights are read once: keep them out of L1, where the activation lives.
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <int TYPE, int NCOLS>
+__global__ void __launch_bounds__(kMvwThreads)
+    mat_vec_q_warp_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                          int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
+                          const int8_t* aq, const float2* ads, int64_t k) {
+  using C = MvwConfig<TYPE>;
+  __shared__ __align__(16) uint4 buf[kMvwWarps][C::kPieces];
+
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = part.local_block * kMvwWarps + warp;
+  if (row >= part.n) return;  // the whole warp: no block-wide barrier follows
+  const uint8_t* rowp = part.w + static_cast<size_t>(row) * nb * C::kBS;
+  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(rowp) & 15);
+  const uint4* base = reinterpret_cast<const uint4*>(rowp - shift);
+  uint4* sb = buf[warp];
+  const uint8_t* sbytes = reinterpret_cast<const uint8_t*>(sb) + shift;
+
+  float acc[NCOLS];
+#pragma unroll
+  for (int t = 0; t < NCOLS; ++t) acc[t] = 0.0f;
+
+  for (int c0 = 0; c0 < nb; c0 += C::kChunkBlocks) {
+    const int len = min(C::kChunkBlocks, nb - c0) * C::kBS;
+    const int pieces = (shift + len + 15) / 16;
+    const uint4* src = base + c0 / C::kChunkBlocks * (C::kChunkBytes / 16);
+    uint4 v[C::kLoads];
+#pragma unroll
+    for (int i = 0; i < C::kLoads; ++i) {
+      const int p = lane + 32 * i;
+      if (p < pieces) v[i] = ldg_stream16(src + p);
+    }
+    __syncwarp();  // every lane is done with the previous chunk's buffer
+#pragma unroll
+    for (int i = 0; i < C::kLoads; ++i) {
+      const int p = lane + 32 * i;
+      if (p < pieces) sb[p] = v[i];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < C::kU; ++u) {
+      const int b = 32 * u + lane;
+      const int kb = c0 + b;
+      if (kb < nb) {
+#pragma unroll
+        for (int t = 0; t < NCOLS; ++t) {
+          int a[8];
+          float2 ad;
+          load_act(aq, ads, k, nb, t, kb, a, ad);
+          quant_dot<TYPE>(sbytes + b * C::kBS, a, ad, acc[t]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int t = 0; t < NCOLS; ++t) {
+    const float s = warp_sum(acc[t]);
+    if (lane == 0) part.dst[static_cast<int64_t>(t) * part.n + row] = s;
+  }
+}
+
 // ---- Float-weight mat-vec (F32, F16, BF16) ------------------------------------------------------
 //
 // A warp owns RW rows; lanes read 16 consecutive bytes each (512 bytes per warp load), four loads
@@ -426,6 +522,12 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     l(mat_vec_q_direct_kernel<TYPE, NCOLS>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
       g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nsb, lpr, aq,
       ads, k);
+    return;
+  }
+  if (!staged_mat_vec()) {
+    const GroupArgs g = group_args(parts, n_parts, kMvwWarps);
+    l(mat_vec_q_warp_kernel<TYPE, NCOLS>, dim3(g.total), dim3(kMvwThreads), 0, g.w[0], g.w[1],
+      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb, aq, ads, k);
     return;
   }
   constexpr int RW = NCOLS <= 2 ? 1 : 2;
@@ -832,6 +934,14 @@ bool direct_mat_vec() {
     return v && std::strcmp(v, "0") != 0;
   }();
   return direct;
+}
+
+bool staged_mat_vec() {
+  static const bool staged = [] {
+    const char* v = std::getenv("GGRAPH_CUDA_STAGED_MATVEC");
+    return v && std::strcmp(v, "0") != 0;
+  }();
+  return staged;
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
