@@ -427,11 +427,62 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
         launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
         break;
       }
-      case Op::Rope:
+      case Op::Rope: {
+        // The rope of k right after that of q (only already launched nodes between, the same
+        // positions and parameters, neither writing what the other reads): one launch.
+        // The next node not yet launched (-1: none within the window).
+        auto next_open = [&](int from) {
+          for (int j = from + 1; j < n && j <= from + kGroupWindow; ++j) {
+            if (nodes[j]->op != Op::Leaf && !done[j]) return j;
+          }
+          return -1;
+        };
+        const Tensor* pair = nullptr;
+        const int jk = next_open(i);
+        if (jk >= 0) {
+          const Tensor* c = nodes[jk];
+          if (c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
+              c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
+              c->params[kRopeNDims] == t->params[kRopeNDims] &&
+              c->params[kRopeMode] == t->params[kRopeMode] &&
+              c->params[kRopeBase] == t->params[kRopeBase] && !scratch_overlap(c, t) &&
+              !scratch_overlap(c, t->src[0]) && !scratch_overlap(t, c->src[0])) {
+            pair = c;
+            done[jk] = 1;
+          }
+        }
+        // Then the K store of the rotated k and the V store of rows already computed, next to
+        // each other: they ride along too.
+        RopeKvStore kv;
+        bool with_kv = false;
+        if (pair) {
+          const int js = next_open(jk);
+          const int jv = js >= 0 ? next_open(js) : -1;
+          if (jv >= 0) {
+            const Tensor* ks = nodes[js];
+            const Tensor* vs = nodes[jv];
+            const int pv = vs->op == Op::KvStore ? pos(vs->src[0]) : -1;
+            with_kv = ks->op == Op::KvStore && ks->src[0] == pair && vs->op == Op::KvStore &&
+                      vs->kv[0] == ks->kv[0] && vs->src[0]->ne[0] == pair->ne[0] &&
+                      vs->src[0]->ne[1] == pair->ne[1] && kv_target(vs) != kv_target(ks) &&
+                      (pv < 0 || pv < i || done[pv]) && !scratch_overlap(vs->src[0], t) &&
+                      !scratch_overlap(vs->src[0], pair);
+            if (with_kv) {
+              kv.k_cache = kv_target(ks)->data;
+              kv.v = fptr(vs->src[0]);
+              kv.v_cache = kv_target(vs)->data;
+              kv.first_row = ks->kv[0];
+              done[js] = done[jv] = 1;
+            }
+          }
+        }
         launch_rope(l, fptr(t->src[0]), static_cast<const int32_t*>(ptr(t->src[1])), fptr(t),
                     t->params[kRopeNHead], t->params[kRopeHeadDim], t->params[kRopeNDims],
-                    t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]));
+                    t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]),
+                    pair ? fptr(pair->src[0]) : nullptr, pair ? fptr(pair) : nullptr,
+                    pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr);
         break;
+      }
       case Op::KvStore: {
         // K and V stores of the same rows, one after the other: one launch.
         const Tensor* nx = i + 1 < n ? nodes[i + 1] : nullptr;

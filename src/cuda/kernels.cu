@@ -115,11 +115,36 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* dst, in
 
 // One thread per pair slot p < head_dim/2 of one head of one token. Angles are computed in
 // double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
-__global__ void rope_kernel(const float* src, const int32_t* pos, float* dst, int n_head,
-                            int head_dim, int n_dims, int mode, float freq_base) {
+// Rotates the heads of one tensor (n_head1 0) or of two with the same positions (q and k): the
+// first n_head0 * head_dim / 2 pairs of a token belong to the first.
+// With k_cache set, the second tensor's rows (k) also go to the F16 cache at row first_row +
+// token, and v's rows (pairs after the ropes' pairs) to v_cache: the K/V stores in the same
+// launch. first_row arrives by value, as in kv_store_kernel.
+__global__ void rope_kernel(const float* src0, float* dst0, int n_head0, const float* src1,
+                            float* dst1, int n_head1, const int32_t* pos, int head_dim, int n_dims,
+                            int mode, float freq_base, __half* k_cache, const float* v_src,
+                            __half* v_cache, int32_t first_row) {
   const int half_dim = head_dim / 2;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(n_head) * half_dim) return;
+  int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t pairs0 = static_cast<int64_t>(n_head0) * half_dim;
+  const int64_t pairs1 = static_cast<int64_t>(n_head1) * half_dim;
+  const int64_t width1 = static_cast<int64_t>(n_head1) * head_dim;
+  const int64_t row = static_cast<int64_t>(first_row) + blockIdx.y;
+  if (idx >= pairs0 + pairs1) {
+    idx -= pairs0 + pairs1;
+    if (!k_cache || idx >= pairs1) return;
+    const float* v = v_src + blockIdx.y * width1 + 2 * idx;
+    __half* c = v_cache + row * width1 + 2 * idx;
+    c[0] = __float2half_rn(v[0]);
+    c[1] = __float2half_rn(v[1]);
+    return;
+  }
+  const bool second = idx >= pairs0;
+  __half* kc = second && k_cache ? k_cache + row * width1 : nullptr;
+  const float* src = second ? src1 : src0;
+  float* dst = second ? dst1 : dst0;
+  const int n_head = second ? n_head1 : n_head0;
+  if (second) idx -= pairs0;
   const int h = static_cast<int>(idx / half_dim);
   const int p = static_cast<int>(idx % half_dim);
   const int64_t t = blockIdx.y;
@@ -145,10 +170,12 @@ __global__ void rope_kernel(const float* src, const int32_t* pos, float* dst, in
     rotate = i0 < n_dims;
     freq_i = p;
   }
+  if (kc) kc += static_cast<int64_t>(h) * head_dim;
   const float x0 = x[i0], x1 = x[i1];
   if (!rotate) {
     y[i0] = x0;
     y[i1] = x1;
+    if (kc) kc[i0] = __float2half_rn(x0), kc[i1] = __float2half_rn(x1);
     return;
   }
   const double theta = static_cast<double>(pos[t]) *
@@ -156,8 +183,10 @@ __global__ void rope_kernel(const float* src, const int32_t* pos, float* dst, in
   double s, c;
   sincos(theta, &s, &c);
   const float sf = static_cast<float>(s), cf = static_cast<float>(c);
-  y[i0] = x0 * cf - x1 * sf;
-  y[i1] = x0 * sf + x1 * cf;
+  const float y0 = x0 * cf - x1 * sf, y1 = x0 * sf + x1 * cf;
+  y[i0] = y0;
+  y[i1] = y1;
+  if (kc) kc[i0] = __float2half_rn(y0), kc[i1] = __float2half_rn(y1);
 }
 
 // ---- KV store ------------------------------------------------------------------------------
@@ -263,10 +292,24 @@ void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, 
 }
 
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
-                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens) {
-  const int64_t pairs = static_cast<int64_t>(n_head) * (head_dim / 2);
-  l(rope_kernel, dim3(ceil_div(pairs, 128), n_tokens), dim3(128), 0, src, pos, dst, n_head,
-    head_dim, n_dims, mode, freq_base);
+                 int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
+                 const float* src1, float* dst1, int n_head1, const RopeKvStore* kv) {
+  if (!src1) n_head1 = 0;
+  __half* kc = nullptr;
+  __half* vc = nullptr;
+  const float* v = src;
+  int32_t first_row = 0;
+  int64_t pairs = static_cast<int64_t>(n_head + n_head1) * (head_dim / 2);
+  if (kv && src1) {
+    kc = static_cast<__half*>(kv->k_cache);
+    vc = static_cast<__half*>(kv->v_cache);
+    v = kv->v;
+    first_row = kv->first_row;
+    pairs += static_cast<int64_t>(n_head1) * (head_dim / 2);
+  }
+  l(rope_kernel, dim3(ceil_div(pairs, 128), n_tokens), dim3(128), 0, src, dst, n_head,
+    src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, pos, head_dim, n_dims, mode, freq_base, kc, v,
+    vc, first_row);
 }
 
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,

@@ -328,8 +328,10 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
-  // Odd k and n for the staged quantized mat-vec; with GGRAPH_CUDA_DIRECT_MATVEC=1, k = 256, 512,
-  // 1024, 4096 and 11008 take the direct one with 1, 2, 4, 16 and (looping) 43 superblocks a row.
+  // Odd k and n for the warp-streamed quantized mat-vec (k = 4096 and 11008 span one and several
+  // 128-block chunks; rows start at any even offset); GGRAPH_CUDA_STAGED_MATVEC=1 checks the
+  // staged one. With GGRAPH_CUDA_DIRECT_MATVEC=1, k = 256, 512, 1024, 4096 and 11008 take the
+  // direct one with 1, 2, 4, 16 and (looping) 43 superblocks a row.
   const Shape kn[] = {{32, 1},    {96, 7},    {160, 33},  {256, 3},   {512, 130},
                       {576, 257}, {800, 129}, {1024, 33}, {4096, 65}, {11008, 20}};
   for (DType t : kAllTypes) {
@@ -557,6 +559,35 @@ TEST_F(CudaOps, RopeBothModesPartialRotationLargePositions) {
           ref, 1e-6, 1e-5,
           "mode " + std::to_string(mode) + " hd " + std::to_string(c.hd) + " n_dims " +
               std::to_string(c.n_dims));
+    }
+  }
+}
+
+// Two ropes of the same positions next to each other (as q and k are): CUDA launches them as
+// one kernel. Their sum against the sum of the two references.
+TEST_F(CudaOps, TwoRopesOfTheSamePositions) {
+  std::mt19937 rng(23);
+  const int n_head = 6, hd = 64;
+  for (int mode : {kRopeNormal, kRopeNeox}) {
+    for (int n_dims : {64, 32}) {
+      std::vector<int32_t> pos = {3, 0, 4100};
+      const size_t len = size_t(n_head) * hd * pos.size();
+      auto xa = randn(len, rng), xb = randn(len, rng);
+      std::vector<double> ra, rb;
+      rope_ref(xa, pos, n_head, hd, n_dims, mode, 10000.0, ra);
+      rope_ref(xb, pos, n_head, hd, n_dims, mode, 10000.0, rb);
+      for (size_t i = 0; i < len; ++i) ra[i] += rb[i];
+      std::vector<int32_t> ids_a, ids_b;
+      check(
+          [&](Graph& g, Backend& be) {
+            Tensor* p = g.input_i32(int64_t(pos.size()), pos.data(), "pos");
+            Tensor* a = activations(g, be, xa, int64_t(n_head) * hd, int64_t(pos.size()), ids_a);
+            Tensor* b = activations(g, be, xb, int64_t(n_head) * hd, int64_t(pos.size()), ids_b);
+            Tensor* qa = g.rope(a, p, n_head, hd, n_dims, mode, 10000.0f);
+            Tensor* qb = g.rope(b, p, n_head, hd, n_dims, mode, 10000.0f);
+            return g.add(qa, qb);
+          },
+          ra, 1e-6, 1e-5, "two ropes, mode " + std::to_string(mode));
     }
   }
 }
