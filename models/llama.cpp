@@ -43,11 +43,13 @@ class Llama final : public Model {
       Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.v[il], "v_cache");
 
       Tensor* h = g.mul(g.rms_norm(x, norm_eps), w(L.attn_norm));
-      Tensor* q =
-          g.rope(g.mul_mat(w(L.wq), h), positions, n_head, head_dim, n_rot, kRopeNormal, rope_base);
-      Tensor* k = g.rope(g.mul_mat(w(L.wk), h), positions, n_head_kv, head_dim, n_rot, kRopeNormal,
-                         rope_base);
+      // The three products of h first, then their ropes: a backend may run products of one
+      // input together, and the two ropes together.
+      Tensor* qm = g.mul_mat(w(L.wq), h);
+      Tensor* km = g.mul_mat(w(L.wk), h);
       Tensor* v = g.mul_mat(w(L.wv), h);
+      Tensor* q = g.rope(qm, positions, n_head, head_dim, n_rot, kRopeNormal, rope_base);
+      Tensor* k = g.rope(km, positions, n_head_kv, head_dim, n_rot, kRopeNormal, rope_base);
       g.kv_store(k_cache, k, b.n_past);
       g.kv_store(v_cache, v, b.n_past);
       Tensor* attn =

@@ -438,15 +438,23 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
           return -1;
         };
         const Tensor* pair = nullptr;
+        bool reads_first = false;
         const int jk = next_open(i);
         if (jk >= 0) {
           const Tensor* c = nodes[jk];
+          // One token in one block reads everything before writing: then k's rope may write
+          // where q's product was (as the planner arranges).
+          reads_first = rope_reads_first(static_cast<int>(t->ne[1]),
+                                         rope_slots(t->params[kRopeNHead], t->params[kRopeHeadDim],
+                                                    c->params[kRopeNHead], true),
+                                         t->params[kRopeHeadDim]);
           if (c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
               c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
               c->params[kRopeNDims] == t->params[kRopeNDims] &&
               c->params[kRopeMode] == t->params[kRopeMode] &&
-              c->params[kRopeBase] == t->params[kRopeBase] && !scratch_overlap(c, t) &&
-              !scratch_overlap(c, t->src[0]) && !scratch_overlap(t, c->src[0])) {
+              c->params[kRopeBase] == t->params[kRopeBase] &&
+              (reads_first || (!scratch_overlap(c, t) && !scratch_overlap(c, t->src[0]) &&
+                               !scratch_overlap(t, c->src[0])))) {
             pair = c;
             done[jk] = 1;
           }
@@ -465,8 +473,9 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
             with_kv = ks->op == Op::KvStore && ks->src[0] == pair && vs->op == Op::KvStore &&
                       vs->kv[0] == ks->kv[0] && vs->src[0]->ne[0] == pair->ne[0] &&
                       vs->src[0]->ne[1] == pair->ne[1] && kv_target(vs) != kv_target(ks) &&
-                      (pv < 0 || pv < i || done[pv]) && !scratch_overlap(vs->src[0], t) &&
-                      !scratch_overlap(vs->src[0], pair);
+                      (pv < 0 || pv < i || done[pv]) &&
+                      (reads_first ||
+                       (!scratch_overlap(vs->src[0], t) && !scratch_overlap(vs->src[0], pair)));
             if (with_kv) {
               kv.k_cache = kv_target(ks)->data;
               kv.v = fptr(vs->src[0]);

@@ -120,73 +120,152 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* dst, in
 // With k_cache set, the second tensor's rows (k) also go to the F16 cache at row first_row +
 // token, and v's rows (pairs after the ropes' pairs) to v_cache: the K/V stores in the same
 // launch. first_row arrives by value, as in kv_store_kernel.
-__global__ void rope_kernel(const float* src0, float* dst0, int n_head0, const float* src1,
-                            float* dst1, int n_head1, const int32_t* pos, int head_dim, int n_dims,
-                            int mode, float freq_base, __half* k_cache, const float* v_src,
-                            __half* v_cache, int32_t first_row) {
-  const int half_dim = head_dim / 2;
-  int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t pairs0 = static_cast<int64_t>(n_head0) * half_dim;
-  const int64_t pairs1 = static_cast<int64_t>(n_head1) * half_dim;
-  const int64_t width1 = static_cast<int64_t>(n_head1) * head_dim;
-  const int64_t row = static_cast<int64_t>(first_row) + blockIdx.y;
+struct RopeArgs {
+  const float* src0;
+  float* dst0;
+  int n_head0;
+  const float* src1;
+  float* dst1;
+  int n_head1;
+  int head_dim, n_dims, mode;
+  __half* k_cache;
+  const float* v_src;
+  __half* v_cache;
+};
+
+// Pair slot idx of token t: what it reads (x[i0], x[i1]) and where it writes. copy: a V pair.
+struct RopeSlot {
+  const float* x;
+  float* y;
+  __half* c;
+  int i0, i1, freq_i;
+  bool rotate, copy, valid;
+};
+
+__device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int64_t idx, int64_t t,
+                                              int32_t first_row) {
+  RopeSlot r{};
+  const int half_dim = a.head_dim / 2;
+  const int64_t pairs0 = static_cast<int64_t>(a.n_head0) * half_dim;
+  const int64_t pairs1 = static_cast<int64_t>(a.n_head1) * half_dim;
+  const int64_t width1 = static_cast<int64_t>(a.n_head1) * a.head_dim;
+  const int64_t row = static_cast<int64_t>(first_row) + t;
   if (idx >= pairs0 + pairs1) {
     idx -= pairs0 + pairs1;
-    if (!k_cache || idx >= pairs1) return;
-    const float* v = v_src + blockIdx.y * width1 + 2 * idx;
-    __half* c = v_cache + row * width1 + 2 * idx;
-    c[0] = __float2half_rn(v[0]);
-    c[1] = __float2half_rn(v[1]);
-    return;
+    r.valid = a.k_cache && idx < pairs1;
+    r.copy = true;
+    r.x = a.v_src + t * width1;
+    r.c = a.v_cache + row * width1;
+    r.i0 = static_cast<int>(2 * idx);
+    r.i1 = r.i0 + 1;
+    return r;
   }
+  r.valid = true;
   const bool second = idx >= pairs0;
-  __half* kc = second && k_cache ? k_cache + row * width1 : nullptr;
-  const float* src = second ? src1 : src0;
-  float* dst = second ? dst1 : dst0;
-  const int n_head = second ? n_head1 : n_head0;
+  const int n_head = second ? a.n_head1 : a.n_head0;
   if (second) idx -= pairs0;
   const int h = static_cast<int>(idx / half_dim);
   const int p = static_cast<int>(idx % half_dim);
-  const int64_t t = blockIdx.y;
-  const int64_t base = t * n_head * head_dim + static_cast<int64_t>(h) * head_dim;
-  const float* x = src + base;
-  float* y = dst + base;
-  int i0, i1, freq_i;
-  bool rotate;
-  if (mode == kRopeNeox) {
-    const int rot_half = n_dims / 2;
-    rotate = p < rot_half;
-    if (rotate) {
-      i0 = p;
-      i1 = p + rot_half;
+  const int64_t base = t * n_head * a.head_dim + static_cast<int64_t>(h) * a.head_dim;
+  r.x = (second ? a.src1 : a.src0) + base;
+  r.y = (second ? a.dst1 : a.dst0) + base;
+  r.c = second && a.k_cache ? a.k_cache + row * width1 + static_cast<int64_t>(h) * a.head_dim
+                            : nullptr;
+  if (a.mode == kRopeNeox) {
+    const int rot_half = a.n_dims / 2;
+    r.rotate = p < rot_half;
+    if (r.rotate) {
+      r.i0 = p;
+      r.i1 = p + rot_half;
     } else {
-      i0 = n_dims + 2 * (p - rot_half);
-      i1 = i0 + 1;
+      r.i0 = a.n_dims + 2 * (p - rot_half);
+      r.i1 = r.i0 + 1;
     }
-    freq_i = p;
   } else {
-    i0 = 2 * p;
-    i1 = i0 + 1;
-    rotate = i0 < n_dims;
-    freq_i = p;
+    r.i0 = 2 * p;
+    r.i1 = r.i0 + 1;
+    r.rotate = r.i0 < a.n_dims;
   }
-  if (kc) kc += static_cast<int64_t>(h) * head_dim;
-  const float x0 = x[i0], x1 = x[i1];
-  if (!rotate) {
-    y[i0] = x0;
-    y[i1] = x1;
-    if (kc) kc[i0] = __float2half_rn(x0), kc[i1] = __float2half_rn(x1);
-    return;
-  }
-  const double theta = static_cast<double>(pos[t]) *
-                       exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+  r.freq_i = p;
+  return r;
+}
+
+__device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
+                                           float& sf, float& cf) {
+  const double theta =
+      static_cast<double>(pos) * exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
   double s, c;
   sincos(theta, &s, &c);
-  const float sf = static_cast<float>(s), cf = static_cast<float>(c);
-  const float y0 = x0 * cf - x1 * sf, y1 = x0 * sf + x1 * cf;
-  y[i0] = y0;
-  y[i1] = y1;
-  if (kc) kc[i0] = __float2half_rn(y0), kc[i1] = __float2half_rn(y1);
+  sf = static_cast<float>(s);
+  cf = static_cast<float>(c);
+}
+
+__device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1, float sf,
+                                           float cf) {
+  if (r.copy) {
+    r.c[r.i0] = __float2half_rn(x0);
+    r.c[r.i1] = __float2half_rn(x1);
+    return;
+  }
+  float y0 = x0, y1 = x1;
+  if (r.rotate) y0 = x0 * cf - x1 * sf, y1 = x0 * sf + x1 * cf;
+  r.y[r.i0] = y0;
+  r.y[r.i1] = y1;
+  if (r.c) r.c[r.i0] = __float2half_rn(y0), r.c[r.i1] = __float2half_rn(y1);
+}
+
+// The arguments one by one (a struct's padding would differ between otherwise equal launches).
+#define GGRAPH_ROPE_PARAMS                                                                      \
+  const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
+      int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
+      const int32_t *pos, float freq_base, int32_t first_row
+#define GGRAPH_ROPE_ARGS                                                                      \
+  const RopeArgs a {                                                                          \
+    src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache \
+  }
+
+__global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
+  GGRAPH_ROPE_ARGS;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t t = blockIdx.y;
+  const RopeSlot r = rope_slot(a, idx, t, first_row);
+  if (!r.valid) return;
+  const float x0 = r.x[r.i0], x1 = r.x[r.i1];
+  float sf = 0.0f, cf = 1.0f;
+  if (!r.copy && r.rotate) rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, sf, cf);
+  rope_write(r, x0, x1, sf, cf);
+}
+
+// One token in one block: every read (and each frequency's angle, in shared memory) before any
+// write, so that an output may take the memory of an input, as the planner hands out k's rope
+// output where q's product was.
+__global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots) {
+  GGRAPH_ROPE_ARGS;
+  __shared__ float2 angle[kRopeMaxHalfDim];
+  float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
+  const int half_dim = a.head_dim / 2;
+  for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
+    float sf, cf;
+    rope_angle(pos[0], p, a.n_dims, freq_base, sf, cf);
+    angle[p] = make_float2(sf, cf);
+  }
+#pragma unroll
+  for (int s = 0; s < kRopeTokenSlots; ++s) {
+    const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
+    if (idx >= slots) break;
+    const RopeSlot r = rope_slot(a, idx, 0, first_row);
+    x0[s] = r.x[r.i0];
+    x1[s] = r.x[r.i1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < kRopeTokenSlots; ++s) {
+    const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
+    if (idx >= slots) break;
+    const RopeSlot r = rope_slot(a, idx, 0, first_row);
+    const float2 sc = r.copy ? make_float2(0.0f, 1.0f) : angle[r.freq_i];
+    rope_write(r, x0[s], x1[s], sc.x, sc.y);
+  }
 }
 
 // ---- KV store ------------------------------------------------------------------------------
@@ -291,25 +370,40 @@ void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, 
   l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n, qs, ds);
 }
 
+int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
+  return static_cast<int64_t>(n_head + n_head1 * (with_kv ? 2 : 1)) * (head_dim / 2);
+}
+
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1, float* dst1, int n_head1, const RopeKvStore* kv) {
   if (!src1) n_head1 = 0;
-  __half* kc = nullptr;
-  __half* vc = nullptr;
-  const float* v = src;
+  RopeArgs a{
+      src,     dst, n_head, src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, head_dim, n_dims, mode,
+      nullptr, src, nullptr};
   int32_t first_row = 0;
-  int64_t pairs = static_cast<int64_t>(n_head + n_head1) * (head_dim / 2);
-  if (kv && src1) {
-    kc = static_cast<__half*>(kv->k_cache);
-    vc = static_cast<__half*>(kv->v_cache);
-    v = kv->v;
+  const bool with_kv = kv && src1;
+  if (with_kv) {
+    a.k_cache = static_cast<__half*>(kv->k_cache);
+    a.v_cache = static_cast<__half*>(kv->v_cache);
+    a.v_src = kv->v;
     first_row = kv->first_row;
-    pairs += static_cast<int64_t>(n_head1) * (head_dim / 2);
   }
-  l(rope_kernel, dim3(ceil_div(pairs, 128), n_tokens), dim3(128), 0, src, dst, n_head,
-    src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, pos, head_dim, n_dims, mode, freq_base, kc, v,
-    vc, first_row);
+  const int64_t slots = rope_slots(n_head, head_dim, n_head1, with_kv);
+  if (src1 && rope_reads_first(n_tokens, slots, head_dim)) {
+    const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
+    l(rope_token_kernel, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
+      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
+      first_row, slots);
+    return;
+  }
+  l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
+    a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
+    freq_base, first_row);
+}
+
+bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
+  return n_tokens == 1 && slots <= 1024 * kRopeTokenSlots && head_dim / 2 <= kRopeMaxHalfDim;
 }
 
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,

@@ -154,6 +154,14 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
                  const RopeKvStore* kv = nullptr);
+// Pair slots of such a launch: q's and k's rotation pairs, and v's pairs when the stores ride
+// along.
+int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);
+// Whether a two-tensor rope launch of this size does every read before any write (one token in
+// one block): then its outputs may overlap its inputs.
+constexpr int kRopeTokenSlots = 8;
+constexpr int kRopeMaxHalfDim = 256;
+bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows first_row...
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
                      int64_t n_embd_kv, int n_tokens, int32_t first_row);
@@ -185,6 +193,10 @@ void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_part
 // 128 for Q4_1) are loaded straight into registers. Both measured slower, kept to compare.
 bool direct_mat_vec();
 bool staged_mat_vec();
+// The warp kernel gives each row its own warp; with GGRAPH_CUDA_MATVEC_FILL_DEVICE=1 it runs as
+// many warps as the device holds at once, each walking several rows (measured slower, kept to
+// compare).
+bool fill_device_mat_vec();
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();

@@ -750,6 +750,7 @@ struct LayerGraph {
   std::vector<int32_t> tokens, positions;
   Tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *gate = nullptr, *up = nullptr;
   Tensor *attn_norm_mul = nullptr, *attention = nullptr;
+  Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
   LayerGraph(int n_tokens, int n_past, bool products_first = false) {
     const int n_embd = 576, n_head = 9, n_head_kv = 3, hd = 64, n_ff = 1536, n_ctx = 1024;
@@ -790,8 +791,10 @@ struct LayerGraph {
         k = g.rope(wk = g.mul_mat(wkt, h), pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
         wv = v = g.mul_mat(wvt, h);
       }
-      g.kv_store(kc, k, n_past);
-      g.kv_store(vc, v, n_past);
+      rope_q = q;
+      rope_k = k;
+      store_k = g.kv_store(kc, k, n_past);
+      store_v = g.kv_store(vc, v, n_past);
       attention = g.attention(q, kc, vc, n_head, n_head_kv, hd, 0.125f, n_past + n_tokens, n_past);
       x = g.add(x, g.mul_mat(weight(DType::Q4_1, n_embd, n_embd, "wo"), attention));
       Tensor* f = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "ffn_norm"));
@@ -835,6 +838,11 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.wq), 1);
     EXPECT_EQ(launches_of(rec, lg.wk), 0);
     EXPECT_EQ(launches_of(rec, lg.wv), 0);
+    // Then the ropes of q and k, with the K and V stores, in one launch at q's rope.
+    EXPECT_EQ(launches_of(rec, lg.rope_q), 1);
+    EXPECT_EQ(launches_of(rec, lg.rope_k), 0);
+    EXPECT_EQ(launches_of(rec, lg.store_k), 0);
+    EXPECT_EQ(launches_of(rec, lg.store_v), 0);
     // The residual add before the second layer's norm is part of that norm's kernel.
     EXPECT_EQ(launches_of(rec, lg.attn_norm_mul->src[0]->src[0]), 1);
   }
@@ -858,22 +866,29 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
 
 TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInKvArguments) {
   for (int n_tokens : {1, 4, 64}) {
-    LayerGraph a(n_tokens, 100), b(n_tokens, 101);
-    EXPECT_EQ(cuda::topology_key(a.g), cuda::topology_key(b.g));
-    const auto ra = a.launches(), rb = b.launches();
-    ASSERT_EQ(ra.size(), rb.size());
-    int differing = 0;
-    for (size_t i = 0; i < ra.size(); ++i) {
-      ASSERT_TRUE(ra[i].same_shape(rb[i])) << "launch " << i;
-      ASSERT_EQ(ra[i].node, rb[i].node);
-      if (ra[i].same_args(rb[i])) continue;
-      const Op op = a.g.nodes()[ra[i].node]->op;
-      EXPECT_TRUE(op == Op::KvStore || op == Op::Attention)
-          << "launch " << i << " of " << op_name(op) << " changed its arguments";
-      ++differing;
+    for (bool products_first : {false, true}) {
+      LayerGraph a(n_tokens, 100, products_first), b(n_tokens, 101, products_first);
+      EXPECT_EQ(cuda::topology_key(a.g), cuda::topology_key(b.g));
+      const auto ra = a.launches(), rb = b.launches();
+      ASSERT_EQ(ra.size(), rb.size());
+      int differing = 0;
+      for (size_t i = 0; i < ra.size(); ++i) {
+        ASSERT_TRUE(ra[i].same_shape(rb[i])) << "launch " << i;
+        ASSERT_EQ(ra[i].node, rb[i].node);
+        if (ra[i].same_args(rb[i])) continue;
+        const Op op = a.g.nodes()[ra[i].node]->op;
+        // The K/V stores ride along with the ropes where those are fused: always for one token
+        // with the products first.
+        EXPECT_TRUE(op == Op::KvStore || op == Op::Rope || op == Op::Attention)
+            << "launch " << i << " of " << op_name(op) << " changed its arguments";
+        if (products_first && n_tokens == 1) {
+          EXPECT_NE(op, Op::KvStore) << "launch " << i;
+        }
+        ++differing;
+      }
+      // Per layer: the kernel with the K/V stores and the attention kernel.
+      EXPECT_EQ(differing, 2 * 2) << "tokens " << n_tokens;
     }
-    // Per layer: the K/V store kernel and the attention kernel.
-    EXPECT_EQ(differing, 2 * 2) << "tokens " << n_tokens;
   }
   // Crossing a KV bucket changes the attention grid: another topology.
   LayerGraph near(1, 200), far(1, 300);
