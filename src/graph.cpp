@@ -1,5 +1,6 @@
 #include "graph.h"
 
+#include <atomic>
 #include <stdexcept>
 
 #include "common.h"
@@ -33,6 +34,10 @@ const char* op_name(Op op) {
   }
   return "?";
 }
+
+static std::atomic<uint64_t> next_graph_serial{1};
+
+Graph::Graph() : serial(next_graph_serial.fetch_add(1)) {}
 
 static void set_contiguous_strides(Tensor* t) {
   t->nb[0] = type_traits(t->type).type_size;

@@ -71,7 +71,7 @@ struct Tensor {
 // A graph owns its tensors. Leaves may be reused across graphs only through Graph::leaf().
 class Graph {
  public:
-  Graph() = default;
+  Graph();
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
 
@@ -101,6 +101,9 @@ class Graph {
   Tensor* output() const { return output_; }
   const std::vector<Tensor*>& nodes() const { return nodes_; }  // every tensor, in build order
   int n_tokens = 0;  // batch size the graph was built for
+  // Unique per graph object in the process: a backend can tell a graph it ran last step (shifted
+  // in place since) from a new one that happens to share its address.
+  const uint64_t serial;
 
   // Bytes the planner assigned (scratch, inputs).
   size_t scratch_size = 0;

@@ -42,8 +42,12 @@ class GraphExecutor {
   // Issues the step's kernels on the stream. `key` names the topology class (batch shape);
   // launch_all must issue the same kernels in the same order whenever it is called for a step.
   // node_names maps a launch's graph-node index to a name for debug messages.
+  // kv_nodes, when given, promises that the step's graph is the one the last step with this key
+  // ran, changed only in its KV-position parameters: then only the launches of the nodes it
+  // marks are recorded and compared (patch mode, outside debug mode).
   void run(uint64_t key, const LaunchAll& launch_all,
-           const std::function<std::string(int)>& node_names);
+           const std::function<std::string(int)>& node_names,
+           const std::vector<uint8_t>* kv_nodes = nullptr);
 
   GraphMode mode() const { return mode_; }
   const GraphStats& stats() const { return stats_; }
@@ -68,7 +72,10 @@ class GraphExecutor {
   };
 
   void run_mode(uint64_t key, const LaunchAll& launch_all,
-                const std::function<std::string(int)>& node_names);
+                const std::function<std::string(int)>& node_names,
+                const std::vector<uint8_t>* kv_nodes);
+  // The patch step of a graph known unchanged but for its KV nodes; false if it does not apply.
+  bool patch_kv_nodes(Entry& e, const LaunchAll& launch_all, const std::vector<uint8_t>& kv_nodes);
   void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
                std::vector<cudaGraphNode_t>* nodes);
   void instantiate(Entry& e);

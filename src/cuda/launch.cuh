@@ -33,7 +33,8 @@ struct KernelLaunch {
   const void* func = nullptr;
   dim3 grid, block;
   size_t smem = 0;
-  int node = -1;  // index of the graph node that launched it
+  int node = -1;   // index of the graph node that launched it
+  int index = -1;  // position among all of the step's launches
   int n_args = 0;
   int arg_bytes = 0;  // only the first n_args / arg_bytes entries below are meaningful
   uint16_t arg_offset[kMaxArgs];
@@ -65,6 +66,9 @@ class Launcher {
   int node = -1;                                // graph node being launched
   // While the stream is being captured: the kernel node each launch became, in launch order.
   std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
+  // When set, only launches of nodes whose entry is non-zero are recorded (all are counted).
+  const std::vector<uint8_t>* record_only = nullptr;
+  int launches = 0;  // launches issued or recorded so far this step
 
   template <typename... KArgs, typename... Args>
   void operator()(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
@@ -79,7 +83,10 @@ class Launcher {
   void launch_tuple(const void* func, dim3 grid, dim3 block, size_t smem, Tuple& values,
                     std::index_sequence<I...>) {
     void* ptrs[sizeof...(I) + 1] = {static_cast<void*>(&std::get<I>(values))...};
-    if (record) {
+    const int index = launches++;
+    const bool wanted = !record_only || (node >= 0 && size_t(node) < record_only->size() &&
+                                         (*record_only)[size_t(node)]);
+    if (record && wanted) {
       static_assert(sizeof...(I) <= KernelLaunch::kMaxArgs, "too many kernel arguments");
       record->emplace_back();
       KernelLaunch& k = record->back();
@@ -88,6 +95,7 @@ class Launcher {
       k.block = block;
       k.smem = smem;
       k.node = node;
+      k.index = index;
       k.n_args = int(sizeof...(I));
       constexpr size_t sizes[sizeof...(I) + 1] = {sizeof(std::tuple_element_t<I, Tuple>)...};
       int total = 0;
