@@ -638,11 +638,6 @@ class CudaBackend : public Backend {
     const uint64_t batch_key = (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
     // The same graph object as last step, on the same buffers: only its KV nodes changed.
     const bool same_graph = graph.serial == last_graph_serial_ && buffers_version_ == last_version_;
-    if (!same_graph) {
-      kv_nodes_.assign(nodes.size(), 0);
-      for (const Tensor* t : nodes)
-        kv_nodes_[size_t(t->index)] = t->op == Op::KvStore || t->op == Op::Attention;
-    }
     last_graph_serial_ = 0;  // unknown until this step has run
     executor_->run(
         batch_key, [&](Launcher& l) { launch_graph(graph, buf, l); },
@@ -651,7 +646,7 @@ class CudaBackend : public Backend {
           return std::string(op_name(nodes[i]->op)) + " '" + nodes[i]->name + "' (node " +
                  std::to_string(i) + ")";
         },
-        same_graph ? &kv_nodes_ : nullptr);
+        same_graph);
     last_graph_serial_ = graph.serial;
     last_version_ = buffers_version_;
 
@@ -762,7 +757,6 @@ class CudaBackend : public Backend {
   // What the last step ran: its graph and the buffers' generation (see compute).
   uint64_t last_graph_serial_ = 0;
   uint64_t buffers_version_ = 0, last_version_ = 0;
-  std::vector<uint8_t> kv_nodes_;
   std::vector<void*> allocations_;  // weights and KV caches, freed with the backend
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;

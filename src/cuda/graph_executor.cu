@@ -100,6 +100,8 @@ void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
   e.launches.swap(launches);
   e.nodes.swap(nodes);
   e.stale.assign(e.nodes.size(), 0);
+  e.kv_nodes.clear();
+  e.kv_learned = false;
   instantiate(e);
 }
 
@@ -147,6 +149,11 @@ void GraphExecutor::patch(Entry& e, const std::function<std::string(int)>& node_
   for (size_t i = 0; i < recorded_.size(); ++i) {
     KernelLaunch& want = recorded_[i];
     if (want.same_args(e.launches[i])) continue;
+    if (want.node >= 0) {
+      if (e.kv_nodes.size() <= size_t(want.node)) e.kv_nodes.resize(size_t(want.node) + 1, 0);
+      e.kv_nodes[size_t(want.node)] = 1;
+      e.kv_learned = true;
+    }
     KernelLaunch applied = want;
     if (corrupt_next_patch_) {
       applied.args[0] ^= 0x40;  // flips a bit of the first argument
@@ -188,23 +195,22 @@ void GraphExecutor::launch(Entry& e) {
 }
 
 void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
-                        const std::function<std::string(int)>& node_names,
-                        const std::vector<uint8_t>* kv_nodes) {
+                        const std::function<std::string(int)>& node_names, bool kv_only) {
   const auto start = std::chrono::steady_clock::now();
-  run_mode(key, launch_all, node_names, kv_nodes);
+  run_mode(key, launch_all, node_names, kv_only);
   stats_.steps += 1;
   stats_.host_us_total +=
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-bool GraphExecutor::patch_kv_nodes(Entry& e, const LaunchAll& launch_all,
-                                   const std::vector<uint8_t>& kv_nodes) {
+bool GraphExecutor::patch_kv_nodes(Entry& e, const LaunchAll& launch_all) {
+  if (!e.kv_learned) return false;
   recorded_.clear();
   Launcher L;
   L.stream = stream_;
   L.execute = false;
   L.record = &recorded_;
-  L.record_only = &kv_nodes;
+  L.record_only = &e.kv_nodes;
   launch_all(L);
   if (size_t(L.launches) != e.launches.size()) return false;
   for (const KernelLaunch& k : recorded_)
@@ -228,8 +234,7 @@ bool GraphExecutor::patch_kv_nodes(Entry& e, const LaunchAll& launch_all,
 }
 
 void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
-                             const std::function<std::string(int)>& node_names,
-                             const std::vector<uint8_t>* kv_nodes) {
+                             const std::function<std::string(int)>& node_names, bool kv_only) {
   if (mode_ == GraphMode::Off) {
     Launcher L;
     L.stream = stream_;
@@ -257,10 +262,9 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   // Patch: find out what this step launches without launching it.
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  if (kv_nodes && !debug_) {
+  if (kv_only && !debug_) {
     auto it = cache_.find(key);
-    if (it != cache_.end() && it->second.exec &&
-        patch_kv_nodes(it->second, launch_all, *kv_nodes)) {
+    if (it != cache_.end() && it->second.exec && patch_kv_nodes(it->second, launch_all)) {
       stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
       launch(it->second);
       return;

@@ -42,12 +42,11 @@ class GraphExecutor {
   // Issues the step's kernels on the stream. `key` names the topology class (batch shape);
   // launch_all must issue the same kernels in the same order whenever it is called for a step.
   // node_names maps a launch's graph-node index to a name for debug messages.
-  // kv_nodes, when given, promises that the step's graph is the one the last step with this key
-  // ran, changed only in its KV-position parameters: then only the launches of the nodes it
-  // marks are recorded and compared (patch mode, outside debug mode).
+  // kv_only promises that the step's graph is the one the last step with this key ran, changed
+  // only in its KV-position parameters. Then (patch mode, outside debug mode) only the launches
+  // of the graph nodes whose launches a full comparison has seen change are recorded again.
   void run(uint64_t key, const LaunchAll& launch_all,
-           const std::function<std::string(int)>& node_names,
-           const std::vector<uint8_t>* kv_nodes = nullptr);
+           const std::function<std::string(int)>& node_names, bool kv_only = false);
 
   GraphMode mode() const { return mode_; }
   const GraphStats& stats() const { return stats_; }
@@ -68,14 +67,18 @@ class GraphExecutor {
     std::vector<KernelLaunch> launches;
     std::vector<cudaGraphNode_t> nodes;
     std::vector<uint8_t> stale;  // node's parameters in `graph` lag behind the executable's
+    // Graph nodes whose launches a full comparison saw change between steps: the ones that
+    // depend on the KV position (found by watching, as fused launches may carry them).
+    std::vector<uint8_t> kv_nodes;
+    bool kv_learned = false;
     uint64_t last_used = 0;
   };
 
   void run_mode(uint64_t key, const LaunchAll& launch_all,
-                const std::function<std::string(int)>& node_names,
-                const std::vector<uint8_t>* kv_nodes);
-  // The patch step of a graph known unchanged but for its KV nodes; false if it does not apply.
-  bool patch_kv_nodes(Entry& e, const LaunchAll& launch_all, const std::vector<uint8_t>& kv_nodes);
+                const std::function<std::string(int)>& node_names, bool kv_only);
+  // The patch step of a graph known unchanged but for its KV parameters; false if it does not
+  // apply (nothing learned yet, or the launches' shapes moved: a bucket crossed).
+  bool patch_kv_nodes(Entry& e, const LaunchAll& launch_all);
   void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
                std::vector<cudaGraphNode_t>* nodes);
   void instantiate(Entry& e);
