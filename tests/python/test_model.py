@@ -180,3 +180,25 @@ def test_default_model_path_points_at_the_package_or_says_how_to_install():
         assert "pip install" in str(e)
     else:
         assert os.path.exists(path)
+
+
+def test_eval_releases_the_gil(smollm2):
+    import threading
+    import time
+
+    m = ggraph.Model(smollm2, device="cpu", n_ctx=512, n_threads=1)
+    tokens = list(range(1000, 1300))
+    t0 = time.perf_counter()
+    m.eval(tokens)
+    alone = time.perf_counter() - t0
+    m.reset()
+    ticks = 0
+    worker = threading.Thread(target=m.eval, args=(tokens,))
+    worker.start()
+    while worker.is_alive():  # this loop can only run while eval does not hold the GIL
+        ticks += 1
+        time.sleep(0.001)
+    worker.join()
+    assert m.n_past == len(tokens)
+    # Held GIL: the loop would run at most once or twice; released: about once per millisecond.
+    assert ticks > 0.25 * alone * 1000, f"{ticks} ticks during an eval of {alone:.2f} s"
