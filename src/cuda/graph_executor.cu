@@ -144,27 +144,42 @@ static bool same_topology(const std::vector<KernelLaunch>& a, const std::vector<
   return true;
 }
 
-void GraphExecutor::patch(Entry& e, const std::function<std::string(int)>& node_names) {
+int GraphExecutor::record_step(const LaunchAll& launch_all, const std::vector<uint8_t>* only) {
+  recorded_.clear();
+  Launcher L;
+  L.stream = stream_;
+  L.execute = false;
+  L.record = &recorded_;
+  L.record_only = only;
+  launch_all(L);
+  return L.launches;
+}
+
+void GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
+  KernelLaunch applied = want;
+  if (corrupt_next_patch_) {
+    applied.args[0] ^= 0x40;  // flips a bit of the first argument
+    corrupt_next_patch_ = false;
+  }
   void* ptrs[KernelLaunch::kMaxArgs];
+  cudaKernelNodeParams p;
+  set_kernel_params(applied, &p, ptrs);
+  GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
+  e.launches[i] = applied;
+  e.stale[i] = 1;  // the captured graph catches up when someone looks at it
+  stats_.kernel_nodes_patched += 1;
+}
+
+void GraphExecutor::patch(Entry& e) {
   for (size_t i = 0; i < recorded_.size(); ++i) {
-    KernelLaunch& want = recorded_[i];
+    const KernelLaunch& want = recorded_[i];
     if (want.same_args(e.launches[i])) continue;
     if (want.node >= 0) {
       if (e.kv_nodes.size() <= size_t(want.node)) e.kv_nodes.resize(size_t(want.node) + 1, 0);
       e.kv_nodes[size_t(want.node)] = 1;
       e.kv_learned = true;
     }
-    KernelLaunch applied = want;
-    if (corrupt_next_patch_) {
-      applied.args[0] ^= 0x40;  // flips a bit of the first argument
-      corrupt_next_patch_ = false;
-    }
-    cudaKernelNodeParams p;
-    set_kernel_params(applied, &p, ptrs);
-    GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
-    e.launches[i] = applied;
-    e.stale[i] = 1;  // the captured graph catches up when someone looks at it
-    stats_.kernel_nodes_patched += 1;
+    patch_node(e, i, want);
   }
 }
 
@@ -205,31 +220,11 @@ void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
 
 bool GraphExecutor::patch_kv_nodes(Entry& e, const LaunchAll& launch_all) {
   if (!e.kv_learned) return false;
-  recorded_.clear();
-  Launcher L;
-  L.stream = stream_;
-  L.execute = false;
-  L.record = &recorded_;
-  L.record_only = &e.kv_nodes;
-  launch_all(L);
-  if (size_t(L.launches) != e.launches.size()) return false;
+  if (size_t(record_step(launch_all, &e.kv_nodes)) != e.launches.size()) return false;
   for (const KernelLaunch& k : recorded_)
     if (!k.same_shape(e.launches[size_t(k.index)])) return false;  // a bucket crossed
-  void* ptrs[KernelLaunch::kMaxArgs];
-  cudaKernelNodeParams p;
-  for (KernelLaunch& want : recorded_) {
-    const size_t i = size_t(want.index);
-    if (want.same_args(e.launches[i])) continue;
-    if (corrupt_next_patch_) {
-      want.args[0] ^= 0x40;
-      corrupt_next_patch_ = false;
-    }
-    set_kernel_params(want, &p, ptrs);
-    GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
-    e.launches[i] = want;
-    e.stale[i] = 1;
-    stats_.kernel_nodes_patched += 1;
-  }
+  for (const KernelLaunch& want : recorded_)
+    if (!want.same_args(e.launches[size_t(want.index)])) patch_node(e, size_t(want.index), want);
   return true;
 }
 
@@ -270,17 +265,12 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
       return;
     }
   }
-  recorded_.clear();
-  Launcher L;
-  L.stream = stream_;
-  L.execute = false;
-  L.record = &recorded_;
-  launch_all(L);
+  record_step(launch_all, nullptr);
   const auto t1 = Clock::now();
   stats_.record_us_total += std::chrono::duration<double, std::micro>(t1 - t0).count();
   Entry& e = entry_for(key);
   if (e.exec && same_topology(recorded_, e.launches)) {
-    patch(e, node_names);
+    patch(e);
     stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t1).count();
   } else {
     cudaGraph_t g = nullptr;

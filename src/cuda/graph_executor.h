@@ -87,7 +87,12 @@ class GraphExecutor {
   // Takes the capture's launches and nodes (swapped out of the arguments).
   void update_or_instantiate(Entry& e, cudaGraph_t graph, std::vector<KernelLaunch>& launches,
                              std::vector<cudaGraphNode_t>& nodes);
-  void patch(Entry& e, const std::function<std::string(int)>& node_names);
+  // Records the step's launches (only those of the marked nodes, when given) into recorded_;
+  // returns how many launches the step has in all.
+  int record_step(const LaunchAll& launch_all, const std::vector<uint8_t>* only);
+  // Patches the kernel nodes whose arguments differ from recorded_ (all launches recorded).
+  void patch(Entry& e);
+  void patch_node(Entry& e, size_t i, const KernelLaunch& want);
   void sync_graph(Entry& e);
   void check_nodes(const Entry& e, const std::function<std::string(int)>& node_names) const;
   void launch(Entry& e);
