@@ -44,10 +44,10 @@ __attribute__((target_clones("avx2", "default"))) float dot_f32(const float* a, 
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-// y = y * scale + w * x
-__attribute__((target_clones("avx2", "default"))) void scale_axpy(float* y, float scale, float w,
-                                                                  const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * scale + w * x[i];
+// y += w * x
+__attribute__((target_clones("avx2", "default"))) void axpy(float* y, float w, const float* x,
+                                                            int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
 class CpuBackend final : public Backend {
@@ -336,7 +336,7 @@ class CpuBackend final : public Backend {
           dequantize_row(vc->type, vp, vrow.data(), hd);
           vr = vrow.data();
         }
-        scale_axpy(o, 1.0f, scores[p], vr, hd);
+        axpy(o, scores[p], vr, hd);
       }
       const float inv = float(1.0 / sum);
       for (int d = 0; d < hd; ++d) o[d] *= inv;
