@@ -32,6 +32,12 @@ constexpr int kAttnWarps = 4;
 constexpr int kDecodeGroup = 8;  // at most this many query heads per block share a KV head
 constexpr float kNegInf = -INFINITY;
 
+// A KV-position value: from the step's KV record in graph steps (the kernel's arguments then stay
+// the same from step to step), by value in launches outside one.
+__device__ __forceinline__ int kv_value(const int32_t* at, int by_value) {
+  return at ? *at : by_value;
+}
+
 // Online-softmax merge of a tile's scores into (m, l); returns the rescale factor for acc and
 // sets p to the tile's probabilities relative to the new maximum.
 __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, float& l, float& p) {
@@ -60,9 +66,12 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 template <int DI, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
-                       int n_head, int n_head_kv, int head_dim, float scale, int n_kv,
-                       int first_pos, int n_splits, int n_gchunks) {
+                       int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
+                       int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
+                       int n_splits, int n_gchunks) {
   extern __shared__ float smem[];
+  const int n_kv = kv_value(n_kv_at, n_kv_value);
+  const int first_pos = kv_value(first_pos_at, first_pos_value);
   const int group = n_head / n_head_kv;
   const int hkv = blockIdx.x / n_gchunks;
   const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
@@ -246,8 +255,11 @@ __global__ void attn_reduce_kernel(const float* part, float* out, int n_head, in
 template <int DI, int QW>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_prompt_kernel(const float* q, const __half* kc, const __half* vc, float* out, int n_head,
-                       int n_head_kv, int head_dim, float scale, int n_kv, int first_pos,
+                       int n_head_kv, int head_dim, float scale, int n_kv_value,
+                       int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_tokens) {
+  const int n_kv = kv_value(n_kv_at, n_kv_value);
+  const int first_pos = kv_value(first_pos_at, first_pos_value);
   constexpr int BQ = kAttnWarps * QW;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const int kpitch = head_dim + 4;                 // halves; 8-byte row reads spread over all banks
@@ -357,22 +369,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 }
 
+// n_kv and first_pos as the kernels take them (see kv_value).
+struct AttnKv {
+  int32_t n_kv, first_pos;
+  const int32_t* n_kv_at;
+  const int32_t* first_pos_at;
+};
+
 template <int DI>
 void attention_di(Launcher& l, const float* q, const __half* kc, const __half* vc, float* out,
-                  int n_head, int n_head_kv, int head_dim, float scale, int n_tokens, int32_t n_kv,
-                  int32_t first_pos, float* partials) {
+                  int n_head, int n_head_kv, int head_dim, float scale, int n_tokens,
+                  int n_kv_bucket, const AttnKv& kv, float* partials) {
   if (n_tokens <= kDecodeAttnMaxTokens) {
     const int group = n_head / n_head_kv;
     // Heads per block: the group (rounded up to a power of two), at most kDecodeGroup.
     int g = 1;
     while (g < group && g < kDecodeGroup) g *= 2;
     const int n_gchunks = (group + g - 1) / g;
-    const int n_splits = attention_splits(kv_bucket(n_kv), n_head_kv);
+    const int n_splits = attention_splits(n_kv_bucket, n_head_kv);
     const size_t smem = (g * head_dim + kAttnWarps * g * (head_dim + 2)) * sizeof(float);
     const dim3 grid(n_head_kv * n_gchunks, n_splits, n_tokens), block(kAttnWarps * 32);
     auto launch = [&](auto kernel) {
       l(kernel, grid, block, smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
-        n_kv, first_pos, n_splits, n_gchunks);
+        kv.n_kv, kv.first_pos, kv.n_kv_at, kv.first_pos_at, n_splits, n_gchunks);
     };
     if (g == 1) launch(attn_decode_kernel<DI, 1>);
     if (g == 2) launch(attn_decode_kernel<DI, 2>);
@@ -389,29 +408,34 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
   const size_t smem =
       BQ * head_dim * sizeof(float) + (32 * (head_dim + 4) + 32 * head_dim) * sizeof(__half);
   l(attn_prompt_kernel<DI, QW>, dim3((n_tokens + BQ - 1) / BQ, n_head), dim3(kAttnWarps * 32), smem,
-    q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_kv, first_pos, n_tokens);
+    q, kc, vc, out, n_head, n_head_kv, head_dim, scale, kv.n_kv, kv.first_pos, kv.n_kv_at,
+    kv.first_pos_at, n_tokens);
 }
 
 }  // namespace
 
 void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
-                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials) {
+                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
+                      const int32_t* n_kv_at, const int32_t* first_pos_at) {
   const auto* kc = static_cast<const __half*>(k_cache);
   const auto* vc = static_cast<const __half*>(v_cache);
+  // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
+  const AttnKv kv{n_kv_at ? 0 : n_kv, first_pos_at ? 0 : first_pos, n_kv_at, first_pos_at};
+  const int bucket = kv_bucket(n_kv);
   switch ((head_dim + 63) / 64) {
     case 1:
-      return attention_di<1>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens, n_kv,
-                             first_pos, partials);
+      return attention_di<1>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
+                             bucket, kv, partials);
     case 2:
-      return attention_di<2>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens, n_kv,
-                             first_pos, partials);
+      return attention_di<2>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
+                             bucket, kv, partials);
     case 3:
-      return attention_di<3>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens, n_kv,
-                             first_pos, partials);
+      return attention_di<3>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
+                             bucket, kv, partials);
     case 4:
-      return attention_di<4>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens, n_kv,
-                             first_pos, partials);
+      return attention_di<4>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
+                             bucket, kv, partials);
     default:
       throw ArgumentError("attention: head_dim must be at most 256, got " +
                           std::to_string(head_dim));

@@ -1,12 +1,17 @@
 // The CUDA backend: device memory for weights, KV cache, scratch and inputs; validation; the
 // per-op dispatch of a graph's kernels (launch_graph); and the copies around a compute.
+// KV-position values reach the kernels through the step's KV record (kernels.cuh), so that a
+// step of an unchanged topology changes one launch; a step on the graph the last step ran,
+// shifted, checks and launches only what that record needs, without walking the graph again.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -139,127 +144,207 @@ void validate_graph(const Graph& graph) {
   if (out->type != DType::F32)
     throw ArgumentError(std::string("cuda: the graph output must be F32, found ") +
                         dtype_name(out->type));
-  for (const Tensor* t : graph.nodes()) {
-    auto need_src = [&](int i, DType type) {
-      const Tensor* s = t->src[i];
-      if (!s) bad_node(t, "source " + std::to_string(i) + " is missing");
-      if (s->type != type)
-        bad_node(t, "source " + std::to_string(i) + " must be " + dtype_name(type) + ", found " +
-                        dtype_name(s->type));
-      return s;
-    };
-    auto need_same = [&](const Tensor* a, const Tensor* b) {
-      if (a->ne[0] != b->ne[0] || a->ne[1] != b->ne[1])
-        bad_node(t, "shapes " + shape_str(a) + " and " + shape_str(b) + " differ");
-    };
-    auto need_broadcast = [&](const Tensor* a, const Tensor* b) {
-      if (b->ne[0] != a->ne[0] || (b->ne[1] != 1 && b->ne[1] != a->ne[1]))
-        bad_node(t, "cannot broadcast " + shape_str(b) + " over " + shape_str(a));
-    };
-    switch (t->op) {
-      case Op::Leaf:
-        if ((t->storage == Storage::Weight || t->storage == Storage::Kv) && !t->data)
-          bad_node(t, "leaf has no device memory");
-        break;
-      case Op::GetRows: {
-        const Tensor* table = t->src[0];
-        if (!table || !is_computable(table->type))
-          bad_node(t, std::string("table type ") + (table ? dtype_name(table->type) : "missing") +
-                          " is not computable");
-        const Tensor* ids = need_src(1, DType::I32);
-        if (ids->storage == Storage::Input && ids->data) {
-          const auto* v = static_cast<const int32_t*>(ids->data);
-          for (int64_t i = 0; i < ids->ne[0]; ++i) {
-            if (v[i] < 0 || v[i] >= table->ne[1])
-              bad_node(t, "row id " + std::to_string(v[i]) + " at " + std::to_string(i) +
-                              " is outside [0, " + std::to_string(table->ne[1]) + ")");
-          }
+  for (const Tensor* t : graph.nodes()) validate_node(t);
+}
+
+void validate_node(const Tensor* t) {
+  auto need_src = [&](int i, DType type) {
+    const Tensor* s = t->src[i];
+    if (!s) bad_node(t, "source " + std::to_string(i) + " is missing");
+    if (s->type != type)
+      bad_node(t, "source " + std::to_string(i) + " must be " + dtype_name(type) + ", found " +
+                      dtype_name(s->type));
+    return s;
+  };
+  auto need_same = [&](const Tensor* a, const Tensor* b) {
+    if (a->ne[0] != b->ne[0] || a->ne[1] != b->ne[1])
+      bad_node(t, "shapes " + shape_str(a) + " and " + shape_str(b) + " differ");
+  };
+  auto need_broadcast = [&](const Tensor* a, const Tensor* b) {
+    if (b->ne[0] != a->ne[0] || (b->ne[1] != 1 && b->ne[1] != a->ne[1]))
+      bad_node(t, "cannot broadcast " + shape_str(b) + " over " + shape_str(a));
+  };
+  switch (t->op) {
+    case Op::Leaf:
+      if ((t->storage == Storage::Weight || t->storage == Storage::Kv) && !t->data)
+        bad_node(t, "leaf has no device memory");
+      break;
+    case Op::GetRows: {
+      const Tensor* table = t->src[0];
+      if (!table || !is_computable(table->type))
+        bad_node(t, std::string("table type ") + (table ? dtype_name(table->type) : "missing") +
+                        " is not computable");
+      const Tensor* ids = need_src(1, DType::I32);
+      if (ids->storage == Storage::Input && ids->data) {
+        const auto* v = static_cast<const int32_t*>(ids->data);
+        for (int64_t i = 0; i < ids->ne[0]; ++i) {
+          if (v[i] < 0 || v[i] >= table->ne[1])
+            bad_node(t, "row id " + std::to_string(v[i]) + " at " + std::to_string(i) +
+                            " is outside [0, " + std::to_string(table->ne[1]) + ")");
         }
-        break;
       }
-      case Op::RmsNorm:
-        need_src(0, DType::F32);
-        break;
-      case Op::Mul:
-      case Op::Add:
-        need_broadcast(need_src(0, DType::F32), need_src(1, DType::F32));
-        break;
-      case Op::Swiglu:
-        need_same(need_src(0, DType::F32), need_src(1, DType::F32));
-        break;
-      case Op::MulMat: {
-        const Tensor* w = t->src[0];
-        const Tensor* x = need_src(1, DType::F32);
-        if (!w || !is_computable(w->type))
-          bad_node(t, std::string("weight type ") + (w ? dtype_name(w->type) : "missing") +
-                          " is not computable");
-        if (w->ne[0] != x->ne[0])
-          bad_node(t,
-                   "weight " + shape_str(w) + " and activation " + shape_str(x) + " disagree on k");
-        if (is_quantized(w->type) && w->ne[0] % 32 != 0)
-          bad_node(t, "k = " + std::to_string(w->ne[0]) + " is not a multiple of 32");
-        if (w->ne[1] > (1 << 30) || x->ne[1] > (1 << 30)) bad_node(t, "too large");
-        break;
+      break;
+    }
+    case Op::RmsNorm:
+      need_src(0, DType::F32);
+      break;
+    case Op::Mul:
+    case Op::Add:
+      need_broadcast(need_src(0, DType::F32), need_src(1, DType::F32));
+      break;
+    case Op::Swiglu:
+      need_same(need_src(0, DType::F32), need_src(1, DType::F32));
+      break;
+    case Op::MulMat: {
+      const Tensor* w = t->src[0];
+      const Tensor* x = need_src(1, DType::F32);
+      if (!w || !is_computable(w->type))
+        bad_node(t, std::string("weight type ") + (w ? dtype_name(w->type) : "missing") +
+                        " is not computable");
+      if (w->ne[0] != x->ne[0])
+        bad_node(t,
+                 "weight " + shape_str(w) + " and activation " + shape_str(x) + " disagree on k");
+      if (is_quantized(w->type) && w->ne[0] % 32 != 0)
+        bad_node(t, "k = " + std::to_string(w->ne[0]) + " is not a multiple of 32");
+      if (w->ne[1] > (1 << 30) || x->ne[1] > (1 << 30)) bad_node(t, "too large");
+      break;
+    }
+    case Op::Rope: {
+      const Tensor* x = need_src(0, DType::F32);
+      const Tensor* pos = need_src(1, DType::I32);
+      const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
+      const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
+      if (n_head <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
+          x->ne[0] != static_cast<int64_t>(n_head) * head_dim)
+        bad_node(t, "expected [n_head*head_dim, T] with even head_dim, found " + shape_str(x));
+      if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > head_dim)
+        bad_node(t, "n_dims " + std::to_string(n_dims) + " must be even and <= head_dim");
+      if (mode != kRopeNormal && mode != kRopeNeox)
+        bad_node(t, "unknown rope mode " + std::to_string(mode));
+      if (pos->ne[0] != x->ne[1]) bad_node(t, "positions and tokens differ in count");
+      break;
+    }
+    case Op::KvStore: {
+      const Tensor* x = need_src(0, DType::F32);
+      const Tensor* cache = kv_target(t);
+      if (!cache) bad_node(t, "no KV cache tensor to write");
+      if (cache->type != DType::F16)
+        bad_node(t, std::string("cache must be F16, found ") + dtype_name(cache->type));
+      if (x->ne[0] != cache->ne[0])
+        bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
+                        std::to_string(cache->ne[0]));
+      if (t->kv[0] < 0 || t->kv[0] + x->ne[1] > cache->ne[1])
+        bad_node(t, "rows " + std::to_string(t->kv[0]) + ".." +
+                        std::to_string(t->kv[0] + x->ne[1]) + " outside a cache of " +
+                        std::to_string(cache->ne[1]));
+      break;
+    }
+    case Op::Attention: {
+      const Tensor* q = need_src(0, DType::F32);
+      const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
+      const int head_dim = t->params[kAttnHeadDim];
+      if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
+        bad_node(t, "n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
+                        std::to_string(n_head_kv));
+      if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256)
+        bad_node(
+            t, "head_dim " + std::to_string(head_dim) + " must be a multiple of 8 and at most 256");
+      if (q->ne[0] != static_cast<int64_t>(n_head) * head_dim)
+        bad_node(t, "q " + shape_str(q) + " is not [n_head*head_dim, T]");
+      for (int i = 1; i <= 2; ++i) {
+        const Tensor* c = t->src[i] ? cache_of(t->src[i]) : nullptr;
+        if (!c || c->type != DType::F16) bad_node(t, "K/V cache must be an F16 tensor");
+        if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
+          bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
+                          "head_dim = " + std::to_string(n_head_kv * head_dim));
+        if (t->kv[kAttnNKv] < 0 || t->kv[kAttnNKv] > c->ne[1])
+          bad_node(t, "n_kv " + std::to_string(t->kv[kAttnNKv]) + " outside a cache of " +
+                          std::to_string(c->ne[1]));
       }
-      case Op::Rope: {
-        const Tensor* x = need_src(0, DType::F32);
-        const Tensor* pos = need_src(1, DType::I32);
-        const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
-        const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
-        if (n_head <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
-            x->ne[0] != static_cast<int64_t>(n_head) * head_dim)
-          bad_node(t, "expected [n_head*head_dim, T] with even head_dim, found " + shape_str(x));
-        if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > head_dim)
-          bad_node(t, "n_dims " + std::to_string(n_dims) + " must be even and <= head_dim");
-        if (mode != kRopeNormal && mode != kRopeNeox)
-          bad_node(t, "unknown rope mode " + std::to_string(mode));
-        if (pos->ne[0] != x->ne[1]) bad_node(t, "positions and tokens differ in count");
-        break;
+      if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
+      break;
+    }
+    default:
+      bad_node(t, "op not supported by the CUDA backend");
+  }
+}
+
+int KvLayout::slot_of(int32_t value) const {
+  for (int i = 0; i < n_slots; ++i)
+    if (values.v[i] == value) return i;
+  return -1;
+}
+
+void kv_layout(const Graph& graph, KvLayout* layout) {
+  layout->sources.clear();
+  layout->values = {};
+  layout->n_slots = 0;
+  std::fill(std::begin(layout->bucket), std::end(layout->bucket), 0);
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const Tensor* t = nodes[i];
+    // The KV parameters Graph::shift_kv moves.
+    const int n_kv = t->op == Op::KvStore ? 1 : t->op == Op::Attention ? 2 : 0;
+    for (int k = 0; k < n_kv; ++k) {
+      const int32_t value = t->kv[k];
+      int slot = layout->slot_of(value);
+      if (slot < 0) {
+        if (layout->n_slots == kMaxKvSlots)
+          bad_node(t, "the graph has more distinct KV-position values than the " +
+                          std::to_string(kMaxKvSlots) + " the KV record holds");
+        slot = layout->n_slots++;
+        layout->values.v[slot] = value;
       }
-      case Op::KvStore: {
-        const Tensor* x = need_src(0, DType::F32);
-        const Tensor* cache = kv_target(t);
-        if (!cache) bad_node(t, "no KV cache tensor to write");
-        if (cache->type != DType::F16)
-          bad_node(t, std::string("cache must be F16, found ") + dtype_name(cache->type));
-        if (x->ne[0] != cache->ne[0])
-          bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
-                          std::to_string(cache->ne[0]));
-        if (t->kv[0] < 0 || t->kv[0] + x->ne[1] > cache->ne[1])
-          bad_node(t, "rows " + std::to_string(t->kv[0]) + ".." +
-                          std::to_string(t->kv[0] + x->ne[1]) + " outside a cache of " +
-                          std::to_string(cache->ne[1]));
-        break;
-      }
-      case Op::Attention: {
-        const Tensor* q = need_src(0, DType::F32);
-        const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
-        const int head_dim = t->params[kAttnHeadDim];
-        if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
-          bad_node(t, "n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
-                          std::to_string(n_head_kv));
-        if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256)
-          bad_node(t, "head_dim " + std::to_string(head_dim) +
-                          " must be a multiple of 8 and at most 256");
-        if (q->ne[0] != static_cast<int64_t>(n_head) * head_dim)
-          bad_node(t, "q " + shape_str(q) + " is not [n_head*head_dim, T]");
-        for (int i = 1; i <= 2; ++i) {
-          const Tensor* c = t->src[i] ? cache_of(t->src[i]) : nullptr;
-          if (!c || c->type != DType::F16) bad_node(t, "K/V cache must be an F16 tensor");
-          if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
-            bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
-                            "head_dim = " + std::to_string(n_head_kv * head_dim));
-          if (t->kv[kAttnNKv] < 0 || t->kv[kAttnNKv] > c->ne[1])
-            bad_node(t, "n_kv " + std::to_string(t->kv[kAttnNKv]) + " outside a cache of " +
-                            std::to_string(c->ne[1]));
-        }
-        if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
-        break;
-      }
-      default:
-        bad_node(t, "op not supported by the CUDA backend");
+      layout->sources.push_back({static_cast<int>(i), k, slot});
+      if (t->op == Op::Attention && k == kAttnNKv && t->src[0] &&
+          t->src[0]->ne[1] <= kDecodeAttnMaxTokens)
+        layout->bucket[slot] = kv_bucket(value);
     }
   }
+}
+
+bool refresh_kv_values(const Graph& graph, KvLayout* layout) {
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  KvSlots values = {};
+  int seen = 0;
+  for (const KvLayout::Source& s : layout->sources) {
+    if (size_t(s.node) >= nodes.size()) return false;
+    const int32_t value = nodes[size_t(s.node)]->kv[s.kv];
+    if (s.slot == seen) {
+      values.v[seen++] = value;  // slots are numbered in order of first use
+    } else if (values.v[s.slot] != value) {
+      return false;
+    }
+  }
+  for (int i = 0; i < seen; ++i) {
+    if (layout->bucket[i] != 0 && kv_bucket(values.v[i]) != layout->bucket[i]) return false;
+    for (int j = 0; j < i; ++j)
+      if (values.v[j] == values.v[i]) return false;
+  }
+  layout->values = values;
+  return true;
+}
+
+void plan_reuse(const Graph& graph, ReusePlan* plan) {
+  plan->recheck.clear();
+  plan->inputs.clear();
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const Tensor* t = nodes[i];
+    const bool input_ids = t->op == Op::GetRows && t->src[1] &&
+                           t->src[1]->storage == Storage::Input && t->src[1]->data;
+    if (t->op == Op::KvStore || t->op == Op::Attention || input_ids)
+      plan->recheck.push_back(static_cast<int>(i));
+    if (t->storage == Storage::Input) plan->inputs.push_back(static_cast<int>(i));
+  }
+  kv_layout(graph, &plan->kv);
+}
+
+bool check_reused(const Graph& graph, ReusePlan* plan) {
+  for (int i : plan->recheck) validate_node(graph.nodes()[size_t(i)]);
+  if (refresh_kv_values(graph, &plan->kv)) return true;
+  kv_layout(graph, &plan->kv);
+  return false;
 }
 
 void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
@@ -293,6 +378,17 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
   }
   auto ptr = [&](const Tensor* t) { return tensor_ptr(t, buf); };
   auto fptr = [&](const Tensor* t) { return static_cast<float*>(tensor_ptr(t, buf)); };
+
+  // The KV record first: the kernels below read their KV-position values from it.
+  KvLayout kv_values;
+  kv_layout(graph, &kv_values);
+  if (l.execute && !buf.kv_record) throw std::logic_error("launch_graph: no KV record buffer");
+  l.node = -1;
+  launch_kv_params(l, kv_values.values, buf.kv_record);
+  // Where a KV parameter's value sits in the record (recording without buffers: nullptr).
+  auto kv_at = [&](int32_t value) -> const int32_t* {
+    return buf.kv_record ? buf.kv_record + kv_values.slot_of(value) : nullptr;
+  };
 
   // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
   const Tensor* prepared = nullptr;
@@ -480,7 +576,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
               kv.k_cache = kv_target(ks)->data;
               kv.v = fptr(vs->src[0]);
               kv.v_cache = kv_target(vs)->data;
-              kv.first_row = ks->kv[0];
+              kv.first_row = kv_at(ks->kv[0]);
               done[js] = done[jv] = 1;
             }
           }
@@ -500,7 +596,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
                           nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t);
         launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, pair ? fptr(nx->src[0]) : nullptr,
                         pair ? kv_target(nx)->data : nullptr, t->src[0]->ne[0],
-                        static_cast<int>(t->src[0]->ne[1]), t->kv[0]);
+                        static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]));
         if (pair) done[i + 1] = 1;
         break;
       }
@@ -510,7 +606,8 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
         launch_attention(l, fptr(t->src[0]), cache_of(t->src[1])->data, cache_of(t->src[2])->data,
                          fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
                          t->params[kAttnHeadDim], scale, static_cast<int>(t->src[0]->ne[1]),
-                         t->kv[kAttnNKv], t->kv[kAttnFirstPos], buf.attn);
+                         t->kv[kAttnNKv], t->kv[kAttnFirstPos], buf.attn, kv_at(t->kv[kAttnNKv]),
+                         kv_at(t->kv[kAttnFirstPos]));
         break;
       }
       default:
@@ -523,7 +620,8 @@ namespace {
 
 class CudaBackend : public Backend {
  public:
-  explicit CudaBackend(const CudaOptions& options) : device_(options.device) {
+  explicit CudaBackend(const CudaOptions& options)
+      : device_(options.device), debug_(options.debug) {
     const GraphMode mode = parse_graph_mode(options.graphs);
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
@@ -545,6 +643,7 @@ class CudaBackend : public Backend {
     prepare_kernels();
     GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug);
+    kv_record_ = static_cast<int32_t*>(device_alloc(sizeof(KvSlots), "the KV record"));
   }
 
   ~CudaBackend() override {
@@ -555,6 +654,7 @@ class CudaBackend : public Backend {
     cudaFree(input_);
     cudaFree(act_);
     cudaFree(attn_);
+    cudaFree(kv_record_);
     cudaFreeHost(input_staging_);
     cudaFreeHost(output_staging_);
     executor_.reset();
@@ -584,6 +684,7 @@ class CudaBackend : public Backend {
   void reserve(size_t scratch_bytes, size_t input_bytes) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    ++buffers_version_;  // launches recorded before now point at the old buffers
     release(scratch_);
     release(input_);
     if (input_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(input_staging_));
@@ -601,18 +702,30 @@ class CudaBackend : public Backend {
   void compute(const Graph& graph, float* out) override {
     const auto t_enter = std::chrono::steady_clock::now();
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
-    validate_graph(graph);
-    if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
-      throw ArgumentError("cuda: the graph needs " + std::to_string(graph.scratch_size) +
-                          " bytes of scratch and " + std::to_string(graph.input_size) +
-                          " of inputs; reserved " + std::to_string(scratch_bytes_) + " and " +
-                          std::to_string(input_bytes_));
-    // Workspaces only grow, and before any launch: never inside the launches themselves.
-    ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations");
-    ensure(attn_, attn_bytes_, attn_workspace_bytes(graph), "attention partials");
+    const std::vector<Tensor*>& nodes = graph.nodes();
+    // The graph object the last step ran, shifted since, on the same buffers: only its KV
+    // parameters and its inputs' values can have changed.
+    const bool same_graph = graph.serial == last_graph_serial_ && buffers_version_ == last_version_;
+    last_graph_serial_ = 0;  // unknown until this step has run
+    // Whether the step's launches are the last step's but for the KV record's values.
+    bool kv_only = false;
+    if (same_graph && !debug_) {
+      kv_only = check_reused(graph, &reuse_);
+    } else {
+      validate_graph(graph);
+      if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
+        throw ArgumentError("cuda: the graph needs " + std::to_string(graph.scratch_size) +
+                            " bytes of scratch and " + std::to_string(graph.input_size) +
+                            " of inputs; reserved " + std::to_string(scratch_bytes_) + " and " +
+                            std::to_string(input_bytes_));
+      // Workspaces only grow, and before any launch: never inside the launches themselves.
+      ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations");
+      ensure(attn_, attn_bytes_, attn_workspace_bytes(graph), "attention partials");
+      plan_reuse(graph, &reuse_);
+    }
 
-    for (const Tensor* t : graph.nodes()) {
-      if (t->storage != Storage::Input) continue;
+    for (int i : reuse_.inputs) {
+      const Tensor* t = nodes[size_t(i)];
       const size_t bytes = static_cast<size_t>(t->n_elements()) * elem_size(t->type);
       if (t->offset + bytes > input_bytes_)
         throw ArgumentError("cuda: input '" + t->name + "' lies outside the input buffer");
@@ -629,24 +742,26 @@ class CudaBackend : public Backend {
     buf.act_bytes = act_bytes_;
     buf.attn = static_cast<float*>(attn_);
     buf.attn_bytes = attn_bytes_;
-    const std::vector<Tensor*>& nodes = graph.nodes();
+    buf.kv_record = kv_record_;
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
     // One executable per batch shape; a changed topology within it (an attention split bucket
     // crossed) is applied to that executable with cudaGraphExecUpdate.
     const uint64_t batch_key = (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
-    // The same graph object as last step, on the same buffers: only its KV nodes changed.
-    const bool same_graph = graph.serial == last_graph_serial_ && buffers_version_ == last_version_;
-    last_graph_serial_ = 0;  // unknown until this step has run
+    // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
+    GraphExecutor::LaunchAll launch_kv;
+    if (kv_only && executor_->mode() == GraphMode::Patch)
+      launch_kv = [this](Launcher& l) { launch_kv_params(l, reuse_.kv.values, kv_record_); };
     executor_->run(
         batch_key, [&](Launcher& l) { launch_graph(graph, buf, l); },
         [&](int i) {
+          if (i == -1) return std::string("the step's KV record");
           if (i < 0 || i >= static_cast<int>(nodes.size())) return std::string("?");
           return std::string(op_name(nodes[i]->op)) + " '" + nodes[i]->name + "' (node " +
                  std::to_string(i) + ")";
         },
-        same_graph);
+        launch_kv);
     last_graph_serial_ = graph.serial;
     last_version_ = buffers_version_;
 
@@ -757,6 +872,9 @@ class CudaBackend : public Backend {
   // What the last step ran: its graph and the buffers' generation (see compute).
   uint64_t last_graph_serial_ = 0;
   uint64_t buffers_version_ = 0, last_version_ = 0;
+  bool debug_ = false;
+  ReusePlan reuse_;                 // of the graph the last step ran
+  int32_t* kv_record_ = nullptr;    // the step's KV record (kernels.cuh)
   std::vector<void*> allocations_;  // weights and KV caches, freed with the backend
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;

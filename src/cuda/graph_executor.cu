@@ -100,8 +100,6 @@ void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
   e.launches.swap(launches);
   e.nodes.swap(nodes);
   e.stale.assign(e.nodes.size(), 0);
-  e.kv_nodes.clear();
-  e.kv_learned = false;
   instantiate(e);
 }
 
@@ -144,15 +142,13 @@ static bool same_topology(const std::vector<KernelLaunch>& a, const std::vector<
   return true;
 }
 
-int GraphExecutor::record_step(const LaunchAll& launch_all, const std::vector<uint8_t>* only) {
+void GraphExecutor::record_step(const LaunchAll& launches) {
   recorded_.clear();
   Launcher L;
   L.stream = stream_;
   L.execute = false;
   L.record = &recorded_;
-  L.record_only = only;
-  launch_all(L);
-  return L.launches;
+  launches(L);
 }
 
 void GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
@@ -173,13 +169,7 @@ void GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
 void GraphExecutor::patch(Entry& e) {
   for (size_t i = 0; i < recorded_.size(); ++i) {
     const KernelLaunch& want = recorded_[i];
-    if (want.same_args(e.launches[i])) continue;
-    if (want.node >= 0) {
-      if (e.kv_nodes.size() <= size_t(want.node)) e.kv_nodes.resize(size_t(want.node) + 1, 0);
-      e.kv_nodes[size_t(want.node)] = 1;
-      e.kv_learned = true;
-    }
-    patch_node(e, i, want);
+    if (!want.same_args(e.launches[i])) patch_node(e, i, want);
   }
 }
 
@@ -196,8 +186,8 @@ void GraphExecutor::check_nodes(const Entry& e,
     for (int a = 0; ok && a < want.n_args; ++a)
       ok = std::memcmp(p.kernelParams[a], want.args + want.arg_offset[a], want.arg_size[a]) == 0;
     if (!ok)
-      throw DeviceError("CUDA graph debug: kernel node " + std::to_string(i) + " of graph node " +
-                        std::to_string(want.node) + " (" + node_names(want.node) +
+      throw DeviceError("CUDA graph debug: kernel node " + std::to_string(i) + " (" +
+                        node_names(want.node) +
                         ") does not hold the parameters this step asks for");
   }
 }
@@ -210,26 +200,33 @@ void GraphExecutor::launch(Entry& e) {
 }
 
 void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
-                        const std::function<std::string(int)>& node_names, bool kv_only) {
+                        const std::function<std::string(int)>& node_names,
+                        const LaunchAll& launch_kv) {
   const auto start = std::chrono::steady_clock::now();
-  run_mode(key, launch_all, node_names, kv_only);
+  run_mode(key, launch_all, node_names, launch_kv);
   stats_.steps += 1;
   stats_.host_us_total +=
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
-bool GraphExecutor::patch_kv_nodes(Entry& e, const LaunchAll& launch_all) {
-  if (!e.kv_learned) return false;
-  if (size_t(record_step(launch_all, &e.kv_nodes)) != e.launches.size()) return false;
+bool GraphExecutor::patch_kv_launches(Entry& e, const LaunchAll& launch_kv) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  record_step(launch_kv);
+  const auto t1 = Clock::now();
+  stats_.record_us_total += std::chrono::duration<double, std::micro>(t1 - t0).count();
   for (const KernelLaunch& k : recorded_)
-    if (!k.same_shape(e.launches[size_t(k.index)])) return false;  // a bucket crossed
+    if (size_t(k.index) >= e.launches.size() || !k.same_shape(e.launches[size_t(k.index)]))
+      return false;
   for (const KernelLaunch& want : recorded_)
     if (!want.same_args(e.launches[size_t(want.index)])) patch_node(e, size_t(want.index), want);
+  stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t1).count();
   return true;
 }
 
 void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
-                             const std::function<std::string(int)>& node_names, bool kv_only) {
+                             const std::function<std::string(int)>& node_names,
+                             const LaunchAll& launch_kv) {
   if (mode_ == GraphMode::Off) {
     Launcher L;
     L.stream = stream_;
@@ -255,17 +252,16 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     return;
   }
   // Patch: find out what this step launches without launching it.
-  using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
-  if (kv_only && !debug_) {
+  if (launch_kv && !debug_) {
     auto it = cache_.find(key);
-    if (it != cache_.end() && it->second.exec && patch_kv_nodes(it->second, launch_all)) {
-      stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    if (it != cache_.end() && it->second.exec && patch_kv_launches(it->second, launch_kv)) {
       launch(it->second);
       return;
     }
   }
-  record_step(launch_all, nullptr);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  record_step(launch_all);
   const auto t1 = Clock::now();
   stats_.record_us_total += std::chrono::duration<double, std::micro>(t1 - t0).count();
   Entry& e = entry_for(key);

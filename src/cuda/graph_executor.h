@@ -1,7 +1,8 @@
 // GraphExecutor: runs one step's kernels eagerly or through a CUDA graph. In patch mode (the
 // default) a step whose launches match the cached executable's in everything but argument
-// values (the KV-cache row, the attention length) patches exactly those kernel nodes in place
-// and replays; a changed topology is captured again and applied with cudaGraphExecUpdate.
+// values patches exactly those kernel nodes in place and replays; a changed topology is captured
+// again and applied with cudaGraphExecUpdate. The backend's kernels read the KV position from a
+// device record that the step's first kernel writes, so a decode step patches that one node.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,12 +42,12 @@ class GraphExecutor {
 
   // Issues the step's kernels on the stream. `key` names the topology class (batch shape);
   // launch_all must issue the same kernels in the same order whenever it is called for a step.
-  // node_names maps a launch's graph-node index to a name for debug messages.
-  // kv_only promises that the step's graph is the one the last step with this key ran, changed
-  // only in its KV-position parameters. Then (patch mode, outside debug mode) only the launches
-  // of the graph nodes whose launches a full comparison has seen change are recorded again.
+  // node_names maps a launch's graph-node index (-1: none) to a name for debug messages.
+  // launch_kv, when given, promises that launch_all would issue what the last step with this key
+  // issued but for the arguments of its first launches, which launch_kv issues alone. Then
+  // (patch mode, outside debug mode) only those are recorded and patched: no walk of the graph.
   void run(uint64_t key, const LaunchAll& launch_all,
-           const std::function<std::string(int)>& node_names, bool kv_only = false);
+           const std::function<std::string(int)>& node_names, const LaunchAll& launch_kv = {});
 
   GraphMode mode() const { return mode_; }
   const GraphStats& stats() const { return stats_; }
@@ -67,18 +68,14 @@ class GraphExecutor {
     std::vector<KernelLaunch> launches;
     std::vector<cudaGraphNode_t> nodes;
     std::vector<uint8_t> stale;  // node's parameters in `graph` lag behind the executable's
-    // Graph nodes whose launches a full comparison saw change between steps: the ones that
-    // depend on the KV position (found by watching, as fused launches may carry them).
-    std::vector<uint8_t> kv_nodes;
-    bool kv_learned = false;
     uint64_t last_used = 0;
   };
 
   void run_mode(uint64_t key, const LaunchAll& launch_all,
-                const std::function<std::string(int)>& node_names, bool kv_only);
-  // The patch step of a graph known unchanged but for its KV parameters; false if it does not
-  // apply (nothing learned yet, or the launches' shapes moved: a bucket crossed).
-  bool patch_kv_nodes(Entry& e, const LaunchAll& launch_all);
+                const std::function<std::string(int)>& node_names, const LaunchAll& launch_kv);
+  // The patch step of a graph known unchanged but for the launches launch_kv issues; false if
+  // those do not fit the executable (another function, grid or argument layout).
+  bool patch_kv_launches(Entry& e, const LaunchAll& launch_kv);
   void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
                std::vector<cudaGraphNode_t>* nodes);
   void instantiate(Entry& e);
@@ -87,9 +84,8 @@ class GraphExecutor {
   // Takes the capture's launches and nodes (swapped out of the arguments).
   void update_or_instantiate(Entry& e, cudaGraph_t graph, std::vector<KernelLaunch>& launches,
                              std::vector<cudaGraphNode_t>& nodes);
-  // Records the step's launches (only those of the marked nodes, when given) into recorded_;
-  // returns how many launches the step has in all.
-  int record_step(const LaunchAll& launch_all, const std::vector<uint8_t>* only);
+  // Records the launches that `launches` issues into recorded_, without issuing them.
+  void record_step(const LaunchAll& launches);
   // Patches the kernel nodes whose arguments differ from recorded_ (all launches recorded).
   void patch(Entry& e);
   void patch_node(Entry& e, size_t i, const KernelLaunch& want);

@@ -119,7 +119,7 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* dst, in
 // first n_head0 * head_dim / 2 pairs of a token belong to the first.
 // With k_cache set, the second tensor's rows (k) also go to the F16 cache at row first_row +
 // token, and v's rows (pairs after the ropes' pairs) to v_cache: the K/V stores in the same
-// launch. first_row arrives by value, as in kv_store_kernel.
+// launch. first_row comes from the step's KV record, as in kv_store_kernel.
 struct RopeArgs {
   const float* src0;
   float* dst0;
@@ -218,7 +218,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
 #define GGRAPH_ROPE_PARAMS                                                                      \
   const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
       int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
-      const int32_t *pos, float freq_base, int32_t first_row
+      const int32_t *pos, float freq_base, const int32_t *first_row_at
 #define GGRAPH_ROPE_ARGS                                                                      \
   const RopeArgs a {                                                                          \
     src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache \
@@ -226,6 +226,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
 
 __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
   GGRAPH_ROPE_ARGS;
+  const int32_t first_row = k_cache ? *first_row_at : 0;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t t = blockIdx.y;
   const RopeSlot r = rope_slot(a, idx, t, first_row);
@@ -241,6 +242,7 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
 // output where q's product was.
 __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots) {
   GGRAPH_ROPE_ARGS;
+  const int32_t first_row = k_cache ? *first_row_at : 0;
   __shared__ float2 angle[kRopeMaxHalfDim];
   float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
   const int half_dim = a.head_dim / 2;
@@ -270,15 +272,23 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
 
 // ---- KV store ------------------------------------------------------------------------------
 
-// first_row arrives by value: the graph executor patches it per step; the cache pointers stay.
-// blockIdx.y picks one of two stores of the same rows (K and V).
+// first_row is read from the step's KV record, so that the arguments stay the same from step to
+// step. blockIdx.y picks one of two stores of the same rows (K and V).
 __global__ void kv_store_kernel(const float* src0, const float* src1, __half* cache0,
-                                __half* cache1, int64_t n_embd_kv, int64_t n, int32_t first_row) {
+                                __half* cache1, int64_t n_embd_kv, int64_t n,
+                                const int32_t* first_row_at) {
+  const int32_t first_row = *first_row_at;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float* src = blockIdx.y == 0 ? src0 : src1;
   __half* cache = blockIdx.y == 0 ? cache0 : cache1;
   cache[static_cast<int64_t>(first_row) * n_embd_kv + i] = __float2half_rn(src[i]);
+}
+
+// ---- The step's KV record ----------------------------------------------------------------------
+
+__global__ void kv_params_kernel(KvSlots values, int32_t* record) {
+  if (threadIdx.x < kMaxKvSlots) record[threadIdx.x] = values.v[threadIdx.x];
 }
 
 // ---- Activation preparation ------------------------------------------------------------------
@@ -381,7 +391,7 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
   RopeArgs a{
       src,     dst, n_head, src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, head_dim, n_dims, mode,
       nullptr, src, nullptr};
-  int32_t first_row = 0;
+  const int32_t* first_row = nullptr;
   const bool with_kv = kv && src1;
   if (with_kv) {
     a.k_cache = static_cast<__half*>(kv->k_cache);
@@ -407,12 +417,16 @@ bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
 }
 
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
-                     int64_t n_embd_kv, int n_tokens, int32_t first_row) {
+                     int64_t n_embd_kv, int n_tokens, const int32_t* first_row) {
   const int64_t n = n_embd_kv * n_tokens;
   const bool pair = src1 != nullptr;
   l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
     first_row);
+}
+
+void launch_kv_params(Launcher& l, const KvSlots& values, int32_t* record) {
+  l(kv_params_kernel, dim3(1), dim3(kMaxKvSlots), 0, values, record);
 }
 
 size_t act_q8_bytes(int64_t k, int64_t cols) {

@@ -1,11 +1,12 @@
-// Internal declarations of the CUDA backend: device buffers, per-op launch functions and the
-// bucket function that decides the flash-decoding split count.
+// Internal declarations of the CUDA backend: device buffers, the step's KV record, per-op launch
+// functions and the bucket function that decides the flash-decoding split count.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/launch.cuh"
 #include "graph.h"
@@ -87,6 +88,44 @@ int kv_bucket(int n_kv);
 int attention_splits(int n_kv_bucket, int n_head_kv);
 constexpr int kMaxAttnSplits = 32;
 
+// ---- The step's KV record ---------------------------------------------------------------------
+//
+// A step's KV-position values (cache rows written, attention lengths, first query positions)
+// reach the kernels through a small device buffer that the step's first kernel writes from its
+// by-value argument; the kernels that use them hold pointers into it. So a step that only moves
+// the KV position changes the arguments of that one kernel node.
+
+constexpr int kMaxKvSlots = 32;
+// The record's contents as that kernel's argument (no padding: equal values, equal bytes).
+struct KvSlots {
+  int32_t v[kMaxKvSlots];
+};
+void launch_kv_params(Launcher& l, const KvSlots& values, int32_t* record);
+
+// Where a graph's KV parameters (Tensor::kv of its KvStore and Attention nodes) go in the record:
+// equal values share a slot, slots numbered in order of first use.
+struct KvLayout {
+  struct Source {
+    int node;  // index in Graph::nodes
+    int kv;    // which of its kv values
+    int slot;
+  };
+  std::vector<Source> sources;  // in node order
+  KvSlots values = {};          // unused slots zero
+  int n_slots = 0;
+  // kv_bucket of each slot a flash-decoding attention reads as n_kv (0 for the others): the
+  // attention's grid depends on it.
+  int bucket[kMaxKvSlots] = {};
+  int slot_of(int32_t value) const;  // -1 when no slot holds it
+};
+// Throws ArgumentError when the graph has more than kMaxKvSlots distinct KV values.
+void kv_layout(const Graph& graph, KvLayout* layout);
+// Reads the KV values of the graph that layout was made from, shifted since (Graph::shift_kv),
+// into layout->values. False when the layout no longer fits it (values that were equal differ
+// or the other way round, or a flash-decoding attention moved to another split bucket): then
+// its launches are not those of the last step and must be walked again.
+bool refresh_kv_values(const Graph& graph, KvLayout* layout);
+
 // ---- Buffers a graph's kernels address --------------------------------------------------------
 
 struct DeviceBuffers {
@@ -96,6 +135,7 @@ struct DeviceBuffers {
   size_t act_bytes = 0;
   float* attn = nullptr;  // flash-decoding partial results
   size_t attn_bytes = 0;
+  int32_t* kv_record = nullptr;  // kMaxKvSlots values
 };
 
 // Device address of a tensor's data.
@@ -112,9 +152,25 @@ uint64_t topology_key(const Graph& graph);
 // Checks every node's shapes, types and KV arguments against what the kernels support, before
 // anything is launched. Throws ArgumentError naming the node.
 void validate_graph(const Graph& graph);
+// The same checks for one node.
+void validate_node(const Tensor* t);
 
-// Launches every node's kernels on launcher (which sets launcher.node for each node). No
-// allocation, no synchronisation, no host read of device data: it may run under stream capture.
+// What a step on the graph that the last step ran (shifted since by Graph::shift_kv) needs to
+// know of it, found once from the whole graph.
+struct ReusePlan {
+  std::vector<int> recheck;  // nodes whose checks read per-step values: KV nodes, input ids
+  std::vector<int> inputs;   // input tensors, copied in every step
+  KvLayout kv;
+};
+void plan_reuse(const Graph& graph, ReusePlan* plan);
+// Checks the nodes of plan->recheck again (throws ArgumentError as validate_graph does) and
+// reads the KV values into plan->kv; false (plan->kv made anew) when the launches must be
+// walked again (see refresh_kv_values).
+bool check_reused(const Graph& graph, ReusePlan* plan);
+
+// Launches the KV record's kernel, then every node's kernels, on launcher (which sets
+// launcher.node for each node; -1 for the record's). No allocation, no synchronisation, no host
+// read of device data: it may run under stream capture.
 void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& launcher);
 
 // ---- Per-op launches (pointers already resolved) ----------------------------------------------
@@ -141,12 +197,12 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
                    int64_t cols, uint8_t* quant_ws);
 // The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
-// as k's) go to F16 caches at rows first_row...
+// as k's) go to F16 caches at rows *first_row... (first_row points into the KV record).
 struct RopeKvStore {
   void* k_cache = nullptr;
   const float* v = nullptr;
   void* v_cache = nullptr;
-  int32_t first_row = 0;
+  const int32_t* first_row = nullptr;
 };
 // With src1 given, also rotates src1 (n_head1 heads, the same positions) into dst1: q and k in
 // one launch; with kv given too, the K and V stores as well.
@@ -162,9 +218,10 @@ int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);
 constexpr int kRopeTokenSlots = 8;
 constexpr int kRopeMaxHalfDim = 256;
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
-// Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows first_row...
+// Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows *first_row...
+// (first_row points into the KV record).
 void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
-                     int64_t n_embd_kv, int n_tokens, int32_t first_row);
+                     int64_t n_embd_kv, int n_tokens, const int32_t* first_row);
 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
@@ -205,11 +262,14 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
                        const uint8_t* ws, int cols, float* dst);
 
 // Attention: q [n_head*head_dim, T] F32; caches F16 rows of n_head_kv*head_dim; out like q.
-// n_kv and first_pos are passed to the kernels by value; the grid depends on n_tokens and the
-// bucket of n_kv only.
+// The grid depends on n_tokens and the bucket of n_kv only. With n_kv_at and first_pos_at
+// (pointers into the KV record: graph steps) the kernels read n_kv and first_pos there, so
+// their arguments stay the same from step to step; without (a launch outside a graph step, as
+// the kernel benchmark makes), they take them by value.
 void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
-                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials);
+                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
+                      const int32_t* n_kv_at = nullptr, const int32_t* first_pos_at = nullptr);
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
 
 }  // namespace ggraph::cuda

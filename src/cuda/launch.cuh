@@ -66,8 +66,6 @@ class Launcher {
   int node = -1;                                // graph node being launched
   // While the stream is being captured: the kernel node each launch became, in launch order.
   std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
-  // When set, only launches of nodes whose entry is non-zero are recorded (all are counted).
-  const std::vector<uint8_t>* record_only = nullptr;
   int launches = 0;  // launches issued or recorded so far this step
 
   template <typename... KArgs, typename... Args>
@@ -84,9 +82,7 @@ class Launcher {
                     std::index_sequence<I...>) {
     void* ptrs[sizeof...(I) + 1] = {static_cast<void*>(&std::get<I>(values))...};
     const int index = launches++;
-    const bool wanted = !record_only || (node >= 0 && size_t(node) < record_only->size() &&
-                                         (*record_only)[size_t(node)]);
-    if (record && wanted) {
+    if (record) {
       static_assert(sizeof...(I) <= KernelLaunch::kMaxArgs, "too many kernel arguments");
       record->emplace_back();
       KernelLaunch& k = record->back();

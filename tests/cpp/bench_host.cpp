@@ -1,5 +1,6 @@
 // Host-side cost of one decode step's bookkeeping, without a GPU: building and planning the
-// graph, and walking its CUDA launches in record mode (everything, or only the KV nodes').
+// graph, checking it, walking its CUDA launches in record mode, and what a step on the reused
+// graph does instead in patch mode (recheck its KV nodes, record the KV record's launch).
 //   ggraph_bench_host MODEL.gguf
 #include <chrono>
 #include <cstdio>
@@ -60,25 +61,56 @@ int main(int argc, char** argv) {
   buf.act_bytes = act.size();
   buf.attn = reinterpret_cast<float*>(attn.data());
   buf.attn_bytes = attn.size();
+  std::vector<int32_t> kv_record(cuda::kMaxKvSlots);
+  buf.kv_record = kv_record.data();
+
+  const int iters = 2000;
+  t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) cuda::validate_graph(g);
+  std::printf("validate_graph, every node: %.1f us (%zu graph nodes)\n", us_since(t0, iters),
+              g.nodes().size());
+
   std::vector<cuda::KernelLaunch> rec;
   rec.reserve(4096);
-  std::vector<uint8_t> kv_nodes(g.nodes().size(), 0);
-  for (const Tensor* t : g.nodes())
-    kv_nodes[size_t(t->index)] = t->op == Op::Attention || t->op == Op::Rope;
-  const char* names[] = {"walk only", "record all launches", "record KV nodes' launches"};
-  for (int mode = 0; mode < 3; ++mode) {
-    const int iters = 2000;
+  const char* names[] = {"walk only", "record all launches"};
+  for (int mode = 0; mode < 2; ++mode) {
     t0 = Clock::now();
     for (int i = 0; i < iters; ++i) {
       rec.clear();
       cuda::Launcher l;
       l.execute = false;
       l.record = mode == 0 ? nullptr : &rec;
-      l.record_only = mode == 2 ? &kv_nodes : nullptr;
       cuda::launch_graph(g, buf, l);
     }
-    std::printf("launch_graph, %s: %.1f us (%zu launches recorded of %zu graph nodes)\n",
-                names[mode], us_since(t0, iters), rec.size(), g.nodes().size());
+    std::printf("launch_graph, %s: %.1f us (%zu launches recorded)\n", names[mode],
+                us_since(t0, iters), rec.size());
+  }
+
+  // A step on the reused graph: Context shifts it to the next position; then (patch mode,
+  // CudaBackend::compute) the checks of the nodes that read per-step values, the KV record's
+  // values and its one launch, recorded for the executor to compare and patch.
+  t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) g.shift_kv(i % 2 == 0 ? 1 : -1);
+  std::printf("reused graph, shift_kv: %.2f us\n", us_since(t0, iters));
+  cuda::ReusePlan reuse;
+  cuda::plan_reuse(g, &reuse);
+  bool kept = true;
+  t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) {
+    kept = cuda::check_reused(g, &reuse) && kept;
+    rec.clear();
+    cuda::Launcher l;
+    l.execute = false;
+    l.record = &rec;
+    cuda::launch_kv_params(l, reuse.kv.values, buf.kv_record);
+  }
+  std::printf(
+      "reused graph, recheck + KV record's launch: %.2f us (%zu nodes rechecked, %d KV slots, "
+      "%zu launch recorded)\n",
+      us_since(t0, iters), reuse.recheck.size(), reuse.kv.n_slots, rec.size());
+  if (!kept) {
+    std::fprintf(stderr, "the reused graph needs a walk of its launches: not the fast path\n");
+    return 1;
   }
   return 0;
 }

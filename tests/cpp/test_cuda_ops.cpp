@@ -806,6 +806,8 @@ struct LayerGraph {
     plan(g);
   }
 
+  static int32_t* record() { return reinterpret_cast<int32_t*>(uintptr_t(0x7400000000)); }
+
   std::vector<cuda::KernelLaunch> launches() const {
     cuda::validate_graph(g);
     cuda::DeviceBuffers buf;
@@ -813,6 +815,7 @@ struct LayerGraph {
     buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
     buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
     buf.attn = reinterpret_cast<float*>(uintptr_t(0x7300000000));
+    buf.kv_record = record();
     std::vector<cuda::KernelLaunch> rec;
     cuda::Launcher l;
     l.execute = false;
@@ -864,36 +867,116 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
 }
 
-TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInKvArguments) {
+// The values a KV record launch writes: its by-value slots.
+std::vector<int32_t> record_values(const cuda::KernelLaunch& k) {
+  cuda::KvSlots v;
+  std::memcpy(&v, k.args + k.arg_offset[0], sizeof v);
+  return std::vector<int32_t>(v.v, v.v + cuda::kMaxKvSlots);
+}
+
+bool holds_pointer(const cuda::KernelLaunch& k, const void* p) {
+  for (int a = 0; a < k.n_args; ++a)
+    if (k.arg_size[a] == sizeof p && std::memcmp(k.args + k.arg_offset[a], &p, sizeof p) == 0)
+      return true;
+  return false;
+}
+
+TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
   for (int n_tokens : {1, 4, 64}) {
     for (bool products_first : {false, true}) {
       LayerGraph a(n_tokens, 100, products_first), b(n_tokens, 101, products_first);
       EXPECT_EQ(cuda::topology_key(a.g), cuda::topology_key(b.g));
       const auto ra = a.launches(), rb = b.launches();
       ASSERT_EQ(ra.size(), rb.size());
-      int differing = 0;
-      for (size_t i = 0; i < ra.size(); ++i) {
+      ASSERT_FALSE(ra.empty());
+      // The first launch writes the record: the cache row and first query position (n_past),
+      // then the attention length (n_past + n_tokens), slots in order of first use.
+      EXPECT_EQ(ra[0].node, -1);
+      for (int past : {100, 101}) {
+        std::vector<int32_t> want(cuda::kMaxKvSlots, 0);
+        want[0] = past;
+        want[1] = past + n_tokens;
+        EXPECT_EQ(record_values(past == 100 ? ra[0] : rb[0]), want) << "tokens " << n_tokens;
+      }
+      EXPECT_FALSE(ra[0].same_args(rb[0]));
+      // Every other launch, the K/V stores' and the attention's included, reads the KV position
+      // from the record: its arguments stay.
+      for (size_t i = 1; i < ra.size(); ++i) {
         ASSERT_TRUE(ra[i].same_shape(rb[i])) << "launch " << i;
         ASSERT_EQ(ra[i].node, rb[i].node);
-        if (ra[i].same_args(rb[i])) continue;
-        const Op op = a.g.nodes()[ra[i].node]->op;
-        // The K/V stores ride along with the ropes where those are fused: always for one token
-        // with the products first.
-        EXPECT_TRUE(op == Op::KvStore || op == Op::Rope || op == Op::Attention)
-            << "launch " << i << " of " << op_name(op) << " changed its arguments";
-        if (products_first && n_tokens == 1) {
-          EXPECT_NE(op, Op::KvStore) << "launch " << i;
-        }
-        ++differing;
+        EXPECT_TRUE(ra[i].same_args(rb[i]))
+            << "launch " << i << " of " << op_name(a.g.nodes()[ra[i].node]->op)
+            << " changed its arguments";
       }
-      // Per layer: the kernel with the K/V stores and the attention kernel.
-      EXPECT_EQ(differing, 2 * 2) << "tokens " << n_tokens;
+      // Per layer, the launch with the K/V stores (a rope's, where they ride along) holds a
+      // pointer to the row's slot, and the attention's to the length's and first position's.
+      const int32_t* record = LayerGraph::record();
+      int row_reads = 0, length_reads = 0;
+      for (const auto& k : ra) {
+        const Op op = k.node >= 0 ? a.g.nodes()[k.node]->op : Op::Leaf;
+        if ((op == Op::Rope || op == Op::KvStore) && holds_pointer(k, record)) ++row_reads;
+        if (op == Op::Attention && holds_pointer(k, record + 1) && holds_pointer(k, record))
+          ++length_reads;
+      }
+      EXPECT_EQ(row_reads, 2) << "tokens " << n_tokens;
+      EXPECT_EQ(length_reads, 2) << "tokens " << n_tokens;
     }
   }
   // Crossing a KV bucket changes the attention grid: another topology.
   LayerGraph near(1, 200), far(1, 300);
   EXPECT_NE(cuda::topology_key(near.g), cuda::topology_key(far.g));
   EXPECT_NE(cuda::topology_key(LayerGraph(1, 20).g), cuda::topology_key(LayerGraph(2, 20).g));
+}
+
+TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
+  LayerGraph lg(1, 100);
+  cuda::ReusePlan reuse;
+  cuda::plan_reuse(lg.g, &reuse);
+  EXPECT_EQ(reuse.kv.n_slots, 2);
+  // Per layer the K and V stores and the attention; the token ids' get_rows.
+  EXPECT_EQ(reuse.recheck.size(), 2u * 3u + 1u);
+  int n_past = 100;
+  for (; n_past + 1 < 256; ++n_past) {
+    lg.g.shift_kv(1);
+    ASSERT_TRUE(cuda::check_reused(lg.g, &reuse)) << "n_past " << n_past + 1;
+    // What the backend hands the executor instead of a walk is the walk's first launch.
+    std::vector<cuda::KernelLaunch> kv;
+    cuda::Launcher l;
+    l.execute = false;
+    l.record = &kv;
+    cuda::launch_kv_params(l, reuse.kv.values, LayerGraph::record());
+    const auto full = lg.launches();
+    ASSERT_EQ(kv.size(), 1u);
+    ASSERT_TRUE(kv[0].same_shape(full[0]) && kv[0].same_args(full[0])) << "n_past " << n_past + 1;
+  }
+  // n_kv 256 is in the first split bucket; 257 is not: the launches must be walked again.
+  lg.g.shift_kv(1);
+  EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
+  EXPECT_TRUE(cuda::check_reused(lg.g, &reuse)) << "the layout was not made anew";
+  // Values that were equal no longer are (the K/V stores would no longer launch together).
+  lg.store_v->kv[0] += 5;
+  EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
+  EXPECT_EQ(reuse.kv.n_slots, 3);
+  lg.store_v->kv[0] -= 5;
+  EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
+  // Rows past the end of the cache are refused before anything is launched.
+  lg.g.shift_kv(1024);
+  EXPECT_THROW(cuda::check_reused(lg.g, &reuse), ArgumentError);
+}
+
+TEST(CudaLaunchPlan, TheKvRecordHoldsABoundedNumberOfDistinctValues) {
+  for (int n_values : {cuda::kMaxKvSlots, cuda::kMaxKvSlots + 1}) {
+    Graph g;
+    Tensor* cache = g.kv_cache(DType::F16, 64, 1024, reinterpret_cast<void*>(0x100000), "k");
+    Tensor* x = g.weight(DType::F32, 64, 1, reinterpret_cast<void*>(0x200000), "x");
+    for (int i = 0; i < n_values; ++i) g.kv_store(cache, x, i);
+    cuda::KvLayout layout;
+    if (n_values <= cuda::kMaxKvSlots) {
+      EXPECT_NO_THROW(cuda::kv_layout(g, &layout));
+    } else {
+      EXPECT_THROW(cuda::kv_layout(g, &layout), ArgumentError);
+    }
+  }
 }
 
 TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {

@@ -71,10 +71,24 @@ def test_counters_follow_each_mode(smol_shape):
             assert s["captures"] == n and s["exec_updates"] + s["update_failures"] == n
             assert s["instantiations"] == s["update_failures"]
         if mode == "patch":
-            # Within one attention bucket nothing is captured: the KV nodes are patched.
-            assert s["captures"] <= 1, s
-            assert s["kernel_nodes_patched"] >= n
-            assert s["instantiations"] + s["exec_updates"] <= s["captures"]
+            # Within one attention bucket nothing is captured: each step patches one node, the
+            # kernel that writes the step's KV position into the record the others read.
+            assert s["captures"] == 0 and s["instantiations"] == 0 and s["exec_updates"] == 0, s
+            assert s["kernel_nodes_patched"] == n, s
+
+
+def test_patch_mode_captures_once_when_an_attention_bucket_is_crossed(smol_shape):
+    m = ggraph.Model(smol_shape, device="cuda", n_ctx=1024, cuda_graphs="patch")
+    m.eval(list(range(1, 251)))
+    m.eval([1])  # the decode topology of the first bucket is captured at n_past 250
+    m.reset_graph_stats()
+    n = 10
+    for t in range(n):
+        m.eval([t + 2])  # attention lengths 252..261: 257 is the first of the next bucket
+    s = m.graph_stats
+    assert s["replays"] == n
+    assert s["captures"] == 1 and s["exec_updates"] + s["instantiations"] == 1, s
+    assert s["kernel_nodes_patched"] == n - 1, s
 
 
 def _kernel_nodes(drv, handle):
@@ -106,47 +120,54 @@ def _kernel_nodes(drv, handle):
     return out
 
 
-def _int_diffs(before, after):
-    """Differences of the 32-bit integer arguments that changed (None if another kind did)."""
-    out = []
-    for a, b in zip(before, after):
-        if a != b:
-            if len(a) != 4:
-                return None
-            old = int.from_bytes(a, "little", signed=True)
-            out.append(int.from_bytes(b, "little", signed=True) - old)
-    return out
-
-
-def test_graph_read_with_cuda_python_holds_the_patched_arguments(smol_shape):
+def test_graph_read_with_cuda_python_holds_the_steps_kv_position(smol_shape):
     drv = pytest.importorskip("cuda.bindings.driver")
     if not hasattr(drv, "cuFuncGetParamInfo"):
         pytest.skip("this cuda-python has no cuFuncGetParamInfo")
     m = ggraph.Model(smol_shape, device="cuda", n_ctx=1024, cuda_graphs="patch")
     m.eval([1, 2, 3, 4])
-    m.eval([5])
-    before = _kernel_nodes(drv, m.cuda_graph_handle())
-    assert len(before) >= 30 * 8, "fewer kernel nodes than the model has ops"
-    m.eval([6])
-    after = _kernel_nodes(drv, m.cuda_graph_handle())
-    assert after.keys() == before.keys(), "patching must not add or remove nodes"
-    changed = [k for k in before if before[k] != after[k]]
-    # Only KV-position arguments move: the cache row written, the attention length and the
-    # first query position, each by one; functions, grids and pointers stay.
-    assert 0 < len(changed) < len(before) // 2
-    for k in changed:
-        assert before[k][:2] == after[k][:2], f"node {k}: function or grid changed"
-        diffs = _int_diffs(before[k][2], after[k][2])
-        assert diffs and all(d == 1 for d in diffs), f"node {k}: argument changes {diffs}"
+    steps = []  # (position the step wrote, the graph's kernel nodes after it)
+    for t in range(4):
+        n_past = m.n_past
+        m.eval([5 + t])
+        steps.append((n_past, _kernel_nodes(drv, m.cuda_graph_handle())))
+    first = steps[0][1]
+    assert len(first) >= 30 * 8, "fewer kernel nodes than the model has ops"
+    record_node = None
+    for (_, before), (n_past, after) in zip(steps, steps[1:]):
+        assert after.keys() == before.keys(), "patching must not add or remove nodes"
+        changed = [k for k in before if before[k] != after[k]]
+        # One node moves: the kernel that writes the KV record. Its function, grid and record
+        # pointer stay; its values are the cache row and first query position (n_past) and the
+        # attention length (n_past + 1), in order of first use, the unused slots zero.
+        assert len(changed) == 1, f"{len(changed)} nodes changed"
+        k = changed[0]
+        assert record_node in (None, k), "another node took the KV position"
+        record_node = k
+        assert before[k][:2] == after[k][:2], "function or grid changed"
+        values, pointer = after[k][2]
+        assert pointer == before[k][2][1], "the record moved"
+        slots = np.frombuffer(values, dtype="<i4")
+        assert len(slots) == 32
+        assert slots[:2].tolist() == [n_past, n_past + 1], slots[:4]
+        assert not slots[2:].any(), slots
+        moved = slots[:2] - np.frombuffer(before[k][2][0], dtype="<i4")[:2]
+        assert moved.tolist() == [1, 1], "the position did not move by one"
 
 
 def test_debug_mode_passes_and_catches_a_corrupted_patch(smol_shape, monkeypatch):
     monkeypatch.setenv("GGRAPH_CUDA_GRAPH_DEBUG", "1")
     m = ggraph.Model(smol_shape, device="cuda", n_ctx=512, cuda_graphs="patch")
     _greedy_run(m, [1, 2, 3], 40)
+    # The next patch is the KV record's (the only node a decode step patches): one of its values
+    # is written wrong, which the check against the step's values must catch before launch.
     m._ctx.debug_corrupt_next_patch()
-    with pytest.raises(ggraph.DeviceError, match="does not hold the parameters"):
+    with pytest.raises(ggraph.DeviceError, match=r"KV record\) does not hold the parameters"):
         m.eval([7])
+    # The failed step launched nothing; the next one patches the node right again.
+    n_past = m.n_past
+    m.eval([7])
+    assert m.n_past == n_past + 1
 
 
 def test_dump_cuda_graph_writes_dot(smol_shape, tmp_path):
