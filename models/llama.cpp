@@ -94,7 +94,8 @@ class Loader {
                       type_name(t->type));
     }
     *total += t->nbytes;
-    return Weight{t->type, ne0, ne1, backend_.upload_weight(t->data, t->nbytes, name), name};
+    return Weight{t->type, ne0, ne1,
+                  backend_.upload_weight(t->data, t->nbytes, t->type, ne0, ne1, name), name};
   }
 
   int64_t hparam(const std::string& key) const {

@@ -19,9 +19,11 @@ class Backend {
   virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
   virtual bool is_cuda() const { return false; }
 
-  // Makes weight bytes available to kernels; returns the address kernels read.
-  // The CPU backend reads the file mapping in place; the CUDA backend copies to device memory.
-  virtual void* upload_weight(const void* host, size_t bytes, const std::string& name) = 0;
+  // Makes the bytes of a weight [ne0, ne1] of `type` available to kernels; returns the address
+  // kernels read. The CPU backend reads the file mapping in place; the CUDA backend copies to
+  // device memory (quantized types in its own layout, see cuda/weight_layout.h).
+  virtual void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
+                              const std::string& name) = 0;
   // Zeroed memory for the KV cache. Throws DeviceError naming bytes needed and free on failure.
   virtual void* alloc_kv(size_t bytes) = 0;
   // Sizes the scratch and input buffers once per context, from the largest graph it will run.

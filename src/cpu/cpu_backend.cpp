@@ -56,7 +56,8 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu (" + std::to_string(pool_.size()) + " threads)"; }
 
-  void* upload_weight(const void* host, size_t, const std::string&) override {
+  void* upload_weight(const void* host, size_t, DType, int64_t, int64_t,
+                      const std::string&) override {
     return const_cast<void*>(host);  // kernels read the file mapping in place
   }
 

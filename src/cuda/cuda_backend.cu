@@ -664,12 +664,41 @@ class CudaBackend : public Backend {
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
 
-  void* upload_weight(const void* host, size_t bytes, const std::string& name) override {
+  void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
+                      const std::string& name) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    if (is_quantized(type) && (ne0 % 32 != 0 || bytes != row_bytes(type, ne0) * size_t(ne1)))
+      throw ArgumentError(
+          "weight " + name + ": " + std::to_string(bytes) + " bytes for a " + dtype_name(type) +
+          " [" + std::to_string(ne0) + ", " + std::to_string(ne1) + "], expected " +
+          std::to_string(row_bytes(type, ne0) * size_t(ne1)) + " with ne0 a multiple of 32");
     void* p = device_alloc(bytes + kWeightPadding, "weight " + name);
     allocations_.push_back(p);
-    GGRAPH_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
-    GGRAPH_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(p) + bytes, 0, kWeightPadding));
+    // Everything on the backend's stream, which does not wait for the legacy default stream.
+    GGRAPH_CUDA_CHECK(
+        cudaMemsetAsync(static_cast<uint8_t*>(p) + bytes, 0, kWeightPadding, stream_));
+    if (!is_quantized(type)) {
+      GGRAPH_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream_));
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return p;
+    }
+    // Quantized blocks go through a staging copy and are split on the device.
+    void* staging = device_alloc(bytes, "staging weight " + name);
+    cudaError_t err = cudaMemcpyAsync(staging, host, bytes, cudaMemcpyHostToDevice, stream_);
+    if (err == cudaSuccess) {
+      try {
+        launch_split_weight(type, static_cast<const uint8_t*>(staging), static_cast<uint8_t*>(p),
+                            static_cast<int64_t>(bytes / block_bytes(type)), stream_);
+      } catch (...) {
+        cudaStreamSynchronize(stream_);
+        cudaFree(staging);
+        throw;
+      }
+    }
+    const cudaError_t synced = cudaStreamSynchronize(stream_);
+    if (err == cudaSuccess) err = synced;
+    cudaFree(staging);
+    GGRAPH_CUDA_CHECK(err);
     return p;
   }
 

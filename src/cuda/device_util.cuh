@@ -41,33 +41,39 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
 
-// Element i of a row of a computable type, as float.
+// Element i of a row of a float type, as float.
 template <int TYPE>
 __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {
   if constexpr (TYPE == kTypeF32) {
     return reinterpret_cast<const float*>(row)[i];
   } else if constexpr (TYPE == kTypeF16) {
     return f16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
-  } else if constexpr (TYPE == kTypeBF16) {
-    return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
-  } else if constexpr (TYPE == kTypeQ8_0) {
-    const uint8_t* b = row + (i / 32) * 34;
-    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
-    return d * static_cast<float>(static_cast<int8_t>(b[2 + i % 32]));
-  } else if constexpr (TYPE == kTypeQ4_0) {
-    const uint8_t* b = row + (i / 32) * 18;
-    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
-    int j = static_cast<int>(i % 32);
-    int q = j < 16 ? (b[2 + j] & 0xF) : (b[2 + j - 16] >> 4);
-    return d * static_cast<float>(q - 8);
   } else {
-    static_assert(TYPE == kTypeQ4_1, "computable type");
-    const uint8_t* b = row + (i / 32) * 20;
-    float d = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b));
-    float m = f16_bits_to_float(*reinterpret_cast<const uint16_t*>(b + 2));
-    int j = static_cast<int>(i % 32);
-    int q = j < 16 ? (b[4 + j] & 0xF) : (b[4 + j - 16] >> 4);
-    return d * static_cast<float>(q) + m;
+    static_assert(TYPE == kTypeBF16, "a float type");
+    return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
+  }
+}
+
+// Element i of a quantized row in the split layout (cuda/weight_layout.h): q the row's quants,
+// s its scales.
+template <int TYPE>
+__device__ __forceinline__ float load_split_elem(const uint8_t* q, const uint8_t* s, int64_t i) {
+  const int64_t b = i / 32;
+  const int j = static_cast<int>(i % 32);
+  if constexpr (TYPE == kTypeQ8_0) {
+    const float d = f16_bits_to_float(reinterpret_cast<const uint16_t*>(s)[b]);
+    return d * static_cast<float>(static_cast<int8_t>(q[b * 32 + j]));
+  } else {
+    static_assert(TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1, "a quantized type");
+    const uint8_t* qb = q + b * 16;
+    const int v = j < 16 ? (qb[j] & 0xF) : (qb[j - 16] >> 4);
+    if constexpr (TYPE == kTypeQ4_0) {
+      const float d = f16_bits_to_float(reinterpret_cast<const uint16_t*>(s)[b]);
+      return d * static_cast<float>(v - 8);
+    } else {
+      const uint16_t* dm = reinterpret_cast<const uint16_t*>(s) + 2 * b;
+      return f16_bits_to_float(dm[0]) * static_cast<float>(v) + f16_bits_to_float(dm[1]);
+    }
   }
 }
 

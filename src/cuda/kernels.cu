@@ -27,7 +27,16 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
     return;
   }
   const uint8_t* row = table + static_cast<size_t>(id) * row_stride;
-  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = load_elem<TYPE>(row, i);
+  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1 || TYPE == kTypeQ8_0) {
+    // Split layout: all rows' quants (row_stride bytes a row), then all rows' scales.
+    const int64_t nb = ne0 / 32;
+    const uint8_t* scales = table + static_cast<size_t>(n_rows) * row_stride +
+                            static_cast<size_t>(id) * nb * (TYPE == kTypeQ4_1 ? 4 : 2);
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
+      out[i] = load_split_elem<TYPE>(row, scales, i);
+  } else {
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = load_elem<TYPE>(row, i);
+  }
 }
 
 // ---- rms_norm, optionally fused with the residual add before it, the weight multiply after
@@ -319,7 +328,10 @@ __global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
                      const int32_t* ids, int n_ids, float* dst) {
   const auto* t = static_cast<const uint8_t*>(table);
-  const size_t rb = row_bytes(type, ne0);
+  // Quantized tables are split (cuda/weight_layout.h): a row's quants are 16 or 32 bytes a block.
+  const size_t rb = !is_quantized(type)   ? row_bytes(type, ne0)
+                    : type == DType::Q8_0 ? static_cast<size_t>(ne0)
+                                          : static_cast<size_t>(ne0 / 2);
   const dim3 grid(n_ids), block(256);
   switch (type) {
     case DType::F32:

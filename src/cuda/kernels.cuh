@@ -244,16 +244,17 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
-// Quantized mat-vecs: each warp streams one row through its own shared buffer (the warp
-// kernel). With GGRAPH_CUDA_STAGED_MATVEC=1, blocks of 8 rows go through a block-wide cp.async
-// pipeline instead; with GGRAPH_CUDA_DIRECT_MATVEC=1, rows 16-byte aligned (k a multiple of 256,
-// 128 for Q4_1) are loaded straight into registers. Both measured slower, kept to compare.
-bool direct_mat_vec();
-bool staged_mat_vec();
-// The warp kernel gives each row its own warp; with GGRAPH_CUDA_MATVEC_FILL_DEVICE=1 it runs as
-// many warps as the device holds at once, each walking several rows (measured slower, kept to
-// compare).
-bool fill_device_mat_vec();
+// The quantized mat-vec's shape: rows per lane group and 16-byte pieces of each row in flight
+// per lane. {0, 0} picks them from the matrix size; benchmarks set others to compare.
+struct MatVecConfig {
+  int rows = 0;
+  int unroll = 0;
+};
+void set_mat_vec_config(MatVecConfig c);
+// Quantized weights live in the split layout of cuda/weight_layout.h: converts n_blocks GGUF
+// blocks at src (device memory) into it at dst (another allocation of the same size).
+void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t n_blocks,
+                         cudaStream_t stream);
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();

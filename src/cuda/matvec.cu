@@ -7,7 +7,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
-#include "cuda/quant_words.h"
+#include "cuda/weight_layout.h"
 
 namespace ggraph::cuda {
 
@@ -16,21 +16,6 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int kMvThreads = 256;  // 8 warps
-
-template <int TYPE>
-struct QuantInfo;
-template <>
-struct QuantInfo<kTypeQ4_0> {
-  static constexpr int kBytes = 18;
-};
-template <>
-struct QuantInfo<kTypeQ4_1> {
-  static constexpr int kBytes = 20;
-};
-template <>
-struct QuantInfo<kTypeQ8_0> {
-  static constexpr int kBytes = 34;
-};
 
 // Up to three weight matrices launched together: block b of the grid belongs to part 0 below
 // blk1, to part 1 below blk2, to part 2 above.
@@ -51,255 +36,21 @@ __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t*
 
 // ---- Quantized mat-vec ------------------------------------------------------------------------
 //
-// A block of 8 warps owns 8*RW consecutive rows. Rows are streamed through shared memory in
-// chunks of 32 quant blocks per row with 16-byte cp.async copies (the rows' bytes are contiguous
-// in the matrix, so the copies are fully coalesced whatever the 18/20/34-byte block alignment),
-// several chunks in flight. Lane l then dots quant block l of the chunk with the activation,
-// which was quantized to 8 bits once per mat-mul, using dp4a.
+// Weights in the split layout (cuda/weight_layout.h): a row's quants are contiguous 16-byte
+// pieces (one Q4 block, half a Q8_0 block), its scales a separate array. A group of `lpr` lanes
+// (32, fewer for short rows) owns R rows; lane j of the group takes pieces j, j + lpr, ... of
+// each, U pieces per row in flight, so a warp's loads of one row lie side by side (512
+// contiguous bytes). Each piece is dotted with the 8-bit activation (quantized once per
+// mat-mul) by dp4a; the activation words are loaded once for all R rows.
 
-template <int TYPE, int RW>
-struct MvqConfig {
-  static constexpr int kRows = 8 * RW;
-  static constexpr int kChunkBytes = 32 * QuantInfo<TYPE>::kBytes;
-  // One spare 16-byte piece: a row's chunk starts at any 2-byte offset inside its first piece.
-  static constexpr int kPieces = kChunkBytes / 16 + 2;
-  static constexpr int kPitch = kPieces * 16;
-  static constexpr int kStages = kRows * kPitch * 3 <= 40 * 1024 ? 3 : 2;
-};
-
-// One block's dot product with an 8-bit activation block (a: its 32 int8 as 8 words; ad: its
-// d and d * sum(q)), from the block's header and quant words.
-template <int TYPE>
-__device__ __forceinline__ void quant_dot_words(uint32_t header, const uint32_t* q,
-                                                const int (&a)[8], float2 ad, float& acc) {
-  const float d = f16_bits_to_float(static_cast<uint16_t>(header & 0xFFFF));
-  int s = 0;
-  if constexpr (TYPE == kTypeQ8_0) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s = __dp4a(static_cast<int>(q[i]), a[i], s);
-    acc += d * static_cast<float>(s) * ad.x;
-  } else {
-    // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble).
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int v = static_cast<int>(q[i]);
-      s = __dp4a(v & 0x0F0F0F0F, a[i], s);
-      s = __dp4a((v >> 4) & 0x0F0F0F0F, a[i + 4], s);
-    }
-    if constexpr (TYPE == kTypeQ4_0) {
-      // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
-      acc += d * (static_cast<float>(s) * ad.x - 8.0f * ad.y);
-    } else {
-      const float m = f16_bits_to_float(static_cast<uint16_t>(header >> 16));
-      acc += d * static_cast<float>(s) * ad.x + m * ad.y;
-    }
-  }
-}
-
-// The same from a block in shared memory (2-byte aligned; 4-byte for Q4_1).
-template <int TYPE>
-__device__ __forceinline__ void quant_dot(const uint8_t* bp, const int (&a)[8], float2 ad,
-                                          float& acc) {
-  uint32_t q[8];
-  uint32_t header;
-  if constexpr (TYPE == kTypeQ4_1) {
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(bp);
-    header = u[0];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q[i] = u[1 + i];
-  } else {
-    constexpr int NQ = TYPE == kTypeQ8_0 ? 8 : 4;
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(bp);
-    header = h[0];
-#pragma unroll
-    for (int i = 0; i < NQ; ++i) q[i] = h[1 + 2 * i] | (static_cast<uint32_t>(h[2 + 2 * i]) << 16);
-  }
-  quant_dot_words<TYPE>(header, q, a, ad, acc);
-}
-
-// Loads the 8-bit activation block kb of column t.
-__device__ __forceinline__ void load_act(const int8_t* aq, const float2* ads, int64_t k, int nb,
-                                         int t, int kb, int (&a)[8], float2& ad) {
-  const int4* ap = reinterpret_cast<const int4*>(aq + t * k + static_cast<int64_t>(kb) * 32);
-  const int4 lo = __ldg(ap), hi = __ldg(ap + 1);
-  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
-  a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
-  ad = __ldg(ads + static_cast<int64_t>(t) * nb + kb);
-}
-
-// ---- Quantized mat-vec, direct (rows 16-byte aligned) -----------------------------------------
-//
-// Each lane streams superblocks (8 Q4_0/Q8_0 or 4 Q4_1 blocks: 144, 272 or 80 bytes) of one row
-// straight into registers with 16-byte loads, all in flight at once, then dots every block with
-// the 8-bit activation. `lpr` lanes share a row (the superblock count rounded up to a power of
-// two, at most 32), so short rows still fill the warp; a segmented shuffle sums each row.
-// Only with GGRAPH_CUDA_DIRECT_MATVEC=1: on an H200 it reached 23% of copy bandwidth at Q4_0
-// 4096x11008 against the staged kernel's 42%, the lanes' loads lying 144 bytes apart rather
-// than side by side.
+constexpr int kMvqWarps = 4;
+constexpr int kMvqThreads = 32 * kMvqWarps;
 
 template <int TYPE>
-struct SuperOf;
-template <>
-struct SuperOf<kTypeQ4_0> {
-  using L = SuperQ4_0;
-};
-template <>
-struct SuperOf<kTypeQ4_1> {
-  using L = SuperQ4_1;
-};
-template <>
-struct SuperOf<kTypeQ8_0> {
-  using L = SuperQ8_0;
-};
-
-template <int TYPE, int NCOLS>
-__global__ void __launch_bounds__(kMvThreads)
-    mat_vec_q_direct_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                            int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nsb,
-                            int lpr, const int8_t* aq, const float2* ads, int64_t k) {
-  using L = typename SuperOf<TYPE>::L;
-  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int rows_per_warp = 32 / lpr;
-  const int row = (part.local_block * 8 + warp) * rows_per_warp + lane / lpr;
-  const int nb = nsb * L::kBlocks;
-  const uint8_t* wrow = part.w + static_cast<size_t>(min(row, part.n - 1)) * nb * L::kBlockBytes;
-
-  float acc[NCOLS];
-#pragma unroll
-  for (int t = 0; t < NCOLS; ++t) acc[t] = 0.0f;
-
-  for (int j = lane % lpr; j < nsb; j += lpr) {
-    const uint4* src = reinterpret_cast<const uint4*>(wrow + static_cast<size_t>(j) * L::kBytes);
-    uint32_t w[L::kWords];
-#pragma unroll
-    for (int i = 0; i < L::kWords / 4; ++i) {
-      const uint4 v = __ldg(src + i);
-      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-    }
-#pragma unroll
-    for (int b = 0; b < L::kBlocks; ++b) {
-      uint32_t header, q[L::kQuantWords];
-      split_block<L>(w, b, header, q);
-#pragma unroll
-      for (int t = 0; t < NCOLS; ++t) {
-        int a[8];
-        float2 ad;
-        load_act(aq, ads, k, nb, t, j * L::kBlocks + b, a, ad);
-        quant_dot_words<TYPE>(header, q, a, ad, acc[t]);
-      }
-    }
-  }
-
-#pragma unroll
-  for (int t = 0; t < NCOLS; ++t) {
-    float v = acc[t];
-    for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane % lpr == 0 && row < part.n) part.dst[static_cast<int64_t>(t) * part.n + row] = v;
-  }
-}
-
-template <int TYPE, int NCOLS, int RW>
-__global__ void __launch_bounds__(kMvThreads)
-    mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
-                     const int8_t* aq, const float2* ads, int64_t k) {
-  using Cfg = MvqConfig<TYPE, RW>;
-  constexpr int BS = QuantInfo<TYPE>::kBytes;
-  constexpr int STAGES = Cfg::kStages;
-  __shared__ __align__(16) uint8_t stage[STAGES][Cfg::kRows][Cfg::kPitch];
-
-  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int row0 = part.local_block * Cfg::kRows;
-  const size_t rb = static_cast<size_t>(nb) * BS;
-  const int n_chunks = (nb + 31) / 32;
-
-  auto issue = [&](int c) {
-    const int s = c % STAGES;
-    const int len = min(32, nb - c * 32) * BS;
-    for (int p = tid; p < Cfg::kRows * Cfg::kPieces; p += kMvThreads) {
-      const int r = p / Cfg::kPieces, i = p % Cfg::kPieces;
-      const int row = min(row0 + r, part.n - 1);
-      const uint8_t* g = part.w + row * rb + static_cast<size_t>(c) * Cfg::kChunkBytes;
-      const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(g) & 15);
-      if (i * 16 < shift + len) cp_async16(&stage[s][r][i * 16], g - shift + i * 16);
-    }
-  };
-
-  float acc[RW][NCOLS];
-  int shift[RW];
-#pragma unroll
-  for (int j = 0; j < RW; ++j) {
-    const int row = min(row0 + warp * RW + j, part.n - 1);
-    // Chunk sizes are multiples of 16 bytes, so a row's offset inside its first piece is fixed.
-    shift[j] = static_cast<int>(reinterpret_cast<uintptr_t>(part.w + row * rb) & 15);
-#pragma unroll
-    for (int t = 0; t < NCOLS; ++t) acc[j][t] = 0.0f;
-  }
-
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_chunks) issue(s);
-    cp_async_commit();
-  }
-  for (int c = 0; c < n_chunks; ++c) {
-    if (c + STAGES - 1 < n_chunks) issue(c + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    const int kb = c * 32 + lane;
-    if (kb < nb) {
-      int a[NCOLS][8];
-      float2 ad[NCOLS];
-#pragma unroll
-      for (int t = 0; t < NCOLS; ++t) load_act(aq, ads, k, nb, t, kb, a[t], ad[t]);
-      const int s = c % STAGES;
-#pragma unroll
-      for (int j = 0; j < RW; ++j) {
-        const uint8_t* bp = &stage[s][warp * RW + j][shift[j] + lane * BS];
-#pragma unroll
-        for (int t = 0; t < NCOLS; ++t) quant_dot<TYPE>(bp, a[t], ad[t], acc[j][t]);
-      }
-    }
-    __syncthreads();
-  }
-
-#pragma unroll
-  for (int j = 0; j < RW; ++j) {
-    const int row = row0 + warp * RW + j;
-#pragma unroll
-    for (int t = 0; t < NCOLS; ++t) {
-      const float v = warp_sum(acc[j][t]);
-      if (lane == 0 && row < part.n) part.dst[static_cast<int64_t>(t) * part.n + row] = v;
-    }
-  }
-}
-
-// ---- Quantized mat-vec, warp-streamed (the default) --------------------------------------------
-//
-// A warp walks its rows (one by default) in chunks of 32 * U quant blocks. All lanes load a
-// chunk's 16-byte pieces side by side (fully coalesced, every load in flight before any use) and
-// park them in the warp's own shared buffer; while the next chunk's loads are in flight, lane l
-// dots blocks l, l + 32, ... of the parked chunk with the 8-bit activation. No block-wide barrier:
-// each warp runs at its own pace, and the many resident warps keep the memory system busy. A
-// chunk's bytes are a multiple of 16, so a row's offset inside its first piece holds for every
-// chunk.
-
-constexpr int kMvwWarps = 4;
-constexpr int kMvwThreads = 32 * kMvwWarps;
-
-template <int TYPE>
-struct MvwConfig {
-  static constexpr int kBS = QuantInfo<TYPE>::kBytes;
-  // 4-5 (Q4_0, Q4_1) or 9 (Q8_0) 16-byte loads per lane in flight.
-  static constexpr int kU = 4;
-  static constexpr int kChunkBlocks = 32 * kU;
-  static constexpr int kChunkBytes = kChunkBlocks * kBS;
-  // One spare piece: a row starts at any even offset inside its first piece.
-  static constexpr int kPieces = kChunkBytes / 16 + 1;
-  static constexpr int kLoads = (kPieces + 31) / 32;
-  static_assert(kChunkBytes % 16 == 0, "chunks are whole 16-byte pieces");
+struct PieceInfo {
+  static constexpr int kPerBlock = TYPE == kTypeQ8_0 ? 2 : 1;  // 16-byte pieces per block
+  static constexpr int kScaleBytes = TYPE == kTypeQ4_1 ? 4 : 2;
+  static constexpr int kQuantBytes = 16 * kPerBlock;
 };
 
 // Weights are read once: keep them out of L1, where the activation lives.
@@ -311,121 +62,213 @@ __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   return v;
 }
 
-template <int TYPE, int NCOLS>
-__global__ void __launch_bounds__(kMvwThreads)
-    mat_vec_q_warp_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                          int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
-                          const int8_t* aq, const float2* ads, int64_t k) {
-  using C = MvwConfig<TYPE>;
-  __shared__ __align__(16) uint4 buf[kMvwWarps][C::kPieces];
+__device__ __forceinline__ uint32_t ldg_scale(const uint8_t* p, int bytes) {
+  return bytes == 4 ? __ldg(reinterpret_cast<const uint32_t*>(p))
+                    : static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
+}
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gw = blockIdx.x * kMvwWarps + warp;
-  const int n_rows = n0 + n1 + n2;
-  if (gw >= n_warps || gw >= n_rows) return;  // the whole warp: no block-wide barrier follows
-  const int n_chunks = (nb + C::kChunkBlocks - 1) / C::kChunkBlocks;
-  const size_t rb = static_cast<size_t>(nb) * C::kBS;
-  uint4* sb = buf[warp];
+// The activation words a piece meets: 8 (a whole Q4 block) or 4 (half a Q8_0 block), and the
+// block's (d, d * sum(q)).
+template <int TYPE>
+__device__ __forceinline__ void load_piece_act(const int8_t* aq, const float2* ads, int64_t k,
+                                               int nb, int t, int piece, int (&a)[8], float2& ad) {
+  using P = PieceInfo<TYPE>;
+  const int4* ap = reinterpret_cast<const int4*>(
+      aq + t * k + static_cast<int64_t>(piece) * 16 * (2 / P::kPerBlock));
+  const int4 lo = __ldg(ap);
+  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+  if constexpr (P::kPerBlock == 1) {
+    const int4 hi = __ldg(ap + 1);
+    a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+  }
+  ad = __ldg(ads + static_cast<int64_t>(t) * nb + piece / P::kPerBlock);
+}
 
-  // Global row g (the parts one after the other): its first byte.
-  auto row_ptr = [&](int g) {
-    if (g < n0) return w0 + g * rb;
-    if (g < n0 + n1) return w1 + (g - n0) * rb;
-    return w2 + (g - n0 - n1) * rb;
-  };
-  // Chunk c of the row at rp: how many 16-byte pieces hold it.
-  auto pieces_of = [&](const uint8_t* rp, int c) {
-    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(rp) & 15);
-    const int len = min(C::kChunkBlocks, nb - c * C::kChunkBlocks) * C::kBS;
-    return (shift + len + 15) / 16;
-  };
-  uint4 v[C::kLoads];
-  auto issue = [&](int g, int c) {
-    const uint8_t* rp = row_ptr(g);
-    const int pieces = pieces_of(rp, c);
-    const uint4* src = reinterpret_cast<const uint4*>(rp - (reinterpret_cast<uintptr_t>(rp) & 15)) +
-                       c * (C::kChunkBytes / 16);
+// One piece's contribution: quants q (4 words), scale word s (f16 d; Q4_1: d | m << 16).
+template <int TYPE>
+__device__ __forceinline__ void piece_dot(const uint4& q, uint32_t s, const int (&a)[8], float2 ad,
+                                          float& acc) {
+  const float d = f16_bits_to_float(static_cast<uint16_t>(s & 0xFFFF));
+  const int w[4] = {static_cast<int>(q.x), static_cast<int>(q.y), static_cast<int>(q.z),
+                    static_cast<int>(q.w)};
+  int sum = 0;
+  if constexpr (TYPE == kTypeQ8_0) {
 #pragma unroll
-    for (int i = 0; i < C::kLoads; ++i) {
-      const int p = lane + 32 * i;
-      if (p < pieces) v[i] = ldg_stream16(src + p);
+    for (int i = 0; i < 4; ++i) sum = __dp4a(w[i], a[i], sum);
+    acc += d * static_cast<float>(sum) * ad.x;
+  } else {
+    // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sum = __dp4a(w[i] & 0x0F0F0F0F, a[i], sum);
+      sum = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], sum);
     }
-  };
-
-  float acc[NCOLS];
-#pragma unroll
-  for (int t = 0; t < NCOLS; ++t) acc[t] = 0.0f;
-
-  // Rows gw, gw + n_warps, ...; each chunk's loads go out before the previous chunk is used.
-  int g = gw, c = 0;
-  issue(g, c);
-  while (true) {
-    const uint8_t* rp = row_ptr(g);
-    const int pieces = pieces_of(rp, c);
-    const uint8_t* sbytes =
-        reinterpret_cast<const uint8_t*>(sb) + (reinterpret_cast<uintptr_t>(rp) & 15);
-    __syncwarp();  // every lane is done with the previous chunk's buffer
-#pragma unroll
-    for (int i = 0; i < C::kLoads; ++i) {
-      const int p = lane + 32 * i;
-      if (p < pieces) sb[p] = v[i];
-    }
-    __syncwarp();
-    int ng = g, nc = c + 1;
-    if (nc == n_chunks) nc = 0, ng += n_warps;
-    const bool more = ng < n_rows;
-    if (more) issue(ng, nc);
-
-    const int c0 = c * C::kChunkBlocks;
-    if constexpr (NCOLS == 1) {
-      // The first activation block goes out now, each next one while the current is used.
-      int a_next[8];
-      float2 ad_next;
-      if (c0 + lane < nb) load_act(aq, ads, k, nb, 0, c0 + lane, a_next, ad_next);
-#pragma unroll
-      for (int u = 0; u < C::kU; ++u) {
-        const int b = 32 * u + lane;
-        const int kb = c0 + b;
-        if (kb >= nb) break;
-        int a[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = a_next[e];
-        const float2 ad = ad_next;
-        if (u + 1 < C::kU && kb + 32 < nb) load_act(aq, ads, k, nb, 0, kb + 32, a_next, ad_next);
-        quant_dot<TYPE>(sbytes + b * C::kBS, a, ad, acc[0]);
-      }
+    if constexpr (TYPE == kTypeQ4_0) {
+      // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
+      acc += d * (static_cast<float>(sum) * ad.x - 8.0f * ad.y);
     } else {
+      const float m = f16_bits_to_float(static_cast<uint16_t>(s >> 16));
+      acc += d * static_cast<float>(sum) * ad.x + m * ad.y;
+    }
+  }
+}
+
+template <int TYPE, int NCOLS, int R, int U>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb, int lpr,
+                     const int8_t* aq, const float2* ads, int64_t k) {
+  using P = PieceInfo<TYPE>;
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gl = lane % lpr;  // lane within the row group
+  const int groups = 32 / lpr;
+  const int row0 = ((part.local_block * kMvqWarps + warp) * groups + lane / lpr) * R;
+  const int n_pieces = nb * P::kPerBlock;
+  const uint8_t* scales = part.w + static_cast<size_t>(part.n) * nb * P::kQuantBytes;
+  const uint4* qrow[R];
+  const uint8_t* srow[R];
 #pragma unroll
-      for (int u = 0; u < C::kU; ++u) {
-        const int b = 32 * u + lane;
-        const int kb = c0 + b;
-        if (kb < nb) {
+  for (int j = 0; j < R; ++j) {
+    const size_t row = static_cast<size_t>(min(row0 + j, part.n - 1));
+    qrow[j] = reinterpret_cast<const uint4*>(part.w) + row * n_pieces;
+    srow[j] = scales + row * nb * P::kScaleBytes;
+  }
+
+  float acc[R][NCOLS];
 #pragma unroll
-          for (int t = 0; t < NCOLS; ++t) {
-            int a[8];
-            float2 ad;
-            load_act(aq, ads, k, nb, t, kb, a, ad);
-            quant_dot<TYPE>(sbytes + b * C::kBS, a, ad, acc[t]);
-          }
-        }
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int t = 0; t < NCOLS; ++t) acc[j][t] = 0.0f;
+
+  for (int p0 = gl; p0 < n_pieces; p0 += lpr * U) {
+    uint4 q[U][R];
+    uint32_t s[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + u * lpr;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        q[u][j] = p < n_pieces ? ldg_stream16(qrow[j] + p) : make_uint4(0, 0, 0, 0);
+        s[u][j] = p < n_pieces
+                      ? ldg_scale(srow[j] + (p / P::kPerBlock) * P::kScaleBytes, P::kScaleBytes)
+                      : 0u;
       }
     }
-
-    if (c == n_chunks - 1) {
-      float* dst = g < n0 ? d0 : g < n0 + n1 ? d1 : d2;
-      const int n = g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
-      const int r = g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + u * lpr;
+      if (p >= n_pieces) break;
 #pragma unroll
       for (int t = 0; t < NCOLS; ++t) {
-        const float s = warp_sum(acc[t]);
-        if (lane == 0) dst[static_cast<int64_t>(t) * n + r] = s;
-        acc[t] = 0.0f;
+        int a[8];
+        float2 ad;
+        load_piece_act<TYPE>(aq, ads, k, nb, t, p, a, ad);
+#pragma unroll
+        for (int j = 0; j < R; ++j) piece_dot<TYPE>(q[u][j], s[u][j], a, ad, acc[j][t]);
       }
     }
-    if (!more) break;
-    g = ng;
-    c = nc;
   }
+
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+#pragma unroll
+    for (int t = 0; t < NCOLS; ++t) {
+      float v = acc[j][t];
+      for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (gl == 0 && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+    }
+  }
+}
+
+// ---- Quantized mat-vec, activation held in registers (one column, short rows) -----------------
+//
+// For rows of at most 32 * PL pieces: each lane keeps the activation words of its pieces (lane,
+// lane + 32, ...) in registers for good, and the warp walks rows (R at a time, all their pieces'
+// loads in flight) with a stride of the whole grid, which is as large as the device holds at
+// once. The activation crosses L1 once per warp instead of once per row, and a small matrix
+// needs few blocks: the SmolLM2-sized mat-vecs measured faster this way.
+
+template <int TYPE, int PL, int R>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                          int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
+                          const int8_t* aq, const float2* ads, int64_t k) {
+  using P = PieceInfo<TYPE>;
+  const int lane = threadIdx.x % 32;
+  const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
+  const int n_rows = n0 + n1 + n2;
+  const int n_pieces = nb * P::kPerBlock;
+  int a[PL][8];
+  float2 ad[PL];
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int p = lane + 32 * i;
+    if (p < n_pieces) {
+      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, a[i], ad[i]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[i][e] = 0;
+      ad[i] = make_float2(0.0f, 0.0f);
+    }
+  }
+  for (int g0 = gw * R; g0 < n_rows; g0 += n_warps * R) {
+    uint4 v[R][PL];
+    uint32_t sc[R][PL];
+    float* dst[R];
+    int row[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int g = min(g0 + j, n_rows - 1);
+      const uint8_t* w = g < n0 ? w0 : g < n0 + n1 ? w1 : w2;
+      const int n = g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
+      row[j] = g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
+      dst[j] = g < n0 ? d0 : g < n0 + n1 ? d1 : d2;
+      const uint4* q = reinterpret_cast<const uint4*>(w) + static_cast<size_t>(row[j]) * n_pieces;
+      const uint8_t* s = w + static_cast<size_t>(n) * nb * P::kQuantBytes +
+                         static_cast<size_t>(row[j]) * nb * P::kScaleBytes;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int p = lane + 32 * i;
+        v[j][i] = p < n_pieces ? ldg_stream16(q + p) : make_uint4(0, 0, 0, 0);
+        sc[j][i] =
+            p < n_pieces ? ldg_scale(s + (p / P::kPerBlock) * P::kScaleBytes, P::kScaleBytes) : 0u;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sc[j][i], a[i], ad[i], acc);
+      acc = warp_sum(acc);
+      if (lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
+    }
+  }
+}
+
+// Warps of one instantiation resident on the whole device at once (measured in prepare_kernels,
+// outside any capture); 0 until then.
+template <int TYPE, int PL, int R>
+int& rows_kernel_slots() {
+  static int slots = 0;
+  return slots;
+}
+
+template <int TYPE, int PL, int R>
+void measure_rows_kernel(int sms) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mat_vec_q_rows_kernel<TYPE, PL, R>,
+                                                    kMvqThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    blocks = 0;
+  }
+  rows_kernel_slots<TYPE, PL, R>() = blocks * sms * kMvqWarps;
+}
+
+template <int TYPE>
+void measure_rows_kernels(int sms) {
+  measure_rows_kernel<TYPE, 1, 2>(sms);
+  measure_rows_kernel<TYPE, 2, 2>(sms);
 }
 
 // ---- Float-weight mat-vec (F32, F16, BF16) ------------------------------------------------------
@@ -534,35 +377,6 @@ __global__ void __launch_bounds__(kMvThreads)
   }
 }
 
-// Resident warps of mat_vec_q_warp_kernel over the whole device, measured once (in
-// prepare_kernels, before any capture); 0 until then.
-template <int TYPE, int NCOLS>
-int& mat_vec_warp_slots() {
-  static int slots = 0;
-  return slots;
-}
-
-template <int TYPE, int NCOLS>
-void measure_warp_slots(int sms) {
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mat_vec_q_warp_kernel<TYPE, NCOLS>,
-                                                    kMvwThreads, 0) != cudaSuccess)
-    blocks = 0;
-  mat_vec_warp_slots<TYPE, NCOLS>() = blocks * sms * kMvwWarps;
-}
-
-template <int TYPE>
-void measure_warp_slots_type(int sms) {
-  measure_warp_slots<TYPE, 1>(sms);
-  measure_warp_slots<TYPE, 2>(sms);
-  measure_warp_slots<TYPE, 3>(sms);
-  measure_warp_slots<TYPE, 4>(sms);
-  measure_warp_slots<TYPE, 5>(sms);
-  measure_warp_slots<TYPE, 6>(sms);
-  measure_warp_slots<TYPE, 7>(sms);
-  measure_warp_slots<TYPE, 8>(sms);
-}
-
 // ---- Launch helpers for the mat-vec kernels -----------------------------------------------------
 
 struct GroupArgs {
@@ -589,49 +403,90 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
   return g;
 }
 
+template <int TYPE, int NCOLS, int R, int U>
+void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, int lpr,
+                      const int8_t* aq, const float2* ads) {
+  const GroupArgs g = group_args(parts, n_parts, kMvqWarps * (32 / lpr) * R);
+  l(mat_vec_q_kernel<TYPE, NCOLS, R, U>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
+    g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
+    static_cast<int>(k / 32), lpr, aq, ads, k);
+}
+
+MatVecConfig& mat_vec_override() {
+  static MatVecConfig c;
+  return c;
+}
+
+// False when the device's capacity is unknown (prepare_kernels not run): take another kernel.
+template <int TYPE, int PL, int R>
+bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
+                           const int8_t* aq, const float2* ads) {
+  const int slots = rows_kernel_slots<TYPE, PL, R>();
+  if (slots == 0) return false;
+  const GroupArgs g = group_args(parts, n_parts, 1);
+  int n[3];
+  for (int i = 0; i < 3; ++i) n[i] = i < n_parts ? g.n[i] : 0;
+  const int64_t n_rows = int64_t(n[0]) + n[1] + n[2];
+  const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
+  l(mat_vec_q_rows_kernel<TYPE, PL, R>, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))),
+    dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2],
+    n_warps, static_cast<int>(k / 32), aq, ads, k);
+  return true;
+}
+
+// The register-resident kernel for rows of up to 64 pieces; false past that.
+template <int TYPE>
+bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const int8_t* aq,
+                    const float2* ads) {
+  const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPerBlock, 32);
+  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads);
+  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads);
+  return false;
+}
+
 template <int TYPE, int NCOLS>
 void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
-  const int nb = static_cast<int>(k / 32);
   const auto* aq = reinterpret_cast<const int8_t*>(ws);
   const auto* ads =
       reinterpret_cast<const float2*>(ws + static_cast<size_t>(k * NCOLS + 255) / 256 * 256);
-  using L = typename SuperOf<TYPE>::L;
-  bool direct = nb % L::kBlocks == 0 && direct_mat_vec();
-  for (int i = 0; i < n_parts; ++i)
-    direct = direct && reinterpret_cast<uintptr_t>(parts[i].w) % 16 == 0;
-  if (direct) {
-    const int nsb = nb / L::kBlocks;
-    int lpr = 1;
-    while (lpr < nsb && lpr < 32) lpr *= 2;
-    const GroupArgs g = group_args(parts, n_parts, 8 * (32 / lpr));
-    l(mat_vec_q_direct_kernel<TYPE, NCOLS>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
-      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nsb, lpr, aq,
-      ads, k);
-    return;
-  }
-  if (!staged_mat_vec()) {
-    const GroupArgs g = group_args(parts, n_parts, kMvwWarps);
-    int n[3];
-    for (int i = 0; i < 3; ++i) n[i] = i < n_parts ? g.n[i] : 0;
-    const int n_rows = n[0] + n[1] + n[2];
-    // One row a warp. With GGRAPH_CUDA_MATVEC_FILL_DEVICE=1: as many warps as the device holds
-    // at once, each walking an equal share of rows with the next chunk's loads in flight; on
-    // an H200 that measured 341 tok/s at Llama-2-7B Q4_0 against 349 for one row a warp.
-    int n_warps = n_rows;
-    const int max_warps = mat_vec_warp_slots<TYPE, NCOLS>();
-    if (fill_device_mat_vec() && max_warps > 0) {
-      const int per_warp = static_cast<int>(ceil_div(n_rows, max_warps));
-      n_warps = static_cast<int>(ceil_div(n_rows, per_warp));
+  const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPerBlock;
+  // Short rows share a warp, so that every lane has a piece to load in the first round.
+  int lpr = 32;
+  while (lpr > 4 && lpr / 2 >= n_pieces) lpr /= 2;
+  if constexpr (NCOLS == 1) {
+    int64_t n_rows = 0;
+    for (int i = 0; i < n_parts; ++i) n_rows += parts[i].n;
+    MatVecConfig c = mat_vec_override();
+    // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
+    // activation in registers; long ones with four rows a lane group over many rows (two for
+    // 8-bit weights), otherwise one row and four pieces in flight.
+    if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
+      return;
+    if (c.rows == 0) {
+      c = n_rows < 8192                     ? MatVecConfig{1, 4}
+          : PieceInfo<TYPE>::kPerBlock == 2 ? MatVecConfig{2, 2}
+                                            : MatVecConfig{4, 2};
     }
-    l(mat_vec_q_warp_kernel<TYPE, NCOLS>, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvwWarps))),
-      dim3(kMvwThreads), 0, g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2],
-      n_warps, nb, aq, ads, k);
-    return;
+    switch (c.rows * 100 + c.unroll) {
+      case 108:
+        return mat_vec_q_launch<TYPE, 1, 1, 8>(l, parts, n_parts, k, lpr, aq, ads);
+      case 202:
+        return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, lpr, aq, ads);
+      case 204:
+        return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
+      case 208:
+        return mat_vec_q_launch<TYPE, 1, 2, 8>(l, parts, n_parts, k, lpr, aq, ads);
+      case 402:
+        return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
+      case 404:
+        return mat_vec_q_launch<TYPE, 1, 4, 4>(l, parts, n_parts, k, lpr, aq, ads);
+      default:
+        break;
+    }
+    return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads);
+  } else {
+    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads);
   }
-  constexpr int RW = NCOLS <= 2 ? 1 : 2;
-  const GroupArgs g = group_args(parts, n_parts, 8 * RW);
-  l(mat_vec_q_kernel<TYPE, NCOLS, RW>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1], g.w[2],
-    g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb, aq, ads, k);
 }
 
 template <int TYPE, int NCOLS>
@@ -710,11 +565,12 @@ struct WeightRegs {
 };
 
 template <int TYPE, bool KALIGNED, int BK>
-__device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* row, int kt,
-                                                 int hsel, int64_t k) {
+__device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* row,
+                                                 const uint8_t* srow, int kt, int hsel, int64_t k) {
   constexpr int E = BK / 2;  // elements per thread
   if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0 || TYPE == kTypeQ4_1) {
-    constexpr int BS = TYPE == kTypeQ4_0 ? 18 : TYPE == kTypeQ4_1 ? 20 : 34;
+    // Split layout: the row's quants (16 or 32 bytes a block), its scales in srow.
+    constexpr int QB = TYPE == kTypeQ8_0 ? 32 : 16;
     // At BK 64 each thread takes block 2 kt + hsel; at BK 32 half of block kt.
     const int blk = BK == 64 ? 2 * kt + hsel : kt;
     const int part = BK == 64 ? 0 : hsel;
@@ -723,21 +579,27 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
 #pragma unroll
     for (int i = 0; i < 32; ++i) r.v[i] = 0;
     if (static_cast<int64_t>(blk) * 32 >= k) return;  // past the row's last block: zeros
-    const uint8_t* b = row + static_cast<size_t>(blk) * BS;
     if constexpr (TYPE == kTypeQ4_1) {
-      const uint32_t* u = reinterpret_cast<const uint32_t*>(b);
-      const uint32_t dm = __ldg(u);
+      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(srow) + blk);
       r.d = f16_bits_to_float(static_cast<uint16_t>(dm & 0xFFFF));
       r.m = f16_bits_to_float(static_cast<uint16_t>(dm >> 16));
-      constexpr int NW = E / 8;  // 32-bit words of quants: 2 (half block) or 4
-#pragma unroll
-      for (int i = 0; i < NW; ++i) r.v[i] = __ldg(u + 1 + part * NW + i);
     } else {
-      const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
-      r.d = f16_bits_to_float(__ldg(h));
-      constexpr int NH = TYPE == kTypeQ4_0 ? E / 4 : E / 2;  // 16-bit words of quants
+      r.d = f16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(srow) + blk));
+    }
+    // 32-bit words of quants this thread takes: E / 8 (Q4) or E / 4 (Q8), whole 16-byte loads
+    // but for Q4 at BK 32 (8 bytes).
+    constexpr int NW = TYPE == kTypeQ8_0 ? E / 4 : E / 8;
+    const uint32_t* q =
+        reinterpret_cast<const uint32_t*>(row + static_cast<size_t>(blk) * QB) + part * NW;
+    if constexpr (NW % 4 == 0) {
 #pragma unroll
-      for (int i = 0; i < NH; ++i) r.v[i] = __ldg(h + 1 + part * NH + i);
+      for (int i = 0; i < NW / 4; ++i) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(q) + i);
+        r.v[4 * i] = v.x, r.v[4 * i + 1] = v.y, r.v[4 * i + 2] = v.z, r.v[4 * i + 3] = v.w;
+      }
+    } else {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(q));
+      r.v[0] = v.x, r.v[1] = v.y;
     }
   } else {
     const int64_t e0 = static_cast<int64_t>(kt) * BK + hsel * E;
@@ -786,10 +648,7 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
     // Byte j of a block's quants holds element j (low nibble) and element j + 16 (high).
     constexpr int NB = E / 2;  // quant bytes this thread holds: 8 (half block) or 16
     const float m = TYPE == kTypeQ4_1 ? r.m : -8.0f * r.d;
-    auto byte_at = [&](int e) -> uint32_t {
-      if constexpr (TYPE == kTypeQ4_0) return (r.v[e / 2] >> (8 * (e % 2))) & 0xFF;
-      return (r.v[e / 4] >> (8 * (e % 4))) & 0xFF;
-    };
+    auto byte_at = [&](int e) -> uint32_t { return (r.v[e / 4] >> (8 * (e % 4))) & 0xFF; };
 #pragma unroll
     for (int p = 0; p < NB / 2; ++p) {
       const uint32_t b0 = byte_at(2 * p), b1 = byte_at(2 * p + 1);
@@ -806,8 +665,9 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
     if constexpr (TYPE == kTypeQ8_0) {
 #pragma unroll
       for (int i = 0; i < E / 2; ++i) {
-        const int8_t q0 = static_cast<int8_t>(r.v[i] & 0xFF);
-        const int8_t q1 = static_cast<int8_t>((r.v[i] >> 8) & 0xFF);
+        const uint32_t pair = r.v[i / 2] >> (16 * (i % 2));
+        const int8_t q0 = static_cast<int8_t>(pair & 0xFF);
+        const int8_t q1 = static_cast<int8_t>((pair >> 8) & 0xFF);
         o[i] = pack_half2(static_cast<float>(q0) * r.d, static_cast<float>(q1) * r.d);
       }
     } else if constexpr (TYPE == kTypeF32) {
@@ -838,8 +698,8 @@ constexpr size_t tc_smem_bytes() {
 
 template <int TYPE, int BK, int WT, int MT, int NT, bool KALIGNED>
 __global__ void __launch_bounds__(256)
-    mat_mul_tc_kernel(const uint8_t* w, size_t rb, int n, int64_t k, const __half* xh, int64_t kp,
-                      int n_cols, float* dst) {
+    mat_mul_tc_kernel(const uint8_t* w, size_t rb, const uint8_t* scales, size_t sb, int n,
+                      int64_t k, const __half* xh, int64_t kp, int n_cols, float* dst) {
   constexpr int WW = 8 / WT;
   constexpr int BT = WT * MT * 16;
   constexpr int PITCH = BK + 8;  // halves; rows 16-byte aligned and ldmatrix conflict-free
@@ -857,6 +717,7 @@ __global__ void __launch_bounds__(256)
   // Weight rows: two threads per row, each half of the BK k of a tile.
   const int b_row = tid / 2, hsel = tid % 2;
   const uint8_t* w_row = w + static_cast<size_t>(min(n0 + b_row, n - 1)) * rb;
+  const uint8_t* s_row = scales + static_cast<size_t>(min(n0 + b_row, n - 1)) * sb;
 
   auto load_a = [&](int s, int kt) {
     constexpr int CH = BK / 8;  // 16-byte pieces per row
@@ -880,7 +741,7 @@ __global__ void __launch_bounds__(256)
 
   WeightRegs regs;
   load_a(0, 0);
-  load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, 0, hsel, k);
+  load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, s_row, 0, hsel, k);
   store_weight_regs<TYPE, BK>(regs, &bs[0][b_row][0], hsel);
   cp_async_wait<0>();
   __syncthreads();
@@ -890,7 +751,7 @@ __global__ void __launch_bounds__(256)
     const bool more = kt + 1 < n_kt;
     if (more) {
       load_a(nxt, kt + 1);
-      load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, kt + 1, hsel, k);
+      load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, s_row, kt + 1, hsel, k);
     }
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
@@ -959,14 +820,20 @@ void mat_mul_tc_launch(Launcher& l, const void* w, int64_t n, int64_t k, const u
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* xh = reinterpret_cast<const __half*>(ws);
   const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
-  const size_t rb = row_bytes(static_cast<DType>(TYPE), k);
+  // Quantized weights are split (cuda/weight_layout.h): rows of quants, then rows of scales.
+  constexpr bool kQuant = TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1 || TYPE == kTypeQ8_0;
+  constexpr size_t QB = TYPE == kTypeQ8_0 ? 32 : 16, SB = TYPE == kTypeQ4_1 ? 4 : 2;
+  const size_t nb = static_cast<size_t>(k / 32);
+  const size_t rb = kQuant ? nb * QB : row_bytes(static_cast<DType>(TYPE), k);
+  const size_t sb = kQuant ? nb * SB : 0;
+  const uint8_t* sp = kQuant ? wp + static_cast<size_t>(n) * rb : wp;
   const bool aligned = k % 8 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const size_t smem = tc_smem_bytes<BT, BK>();
   if (aligned) {
-    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>, grid, dim3(256), smem, wp, rb,
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>, grid, dim3(256), smem, wp, rb, sp, sb,
       static_cast<int>(n), k, xh, kp, cols, dst);
   } else {
-    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>, grid, dim3(256), smem, wp, rb,
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>, grid, dim3(256), smem, wp, rb, sp, sb,
       static_cast<int>(n), k, xh, kp, cols, dst);
   }
 }
@@ -1015,46 +882,46 @@ void mat_mul_tc_prepare_type() {
   mat_mul_tc_prepare<TYPE, 64, 2, 4, 4>();
 }
 
+__global__ void split_weight_kernel(SplitFormat f, const uint8_t* src, uint8_t* dst,
+                                    int64_t n_blocks) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n_blocks) split_block(f, src, static_cast<size_t>(i), n_blocks, dst);
+}
+
 }  // namespace
+
+void set_mat_vec_config(MatVecConfig c) { mat_vec_override() = c; }
+
+void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t n_blocks,
+                         cudaStream_t stream) {
+  const SplitFormat f = type == DType::Q4_0   ? kSplitQ4_0
+                        : type == DType::Q4_1 ? kSplitQ4_1
+                        : type == DType::Q8_0 ? kSplitQ8_0
+                                              : SplitFormat{0, 0, 0};
+  if (f.block_bytes == 0)
+    throw ArgumentError(std::string("split_weight: expected a quantized type, got ") +
+                        dtype_name(type));
+  if (n_blocks == 0) return;
+  split_weight_kernel<<<static_cast<unsigned>(ceil_div(n_blocks, 256)), 256, 0, stream>>>(
+      f, src, dst, n_blocks);
+  GGRAPH_CUDA_CHECK(cudaGetLastError());
+}
 
 void prepare_kernels() {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess) {
-    measure_warp_slots_type<kTypeQ4_0>(sms);
-    measure_warp_slots_type<kTypeQ4_1>(sms);
-    measure_warp_slots_type<kTypeQ8_0>(sms);
+    measure_rows_kernels<kTypeQ4_0>(sms);
+    measure_rows_kernels<kTypeQ4_1>(sms);
+    measure_rows_kernels<kTypeQ8_0>(sms);
   }
+  cudaGetLastError();
   mat_mul_tc_prepare_type<kTypeQ4_0>();
   mat_mul_tc_prepare_type<kTypeQ4_1>();
   mat_mul_tc_prepare_type<kTypeQ8_0>();
   mat_mul_tc_prepare_type<kTypeF32>();
   mat_mul_tc_prepare_type<kTypeF16>();
   mat_mul_tc_prepare_type<kTypeBF16>();
-}
-
-bool direct_mat_vec() {
-  static const bool direct = [] {
-    const char* v = std::getenv("GGRAPH_CUDA_DIRECT_MATVEC");
-    return v && std::strcmp(v, "0") != 0;
-  }();
-  return direct;
-}
-
-bool fill_device_mat_vec() {
-  static const bool fill = [] {
-    const char* v = std::getenv("GGRAPH_CUDA_MATVEC_FILL_DEVICE");
-    return v && std::strcmp(v, "0") != 0;
-  }();
-  return fill;
-}
-
-bool staged_mat_vec() {
-  static const bool staged = [] {
-    const char* v = std::getenv("GGRAPH_CUDA_STAGED_MATVEC");
-    return v && std::strcmp(v, "0") != 0;
-  }();
-  return staged;
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,

@@ -43,13 +43,45 @@ struct Events {
     CHECK(cudaEventElapsedTime(&ms, start, stop));
     return ms / iters;
   }
+  // The same with the iters launches replayed from one CUDA graph: no host launch cost and the
+  // shortest gap between kernels, so closer to the kernels' own time.
+  template <typename Fn>
+  double graph_ms(cudaStream_t s, int iters, Fn fn) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t x = nullptr;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < iters; ++i) fn(i);
+    CHECK(cudaStreamEndCapture(s, &g));
+    CHECK(cudaGraphInstantiate(&x, g, 0));
+    CHECK(cudaGraphLaunch(x, s));
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaEventRecord(start, s));
+    CHECK(cudaGraphLaunch(x, s));
+    CHECK(cudaEventRecord(stop, s));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    cudaGraphExecDestroy(x);
+    cudaGraphDestroy(g);
+    return ms / iters;
+  }
 };
 
-void* device_copy_of(const std::vector<uint8_t>& host) {
+// A weight as the backend uploads it: quantized types in the split layout.
+void* device_copy_of(const std::vector<uint8_t>& host, DType t) {
   void* p = nullptr;
   CHECK(cudaMalloc(&p, host.size() + gc::kWeightPadding));
   CHECK(cudaMemcpy(p, host.data(), host.size(), cudaMemcpyHostToDevice));
   CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
+  if (gc::is_quantized(t)) {
+    void* raw = p;
+    CHECK(cudaMalloc(&p, host.size() + gc::kWeightPadding));
+    CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
+    gc::launch_split_weight(t, static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(p),
+                            int64_t(host.size() / gc::block_bytes(t)), nullptr);
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaFree(raw));
+  }
   return p;
 }
 
@@ -121,8 +153,10 @@ int main() {
   std::printf("device-to-device copy: %.2f TB/s (read + write)\n\n", copy);
 
   // ---- mat-vec -----------------------------------------------------------------------------
-  std::printf("| mat-vec | k x n | cols | weight MB | us | GB/s | %% of copy |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| mat-vec | k x n | cols | weight MB | us | GB/s | %% of copy | us (graph) | %% of copy "
+      "(graph) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
   struct KN {
     int64_t k, n;
   };
@@ -133,26 +167,40 @@ int main() {
       const double mb = host.size() / 1e6;
       const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
       std::vector<void*> w(copies);
-      for (auto& p : w) p = device_copy_of(host);
+      for (auto& p : w) p = device_copy_of(host, t);
       for (int cols : {1, 2, 4, 8}) {
-        float* x = device_randn(size_t(sh.k) * cols, rng);
-        float* dst = nullptr;
-        CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
-        uint8_t* ws = nullptr;
-        CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
         const bool q = gc::is_quantized(t);
-        if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
-        const double ms = ev.time_ms(s, 200, [&](int i) {
-          gc::MatVecPart part{w[i % copies], sh.n, dst};
-          gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
-        });
-        std::printf("| %s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
-                    (long long)sh.k, (long long)sh.n, cols, mb, ms * 1e3,
-                    host.size() / (ms * 1e-3) / 1e9,
-                    100.0 * host.size() / (ms * 1e-3) / (copy * 1e12));
-        cudaFree(x);
-        cudaFree(dst);
-        cudaFree(ws);
+        // One column of a quantized type: every kernel shape (rows per lane group, pieces in
+        // flight), the automatic choice first.
+        std::vector<gc::MatVecConfig> configs = {{0, 0}};
+        if (q && cols == 1)
+          configs.insert(configs.end(), {{1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 2}, {4, 4}});
+        for (const gc::MatVecConfig& c : configs) {
+          gc::set_mat_vec_config(c);
+          float* x = device_randn(size_t(sh.k) * cols, rng);
+          float* dst = nullptr;
+          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+          uint8_t* ws = nullptr;
+          CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
+          if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
+          auto mv = [&](int i) {
+            gc::MatVecPart part{w[i % copies], sh.n, dst};
+            gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
+          };
+          const double ms = ev.time_ms(s, 200, mv);
+          const double gms = ev.graph_ms(s, 200, mv);
+          const std::string shape =
+              c.rows ? " (" + std::to_string(c.rows) + "x" + std::to_string(c.unroll) + ")" : "";
+          std::printf("| %s%s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f | %.2f | %.0f |\n",
+                      gc::dtype_name(t), shape.c_str(), (long long)sh.k, (long long)sh.n, cols, mb,
+                      ms * 1e3, host.size() / (ms * 1e-3) / 1e9,
+                      100.0 * host.size() / (ms * 1e-3) / (copy * 1e12), gms * 1e3,
+                      100.0 * host.size() / (gms * 1e-3) / (copy * 1e12));
+          cudaFree(x);
+          cudaFree(dst);
+          cudaFree(ws);
+        }
+        gc::set_mat_vec_config({0, 0});
       }
       for (void* p : w) cudaFree(p);
     }
@@ -173,7 +221,7 @@ int main() {
     for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
       const int cols = 512;
       const auto host = random_weights(t, sh.k, sh.n, rng);
-      void* w = device_copy_of(host);
+      void* w = device_copy_of(host, t);
       float* x = device_randn(size_t(sh.k) * cols, rng);
       float* dst = nullptr;
       CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));

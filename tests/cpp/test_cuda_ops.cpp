@@ -16,7 +16,7 @@
 #include "backend.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels.cuh"
-#include "cuda/quant_words.h"
+#include "cuda/weight_layout.h"
 #include "graph.h"
 #include "planner.h"
 #include "quant.h"
@@ -75,7 +75,7 @@ std::vector<float> run_on(Backend& be, const Build& build) {
 Tensor* upload(Graph& g, Backend& be, DType type, int64_t ne0, int64_t ne1, const void* host,
                const std::string& name) {
   const size_t bytes = row_size(type, ne0) * ne1;
-  return g.weight(type, ne0, ne1, be.upload_weight(host, bytes, name), name);
+  return g.weight(type, ne0, ne1, be.upload_weight(host, bytes, type, ne0, ne1, name), name);
 }
 
 // An F32 scratch tensor holding x: get_rows of an F32 table with ids 0..ne1-1.
@@ -389,10 +389,14 @@ TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
           v16[i] = f32_to_f16(past_v[i]);
         }
         Build build = [&](Graph& g, Backend& be) {
-          Tensor* kc = g.kv_cache(DType::F16, kv_w, n_ctx,
-                                  be.upload_weight(k16.data(), k16.size() * 2, "k"), "k");
-          Tensor* vc = g.kv_cache(DType::F16, kv_w, n_ctx,
-                                  be.upload_weight(v16.data(), v16.size() * 2, "v"), "v");
+          Tensor* kc = g.kv_cache(
+              DType::F16, kv_w, n_ctx,
+              be.upload_weight(k16.data(), k16.size() * 2, DType::F16, int64_t(k16.size()), 1, "k"),
+              "k");
+          Tensor* vc = g.kv_cache(
+              DType::F16, kv_w, n_ctx,
+              be.upload_weight(v16.data(), v16.size() * 2, DType::F16, int64_t(v16.size()), 1, "v"),
+              "v");
           Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
           Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
           Tensor* wqt = upload(g, be, t, n_embd, n_embd, bq.data(), "wq");
@@ -478,12 +482,15 @@ TEST_F(CudaOps, DecoderLayersMatchTheCpu) {
                                  g.input_i32(n_tok, tokens.data(), "tokens"));
           for (int il = 0; il < 2; ++il) {
             const LayerW& L = layers[il];
-            Tensor* kc = g.kv_cache(
-                DType::F16, kv_w, n_ctx,
-                be.upload_weight(caches[2 * il].data(), caches[2 * il].size() * 2, "k"), "k");
+            Tensor* kc =
+                g.kv_cache(DType::F16, kv_w, n_ctx,
+                           be.upload_weight(caches[2 * il].data(), caches[2 * il].size() * 2,
+                                            DType::F16, int64_t(caches[2 * il].size()), 1, "k"),
+                           "k");
             Tensor* vc = g.kv_cache(
                 DType::F16, kv_w, n_ctx,
-                be.upload_weight(caches[2 * il + 1].data(), caches[2 * il + 1].size() * 2, "v"),
+                be.upload_weight(caches[2 * il + 1].data(), caches[2 * il + 1].size() * 2,
+                                 DType::F16, int64_t(caches[2 * il + 1].size()), 1, "v"),
                 "v");
             Tensor* h = g.mul(g.rms_norm(x, 1e-5f), f32(L.attn_norm, "attn_norm"));
             Tensor *q, *k, *v;
@@ -641,10 +648,14 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   std::vector<int32_t> iq, ik, iv;
   check(
       [&](Graph& g, Backend& be) {
-        Tensor* kt = g.kv_cache(DType::F16, kv_w, n_ctx,
-                                be.upload_weight(k16.data(), k16.size() * 2, "k"), "k");
-        Tensor* vt = g.kv_cache(DType::F16, kv_w, n_ctx,
-                                be.upload_weight(v16.data(), v16.size() * 2, "v"), "v");
+        Tensor* kt = g.kv_cache(
+            DType::F16, kv_w, n_ctx,
+            be.upload_weight(k16.data(), k16.size() * 2, DType::F16, int64_t(k16.size()), 1, "k"),
+            "k");
+        Tensor* vt = g.kv_cache(
+            DType::F16, kv_w, n_ctx,
+            be.upload_weight(v16.data(), v16.size() * 2, DType::F16, int64_t(v16.size()), 1, "v"),
+            "v");
         g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
         g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
         return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
@@ -994,36 +1005,28 @@ TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
   }
 }
 
-// The register-level split of superblocks that the direct mat-vec kernel does, on the host.
-template <typename L>
-void check_split(std::mt19937& rng, const char* what) {
-  std::vector<uint8_t> bytes(L::kBytes);
-  std::uniform_int_distribution<int> byte(0, 255);
-  for (auto& b : bytes) b = uint8_t(byte(rng));
-  std::vector<uint32_t> w(L::kWords);
-  std::memcpy(w.data(), bytes.data(), bytes.size());
-  for (int b = 0; b < L::kBlocks; ++b) {
-    uint32_t header = 0, q[8] = {};
-    cuda::split_block<L>(w.data(), b, header, q);
-    const uint8_t* blk = bytes.data() + b * L::kBlockBytes;
-    uint32_t want_header = 0;
-    std::memcpy(&want_header, blk, L::kHeaderBytes);
-    const uint32_t mask = L::kHeaderBytes == 4 ? 0xFFFFFFFFu : 0xFFFFu;
-    EXPECT_EQ(header & mask, want_header) << what << " block " << b;
-    for (int i = 0; i < L::kQuantWords; ++i) {
-      uint32_t want = 0;
-      std::memcpy(&want, blk + L::kHeaderBytes + 4 * i, 4);
-      EXPECT_EQ(q[i], want) << what << " block " << b << " word " << i;
-    }
-  }
-}
-
-TEST(CudaLaunchPlan, SuperblockSplitFindsEveryBlocksHeaderAndQuants) {
+// The split weight layout the upload writes, on the host: every block's scale and quants land
+// where the kernels look for them, whatever the block count.
+TEST(CudaLaunchPlan, WeightSplitPutsEveryBlocksScaleAndQuantsInPlace) {
   std::mt19937 rng(25);
-  for (int rep = 0; rep < 20; ++rep) {
-    check_split<cuda::SuperQ4_0>(rng, "Q4_0");
-    check_split<cuda::SuperQ4_1>(rng, "Q4_1");
-    check_split<cuda::SuperQ8_0>(rng, "Q8_0");
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const cuda::SplitFormat& f : {cuda::kSplitQ4_0, cuda::kSplitQ4_1, cuda::kSplitQ8_0}) {
+    for (size_t n_blocks : {size_t(1), size_t(7), size_t(96)}) {
+      std::vector<uint8_t> src(n_blocks * f.block_bytes), dst(src.size(), 0);
+      for (auto& b : src) b = uint8_t(byte(rng));
+      for (size_t i = 0; i < n_blocks; ++i)
+        cuda::split_block(f, src.data(), i, n_blocks, dst.data());
+      const size_t scales = cuda::split_scales_offset(f, n_blocks);
+      EXPECT_EQ(scales % 16, 0u);
+      for (size_t i = 0; i < n_blocks; ++i) {
+        const uint8_t* blk = src.data() + i * f.block_bytes;
+        EXPECT_EQ(std::memcmp(dst.data() + scales + i * f.scale_bytes, blk, f.scale_bytes), 0)
+            << f.block_bytes << "-byte blocks, block " << i << " of " << n_blocks;
+        EXPECT_EQ(std::memcmp(dst.data() + i * f.quant_bytes, blk + f.scale_bytes, f.quant_bytes),
+                  0)
+            << f.block_bytes << "-byte blocks, block " << i << " of " << n_blocks;
+      }
+    }
   }
 }
 
