@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks) {
+  pdl_begin();
   extern __shared__ float smem[];
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
@@ -227,6 +228,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
 __global__ void attn_reduce_kernel(const float* part, float* out, int n_head, int head_dim,
                                    int n_splits) {
+  pdl_begin();
   const int h = blockIdx.x, t = blockIdx.y;
   const int rec = head_dim + 2;
   const float* base = part + (static_cast<int64_t>(t) * n_head + h) * n_splits * rec;
@@ -258,6 +260,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                        int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_tokens) {
+  pdl_begin();
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
   constexpr int BQ = kAttnWarps * QW;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -642,7 +643,10 @@ class CudaBackend : public Backend {
     name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
     prepare_kernels();
     GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug);
+    // Programmatic dependent launch needs sm_90; GGRAPH_CUDA_PDL=0 turns it off to compare.
+    const char* pdl_env = std::getenv("GGRAPH_CUDA_PDL");
+    const bool pdl = prop.major >= 9 && !(pdl_env && std::strcmp(pdl_env, "0") == 0);
+    executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug, pdl);
     kv_record_ = static_cast<int32_t*>(device_alloc(sizeof(KvSlots), "the KV record"));
   }
 

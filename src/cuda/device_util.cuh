@@ -41,6 +41,18 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
 
+// Programmatic dependent launch (sm_90 and newer): every kernel first waits until the grid before
+// it has completed and its writes are visible, then lets the next grid launch, whose start-up
+// then overlaps this kernel's run. Waiting before any memory access keeps every read-after-write
+// and write-after-read order of plain stream execution. Without the launch attribute (or before
+// sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Element i of a row of a float type, as float.
 template <int TYPE>
 __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {

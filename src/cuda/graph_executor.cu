@@ -16,8 +16,8 @@ GraphMode parse_graph_mode(const std::string& name) {
                       name + "'");
 }
 
-GraphExecutor::GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug)
-    : stream_(stream), mode_(mode), debug_(debug) {
+GraphExecutor::GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug, bool pdl)
+    : stream_(stream), mode_(mode), debug_(debug), pdl_(pdl) {
   recorded_.reserve(4096);
 }
 
@@ -41,6 +41,7 @@ void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
   GGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   Launcher L;
   L.stream = stream_;
+  L.pdl = pdl_;
   L.execute = true;
   L.record = launches;
   L.captured_nodes = nodes;
@@ -146,6 +147,7 @@ void GraphExecutor::record_step(const LaunchAll& launches) {
   recorded_.clear();
   Launcher L;
   L.stream = stream_;
+  L.pdl = pdl_;
   L.execute = false;
   L.record = &recorded_;
   launches(L);
@@ -230,6 +232,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   if (mode_ == GraphMode::Off) {
     Launcher L;
     L.stream = stream_;
+    L.pdl = pdl_;
     launch_all(L);
     stats_.eager_evals += 1;
     return;

@@ -35,7 +35,8 @@ class GraphExecutor {
  public:
   using LaunchAll = std::function<void(Launcher&)>;
 
-  GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug);
+  // pdl: launch kernels with programmatic stream serialization (see Launcher::pdl).
+  GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug, bool pdl);
   ~GraphExecutor();
   GraphExecutor(const GraphExecutor&) = delete;
   GraphExecutor& operator=(const GraphExecutor&) = delete;
@@ -97,6 +98,7 @@ class GraphExecutor {
   cudaStream_t stream_;
   GraphMode mode_;
   bool debug_;
+  bool pdl_;
   bool corrupt_next_patch_ = false;
   GraphStats stats_;
   std::unordered_map<uint64_t, Entry> cache_;

@@ -18,6 +18,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <int TYPE>
 __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_rows,
                                 size_t row_stride, const int32_t* ids, float* dst) {
+  pdl_begin();
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
   float* out = dst + t * ne0;
@@ -58,6 +59,7 @@ __device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* 
 __global__ void rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
                                 int64_t w_cols, float* dst, int64_t ne0, float eps, int8_t* qs,
                                 float2* ds) {
+  pdl_begin();
   __shared__ float partial[32];
   const int64_t col = blockIdx.x;
   const float* x = src + col * ne0;
@@ -101,6 +103,7 @@ __global__ void rms_norm_kernel(const float* src, const float* add, float* sum_o
 template <int OP>
 __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, float* dst,
                               int64_t ne0) {
+  pdl_begin();
   const int64_t col = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= ne0) return;
@@ -112,6 +115,7 @@ __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, fl
 // qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range).
 __global__ void swiglu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
                               float2* ds) {
+  pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = gate[i];
@@ -234,6 +238,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
   }
 
 __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
+  pdl_begin();
   GGRAPH_ROPE_ARGS;
   const int32_t first_row = k_cache ? *first_row_at : 0;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -250,6 +255,7 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
 // write, so that an output may take the memory of an input, as the planner hands out k's rope
 // output where q's product was.
 __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots) {
+  pdl_begin();
   GGRAPH_ROPE_ARGS;
   const int32_t first_row = k_cache ? *first_row_at : 0;
   __shared__ float2 angle[kRopeMaxHalfDim];
@@ -286,6 +292,7 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
 __global__ void kv_store_kernel(const float* src0, const float* src1, __half* cache0,
                                 __half* cache1, int64_t n_embd_kv, int64_t n,
                                 const int32_t* first_row_at) {
+  pdl_begin();
   const int32_t first_row = *first_row_at;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -297,6 +304,7 @@ __global__ void kv_store_kernel(const float* src0, const float* src1, __half* ca
 // ---- The step's KV record ----------------------------------------------------------------------
 
 __global__ void kv_params_kernel(KvSlots values, int32_t* record) {
+  pdl_begin();
   if (threadIdx.x < kMaxKvSlots) record[threadIdx.x] = values.v[threadIdx.x];
 }
 
@@ -304,6 +312,7 @@ __global__ void kv_params_kernel(KvSlots values, int32_t* record) {
 
 // One warp per block of 32: q = round(x / d), d = max|x| / 127; ds = (d, d * sum(q)).
 __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs, float2* ds) {
+  pdl_begin();
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (b >= n_blocks) return;
@@ -317,6 +326,7 @@ __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs
 }
 
 __global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_t n, __half* h) {
+  pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t col = i / kp, kk = i % kp;

@@ -67,6 +67,10 @@ class Launcher {
   // While the stream is being captured: the kernel node each launch became, in launch order.
   std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
   int launches = 0;  // launches issued or recorded so far this step
+  // Launch with programmatic stream serialization (sm_90+): the next kernel's launch overlaps
+  // this one's run; every kernel begins with pdl_begin() (cuda/device_util.cuh), which keeps
+  // plain stream order for memory.
+  bool pdl = false;
 
   template <typename... KArgs, typename... Args>
   void operator()(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
@@ -109,14 +113,29 @@ class Launcher {
       k.arg_bytes = total;
     }
     if (execute) {
-      GGRAPH_CUDA_CHECK(cudaLaunchKernel(func, grid, block, ptrs, smem, stream));
+      if (pdl) {
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = grid;
+        config.blockDim = block;
+        config.dynamicSmemBytes = smem;
+        config.stream = stream;
+        config.attrs = &attr;
+        config.numAttrs = 1;
+        GGRAPH_CUDA_CHECK(cudaLaunchKernelExC(&config, func, ptrs));
+      } else {
+        GGRAPH_CUDA_CHECK(cudaLaunchKernel(func, grid, block, ptrs, smem, stream));
+      }
       if (captured_nodes) {
         // On a captured stream the last node added is the sole dependency of what comes next.
         cudaStreamCaptureStatus status;
         const cudaGraphNode_t* deps = nullptr;
+        const cudaGraphEdgeData* edges = nullptr;  // programmatic edges are not default ones
         size_t n_deps = 0;
         GGRAPH_CUDA_CHECK(
-            cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
+            cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, &edges, &n_deps));
         if (status != cudaStreamCaptureStatusActive || n_deps != 1)
           throw std::logic_error("launch under capture: expected one dependency node");
         captured_nodes->push_back(deps[0]);

@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb, int lpr,
                      const int8_t* aq, const float2* ads, int64_t k) {
+  pdl_begin();
   using P = PieceInfo<TYPE>;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -194,6 +195,7 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                           int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
                           const int8_t* aq, const float2* ads, int64_t k) {
+  pdl_begin();
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
@@ -307,6 +309,7 @@ __global__ void __launch_bounds__(kMvThreads)
     mat_vec_f_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
                      const float* x) {
+  pdl_begin();
   constexpr int E = FloatInfo<TYPE>::kVecElems;
   constexpr int U = 4;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
@@ -700,6 +703,7 @@ template <int TYPE, int BK, int WT, int MT, int NT, bool KALIGNED>
 __global__ void __launch_bounds__(256)
     mat_mul_tc_kernel(const uint8_t* w, size_t rb, const uint8_t* scales, size_t sb, int n,
                       int64_t k, const __half* xh, int64_t kp, int n_cols, float* dst) {
+  pdl_begin();
   constexpr int WW = 8 / WT;
   constexpr int BT = WT * MT * 16;
   constexpr int PITCH = BK + 8;  // halves; rows 16-byte aligned and ldmatrix conflict-free
@@ -884,6 +888,7 @@ void mat_mul_tc_prepare_type() {
 
 __global__ void split_weight_kernel(SplitFormat f, const uint8_t* src, uint8_t* dst,
                                     int64_t n_blocks) {
+  pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n_blocks) split_block(f, src, static_cast<size_t>(i), n_blocks, dst);
 }

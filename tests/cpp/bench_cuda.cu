@@ -144,6 +144,9 @@ int main() {
   CHECK(cudaStreamCreate(&s));
   gc::Launcher l;
   l.stream = s;
+  // Launched as the backend launches them: with programmatic dependent launch on sm_90+.
+  l.pdl = prop.major >= 9;
+  std::printf("programmatic dependent launch: %s\n", l.pdl ? "on" : "off");
   std::mt19937 rng(1);
   Events ev;
 
