@@ -244,11 +244,12 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
-// The quantized mat-vec's shape: rows per lane group and 16-byte pieces of each row in flight
-// per lane. {0, 0} picks them from the matrix size; benchmarks set others to compare.
+// The quantized mat-vec's shape: rows per lane group, 16-byte pieces of each row in flight per
+// lane, warps splitting k. rows 0 picks them from the matrix size; benchmarks set others.
 struct MatVecConfig {
   int rows = 0;
   int unroll = 0;
+  int ksplit = 1;  // warps of a block sharing rows, each over part of k
 };
 void set_mat_vec_config(MatVecConfig c);
 // Quantized weights live in the split layout of cuda/weight_layout.h: converts n_blocks GGUF

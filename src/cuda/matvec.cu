@@ -113,7 +113,7 @@ __device__ __forceinline__ void piece_dot(const uint4& q, uint32_t s, const int 
   }
 }
 
-template <int TYPE, int NCOLS, int R, int U>
+template <int TYPE, int NCOLS, int R, int U, int KS>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb, int lpr,
@@ -121,10 +121,13 @@ __global__ void __launch_bounds__(kMvqThreads)
   pdl_begin();
   using P = PieceInfo<TYPE>;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // KS warps share rows, each taking every KS-th run of pieces; their sums meet in shared memory.
+  const int wr = warp / KS, ks = warp % KS;
   const int gl = lane % lpr;  // lane within the row group
   const int groups = 32 / lpr;
-  const int row0 = ((part.local_block * kMvqWarps + warp) * groups + lane / lpr) * R;
+  const int row0 = ((part.local_block * (kMvqWarps / KS) + wr) * groups + lane / lpr) * R;
   const int n_pieces = nb * P::kPerBlock;
   const uint8_t* scales = part.w + static_cast<size_t>(part.n) * nb * P::kQuantBytes;
   const uint4* qrow[R];
@@ -142,7 +145,7 @@ __global__ void __launch_bounds__(kMvqThreads)
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) acc[j][t] = 0.0f;
 
-  for (int p0 = gl; p0 < n_pieces; p0 += lpr * U) {
+  for (int p0 = ks * lpr * U + gl; p0 < n_pieces; p0 += lpr * U * KS) {
     uint4 q[U][R];
     uint32_t s[U][R];
 #pragma unroll
@@ -171,13 +174,32 @@ __global__ void __launch_bounds__(kMvqThreads)
     }
   }
 
+  __shared__ float partial[KS > 1 ? kMvqWarps : 1][32][R * NCOLS];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) {
       float v = acc[j][t];
       for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (gl == 0 && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+      if constexpr (KS == 1) {
+        if (gl == 0 && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+      } else {
+        partial[warp][lane][j * NCOLS + t] = v;
+      }
+    }
+  }
+  if constexpr (KS > 1) {
+    __syncthreads();
+    if (ks == 0 && gl == 0) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+#pragma unroll
+        for (int t = 0; t < NCOLS; ++t) {
+          float v = 0.0f;
+          for (int i = 0; i < KS; ++i) v += partial[warp + i][lane][j * NCOLS + t];
+          if (row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+        }
+      }
     }
   }
 }
@@ -406,11 +428,11 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
   return g;
 }
 
-template <int TYPE, int NCOLS, int R, int U>
+template <int TYPE, int NCOLS, int R, int U, int KS = 1>
 void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, int lpr,
                       const int8_t* aq, const float2* ads) {
-  const GroupArgs g = group_args(parts, n_parts, kMvqWarps * (32 / lpr) * R);
-  l(mat_vec_q_kernel<TYPE, NCOLS, R, U>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
+  const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * (32 / lpr) * R);
+  l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
     g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
     static_cast<int>(k / 32), lpr, aq, ads, k);
 }
@@ -461,28 +483,35 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     for (int i = 0; i < n_parts; ++i) n_rows += parts[i].n;
     MatVecConfig c = mat_vec_override();
     // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
-    // activation in registers; long ones with four rows a lane group over many rows (two for
-    // 8-bit weights), otherwise one row and four pieces in flight.
+    // activation in registers. Many rows: four a lane group (two for 8-bit weights). Fewer but
+    // long rows: warps split k, so that enough of them stream at once. Otherwise one row a lane
+    // group with four pieces in flight.
     if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
+    constexpr bool kQ8 = PieceInfo<TYPE>::kPerBlock == 2;
     if (c.rows == 0) {
-      c = n_rows < 8192                     ? MatVecConfig{1, 4}
-          : PieceInfo<TYPE>::kPerBlock == 2 ? MatVecConfig{2, 2}
-                                            : MatVecConfig{4, 2};
+      if (n_rows >= 8192)
+        c = kQ8 ? MatVecConfig{2, 2, 1} : MatVecConfig{4, 2, 1};
+      else if (n_pieces >= 256)
+        c = kQ8 ? MatVecConfig{4, 2, 4} : MatVecConfig{2, 4, 2};
+      else
+        c = MatVecConfig{1, 4, 1};
     }
-    switch (c.rows * 100 + c.unroll) {
-      case 108:
-        return mat_vec_q_launch<TYPE, 1, 1, 8>(l, parts, n_parts, k, lpr, aq, ads);
+    switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
+      case 1402:
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, lpr, aq, ads);
+      case 3402:
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
+      case 1204:
+        return mat_vec_q_launch<TYPE, 1, 2, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
+      case 3202:
+        return mat_vec_q_launch<TYPE, 1, 2, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
       case 202:
         return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, lpr, aq, ads);
       case 204:
         return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
-      case 208:
-        return mat_vec_q_launch<TYPE, 1, 2, 8>(l, parts, n_parts, k, lpr, aq, ads);
       case 402:
         return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
-      case 404:
-        return mat_vec_q_launch<TYPE, 1, 4, 4>(l, parts, n_parts, k, lpr, aq, ads);
       default:
         break;
     }

@@ -177,7 +177,9 @@ int main() {
         // flight), the automatic choice first.
         std::vector<gc::MatVecConfig> configs = {{0, 0}};
         if (q && cols == 1)
-          configs.insert(configs.end(), {{1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 2}, {4, 4}});
+          configs.insert(
+              configs.end(),
+              {{1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {4, 2, 2}, {4, 2, 4}, {2, 4, 2}, {2, 2, 4}});
         for (const gc::MatVecConfig& c : configs) {
           gc::set_mat_vec_config(c);
           float* x = device_randn(size_t(sh.k) * cols, rng);
@@ -192,8 +194,10 @@ int main() {
           };
           const double ms = ev.time_ms(s, 200, mv);
           const double gms = ev.graph_ms(s, 200, mv);
-          const std::string shape =
-              c.rows ? " (" + std::to_string(c.rows) + "x" + std::to_string(c.unroll) + ")" : "";
+          const std::string shape = c.rows ? " (" + std::to_string(c.rows) + "x" +
+                                                 std::to_string(c.unroll) + "/" +
+                                                 std::to_string(c.ksplit) + ")"
+                                           : "";
           std::printf("| %s%s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f | %.2f | %.0f |\n",
                       gc::dtype_name(t), shape.c_str(), (long long)sh.k, (long long)sh.n, cols, mb,
                       ms * 1e3, host.size() / (ms * 1e-3) / 1e9,

@@ -328,16 +328,16 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
-  // Odd k and n for the warp-streamed quantized mat-vec (k = 4096 and 11008 span one and several
-  // 128-block chunks; rows start at any even offset); GGRAPH_CUDA_STAGED_MATVEC=1 checks the
-  // staged one. With GGRAPH_CUDA_DIRECT_MATVEC=1, k = 256, 512, 1024, 4096 and 11008 take the
-  // direct one with 1, 2, 4, 16 and (looping) 43 superblocks a row.
+  // Odd k and n for every quantized mat-vec kernel: short rows (k <= 2048, activation in
+  // registers), middle ones, and long ones (k 11008: warps split k); rows end mid-block.
   const Shape kn[] = {{32, 1},    {96, 7},    {160, 33},  {256, 3},   {512, 130},
                       {576, 257}, {800, 129}, {1024, 33}, {4096, 65}, {11008, 20}};
   for (DType t : kAllTypes) {
     for (Shape s : kn) {
       for (int64_t cols : {1, 2, 7, 8, 9, 33}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
     }
+    // Many rows (>= 8192, several rows a lane group), a count no block size divides.
+    check_mul_mat(t, 256, 8197, 1, rng, chk);
   }
 }
 
