@@ -77,13 +77,13 @@ HAVE_PY=0
 step build-python "$OUT/build.log" 200 cmake --build "$BUILD" -j "$JOBS" --target _core && HAVE_PY=1
 
 step op-suite "$OUT/tests.log" 240 "$BUILD/ggraph_cuda_tests"
-# The alternative kernels kept for comparison: direct-load quantized mat-vec and the 32-deep
-# tensor-core tiles.
-step op-suite-direct-bk32 "$OUT/tests.log" 120 env GGRAPH_CUDA_DIRECT_MATVEC=1 \
+# The alternatives kept for comparison: plain launches (no programmatic dependent launch) and
+# the 32-deep tensor-core tiles.
+step op-suite-nopdl-bk32 "$OUT/tests.log" 120 env GGRAPH_CUDA_PDL=0 \
   GGRAPH_CUDA_MMA_BK=32 "$BUILD/ggraph_cuda_tests" --gtest_filter='CudaOps.MulMat*:CudaOps.Decoder*'
 if [ "$QUICK" = 0 ]; then
   step kernel-bench "$OUT/bench.log" 150 "$BUILD/ggraph_bench_cuda"
-  step kernel-bench-direct-bk32 "$OUT/bench.log" 150 env GGRAPH_CUDA_DIRECT_MATVEC=1 \
+  step kernel-bench-nopdl-bk32 "$OUT/bench.log" 150 env GGRAPH_CUDA_PDL=0 \
     GGRAPH_CUDA_MMA_BK=32 "$BUILD/ggraph_bench_cuda"
 
   if [ "$HAVE_PY" = 1 ]; then
