@@ -78,6 +78,13 @@ Tensor* upload(Graph& g, Backend& be, DType type, int64_t ne0, int64_t ne1, cons
   return g.weight(type, ne0, ne1, be.upload_weight(host, bytes, type, ne0, ne1, name), name);
 }
 
+// An F16 KV cache [w, n_ctx] with the given contents, uploaded through the backend.
+Tensor* f16_cache(Graph& g, Backend& be, const std::vector<uint16_t>& data, int64_t w,
+                  int64_t n_ctx, const std::string& name) {
+  void* p = be.upload_weight(data.data(), data.size() * 2, DType::F16, w, n_ctx, name);
+  return g.kv_cache(DType::F16, w, n_ctx, p, name);
+}
+
 // An F32 scratch tensor holding x: get_rows of an F32 table with ids 0..ne1-1.
 Tensor* activations(Graph& g, Backend& be, const std::vector<float>& x, int64_t ne0, int64_t ne1,
                     std::vector<int32_t>& ids) {
@@ -389,14 +396,8 @@ TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
           v16[i] = f32_to_f16(past_v[i]);
         }
         Build build = [&](Graph& g, Backend& be) {
-          Tensor* kc = g.kv_cache(
-              DType::F16, kv_w, n_ctx,
-              be.upload_weight(k16.data(), k16.size() * 2, DType::F16, int64_t(k16.size()), 1, "k"),
-              "k");
-          Tensor* vc = g.kv_cache(
-              DType::F16, kv_w, n_ctx,
-              be.upload_weight(v16.data(), v16.size() * 2, DType::F16, int64_t(v16.size()), 1, "v"),
-              "v");
+          Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
+          Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
           Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
           Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
           Tensor* wqt = upload(g, be, t, n_embd, n_embd, bq.data(), "wq");
@@ -482,16 +483,8 @@ TEST_F(CudaOps, DecoderLayersMatchTheCpu) {
                                  g.input_i32(n_tok, tokens.data(), "tokens"));
           for (int il = 0; il < 2; ++il) {
             const LayerW& L = layers[il];
-            Tensor* kc =
-                g.kv_cache(DType::F16, kv_w, n_ctx,
-                           be.upload_weight(caches[2 * il].data(), caches[2 * il].size() * 2,
-                                            DType::F16, int64_t(caches[2 * il].size()), 1, "k"),
-                           "k");
-            Tensor* vc = g.kv_cache(
-                DType::F16, kv_w, n_ctx,
-                be.upload_weight(caches[2 * il + 1].data(), caches[2 * il + 1].size() * 2,
-                                 DType::F16, int64_t(caches[2 * il + 1].size()), 1, "v"),
-                "v");
+            Tensor* kc = f16_cache(g, be, caches[2 * il], kv_w, n_ctx, "k");
+            Tensor* vc = f16_cache(g, be, caches[2 * il + 1], kv_w, n_ctx, "v");
             Tensor* h = g.mul(g.rms_norm(x, 1e-5f), f32(L.attn_norm, "attn_norm"));
             Tensor *q, *k, *v;
             if (products_first) {
@@ -648,14 +641,8 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   std::vector<int32_t> iq, ik, iv;
   check(
       [&](Graph& g, Backend& be) {
-        Tensor* kt = g.kv_cache(
-            DType::F16, kv_w, n_ctx,
-            be.upload_weight(k16.data(), k16.size() * 2, DType::F16, int64_t(k16.size()), 1, "k"),
-            "k");
-        Tensor* vt = g.kv_cache(
-            DType::F16, kv_w, n_ctx,
-            be.upload_weight(v16.data(), v16.size() * 2, DType::F16, int64_t(v16.size()), 1, "v"),
-            "v");
+        Tensor* kt = f16_cache(g, be, k16, kv_w, n_ctx, "k");
+        Tensor* vt = f16_cache(g, be, v16, kv_w, n_ctx, "v");
         g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
         g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
         return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
