@@ -119,26 +119,6 @@ size_t attn_workspace_bytes(const Graph& graph) {
   return need;
 }
 
-uint64_t topology_key(const Graph& graph) {
-  // What decides the kernels and grids a graph launches besides its node list: the batch and
-  // each attention's split bucket. FNV-1a over those values.
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xFF;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(graph.nodes().size());
-  for (const Tensor* t : graph.nodes()) {
-    if (t->op == Op::Leaf) continue;
-    mix(static_cast<uint64_t>(t->op) | (static_cast<uint64_t>(t->ne[1]) << 8));
-    if (t->op == Op::Attention && t->src[0]->ne[1] <= kDecodeAttnMaxTokens)
-      mix(static_cast<uint64_t>(kv_bucket(t->kv[kAttnNKv])));
-  }
-  return h;
-}
-
 void validate_graph(const Graph& graph) {
   const Tensor* out = graph.output();
   if (!out) throw ArgumentError("cuda: the graph has no output tensor");

@@ -145,10 +145,6 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
 size_t act_workspace_bytes(const Graph& graph);
 size_t attn_workspace_bytes(const Graph& graph);
 
-// A hash of what decides the kernels a graph launches and their grids: node ops and batch
-// sizes, and each flash-decoding attention's KV bucket. Equal keys, equal launch topology.
-uint64_t topology_key(const Graph& graph);
-
 // Checks every node's shapes, types and KV arguments against what the kernels support, before
 // anything is launched. Throws ArgumentError naming the node.
 void validate_graph(const Graph& graph);
