@@ -110,22 +110,45 @@ std::string detokenize(const Tokenizer& tok, const py::handle& ids, bool render_
   return tok.detokenize(v, render_special);
 }
 
-SamplingParams sampling_params(float temperature, int top_k, float top_p, float min_p,
-                               float repeat_penalty, float frequency_penalty,
-                               float presence_penalty, int penalty_last_n, py::object seed) {
+// The sampling keywords that sample(), validate_sampling() and Sampler() share, each optional
+// with SamplingParams' default. `skip` names one more keyword the caller reads itself.
+SamplingParams sampling_params(const py::kwargs& kw, const char* what, const char* skip = "") {
   SamplingParams p;
-  p.temperature = temperature;
-  p.top_k = top_k;
-  p.top_p = top_p;
-  p.min_p = min_p;
-  p.repeat_penalty = repeat_penalty;
-  p.frequency_penalty = frequency_penalty;
-  p.presence_penalty = presence_penalty;
-  p.penalty_last_n = penalty_last_n;
-  if (!seed.is_none()) {
-    const long long s = seed.cast<long long>();
-    if (s < 0) throw ArgumentError("seed must be >= 0, got " + std::to_string(s));
-    p.seed = uint64_t(s);
+  for (const auto& item : kw) {
+    const std::string key = py::str(item.first);
+    const py::handle v = item.second;
+    if (key == skip) continue;
+    try {
+      if (key == "temperature") {
+        p.temperature = v.cast<float>();
+      } else if (key == "top_k") {
+        p.top_k = v.cast<int32_t>();
+      } else if (key == "top_p") {
+        p.top_p = v.cast<float>();
+      } else if (key == "min_p") {
+        p.min_p = v.cast<float>();
+      } else if (key == "repeat_penalty") {
+        p.repeat_penalty = v.cast<float>();
+      } else if (key == "frequency_penalty") {
+        p.frequency_penalty = v.cast<float>();
+      } else if (key == "presence_penalty") {
+        p.presence_penalty = v.cast<float>();
+      } else if (key == "penalty_last_n") {
+        p.penalty_last_n = v.cast<int32_t>();
+      } else if (key == "seed") {
+        if (!v.is_none()) {
+          const long long seed = v.cast<long long>();
+          if (seed < 0) throw ArgumentError("seed must be >= 0, got " + std::to_string(seed));
+          p.seed = uint64_t(seed);
+        }
+      } else {
+        throw py::type_error(std::string(what) + "() got an unexpected keyword argument '" + key +
+                             "'");
+      }
+    } catch (const py::cast_error&) {
+      throw py::type_error(std::string(what) + "(): '" + key + "' expects a number, got " +
+                           std::string(py::str(py::type::of(v).attr("__name__"))));
+    }
   }
   validate(p);
   return p;
@@ -254,54 +277,34 @@ PYBIND11_MODULE(_core, m) {
       .def("push", [](StreamDecoder& d, int32_t id) { return utf8(d.push(id)); })
       .def("flush", [](StreamDecoder& d) { return utf8(d.flush()); });
 
+  // Sampling keywords (see sampling_params): temperature, top_k, top_p, min_p, repeat_penalty,
+  // frequency_penalty, presence_penalty, penalty_last_n, seed.
   m.def(
       "sample",
-      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, float temperature,
-         int top_k, float top_p, float min_p, float repeat_penalty, float frequency_penalty,
-         float presence_penalty, int penalty_last_n, py::object seed, const py::handle& history) {
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+         const py::kwargs& kw) {
         if (logits.ndim() != 1 || logits.shape(0) == 0)
           throw ArgumentError("logits: expected a non-empty 1-D array, got shape with " +
                               std::to_string(logits.ndim()) + " dimensions");
-        SamplingParams p =
-            sampling_params(temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-                            presence_penalty, penalty_last_n, seed);
+        SamplingParams p = sampling_params(kw, "sample", "history");
+        py::object history = py::none();
+        if (kw.contains("history")) history = kw["history"];
         std::vector<int32_t> hist =
             history.is_none() ? std::vector<int32_t>{} : to_ids(history, "history");
         Sampler s(p);
         return s.sample(logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
       },
-      py::arg("logits"), py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
-      py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
-      py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-      py::arg("penalty_last_n") = 64, py::arg("seed") = py::none(),
-      py::arg("history") = py::none());
+      py::arg("logits"));
 
   // Validation as a plain function: the Python side checks parameters before constructing,
   // so that a bad value is reported without unwinding through a constructor.
-  m.def(
-      "validate_sampling",
-      [](float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
-         float frequency_penalty, float presence_penalty, int penalty_last_n, py::object seed) {
-        sampling_params(temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-                        presence_penalty, penalty_last_n, seed);
-      },
-      py::arg("temperature") = 0.8f, py::arg("top_k") = 40, py::arg("top_p") = 0.95f,
-      py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
-      py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-      py::arg("penalty_last_n") = 64, py::arg("seed") = py::none());
+  m.def("validate_sampling",
+        [](const py::kwargs& kw) { sampling_params(kw, "validate_sampling"); });
 
   py::class_<Sampler>(m, "Sampler")
-      .def(py::init([](float temperature, int top_k, float top_p, float min_p, float repeat_penalty,
-                       float frequency_penalty, float presence_penalty, int penalty_last_n,
-                       py::object seed) {
-             return std::make_unique<Sampler>(
-                 sampling_params(temperature, top_k, top_p, min_p, repeat_penalty,
-                                 frequency_penalty, presence_penalty, penalty_last_n, seed));
-           }),
-           py::arg("temperature") = 0.8f, py::arg("top_k") = 40, py::arg("top_p") = 0.95f,
-           py::arg("min_p") = 0.05f, py::arg("repeat_penalty") = 1.0f,
-           py::arg("frequency_penalty") = 0.0f, py::arg("presence_penalty") = 0.0f,
-           py::arg("penalty_last_n") = 64, py::arg("seed") = py::none())
+      .def(py::init([](const py::kwargs& kw) {
+        return std::make_unique<Sampler>(sampling_params(kw, "Sampler"));
+      }))
       .def(
           "sample",
           [](Sampler& s, py::array_t<float, py::array::c_style | py::array::forcecast> logits,

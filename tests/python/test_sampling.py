@@ -395,3 +395,10 @@ def test_history_token_out_of_range_is_a_value_error():
         sample([0.0, 1.0, 2.0], seed=0, repeat_penalty=1.1, history=[0, 3])
     with pytest.raises(ValueError, match="history"):
         sample([0.0, 1.0, 2.0], seed=0, repeat_penalty=1.1, history=[-1])
+
+
+def test_parameter_of_the_wrong_type_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="temperature"):
+        ggraph.sample(np.zeros(2, dtype=np.float32), temperature="hot")
+    with pytest.raises(TypeError, match="top_k"):
+        ggraph.make_sampler(top_k=[3])
