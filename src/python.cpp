@@ -146,8 +146,10 @@ SamplingParams sampling_params(const py::kwargs& kw, const char* what, const cha
                              "'");
       }
     } catch (const py::cast_error&) {
-      throw py::type_error(std::string(what) + "(): '" + key + "' expects a number, got " +
-                           std::string(py::str(py::type::of(v).attr("__name__"))));
+      const bool integer = key == "top_k" || key == "penalty_last_n" || key == "seed";
+      throw py::type_error(std::string(what) + "(): '" + key + "' expects " +
+                           (integer ? "an integer in range" : "a number") + ", got " +
+                           std::string(py::str(py::repr(v))));
     }
   }
   validate(p);

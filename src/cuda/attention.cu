@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 }
 
 // n_kv and first_pos as the kernels take them (see kv_value).
-struct AttnKv {
+struct AttnKvArgs {
   int32_t n_kv, first_pos;
   const int32_t* n_kv_at;
   const int32_t* first_pos_at;
@@ -382,7 +382,7 @@ struct AttnKv {
 template <int DI>
 void attention_di(Launcher& l, const float* q, const __half* kc, const __half* vc, float* out,
                   int n_head, int n_head_kv, int head_dim, float scale, int n_tokens,
-                  int n_kv_bucket, const AttnKv& kv, float* partials) {
+                  int n_kv_bucket, const AttnKvArgs& kv, float* partials) {
   if (n_tokens <= kDecodeAttnMaxTokens) {
     const int group = n_head / n_head_kv;
     // Heads per block: the group (rounded up to a power of two), at most kDecodeGroup.
@@ -424,7 +424,7 @@ void launch_attention(Launcher& l, const float* q, const void* k_cache, const vo
   const auto* kc = static_cast<const __half*>(k_cache);
   const auto* vc = static_cast<const __half*>(v_cache);
   // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
-  const AttnKv kv{n_kv_at ? 0 : n_kv, first_pos_at ? 0 : first_pos, n_kv_at, first_pos_at};
+  const AttnKvArgs kv{n_kv_at ? 0 : n_kv, first_pos_at ? 0 : first_pos, n_kv_at, first_pos_at};
   const int bucket = kv_bucket(n_kv);
   switch ((head_dim + 63) / 64) {
     case 1:

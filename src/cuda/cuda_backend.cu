@@ -622,12 +622,21 @@ class CudaBackend : public Backend {
                         "; ggraph needs 8.0 or newer");
     name_ = "cuda:" + std::to_string(device_) + " (" + prop.name + ")";
     prepare_kernels();
-    GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    // Programmatic dependent launch needs sm_90; GGRAPH_CUDA_PDL=0 turns it off to compare.
-    const char* pdl_env = std::getenv("GGRAPH_CUDA_PDL");
-    const bool pdl = prop.major >= 9 && !(pdl_env && std::strcmp(pdl_env, "0") == 0);
-    executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug, pdl);
     kv_record_ = static_cast<int32_t*>(device_alloc(sizeof(KvSlots), "the KV record"));
+    try {
+      GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      // Programmatic dependent launch needs sm_90 and kernels built for it; GGRAPH_CUDA_PDL=0
+      // turns it off to compare.
+      const char* pdl_env = std::getenv("GGRAPH_CUDA_PDL");
+      const bool pdl = prop.major >= 9 && kernels_wait_for_predecessors() &&
+                       !(pdl_env && std::strcmp(pdl_env, "0") == 0);
+      executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug, pdl);
+    } catch (...) {
+      // No destructor runs for a constructor that throws.
+      if (stream_) cudaStreamDestroy(stream_);
+      cudaFree(kv_record_);
+      throw;
+    }
   }
 
   ~CudaBackend() override {
@@ -666,18 +675,28 @@ class CudaBackend : public Backend {
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
       return p;
     }
-    // Quantized blocks go through a staging copy and are split on the device.
-    void* staging = device_alloc(bytes, "staging weight " + name);
-    cudaError_t err = cudaMemcpyAsync(staging, host, bytes, cudaMemcpyHostToDevice, stream_);
-    if (err == cudaSuccess) {
-      try {
-        launch_split_weight(type, static_cast<const uint8_t*>(staging), static_cast<uint8_t*>(p),
-                            static_cast<int64_t>(bytes / block_bytes(type)), stream_);
-      } catch (...) {
-        cudaStreamSynchronize(stream_);
-        cudaFree(staging);
-        throw;
+    // Quantized blocks go through a device staging buffer, a chunk at a time (so a large
+    // weight needs little more than its own size), and are split there. Stream order keeps a
+    // chunk's copy behind the previous chunk's split.
+    const size_t bb = block_bytes(type);
+    const int64_t n_blocks = static_cast<int64_t>(bytes / bb);
+    const int64_t chunk = static_cast<int64_t>(std::max<size_t>(1, kWeightStagingBytes / bb));
+    void* staging =
+        device_alloc(static_cast<size_t>(std::min(chunk, n_blocks)) * bb, "staging weight " + name);
+    cudaError_t err = cudaSuccess;
+    try {
+      for (int64_t first = 0; first < n_blocks && err == cudaSuccess; first += chunk) {
+        const int64_t n = std::min(chunk, n_blocks - first);
+        err = cudaMemcpyAsync(staging, static_cast<const uint8_t*>(host) + first * bb,
+                              static_cast<size_t>(n) * bb, cudaMemcpyHostToDevice, stream_);
+        if (err == cudaSuccess)
+          launch_split_weight(type, static_cast<const uint8_t*>(staging), static_cast<uint8_t*>(p),
+                              first, n, n_blocks, stream_);
       }
+    } catch (...) {
+      cudaStreamSynchronize(stream_);
+      cudaFree(staging);
+      throw;
     }
     const cudaError_t synced = cudaStreamSynchronize(stream_);
     if (err == cudaSuccess) err = synced;
@@ -690,7 +709,9 @@ class CudaBackend : public Backend {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     void* p = device_alloc(bytes, "the KV cache");
     allocations_.push_back(p);
-    GGRAPH_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    // On the backend's stream, which does not wait for the legacy default stream.
+    GGRAPH_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return p;
   }
 

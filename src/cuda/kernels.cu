@@ -6,6 +6,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/weight_layout.h"
 
 namespace ggraph::cuda {
 
@@ -339,9 +340,9 @@ void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, in
                      const int32_t* ids, int n_ids, float* dst) {
   const auto* t = static_cast<const uint8_t*>(table);
   // Quantized tables are split (cuda/weight_layout.h): a row's quants are 16 or 32 bytes a block.
-  const size_t rb = !is_quantized(type)   ? row_bytes(type, ne0)
-                    : type == DType::Q8_0 ? static_cast<size_t>(ne0)
-                                          : static_cast<size_t>(ne0 / 2);
+  const size_t rb = is_quantized(type)
+                        ? static_cast<size_t>(ne0 / 32) * split_format(type).quant_bytes
+                        : row_bytes(type, ne0);
   const dim3 grid(n_ids), block(256);
   switch (type) {
     case DType::F32:
@@ -445,6 +446,17 @@ void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* 
   l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
     first_row);
+}
+
+bool kernels_wait_for_predecessors() {
+  // pdl_wait compiles to griddepcontrol.wait only for sm_90 and newer virtual architectures: a
+  // build without them must not launch early, whatever the GPU.
+  cudaFuncAttributes a;
+  if (cudaFuncGetAttributes(&a, kv_params_kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.ptxVersion >= 90;
 }
 
 void launch_kv_params(Launcher& l, const KvSlots& values, int32_t* record) {

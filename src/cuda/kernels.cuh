@@ -70,6 +70,8 @@ inline size_t row_bytes(DType t, int64_t n) {
 // Weight allocations get this many spare bytes so that the mat-vec kernels' 16-byte copies of a
 // row's last bytes stay inside the allocation whatever the row alignment.
 constexpr size_t kWeightPadding = 64;
+// Quantized weights are staged on the device in chunks of at most this many bytes for the split.
+constexpr size_t kWeightStagingBytes = size_t(16) << 20;
 
 // Mat-muls with at most this many columns (tokens) take the mat-vec kernels; more take the
 // tensor-core tiled kernels. The choice depends on the batch only, never on KV values.
@@ -248,13 +250,16 @@ struct MatVecConfig {
   int ksplit = 1;  // warps of a block sharing rows, each over part of k
 };
 void set_mat_vec_config(MatVecConfig c);
-// Quantized weights live in the split layout of cuda/weight_layout.h: converts n_blocks GGUF
-// blocks at src (device memory) into it at dst (another allocation of the same size).
-void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t n_blocks,
-                         cudaStream_t stream);
+// Quantized weights live in the split layout of cuda/weight_layout.h: converts n GGUF blocks at
+// src (device memory), blocks first.. of a matrix of n_blocks, into it at dst.
+void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t first, int64_t n,
+                         int64_t n_blocks, cudaStream_t stream);
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();
+// True when the kernels as built for this GPU begin with griddepcontrol.wait (sm_90 code), so
+// that programmatic dependent launch is safe.
+bool kernels_wait_for_predecessors();
 // Tensor-core tiled product for cols > kMatVecMaxCols; activations from launch_act_to_half.
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst);

@@ -1,4 +1,4 @@
-// Every kernel launch of the CUDA backend goes through Launcher, so that the graph executor can
+// Every kernel launch of a step goes through Launcher, so that the graph executor can
 // see each launch's function, grid and argument values: to patch captured kernel nodes in place.
 #pragma once
 
@@ -68,7 +68,7 @@ class Launcher {
   std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
   int launches = 0;  // launches issued or recorded so far this step
   // Launch with programmatic stream serialization (sm_90+): the next kernel's launch overlaps
-  // this one's run; every kernel begins with pdl_begin() (cuda/device_util.cuh), which keeps
+  // this one's run; every kernel begins with pdl_wait() (cuda/device_util.cuh), which keeps
   // plain stream order for memory.
   bool pdl = false;
 
@@ -114,7 +114,7 @@ class Launcher {
     }
     if (execute) {
       if (pdl) {
-        cudaLaunchAttribute attr;
+        cudaLaunchAttribute attr = {};
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t config = {};

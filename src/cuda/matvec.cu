@@ -515,10 +515,13 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
         return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
       case 402:
         return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
+      case 104:
+        return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads);
       default:
-        break;
+        throw ArgumentError("mat-vec: no kernel of " + std::to_string(c.rows) + " rows, " +
+                            std::to_string(c.unroll) + " pieces in flight and " +
+                            std::to_string(c.ksplit) + " k splits");
     }
-    return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads);
   } else {
     mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads);
   }
@@ -918,29 +921,29 @@ void mat_mul_tc_prepare_type() {
   mat_mul_tc_prepare<TYPE, 64, 2, 4, 4>();
 }
 
-__global__ void split_weight_kernel(SplitFormat f, const uint8_t* src, uint8_t* dst,
-                                    int64_t n_blocks) {
+__global__ void split_weight_kernel(SplitFormat f, const uint8_t* src, uint8_t* dst, int64_t first,
+                                    int64_t n, int64_t n_blocks) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n_blocks) split_block(f, src, static_cast<size_t>(i), n_blocks, dst);
+  if (i < n)
+    split_block(f, src + i * f.block_bytes, static_cast<size_t>(first + i),
+                static_cast<size_t>(n_blocks), dst);
 }
 
 }  // namespace
 
 void set_mat_vec_config(MatVecConfig c) { mat_vec_override() = c; }
 
-void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t n_blocks,
-                         cudaStream_t stream) {
-  const SplitFormat f = type == DType::Q4_0   ? kSplitQ4_0
-                        : type == DType::Q4_1 ? kSplitQ4_1
-                        : type == DType::Q8_0 ? kSplitQ8_0
-                                              : SplitFormat{0, 0, 0};
+void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t first, int64_t n,
+                         int64_t n_blocks, cudaStream_t stream) {
+  const SplitFormat f = split_format(type);
   if (f.block_bytes == 0)
     throw ArgumentError(std::string("split_weight: expected a quantized type, got ") +
                         dtype_name(type));
-  if (n_blocks == 0) return;
-  split_weight_kernel<<<static_cast<unsigned>(ceil_div(n_blocks, 256)), 256, 0, stream>>>(
-      f, src, dst, n_blocks);
+  if (n == 0) return;
+  // At load time, outside any step: a plain launch, not through the Launcher.
+  split_weight_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(
+      f, src, dst, first, n, n_blocks);
   GGRAPH_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "quant.h"
+
 #if defined(__CUDACC__)
 #define GGRAPH_HD __host__ __device__ __forceinline__
 #else
@@ -31,14 +33,21 @@ GGRAPH_HD size_t split_scales_offset(const SplitFormat& f, size_t n_blocks) {
   return n_blocks * static_cast<size_t>(f.quant_bytes);
 }
 
-// Splits block i of the GGUF blocks at src into the split arrays starting at dst.
+// Splits the GGUF block at src, block i of a matrix of n_blocks, into the split arrays at dst.
 GGRAPH_HD void split_block(const SplitFormat& f, const uint8_t* src, size_t i, size_t n_blocks,
                            uint8_t* dst) {
-  src += i * static_cast<size_t>(f.block_bytes);
   uint8_t* q = dst + i * static_cast<size_t>(f.quant_bytes);
   uint8_t* s = dst + split_scales_offset(f, n_blocks) + i * static_cast<size_t>(f.scale_bytes);
   for (int b = 0; b < f.scale_bytes; ++b) s[b] = src[b];
   for (int b = 0; b < f.quant_bytes; ++b) q[b] = src[f.scale_bytes + b];
+}
+
+// The split format of a weight type; block_bytes 0 for types that are not split.
+GGRAPH_HD SplitFormat split_format(DType t) {
+  return t == DType::Q4_0   ? kSplitQ4_0
+         : t == DType::Q4_1 ? kSplitQ4_1
+         : t == DType::Q8_0 ? kSplitQ8_0
+                            : SplitFormat{0, 0, 0};
 }
 
 }  // namespace ggraph::cuda

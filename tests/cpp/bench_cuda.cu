@@ -78,8 +78,9 @@ void* device_copy_of(const std::vector<uint8_t>& host, DType t) {
     void* raw = p;
     CHECK(cudaMalloc(&p, host.size() + gc::kWeightPadding));
     CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
-    gc::launch_split_weight(t, static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(p),
-                            int64_t(host.size() / gc::block_bytes(t)), nullptr);
+    const int64_t n_blocks = int64_t(host.size() / gc::block_bytes(t));
+    gc::launch_split_weight(t, static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(p), 0,
+                            n_blocks, n_blocks, nullptr);
     CHECK(cudaDeviceSynchronize());
     CHECK(cudaFree(raw));
   }

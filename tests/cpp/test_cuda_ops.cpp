@@ -335,8 +335,9 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
-  // Odd k and n for every quantized mat-vec kernel: short rows (k <= 2048, activation in
-  // registers), middle ones, and long ones (k 11008: warps split k); rows end mid-block.
+  // Odd k and n for every quantized mat-vec kernel: short rows (at most 64 pieces: k <= 2048
+  // for 4-bit weights, k <= 1024 for Q8_0; activation in registers), middle ones, and long ones
+  // (k 11008: warps split k); rows end mid-block.
   const Shape kn[] = {{32, 1},    {96, 7},    {160, 33},  {256, 3},   {512, 130},
                       {576, 257}, {800, 129}, {1024, 33}, {4096, 65}, {11008, 20}};
   for (DType t : kAllTypes) {
@@ -1004,12 +1005,15 @@ TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
 TEST(CudaLaunchPlan, WeightSplitPutsEveryBlocksScaleAndQuantsInPlace) {
   std::mt19937 rng(25);
   std::uniform_int_distribution<int> byte(0, 255);
-  for (const cuda::SplitFormat& f : {cuda::kSplitQ4_0, cuda::kSplitQ4_1, cuda::kSplitQ8_0}) {
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    const cuda::SplitFormat f = cuda::split_format(t);
+    ASSERT_EQ(size_t(f.block_bytes), row_size(t, 32)) << type_name(t);
+    EXPECT_EQ(f.scale_bytes + f.quant_bytes, f.block_bytes) << type_name(t);
     for (size_t n_blocks : {size_t(1), size_t(7), size_t(96)}) {
       std::vector<uint8_t> src(n_blocks * f.block_bytes), dst(src.size(), 0);
       for (auto& b : src) b = uint8_t(byte(rng));
       for (size_t i = 0; i < n_blocks; ++i)
-        cuda::split_block(f, src.data(), i, n_blocks, dst.data());
+        cuda::split_block(f, src.data() + i * f.block_bytes, i, n_blocks, dst.data());
       const size_t scales = cuda::split_scales_offset(f, n_blocks);
       EXPECT_EQ(scales % 16, 0u);
       for (size_t i = 0; i < n_blocks; ++i) {
