@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -625,12 +624,8 @@ class CudaBackend : public Backend {
     kv_record_ = static_cast<int32_t*>(device_alloc(sizeof(KvSlots), "the KV record"));
     try {
       GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-      // Programmatic dependent launch needs sm_90 and kernels built for it; GGRAPH_CUDA_PDL=0
-      // turns it off to compare.
-      const char* pdl_env = std::getenv("GGRAPH_CUDA_PDL");
-      const bool pdl = prop.major >= 9 && kernels_wait_for_predecessors() &&
-                       !(pdl_env && std::strcmp(pdl_env, "0") == 0);
-      executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug, pdl);
+      executor_ = std::make_unique<GraphExecutor>(stream_, mode, options.debug,
+                                                  use_programmatic_launch(prop));
     } catch (...) {
       // No destructor runs for a constructor that throws.
       if (stream_) cudaStreamDestroy(stream_);

@@ -2,6 +2,8 @@
 // the activation preparation that mat-muls share.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda/device_util.cuh"
@@ -32,8 +34,9 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
   if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1 || TYPE == kTypeQ8_0) {
     // Split layout: all rows' quants (row_stride bytes a row), then all rows' scales.
     const int64_t nb = ne0 / 32;
-    const uint8_t* scales = table + static_cast<size_t>(n_rows) * row_stride +
-                            static_cast<size_t>(id) * nb * (TYPE == kTypeQ4_1 ? 4 : 2);
+    const uint8_t* scales =
+        table + static_cast<size_t>(n_rows) * row_stride +
+        static_cast<size_t>(id) * nb * split_format(static_cast<DType>(TYPE)).scale_bytes;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
       out[i] = load_split_elem<TYPE>(row, scales, i);
   } else {
@@ -448,7 +451,9 @@ void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* 
     first_row);
 }
 
-bool kernels_wait_for_predecessors() {
+bool use_programmatic_launch(const cudaDeviceProp& prop) {
+  const char* env = std::getenv("GGRAPH_CUDA_PDL");
+  if (prop.major < 9 || (env && std::strcmp(env, "0") == 0)) return false;
   // pdl_wait compiles to griddepcontrol.wait only for sm_90 and newer virtual architectures: a
   // build without them must not launch early, whatever the GPU.
   cudaFuncAttributes a;

@@ -257,9 +257,9 @@ void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t f
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();
-// True when the kernels as built for this GPU begin with griddepcontrol.wait (sm_90 code), so
-// that programmatic dependent launch is safe.
-bool kernels_wait_for_predecessors();
+// Whether to launch with programmatic dependent launch on this GPU: sm_90 or newer, kernels
+// built to begin with griddepcontrol.wait (sm_90 code), and not GGRAPH_CUDA_PDL=0 (to compare).
+bool use_programmatic_launch(const cudaDeviceProp& prop);
 // Tensor-core tiled product for cols > kMatVecMaxCols; activations from launch_act_to_half.
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst);

@@ -48,9 +48,10 @@ constexpr int kMvqThreads = 32 * kMvqWarps;
 
 template <int TYPE>
 struct PieceInfo {
-  static constexpr int kPerBlock = TYPE == kTypeQ8_0 ? 2 : 1;  // 16-byte pieces per block
-  static constexpr int kScaleBytes = TYPE == kTypeQ4_1 ? 4 : 2;
-  static constexpr int kQuantBytes = 16 * kPerBlock;
+  static constexpr SplitFormat kFormat = split_format(static_cast<DType>(TYPE));
+  static constexpr int kScaleBytes = kFormat.scale_bytes;
+  static constexpr int kQuantBytes = kFormat.quant_bytes;
+  static constexpr int kPerBlock = kQuantBytes / 16;  // 16-byte pieces per block
 };
 
 // Weights are read once: keep them out of L1, where the activation lives.
@@ -608,7 +609,7 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
   constexpr int E = BK / 2;  // elements per thread
   if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0 || TYPE == kTypeQ4_1) {
     // Split layout: the row's quants (16 or 32 bytes a block), its scales in srow.
-    constexpr int QB = TYPE == kTypeQ8_0 ? 32 : 16;
+    constexpr int QB = split_format(static_cast<DType>(TYPE)).quant_bytes;
     // At BK 64 each thread takes block 2 kt + hsel; at BK 32 half of block kt.
     const int blk = BK == 64 ? 2 * kt + hsel : kt;
     const int part = BK == 64 ? 0 : hsel;
@@ -860,11 +861,11 @@ void mat_mul_tc_launch(Launcher& l, const void* w, int64_t n, int64_t k, const u
   const auto* xh = reinterpret_cast<const __half*>(ws);
   const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
   // Quantized weights are split (cuda/weight_layout.h): rows of quants, then rows of scales.
-  constexpr bool kQuant = TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1 || TYPE == kTypeQ8_0;
-  constexpr size_t QB = TYPE == kTypeQ8_0 ? 32 : 16, SB = TYPE == kTypeQ4_1 ? 4 : 2;
+  constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
+  constexpr bool kQuant = f.block_bytes != 0;
   const size_t nb = static_cast<size_t>(k / 32);
-  const size_t rb = kQuant ? nb * QB : row_bytes(static_cast<DType>(TYPE), k);
-  const size_t sb = kQuant ? nb * SB : 0;
+  const size_t rb = kQuant ? nb * f.quant_bytes : row_bytes(static_cast<DType>(TYPE), k);
+  const size_t sb = kQuant ? nb * f.scale_bytes : 0;
   const uint8_t* sp = kQuant ? wp + static_cast<size_t>(n) * rb : wp;
   const bool aligned = k % 8 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const size_t smem = tc_smem_bytes<BT, BK>();

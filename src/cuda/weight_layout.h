@@ -43,7 +43,7 @@ GGRAPH_HD void split_block(const SplitFormat& f, const uint8_t* src, size_t i, s
 }
 
 // The split format of a weight type; block_bytes 0 for types that are not split.
-GGRAPH_HD SplitFormat split_format(DType t) {
+constexpr GGRAPH_HD SplitFormat split_format(DType t) {
   return t == DType::Q4_0   ? kSplitQ4_0
          : t == DType::Q4_1 ? kSplitQ4_1
          : t == DType::Q8_0 ? kSplitQ8_0

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -147,8 +146,7 @@ int main() {
   gc::Launcher l;
   l.stream = s;
   // Launched as the backend launches them: with programmatic dependent launch on sm_90+.
-  const char* pdl_env = std::getenv("GGRAPH_CUDA_PDL");
-  l.pdl = prop.major >= 9 && !(pdl_env && std::strcmp(pdl_env, "0") == 0);
+  l.pdl = gc::use_programmatic_launch(prop);
   std::printf("programmatic dependent launch: %s\n", l.pdl ? "on" : "off");
   std::mt19937 rng(1);
   Events ev;
