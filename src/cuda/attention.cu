@@ -2,6 +2,7 @@
 // for a few queries, and a tiled kernel for prompts.
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "cuda/device_util.cuh"
@@ -29,7 +30,8 @@ size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens) {
 namespace {
 
 constexpr int kAttnWarps = 4;
-constexpr int kDecodeGroup = 8;  // at most this many query heads per block share a KV head
+constexpr int kDecodeGroup = 8;      // at most this many query heads per block share a KV head
+constexpr int kShortKvBucket = 256;  // KV buckets up to this take one query head per block
 constexpr float kNegInf = -INFINITY;
 
 // A KV-position value: from the step's KV record in graph steps (the kernel's arguments then stay
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_splits, int n_gchunks) {
+                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d) {
   pdl_begin();
   extern __shared__ float smem[];
   const int n_kv = kv_value(n_kv_at, n_kv_value);
@@ -217,7 +219,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     const int h = h_first + g;
     if (n_splits == 1) {
-      out[t * q_stride + static_cast<int64_t>(h) * head_dim + d] = ll > 0.0f ? a / ll : 0.0f;
+      const int64_t i = t * q_stride + static_cast<int64_t>(h) * head_dim + d;
+      const float v = ll > 0.0f ? a / ll : 0.0f;
+      out[i] = v;
+      if (out_q) quantize_warp_block(v, i, out_q, out_d);
     } else {
       float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
       if (d == 0) pr[0] = mm, pr[1] = ll;
@@ -227,7 +232,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 }
 
 __global__ void attn_reduce_kernel(const float* part, float* out, int n_head, int head_dim,
-                                   int n_splits) {
+                                   int n_splits, int8_t* out_q, float2* out_d) {
   pdl_begin();
   const int h = blockIdx.x, t = blockIdx.y;
   const int rec = head_dim + 2;
@@ -244,7 +249,10 @@ __global__ void attn_reduce_kernel(const float* part, float* out, int n_head, in
         a += r[2 + d] * e;
       }
     }
-    out[(static_cast<int64_t>(t) * n_head + h) * head_dim + d] = ll > 0.0f ? a / ll : 0.0f;
+    const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
+    const float v = ll > 0.0f ? a / ll : 0.0f;
+    out[i] = v;
+    if (out_q) quantize_warp_block(v, i, out_q, out_d);
   }
 }
 
@@ -382,19 +390,25 @@ struct AttnKvArgs {
 template <int DI>
 void attention_di(Launcher& l, const float* q, const __half* kc, const __half* vc, float* out,
                   int n_head, int n_head_kv, int head_dim, float scale, int n_tokens,
-                  int n_kv_bucket, const AttnKvArgs& kv, float* partials) {
+                  int n_kv_bucket, const AttnKvArgs& kv, float* partials, uint8_t* quant_ws) {
   if (n_tokens <= kDecodeAttnMaxTokens) {
     const int group = n_head / n_head_kv;
-    // Heads per block: the group (rounded up to a power of two), at most kDecodeGroup.
+    // Heads per block: over short contexts one, so that each head's short chain of loads and
+    // sums runs in a block of its own; over longer ones the group (rounded up to a power of
+    // two, at most kDecodeGroup), whose heads then share each K and V load.
     int g = 1;
-    while (g < group && g < kDecodeGroup) g *= 2;
+    while (n_kv_bucket > kShortKvBucket && g < group && g < kDecodeGroup) g *= 2;
     const int n_gchunks = (group + g - 1) / g;
     const int n_splits = attention_splits(n_kv_bucket, n_head_kv);
     const size_t smem = (g * head_dim + kAttnWarps * g * (head_dim + 2)) * sizeof(float);
     const dim3 grid(n_head_kv * n_gchunks, n_splits, n_tokens), block(kAttnWarps * 32);
+    // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
+    // quant block when head_dim is a multiple of 32.
+    const ActQ8 q8 = act_q8(quant_ws, static_cast<int64_t>(n_head) * head_dim, n_tokens);
     auto launch = [&](auto kernel) {
       l(kernel, grid, block, smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
-        kv.n_kv, kv.first_pos, kv.n_kv_at, kv.first_pos_at, n_splits, n_gchunks);
+        kv.n_kv, kv.first_pos, kv.n_kv_at, kv.first_pos_at, n_splits, n_gchunks,
+        n_splits == 1 ? q8.qs : nullptr, q8.ds);
     };
     if (g == 1) launch(attn_decode_kernel<DI, 1>);
     if (g == 2) launch(attn_decode_kernel<DI, 2>);
@@ -402,7 +416,7 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
     if (g == 8) launch(attn_decode_kernel<DI, 8>);
     if (n_splits > 1) {
       l(attn_reduce_kernel, dim3(n_head, n_tokens), dim3(128), 0,
-        static_cast<const float*>(partials), out, n_head, head_dim, n_splits);
+        static_cast<const float*>(partials), out, n_head, head_dim, n_splits, q8.qs, q8.ds);
     }
     return;
   }
@@ -420,7 +434,9 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
 void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
                       int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
-                      const int32_t* n_kv_at, const int32_t* first_pos_at) {
+                      const int32_t* n_kv_at, const int32_t* first_pos_at, uint8_t* quant_ws) {
+  if (quant_ws && (head_dim % 32 != 0 || n_tokens > kDecodeAttnMaxTokens))
+    throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
   const auto* kc = static_cast<const __half*>(k_cache);
   const auto* vc = static_cast<const __half*>(v_cache);
   // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
@@ -429,16 +445,16 @@ void launch_attention(Launcher& l, const float* q, const void* k_cache, const vo
   switch ((head_dim + 63) / 64) {
     case 1:
       return attention_di<1>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials);
+                             bucket, kv, partials, quant_ws);
     case 2:
       return attention_di<2>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials);
+                             bucket, kv, partials, quant_ws);
     case 3:
       return attention_di<3>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials);
+                             bucket, kv, partials, quant_ws);
     case 4:
       return attention_di<4>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials);
+                             bucket, kv, partials, quant_ws);
     default:
       throw ArgumentError("attention: head_dim must be at most 256, got " +
                           std::to_string(head_dim));

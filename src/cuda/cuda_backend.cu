@@ -385,18 +385,22 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
 
   // Launches rms_norm node ri as one kernel with: the Add node `add` before it (or none), the
   // weight multiply after it when nothing else reads the norm, and the 8-bit form of the result
-  // when quantized mat-vecs read it. Refuses (false) when the result's memory overlaps inputs
-  // that other threads of the kernel still read.
+  // when quantized mat-vecs read it. Refuses (false) when the result's memory overlaps the sum
+  // it also writes, or inputs that other threads of the kernel may still read (only where the
+  // kernel does not read everything first: several columns or wide rows).
   auto launch_norm = [&](int ri, const Tensor* add) {
     const Tensor* r = nodes[ri];
+    const bool reads_first = r->ne[1] == 1 && r->ne[0] <= kNormRegElems;
     const Tensor* in = add ? add : r->src[0];
     const Tensor* next = ri + 1 < n ? nodes[ri + 1] : nullptr;
     const Tensor* w = nullptr;
     if (next && next->op == Op::Mul && !done[ri + 1] && uses[ri] == 1 && r != graph.output() &&
-        next->src[0] == r && next->src[1] != r && !scratch_overlap(next, in))
+        next->src[0] == r && next->src[1] != r &&
+        (!scratch_overlap(next, in) || (reads_first && !add)))
       w = next->src[1];
     const Tensor* out = w ? next : r;
-    if (add && (scratch_overlap(out, add->src[0]) || scratch_overlap(out, add->src[1])))
+    if (add && (scratch_overlap(out, add) || (!reads_first && (scratch_overlap(out, add->src[0]) ||
+                                                               scratch_overlap(out, add->src[1])))))
       return false;
     NormArgs a;
     a.src = fptr(add ? add->src[0] : r->src[0]);
@@ -407,6 +411,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
     if (w) {
       a.w = fptr(w);
       a.w_cols = w->ne[1];
+      a.w_fixed = w->storage == Storage::Weight;
     }
     a.dst = fptr(out);
     if (quantize_for_readers(out)) {
@@ -583,11 +588,20 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
       case Op::Attention: {
         float scale;
         std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
+        const int n_tokens = static_cast<int>(t->src[0]->ne[1]);
+        // The 8-bit form for the mat-vec that reads the output (the output projection).
+        uint8_t* q = nullptr;
+        if (quantize_for_readers(t) && t->params[kAttnHeadDim] % 32 == 0 &&
+            n_tokens <= kDecodeAttnMaxTokens) {
+          q = buf.act;
+          prepared = t;
+          prepared_half = false;
+        }
         launch_attention(l, fptr(t->src[0]), cache_of(t->src[1])->data, cache_of(t->src[2])->data,
                          fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
-                         t->params[kAttnHeadDim], scale, static_cast<int>(t->src[0]->ne[1]),
-                         t->kv[kAttnNKv], t->kv[kAttnFirstPos], buf.attn, kv_at(t->kv[kAttnNKv]),
-                         kv_at(t->kv[kAttnFirstPos]));
+                         t->params[kAttnHeadDim], scale, n_tokens, t->kv[kAttnNKv],
+                         t->kv[kAttnFirstPos], buf.attn, kv_at(t->kv[kAttnNKv]),
+                         kv_at(t->kv[kAttnFirstPos]), q);
         break;
       }
       default:

@@ -34,6 +34,18 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The 8-bit activation blocks the quantized mat-vecs read: the warp's 32 consecutive elements y
+// (element i of the activation, i % 32 == lane) become q = round(y / d), d = max|y| / 127, and
+// block i / 32's ds = (d, d * sum(q)). Every lane of the warp takes part.
+__device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* qs, float2* ds) {
+  const float amax = warp_max(fabsf(y));
+  const float d = amax / 127.0f;
+  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(y / d)));
+  const int sum = warp_sum_int(q);
+  qs[i] = static_cast<int8_t>(q);
+  if (threadIdx.x % 32 == 0) ds[i / 32] = make_float2(d, d * static_cast<float>(sum));
+}
+
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
   return __half2float(__ushort_as_half(h));
 }

@@ -47,58 +47,93 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
 // ---- rms_norm, optionally fused with the residual add before it, the weight multiply after
 // it and the 8-bit quantization of the result for the mat-vecs that read it -----------------
 
-// Writes q = round(y / d) of the warp's 32 consecutive elements (block `b`), d = max|y| / 127.
-__device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* qs, float2* ds) {
-  const float amax = warp_max(fabsf(y));
-  const float d = amax / 127.0f;
-  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(y / d)));
-  const int sum = warp_sum_int(q);
-  qs[i] = static_cast<int8_t>(q);
-  if (threadIdx.x % 32 == 0) ds[i / 32] = make_float2(d, d * static_cast<float>(sum));
-}
-
 // One block per column. add/sum_out: x = src + add is written to sum_out and normalized.
-// w: multiplied in (broadcast when w_cols == 1). qs/ds: also quantize the result (needs ne0 a
-// multiple of 32, so that each warp iteration covers one whole quant block).
+// w: multiplied in (broadcast when w_cols == 1); w_fixed: it is a weight, which never changes, so
+// its loads may go out before the wait for the grid before. qs/ds: also quantize the result (needs
+// ne0 a multiple of 32, so that each warp iteration covers one whole quant block).
+// EPT > 0: each thread keeps its EPT elements (i = threadIdx.x + j * blockDim.x) in registers,
+// so every read precedes the block's barrier and every write follows it: with one column, the
+// outputs may overlap the inputs in any way. EPT == 0 (wide rows): two passes over memory, where
+// each thread rereads only what it read (or wrote) itself.
+template <int EPT>
 __global__ void rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
-                                int64_t w_cols, float* dst, int64_t ne0, float eps, int8_t* qs,
-                                float2* ds) {
-  pdl_begin();
+                                int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps,
+                                int8_t* qs, float2* ds) {
+  constexpr int kRegs = EPT > 0 ? EPT : 1;
   __shared__ float partial[32];
   const int64_t col = blockIdx.x;
   const float* x = src + col * ne0;
   const float* a = add ? add + col * ne0 : nullptr;
   float* xs = sum_out ? sum_out + col * ne0 : nullptr;
   float* y = dst + col * ne0;
-  float sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
-    float v = x[i];
-    if (a) {
-      v += a[i];
-      xs[i] = v;
+  const float* wc = w ? w + (w_cols == 1 ? 0 : col * ne0) : nullptr;
+  const int bd = blockDim.x;
+  float wv[kRegs];
+  if constexpr (EPT > 0) {
+    if (wc && w_fixed) {
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int64_t i = threadIdx.x + j * bd;
+        wv[j] = i < ne0 ? wc[i] : 0.0f;
+      }
     }
-    sum += v * v;
+  }
+  pdl_begin();
+  float v[kRegs];
+  float sum = 0.0f;
+  if constexpr (EPT > 0) {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+      const int64_t i = threadIdx.x + j * bd;
+      v[j] = 0.0f;
+      if (i < ne0) {
+        v[j] = x[i];
+        if (a) v[j] += a[i];
+        if (wc && !w_fixed) wv[j] = wc[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) sum += v[j] * v[j];
+  } else {
+    for (int64_t i = threadIdx.x; i < ne0; i += bd) {
+      float u = x[i];
+      if (a) {
+        u += a[i];
+        xs[i] = u;
+      }
+      sum += u * u;
+    }
   }
   sum = warp_sum(sum);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) partial[warp] = sum;
   __syncthreads();
   if (warp == 0) {
-    const int n_warps = blockDim.x / 32;
-    float v = lane < n_warps ? partial[lane] : 0.0f;
-    v = warp_sum(v);
-    if (lane == 0) partial[0] = v;
+    const int n_warps = bd / 32;
+    float r = lane < n_warps ? partial[lane] : 0.0f;
+    r = warp_sum(r);
+    if (lane == 0) partial[0] = r;
   }
   __syncthreads();
   const float scale = 1.0f / sqrtf(partial[0] / static_cast<float>(ne0) + eps);
-  const float* wc = w ? w + (w_cols == 1 ? 0 : col * ne0) : nullptr;
-  // The second pass reads what this same thread read (or wrote) in the first, so dst may be
-  // the very memory of src; the host never fuses when dst overlaps src any other way.
-  for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
-    float v = (xs ? xs[i] : x[i]) * scale;
-    if (wc) v *= wc[i];
-    y[i] = v;
-    if (qs) quantize_warp_block(v, col * ne0 + i, qs, ds);
+  if constexpr (EPT > 0) {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+      const int64_t i = threadIdx.x + j * bd;
+      if (i >= ne0) break;  // whole warps when ne0 % 32 == 0, as quantizing needs
+      if (xs) xs[i] = v[j];
+      float r = v[j] * scale;
+      if (wc) r *= wv[j];
+      y[i] = r;
+      if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < ne0; i += bd) {
+      float r = (xs ? xs[i] : x[i]) * scale;
+      if (wc) r *= wc[i];
+      y[i] = r;
+      if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
+    }
   }
 }
 
@@ -317,16 +352,9 @@ __global__ void kv_params_kernel(KvSlots values, int32_t* record) {
 // One warp per block of 32: q = round(x / d), d = max|x| / 127; ds = (d, d * sum(q)).
 __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs, float2* ds) {
   pdl_begin();
-  const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (b >= n_blocks) return;
-  const float v = x[b * 32 + lane];
-  const float amax = warp_max(fabsf(v));
-  const float d = amax / 127.0f;
-  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(v / d)));
-  const int sum = warp_sum_int(q);
-  qs[b * 32 + lane] = static_cast<int8_t>(q);
-  if (lane == 0) ds[b] = make_float2(d, d * static_cast<float>(sum));
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i / 32 >= n_blocks) return;
+  quantize_warp_block(x[i], i, qs, ds);
 }
 
 __global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_t n, __half* h) {
@@ -374,14 +402,17 @@ void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, in
 void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, float eps) {
   const int threads =
       static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (ne0 / 4 + 31) / 32 * 32)));
-  int8_t* qs = nullptr;
-  float2* ds = nullptr;
-  if (a.quant_ws) {
-    qs = reinterpret_cast<int8_t*>(a.quant_ws);
-    ds = reinterpret_cast<float2*>(a.quant_ws + static_cast<size_t>(ne0 * cols + 255) / 256 * 256);
-  }
-  l(rms_norm_kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols, a.dst,
-    ne0, eps, qs, ds);
+  const ActQ8 q = act_q8(a.quant_ws, ne0, cols);
+  const int64_t per_thread = ceil_div(ne0, threads);
+  auto launch = [&](auto kernel) {
+    l(kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols,
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds);
+  };
+  if (per_thread <= 1) return launch(rms_norm_kernel<1>);
+  if (per_thread <= 2) return launch(rms_norm_kernel<2>);
+  if (per_thread <= 4) return launch(rms_norm_kernel<4>);
+  if (per_thread <= 8) return launch(rms_norm_kernel<8>);
+  launch(rms_norm_kernel<0>);
 }
 
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
@@ -397,13 +428,8 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
                    int64_t cols, uint8_t* quant_ws) {
   const int64_t n = ne0 * cols;
-  int8_t* qs = nullptr;
-  float2* ds = nullptr;
-  if (quant_ws) {
-    qs = reinterpret_cast<int8_t*>(quant_ws);
-    ds = reinterpret_cast<float2*>(quant_ws + static_cast<size_t>(n + 255) / 256 * 256);
-  }
-  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n, qs, ds);
+  const ActQ8 q = act_q8(quant_ws, ne0, cols);
+  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n, q.qs, q.ds);
 }
 
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
@@ -468,16 +494,22 @@ void launch_kv_params(Launcher& l, const KvSlots& values, int32_t* record) {
   l(kv_params_kernel, dim3(1), dim3(kMaxKvSlots), 0, values, record);
 }
 
+// The quants first, then the pairs at the next multiple of 256 bytes.
 size_t act_q8_bytes(int64_t k, int64_t cols) {
   const size_t qs = static_cast<size_t>(k * cols + 255) / 256 * 256;
   return qs + static_cast<size_t>(k / 32 * cols) * sizeof(float2);
 }
 
+ActQ8 act_q8(uint8_t* ws, int64_t k, int64_t cols) {
+  if (!ws) return {};
+  return {reinterpret_cast<int8_t*>(ws),
+          reinterpret_cast<float2*>(ws + static_cast<size_t>(k * cols + 255) / 256 * 256)};
+}
+
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
   const int64_t n_blocks = k / 32 * cols;
-  auto* qs = reinterpret_cast<int8_t*>(ws);
-  auto* ds = reinterpret_cast<float2*>(ws + static_cast<size_t>(k * cols + 255) / 256 * 256);
-  l(quantize_act_kernel, dim3(ceil_div(n_blocks, 8)), dim3(256), 0, x, n_blocks, qs, ds);
+  const ActQ8 q = act_q8(ws, k, cols);
+  l(quantize_act_kernel, dim3(ceil_div(n_blocks, 8)), dim3(256), 0, x, n_blocks, q.qs, q.ds);
 }
 
 size_t act_half_bytes(int64_t k, int64_t cols) {

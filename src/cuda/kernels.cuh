@@ -176,14 +176,18 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& launch
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
                      const int32_t* ids, int n_ids, float* dst);
 // rms_norm per column, with optional fusions: x = src + add (written to sum_out) before the
-// norm; the weight multiply after it (w broadcast when w_cols == 1); and the 8-bit
-// quantization of the result into quant_ws (the layout of launch_quantize_act; ne0 % 32 == 0).
+// norm; the weight multiply after it (w broadcast when w_cols == 1; w_fixed: a model weight);
+// and the 8-bit quantization of the result into quant_ws (the layout of launch_quantize_act;
+// ne0 % 32 == 0). With one column and ne0 <= kNormRegElems, every read comes before every
+// write: the outputs may then overlap the inputs.
+constexpr int64_t kNormRegElems = 8 * 1024;
 struct NormArgs {
   const float* src = nullptr;
   const float* add = nullptr;
   float* sum_out = nullptr;
   const float* w = nullptr;
   int64_t w_cols = 1;
+  bool w_fixed = false;
   float* dst = nullptr;
   uint8_t* quant_ws = nullptr;
 };
@@ -224,6 +228,12 @@ void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
 size_t act_q8_bytes(int64_t k, int64_t cols);
+// Where the quants and the (d, d * sum(q)) pairs of such a workspace lie (nullptr: none).
+struct ActQ8 {
+  int8_t* qs = nullptr;
+  float2* ds = nullptr;
+};
+ActQ8 act_q8(uint8_t* ws, int64_t k, int64_t cols);
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
 // Activation preparation for the tensor-core path: half, columns padded to
 // kp = round_up(k, kActPad) with zeros.
@@ -248,6 +258,10 @@ struct MatVecConfig {
   int rows = 0;
   int unroll = 0;
   int ksplit = 1;  // warps of a block sharing rows, each over part of k
+  // How a launch overlaps the one before it (programmatic dependent launch), -1 for the default:
+  // bit 0, the first weights are loaded before waiting for it; bit 1, the next grid may launch
+  // as soon as this one starts (otherwise once every block has streamed its rows).
+  int overlap = -1;
 };
 void set_mat_vec_config(MatVecConfig c);
 // Quantized weights live in the split layout of cuda/weight_layout.h: converts n GGUF blocks at
@@ -268,11 +282,13 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
 // The grid depends on n_tokens and the bucket of n_kv only. With n_kv_at and first_pos_at
 // (pointers into the KV record: graph steps) the kernels read n_kv and first_pos there, so
 // their arguments stay the same from step to step; without (a launch outside a graph step, as
-// the kernel benchmark makes), they take them by value.
+// the kernel benchmark makes), they take them by value. quant_ws (decode batches, head_dim a
+// multiple of 32): also the output's 8-bit form (the layout of launch_quantize_act).
 void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
                       int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
-                      const int32_t* n_kv_at = nullptr, const int32_t* first_pos_at = nullptr);
+                      const int32_t* n_kv_at = nullptr, const int32_t* first_pos_at = nullptr,
+                      uint8_t* quant_ws = nullptr);
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
 
 }  // namespace ggraph::cuda

@@ -118,8 +118,7 @@ template <int TYPE, int NCOLS, int R, int U, int KS>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb, int lpr,
-                     const int8_t* aq, const float2* ads, int64_t k) {
-  pdl_wait();
+                     const int8_t* aq, const float2* ads, int64_t k, int overlap) {
   using P = PieceInfo<TYPE>;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
@@ -146,9 +145,9 @@ __global__ void __launch_bounds__(kMvqThreads)
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) acc[j][t] = 0.0f;
 
-  for (int p0 = ks * lpr * U + gl; p0 < n_pieces; p0 += lpr * U * KS) {
-    uint4 q[U][R];
-    uint32_t s[U][R];
+  uint4 q[U][R];
+  uint32_t s[U][R];
+  auto load = [&](int p0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int p = p0 + u * lpr;
@@ -160,6 +159,16 @@ __global__ void __launch_bounds__(kMvqThreads)
                       : 0u;
       }
     }
+  };
+  // The first pieces' weights may be requested before waiting for the grid before this one
+  // (they never change after upload): their latency then overlaps its run.
+  int p0 = ks * lpr * U + gl;
+  const bool prefetch = overlap & 1, early = overlap & 2;
+  if (prefetch && p0 < n_pieces) load(p0);
+  pdl_wait();
+  if (early) pdl_trigger();
+  if (!prefetch && p0 < n_pieces) load(p0);
+  while (p0 < n_pieces) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int p = p0 + u * lpr;
@@ -173,11 +182,11 @@ __global__ void __launch_bounds__(kMvqThreads)
         for (int j = 0; j < R; ++j) piece_dot<TYPE>(q[u][j], s[u][j], a, ad, acc[j][t]);
       }
     }
+    p0 += lpr * U * KS;
+    if (p0 < n_pieces) load(p0);
   }
 
-  // The next grid launches once every block has streamed its rows: on an H200 the large
-  // mat-vecs ran faster so than with the next grid's blocks waiting beside them from the start.
-  pdl_trigger();
+  if (!early) pdl_trigger();
   __shared__ float partial[KS > 1 ? kMvqWarps : 1][32][R * NCOLS];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
@@ -221,30 +230,17 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                           int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
                           const int8_t* aq, const float2* ads, int64_t k) {
-  pdl_begin();
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   const int n_rows = n0 + n1 + n2;
   const int n_pieces = nb * P::kPerBlock;
-  int a[PL][8];
-  float2 ad[PL];
-#pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    const int p = lane + 32 * i;
-    if (p < n_pieces) {
-      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, a[i], ad[i]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[i][e] = 0;
-      ad[i] = make_float2(0.0f, 0.0f);
-    }
-  }
-  for (int g0 = gw * R; g0 < n_rows; g0 += n_warps * R) {
-    uint4 v[R][PL];
-    uint32_t sc[R][PL];
-    float* dst[R];
-    int row[R];
+  uint4 v[R][PL];
+  uint32_t sc[R][PL];
+  float* dst[R];
+  int row[R];
+  // Issues the loads of rows g0.. (weights only: they never change after upload).
+  auto load_rows = [&](int g0) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int g = min(g0 + j, n_rows - 1);
@@ -263,6 +259,26 @@ __global__ void __launch_bounds__(kMvqThreads)
             p < n_pieces ? ldg_scale(s + (p / P::kPerBlock) * P::kScaleBytes, P::kScaleBytes) : 0u;
       }
     }
+  };
+  // The first rows' weights are requested before waiting for the grid before this one: their
+  // latency overlaps its run.
+  int g0 = gw * R;
+  if (g0 < n_rows) load_rows(g0);
+  pdl_begin();
+  int a[PL][8];
+  float2 ad[PL];
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int p = lane + 32 * i;
+    if (p < n_pieces) {
+      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, a[i], ad[i]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[i][e] = 0;
+      ad[i] = make_float2(0.0f, 0.0f);
+    }
+  }
+  while (g0 < n_rows) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       float acc = 0.0f;
@@ -271,6 +287,8 @@ __global__ void __launch_bounds__(kMvqThreads)
       acc = warp_sum(acc);
       if (lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
     }
+    g0 += n_warps * R;
+    if (g0 < n_rows) load_rows(g0);
   }
 }
 
@@ -335,7 +353,6 @@ __global__ void __launch_bounds__(kMvThreads)
     mat_vec_f_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
                      const float* x) {
-  pdl_begin();
   constexpr int E = FloatInfo<TYPE>::kVecElems;
   constexpr int U = 4;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
@@ -353,16 +370,22 @@ __global__ void __launch_bounds__(kMvThreads)
 
   if constexpr (VEC) {
     const int64_t n_vec = k / E;
-    for (int64_t v0 = lane; v0 < n_vec; v0 += 32 * U) {
-      uint4 raw[U][RW];
+    uint4 raw[U][RW];
+    auto load = [&](int64_t v0) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t v = v0 + 32 * u;
 #pragma unroll
         for (int j = 0; j < RW; ++j)
-          raw[u][j] = v < n_vec ? __ldg(reinterpret_cast<const uint4*>(rows[j]) + v)
+          raw[u][j] = v < n_vec ? ldg_stream16(reinterpret_cast<const uint4*>(rows[j]) + v)
                                 : make_uint4(0, 0, 0, 0);
       }
+    };
+    // The first weights are requested before waiting for the grid before this one.
+    int64_t v0 = lane;
+    if (v0 < n_vec) load(v0);
+    pdl_begin();
+    while (v0 < n_vec) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t v = v0 + 32 * u;
@@ -384,8 +407,11 @@ __global__ void __launch_bounds__(kMvThreads)
           }
         }
       }
+      v0 += 32 * U;
+      if (v0 < n_vec) load(v0);
     }
   } else {
+    pdl_begin();
     for (int64_t i = lane; i < k; i += 32) {
 #pragma unroll
       for (int j = 0; j < RW; ++j) {
@@ -434,12 +460,16 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
 
 template <int TYPE, int NCOLS, int R, int U, int KS = 1>
 void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, int lpr,
-                      const int8_t* aq, const float2* ads) {
+                      const int8_t* aq, const float2* ads, int overlap) {
   const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * (32 / lpr) * R);
   l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
     g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
-    static_cast<int>(k / 32), lpr, aq, ads, k);
+    static_cast<int>(k / 32), lpr, aq, ads, k, overlap);
 }
+
+// MatVecConfig::overlap's default: the first weights loaded before the wait and the next grid
+// let in at once measured fastest for every shape and format on an H200 (BENCHMARKS.md).
+constexpr int kMatVecOverlap = 3;
 
 MatVecConfig& mat_vec_override() {
   static MatVecConfig c;
@@ -475,9 +505,9 @@ bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k
 
 template <int TYPE, int NCOLS>
 void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
-  const auto* aq = reinterpret_cast<const int8_t*>(ws);
-  const auto* ads =
-      reinterpret_cast<const float2*>(ws + static_cast<size_t>(k * NCOLS + 255) / 256 * 256);
+  const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, NCOLS);
+  const int8_t* aq = act.qs;
+  const float2* ads = act.ds;
   const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPerBlock;
   // Short rows share a warp, so that every lane has a piece to load in the first round.
   int lpr = 32;
@@ -487,44 +517,45 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     for (int i = 0; i < n_parts; ++i) n_rows += parts[i].n;
     MatVecConfig c = mat_vec_override();
     // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
-    // activation in registers. Many rows: four a lane group (two for 8-bit weights). Fewer but
-    // long rows: warps split k, so that enough of them stream at once. Otherwise one row a lane
-    // group with four pieces in flight.
+    // activation in registers. 4-bit weights: four rows a lane group when there are many rows,
+    // otherwise one row with four pieces in flight. 8-bit weights: warps split k in two, over
+    // four rows of two pieces in flight when there are many rows, else two rows of four.
     if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
     constexpr bool kQ8 = PieceInfo<TYPE>::kPerBlock == 2;
+    const int overlap = c.overlap >= 0 ? c.overlap : kMatVecOverlap;
     if (c.rows == 0) {
-      if (n_rows >= 8192)
-        c = kQ8 ? MatVecConfig{2, 2, 1} : MatVecConfig{4, 2, 1};
-      else if (n_pieces >= 256)
-        c = kQ8 ? MatVecConfig{4, 2, 4} : MatVecConfig{2, 4, 2};
+      if (kQ8)
+        c = n_rows >= 8192 ? MatVecConfig{4, 2, 2} : MatVecConfig{2, 4, 2};
       else
-        c = MatVecConfig{1, 4, 1};
+        c = n_rows >= 8192 ? MatVecConfig{4, 2, 1} : MatVecConfig{1, 4, 1};
     }
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 3402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 1204:
-        return mat_vec_q_launch<TYPE, 1, 2, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 2, 4, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 3202:
-        return mat_vec_q_launch<TYPE, 1, 2, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 2, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 202:
-        return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 204:
-        return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       case 104:
-        return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads);
+        return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
       default:
         throw ArgumentError("mat-vec: no kernel of " + std::to_string(c.rows) + " rows, " +
                             std::to_string(c.unroll) + " pieces in flight and " +
                             std::to_string(c.ksplit) + " k splits");
     }
   } else {
-    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads);
+    const int overlap = mat_vec_override().overlap;
+    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads,
+                                        overlap >= 0 ? overlap : kMatVecOverlap);
   }
 }
 

@@ -176,11 +176,18 @@ int main() {
         const bool q = gc::is_quantized(t);
         // One column of a quantized type: every kernel shape (rows per lane group, pieces in
         // flight), the automatic choice first.
+        // Each with every way of overlapping the launch before it (MatVecConfig::overlap).
         std::vector<gc::MatVecConfig> configs = {{0, 0}};
-        if (q && cols == 1)
-          configs.insert(
-              configs.end(),
-              {{1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {4, 2, 2}, {4, 2, 4}, {2, 4, 2}, {2, 2, 4}});
+        if (q && cols == 1) {
+          const gc::MatVecConfig shapes_[] = {{0, 0},    {1, 4, 1}, {2, 4, 1}, {4, 2, 1},
+                                              {4, 2, 2}, {4, 2, 4}, {2, 4, 2}, {2, 2, 4}};
+          for (gc::MatVecConfig c : shapes_) {
+            for (int o = 0; o < 4; ++o) {
+              c.overlap = o;
+              configs.push_back(c);
+            }
+          }
+        }
         for (const gc::MatVecConfig& c : configs) {
           gc::set_mat_vec_config(c);
           float* x = device_randn(size_t(sh.k) * cols, rng);
@@ -195,10 +202,11 @@ int main() {
           };
           const double ms = ev.time_ms(s, 200, mv);
           const double gms = ev.graph_ms(s, 200, mv);
-          const std::string shape = c.rows ? " (" + std::to_string(c.rows) + "x" +
-                                                 std::to_string(c.unroll) + "/" +
-                                                 std::to_string(c.ksplit) + ")"
-                                           : "";
+          std::string shape = c.rows ? std::to_string(c.rows) + "x" + std::to_string(c.unroll) +
+                                           "/" + std::to_string(c.ksplit)
+                                     : "";
+          if (c.overlap >= 0) shape += (c.rows ? " o" : "o") + std::to_string(c.overlap);
+          if (!shape.empty()) shape = " (" + shape + ")";
           std::printf("| %s%s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f | %.2f | %.0f |\n",
                       gc::dtype_name(t), shape.c_str(), (long long)sh.k, (long long)sh.n, cols, mb,
                       ms * 1e3, host.size() / (ms * 1e-3) / 1e9,

@@ -748,7 +748,7 @@ struct LayerGraph {
   Graph g;
   std::vector<int32_t> tokens, positions;
   Tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *gate = nullptr, *up = nullptr;
-  Tensor *attn_norm_mul = nullptr, *attention = nullptr;
+  Tensor *attn_norm_mul = nullptr, *attention = nullptr, *wo = nullptr;
   Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
   LayerGraph(int n_tokens, int n_past, bool products_first = false) {
@@ -795,7 +795,8 @@ struct LayerGraph {
       store_k = g.kv_store(kc, k, n_past);
       store_v = g.kv_store(vc, v, n_past);
       attention = g.attention(q, kc, vc, n_head, n_head_kv, hd, 0.125f, n_past + n_tokens, n_past);
-      x = g.add(x, g.mul_mat(weight(DType::Q4_1, n_embd, n_embd, "wo"), attention));
+      wo = g.mul_mat(weight(DType::Q4_1, n_embd, n_embd, "wo"), attention);
+      x = g.add(x, wo);
       Tensor* f = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "ffn_norm"));
       gate = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "gate"), f);
       up = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "up"), f);
@@ -847,6 +848,16 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.store_v), 0);
     // The residual add before the second layer's norm is part of that norm's kernel.
     EXPECT_EQ(launches_of(rec, lg.attn_norm_mul->src[0]->src[0]), 1);
+    // The attention writes its output's 8-bit form too: the output projection is one launch.
+    EXPECT_EQ(launches_of(rec, lg.attention), 1);
+    EXPECT_EQ(launches_of(rec, lg.wo), 1);
+  }
+  {
+    // So does the reduce of a split attention (a long context).
+    LayerGraph lg(1, 900);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.attention), 2);
+    EXPECT_EQ(launches_of(rec, lg.wo), 1);
   }
   {
     // In the llama order, gate and up are adjacent: one launch for both, reading the 8-bit

@@ -1,0 +1,67 @@
+"""GPU time of each kernel of one decode step, as Nsight Compute measures it.
+
+    python3 tools/kernel_times.py MODEL.gguf [--past N]
+
+Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
+(cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
+largest total first. ncu runs kernels one at a time, so launches do not overlap: the total
+bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on PYTHONPATH
+(tools/gpu_run.sh build).
+"""
+
+import argparse
+import collections
+import csv
+import io
+import subprocess
+import sys
+
+STEP = """
+import ggraph
+m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off")
+m.eval([1 + i % 100 for i in range({past})])
+m.eval([7])
+m.eval([8])
+"""
+
+
+def short_name(name: str) -> str:
+    # "void ns::(anonymous namespace)::kernel<3, 1, 2>(args)" -> "kernel<3, 1, 2>"
+    name = name.replace("(anonymous namespace)::", "").split("(")[0]
+    return name.split("::")[-1].removeprefix("void ").strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--past", type=int, default=64)
+    args = ap.parse_args()
+    cmd = [
+        "ncu", "--csv", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+        sys.executable, "-c", STEP.format(model=args.model, past=args.past),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = [r for r in csv.DictReader(io.StringIO(out[out.index('"ID"') :]))]
+    names = [r["Kernel Name"] for r in rows]
+    starts = [i for i, n in enumerate(names) if "kv_params_kernel" in n]
+    if not starts:
+        print("no decode step found in the profile", file=sys.stderr)
+        return 1
+    step = rows[starts[-1] :]
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    total = collections.Counter()
+    count = collections.Counter()
+    for r in step:
+        us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+        total[short_name(r["Kernel Name"])] += us
+        count[short_name(r["Kernel Name"])] += 1
+    print(f"one decode step after {args.past + 1} tokens: {len(step)} kernels, "
+          f"{sum(total.values()):.1f} us of GPU time\n")  # fmt: skip
+    print("| kernel | launches | us total | us each |\n|---|---|---|---|")
+    for name, us in total.most_common():
+        print(f"| {name} | {count[name]} | {us:.1f} | {us / count[name]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
