@@ -377,6 +377,14 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
   // Nodes already launched as part of an earlier node's kernel.
   std::vector<char> done(n, 0);
 
+  // The node after node i that does work (leaves, such as the weights a model's builder makes as
+  // it goes, lie anywhere in between); n when none.
+  auto next_op = [&](int i) {
+    int j = i + 1;
+    while (j < n && nodes[j]->op == Op::Leaf) ++j;
+    return j;
+  };
+
   // Whether the producer of x should also write its 8-bit form (then x is marked prepared).
   auto quantize_for_readers = [&](const Tensor* x) {
     const int p = pos(x);
@@ -392,9 +400,10 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
     const Tensor* r = nodes[ri];
     const bool reads_first = r->ne[1] == 1 && r->ne[0] <= kNormRegElems;
     const Tensor* in = add ? add : r->src[0];
-    const Tensor* next = ri + 1 < n ? nodes[ri + 1] : nullptr;
+    const int mi = next_op(ri);
+    const Tensor* next = mi < n ? nodes[mi] : nullptr;
     const Tensor* w = nullptr;
-    if (next && next->op == Op::Mul && !done[ri + 1] && uses[ri] == 1 && r != graph.output() &&
+    if (next && next->op == Op::Mul && !done[mi] && uses[ri] == 1 && r != graph.output() &&
         next->src[0] == r && next->src[1] != r &&
         (!scratch_overlap(next, in) || (reads_first && !add)))
       w = next->src[1];
@@ -421,7 +430,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
     }
     launch_rms_norm(l, a, r->ne[0], r->ne[1], r->param_f(0));
     done[ri] = 1;
-    if (w) done[ri + 1] = 1;
+    if (w) done[mi] = 1;
     return true;
   };
 
@@ -442,9 +451,10 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
         break;
       case Op::Add: {
         // The residual add and the norm that reads it (as each layer has them): one kernel.
-        const Tensor* r = i + 1 < n ? nodes[i + 1] : nullptr;
+        const int ri = next_op(i);
+        const Tensor* r = ri < n ? nodes[ri] : nullptr;
         if (r && r->op == Op::RmsNorm && r->src[0] == t && t->src[1]->ne[1] == t->ne[1] &&
-            launch_norm(i + 1, t))
+            launch_norm(ri, t))
           break;
         launch_binary(l, 0, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
                       t->src[0]->ne[0], t->src[0]->ne[1]);
@@ -575,14 +585,15 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
       }
       case Op::KvStore: {
         // K and V stores of the same rows, one after the other: one launch.
-        const Tensor* nx = i + 1 < n ? nodes[i + 1] : nullptr;
+        const int xi = next_op(i);
+        const Tensor* nx = xi < n ? nodes[xi] : nullptr;
         const bool pair = nx && nx->op == Op::KvStore && nx->kv[0] == t->kv[0] &&
                           nx->src[0]->ne[0] == t->src[0]->ne[0] &&
                           nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t);
         launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, pair ? fptr(nx->src[0]) : nullptr,
                         pair ? kv_target(nx)->data : nullptr, t->src[0]->ne[0],
                         static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]));
-        if (pair) done[i + 1] = 1;
+        if (pair) done[xi] = 1;
         break;
       }
       case Op::Attention: {
