@@ -46,6 +46,41 @@ __device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* 
   if (threadIdx.x % 32 == 0) ds[i / 32] = make_float2(d, d * static_cast<float>(sum));
 }
 
+// quantize_warp_block for N blocks at once (element i[j] of block j in each lane; blocks whose
+// ok[j] is false, the same in every lane, store nothing): the N reductions interleave, so that
+// their shuffles overlap instead of running one after another.
+template <int N>
+__device__ __forceinline__ void quantize_warp_blocks(const float (&y)[N], const int64_t (&i)[N],
+                                                     const bool (&ok)[N], int8_t* qs, float2* ds) {
+  float amax[N];
+  int q[N], sum[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) amax[j] = fabsf(y[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) amax[j] = fmaxf(amax[j], __shfl_xor_sync(0xffffffffu, amax[j], o));
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float d = amax[j] / 127.0f;
+    q[j] = amax[j] == 0.0f ? 0 : max(-127, min(127, __float2int_rn(y[j] / d)));
+    sum[j] = q[j];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], o);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (!ok[j]) continue;
+    qs[i[j]] = static_cast<int8_t>(q[j]);
+    const float d = amax[j] / 127.0f;
+    if (threadIdx.x % 32 == 0) ds[i[j] / 32] = make_float2(d, d * static_cast<float>(sum[j]));
+  }
+}
+
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
   return __half2float(__ushort_as_half(h));
 }

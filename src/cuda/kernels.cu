@@ -104,29 +104,34 @@ __global__ void rms_norm_kernel(const float* src, const float* add, float* sum_o
       sum += u * u;
     }
   }
+  // One barrier: every warp sums the warps' partial sums itself.
   sum = warp_sum(sum);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = sum;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) partial[threadIdx.x / 32] = sum;
   __syncthreads();
-  if (warp == 0) {
-    const int n_warps = bd / 32;
-    float r = lane < n_warps ? partial[lane] : 0.0f;
-    r = warp_sum(r);
-    if (lane == 0) partial[0] = r;
-  }
-  __syncthreads();
-  const float scale = 1.0f / sqrtf(partial[0] / static_cast<float>(ne0) + eps);
+  const int n_warps = bd / 32;
+  float total = lane < n_warps ? partial[lane] : 0.0f;
+  total = warp_sum(total);
+  const float scale = 1.0f / sqrtf(total / static_cast<float>(ne0) + eps);
   if constexpr (EPT > 0) {
+    // Each round j is whole warps when ne0 % 32 == 0 (as quantizing needs): a warp is wholly
+    // inside the row or past its end.
+    float r[EPT];
+    int64_t qi[EPT];
+    bool in[EPT];
 #pragma unroll
     for (int j = 0; j < EPT; ++j) {
       const int64_t i = threadIdx.x + j * bd;
-      if (i >= ne0) break;  // whole warps when ne0 % 32 == 0, as quantizing needs
-      if (xs) xs[i] = v[j];
-      float r = v[j] * scale;
-      if (wc) r *= wv[j];
-      y[i] = r;
-      if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
+      in[j] = i < ne0;
+      qi[j] = col * ne0 + i;
+      r[j] = v[j] * scale;
+      if (wc) r[j] *= wv[j];
+      if (in[j]) {
+        if (xs) xs[i] = v[j];
+        y[i] = r[j];
+      }
     }
+    if (qs) quantize_warp_blocks<EPT>(r, qi, in, qs, ds);
   } else {
     for (int64_t i = threadIdx.x; i < ne0; i += bd) {
       float r = (xs ? xs[i] : x[i]) * scale;
@@ -299,12 +304,7 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
   const int32_t first_row = k_cache ? *first_row_at : 0;
   __shared__ float2 angle[kRopeMaxHalfDim];
   float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
-  const int half_dim = a.head_dim / 2;
-  for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
-    float sf, cf;
-    rope_angle(pos[0], p, a.n_dims, freq_base, sf, cf);
-    angle[p] = make_float2(sf, cf);
-  }
+  // The loads first: their latency overlaps the angles' computation.
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
     const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
@@ -312,6 +312,12 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
     const RopeSlot r = rope_slot(a, idx, 0, first_row);
     x0[s] = r.x[r.i0];
     x1[s] = r.x[r.i1];
+  }
+  const int half_dim = a.head_dim / 2;
+  for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
+    float sf, cf;
+    rope_angle(pos[0], p, a.n_dims, freq_base, sf, cf);
+    angle[p] = make_float2(sf, cf);
   }
   __syncthreads();
 #pragma unroll
