@@ -498,7 +498,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
         // that the nodes in between still use.
         MatVecPart parts[3];
         int n_parts = 0;
-        parts[n_parts++] = {ptr(w), w->ne[1], fptr(t)};
+        parts[n_parts++] = {ptr(w), w->ne[1], fptr(t), w->storage == Storage::Weight};
         for (int j = i + 1; j < n && j <= i + kGroupWindow && n_parts < 3; ++j) {
           const Tensor* c = nodes[j];
           if (c->op != Op::MulMat || done[j] || c->src[1] != x || c->src[0]->type != w->type ||
@@ -512,7 +512,8 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
             for (const Tensor* s : between->src) safe = safe && !(s && scratch_overlap(c, s));
           }
           if (!safe) continue;
-          parts[n_parts++] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c)};
+          parts[n_parts++] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c),
+                              c->src[0]->storage == Storage::Weight};
           done[j] = 1;
         }
         launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);

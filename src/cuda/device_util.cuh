@@ -88,11 +88,13 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
 
-// Programmatic dependent launch (sm_90 and newer): every kernel first waits until the grid before
-// it has completed and its writes are visible (pdl_wait), then, at once or after its loads, lets
-// the next grid launch (pdl_trigger), whose start-up then overlaps this kernel's run. Waiting
-// before any memory access keeps every read-after-write and write-after-read order of plain stream
-// execution. Without the launch attribute (or before sm_90) both are no-ops.
+// Programmatic dependent launch (sm_90 and newer): every kernel waits until the grid before it
+// has completed and its writes are visible (pdl_wait), then lets the next grid launch
+// (pdl_trigger), whose start-up then overlaps this kernel's run. Before the wait a kernel may
+// only read model weights, which nothing writes after upload (the mat-vecs and rms_norm load
+// their first weights there); every other access comes after it, which keeps every
+// read-after-write and write-after-read order of plain stream execution. Without the launch
+// attribute (or before sm_90) both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -103,9 +105,9 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-// Most kernels let the next one launch at once: on an H200 that beat triggering every mat-vec
-// after its loads (SmolLM2 shape, patch tg128 1210 against 1086 tok/s); the generic quantized
-// mat-vec, used for large matrices, triggers after its loads.
+// Kernels let the next one launch at once: on an H200 that beat triggering the mat-vecs after
+// their loads (SmolLM2 shape, patch tg128 1210 against 1086 tok/s; the large mat-vecs' sweep in
+// BENCHMARKS.md).
 __device__ __forceinline__ void pdl_begin() {
   pdl_wait();
   pdl_trigger();

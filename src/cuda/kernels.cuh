@@ -246,6 +246,9 @@ struct MatVecPart {
   const void* w = nullptr;
   int64_t n = 0;
   float* dst = nullptr;
+  // w is a model weight, never written after upload: the kernel may then load it before waiting
+  // for the kernel before it (programmatic dependent launch), which may be what writes others.
+  bool fixed = false;
 };
 // Up to 3 weights of the same type and k that share one activation (q, k, v) in one launch.
 // Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act); float

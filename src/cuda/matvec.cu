@@ -229,7 +229,7 @@ template <int TYPE, int PL, int R>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                           int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
-                          const int8_t* aq, const float2* ads, int64_t k) {
+                          const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
@@ -260,11 +260,12 @@ __global__ void __launch_bounds__(kMvqThreads)
       }
     }
   };
-  // The first rows' weights are requested before waiting for the grid before this one: their
-  // latency overlaps its run.
+  // Fixed weights: the first rows' are requested before waiting for the grid before this one,
+  // so that their latency overlaps its run.
   int g0 = gw * R;
-  if (g0 < n_rows) load_rows(g0);
+  if (prefetch && g0 < n_rows) load_rows(g0);
   pdl_begin();
+  if (!prefetch && g0 < n_rows) load_rows(g0);
   int a[PL][8];
   float2 ad[PL];
 #pragma unroll
@@ -352,7 +353,7 @@ template <int TYPE, int NCOLS, int RW, bool VEC>
 __global__ void __launch_bounds__(kMvThreads)
     mat_vec_f_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
-                     const float* x) {
+                     const float* x, int prefetch) {
   constexpr int E = FloatInfo<TYPE>::kVecElems;
   constexpr int U = 4;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
@@ -381,10 +382,11 @@ __global__ void __launch_bounds__(kMvThreads)
                                 : make_uint4(0, 0, 0, 0);
       }
     };
-    // The first weights are requested before waiting for the grid before this one.
+    // Fixed weights: the first are requested before waiting for the grid before this one.
     int64_t v0 = lane;
-    if (v0 < n_vec) load(v0);
+    if (prefetch && v0 < n_vec) load(v0);
     pdl_begin();
+    if (!prefetch && v0 < n_vec) load(v0);
     while (v0 < n_vec) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -441,6 +443,13 @@ struct GroupArgs {
   int blk1 = 0, blk2 = 0, total = 0;
 };
 
+// Whether every weight of a launch may be loaded before the wait (MatVecPart::fixed).
+bool all_fixed(const MatVecPart* parts, int n_parts) {
+  for (int i = 0; i < n_parts; ++i)
+    if (!parts[i].fixed) return false;
+  return true;
+}
+
 GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
   GroupArgs g;
   int blocks[3] = {0, 0, 0};
@@ -464,7 +473,7 @@ void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t
   const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * (32 / lpr) * R);
   l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
     g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
-    static_cast<int>(k / 32), lpr, aq, ads, k, overlap);
+    static_cast<int>(k / 32), lpr, aq, ads, k, all_fixed(parts, n_parts) ? overlap : overlap & ~1);
 }
 
 // MatVecConfig::overlap's default: the first weights loaded before the wait and the next grid
@@ -489,7 +498,7 @@ bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, in
   const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
   l(mat_vec_q_rows_kernel<TYPE, PL, R>, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))),
     dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2],
-    n_warps, static_cast<int>(k / 32), aq, ads, k);
+    n_warps, static_cast<int>(k / 32), aq, ads, k, all_fixed(parts, n_parts) ? 1 : 0);
   return true;
 }
 
@@ -565,12 +574,13 @@ void mat_vec_f(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   const GroupArgs g = group_args(parts, n_parts, 8 * RW);
   bool vec = k % FloatInfo<TYPE>::kVecElems == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   for (int i = 0; i < 3; ++i) vec = vec && reinterpret_cast<uintptr_t>(g.w[i]) % 16 == 0;
+  const int prefetch = all_fixed(parts, n_parts) ? 1 : 0;
   if (vec) {
     l(mat_vec_f_kernel<TYPE, NCOLS, RW, true>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
-      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x);
+      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, prefetch);
   } else {
     l(mat_vec_f_kernel<TYPE, NCOLS, RW, false>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
-      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x);
+      g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, prefetch);
   }
 }
 

@@ -197,7 +197,7 @@ int main() {
           CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
           if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
           auto mv = [&](int i) {
-            gc::MatVecPart part{w[i % copies], sh.n, dst};
+            gc::MatVecPart part{w[i % copies], sh.n, dst, /*fixed=*/true};
             gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
           };
           const double ms = ev.time_ms(s, 200, mv);

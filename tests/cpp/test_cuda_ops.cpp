@@ -360,6 +360,25 @@ TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
   }
 }
 
+// A matrix computed by the kernel right before the product (not a model weight): the mat-vec
+// must not load it before that kernel is done, as it may a weight's.
+TEST_F(CudaOps, MulMatOfAMatrixComputedJustBefore) {
+  std::mt19937 rng(19);
+  const int64_t k = 256, n = 4096;
+  for (int64_t cols : {1, 3}) {
+    const auto xv = randn(size_t(k) * cols, rng), wv = randn(size_t(k) * n, rng);
+    std::vector<int32_t> x_ids, w_ids;
+    Build build = [&](Graph& g, Backend& be) {
+      Tensor* x = activations(g, be, xv, k, cols, x_ids);
+      Tensor* w = activations(g, be, wv, k, n, w_ids);  // the node right before the product
+      return g.mul_mat(w, x);
+    };
+    const auto gpu = run_on(*cuda_, build);
+    const auto cpu = run_on(*cpu_, build);
+    EXPECT_LT(rel_err(gpu, cpu), 1e-5) << "cols " << cols;
+  }
+}
+
 TEST_F(CudaOps, MulMatPromptBatches) {
   std::mt19937 rng(17);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
