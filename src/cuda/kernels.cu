@@ -406,8 +406,10 @@ void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, in
 }
 
 void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, float eps) {
-  const int threads =
-      static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (ne0 / 4 + 31) / 32 * 32)));
+  // A thread an element up to 1024 of them: a decode step's norm is one block, whose time is
+  // its chain of dependent instructions, which more threads with fewer elements each shorten
+  // (SmolLM2's 576 under Nsight Compute: 5.0 us with 160 threads of 4 elements, 3.1 with 576).
+  const int threads = static_cast<int>(std::min<int64_t>(1024, (ne0 + 31) / 32 * 32));
   const ActQ8 q = act_q8(a.quant_ws, ne0, cols);
   const int64_t per_thread = ceil_div(ne0, threads);
   auto launch = [&](auto kernel) {
