@@ -588,7 +588,7 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
         // K and V stores of the same rows, one after the other: one launch.
         const int xi = next_op(i);
         const Tensor* nx = xi < n ? nodes[xi] : nullptr;
-        const bool pair = nx && nx->op == Op::KvStore && nx->kv[0] == t->kv[0] &&
+        const bool pair = nx && nx->op == Op::KvStore && !done[xi] && nx->kv[0] == t->kv[0] &&
                           nx->src[0]->ne[0] == t->src[0]->ne[0] &&
                           nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t);
         launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, pair ? fptr(nx->src[0]) : nullptr,

@@ -56,9 +56,10 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
 // outputs may overlap the inputs in any way. EPT == 0 (wide rows): two passes over memory, where
 // each thread rereads only what it read (or wrote) itself.
 template <int EPT>
-__global__ void rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
-                                int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps,
-                                int8_t* qs, float2* ds) {
+__global__ void __launch_bounds__(1024)
+    rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
+                    int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs,
+                    float2* ds) {
   constexpr int kRegs = EPT > 0 ? EPT : 1;
   __shared__ float partial[32];
   const int64_t col = blockIdx.x;
@@ -419,6 +420,7 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   if (per_thread <= 1) return launch(rms_norm_kernel<1>);
   if (per_thread <= 2) return launch(rms_norm_kernel<2>);
   if (per_thread <= 4) return launch(rms_norm_kernel<4>);
+  static_assert(8 * 1024 == kNormRegElems, "rows in registers: at most 8 elements a thread");
   if (per_thread <= 8) return launch(rms_norm_kernel<8>);
   launch(rms_norm_kernel<0>);
 }

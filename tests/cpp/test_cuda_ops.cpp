@@ -184,7 +184,9 @@ TEST_F(CudaOps, GetRowsRejectsAnIdOutOfRangeAndStaysUsable) {
 struct Shape {
   int64_t ne0, ne1;
 };
-const Shape kShapes[] = {{32, 1}, {64, 3}, {576, 7}, {96, 33}, {4096, 2}, {4097, 1}, {8, 512}};
+// Norm rows of one to eight elements a thread (kNormRegElems = 8192 at most), and past them.
+const Shape kShapes[] = {{32, 1},   {64, 3},   {576, 7},  {96, 33},   {1536, 1}, {4096, 2},
+                         {4097, 1}, {8192, 1}, {8224, 1}, {12288, 2}, {8, 512}};
 
 std::vector<double> rms_norm_ref(const std::vector<float>& x, Shape s, float eps) {
   std::vector<double> ref(x.size());
@@ -217,9 +219,11 @@ TEST_F(CudaOps, RmsNormAloneAndFusedWithItsWeight) {
       std::vector<int32_t> wids;
       check(
           [&](Graph& g, Backend& be) {
-            Tensor* n = g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-5f);
+            // The weight first, so that the multiply follows the norm and may fuse with it
+            // (a computed weight is loaded only after waiting for the kernel before).
             Tensor* wt = broadcast ? upload(g, be, DType::F32, s.ne0, 1, w.data(), "w")
                                    : activations(g, be, w, s.ne0, w_cols, wids);
+            Tensor* n = g.rms_norm(activations(g, be, x, s.ne0, s.ne1, ids), 1e-5f);
             return g.mul(n, wt);
           },
           ref, 1e-6, 1e-6, "rms_norm*w " + std::to_string(s.ne0) + "x" + std::to_string(s.ne1));
@@ -451,89 +455,96 @@ TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
 
 // Two llama decoder layers with real weights, CUDA against the CPU: every fusion the CUDA
 // backend makes (residual add + norm + weight + 8-bit activations, swiglu + 8-bit
-// activations, K/V stores, grouped mat-vecs) sits on this path.
+// activations, attention + 8-bit output, K/V stores, grouped mat-vecs) sits on this path. After
+// a short past the decode attention runs one query head a block in one split; after a long one,
+// both heads of a KV group a block over several splits and a reduce, which writes the 8-bit form.
 TEST_F(CudaOps, DecoderLayersMatchTheCpu) {
   std::mt19937 rng(24);
   const int n_embd = 256, n_head = 4, n_head_kv = 2, hd = 64, n_ff = 512, n_vocab = 300;
-  const int kv_w = n_head_kv * hd, n_ctx = 64, n_past = 3;
+  const int kv_w = n_head_kv * hd, n_ctx = 1024;
   for (DType t : {DType::Q4_1, DType::Q8_0, DType::F16}) {
-    for (int n_tok : {1, 5, 12}) {
-      for (bool products_first : {false, true}) {
-        struct Mat {
-          std::vector<uint8_t> bytes;
-          int64_t k, n;
-        };
-        auto mat = [&](int64_t k, int64_t n) {
-          std::vector<float> deq;
-          return Mat{quantize(t, randn(size_t(k) * n, rng, 0.05f), k, n, deq), k, n};
-        };
-        struct LayerW {
-          Mat wq, wk, wv, wo, gate, up, down;
-          std::vector<float> attn_norm, ffn_norm;
-        };
-        std::vector<LayerW> layers;
-        for (int il = 0; il < 2; ++il) {
-          layers.push_back({mat(n_embd, n_embd), mat(n_embd, kv_w), mat(n_embd, kv_w),
-                            mat(n_embd, n_embd), mat(n_embd, n_ff), mat(n_embd, n_ff),
-                            mat(n_ff, n_embd), randn(n_embd, rng, 0.3f), randn(n_embd, rng, 0.3f)});
-          for (auto& v : layers.back().attn_norm) v += 1.0f;
-          for (auto& v : layers.back().ffn_norm) v += 1.0f;
-        }
-        std::vector<float> embd_f = randn(size_t(n_embd) * n_vocab, rng), deq;
-        auto embd = quantize(DType::Q8_0, embd_f, n_embd, n_vocab, deq);
-        auto out_norm = randn(n_embd, rng, 0.3f);
-        Mat out = mat(n_embd, n_vocab);
-        std::vector<std::vector<uint16_t>> caches;
-        for (int c = 0; c < 4; ++c) {
-          auto v = randn(size_t(kv_w) * n_ctx, rng);
-          caches.emplace_back(v.size());
-          for (size_t i = 0; i < v.size(); ++i) caches.back()[i] = f32_to_f16(v[i]);
-        }
-        std::vector<int32_t> tokens(n_tok), pos(n_tok);
-        for (int i = 0; i < n_tok; ++i) tokens[i] = (i * 37 + 11) % n_vocab, pos[i] = n_past + i;
-        Build build = [&](Graph& g, Backend& be) {
-          auto w = [&](const Mat& m, const char* name) {
-            return upload(g, be, t, m.k, m.n, m.bytes.data(), name);
+    for (int n_past : {3, 900}) {
+      for (int n_tok : {1, 5, 12}) {
+        for (bool products_first : {false, true}) {
+          struct Mat {
+            std::vector<uint8_t> bytes;
+            int64_t k, n;
           };
-          auto f32 = [&](const std::vector<float>& v, const char* name) {
-            return upload(g, be, DType::F32, int64_t(v.size()), 1, v.data(), name);
+          auto mat = [&](int64_t k, int64_t n) {
+            std::vector<float> deq;
+            return Mat{quantize(t, randn(size_t(k) * n, rng, 0.05f), k, n, deq), k, n};
           };
-          Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
-          Tensor* x = g.get_rows(upload(g, be, DType::Q8_0, n_embd, n_vocab, embd.data(), "embd"),
-                                 g.input_i32(n_tok, tokens.data(), "tokens"));
+          struct LayerW {
+            Mat wq, wk, wv, wo, gate, up, down;
+            std::vector<float> attn_norm, ffn_norm;
+          };
+          std::vector<LayerW> layers;
           for (int il = 0; il < 2; ++il) {
-            const LayerW& L = layers[il];
-            Tensor* kc = f16_cache(g, be, caches[2 * il], kv_w, n_ctx, "k");
-            Tensor* vc = f16_cache(g, be, caches[2 * il + 1], kv_w, n_ctx, "v");
-            Tensor* h = g.mul(g.rms_norm(x, 1e-5f), f32(L.attn_norm, "attn_norm"));
-            Tensor *q, *k, *v;
-            if (products_first) {
-              Tensor* qm = g.mul_mat(w(L.wq, "wq"), h);
-              Tensor* km = g.mul_mat(w(L.wk, "wk"), h);
-              v = g.mul_mat(w(L.wv, "wv"), h);
-              q = g.rope(qm, p, n_head, hd, hd, kRopeNormal, 10000.0f);
-              k = g.rope(km, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
-            } else {
-              q = g.rope(g.mul_mat(w(L.wq, "wq"), h), p, n_head, hd, hd, kRopeNormal, 10000.0f);
-              k = g.rope(g.mul_mat(w(L.wk, "wk"), h), p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
-              v = g.mul_mat(w(L.wv, "wv"), h);
-            }
-            g.kv_store(kc, k, n_past);
-            g.kv_store(vc, v, n_past);
-            Tensor* attn =
-                g.attention(q, kc, vc, n_head, n_head_kv, hd, 0.125f, n_past + n_tok, n_past);
-            x = g.add(x, g.mul_mat(w(L.wo, "wo"), attn));
-            Tensor* f = g.mul(g.rms_norm(x, 1e-5f), f32(L.ffn_norm, "ffn_norm"));
-            Tensor* ffn = g.swiglu(g.mul_mat(w(L.gate, "gate"), f), g.mul_mat(w(L.up, "up"), f));
-            x = g.add(x, g.mul_mat(w(L.down, "down"), ffn));
+            layers.push_back({mat(n_embd, n_embd), mat(n_embd, kv_w), mat(n_embd, kv_w),
+                              mat(n_embd, n_embd), mat(n_embd, n_ff), mat(n_embd, n_ff),
+                              mat(n_ff, n_embd), randn(n_embd, rng, 0.3f),
+                              randn(n_embd, rng, 0.3f)});
+            for (auto& v : layers.back().attn_norm) v += 1.0f;
+            for (auto& v : layers.back().ffn_norm) v += 1.0f;
           }
-          x = g.mul(g.rms_norm(x, 1e-5f), f32(out_norm, "out_norm"));
-          return g.mul_mat(w(out, "output"), x);
-        };
-        const auto gpu = run_on(*cuda_, build);
-        const auto cpu = run_on(*cpu_, build);
-        EXPECT_LT(rel_err(gpu, cpu), type_traits(t).block_size > 1 ? 5e-2 : 1e-2)
-            << type_name(t) << " tokens " << n_tok << (products_first ? " products first" : "");
+          std::vector<float> embd_f = randn(size_t(n_embd) * n_vocab, rng), deq;
+          auto embd = quantize(DType::Q8_0, embd_f, n_embd, n_vocab, deq);
+          auto out_norm = randn(n_embd, rng, 0.3f);
+          Mat out = mat(n_embd, n_vocab);
+          std::vector<std::vector<uint16_t>> caches;
+          for (int c = 0; c < 4; ++c) {
+            auto v = randn(size_t(kv_w) * n_ctx, rng);
+            caches.emplace_back(v.size());
+            for (size_t i = 0; i < v.size(); ++i) caches.back()[i] = f32_to_f16(v[i]);
+          }
+          std::vector<int32_t> tokens(n_tok), pos(n_tok);
+          for (int i = 0; i < n_tok; ++i) tokens[i] = (i * 37 + 11) % n_vocab, pos[i] = n_past + i;
+          Build build = [&](Graph& g, Backend& be) {
+            auto w = [&](const Mat& m, const char* name) {
+              return upload(g, be, t, m.k, m.n, m.bytes.data(), name);
+            };
+            auto f32 = [&](const std::vector<float>& v, const char* name) {
+              return upload(g, be, DType::F32, int64_t(v.size()), 1, v.data(), name);
+            };
+            Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+            Tensor* x = g.get_rows(upload(g, be, DType::Q8_0, n_embd, n_vocab, embd.data(), "embd"),
+                                   g.input_i32(n_tok, tokens.data(), "tokens"));
+            for (int il = 0; il < 2; ++il) {
+              const LayerW& L = layers[il];
+              Tensor* kc = f16_cache(g, be, caches[2 * il], kv_w, n_ctx, "k");
+              Tensor* vc = f16_cache(g, be, caches[2 * il + 1], kv_w, n_ctx, "v");
+              Tensor* h = g.mul(g.rms_norm(x, 1e-5f), f32(L.attn_norm, "attn_norm"));
+              Tensor *q, *k, *v;
+              if (products_first) {
+                Tensor* qm = g.mul_mat(w(L.wq, "wq"), h);
+                Tensor* km = g.mul_mat(w(L.wk, "wk"), h);
+                v = g.mul_mat(w(L.wv, "wv"), h);
+                q = g.rope(qm, p, n_head, hd, hd, kRopeNormal, 10000.0f);
+                k = g.rope(km, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+              } else {
+                q = g.rope(g.mul_mat(w(L.wq, "wq"), h), p, n_head, hd, hd, kRopeNormal, 10000.0f);
+                k = g.rope(g.mul_mat(w(L.wk, "wk"), h), p, n_head_kv, hd, hd, kRopeNormal,
+                           10000.0f);
+                v = g.mul_mat(w(L.wv, "wv"), h);
+              }
+              g.kv_store(kc, k, n_past);
+              g.kv_store(vc, v, n_past);
+              Tensor* attn =
+                  g.attention(q, kc, vc, n_head, n_head_kv, hd, 0.125f, n_past + n_tok, n_past);
+              x = g.add(x, g.mul_mat(w(L.wo, "wo"), attn));
+              Tensor* f = g.mul(g.rms_norm(x, 1e-5f), f32(L.ffn_norm, "ffn_norm"));
+              Tensor* ffn = g.swiglu(g.mul_mat(w(L.gate, "gate"), f), g.mul_mat(w(L.up, "up"), f));
+              x = g.add(x, g.mul_mat(w(L.down, "down"), ffn));
+            }
+            x = g.mul(g.rms_norm(x, 1e-5f), f32(out_norm, "out_norm"));
+            return g.mul_mat(w(out, "output"), x);
+          };
+          const auto gpu = run_on(*cuda_, build);
+          const auto cpu = run_on(*cpu_, build);
+          EXPECT_LT(rel_err(gpu, cpu), type_traits(t).block_size > 1 ? 5e-2 : 1e-2)
+              << type_name(t) << " past " << n_past << " tokens " << n_tok
+              << (products_first ? " products first" : "");
+        }
       }
     }
   }
