@@ -327,7 +327,7 @@ bool check_reused(const Graph& graph, ReusePlan* plan) {
   return false;
 }
 
-void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
+void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& buf, Launcher& l) {
   const std::vector<Tensor*>& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
   // Consumers per node, to know when an intermediate can be fused away; and which nodes a
@@ -360,14 +360,14 @@ void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& l) {
   auto fptr = [&](const Tensor* t) { return static_cast<float*>(tensor_ptr(t, buf)); };
 
   // The KV record first: the kernels below read their KV-position values from it.
-  KvLayout kv_values;
-  kv_layout(graph, &kv_values);
   if (l.execute && !buf.kv_record) throw std::logic_error("launch_graph: no KV record buffer");
   l.node = -1;
-  launch_kv_params(l, kv_values.values, buf.kv_record);
+  launch_kv_params(l, kv.values, buf.kv_record);
   // Where a KV parameter's value sits in the record (recording without buffers: nullptr).
   auto kv_at = [&](int32_t value) -> const int32_t* {
-    return buf.kv_record ? buf.kv_record + kv_values.slot_of(value) : nullptr;
+    const int slot = kv.slot_of(value);
+    if (slot < 0) throw std::logic_error("launch_graph: a KV value the layout does not hold");
+    return buf.kv_record ? buf.kv_record + slot : nullptr;
   };
 
   // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
@@ -809,7 +809,7 @@ class CudaBackend : public Backend {
     if (kv_only && executor_->mode() == GraphMode::Patch)
       launch_kv = [this](Launcher& l) { launch_kv_params(l, reuse_.kv.values, kv_record_); };
     executor_->run(
-        batch_key, [&](Launcher& l) { launch_graph(graph, buf, l); },
+        batch_key, [&](Launcher& l) { launch_graph(graph, reuse_.kv, buf, l); },
         [&](int i) {
           if (i == -1) return std::string("the step's KV record");
           if (i < 0 || i >= static_cast<int>(nodes.size())) return std::string("?");

@@ -166,10 +166,12 @@ void plan_reuse(const Graph& graph, ReusePlan* plan);
 // walked again (see refresh_kv_values).
 bool check_reused(const Graph& graph, ReusePlan* plan);
 
-// Launches the KV record's kernel, then every node's kernels, on launcher (which sets
-// launcher.node for each node; -1 for the record's). No allocation, no synchronisation, no host
-// read of device data: it may run under stream capture.
-void launch_graph(const Graph& graph, const DeviceBuffers& buf, Launcher& launcher);
+// Launches the KV record's kernel with kv's values, then every node's kernels, on launcher (which
+// sets launcher.node for each node; -1 for the record's). kv is the graph's layout with its
+// current values (kv_layout, or plan_reuse / check_reused's). No allocation, no
+// synchronisation, no host read of device data: it may run under stream capture.
+void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& buf,
+                  Launcher& launcher);
 
 // ---- Per-op launches (pointers already resolved) ----------------------------------------------
 

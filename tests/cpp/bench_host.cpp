@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
   std::vector<cuda::KernelLaunch> rec;
   rec.reserve(4096);
   const char* names[] = {"walk only", "record all launches"};
+  cuda::KvLayout layout;
+  cuda::kv_layout(g, &layout);
   for (int mode = 0; mode < 2; ++mode) {
     t0 = Clock::now();
     for (int i = 0; i < iters; ++i) {
@@ -80,7 +82,7 @@ int main(int argc, char** argv) {
       cuda::Launcher l;
       l.execute = false;
       l.record = mode == 0 ? nullptr : &rec;
-      cuda::launch_graph(g, buf, l);
+      cuda::launch_graph(g, layout, buf, l);
     }
     std::printf("launch_graph, %s: %.1f us (%zu launches recorded)\n", names[mode],
                 us_since(t0, iters), rec.size());

@@ -854,7 +854,9 @@ struct LayerGraph {
     cuda::Launcher l;
     l.execute = false;
     l.record = &rec;
-    cuda::launch_graph(g, buf, l);
+    cuda::KvLayout kv;
+    cuda::kv_layout(g, &kv);
+    cuda::launch_graph(g, kv, buf, l);
     return rec;
   }
 };
