@@ -34,21 +34,11 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// The 8-bit activation blocks the quantized mat-vecs read: the warp's 32 consecutive elements y
-// (element i of the activation, i % 32 == lane) become q = round(y / d), d = max|y| / 127, and
-// block i / 32's ds = (d, d * sum(q)). Every lane of the warp takes part.
-__device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* qs, float2* ds) {
-  const float amax = warp_max(fabsf(y));
-  const float d = amax / 127.0f;
-  const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(y / d)));
-  const int sum = warp_sum_int(q);
-  qs[i] = static_cast<int8_t>(q);
-  if (threadIdx.x % 32 == 0) ds[i / 32] = make_float2(d, d * static_cast<float>(sum));
-}
-
-// quantize_warp_block for N blocks at once (element i[j] of block j in each lane; blocks whose
-// ok[j] is false, the same in every lane, store nothing): the N reductions interleave, so that
-// their shuffles overlap instead of running one after another.
+// The 8-bit activation blocks the quantized mat-vecs read, N at once: in block j the warp's 32
+// consecutive elements y[j] (element i[j] of the activation, i[j] % 32 == lane) become
+// q = round(y / d), d = max|y| / 127, and block i[j] / 32's ds = (d, d * sum(q)). Every lane of
+// the warp takes part; blocks whose ok[j] is false (the same in every lane) store nothing. The N
+// reductions interleave, so that their shuffles overlap instead of running one after another.
 template <int N>
 __device__ __forceinline__ void quantize_warp_blocks(const float (&y)[N], const int64_t (&i)[N],
                                                      const bool (&ok)[N], int8_t* qs, float2* ds) {
@@ -79,6 +69,14 @@ __device__ __forceinline__ void quantize_warp_blocks(const float (&y)[N], const 
     const float d = amax[j] / 127.0f;
     if (threadIdx.x % 32 == 0) ds[i[j] / 32] = make_float2(d, d * static_cast<float>(sum[j]));
   }
+}
+
+// One such block: element i of the activation is y in this lane.
+__device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* qs, float2* ds) {
+  const float ys[1] = {y};
+  const int64_t is[1] = {i};
+  const bool ok[1] = {true};
+  quantize_warp_blocks<1>(ys, is, ok, qs, ds);
 }
 
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
