@@ -473,7 +473,7 @@ void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t
   const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * (32 / lpr) * R);
   l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
     g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
-    static_cast<int>(k / 32), lpr, aq, ads, k, all_fixed(parts, n_parts) ? overlap : overlap & ~1);
+    static_cast<int>(k / 32), lpr, aq, ads, k, overlap);
 }
 
 // MatVecConfig::overlap's default: the first weights loaded before the wait and the next grid
@@ -521,6 +521,9 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   // Short rows share a warp, so that every lane has a piece to load in the first round.
   int lpr = 32;
   while (lpr > 4 && lpr / 2 >= n_pieces) lpr /= 2;
+  // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
+  int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
+  if (!all_fixed(parts, n_parts)) overlap &= ~1;
   if constexpr (NCOLS == 1) {
     int64_t n_rows = 0;
     for (int i = 0; i < n_parts; ++i) n_rows += parts[i].n;
@@ -532,7 +535,6 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
     constexpr bool kQ8 = PieceInfo<TYPE>::kPerBlock == 2;
-    const int overlap = c.overlap >= 0 ? c.overlap : kMatVecOverlap;
     if (c.rows == 0) {
       if (kQ8)
         c = n_rows >= 8192 ? MatVecConfig{4, 2, 2} : MatVecConfig{2, 4, 2};
@@ -562,9 +564,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
                             std::to_string(c.ksplit) + " k splits");
     }
   } else {
-    const int overlap = mat_vec_override().overlap;
-    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads,
-                                        overlap >= 0 ? overlap : kMatVecOverlap);
+    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
   }
 }
 
