@@ -385,10 +385,16 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return j;
   };
 
-  // Whether the producer of x should also write its 8-bit form (then x is marked prepared).
-  auto quantize_for_readers = [&](const Tensor* x) {
+  // Where the producer of x writes x's 8-bit form too, when quantized mat-vecs read x and the
+  // producer can (`can`: its own condition): the workspace, and x is marked prepared. Else
+  // nullptr.
+  auto q8_output = [&](const Tensor* x, bool can = true) -> uint8_t* {
     const int p = pos(x);
-    return p >= 0 && q8_read[p] && x->ne[0] % 32 == 0 && x->ne[1] <= kMatVecMaxCols;
+    if (!can || p < 0 || !q8_read[p] || x->ne[0] % 32 != 0 || x->ne[1] > kMatVecMaxCols)
+      return nullptr;
+    prepared = x;
+    prepared_half = false;
+    return buf.act;
   };
 
   // Launches rms_norm node ri as one kernel with: the Add node `add` before it (or none), the
@@ -423,11 +429,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       a.w_fixed = w->storage == Storage::Weight;
     }
     a.dst = fptr(out);
-    if (quantize_for_readers(out)) {
-      a.quant_ws = buf.act;
-      prepared = out;
-      prepared_half = false;
-    }
+    a.quant_ws = q8_output(out);
     launch_rms_norm(l, a, r->ne[0], r->ne[1], r->param_f(0));
     done[ri] = 1;
     if (w) done[mi] = 1;
@@ -465,13 +467,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                       t->src[0]->ne[0], t->src[0]->ne[1]);
         break;
       case Op::Swiglu: {
-        uint8_t* q = nullptr;
-        if (quantize_for_readers(t)) {
-          q = buf.act;
-          prepared = t;
-          prepared_half = false;
-        }
-        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1], q);
+        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
+                      q8_output(t));
         break;
       }
       case Op::MulMat: {
@@ -602,13 +599,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
         const int n_tokens = static_cast<int>(t->src[0]->ne[1]);
         // The 8-bit form for the mat-vec that reads the output (the output projection).
-        uint8_t* q = nullptr;
-        if (quantize_for_readers(t) && t->params[kAttnHeadDim] % 32 == 0 &&
-            n_tokens <= kDecodeAttnMaxTokens) {
-          q = buf.act;
-          prepared = t;
-          prepared_half = false;
-        }
+        uint8_t* q =
+            q8_output(t, t->params[kAttnHeadDim] % 32 == 0 && n_tokens <= kDecodeAttnMaxTokens);
         launch_attention(l, fptr(t->src[0]), cache_of(t->src[1])->data, cache_of(t->src[2])->data,
                          fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
                          t->params[kAttnHeadDim], scale, n_tokens, t->kv[kAttnNKv],
