@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench. Logs land in $OUT (default build/gpu-logs).
+# Stages: build, test, sanitize, golden, bench, kernels, profile. Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 file
 # may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls.
 set -uo pipefail
@@ -71,6 +71,20 @@ for stage in "$@"; do
       ;;
     kernels)
       "$BUILD"/ggraph_bench_cuda 2>&1 | tee "$OUT/kernels.log" | tail -30
+      ;;
+    profile)
+      # Nsight Compute's view of one launch of each kernel named in PROFILE (';'-separated
+      # regular expressions over demangled names; default: the 4096x11008 mat-vecs' kernels).
+      IFS=';' read -ra kernels <<<"${PROFILE:-mat_vec_q_kernel<\\(int\\)2, \\(int\\)1, \\(int\\)4, \\(int\\)2, \\(int\\)2>;mat_vec_q_kernel<\\(int\\)8, \\(int\\)1, \\(int\\)2, \\(int\\)2, \\(int\\)4>}"
+      for i in "${!kernels[@]}"; do
+        ncu --clock-control none --kernel-name-base demangled -k "regex:${kernels[$i]}" \
+          --launch-skip 10 --launch-count 1 --kill yes --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --section SchedulerStats --section WarpStateStats --section SourceCounters \
+          "$BUILD"/ggraph_bench_cuda >"$OUT/profile-$i.txt" 2>&1
+        grep -E "^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers|Achieved Occ|Issued Warp|No Eligible|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
+          "$OUT/profile-$i.txt" | head -24
+      done
       ;;
   esac
   echo "== $stage: $(($(date +%s) - s)) s"

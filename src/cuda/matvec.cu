@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -37,11 +38,10 @@ __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t*
 // ---- Quantized mat-vec ------------------------------------------------------------------------
 //
 // Weights in the split layout (cuda/weight_layout.h): a row's quants are contiguous 16-byte
-// pieces (one Q4 block, half a Q8_0 block), its scales a separate array. A group of `lpr` lanes
-// (32, fewer for short rows) owns R rows; lane j of the group takes pieces j, j + lpr, ... of
-// each, U pieces per row in flight, so a warp's loads of one row lie side by side (512
-// contiguous bytes). Each piece is dotted with the 8-bit activation (quantized once per
-// mat-mul) by dp4a; the activation words are loaded once for all R rows.
+// pieces (one Q4 block, half a Q8_0 block), its scales a separate array. A warp owns R rows;
+// lane j takes pieces j, j + 32, ... of each, U pieces per row in flight, so a warp's loads of
+// one row lie side by side (512 contiguous bytes). Each piece is dotted with the 8-bit activation
+// (quantized once per mat-mul) by dp4a; the activation words are loaded once for all R rows.
 
 constexpr int kMvqWarps = 4;
 constexpr int kMvqThreads = 32 * kMvqWarps;
@@ -52,6 +52,7 @@ struct PieceInfo {
   static constexpr int kScaleBytes = kFormat.scale_bytes;
   static constexpr int kQuantBytes = kFormat.quant_bytes;
   static constexpr int kPerBlock = kQuantBytes / 16;  // 16-byte pieces per block
+  static constexpr int kActBytes = 32 / kPerBlock;    // activation bytes a piece meets
 };
 
 // Weights are read once: keep them out of L1, where the activation lives.
@@ -68,21 +69,34 @@ __device__ __forceinline__ uint32_t ldg_scale(const uint8_t* p, int bytes) {
                     : static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
 }
 
-// The activation words a piece meets: 8 (a whole Q4 block) or 4 (half a Q8_0 block), and the
-// block's (d, d * sum(q)).
+// Four products of unsigned bytes of a with signed bytes of b, added to c.
+__device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// The activation words a piece meets, 8 (a whole Q4 block) or 4 (half a Q8_0 block), from ap;
+// and the block's (d, d * sum(q)) from dp.
+template <int TYPE>
+__device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, int (&a)[8],
+                                               float2& ad) {
+  const int4 lo = __ldg(reinterpret_cast<const int4*>(ap));
+  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+  if constexpr (PieceInfo<TYPE>::kPerBlock == 1) {
+    const int4 hi = __ldg(reinterpret_cast<const int4*>(ap) + 1);
+    a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+  }
+  ad = __ldg(dp);
+}
+
+// Piece `piece` of column t of the activation.
 template <int TYPE>
 __device__ __forceinline__ void load_piece_act(const int8_t* aq, const float2* ads, int64_t k,
                                                int nb, int t, int piece, int (&a)[8], float2& ad) {
   using P = PieceInfo<TYPE>;
-  const int4* ap = reinterpret_cast<const int4*>(
-      aq + t * k + static_cast<int64_t>(piece) * 16 * (2 / P::kPerBlock));
-  const int4 lo = __ldg(ap);
-  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
-  if constexpr (P::kPerBlock == 1) {
-    const int4 hi = __ldg(ap + 1);
-    a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
-  }
-  ad = __ldg(ads + static_cast<int64_t>(t) * nb + piece / P::kPerBlock);
+  load_piece_act<TYPE>(aq + t * k + static_cast<int64_t>(piece) * P::kActBytes,
+                       ads + static_cast<int64_t>(t) * nb + piece / P::kPerBlock, a, ad);
 }
 
 // One piece's contribution: quants q (4 words), scale word s (f16 d; Q4_1: d | m << 16).
@@ -90,26 +104,30 @@ template <int TYPE>
 __device__ __forceinline__ void piece_dot(const uint4& q, uint32_t s, const int (&a)[8], float2 ad,
                                           float& acc) {
   const float d = f16_bits_to_float(static_cast<uint16_t>(s & 0xFFFF));
-  const int w[4] = {static_cast<int>(q.x), static_cast<int>(q.y), static_cast<int>(q.z),
-                    static_cast<int>(q.w)};
-  int sum = 0;
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
   if constexpr (TYPE == kTypeQ8_0) {
+    int sum = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sum = __dp4a(w[i], a[i], sum);
+    for (int i = 0; i < 4; ++i) sum = __dp4a(static_cast<int>(w[i]), a[i], sum);
     acc += d * static_cast<float>(sum) * ad.x;
   } else {
-    // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble).
+    // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble). The
+    // high nibbles are dotted in place, as unsigned bytes 16 times their value, which saves
+    // shifting them down: lo + hi / 16 is the sum, 16 * lo + hi is 16 times it, exactly.
+    int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      sum = __dp4a(w[i] & 0x0F0F0F0F, a[i], sum);
-      sum = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], sum);
+      lo = dp4a_us(w[i] & 0x0F0F0F0Fu, a[i], lo);
+      hi = dp4a_us(w[i] & 0xF0F0F0F0u, a[i + 4], hi);
     }
+    const float sum = static_cast<float>(lo * 16 + hi);
+    const float ad16 = ad.x * 0.0625f;  // the same for every row: computed once
     if constexpr (TYPE == kTypeQ4_0) {
       // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
-      acc += d * (static_cast<float>(sum) * ad.x - 8.0f * ad.y);
+      acc += d * (sum * ad16 - 8.0f * ad.y);
     } else {
       const float m = f16_bits_to_float(static_cast<uint16_t>(s >> 16));
-      acc += d * static_cast<float>(sum) * ad.x + m * ad.y;
+      acc += d * sum * ad16 + m * ad.y;
     }
   }
 }
@@ -117,26 +135,28 @@ __device__ __forceinline__ void piece_dot(const uint4& q, uint32_t s, const int 
 template <int TYPE, int NCOLS, int R, int U, int KS>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb, int lpr,
+                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
                      const int8_t* aq, const float2* ads, int64_t k, int overlap) {
   using P = PieceInfo<TYPE>;
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // KS warps share rows, each taking every KS-th run of pieces; their sums meet in shared memory.
+  constexpr int kStep = 32 * U * KS;  // pieces a warp moves on by per round
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wr = warp / KS, ks = warp % KS;
-  const int gl = lane % lpr;  // lane within the row group
-  const int groups = 32 / lpr;
-  const int row0 = ((part.local_block * (kMvqWarps / KS) + wr) * groups + lane / lpr) * R;
+  const int row0 = (part.local_block * (kMvqWarps / KS) + wr) * R;
   const int n_pieces = nb * P::kPerBlock;
+  // Pointers to this lane's pieces of the round (pieces base + lane + 32 u), moved on each round,
+  // so that every load takes a constant offset from one of them.
+  int base = ks * 32 * U;
   const uint8_t* scales = part.w + static_cast<size_t>(part.n) * nb * P::kQuantBytes;
-  const uint4* qrow[R];
-  const uint8_t* srow[R];
+  const uint4* qp[R];
+  const uint8_t* sp[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const size_t row = static_cast<size_t>(min(row0 + j, part.n - 1));
-    qrow[j] = reinterpret_cast<const uint4*>(part.w) + row * n_pieces;
-    srow[j] = scales + row * nb * P::kScaleBytes;
+    qp[j] = reinterpret_cast<const uint4*>(part.w) + row * n_pieces + base + lane;
+    sp[j] = scales + (row * nb + (base + lane) / P::kPerBlock) * P::kScaleBytes;
   }
 
   float acc[R][NCOLS];
@@ -147,76 +167,103 @@ __global__ void __launch_bounds__(kMvqThreads)
 
   uint4 q[U][R];
   uint32_t s[U][R];
-  auto load = [&](int p0) {
+  // A full round loads unconditionally; the last may hold fewer pieces than lanes * U.
+  auto load = [&]() {
+    if (base + 32 * U <= n_pieces) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          q[u][j] = ldg_stream16(qp[j] + u * 32);
+          s[u][j] = ldg_scale(sp[j] + u * 32 / P::kPerBlock * P::kScaleBytes, P::kScaleBytes);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int p = p0 + u * lpr;
+      const bool ok = base + u * 32 + lane < n_pieces;
 #pragma unroll
       for (int j = 0; j < R; ++j) {
-        q[u][j] = p < n_pieces ? ldg_stream16(qrow[j] + p) : make_uint4(0, 0, 0, 0);
-        s[u][j] = p < n_pieces
-                      ? ldg_scale(srow[j] + (p / P::kPerBlock) * P::kScaleBytes, P::kScaleBytes)
-                      : 0u;
+        q[u][j] = ok ? ldg_stream16(qp[j] + u * 32) : make_uint4(0, 0, 0, 0);
+        s[u][j] =
+            ok ? ldg_scale(sp[j] + u * 32 / P::kPerBlock * P::kScaleBytes, P::kScaleBytes) : 0u;
       }
+    }
+  };
+  auto advance = [&]() {
+    base += kStep;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      qp[j] += kStep;
+      sp[j] += kStep / P::kPerBlock * P::kScaleBytes;
     }
   };
   // The first pieces' weights may be requested before waiting for the grid before this one
   // (they never change after upload): their latency then overlaps its run.
-  int p0 = ks * lpr * U + gl;
   const bool prefetch = overlap & 1, early = overlap & 2;
-  if (prefetch && p0 < n_pieces) load(p0);
+  if (prefetch && base < n_pieces) load();
   pdl_wait();
   if (early) pdl_trigger();
-  if (!prefetch && p0 < n_pieces) load(p0);
-  while (p0 < n_pieces) {
+  if (!prefetch && base < n_pieces) load();
+  const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
+  const float2* dp = ads + (base + lane) / P::kPerBlock;
+  // One round's dot products; a full round (every lane has all U pieces) without bounds checks,
+  // which lets the activation loads of all columns be issued together.
+  auto dot_round = [&](auto full) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int p = p0 + u * lpr;
-      if (p >= n_pieces) break;
+      if (!full && base + u * 32 >= n_pieces) break;
+      const bool ok = full || base + u * 32 + lane < n_pieces;
 #pragma unroll
       for (int t = 0; t < NCOLS; ++t) {
-        int a[8];
-        float2 ad;
-        load_piece_act<TYPE>(aq, ads, k, nb, t, p, a, ad);
+        int a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        float2 ad = make_float2(0.0f, 0.0f);
+        if (ok)
+          load_piece_act<TYPE>(ap + t * k + u * 32 * P::kActBytes,
+                               dp + static_cast<int64_t>(t) * nb + u * 32 / P::kPerBlock, a, ad);
 #pragma unroll
         for (int j = 0; j < R; ++j) piece_dot<TYPE>(q[u][j], s[u][j], a, ad, acc[j][t]);
       }
     }
-    p0 += lpr * U * KS;
-    if (p0 < n_pieces) load(p0);
+  };
+  while (base < n_pieces) {
+    if (base + 32 * U <= n_pieces)
+      dot_round(std::true_type{});
+    else
+      dot_round(std::false_type{});
+    advance();
+    ap += kStep * P::kActBytes;
+    dp += kStep / P::kPerBlock;
+    if (base < n_pieces) load();
   }
 
   if (!early) pdl_trigger();
-  __shared__ float partial[KS > 1 ? kMvqWarps : 1][32][R * NCOLS];
+  __shared__ float partial[KS > 1 ? kMvqWarps : 1][R * NCOLS];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) {
-      float v = acc[j][t];
-      for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float v = warp_sum(acc[j][t]);
       if constexpr (KS == 1) {
-        if (gl == 0 && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+        if (lane == 0 && row0 + j < part.n)
+          part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
       } else {
-        partial[warp][lane][j * NCOLS + t] = v;
+        if (lane == 0) partial[warp][j * NCOLS + t] = v;
       }
     }
   }
   if constexpr (KS > 1) {
+    static_assert(R * NCOLS <= 32, "a lane per sum");
     __syncthreads();
-    if (ks == 0 && gl == 0) {
-#pragma unroll
-      for (int j = 0; j < R; ++j) {
-#pragma unroll
-        for (int t = 0; t < NCOLS; ++t) {
-          float v = 0.0f;
-          for (int i = 0; i < KS; ++i) v += partial[warp + i][lane][j * NCOLS + t];
-          if (row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
-        }
-      }
+    if (ks == 0 && lane < R * NCOLS) {
+      const int j = lane / NCOLS, t = lane % NCOLS;
+      float v = 0.0f;
+      for (int i = 0; i < KS; ++i) v += partial[warp + i][lane];
+      if (row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
     }
   }
 }
-
 // ---- Quantized mat-vec, activation held in registers (one column, short rows) -----------------
 //
 // For rows of at most 32 * PL pieces: each lane keeps the activation words of its pieces (lane,
@@ -468,12 +515,12 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
 }
 
 template <int TYPE, int NCOLS, int R, int U, int KS = 1>
-void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, int lpr,
+void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
                       const int8_t* aq, const float2* ads, int overlap) {
-  const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * (32 / lpr) * R);
+  const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * R);
   l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
     g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
-    static_cast<int>(k / 32), lpr, aq, ads, k, overlap);
+    static_cast<int>(k / 32), aq, ads, k, overlap);
 }
 
 // MatVecConfig::overlap's default: the first weights loaded before the wait and the next grid
@@ -518,53 +565,43 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   const int8_t* aq = act.qs;
   const float2* ads = act.ds;
   const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPerBlock;
-  // Short rows share a warp, so that every lane has a piece to load in the first round.
-  int lpr = 32;
-  while (lpr > 4 && lpr / 2 >= n_pieces) lpr /= 2;
   // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
   int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
   if (!all_fixed(parts, n_parts)) overlap &= ~1;
   if constexpr (NCOLS == 1) {
-    int64_t n_rows = 0;
-    for (int i = 0; i < n_parts; ++i) n_rows += parts[i].n;
     MatVecConfig c = mat_vec_override();
     // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
-    // activation in registers. 4-bit weights: four rows a lane group when there are many rows,
-    // otherwise one row with four pieces in flight. 8-bit weights: warps split k in two, over
-    // four rows of two pieces in flight when there are many rows, else two rows of four.
+    // activation in registers. Longer rows: two warps share a row's pieces, over four rows of
+    // two pieces in flight for 4-bit weights; 8-bit weights (twice the pieces a row) do best
+    // with four warps a row, over two rows of two pieces.
     if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
     constexpr bool kQ8 = PieceInfo<TYPE>::kPerBlock == 2;
-    if (c.rows == 0) {
-      if (kQ8)
-        c = n_rows >= 8192 ? MatVecConfig{4, 2, 2} : MatVecConfig{2, 4, 2};
-      else
-        c = n_rows >= 8192 ? MatVecConfig{4, 2, 1} : MatVecConfig{1, 4, 1};
-    }
+    if (c.rows == 0) c = kQ8 ? MatVecConfig{2, 2, 4} : MatVecConfig{4, 2, 2};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
       case 3402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 4, 2, 4>(l, parts, n_parts, k, aq, ads, overlap);
       case 1204:
-        return mat_vec_q_launch<TYPE, 1, 2, 4, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 2, 4, 2>(l, parts, n_parts, k, aq, ads, overlap);
       case 3202:
-        return mat_vec_q_launch<TYPE, 1, 2, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 2, 2, 4>(l, parts, n_parts, k, aq, ads, overlap);
       case 202:
-        return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
       case 204:
-        return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 2, 4>(l, parts, n_parts, k, aq, ads, overlap);
       case 402:
-        return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 4, 2>(l, parts, n_parts, k, aq, ads, overlap);
       case 104:
-        return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+        return mat_vec_q_launch<TYPE, 1, 1, 4>(l, parts, n_parts, k, aq, ads, overlap);
       default:
         throw ArgumentError("mat-vec: no kernel of " + std::to_string(c.rows) + " rows, " +
                             std::to_string(c.unroll) + " pieces in flight and " +
                             std::to_string(c.ksplit) + " k splits");
     }
   } else {
-    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, lpr, aq, ads, overlap);
+    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, aq, ads, overlap);
   }
 }
 

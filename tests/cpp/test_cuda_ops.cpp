@@ -353,6 +353,30 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   }
 }
 
+// Every shape of the quantized mat-vec kernel the dispatcher can be asked for (rows a warp,
+// pieces in flight, warps sharing a row), not only the ones it picks by default: short rows
+// that leave most lanes idle, rows that end mid-round, a last block with rows past the end.
+TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
+  std::mt19937 rng(21);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  struct Reset {
+    ~Reset() { cuda::set_mat_vec_config({}); }
+  } reset;
+  const cuda::MatVecConfig configs[] = {{1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {4, 2, 2},
+                                        {4, 2, 4}, {2, 4, 2}, {2, 2, 4}};
+  for (const cuda::MatVecConfig& c : configs) {
+    cuda::set_mat_vec_config(c);
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+      for (Shape s : {Shape{96, 37}, Shape{4192, 37}, Shape{11008, 19}}) {
+        SCOPED_TRACE("rows " + std::to_string(c.rows) + " unroll " + std::to_string(c.unroll) +
+                     " ksplit " + std::to_string(c.ksplit));
+        check_mul_mat(t, s.ne0, s.ne1, 1, rng, chk);
+      }
+    }
+  }
+}
+
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
   std::mt19937 rng(16);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
