@@ -601,7 +601,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
                             std::to_string(c.ksplit) + " k splits");
     }
   } else {
-    mat_vec_q_launch<TYPE, NCOLS, 1, 2>(l, parts, n_parts, k, aq, ads, overlap);
+    mat_vec_q_launch<TYPE, NCOLS, 1, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
   }
 }
 
