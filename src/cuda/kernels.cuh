@@ -257,8 +257,9 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
-// The quantized mat-vec's shape: rows per lane group, 16-byte pieces of each row in flight per
-// lane, warps splitting k. rows 0 picks them from the matrix size; benchmarks set others.
+// The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
+// pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight
+// format and row length; benchmarks and tests set others.
 struct MatVecConfig {
   int rows = 0;
   int unroll = 0;

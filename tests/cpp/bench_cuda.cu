@@ -174,7 +174,7 @@ int main() {
       for (auto& p : w) p = device_copy_of(host, t);
       for (int cols : {1, 2, 4, 8}) {
         const bool q = gc::is_quantized(t);
-        // One column of a quantized type: every kernel shape (rows per lane group, pieces in
+        // One column of a quantized type: every kernel shape (rows per warp, pieces in
         // flight), the automatic choice first.
         // Each with every way of overlapping the launch before it (MatVecConfig::overlap).
         std::vector<gc::MatVecConfig> configs = {{0, 0}};
