@@ -1,6 +1,7 @@
 #include "graph.h"
 
 #include <atomic>
+#include <cmath>
 #include <stdexcept>
 
 #include "common.h"
@@ -27,8 +28,10 @@ const char* op_name(Op op) {
       return "kv_store";
     case Op::Attention:
       return "attention";
-    case Op::Swiglu:
-      return "swiglu";
+    case Op::Glu:
+      return "glu";
+    case Op::Softcap:
+      return "softcap";
     case Op::Count:
       break;
   }
@@ -89,26 +92,31 @@ Tensor* Graph::input_i32(int64_t n, const int32_t* host, const std::string& name
   return t;
 }
 
-Tensor* Graph::get_rows(Tensor* table, Tensor* ids) {
+Tensor* Graph::get_rows(Tensor* table, Tensor* ids, float scale) {
   require(ids->type == DType::I32 && ids->ne[1] == 1, "get_rows", "ids must be an I32 vector");
   Tensor* t = new_tensor(Op::GetRows, DType::F32, table->ne[0], ids->ne[0], "get_rows");
   t->src[0] = table;
   t->src[1] = ids;
+  t->set_param_f(0, scale);
   return t;
 }
 
-Tensor* Graph::rms_norm(Tensor* x, float eps) {
+Tensor* Graph::rms_norm(Tensor* x, float eps, int64_t group) {
   require(x->type == DType::F32, "rms_norm", "input must be F32");
+  if (group == 0) group = x->ne[0];
+  require(group > 0 && x->ne[0] % group == 0, "rms_norm",
+          "group " + std::to_string(group) + " does not divide the width " + shape(x));
   Tensor* t = new_tensor(Op::RmsNorm, DType::F32, x->ne[0], x->ne[1], "rms_norm");
   t->src[0] = x;
-  t->set_param_f(0, eps);
+  t->set_param_f(kNormEps, eps);
+  t->params[kNormGroup] = int32_t(group);
   return t;
 }
 
 Tensor* Graph::elementwise(Op op, Tensor* a, Tensor* b) {
   const char* name = op_name(op);
   require(a->type == DType::F32 && b->type == DType::F32, name, "inputs must be F32");
-  require(a->ne[0] == b->ne[0] && (b->ne[1] == a->ne[1] || b->ne[1] == 1), name,
+  require(b->ne[0] > 0 && a->ne[0] % b->ne[0] == 0 && (b->ne[1] == a->ne[1] || b->ne[1] == 1), name,
           "shapes " + shape(a) + " and " + shape(b) + " do not broadcast");
   Tensor* t = new_tensor(op, DType::F32, a->ne[0], a->ne[1], name);
   t->src[0] = a;
@@ -160,13 +168,14 @@ Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
 }
 
 Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
-                         int head_dim, float scale, int32_t n_kv, int32_t first_pos) {
+                         int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window) {
   require(q->ne[0] == int64_t(n_head) * head_dim, "attention", "q width must be n_head*head_dim");
   require(n_head % n_head_kv == 0, "attention", "n_head must be a multiple of n_head_kv");
   require(k_cache->ne[0] == int64_t(n_head_kv) * head_dim && v_cache->ne[0] == k_cache->ne[0],
           "attention", "cache width must be n_head_kv*head_dim");
   require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",
           "attention length outside the cache");
+  require(window >= 0, "attention", "window must be >= 0");
   Tensor* t = new_tensor(Op::Attention, DType::F32, q->ne[0], q->ne[1], "attention");
   t->src[0] = q;
   t->src[1] = k_cache;
@@ -175,6 +184,7 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   t->params[kAttnNHeadKv] = n_head_kv;
   t->params[kAttnHeadDim] = head_dim;
   t->set_param_f(kAttnScale, scale);
+  t->params[kAttnWindow] = window;
   t->kv[kAttnNKv] = n_kv;
   t->kv[kAttnFirstPos] = first_pos;
   return t;
@@ -187,11 +197,24 @@ void Graph::shift_kv(int32_t delta) {
   }
 }
 
-Tensor* Graph::swiglu(Tensor* gate, Tensor* up) {
-  require(gate->ne[0] == up->ne[0] && gate->ne[1] == up->ne[1], "swiglu", "shapes differ");
-  Tensor* t = new_tensor(Op::Swiglu, DType::F32, gate->ne[0], gate->ne[1], "swiglu");
+Tensor* Graph::glu(Tensor* gate, Tensor* up, int32_t act) {
+  require(gate->ne[0] == up->ne[0] && gate->ne[1] == up->ne[1], "glu", "shapes differ");
+  Tensor* t = new_tensor(Op::Glu, DType::F32, gate->ne[0], gate->ne[1], "glu");
   t->src[0] = gate;
   t->src[1] = up;
+  t->params[0] = act;
+  return t;
+}
+
+Tensor* Graph::swiglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluSilu); }
+Tensor* Graph::geglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluGelu); }
+
+Tensor* Graph::softcap(Tensor* x, float cap) {
+  require(x->type == DType::F32, "softcap", "input must be F32");
+  require(cap > 0.0f && cap < INFINITY, "softcap", "cap must be positive and finite");
+  Tensor* t = new_tensor(Op::Softcap, DType::F32, x->ne[0], x->ne[1], "softcap");
+  t->src[0] = x;
+  t->set_param_f(0, cap);
   return t;
 }
 

@@ -15,15 +15,17 @@ namespace ggraph {
 
 enum class Op : uint8_t {
   Leaf,       // weight, input or KV cache: no work
-  GetRows,    // dst[:, i] = src0[:, src1[i]]            src0 any computable type, src1 I32
-  RmsNorm,    // dst[:, j] = src0[:, j] / rms(src0[:, j])   params: eps (float)
-  Mul,        // dst = src0 * src1, src1 broadcast over columns when it has one column
+  GetRows,    // dst[:, i] = scale * src0[:, src1[i]]    src0 any computable type, src1 I32
+  RmsNorm,    // each run of `group` elements of src0 divided by its rms   params: eps, group
+  Mul,        // dst = src0 * src1; src1 broadcast over columns when it has one column, and
+              // repeated along a column when its rows are shorter (a per-head weight)
   Add,        // dst = src0 + src1, same broadcast
   MulMat,     // dst[n, t] = sum_k src0[k, n] * src1[k, t]   src0 weights, src1 F32
   Rope,       // rotate pairs of src0 [n_head*head_dim, T] by positions src1 (I32 [T])
   KvStore,    // write src0 [n_embd_kv, T] (F32) into cache dst at rows kv[0]..kv[0]+T-1
-  Attention,  // causal attention of q=src0 over K=src1, V=src2 caches; GQA
-  Swiglu,     // dst = silu(src0) * src1
+  Attention,  // causal attention of q=src0 over K=src1, V=src2 caches; GQA; optional window
+  Glu,        // dst = act(src0) * src1, act = silu (SwiGLU) or tanh-approximated gelu (GeGLU)
+  Softcap,    // dst = cap * tanh(src0 / cap)
   Count,
 };
 const char* op_name(Op op);
@@ -81,17 +83,23 @@ class Graph {
   Tensor* input_i32(int64_t n, const int32_t* host, const std::string& name);
 
   // Ops (no work is done here)
-  Tensor* get_rows(Tensor* table, Tensor* ids);
-  Tensor* rms_norm(Tensor* x, float eps);
+  // scale multiplies every gathered value (Gemma scales its embeddings by sqrt(n_embd)).
+  Tensor* get_rows(Tensor* table, Tensor* ids, float scale = 1.0f);
+  // Normalizes each run of `group` elements (0: a whole column); a group of head_dim gives
+  // the per-head norms of q and k.
+  Tensor* rms_norm(Tensor* x, float eps, int64_t group = 0);
   Tensor* mul(Tensor* a, Tensor* b);
   Tensor* add(Tensor* a, Tensor* b);
   Tensor* mul_mat(Tensor* w, Tensor* x);
   Tensor* rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
                float freq_base);
   Tensor* kv_store(Tensor* cache, Tensor* x, int32_t first_row);
+  // window > 0: a query at position p sees only keys at positions p - window + 1 .. p.
   Tensor* attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
-                    int head_dim, float scale, int32_t n_kv, int32_t first_pos);
+                    int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window = 0);
   Tensor* swiglu(Tensor* gate, Tensor* up);
+  Tensor* geglu(Tensor* gate, Tensor* up);
+  Tensor* softcap(Tensor* x, float cap);
 
   // Moves every KV-position parameter by delta: the graph of one step, shifted, is the graph of
   // the step `delta` positions later with the same batch shape (what Tensor::kv means).
@@ -112,13 +120,25 @@ class Graph {
  private:
   Tensor* new_tensor(Op op, DType type, int64_t ne0, int64_t ne1, const std::string& name);
   Tensor* elementwise(Op op, Tensor* a, Tensor* b);
+  Tensor* glu(Tensor* gate, Tensor* up, int32_t act);
   std::deque<Tensor> storage_;  // stable addresses
   std::vector<Tensor*> nodes_;
   Tensor* output_ = nullptr;
 };
 
 // Attention op parameter slots.
-enum AttnParam { kAttnNHead = 0, kAttnNHeadKv = 1, kAttnHeadDim = 2, kAttnScale = 3 };
+enum AttnParam {
+  kAttnNHead = 0,
+  kAttnNHeadKv = 1,
+  kAttnHeadDim = 2,
+  kAttnScale = 3,
+  kAttnWindow = 4
+};
+// RmsNorm op parameter slots.
+enum NormParam { kNormEps = 0, kNormGroup = 1 };
+// Glu op: params[0] is the activation of the gate.
+constexpr int32_t kGluSilu = 0;
+constexpr int32_t kGluGelu = 1;
 enum AttnKv { kAttnNKv = 0, kAttnFirstPos = 1 };
 // Rope op parameter slots.
 enum RopeParam { kRopeNHead = 0, kRopeHeadDim = 1, kRopeNDims = 2, kRopeMode = 3, kRopeBase = 4 };

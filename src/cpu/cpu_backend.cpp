@@ -138,8 +138,10 @@ class CpuBackend final : public Backend {
         return kv_store(t);
       case Op::Attention:
         return attention(t);
-      case Op::Swiglu:
-        return swiglu(t);
+      case Op::Glu:
+        return glu(t);
+      case Op::Softcap:
+        return softcap(t);
       case Op::Count:
         break;
     }
@@ -151,18 +153,24 @@ class CpuBackend final : public Backend {
     const int32_t* ids = i32(t->src[1]);
     float* dst = f32(t);
     const int64_t n = t->ne[0];
+    const float scale = t->param_f(0);
     parallel(t->ne[1], 8, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i)
-        dequantize_row(table->type, ptr(table) + size_t(ids[i]) * table->nb[1], dst + i * n, n);
+      for (int64_t i = b; i < e; ++i) {
+        float* row = dst + i * n;
+        dequantize_row(table->type, ptr(table) + size_t(ids[i]) * table->nb[1], row, n);
+        if (scale != 1.0f)
+          for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+      }
     });
   }
 
   void rms_norm(const Tensor* t) {
     const float* x = f32(t->src[0]);
     float* y = f32(t);
-    const int64_t n = t->ne[0];
-    const float eps = t->param_f(0);
-    parallel(t->ne[1], 16, [&](int64_t b, int64_t e) {
+    // Groups are consecutive runs of the contiguous tensor: a column, or one head of it.
+    const int64_t n = t->params[kNormGroup];
+    const float eps = t->param_f(kNormEps);
+    parallel(t->n_elements() / n, 16, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         const float* xr = x + j * n;
         double sum = 0;
@@ -178,27 +186,50 @@ class CpuBackend final : public Backend {
     const float* b = f32(t->src[1]);
     float* y = f32(t);
     const int64_t n = t->ne[0];
+    // src1's column repeats along the column when it is shorter (a per-head weight).
+    const int64_t nb = t->src[1]->ne[0];
     const bool broadcast = t->src[1]->ne[1] == 1;
     const bool add = t->op == Op::Add;
     parallel(t->ne[1], 64, [&](int64_t c0, int64_t c1) {
       for (int64_t j = c0; j < c1; ++j) {
-        const float* ar = a + j * n;
-        const float* br = b + (broadcast ? 0 : j * n);
-        float* yr = y + j * n;
-        if (add)
-          for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] + br[i];
-        else
-          for (int64_t i = 0; i < n; ++i) yr[i] = ar[i] * br[i];
+        const float* br = b + (broadcast ? 0 : j * nb);
+        for (int64_t r = 0; r < n; r += nb) {
+          const float* ar = a + j * n + r;
+          float* yr = y + j * n + r;
+          if (add)
+            for (int64_t i = 0; i < nb; ++i) yr[i] = ar[i] + br[i];
+          else
+            for (int64_t i = 0; i < nb; ++i) yr[i] = ar[i] * br[i];
+        }
       }
     });
   }
 
-  void swiglu(const Tensor* t) {
+  void glu(const Tensor* t) {
     const float* g = f32(t->src[0]);
     const float* u = f32(t->src[1]);
     float* y = f32(t);
+    const bool gelu = t->params[0] == kGluGelu;
     parallel(t->n_elements(), 1 << 14, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      if (gelu) {
+        // The tanh approximation, as the models using GeGLU were trained with.
+        const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+        for (int64_t i = b; i < e; ++i) {
+          const float x = g[i];
+          y[i] = 0.5f * x * (1.0f + std::tanh(c * x * (1.0f + 0.044715f * x * x))) * u[i];
+        }
+      } else {
+        for (int64_t i = b; i < e; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      }
+    });
+  }
+
+  void softcap(const Tensor* t) {
+    const float* x = f32(t->src[0]);
+    float* y = f32(t);
+    const float cap = t->param_f(0);
+    parallel(t->n_elements(), 1 << 14, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) y[i] = cap * std::tanh(x[i] / cap);
     });
   }
 
@@ -298,6 +329,7 @@ class CpuBackend final : public Backend {
     const int hd = t->params[kAttnHeadDim];
     const float scale = t->param_f(kAttnScale);
     const int n_kv = t->kv[kAttnNKv], first_pos = t->kv[kAttnFirstPos];
+    const int window = t->params[kAttnWindow];
     const int64_t n_tok = q->ne[1];
     const int group = n_head / n_head_kv;
     const float* qd = f32(q);
@@ -307,6 +339,8 @@ class CpuBackend final : public Backend {
       const int64_t j = task / n_head;
       const int h = task % n_head, hk = h / group;
       const int len = std::min<int>(n_kv, first_pos + int(j) + 1);
+      // Keys before `start` are outside the window: never read.
+      const int start = window > 0 ? std::max(0, first_pos + int(j) + 1 - window) : 0;
       thread_local std::vector<float> scores, krow, vrow;
       scores.resize(len);
       krow.resize(hd);
@@ -314,7 +348,7 @@ class CpuBackend final : public Backend {
       const float* qr = qd + j * q->ne[0] + h * hd;
       float* o = out + j * t->ne[0] + h * hd;
       float max_s = -INFINITY;
-      for (int p = 0; p < len; ++p) {
+      for (int p = start; p < len; ++p) {
         const uint8_t* kp = ptr(kc) + size_t(p) * kc->nb[1] + size_t(hk) * hd * kc->nb[0];
         const float* kr = reinterpret_cast<const float*>(kp);
         if (!f32_cache) {
@@ -325,12 +359,12 @@ class CpuBackend final : public Backend {
         max_s = std::max(max_s, scores[p]);
       }
       double sum = 0;
-      for (int p = 0; p < len; ++p) {
+      for (int p = start; p < len; ++p) {
         scores[p] = std::exp(scores[p] - max_s);
         sum += scores[p];
       }
       std::fill(o, o + hd, 0.0f);
-      for (int p = 0; p < len; ++p) {
+      for (int p = start; p < len; ++p) {
         const uint8_t* vp = ptr(vc) + size_t(p) * vc->nb[1] + size_t(hk) * hd * vc->nb[0];
         const float* vr = reinterpret_cast<const float*>(vp);
         if (!f32_cache) {

@@ -155,6 +155,7 @@ void validate_node(const Tensor* t) {
         bad_node(t, std::string("table type ") + (table ? dtype_name(table->type) : "missing") +
                         " is not computable");
       const Tensor* ids = need_src(1, DType::I32);
+      if (t->param_f(0) != 1.0f) bad_node(t, "scaled rows are not supported");
       if (ids->storage == Storage::Input && ids->data) {
         const auto* v = static_cast<const int32_t*>(ids->data);
         for (int64_t i = 0; i < ids->ne[0]; ++i) {
@@ -166,14 +167,16 @@ void validate_node(const Tensor* t) {
       break;
     }
     case Op::RmsNorm:
-      need_src(0, DType::F32);
+      if (need_src(0, DType::F32)->ne[0] != t->params[kNormGroup])
+        bad_node(t, "only whole-column norms are supported");
       break;
     case Op::Mul:
     case Op::Add:
       need_broadcast(need_src(0, DType::F32), need_src(1, DType::F32));
       break;
-    case Op::Swiglu:
+    case Op::Glu:
       need_same(need_src(0, DType::F32), need_src(1, DType::F32));
+      if (t->params[0] != kGluSilu) bad_node(t, "only the SiLU-gated unit is supported");
       break;
     case Op::MulMat: {
       const Tensor* w = t->src[0];
@@ -242,6 +245,7 @@ void validate_node(const Tensor* t) {
                           std::to_string(c->ne[1]));
       }
       if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
+      if (t->params[kAttnWindow] != 0) bad_node(t, "windowed attention is not supported");
       break;
     }
     default:
@@ -466,7 +470,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         launch_binary(l, 1, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
                       t->src[0]->ne[0], t->src[0]->ne[1]);
         break;
-      case Op::Swiglu: {
+      case Op::Glu: {
         launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
                       q8_output(t));
         break;
