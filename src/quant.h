@@ -75,6 +75,84 @@ static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block layout");
 static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block layout");
 static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block layout");
 
+// 5-bit formats: the low nibbles as in Q4_0/Q4_1, the fifth bits of the 32 values in qh (bit j of
+// the little-endian 32-bit word is element j's fifth bit).
+struct BlockQ5_0 {
+  uint16_t d;     // f16 scale
+  uint8_t qh[4];  // fifth bits
+  uint8_t qs[QK / 2];
+};
+struct BlockQ5_1 {
+  uint16_t d;  // f16 scale
+  uint16_t m;  // f16 minimum
+  uint8_t qh[4];
+  uint8_t qs[QK / 2];
+};
+static_assert(sizeof(BlockQ5_0) == 22, "Q5_0 block layout");
+static_assert(sizeof(BlockQ5_1) == 24, "Q5_1 block layout");
+
+// K-quants: 256-element super-blocks of 16 sub-blocks of 16 (Q2_K, Q3_K, Q6_K) or 8 of 32 (Q4_K,
+// Q5_K), each sub-block with a small integer scale (and minimum) times the f16 super-block scales.
+constexpr int QK_K = 256;
+constexpr int K_SCALE_SIZE = 12;  // 8 six-bit scales and 8 six-bit minimums of Q4_K/Q5_K
+struct BlockQ2_K {
+  uint8_t scales[QK_K / 16];  // low nibble scale, high nibble minimum of each sub-block of 16
+  uint8_t qs[QK_K / 4];       // 2-bit quants
+  uint16_t d;                 // f16 scale of the scales
+  uint16_t dmin;              // f16 scale of the minimums
+};
+struct BlockQ3_K {
+  uint8_t hmask[QK_K / 8];  // third bits (set means +0, clear means -4)
+  uint8_t qs[QK_K / 4];     // low 2 bits
+  uint8_t scales[12];       // 16 six-bit scales, offset by 32
+  uint16_t d;               // f16 scale of the scales
+};
+struct BlockQ4_K {
+  uint16_t d;     // f16 scale of the scales
+  uint16_t dmin;  // f16 scale of the minimums
+  uint8_t scales[K_SCALE_SIZE];
+  uint8_t qs[QK_K / 2];
+};
+struct BlockQ5_K {
+  uint16_t d;
+  uint16_t dmin;
+  uint8_t scales[K_SCALE_SIZE];
+  uint8_t qh[QK_K / 8];  // fifth bits
+  uint8_t qs[QK_K / 2];
+};
+struct BlockQ6_K {
+  uint8_t ql[QK_K / 2];      // low 4 bits
+  uint8_t qh[QK_K / 4];      // high 2 bits
+  int8_t scales[QK_K / 16];  // 8-bit scales of the sub-blocks of 16
+  uint16_t d;                // f16 scale of the scales
+};
+// The activation form ggml pairs with K-quants; listed for the type table's sizes.
+struct BlockQ8_K {
+  float d;
+  int8_t qs[QK_K];
+  int16_t bsums[QK_K / 16];
+};
+static_assert(sizeof(BlockQ2_K) == 84, "Q2_K block layout");
+static_assert(sizeof(BlockQ3_K) == 110, "Q3_K block layout");
+static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block layout");
+static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block layout");
+static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block layout");
+static_assert(sizeof(BlockQ8_K) == 292, "Q8_K block layout");
+
+// Non-linear 4-bit formats: each nibble indexes a fixed table of 16 int8 levels.
+struct BlockIQ4_NL {
+  uint16_t d;
+  uint8_t qs[QK / 2];
+};
+struct BlockIQ4_XS {
+  uint16_t d;
+  uint16_t scales_h;            // high 2 bits of the 8 six-bit sub-block scales
+  uint8_t scales_l[QK_K / 64];  // low 4 bits of the 8 scales
+  uint8_t qs[QK_K / 2];
+};
+static_assert(sizeof(BlockIQ4_NL) == 18, "IQ4_NL block layout");
+static_assert(sizeof(BlockIQ4_XS) == 136, "IQ4_XS block layout");
+
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);  // round to nearest even
 float bf16_to_f32(uint16_t h);
