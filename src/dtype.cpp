@@ -1,52 +1,72 @@
-// The ggml type table: names, block sizes and block byte sizes as stored in GGUF files.
+// The ggml type table: every format's name, block size and byte size as stored in GGUF files,
+// and what ggraph can do with it (decode it, dot it on the CPU against which activation layout).
 #include <string>
 
 #include "common.h"
 #include "quant.h"
+#include "quant_impl.h"
 
 namespace ggraph {
 namespace {
+
+using quant_impl::ToFloatFn;
 
 struct TypeEntry {
   DType id;
   TypeTraits traits;
 };
 
+// A format ggraph only reads the size of.
+constexpr TypeEntry stored(DType id, const char* name, int64_t block, size_t bytes) {
+  return {id, {name, block, bytes, ActLayout::kNone, false, nullptr}};
+}
+// A format ggraph decodes but has no dot product for.
+constexpr TypeEntry decoded(DType id, const char* name, int64_t block, size_t bytes,
+                            ToFloatFn to_float) {
+  return {id, {name, block, bytes, ActLayout::kNone, false, to_float}};
+}
+// A format ggraph computes with on the CPU: decoded, and dotted against activations in `act`.
+constexpr TypeEntry computed(DType id, const char* name, int64_t block, size_t bytes, ActLayout act,
+                             ToFloatFn to_float) {
+  return {id, {name, block, bytes, act, true, to_float}};
+}
+
 // Sizes follow ggml's block structs (ggml-common.h); K-quants and most IQ types use 256-element
 // super-blocks. Q8_1 stores two f16 values (d and the scaled sum) ahead of 32 int8 quants.
+constexpr ActLayout kFloat = ActLayout::kFloat, kQ8 = ActLayout::kQ8, kQ8K = ActLayout::kQ8K;
 constexpr TypeEntry kTypes[] = {
-    {DType::F32, {"F32", 1, 4, true}},
-    {DType::F16, {"F16", 1, 2, true}},
-    {DType::Q4_0, {"Q4_0", 32, 18, true}},
-    {DType::Q4_1, {"Q4_1", 32, 20, true}},
-    {DType::Q5_0, {"Q5_0", 32, 22, false}},
-    {DType::Q5_1, {"Q5_1", 32, 24, false}},
-    {DType::Q8_0, {"Q8_0", 32, 34, true}},
-    {DType::Q8_1, {"Q8_1", 32, 36, false}},
-    {DType::Q2_K, {"Q2_K", 256, 84, false}},
-    {DType::Q3_K, {"Q3_K", 256, 110, false}},
-    {DType::Q4_K, {"Q4_K", 256, 144, false}},
-    {DType::Q5_K, {"Q5_K", 256, 176, false}},
-    {DType::Q6_K, {"Q6_K", 256, 210, false}},
-    {DType::Q8_K, {"Q8_K", 256, 292, false}},
-    {DType::IQ2_XXS, {"IQ2_XXS", 256, 66, false}},
-    {DType::IQ2_XS, {"IQ2_XS", 256, 74, false}},
-    {DType::IQ3_XXS, {"IQ3_XXS", 256, 98, false}},
-    {DType::IQ1_S, {"IQ1_S", 256, 50, false}},
-    {DType::IQ4_NL, {"IQ4_NL", 32, 18, false}},
-    {DType::IQ3_S, {"IQ3_S", 256, 110, false}},
-    {DType::IQ2_S, {"IQ2_S", 256, 82, false}},
-    {DType::IQ4_XS, {"IQ4_XS", 256, 136, false}},
-    {DType::I8, {"I8", 1, 1, false}},
-    {DType::I16, {"I16", 1, 2, false}},
-    {DType::I32, {"I32", 1, 4, false}},
-    {DType::I64, {"I64", 1, 8, false}},
-    {DType::F64, {"F64", 1, 8, false}},
-    {DType::IQ1_M, {"IQ1_M", 256, 56, false}},
-    {DType::BF16, {"BF16", 1, 2, true}},
-    {DType::TQ1_0, {"TQ1_0", 256, 54, false}},
-    {DType::TQ2_0, {"TQ2_0", 256, 66, false}},
-    {DType::MXFP4, {"MXFP4", 32, 17, false}},
+    computed(DType::F32, "F32", 1, 4, kFloat, quant_impl::to_float_f32),
+    computed(DType::F16, "F16", 1, 2, kFloat, quant_impl::to_float_f16),
+    computed(DType::Q4_0, "Q4_0", 32, sizeof(BlockQ4_0), kQ8, quant_impl::to_float_q4_0),
+    computed(DType::Q4_1, "Q4_1", 32, sizeof(BlockQ4_1), kQ8, quant_impl::to_float_q4_1),
+    decoded(DType::Q5_0, "Q5_0", 32, sizeof(BlockQ5_0), quant_impl::to_float_q5_0),
+    decoded(DType::Q5_1, "Q5_1", 32, sizeof(BlockQ5_1), quant_impl::to_float_q5_1),
+    computed(DType::Q8_0, "Q8_0", 32, sizeof(BlockQ8_0), kQ8, quant_impl::to_float_q8_0),
+    stored(DType::Q8_1, "Q8_1", 32, 36),
+    decoded(DType::Q2_K, "Q2_K", 256, sizeof(BlockQ2_K), quant_impl::to_float_q2_k),
+    decoded(DType::Q3_K, "Q3_K", 256, sizeof(BlockQ3_K), quant_impl::to_float_q3_k),
+    decoded(DType::Q4_K, "Q4_K", 256, sizeof(BlockQ4_K), quant_impl::to_float_q4_k),
+    decoded(DType::Q5_K, "Q5_K", 256, sizeof(BlockQ5_K), quant_impl::to_float_q5_k),
+    decoded(DType::Q6_K, "Q6_K", 256, sizeof(BlockQ6_K), quant_impl::to_float_q6_k),
+    stored(DType::Q8_K, "Q8_K", 256, sizeof(BlockQ8_K)),
+    stored(DType::IQ2_XXS, "IQ2_XXS", 256, 66),
+    stored(DType::IQ2_XS, "IQ2_XS", 256, 74),
+    stored(DType::IQ3_XXS, "IQ3_XXS", 256, 98),
+    stored(DType::IQ1_S, "IQ1_S", 256, 50),
+    decoded(DType::IQ4_NL, "IQ4_NL", 32, sizeof(BlockIQ4_NL), quant_impl::to_float_iq4_nl),
+    stored(DType::IQ3_S, "IQ3_S", 256, 110),
+    stored(DType::IQ2_S, "IQ2_S", 256, 82),
+    decoded(DType::IQ4_XS, "IQ4_XS", 256, sizeof(BlockIQ4_XS), quant_impl::to_float_iq4_xs),
+    stored(DType::I8, "I8", 1, 1),
+    stored(DType::I16, "I16", 1, 2),
+    stored(DType::I32, "I32", 1, 4),
+    stored(DType::I64, "I64", 1, 8),
+    stored(DType::F64, "F64", 1, 8),
+    stored(DType::IQ1_M, "IQ1_M", 256, 56),
+    computed(DType::BF16, "BF16", 1, 2, kFloat, quant_impl::to_float_bf16),
+    stored(DType::TQ1_0, "TQ1_0", 256, 54),
+    stored(DType::TQ2_0, "TQ2_0", 256, 66),
+    stored(DType::MXFP4, "MXFP4", 32, 17),
 };
 
 }  // namespace
@@ -64,6 +84,26 @@ const TypeTraits& type_traits(DType t) {
     throw ArgumentError("unknown ggml type id " + std::to_string(static_cast<uint32_t>(t)));
   }
   return *traits;
+}
+
+DType type_from_name(const std::string& name) {
+  std::string known;
+  for (const TypeEntry& e : kTypes) {
+    if (name == e.traits.name) return e.id;
+    known += known.empty() ? "" : ", ";
+    known += e.traits.name;
+  }
+  throw ArgumentError("unknown ggml type name '" + name + "': expected one of " + known);
+}
+
+std::string computable_type_names() {
+  std::string names;
+  for (const TypeEntry& e : kTypes) {
+    if (!e.traits.computable) continue;
+    if (!names.empty()) names += ", ";
+    names += e.traits.name;
+  }
+  return names;
 }
 
 size_t row_size(DType t, int64_t n) {

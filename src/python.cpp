@@ -238,6 +238,23 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
 
+  // For the format tests: ggraph's decoder of one row, compared there with gguf-py's.
+  m.def(
+      "_dequantize",
+      [](const std::string& type_name, const py::bytes& data, int64_t n) {
+        const DType t = type_from_name(type_name);
+        const std::string_view bytes = data;
+        const size_t want = row_size(t, n);
+        if (bytes.size() != want) {
+          throw ArgumentError(std::to_string(n) + " " + type_name + " elements: expected " +
+                              std::to_string(want) + " bytes, got " + std::to_string(bytes.size()));
+        }
+        py::array_t<float> out(n);
+        dequantize_row(t, bytes.data(), out.mutable_data(), n);
+        return out;
+      },
+      py::arg("type_name"), py::arg("data"), py::arg("n"));
+
   m.def("devices", [] {
     py::list out;
     for (const DeviceInfo& d : cuda_devices()) {

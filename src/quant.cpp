@@ -85,10 +85,16 @@ void check_blocks(DType t, int64_t n, int64_t block, const char* what) {
 
 [[noreturn]] void not_computable(DType t, const char* what) {
   const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
-  throw ArgumentError(std::string(what) + ": expected weights of type F32, F16, BF16, Q8_0, Q4_0" +
-                      " or Q4_1, got " +
+  throw ArgumentError(std::string(what) + ": expected weights of type " + computable_type_names() +
+                      ", got " +
                       (traits != nullptr ? std::string(traits->name)
                                          : "type id " + std::to_string(static_cast<uint32_t>(t))));
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
 // ggml stores (int8_t)(v) clamped to 15; written so that NaN and out-of-range values stay defined.
@@ -154,59 +160,238 @@ void quantize_q8_0(const float* x, BlockQ8_0* y, int64_t nb) {
 
 }  // namespace
 
-void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
-  switch (t) {
-    case DType::F32:
-      check_blocks(t, n, 1, "dequantize_row");
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-      return;
-    case DType::F16:
-    case DType::BF16: {
-      check_blocks(t, n, 1, "dequantize_row");
-      const uint16_t* h = static_cast<const uint16_t*>(src);
-      if (t == DType::F16) {
-        for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(h[i]);
-      } else {
-        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
-      }
-      return;
+namespace quant_impl {
+
+// Each decoder follows ggml's dequantize_row_* operation for operation (a scale times an integer,
+// then the minimum subtracted or added), so the floats are the same bits.
+
+void to_float_f32(const void* blocks, float* dst, int64_t n) {
+  std::memcpy(dst, blocks, static_cast<size_t>(n) * sizeof(float));
+}
+
+void to_float_f16(const void* blocks, float* dst, int64_t n) {
+  const uint16_t* h = static_cast<const uint16_t*>(blocks);
+  for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(h[i]);
+}
+
+void to_float_bf16(const void* blocks, float* dst, int64_t n) {
+  const uint16_t* h = static_cast<const uint16_t*>(blocks);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
+}
+
+void to_float_q4_0(const void* blocks, float* dst, int64_t n) {
+  const BlockQ4_0* b = static_cast<const BlockQ4_0*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < QK / 2; ++j) {
+      dst[j] = static_cast<float>((b[i].qs[j] & 0x0f) - 8) * d;
+      dst[j + QK / 2] = static_cast<float>((b[i].qs[j] >> 4) - 8) * d;
     }
-    case DType::Q4_0: {
-      check_blocks(t, n, QK, "dequantize_row");
-      const BlockQ4_0* b = static_cast<const BlockQ4_0*>(src);
-      for (int64_t i = 0; i < n / QK; ++i, dst += QK) {
-        const float d = f16_to_f32(b[i].d);
-        for (int j = 0; j < QK / 2; ++j) {
-          dst[j] = static_cast<float>((b[i].qs[j] & 0x0f) - 8) * d;
-          dst[j + QK / 2] = static_cast<float>((b[i].qs[j] >> 4) - 8) * d;
-        }
-      }
-      return;
-    }
-    case DType::Q4_1: {
-      check_blocks(t, n, QK, "dequantize_row");
-      const BlockQ4_1* b = static_cast<const BlockQ4_1*>(src);
-      for (int64_t i = 0; i < n / QK; ++i, dst += QK) {
-        const float d = f16_to_f32(b[i].d), m = f16_to_f32(b[i].m);
-        for (int j = 0; j < QK / 2; ++j) {
-          dst[j] = static_cast<float>(b[i].qs[j] & 0x0f) * d + m;
-          dst[j + QK / 2] = static_cast<float>(b[i].qs[j] >> 4) * d + m;
-        }
-      }
-      return;
-    }
-    case DType::Q8_0: {
-      check_blocks(t, n, QK, "dequantize_row");
-      const BlockQ8_0* b = static_cast<const BlockQ8_0*>(src);
-      for (int64_t i = 0; i < n / QK; ++i, dst += QK) {
-        const float d = f16_to_f32(b[i].d);
-        for (int j = 0; j < QK; ++j) dst[j] = static_cast<float>(b[i].qs[j]) * d;
-      }
-      return;
-    }
-    default:
-      not_computable(t, "dequantize_row");
   }
+}
+
+void to_float_q4_1(const void* blocks, float* dst, int64_t n) {
+  const BlockQ4_1* b = static_cast<const BlockQ4_1*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d), m = f16_to_f32(b[i].m);
+    for (int j = 0; j < QK / 2; ++j) {
+      dst[j] = static_cast<float>(b[i].qs[j] & 0x0f) * d + m;
+      dst[j + QK / 2] = static_cast<float>(b[i].qs[j] >> 4) * d + m;
+    }
+  }
+}
+
+// Element j's fifth bit is bit j of the little-endian word qh.
+inline int fifth_bit(const uint8_t* qh, int j) { return (qh[j / 8] >> (j % 8)) & 1; }
+
+void to_float_q5_0(const void* blocks, float* dst, int64_t n) {
+  const BlockQ5_0* b = static_cast<const BlockQ5_0*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < QK / 2; ++j) {
+      const int lo = (b[i].qs[j] & 0x0f) | (fifth_bit(b[i].qh, j) << 4);
+      const int hi = (b[i].qs[j] >> 4) | (fifth_bit(b[i].qh, j + QK / 2) << 4);
+      dst[j] = static_cast<float>(lo - 16) * d;
+      dst[j + QK / 2] = static_cast<float>(hi - 16) * d;
+    }
+  }
+}
+
+void to_float_q5_1(const void* blocks, float* dst, int64_t n) {
+  const BlockQ5_1* b = static_cast<const BlockQ5_1*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d), m = f16_to_f32(b[i].m);
+    for (int j = 0; j < QK / 2; ++j) {
+      const int lo = (b[i].qs[j] & 0x0f) | (fifth_bit(b[i].qh, j) << 4);
+      const int hi = (b[i].qs[j] >> 4) | (fifth_bit(b[i].qh, j + QK / 2) << 4);
+      dst[j] = static_cast<float>(lo) * d + m;
+      dst[j + QK / 2] = static_cast<float>(hi) * d + m;
+    }
+  }
+}
+
+void to_float_q8_0(const void* blocks, float* dst, int64_t n) {
+  const BlockQ8_0* b = static_cast<const BlockQ8_0*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < QK; ++j) dst[j] = static_cast<float>(b[i].qs[j]) * d;
+  }
+}
+
+// Q2_K: element 128h + 32s + l is bits 2s..2s+1 of qs[32h + l]; sub-block e / 16 has the scale in
+// the low nibble of scales[e / 16] and the minimum in its high nibble.
+void to_float_q2_k(const void* blocks, float* dst, int64_t n) {
+  const BlockQ2_K* b = static_cast<const BlockQ2_K*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
+    for (int e = 0; e < QK_K; ++e) {
+      const int q = (b[i].qs[32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3;
+      const uint8_t sc = b[i].scales[e / 16];
+      const float dl = d * static_cast<float>(sc & 0x0f);
+      const float ml = dmin * static_cast<float>(sc >> 4);
+      dst[e] = dl * static_cast<float>(q) - ml;
+    }
+  }
+}
+
+// The 16 six-bit scales of Q3_K: low nibbles in bytes 0..7 (scale j < 8 in the low nibble of byte
+// j, scale j >= 8 in the high nibble of byte j - 8), high bit pairs in bytes 8..11 (scale j in
+// bits 2 (j / 4) of byte 8 + j % 4); stored offset by 32.
+inline int q3_k_scale(const uint8_t* scales, int j) {
+  const int lo = j < 8 ? scales[j] & 0x0f : scales[j - 8] >> 4;
+  const int hi = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+// Q3_K: element 128h + 32s + l has low bits 2s..2s+1 of qs[32h + l] and third bit 4h + s of
+// hmask[l]; a clear third bit subtracts 4.
+void to_float_q3_k(const void* blocks, float* dst, int64_t n) {
+  const BlockQ3_K* b = static_cast<const BlockQ3_K*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d);
+    for (int e = 0; e < QK_K; ++e) {
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      const int q = (b[i].qs[32 * h + l] >> (2 * s)) & 3;
+      const int third = (b[i].hmask[l] >> (4 * h + s)) & 1;
+      const float dl = d * static_cast<float>(q3_k_scale(b[i].scales, e / 16));
+      dst[e] = dl * static_cast<float>(q - (third ? 0 : 4));
+    }
+  }
+}
+
+// The 8 six-bit scales and minimums of Q4_K and Q5_K: for j < 4 the low 6 bits of bytes j and
+// j + 4; for j >= 4 the nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them.
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K: element 64g + l (l < 32) is the low nibble of qs[32g + l], element 64g + 32 + l its high
+// nibble; sub-blocks of 32.
+void to_float_q4_k(const void* blocks, float* dst, int64_t n) {
+  const BlockQ4_K* b = static_cast<const BlockQ4_K*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
+    for (int j = 0; j < QK_K / 32; ++j) {
+      int sc, m;
+      k_scale_min(b[i].scales, j, &sc, &m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      const uint8_t* q = b[i].qs + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        const int v = j % 2 ? q[l] >> 4 : q[l] & 0x0f;
+        dst[32 * j + l] = dl * static_cast<float>(v) - ml;
+      }
+    }
+  }
+}
+
+// Q5_K: Q4_K's nibbles plus fifth bits, element 32j + l's in bit j of qh[l].
+void to_float_q5_k(const void* blocks, float* dst, int64_t n) {
+  const BlockQ5_K* b = static_cast<const BlockQ5_K*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
+    for (int j = 0; j < QK_K / 32; ++j) {
+      int sc, m;
+      k_scale_min(b[i].scales, j, &sc, &m);
+      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
+      const uint8_t* q = b[i].qs + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) {
+        const int v = (j % 2 ? q[l] >> 4 : q[l] & 0x0f) | (((b[i].qh[l] >> j) & 1) << 4);
+        dst[32 * j + l] = dl * static_cast<float>(v) - ml;
+      }
+    }
+  }
+}
+
+// Q6_K: element 128h + 32s + l (l < 32) has its low 4 bits in ql[64h + 32 (s % 2) + l] (low
+// nibble for s < 2, high for s >= 2) and its high 2 bits in bits 2s of qh[32h + l]; stored
+// offset by 32, sub-blocks of 16 with int8 scales.
+void to_float_q6_k(const void* blocks, float* dst, int64_t n) {
+  const BlockQ6_K* b = static_cast<const BlockQ6_K*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d);
+    for (int e = 0; e < QK_K; ++e) {
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      const uint8_t lo_byte = b[i].ql[64 * h + 32 * (s % 2) + l];
+      const int lo = s < 2 ? lo_byte & 0x0f : lo_byte >> 4;
+      const int hi = (b[i].qh[32 * h + l] >> (2 * s)) & 3;
+      dst[e] =
+          d * static_cast<float>(b[i].scales[e / 16]) * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+  }
+}
+
+void to_float_iq4_nl(const void* blocks, float* dst, int64_t n) {
+  const BlockIQ4_NL* b = static_cast<const BlockIQ4_NL*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < QK / 2; ++j) {
+      dst[j] = d * static_cast<float>(kIQ4Levels[b[i].qs[j] & 0x0f]);
+      dst[j + QK / 2] = d * static_cast<float>(kIQ4Levels[b[i].qs[j] >> 4]);
+    }
+  }
+}
+
+// IQ4_XS: sub-block j of 32 is laid out as an IQ4_NL block in qs[16j..16j+15]; its six-bit scale
+// (offset by 32) has the low nibble in scales_l[j / 2] and the high bits at bit 2j of scales_h.
+inline int iq4_xs_scale(const BlockIQ4_XS& b, int j) {
+  const int lo = (b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0f;
+  const int hi = (b.scales_h >> (2 * j)) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+void to_float_iq4_xs(const void* blocks, float* dst, int64_t n) {
+  const BlockIQ4_XS* b = static_cast<const BlockIQ4_XS*>(blocks);
+  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
+    const float d = f16_to_f32(b[i].d);
+    for (int j = 0; j < QK_K / 32; ++j) {
+      const float dl = d * static_cast<float>(iq4_xs_scale(b[i], j));
+      const uint8_t* q = b[i].qs + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        dst[32 * j + l] = dl * static_cast<float>(kIQ4Levels[q[l] & 0x0f]);
+        dst[32 * j + 16 + l] = dl * static_cast<float>(kIQ4Levels[q[l] >> 4]);
+      }
+    }
+  }
+}
+
+}  // namespace quant_impl
+
+void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
+  const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
+  if (traits == nullptr || traits->to_float == nullptr) {
+    throw ArgumentError(std::string("dequantize_row: ggraph cannot decode ") +
+                        (traits != nullptr
+                             ? std::string(traits->name) + " weights"
+                             : "type id " + std::to_string(static_cast<uint32_t>(t))));
+  }
+  check_blocks(t, n, traits->block_size, "dequantize_row");
+  traits->to_float(src, dst, n / traits->block_size);
 }
 
 void quantize_row(DType t, const float* src, void* dst, int64_t n) {
@@ -238,8 +423,13 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
       check_blocks(t, n, QK, "quantize_row");
       quantize_q8_0(src, static_cast<BlockQ8_0*>(dst), n / QK);
       return;
-    default:
-      not_computable(t, "quantize_row");
+    default: {
+      const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
+      throw ArgumentError(
+          std::string("quantize_row: expected F32, F16, BF16, Q8_0, Q4_0 or Q4_1, got ") +
+          (traits != nullptr ? std::string(traits->name)
+                             : "type id " + std::to_string(static_cast<uint32_t>(t))));
+    }
   }
 }
 
@@ -294,13 +484,88 @@ void prepare_f32_scalar(const float* x, void* dst, int64_t k) {
   std::memset(static_cast<float*>(dst) + k, 0, quant_impl::f32_act_size(k) - k * sizeof(float));
 }
 
-// Q4_0 is Q4_1 with minimum -8 d: one kernel, the minimum's term summed apart from the blocks.
-template <bool kQ4_1>
-void tile_q4_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
-                    size_t act_stride, int n_cols, float* out, size_t out_stride) {
+void prepare_q8k_scalar(const float* x, void* dst, int64_t k) {
+  std::memset(dst, 0, quant_impl::q8k_act_size(k));
+  int8_t* q = static_cast<int8_t*>(dst);
+  float* d = const_cast<float*>(quant_impl::q8k_d(dst, k));
+  int16_t* bsums = const_cast<int16_t*>(quant_impl::q8k_bsums(dst, k));
+  for (int64_t b = 0; b < k / QK_K; ++b, x += QK_K, q += QK_K) {
+    uint32_t amax_bits = 0;
+    for (int j = 0; j < QK_K; ++j) {
+      const uint32_t a = float_bits(x[j]) & 0x7fffffff;
+      if (a > amax_bits) amax_bits = a;
+    }
+    if (amax_bits >= 0x7f800000) {
+      d[b] = bits_float(0x7fc00000);  // the whole super-block shows as NaN in every dot
+      continue;
+    }
+    const float amax = bits_float(amax_bits);
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < QK_K; ++j) q[j] = static_cast<int8_t>(round_even(x[j] * id));
+    for (int s = 0; s < QK_K / 16; ++s) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[16 * s + j];
+      bsums[16 * b + s] = static_cast<int16_t>(sum);
+    }
+    d[b] = amax / 127.0f;
+  }
+}
+
+// ----- 32-element block formats against the kQ8 layout -----------------------------------------
+
+// Element j of a block as an integer times the block scale d, plus the block's minimum m (added
+// as m times the activation block's sum).
+template <DType T>
+struct Q32Format;
+template <>
+struct Q32Format<DType::Q4_0> {
+  static int value(const uint8_t* b, int j) {
+    return j < 16 ? b[2 + j] & 0x0f : b[2 + j - 16] >> 4;
+  }
+  static float min(const uint8_t*, float d) { return -8.0f * d; }
+};
+template <>
+struct Q32Format<DType::Q4_1> {
+  static int value(const uint8_t* b, int j) {
+    return j < 16 ? b[4 + j] & 0x0f : b[4 + j - 16] >> 4;
+  }
+  static float min(const uint8_t* b, float) { return f16_to_f32(load_u16(b + 2)); }
+};
+template <>
+struct Q32Format<DType::Q5_0> {
+  static int value(const uint8_t* b, int j) {
+    const int nib = j < 16 ? b[6 + j] & 0x0f : b[6 + j - 16] >> 4;
+    return nib | (quant_impl::fifth_bit(b + 2, j) << 4);
+  }
+  static float min(const uint8_t*, float d) { return -16.0f * d; }
+};
+template <>
+struct Q32Format<DType::Q5_1> {
+  static int value(const uint8_t* b, int j) {
+    const int nib = j < 16 ? b[8 + j] & 0x0f : b[8 + j - 16] >> 4;
+    return nib | (quant_impl::fifth_bit(b + 4, j) << 4);
+  }
+  static float min(const uint8_t* b, float) { return f16_to_f32(load_u16(b + 2)); }
+};
+template <>
+struct Q32Format<DType::Q8_0> {
+  static int value(const uint8_t* b, int j) { return static_cast<int8_t>(b[2 + j]); }
+  static float min(const uint8_t*, float) { return 0.0f; }
+};
+template <>
+struct Q32Format<DType::IQ4_NL> {
+  static int value(const uint8_t* b, int j) {
+    return quant_impl::kIQ4Levels[j < 16 ? b[2 + j] & 0x0f : b[2 + j - 16] >> 4];
+  }
+  static float min(const uint8_t*, float) { return 0.0f; }
+};
+
+// Per block the integer dot times both scales; the minimum's term summed apart.
+template <DType T>
+void tile_q32_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
+                     size_t act_stride, int n_cols, float* out, size_t out_stride) {
   const int64_t nb = k / QK;
-  const size_t bsize = kQ4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0);
-  const size_t qoff = kQ4_1 ? 4 : 2;
+  const size_t bsize = type_traits(T).type_size;
   for (int r = 0; r < n_rows; ++r) {
     const uint8_t* row = w + r * w_stride;
     for (int c = 0; c < n_cols; ++c) {
@@ -310,46 +575,170 @@ void tile_q4_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, co
       float acc = 0.0f, acc_min = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * bsize;
-        const uint8_t* qs = blk + qoff;
         int32_t isum = 0;
-        for (int j = 0; j < QK / 2; ++j) {
-          isum += (qs[j] & 0x0f) * q[act_q_offset(b, j)] +
-                  (qs[j] >> 4) * q[act_q_offset(b, j + QK / 2)];
-        }
-        uint16_t dh, mh;
-        std::memcpy(&dh, blk, 2);
-        const float dw = f16_to_f32(dh);
-        float m;
-        if (kQ4_1) {
-          std::memcpy(&mh, blk + 2, 2);
-          m = f16_to_f32(mh);
-        } else {
-          m = -8.0f * dw;
-        }
+        for (int j = 0; j < QK; ++j) isum += Q32Format<T>::value(blk, j) * q[act_q_offset(b, j)];
+        const float dw = f16_to_f32(load_u16(blk));
         acc += dw * ds[2 * b] * static_cast<float>(isum);
-        acc_min += m * ds[2 * b + 1];
+        acc_min += Q32Format<T>::min(blk, dw) * ds[2 * b + 1];
       }
       out[c * out_stride + r] = acc + acc_min;
     }
   }
 }
 
-void tile_q8_0_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
-                      size_t act_stride, int n_cols, float* out, size_t out_stride) {
-  const int64_t nb = k / QK;
+// ----- K-quants against the kQ8K layout --------------------------------------------------------
+
+// A super-block as the vector kernels see it: value e = d sc[e/16] u[e] - dmin mn[e/16] for
+// formats with a dmin, and d (sc[e/16] u[e] - mn[e/16]) for the others.
+struct KBlock {
+  int u[QK_K];
+  int sc[16], mn[16];
+  float d, dmin;
+  bool has_dmin;
+};
+
+template <DType T>
+void decode_k(const uint8_t* blk, KBlock* kb);
+
+template <>
+void decode_k<DType::Q2_K>(const uint8_t* blk, KBlock* kb) {
+  const BlockQ2_K& b = *reinterpret_cast<const BlockQ2_K*>(blk);
+  for (int e = 0; e < QK_K; ++e)
+    kb->u[e] = (b.qs[32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3;
+  for (int j = 0; j < 16; ++j) {
+    kb->sc[j] = b.scales[j] & 0x0f;
+    kb->mn[j] = b.scales[j] >> 4;
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = f16_to_f32(b.dmin);
+  kb->has_dmin = true;
+}
+
+template <>
+void decode_k<DType::Q3_K>(const uint8_t* blk, KBlock* kb) {
+  const BlockQ3_K& b = *reinterpret_cast<const BlockQ3_K*>(blk);
+  for (int e = 0; e < QK_K; ++e) {
+    const int h = e / 128, s = e % 128 / 32, l = e % 32;
+    kb->u[e] = ((b.qs[32 * h + l] >> (2 * s)) & 3) | (((b.hmask[l] >> (4 * h + s)) & 1) << 2);
+  }
+  for (int j = 0; j < 16; ++j) {
+    kb->sc[j] = quant_impl::q3_k_scale(b.scales, j);
+    kb->mn[j] = 4 * kb->sc[j];  // value = u - 4
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = 0.0f;
+  kb->has_dmin = false;
+}
+
+template <>
+void decode_k<DType::Q4_K>(const uint8_t* blk, KBlock* kb) {
+  const BlockQ4_K& b = *reinterpret_cast<const BlockQ4_K*>(blk);
+  for (int e = 0; e < QK_K; ++e) {
+    const uint8_t q = b.qs[32 * (e / 64) + e % 32];
+    kb->u[e] = e % 64 < 32 ? q & 0x0f : q >> 4;
+  }
+  for (int j = 0; j < 8; ++j) {
+    quant_impl::k_scale_min(b.scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
+    kb->sc[2 * j + 1] = kb->sc[2 * j];
+    kb->mn[2 * j + 1] = kb->mn[2 * j];
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = f16_to_f32(b.dmin);
+  kb->has_dmin = true;
+}
+
+template <>
+void decode_k<DType::Q5_K>(const uint8_t* blk, KBlock* kb) {
+  const BlockQ5_K& b = *reinterpret_cast<const BlockQ5_K*>(blk);
+  for (int e = 0; e < QK_K; ++e) {
+    const uint8_t q = b.qs[32 * (e / 64) + e % 32];
+    kb->u[e] = (e % 64 < 32 ? q & 0x0f : q >> 4) | (((b.qh[e % 32] >> (e / 32)) & 1) << 4);
+  }
+  for (int j = 0; j < 8; ++j) {
+    quant_impl::k_scale_min(b.scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
+    kb->sc[2 * j + 1] = kb->sc[2 * j];
+    kb->mn[2 * j + 1] = kb->mn[2 * j];
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = f16_to_f32(b.dmin);
+  kb->has_dmin = true;
+}
+
+template <>
+void decode_k<DType::Q6_K>(const uint8_t* blk, KBlock* kb) {
+  const BlockQ6_K& b = *reinterpret_cast<const BlockQ6_K*>(blk);
+  for (int e = 0; e < QK_K; ++e) {
+    const int h = e / 128, s = e % 128 / 32, l = e % 32;
+    const uint8_t lo_byte = b.ql[64 * h + 32 * (s % 2) + l];
+    const int lo = s < 2 ? lo_byte & 0x0f : lo_byte >> 4;
+    kb->u[e] = lo | (((b.qh[32 * h + l] >> (2 * s)) & 3) << 4);
+  }
+  for (int j = 0; j < 16; ++j) {
+    kb->sc[j] = b.scales[j];
+    kb->mn[j] = 32 * b.scales[j];  // value = u - 32
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = 0.0f;
+  kb->has_dmin = false;
+}
+
+template <>
+void decode_k<DType::IQ4_XS>(const uint8_t* blk, KBlock* kb) {
+  const BlockIQ4_XS& b = *reinterpret_cast<const BlockIQ4_XS*>(blk);
+  for (int e = 0; e < QK_K; ++e) {
+    const uint8_t q = b.qs[16 * (e / 32) + e % 16];
+    kb->u[e] = quant_impl::kIQ4Levels[e % 32 < 16 ? q & 0x0f : q >> 4];
+  }
+  for (int j = 0; j < 16; ++j) {
+    kb->sc[j] = quant_impl::iq4_xs_scale(b, j / 2);
+    kb->mn[j] = 0;
+  }
+  kb->d = f16_to_f32(b.d);
+  kb->dmin = 0.0f;
+  kb->has_dmin = false;
+}
+
+// The vector kernels' arithmetic, lane for lane, so that they give the same bits: per super-block
+// 8 integer lanes, lane l summing sc u a over the elements e with e % 32 / 4 == l and the minimum
+// lanes summing mn[2l] bsum[2l] + mn[2l+1] bsum[2l+1]; each lane converted to float and fused into
+// its float lane; the 8 float lanes added in a fixed tree at the end.
+template <DType T>
+void tile_k_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
+                   size_t act_stride, int n_cols, float* out, size_t out_stride) {
+  const int64_t ns = k / QK_K;
+  const size_t bsize = type_traits(T).type_size;
+  KBlock kb;
   for (int r = 0; r < n_rows; ++r) {
-    const BlockQ8_0* row = reinterpret_cast<const BlockQ8_0*>(w + r * w_stride);
+    const uint8_t* row = w + r * w_stride;
     for (int c = 0; c < n_cols; ++c) {
       const uint8_t* col = act + c * act_stride;
       const int8_t* q = reinterpret_cast<const int8_t*>(col);
-      const float* ds = act_ds(col, k);
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t isum = 0;
-        for (int j = 0; j < QK; ++j) isum += row[b].qs[j] * q[act_q_offset(b, j)];
-        acc += f16_to_f32(row[b].d) * ds[2 * b] * static_cast<float>(isum);
+      const float* da = quant_impl::q8k_d(col, k);
+      const int16_t* bsums = quant_impl::q8k_bsums(col, k);
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t b = 0; b < ns; ++b) {
+        decode_k<T>(row + b * bsize, &kb);
+        int32_t isum[8] = {0, 0, 0, 0, 0, 0, 0, 0}, msum[8];
+        for (int e = 0; e < QK_K; ++e)
+          isum[e % 32 / 4] += kb.sc[e / 16] * kb.u[e] * q[QK_K * b + e];
+        for (int l = 0; l < 8; ++l) {
+          msum[l] =
+              kb.mn[2 * l] * bsums[16 * b + 2 * l] + kb.mn[2 * l + 1] * bsums[16 * b + 2 * l + 1];
+        }
+        const float dd = kb.d * da[b];
+        if (kb.has_dmin) {
+          const float dm = kb.dmin * da[b];
+          for (int l = 0; l < 8; ++l) {
+            acc[l] = std::fma(dd, static_cast<float>(isum[l]), acc[l]);
+            acc[l] = std::fma(-dm, static_cast<float>(msum[l]), acc[l]);
+          }
+        } else {
+          for (int l = 0; l < 8; ++l)
+            acc[l] = std::fma(dd, static_cast<float>(isum[l] - msum[l]), acc[l]);
+        }
       }
-      out[c * out_stride + r] = acc;
+      out[c * out_stride + r] =
+          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     }
   }
 }
@@ -380,17 +769,32 @@ void tile_float_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows,
   }
 }
 
-const quant_impl::Kernels kScalar = {
-    "scalar",
-    tile_float_scalar<float>,
-    tile_float_scalar<uint16_t>,
-    tile_float_scalar<Bf16>,
-    tile_q8_0_scalar,
-    tile_q4_scalar<false>,
-    tile_q4_scalar<true>,
-    prepare_q8_scalar,
-    prepare_f32_scalar,
-};
+quant_impl::Kernels make_scalar_kernels() {
+  using quant_impl::slot;
+  quant_impl::Kernels k{};
+  k.features = "scalar";
+  k.tile[slot(DType::F32)] = tile_float_scalar<float>;
+  k.tile[slot(DType::F16)] = tile_float_scalar<uint16_t>;
+  k.tile[slot(DType::BF16)] = tile_float_scalar<Bf16>;
+  k.tile[slot(DType::Q4_0)] = tile_q32_scalar<DType::Q4_0>;
+  k.tile[slot(DType::Q4_1)] = tile_q32_scalar<DType::Q4_1>;
+  k.tile[slot(DType::Q5_0)] = tile_q32_scalar<DType::Q5_0>;
+  k.tile[slot(DType::Q5_1)] = tile_q32_scalar<DType::Q5_1>;
+  k.tile[slot(DType::Q8_0)] = tile_q32_scalar<DType::Q8_0>;
+  k.tile[slot(DType::IQ4_NL)] = tile_q32_scalar<DType::IQ4_NL>;
+  k.tile[slot(DType::Q2_K)] = tile_k_scalar<DType::Q2_K>;
+  k.tile[slot(DType::Q3_K)] = tile_k_scalar<DType::Q3_K>;
+  k.tile[slot(DType::Q4_K)] = tile_k_scalar<DType::Q4_K>;
+  k.tile[slot(DType::Q5_K)] = tile_k_scalar<DType::Q5_K>;
+  k.tile[slot(DType::Q6_K)] = tile_k_scalar<DType::Q6_K>;
+  k.tile[slot(DType::IQ4_XS)] = tile_k_scalar<DType::IQ4_XS>;
+  k.prepare[slot(ActLayout::kFloat)] = prepare_f32_scalar;
+  k.prepare[slot(ActLayout::kQ8)] = prepare_q8_scalar;
+  k.prepare[slot(ActLayout::kQ8K)] = prepare_q8k_scalar;
+  return k;
+}
+
+const quant_impl::Kernels kScalar = make_scalar_kernels();
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -435,8 +839,12 @@ const quant_impl::Kernels& kernels() {
   return *k;
 }
 
-bool is_quantized(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
-bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+// The traits of a type the CPU can compute with; throws for any other.
+const TypeTraits& computable_traits(DType t, const char* what) {
+  const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
+  if (traits == nullptr || !traits->computable) not_computable(t, what);
+  return *traits;
+}
 
 }  // namespace
 
@@ -463,58 +871,35 @@ void force_scalar_kernels(bool scalar) { quant_impl::use_kernels(scalar ? &kScal
 const char* cpu_features() { return kernels().features; }
 
 size_t act_row_size(DType weight_type, int64_t n) {
-  if (is_quantized(weight_type)) {
-    check_blocks(weight_type, n, QK, "act_row_size");
-    return quant_impl::q8_act_size(n);
-  }
-  if (is_float(weight_type)) {
-    check_blocks(weight_type, n, 1, "act_row_size");
-    return quant_impl::f32_act_size(n);
+  const TypeTraits& traits = computable_traits(weight_type, "act_row_size");
+  check_blocks(weight_type, n, traits.block_size, "act_row_size");
+  switch (traits.act) {
+    case ActLayout::kFloat:
+      return quant_impl::f32_act_size(n);
+    case ActLayout::kQ8:
+      return quant_impl::q8_act_size(n);
+    case ActLayout::kQ8K:
+      return quant_impl::q8k_act_size(n);
+    case ActLayout::kNone:
+      break;
   }
   not_computable(weight_type, "act_row_size");
 }
 
 void prepare_act(DType weight_type, const float* x, void* dst, int64_t n) {
-  if (is_quantized(weight_type)) {
-    check_blocks(weight_type, n, QK, "prepare_act");
-    kernels().prepare_q8(x, dst, n);
-    return;
-  }
-  if (is_float(weight_type)) {
-    check_blocks(weight_type, n, 1, "prepare_act");
-    kernels().prepare_f32(x, dst, n);
-    return;
-  }
-  not_computable(weight_type, "prepare_act");
+  const TypeTraits& traits = computable_traits(weight_type, "prepare_act");
+  check_blocks(weight_type, n, traits.block_size, "prepare_act");
+  quant_impl::PrepareFn fn = kernels().prepare[quant_impl::slot(traits.act)];
+  if (fn == nullptr) fn = kScalar.prepare[quant_impl::slot(traits.act)];
+  fn(x, dst, n);
 }
 
 void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, int n_rows,
                   const void* act, size_t act_stride, int n_cols, float* out, size_t out_stride) {
-  const quant_impl::Kernels& kern = kernels();
-  quant_impl::TileFn fn = nullptr;
-  switch (weight_type) {
-    case DType::F32:
-      fn = kern.f32;
-      break;
-    case DType::F16:
-      fn = kern.f16;
-      break;
-    case DType::BF16:
-      fn = kern.bf16;
-      break;
-    case DType::Q8_0:
-      fn = kern.q8_0;
-      break;
-    case DType::Q4_0:
-      fn = kern.q4_0;
-      break;
-    case DType::Q4_1:
-      fn = kern.q4_1;
-      break;
-    default:
-      not_computable(weight_type, "mul_mat_tile");
-  }
-  check_blocks(weight_type, k, is_quantized(weight_type) ? QK : 1, "mul_mat_tile");
+  const TypeTraits& traits = computable_traits(weight_type, "mul_mat_tile");
+  check_blocks(weight_type, k, traits.block_size, "mul_mat_tile");
+  quant_impl::TileFn fn = kernels().tile[quant_impl::slot(weight_type)];
+  if (fn == nullptr) fn = kScalar.tile[quant_impl::slot(weight_type)];
   if (n_rows <= 0 || n_cols <= 0) return;
   fn(k, static_cast<const uint8_t*>(w), w_stride, n_rows, static_cast<const uint8_t*>(act),
      act_stride, n_cols, out, out_stride);

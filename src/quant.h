@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace ggraph {
 
@@ -42,11 +43,24 @@ enum class DType : uint32_t {
   MXFP4 = 39,
 };
 
+// How a format's dot product wants its activations prepared (layouts in quant_impl.h).
+enum class ActLayout : uint8_t {
+  kNone,   // the format has no CPU dot product
+  kFloat,  // f32 copy, zero-padded (F32, F16, BF16)
+  kQ8,     // 8-bit, an f32 scale and sum per 32 elements (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL)
+  kQ8K,    // 8-bit, an f32 scale per 256 elements and int16 sums per 16 (K-quants, IQ4_XS)
+};
+
+// Everything ggraph knows about a format lives in one table (dtype.cpp): adding a format means a
+// line there plus its kernels (quant.cpp and the x86 kernel files).
 struct TypeTraits {
   const char* name;    // "Q4_1"
   int64_t block_size;  // elements per block (1 for plain types)
   size_t type_size;    // bytes per block
-  bool computable;     // ggraph can run mat-muls with it (F32 F16 BF16 Q8_0 Q4_0 Q4_1)
+  ActLayout act;       // the activation layout of its CPU dot product; kNone if it has none
+  bool computable;     // ggraph can run mat-muls with it on the CPU (act != kNone)
+  // Decodes n_blocks blocks to floats exactly as ggml does; nullptr if ggraph cannot.
+  void (*to_float)(const void* blocks, float* dst, int64_t n_blocks);
 };
 
 // Returns nullptr for an id that is not a known ggml type.
@@ -55,6 +69,10 @@ const TypeTraits& type_traits(DType t);
 inline const char* type_name(DType t) { return type_traits(t).name; }
 // Bytes of one row of n elements; n must be a multiple of the block size.
 size_t row_size(DType t, int64_t n);
+// The type named `name` ("Q4_K"); throws ArgumentError naming the known types for any other.
+DType type_from_name(const std::string& name);
+// The computable formats' names in the table's order, for error messages: "F32, F16, ..., Q6_K".
+std::string computable_type_names();
 
 // Block layouts (identical to ggml's on-disk formats).
 constexpr int QK = 32;  // elements per block of Q4_0, Q4_1, Q8_0
@@ -158,16 +176,19 @@ uint16_t f32_to_f16(float f);  // round to nearest even
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);  // round to nearest even
 
-// Dequantize n elements (n a multiple of the block size) of a computable type.
+// Dequantize n elements (n a multiple of the block size) of a type the table can decode (every
+// computable type).
 void dequantize_row(DType t, const void* src, float* dst, int64_t n);
-// Reference quantizer (ggml's rounding) for computable types; used by tests and tools.
+// Reference quantizer (ggml's rounding) for F32, F16, BF16, Q8_0, Q4_0 and Q4_1; used by tests,
+// tools and the KV cache. Other types throw ArgumentError.
 void quantize_row(DType t, const float* src, void* dst, int64_t n);
 
 // Activations are prepared once per column into the form the weight type's dot product wants
-// (8-bit blocks for quantized weights, float for float weights), then dotted with many rows.
-// Quantized weights: per 32 elements an f32 scale amax/127, int8 values rounded to nearest even
-// and the f32 sum scale * sum(values). A block holding Inf or NaN gets a NaN scale, so every dot
-// it enters is NaN. act_row_size is a multiple of 64 bytes; pass it as act_stride so columns stay
+// (its traits' ActLayout: 8-bit blocks for quantized weights, float for float weights), then
+// dotted with many rows. kQ8: per 32 elements an f32 scale amax/127, int8 values rounded to
+// nearest even and the f32 sum scale * sum(values). kQ8K: the same per 256 elements, with the
+// int16 sums of each 16 values. A block holding Inf or NaN gets a NaN scale, so every dot it
+// enters is NaN. act_row_size is a multiple of 64 bytes; pass it as act_stride so columns stay
 // cache-line aligned. The kernels read the padding prepare_act writes: always prepare a column.
 size_t act_row_size(DType weight_type, int64_t n);
 void prepare_act(DType weight_type, const float* x, void* dst, int64_t n);

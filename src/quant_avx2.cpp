@@ -10,22 +10,27 @@ namespace ggraph {
 namespace quant_impl {
 namespace {
 
-// 16 vector registers: 2x4 tiles of accumulators leave room for the unpacked weights.
-const Kernels kAvx2 = {
-    "avx2 fma f16c",
-    Tiler<FloatTile<LoadF32>, 4, 3, 4>::run,
-    Tiler<FloatTile<LoadF16>, 4, 3, 4>::run,
-    Tiler<FloatTile<LoadBF16>, 4, 3, 4>::run,
-    Tiler<QuantTile<DotAvx2, Fmt::kQ8_0>, 2, 4, 2>::run,
-    Tiler<QuantTile<DotAvx2, Fmt::kQ4_0>, 2, 4, 2>::run,
-    Tiler<QuantTile<DotAvx2, Fmt::kQ4_1>, 2, 4, 2>::run,
-    prepare_q8_x86,
-    prepare_f32_x86,
-};
+Kernels make_kernels() {
+  Kernels k{};
+  // 16 vector registers: 2x4 tiles of accumulators leave room for the unpacked weights.
+  k.features = "avx2 fma f16c";
+  k.tile[slot(DType::F32)] = Tiler<FloatTile<LoadF32>, 4, 3, 4>::run;
+  k.tile[slot(DType::F16)] = Tiler<FloatTile<LoadF16>, 4, 3, 4>::run;
+  k.tile[slot(DType::BF16)] = Tiler<FloatTile<LoadBF16>, 4, 3, 4>::run;
+  k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ8_0>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_0>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_1>, 2, 4, 2>::run;
+  k.prepare[slot(ActLayout::kFloat)] = prepare_f32_x86;
+  k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
+  return k;
+}
 
 }  // namespace
 
-const Kernels* avx2_kernels() { return &kAvx2; }
+const Kernels* avx2_kernels() {
+  static const Kernels kernels = make_kernels();
+  return &kernels;
+}
 
 }  // namespace quant_impl
 }  // namespace ggraph

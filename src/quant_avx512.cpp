@@ -12,21 +12,26 @@ namespace ggraph {
 namespace quant_impl {
 namespace {
 
-const Kernels kAvx512 = {
-    "avx2 fma f16c avx512vl avx512vnni",
-    Tiler<FloatTile<LoadF32>, 4, 4, 4>::run,
-    Tiler<FloatTile<LoadF16>, 4, 4, 4>::run,
-    Tiler<FloatTile<LoadBF16>, 4, 4, 4>::run,
-    Tiler<QuantTile<DotVnni, Fmt::kQ8_0>, 4, 4, 2>::run,
-    Tiler<QuantTile<DotVnni, Fmt::kQ4_0>, 4, 4, 2>::run,
-    Tiler<QuantTile<DotVnni, Fmt::kQ4_1>, 4, 4, 2>::run,
-    prepare_q8_x86,
-    prepare_f32_x86,
-};
+Kernels make_kernels() {
+  Kernels k{};
+  k.features = "avx2 fma f16c avx512vl avx512vnni";
+  k.tile[slot(DType::F32)] = Tiler<FloatTile<LoadF32>, 4, 4, 4>::run;
+  k.tile[slot(DType::F16)] = Tiler<FloatTile<LoadF16>, 4, 4, 4>::run;
+  k.tile[slot(DType::BF16)] = Tiler<FloatTile<LoadBF16>, 4, 4, 4>::run;
+  k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ8_0>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_0>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_1>, 4, 4, 2>::run;
+  k.prepare[slot(ActLayout::kFloat)] = prepare_f32_x86;
+  k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
+  return k;
+}
 
 }  // namespace
 
-const Kernels* avx512_kernels() { return &kAvx512; }
+const Kernels* avx512_kernels() {
+  static const Kernels kernels = make_kernels();
+  return &kernels;
+}
 
 }  // namespace quant_impl
 }  // namespace ggraph

@@ -5,10 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "quant.h"
+
 namespace ggraph {
 namespace quant_impl {
 
-// A prepared column for quantized weights (Q8_0, Q4_0, Q4_1) of k elements in nb = k/32 blocks:
+// A prepared column for 32-element block formats (ActLayout::kQ8) of k elements in nb = k/32
+// blocks:
 //   int8  q[64 * n_pairs]   blocks in pairs (2p, 2p+1), each pair as 64 bytes:
 //                           [2p: 0..15][2p+1: 0..15][2p: 16..31][2p+1: 16..31]
 //                           (a Q4 block's low nibbles are its elements 0..15, so one 32-byte
@@ -16,7 +19,8 @@ namespace quant_impl {
 //   float ds[2 * n_groups4] per block its scale d = amax/127 and sum s = d * sum(q), interleaved
 // n_pairs = ceil(nb / 2) and n_groups4 = nb rounded up to 4; the padding is zero.
 // A prepared column for float weights is k floats followed by zeros up to a multiple of 8.
-// Both sizes are rounded up to 64 bytes so consecutive columns stay cache-line aligned.
+// Both sizes (and the kQ8K one below) are rounded up to 64 bytes so consecutive columns stay
+// cache-line aligned.
 constexpr int64_t kActAlign = 64;
 inline int64_t act_pairs(int64_t k) { return (k / 32 + 1) / 2; }
 inline int64_t act_blocks4(int64_t k) { return (k / 32 + 3) / 4 * 4; }
@@ -35,16 +39,58 @@ inline const float* act_ds(const void* act, int64_t k) {
   return reinterpret_cast<const float*>(static_cast<const uint8_t*>(act) + 64 * act_pairs(k));
 }
 
+// A prepared column for K-quant weights (ActLayout::kQ8K) of k elements in ns = k/256
+// super-blocks, each quantized with one scale:
+//   int8  q[k]            the values in plain order
+//   float d[ns]           per super-block its scale amax/127 (NaN if it holds Inf or NaN)
+//   int16 bsums[16 * ns]  per 16 values their sum (the K-quants' minimums are dotted with these)
+inline int64_t q8k_blocks(int64_t k) { return k / 256; }
+inline size_t q8k_act_size(int64_t k) { return round_to_align(k + 4 * (k / 256) + 32 * (k / 256)); }
+inline const float* q8k_d(const void* act, int64_t k) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(act) + k);
+}
+inline const int16_t* q8k_bsums(const void* act, int64_t k) {
+  return reinterpret_cast<const int16_t*>(static_cast<const uint8_t*>(act) + k + 4 * (k / 256));
+}
+
 using TileFn = void (*)(int64_t k, const uint8_t* w, size_t w_stride, int n_rows,
                         const uint8_t* act, size_t act_stride, int n_cols, float* out,
                         size_t out_stride);
 using PrepareFn = void (*)(const float* x, void* dst, int64_t k);
+using ToFloatFn = void (*)(const void* blocks, float* dst, int64_t n_blocks);
 
+// Decoders named by the type table (quant.cpp), bit for bit ggml's dequantize_row_*.
+void to_float_f32(const void* blocks, float* dst, int64_t n);
+void to_float_f16(const void* blocks, float* dst, int64_t n);
+void to_float_bf16(const void* blocks, float* dst, int64_t n);
+void to_float_q4_0(const void* blocks, float* dst, int64_t n);
+void to_float_q4_1(const void* blocks, float* dst, int64_t n);
+void to_float_q5_0(const void* blocks, float* dst, int64_t n);
+void to_float_q5_1(const void* blocks, float* dst, int64_t n);
+void to_float_q8_0(const void* blocks, float* dst, int64_t n);
+void to_float_q2_k(const void* blocks, float* dst, int64_t n);
+void to_float_q3_k(const void* blocks, float* dst, int64_t n);
+void to_float_q4_k(const void* blocks, float* dst, int64_t n);
+void to_float_q5_k(const void* blocks, float* dst, int64_t n);
+void to_float_q6_k(const void* blocks, float* dst, int64_t n);
+void to_float_iq4_nl(const void* blocks, float* dst, int64_t n);
+void to_float_iq4_xs(const void* blocks, float* dst, int64_t n);
+
+// The 16 levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+constexpr int kTypeSlots = 40;  // ggml type ids are below this
+constexpr int kActLayouts = 4;  // ActLayout values
+inline int slot(DType t) { return static_cast<int>(t); }
+inline int slot(ActLayout a) { return static_cast<int>(a); }
+
+// A kernel set. A null entry of a vector set means that set runs the scalar kernel for it; the
+// prepared activations must be the same bytes in every set.
 struct Kernels {
-  const char* features;  // what cpu_features() reports while this table is in use
-  TileFn f32, f16, bf16, q8_0, q4_0, q4_1;
-  PrepareFn prepare_q8;   // quantizes a column into the layout above
-  PrepareFn prepare_f32;  // copies a column and zero-pads it
+  const char* features;            // what cpu_features() reports while this set is in use
+  TileFn tile[kTypeSlots];         // by weight type id
+  PrepareFn prepare[kActLayouts];  // by activation layout
 };
 
 // The portable kernels (quant.cpp).

@@ -405,7 +405,7 @@ TEST(Quantize, RejectsPartialBlocksAndOtherTypes) {
   std::vector<uint8_t> buf(1024);
   EXPECT_THROW(quantize_row(DType::Q4_0, x.data(), buf.data(), 48), ArgumentError);
   EXPECT_THROW(dequantize_row(DType::Q8_0, buf.data(), x.data(), 40), ArgumentError);
-  EXPECT_THROW(dequantize_row(DType::Q4_K, buf.data(), x.data(), 256), ArgumentError);
+  EXPECT_THROW(dequantize_row(DType::IQ2_XXS, buf.data(), x.data(), 256), ArgumentError);
   EXPECT_THROW(quantize_row(DType::Q6_K, x.data(), buf.data(), 0), ArgumentError);
 }
 
@@ -752,10 +752,10 @@ TEST(KernelDispatch, InstructionSetsGiveSameBits) {
 TEST(KernelDispatch, RejectsTypesWithoutKernelsAndPartialBlocks) {
   std::vector<uint8_t> buf(4096);
   float out[4];
-  EXPECT_THROW(act_row_size(DType::Q4_K, 256), ArgumentError);
+  EXPECT_THROW(act_row_size(DType::IQ2_XXS, 256), ArgumentError);
   EXPECT_THROW(act_row_size(DType::Q8_0, 48), ArgumentError);
-  EXPECT_THROW(prepare_act(DType::Q5_0, nullptr, buf.data(), 32), ArgumentError);
-  EXPECT_THROW(mul_mat_tile(DType::Q6_K, 256, buf.data(), 256, 1, buf.data(), 256, 1, out, 1),
+  EXPECT_THROW(prepare_act(DType::TQ1_0, nullptr, buf.data(), 256), ArgumentError);
+  EXPECT_THROW(mul_mat_tile(DType::IQ1_S, 256, buf.data(), 256, 1, buf.data(), 256, 1, out, 1),
                ArgumentError);
   EXPECT_THROW(mul_mat_tile(DType::Q4_1, 48, buf.data(), 48, 1, buf.data(), 48, 1, out, 1),
                ArgumentError);
