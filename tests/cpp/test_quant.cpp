@@ -21,10 +21,53 @@
 namespace ggraph {
 namespace {
 
-constexpr DType kComputable[] = {DType::F32,  DType::F16,  DType::BF16,
-                                 DType::Q8_0, DType::Q4_0, DType::Q4_1};
+constexpr DType kComputable[] = {DType::F32,  DType::F16,    DType::BF16,  DType::Q8_0,
+                                 DType::Q4_0, DType::Q4_1,   DType::Q5_0,  DType::Q5_1,
+                                 DType::Q2_K, DType::Q3_K,   DType::Q4_K,  DType::Q5_K,
+                                 DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+// Formats whose dot products accumulate 256-element super-blocks in integers.
+constexpr DType kSuperBlock[] = {DType::Q2_K, DType::Q3_K, DType::Q4_K,
+                                 DType::Q5_K, DType::Q6_K, DType::IQ4_XS};
 
-bool is_quantized(DType t) { return t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1; }
+bool is_quantized(DType t) { return type_traits(t).block_size > 1; }
+bool has_quantizer(DType t) {
+  return !is_quantized(t) || t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1;
+}
+// Elements per activation scale: 32, or 256 for the super-block formats.
+int64_t act_block(DType t) { return type_traits(t).block_size == 256 ? 256 : 32; }
+
+// The format's f16 scale fields and the byte ranges of its quants (ggml's block structs).
+struct FormatLayout {
+  std::vector<int> halves;                  // offsets of f16 fields
+  std::vector<std::pair<int, int>> quants;  // [begin, end) of the quant bytes
+};
+FormatLayout layout_of(DType t) {
+  switch (t) {
+    case DType::Q4_0:
+    case DType::Q8_0:
+    case DType::IQ4_NL:
+      return {{0}, {{2, int(type_traits(t).type_size)}}};
+    case DType::Q4_1:
+      return {{0, 2}, {{4, 20}}};
+    case DType::Q5_0:
+      return {{0}, {{2, 22}}};
+    case DType::Q5_1:
+      return {{0, 2}, {{4, 24}}};
+    case DType::Q2_K:
+      return {{80, 82}, {{16, 80}}};
+    case DType::Q3_K:
+      return {{108}, {{0, 96}}};
+    case DType::Q4_K:
+    case DType::Q5_K:
+      return {{0, 2}, {{16, int(type_traits(t).type_size)}}};
+    case DType::Q6_K:
+      return {{208}, {{0, 192}}};
+    case DType::IQ4_XS:
+      return {{0}, {{8, 136}}};
+    default:
+      return {};
+  }
+}
 
 float bits_float(uint32_t u) {
   float f;
@@ -353,6 +396,7 @@ TEST(Quantize, RoundTripErrorIsWithinTheFormatStep) {
   std::vector<float> x(n), y(n);
   for (float& v : x) v = dist(rng) * (rng() % 2 ? 1.0f : 1e-3f);
   for (DType t : kComputable) {
+    if (!has_quantizer(t)) continue;
     std::vector<uint8_t> data(row_size(t, n));
     quantize_row(t, x.data(), data.data(), n);
     dequantize_row(t, data.data(), y.data(), n);
@@ -424,6 +468,36 @@ struct Problem {
   size_t act_stride = 0;
 };
 
+// A row of a format without a quantizer in ggraph: random quants and scales, with f16 scales of
+// the size a quantizer would give rows of 0.1 * N(0, 1) (the largest the format can hold is about
+// 0.3 on one side).
+void random_row(DType t, int64_t k, std::mt19937& rng, uint8_t* dst) {
+  const FormatLayout layout = layout_of(t);
+  const size_t bsize = type_traits(t).type_size;
+  const int64_t nb = k / type_traits(t).block_size;
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.2f, 1.0f);
+  // Unit of the quants times the sub-block scale, so that values are about 0.3 at most.
+  const float unit = t == DType::Q5_0 || t == DType::Q5_1 ? 0.3f / 31
+                     : t == DType::IQ4_NL                 ? 0.3f / 127
+                     : t == DType::IQ4_XS                 ? 0.3f / (127 * 31)
+                     : t == DType::Q2_K                   ? 0.3f / (3 * 15)
+                     : t == DType::Q3_K                   ? 0.3f / (4 * 31)
+                     : t == DType::Q6_K                   ? 0.3f / (32 * 127)
+                                                          : 0.3f / (31 * 63);
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* blk = dst + i * bsize;
+    for (size_t j = 0; j < bsize; ++j) blk[j] = static_cast<uint8_t>(byte(rng));
+    for (size_t h = 0; h < layout.halves.size(); ++h) {
+      // Q5_1's second half is a minimum in value units; the K-quants' a scale of the minimums.
+      float v = unit * scale(rng);
+      if (t == DType::Q5_1 && h == 1) v = -0.15f * scale(rng);
+      const uint16_t bits = f32_to_f16(rng() % 2 ? v : -v);
+      std::memcpy(blk + layout.halves[h], &bits, 2);
+    }
+  }
+}
+
 Problem make_problem(DType t, int64_t k, int n_rows, int n_cols, std::mt19937& rng) {
   Problem p{t, k, n_rows, n_cols, {}, {}, {}, 0, {}, 0};
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -435,10 +509,15 @@ Problem make_problem(DType t, int64_t k, int n_rows, int n_cols, std::mt19937& r
   p.w.assign(p.w_stride * n_rows, 0xcd);
   p.w_deq.resize(size_t(k) * n_rows);
   for (int r = 0; r < n_rows; ++r) {
-    const float off = offset(rng);
-    for (float& v : row) v = 0.1f * dist(rng) + off;
-    quantize_row(t, row.data(), p.w.data() + r * p.w_stride, k);
-    dequantize_row(t, p.w.data() + r * p.w_stride, p.w_deq.data() + size_t(r) * k, k);
+    uint8_t* w = p.w.data() + r * p.w_stride;
+    if (has_quantizer(t)) {
+      const float off = offset(rng);
+      for (float& v : row) v = 0.1f * dist(rng) + off;
+      quantize_row(t, row.data(), w, k);
+    } else {
+      random_row(t, k, rng, w);
+    }
+    dequantize_row(t, w, p.w_deq.data() + size_t(r) * k, k);
   }
   p.x.resize(size_t(k) * n_cols);
   for (float& v : p.x) v = dist(rng);
@@ -457,44 +536,61 @@ std::vector<float> run_tile(const Problem& p) {
   return out;
 }
 
-// The activation quantization as documented in quant.h, done here independently: per 32
-// elements d = amax / 127 and q = x * (127 / amax) rounded to nearest even.
-std::vector<double> quantized_activation(const float* x, int64_t k) {
+// The activation quantization as documented in quant.h, done here independently: per block of
+// 32 (256 for the super-block formats) d = amax / 127 and q = x * (127 / amax) rounded to
+// nearest even.
+std::vector<double> quantized_activation(DType t, const float* x, int64_t k) {
+  const int64_t qb = act_block(t);
   std::vector<double> out(k);
-  for (int64_t b = 0; b < k / QK; ++b) {
+  for (int64_t b = 0; b < k / qb; ++b) {
     float amax = 0;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(x[b * QK + j]));
+    for (int j = 0; j < qb; ++j) amax = std::max(amax, std::fabs(x[b * qb + j]));
     const float id = amax != 0 ? 127.0f / amax : 0.0f;
     const float d = amax / 127.0f;
-    for (int j = 0; j < QK; ++j) {
-      const float prod = x[b * QK + j] * id;
-      out[b * QK + j] = std::nearbyint(prod) * static_cast<double>(d);
+    for (int j = 0; j < qb; ++j) {
+      const float prod = x[b * qb + j] * id;
+      out[b * qb + j] = std::nearbyint(prod) * static_cast<double>(d);
     }
   }
   return out;
 }
 
+// Each element's minimum: its value with all quant bits zero (-8 d for Q4_0, -dmin m for Q4_K,
+// -32 d sc for Q6_K...), which the kernels sum apart from the scaled quants. The signed formats
+// (Q8_0, IQ4_NL, IQ4_XS) have none.
+std::vector<float> element_minimums(const Problem& p, int r) {
+  std::vector<float> mins(p.k, 0.0f);
+  if (!is_quantized(p.type) || p.type == DType::Q8_0 || p.type == DType::IQ4_NL ||
+      p.type == DType::IQ4_XS) {
+    return mins;
+  }
+  const FormatLayout layout = layout_of(p.type);
+  std::vector<uint8_t> row(p.w.begin() + r * p.w_stride, p.w.begin() + (r + 1) * p.w_stride);
+  const size_t bsize = type_traits(p.type).type_size;
+  for (int64_t b = 0; b < p.k / type_traits(p.type).block_size; ++b) {
+    for (const auto& q : layout.quants) {
+      std::fill(row.begin() + b * bsize + q.first, row.begin() + b * bsize + q.second, 0);
+    }
+  }
+  dequantize_row(p.type, row.data(), mins.data(), p.k);
+  return mins;
+}
+
 // Largest magnitude the kernels may hold in float while summing row r with column c: the
 // quantized formats sum unsigned quants times the scale and add the minimum's term apart, so
-// each element can contribute up to (|w| + 2|m|) |x| with m the block's minimum (-8 d for Q4_0).
+// each element can contribute up to (|w| + 2|m|) |x| with m its minimum.
 double float_magnitude(const Problem& p, int r, const std::vector<double>& xq) {
   const float* w = p.w_deq.data() + size_t(r) * p.k;
-  const size_t bsize = is_quantized(p.type) ? row_size(p.type, QK) : 0;
+  const std::vector<float> mins = element_minimums(p, r);
   double sum = 0;
-  for (int64_t i = 0; i < p.k; ++i) {
-    double m = 0;
-    if (p.type == DType::Q4_0 || p.type == DType::Q4_1) {
-      const uint8_t* blk = p.w.data() + r * p.w_stride + (i / QK) * bsize;
-      m = p.type == DType::Q4_0 ? 8 * std::fabs(half_value(load_u16(blk)))
-                                : std::fabs(half_value(load_u16(blk + 2)));
-    }
-    sum += (std::fabs(w[i]) + 2 * m) * std::fabs(xq[i]);
-  }
+  for (int64_t i = 0; i < p.k; ++i)
+    sum += (std::fabs(w[i]) + 2 * std::fabs(mins[i])) * std::fabs(xq[i]);
   return sum;
 }
 
 // Rounding bound of float summation: a product and one addition per block or element in each
-// of 8 lanes, then the lane sum, all at unit roundoff 2^-24; doubled for second-order terms.
+// of 8 lanes, then the lane sum, all at unit roundoff 2^-24; doubled for second-order terms. The
+// super-block formats round fewer times (a conversion and two fused steps per 256 elements).
 double summation_bound(const Problem& p, double magnitude) {
   const double terms = is_quantized(p.type) ? double(p.k / QK) : double(p.k);
   return (terms + 16) * std::ldexp(1.0, -23) * magnitude;
@@ -505,7 +601,7 @@ void check_against_references(const Problem& p, const std::vector<float>& out,
   for (int c = 0; c < p.n_cols; ++c) {
     const float* x = p.x.data() + size_t(c) * p.k;
     std::vector<double> xq(x, x + p.k);
-    if (is_quantized(p.type)) xq = quantized_activation(x, p.k);
+    if (is_quantized(p.type)) xq = quantized_activation(p.type, x, p.k);
     for (int r = 0; r < p.n_rows; ++r) {
       const float* w = p.w_deq.data() + size_t(r) * p.k;
       double exact = 0, with_xq = 0, abs_dot = 0, act_bound = 0;
@@ -517,11 +613,12 @@ void check_against_references(const Problem& p, const std::vector<float>& out,
       if (is_quantized(p.type)) {
         // 8-bit rounding moves each activation by at most half a step, amax / 254, plus the
         // float rounding of x * (127 / amax) (a few units of 2^-24 relative).
-        for (int64_t b = 0; b < p.k / QK; ++b) {
+        const int64_t qb = act_block(p.type);
+        for (int64_t b = 0; b < p.k / qb; ++b) {
           double amax = 0, wabs = 0;
-          for (int j = 0; j < QK; ++j) {
-            amax = std::max(amax, std::fabs(double(x[b * QK + j])));
-            wabs += std::fabs(double(w[b * QK + j]));
+          for (int j = 0; j < qb; ++j) {
+            amax = std::max(amax, std::fabs(double(x[b * qb + j])));
+            wabs += std::fabs(double(w[b * qb + j]));
           }
           act_bound += amax / 127.0 * (0.5 + 127 * std::ldexp(1.0, -21)) * wabs;
         }
@@ -573,10 +670,11 @@ TEST_P(MulMatTile, MatchesFloat64ReferenceForEveryTypeAndShape) {
   for (DType t : kComputable) {
     std::vector<int64_t> ks = {32, 64, 576, 1536, 4096};
     if (!is_quantized(t)) ks.insert(ks.end(), {1, 7, 33});
+    if (act_block(t) == 256) ks = {256, 768, 2304, 8192};
     for (int64_t k : ks) {
       for (int n_rows : {1, 3, 7, 17}) {
-        for (int n_cols : {1, 3, 7, 17}) {
-          if (k == 4096 && n_rows * n_cols > 50) continue;  // keeps the float64 reference quick
+        for (int n_cols : {1, 3, 7, 9}) {
+          if (k >= 4096 && n_rows * n_cols > 50) continue;  // keeps the float64 reference quick
           const Problem p = make_problem(t, k, n_rows, n_cols, rng);
           check_against_references(p, run_tile(p), label_of(p));
         }
@@ -590,6 +688,7 @@ TEST_P(MulMatTile, SameBitsWhateverTheTileShape) {
   std::mt19937 rng(33);
   for (DType t : kComputable) {
     for (int64_t k : {64, 576, 1536}) {
+      if (act_block(t) == 256) k = k / 64 * 256;
       const Problem p = make_problem(t, k, 37, 13, rng);
       const std::vector<float> whole = run_tile(p);
       // One element per call.
@@ -631,12 +730,14 @@ TEST_P(MulMatTile, SameBitsWhateverTheTileShape) {
 
 TEST_P(MulMatTile, NonFiniteActivationsGiveNaN) {
   std::mt19937 rng(41);
-  for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
-    Problem p = make_problem(t, 64, 3, 2, rng);
-    p.x[40] = std::numeric_limits<float>::infinity();
-    p.x[64 + 3] = std::nanf("");
+  for (DType t : kComputable) {
+    if (!is_quantized(t)) continue;
+    const int64_t k = 2 * act_block(t);
+    Problem p = make_problem(t, k, 3, 2, rng);
+    p.x[k / 2 + 8] = std::numeric_limits<float>::infinity();
+    p.x[k + 3] = std::nanf("");
     for (int c = 0; c < 2; ++c) {
-      prepare_act(t, p.x.data() + c * 64, p.act.data() + c * p.act_stride, 64);
+      prepare_act(t, p.x.data() + c * k, p.act.data() + c * p.act_stride, k);
     }
     const std::vector<float> out = run_tile(p);
     for (float v : out) EXPECT_TRUE(std::isnan(v)) << label_of(p);
@@ -654,6 +755,52 @@ INSTANTIATE_TEST_SUITE_P(Kernels, MulMatTile,
 
 // ---------------------------------------------------------------------------------------------
 // Scalar and vector kernels
+
+// The type table is the one list of computable formats: each has a decoder, an activation layout
+// and a scalar kernel, and the error for any other type names them all.
+TEST(KernelDispatch, TypeTableListsExactlyTheFormatsWithKernels) {
+  std::string names;
+  for (DType t : kComputable) {
+    const TypeTraits& traits = type_traits(t);
+    EXPECT_TRUE(traits.computable) << traits.name;
+    EXPECT_NE(traits.to_float, nullptr) << traits.name;
+    EXPECT_EQ(traits.act, !is_quantized(t)           ? ActLayout::kFloat
+                          : traits.block_size == 256 ? ActLayout::kQ8K
+                                                     : ActLayout::kQ8)
+        << traits.name;
+    EXPECT_NE(quant_impl::scalar_kernels().tile[quant_impl::slot(t)], nullptr) << traits.name;
+    names += std::string(names.empty() ? "" : " ") + traits.name;
+  }
+  std::string listed = computable_type_names();
+  std::replace(listed.begin(), listed.end(), ',', ' ');
+  auto words = [](const std::string& s) {
+    std::vector<std::string> w;
+    size_t i = 0;
+    while (i < s.size()) {
+      const size_t j = s.find(' ', i);
+      const std::string word = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+      if (!word.empty()) w.push_back(word);
+      if (j == std::string::npos) break;
+      i = j + 1;
+    }
+    std::sort(w.begin(), w.end());
+    return w;
+  };
+  EXPECT_EQ(words(listed), words(names));
+  for (uint32_t id = 0; id < 64; ++id) {
+    const TypeTraits* traits = type_traits_or_null(id);
+    if (traits == nullptr || traits->computable) continue;
+    try {
+      act_row_size(static_cast<DType>(id), 256);
+      ADD_FAILURE() << traits->name << " was accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("expected weights of type " + computable_type_names() +
+                                           ", got " + traits->name),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
 
 TEST(KernelDispatch, ReportsFeaturesAndForcesScalar) {
   KernelModeGuard guard;
@@ -676,11 +823,13 @@ TEST(KernelDispatch, PreparedActivationsAreIdenticalBytes) {
   std::normal_distribution<float> dist(0.0f, 3.0f);
   for (DType t : kComputable) {
     for (int64_t k : {32, 96, 576, 4096}) {
+      if (act_block(t) == 256) k = (k + 255) / 256 * 256;
       std::vector<float> x(k);
       for (float& v : x) v = dist(rng);
-      if (k >= 96) {
-        x[33] = std::numeric_limits<float>::infinity();   // second block non-finite
-        std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // third block all zero
+      const int64_t qb = act_block(t);
+      if (k >= 3 * qb) {
+        x[qb + 1] = std::numeric_limits<float>::infinity();       // second block non-finite
+        std::fill(x.begin() + 2 * qb, x.begin() + 3 * qb, 0.0f);  // third block all zero
       }
       const size_t size = act_row_size(t, k);
       std::vector<uint8_t> a(size, 0xaa), b(size, 0x55);
@@ -700,6 +849,7 @@ TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
   std::mt19937 rng(61);
   for (DType t : kComputable) {
     for (int64_t k : {32, 576, 1536}) {
+      if (act_block(t) == 256) k = (k + 255) / 256 * 256;
       const Problem p = make_problem(t, k, 19, 6, rng);
       force_scalar_kernels(true);
       const std::vector<float> scalar = run_tile(p);
@@ -707,12 +857,39 @@ TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
       const std::vector<float> vec = run_tile(p);
       for (int c = 0; c < p.n_cols; ++c) {
         std::vector<double> xq(p.x.begin() + c * k, p.x.begin() + (c + 1) * k);
-        if (is_quantized(t)) xq = quantized_activation(p.x.data() + c * k, k);
+        if (is_quantized(t)) xq = quantized_activation(t, p.x.data() + c * k, k);
         for (int r = 0; r < p.n_rows; ++r) {
           const size_t i = size_t(c) * p.n_rows + r;
           ASSERT_LE(std::fabs(double(scalar[i]) - vec[i]),
                     2 * summation_bound(p, float_magnitude(p, r, xq)) + 1e-30)
               << label_of(p) << " r=" << r << " c=" << c;
+        }
+      }
+    }
+  }
+}
+
+// The super-block formats' scalar kernels follow the vector kernels' integer lanes and fused
+// float steps, so all give the same bits: checked for every instruction set the CPU has.
+TEST(KernelDispatch, SuperBlockFormatsGiveScalarBitsOnEveryInstructionSet) {
+  KernelModeGuard guard;
+  std::mt19937 rng(67);
+  for (const quant_impl::Kernels* set :
+       {quant_impl::avx2_kernels(), quant_impl::avx512_kernels()}) {
+    if (!quant_impl::cpu_supports(set)) continue;
+    for (DType t : kSuperBlock) {
+      for (int64_t k : {256, 1024, 4352}) {
+        for (int n_cols : {1, 2, 5, 9}) {
+          const Problem p = make_problem(t, k, 21, n_cols, rng);
+          quant_impl::use_kernels(&quant_impl::scalar_kernels());
+          const std::vector<float> want = run_tile(p);
+          quant_impl::use_kernels(set);
+          const std::vector<float> got = run_tile(p);
+          for (size_t i = 0; i < want.size(); ++i) {
+            ASSERT_EQ(float_bits(want[i]), float_bits(got[i]))
+                << label_of(p) << " element " << i << ": scalar " << want[i] << ", vector "
+                << got[i];
+          }
         }
       }
     }
@@ -731,6 +908,7 @@ TEST(KernelDispatch, InstructionSetsGiveSameBits) {
   std::mt19937 rng(71);
   for (DType t : kComputable) {
     for (int64_t k : {32, 96, 576, 1536}) {
+      if (act_block(t) == 256) k = (k + 255) / 256 * 256;
       for (int n_cols : {1, 5}) {
         Problem p = make_problem(t, k, 23, n_cols, rng);
         quant_impl::use_kernels(avx2);
