@@ -215,8 +215,9 @@ TEST(CpuOps, RopeBothModesMatchReference) {
 }
 
 // Causal GQA attention over a cache that already holds `n_past` rows, against float64.
+// window > 0: the query at position p sees keys p - window + 1 .. p only.
 void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_past, int n_tok,
-                     std::mt19937& rng) {
+                     std::mt19937& rng, int window = 0) {
   const int n_ctx = n_past + n_tok + 5;
   const int64_t kv_w = int64_t(n_head_kv) * hd;
   const size_t row = row_size(cache_type, kv_w);
@@ -237,7 +238,7 @@ void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_
   g.kv_store(vt, activations(g, v_new, kv_w, n_tok, iv), n_past);
   const float scale = 1.0f / std::sqrt(float(hd));
   g.set_output(g.attention(activations(g, q, int64_t(n_head) * hd, n_tok, iq), kt, vt, n_head,
-                           n_head_kv, hd, scale, n_past + n_tok, n_past));
+                           n_head_kv, hd, scale, n_past + n_tok, n_past, window));
   auto out = run(g);
   // Reference on the values as the cache stores them.
   std::vector<float> kr(k_all.size()), vr(v_all.size());
@@ -252,24 +253,26 @@ void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_
   for (int t = 0; t < n_tok; ++t)
     for (int h = 0; h < n_head; ++h) {
       const int hk = h / (n_head / n_head_kv), len = n_past + t + 1;
-      std::vector<double> s(len);
+      const int first = window > 0 ? std::max(0, len - window) : 0;
+      std::vector<double> s(len, 0.0);
       double mx = -INFINITY, sum = 0;
-      for (int p = 0; p < len; ++p) {
+      for (int p = first; p < len; ++p) {
         double d = 0;
         for (int i = 0; i < hd; ++i)
           d += double(q[(t * n_head + h) * hd + i]) * kr[p * kv_w + hk * hd + i];
         s[p] = d * scale;
         mx = std::max(mx, s[p]);
       }
-      for (auto& v : s) sum += (v = std::exp(v - mx));
+      for (int p = first; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
       for (int i = 0; i < hd; ++i) {
         double acc = 0;
-        for (int p = 0; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * hd + i];
+        for (int p = first; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * hd + i];
         ref[(t * n_head + h) * hd + i] = acc / sum;
       }
     }
-  EXPECT_LT(rel_err(out, ref), 1e-5) << type_name(cache_type) << " heads " << n_head << "/"
-                                     << n_head_kv << " past " << n_past << " tokens " << n_tok;
+  EXPECT_LT(rel_err(out, ref), 1e-5)
+      << type_name(cache_type) << " heads " << n_head << "/" << n_head_kv << " head_dim " << hd
+      << " past " << n_past << " tokens " << n_tok << " window " << window;
 }
 
 TEST(CpuOps, AttentionCausalGqaMatchesReference) {
@@ -279,6 +282,159 @@ TEST(CpuOps, AttentionCausalGqaMatchesReference) {
     check_attention(ct, 9, 3, 64, 0, 7, rng);
     check_attention(ct, 8, 2, 64, 37, 1, rng);
     check_attention(ct, 6, 1, 16, 100, 13, rng);
+    check_attention(ct, 8, 1, 256, 3, 4, rng);  // head_dim 256 with 8 query heads a KV head
+    check_attention(ct, 4, 1, 128, 9, 2, rng);
+  }
+}
+
+// Each run of `group` elements divided by its rms: the per-head q/k norms of Qwen 3 and Gemma 3.
+TEST(CpuOps, GroupedRmsNormMatchesReference) {
+  std::mt19937 rng(8);
+  const struct {
+    int64_t ne0, ne1, group;
+  } cases[] = {{256, 3, 64}, {1024, 5, 256}, {512, 1, 128}, {96, 4, 32}, {64, 2, 64}};
+  for (auto c : cases) {
+    auto x = randn(c.ne0 * c.ne1, rng, 3.0f);
+    // Heads of very different sizes: a norm over the whole column would not rescale each alike.
+    for (int64_t i = 0; i < c.ne0 * c.ne1; ++i)
+      if ((i / c.group) % 2) x[i] *= 20.0f;
+    Graph g;
+    std::vector<int32_t> ids;
+    g.set_output(g.rms_norm(activations(g, x, c.ne0, c.ne1, ids), 1e-6f, c.group));
+    auto out = run(g);
+    std::vector<double> ref(x.size());
+    for (int64_t s = 0; s < c.ne0 * c.ne1; s += c.group) {
+      double ss = 0;
+      for (int64_t i = 0; i < c.group; ++i) ss += double(x[s + i]) * x[s + i];
+      const double scale = 1.0 / std::sqrt(ss / c.group + 1e-6);
+      for (int64_t i = 0; i < c.group; ++i) ref[s + i] = x[s + i] * scale;
+    }
+    EXPECT_LT(rel_err(out, ref), 1e-6) << c.ne0 << "x" << c.ne1 << " group " << c.group;
+  }
+}
+
+// A per-head weight (shorter src1) repeats along the column, with and without column broadcast.
+TEST(CpuOps, AddMulRepeatAShorterOperandAlongTheColumn) {
+  std::mt19937 rng(9);
+  const struct {
+    int64_t ne0, ne1, nb0;
+  } cases[] = {{256, 3, 64}, {1024, 2, 256}, {96, 5, 32}, {64, 1, 64}, {128, 7, 128}};
+  for (auto c : cases) {
+    for (bool per_column : {false, true}) {
+      const int64_t b_cols = per_column ? c.ne1 : 1;
+      auto a = randn(c.ne0 * c.ne1, rng), b = randn(c.nb0 * b_cols, rng);
+      for (bool add : {false, true}) {
+        Graph g;
+        std::vector<int32_t> ia, ib;
+        Tensor* ta = activations(g, a, c.ne0, c.ne1, ia);
+        Tensor* tb = activations(g, b, c.nb0, b_cols, ib);
+        g.set_output(add ? g.add(ta, tb) : g.mul(ta, tb));
+        auto out = run(g);
+        std::vector<double> ref(a.size());
+        for (int64_t j = 0; j < c.ne1; ++j)
+          for (int64_t i = 0; i < c.ne0; ++i) {
+            const double x = a[j * c.ne0 + i];
+            const double y = b[(per_column ? j : 0) * c.nb0 + i % c.nb0];
+            ref[j * c.ne0 + i] = add ? x + y : x * y;
+          }
+        EXPECT_LT(rel_err(out, ref), 1e-7)
+            << (add ? "add " : "mul ") << c.ne0 << "x" << c.ne1 << " by " << c.nb0 << "x" << b_cols;
+      }
+    }
+  }
+}
+
+TEST(CpuOps, ElementwiseRefusesAnOperandThatDoesNotDivideTheColumn) {
+  std::vector<float> a(96 * 2, 1.0f), b(64, 1.0f);
+  Graph g;
+  std::vector<int32_t> ia, ib;
+  Tensor* ta = activations(g, a, 96, 2, ia);
+  Tensor* tb = activations(g, b, 64, 1, ib);
+  EXPECT_ANY_THROW(g.add(ta, tb));
+  EXPECT_ANY_THROW(g.rms_norm(ta, 1e-6f, 64));
+}
+
+// GeGLU with the tanh-approximated GELU (ggml's gelu), over the range where the approximation
+// and its saturation both matter.
+TEST(CpuOps, GegluMatchesTanhGeluReference) {
+  std::mt19937 rng(10);
+  for (Shape s : kShapes) {
+    auto gate = randn(s.ne0 * s.ne1, rng, 4.0f), up = randn(s.ne0 * s.ne1, rng);
+    Graph g;
+    std::vector<int32_t> ig, iu;
+    g.set_output(
+        g.geglu(activations(g, gate, s.ne0, s.ne1, ig), activations(g, up, s.ne0, s.ne1, iu)));
+    auto out = run(g);
+    std::vector<double> ref(gate.size());
+    const double c = std::sqrt(2.0 / M_PI);
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const double x = gate[i];
+      ref[i] = 0.5 * x * (1.0 + std::tanh(c * (x + 0.044715 * x * x * x))) * up[i];
+    }
+    EXPECT_LT(rel_err(out, ref), 1e-6) << s.ne0 << "x" << s.ne1;
+  }
+}
+
+TEST(CpuOps, SoftcapMatchesReferenceAndRefusesBadCaps) {
+  std::mt19937 rng(11);
+  for (float cap : {30.0f, 1.0f, 50.0f}) {
+    auto x = randn(576 * 3, rng, 40.0f);  // values far past the cap saturate
+    Graph g;
+    std::vector<int32_t> ids;
+    g.set_output(g.softcap(activations(g, x, 576, 3, ids), cap));
+    auto out = run(g);
+    std::vector<double> ref(x.size());
+    for (size_t i = 0; i < x.size(); ++i) ref[i] = cap * std::tanh(double(x[i]) / cap);
+    EXPECT_LT(rel_err(out, ref), 1e-6) << "cap " << cap;
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_LE(std::fabs(out[i]), cap) << i;
+  }
+  Graph g;
+  std::vector<float> x(64, 1.0f);
+  std::vector<int32_t> ids;
+  Tensor* t = activations(g, x, 64, 1, ids);
+  EXPECT_ANY_THROW(g.softcap(t, 0.0f));
+  EXPECT_ANY_THROW(g.softcap(t, -30.0f));
+  EXPECT_ANY_THROW(g.softcap(t, INFINITY));
+  EXPECT_ANY_THROW(g.softcap(t, NAN));
+}
+
+TEST(CpuOps, ScaledGetRowsMultipliesEveryGatheredValue) {
+  std::mt19937 rng(12);
+  for (DType type : {DType::F32, DType::Q8_0, DType::Q4_0}) {
+    const int64_t k = 640, n = 9;
+    auto wf = randn(k * n, rng);
+    std::vector<uint8_t> wq(row_size(type, k) * n);
+    for (int64_t r = 0; r < n; ++r)
+      quantize_row(type, wf.data() + r * k, wq.data() + r * row_size(type, k), k);
+    std::vector<int32_t> ids = {8, 0, 4, 4};
+    const float scale = std::sqrt(640.0f);
+    Graph g;
+    g.set_output(g.get_rows(g.weight(type, k, n, wq.data(), "t"),
+                            g.input_i32(int64_t(ids.size()), ids.data(), "ids"), scale));
+    auto out = run(g);
+    std::vector<double> ref;
+    std::vector<float> row(k);
+    for (int32_t id : ids) {
+      dequantize_row(type, wq.data() + id * row_size(type, k), row.data(), k);
+      for (float v : row) ref.push_back(double(v) * std::sqrt(640.0));
+    }
+    EXPECT_LT(rel_err(out, ref), 1e-7) << type_name(type);
+  }
+}
+
+// Sliding windows shorter than the context (the mask shows), as long as it (no-op) and longer;
+// GQA ratios 1 to 8 and head sizes 64 to 256 (attention never assumes n_embd / n_head).
+TEST(CpuOps, WindowedAttentionMatchesReference) {
+  std::mt19937 rng(13);
+  for (DType ct : {DType::F32, DType::F16}) {
+    check_attention(ct, 4, 4, 64, 0, 9, rng, 4);      // prompt past a window of 4
+    check_attention(ct, 4, 2, 128, 30, 1, rng, 8);    // decode step, 23 keys outside
+    check_attention(ct, 8, 2, 256, 20, 13, rng, 16);  // prompt after a past, crossing the edge
+    check_attention(ct, 8, 1, 256, 5, 3, rng, 512);   // window longer than the context
+    check_attention(ct, 16, 2, 64, 40, 1, rng, 41);   // window exactly the context
+    check_attention(ct, 16, 2, 128, 40, 1, rng, 40);  // one key short of it
+    check_attention(ct, 8, 8, 128, 0, 17, rng, 1);    // a window of one: attend to itself
+    check_attention(ct, 32, 4, 64, 64, 5, rng, 32);
   }
 }
 
