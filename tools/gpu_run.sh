@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench, kernels, profile. Logs land in $OUT (default build/gpu-logs).
+# Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench.
+# Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 file
-# may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls.
+# may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls, the Gemma 3
+# 270M file in pieces (.carry/gemma3.partNN, one or more a call; .carry/gemma3.sha256 names the
+# whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -20,6 +23,15 @@ if [ -f /tmp/smol.part1 ] && [ -f /tmp/smol.part2 ] && [ ! -f /tmp/smol.gguf ]; 
   cat /tmp/smol.part1 /tmp/smol.part2 >/tmp/smol.gguf
 fi
 [ -f /tmp/smol.gguf ] && export GGRAPH_SMOLLM2=/tmp/smol.gguf
+for part in .carry/gemma3.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
+if [ -f .carry/gemma3.sha256 ] && [ ! -f /tmp/gemma3.gguf ]; then
+  cat /tmp/gemma3.part* >/tmp/gemma3.partial 2>/dev/null
+  if [ "$(sha256sum </tmp/gemma3.partial | cut -d' ' -f1)" = "$(cat .carry/gemma3.sha256)" ]; then
+    mv /tmp/gemma3.partial /tmp/gemma3.gguf
+  fi
+fi
+[ -f /tmp/gemma3.gguf ] && export GGRAPH_GEMMA3=/tmp/gemma3.gguf
+LLAMA_CPP=/tmp/llama.cpp-build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 for stage in "$@"; do
@@ -85,6 +97,42 @@ for stage in "$@"; do
         grep -E "^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers|Achieved Occ|Issued Warp|No Eligible|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
           "$OUT/profile-$i.txt" | head -24
       done
+      ;;
+    llamacpp)
+      # Builds llama.cpp's llama-bench and llama-batched-bench (CUDA, this GPU) in the
+      # background, in a session of its own so that it outlives this call on a warm machine.
+      if [ ! -x $LLAMA_CPP/bin/llama-bench ] && [ -f .carry/llama.cpp-src.tar.xz ]; then
+        rm -rf /tmp/llama.cpp-src && mkdir -p /tmp/llama.cpp-src
+        tar xJf .carry/llama.cpp-src.tar.xz -C /tmp/llama.cpp-src
+        printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\n' \
+          >/tmp/llama.cpp-src/llama.cpp/tools/CMakeLists.txt
+        setsid nohup bash -c "cmake -S /tmp/llama.cpp-src/llama.cpp -B $LLAMA_CPP -G Ninja \
+          -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+          -DLLAMA_BUILD_APP=OFF && cmake --build $LLAMA_CPP -j $JOBS --target llama-bench \
+          llama-batched-bench && touch $LLAMA_CPP/done" >/tmp/llama.cpp-build.log 2>&1 &
+        echo "llama.cpp build started"
+      fi
+      ;;
+    refbench)
+      # ggraph bench and llama-bench on the same files: $REFBENCH_MODELS (space-separated
+      # paths; default: the Gemma 3 file when present and a 7B-shape Q4_K_M random file).
+      [ -f /tmp/llama2-7b-q4km.gguf ] || python3 -m ggraph.testing /tmp/llama2-7b-q4km.gguf \
+        --shape llama2-7b --type Q4_K_M --seed 1 >/dev/null
+      models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
+      for m in $models; do
+        python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda \
+          --cuda-graphs off,patch 2>&1 | tee -a "$OUT/refbench.md"
+      done
+      for _ in $(seq 60); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      if [ -f $LLAMA_CPP/done ]; then
+        for m in $models; do
+          $LLAMA_CPP/bin/llama-bench -m "$m" -p 512 -n 128 -r 5 -ngl 99 2>&1 |
+            tee -a "$OUT/refbench.md"
+        done
+      else
+        tail -20 /tmp/llama.cpp-build.log
+      fi
       ;;
   esac
   echo "== $stage: $(($(date +%s) - s)) s"
