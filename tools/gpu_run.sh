@@ -4,7 +4,7 @@
 # Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 file
 # may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls, the Gemma 3
-# 270M file in pieces (.carry/gemma3.partNN, one or more a call; .carry/gemma3.sha256 names the
+# 270M file in pieces (.gemma3/gemma3.partNN, one or more a call; .gemma3/gemma3.sha256 names the
 # whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +23,11 @@ if [ -f /tmp/smol.part1 ] && [ -f /tmp/smol.part2 ] && [ ! -f /tmp/smol.gguf ]; 
   cat /tmp/smol.part1 /tmp/smol.part2 >/tmp/smol.gguf
 fi
 [ -f /tmp/smol.gguf ] && export GGRAPH_SMOLLM2=/tmp/smol.gguf
-for part in .carry/gemma3.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
-if [ -f .carry/gemma3.sha256 ] && [ ! -f /tmp/gemma3.gguf ]; then
-  cat /tmp/gemma3.part* >/tmp/gemma3.partial 2>/dev/null
-  if [ "$(sha256sum </tmp/gemma3.partial | cut -d' ' -f1)" = "$(cat .carry/gemma3.sha256)" ]; then
-    mv /tmp/gemma3.partial /tmp/gemma3.gguf
+for part in .gemma3/gemma3.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
+if [ -f .gemma3/gemma3.sha256 ] && [ ! -f /tmp/gemma3.gguf ]; then
+  cat /tmp/gemma3.part* >/tmp/gemma3-assembling 2>/dev/null
+  if [ "$(sha256sum </tmp/gemma3-assembling | cut -d' ' -f1)" = "$(cat .gemma3/gemma3.sha256)" ]; then
+    mv /tmp/gemma3-assembling /tmp/gemma3.gguf
   fi
 fi
 [ -f /tmp/gemma3.gguf ] && export GGRAPH_GEMMA3=/tmp/gemma3.gguf
