@@ -20,7 +20,14 @@ Kernels make_kernels() {
   k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ8_0>, 2, 4, 2>::run;
   k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_0>, 2, 4, 2>::run;
   k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_1>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q2_K)] = Tiler<KQuantTile<DType::Q2_K>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q3_K)] = Tiler<KQuantTile<DType::Q3_K>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q4_K)] = Tiler<KQuantTile<DType::Q4_K>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q5_K)] = Tiler<KQuantTile<DType::Q5_K>, 2, 4, 2>::run;
+  k.tile[slot(DType::Q6_K)] = Tiler<KQuantTile<DType::Q6_K>, 2, 4, 2>::run;
+  k.tile[slot(DType::IQ4_XS)] = Tiler<KQuantTile<DType::IQ4_XS>, 2, 4, 2>::run;
   k.prepare[slot(ActLayout::kFloat)] = prepare_f32_x86;
+  k.prepare[slot(ActLayout::kQ8K)] = prepare_q8k_x86;
   k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
   return k;
 }

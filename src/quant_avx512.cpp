@@ -21,7 +21,14 @@ Kernels make_kernels() {
   k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ8_0>, 4, 4, 2>::run;
   k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_0>, 4, 4, 2>::run;
   k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_1>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q2_K)] = Tiler<KQuantTile<DType::Q2_K>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q3_K)] = Tiler<KQuantTile<DType::Q3_K>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q4_K)] = Tiler<KQuantTile<DType::Q4_K>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q5_K)] = Tiler<KQuantTile<DType::Q5_K>, 4, 4, 2>::run;
+  k.tile[slot(DType::Q6_K)] = Tiler<KQuantTile<DType::Q6_K>, 4, 4, 2>::run;
+  k.tile[slot(DType::IQ4_XS)] = Tiler<KQuantTile<DType::IQ4_XS>, 4, 4, 2>::run;
   k.prepare[slot(ActLayout::kFloat)] = prepare_f32_x86;
+  k.prepare[slot(ActLayout::kQ8K)] = prepare_q8k_x86;
   k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
   return k;
 }

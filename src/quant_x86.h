@@ -14,6 +14,7 @@
 #include <cstring>
 #include <utility>
 
+#include "quant.h"
 #include "quant_impl.h"
 
 namespace ggraph {
@@ -395,6 +396,348 @@ struct QuantTile {
         if (Format<F>::kMin) v += odd_lane_sum(_mm256_load_ps(st.acc_min[r][c]));
         out[c * out_stride + r] = v;
       }
+    }
+  }
+};
+
+// ----- K-quants and IQ4_XS against the kQ8K layout -----------------------------------------------
+
+// A decoded super-block: 8 chunks of 32 quants in element order with the 16-bit scale vector of
+// each ([scale of its first 16 x8][scale of its second 16 x8]), the 16 sub-blocks' minimum
+// multipliers, and the two f16 scales. The values are d (sc u) - dmin mn for formats with a dmin
+// and d (sc u - mn) for the others, as in quant.cpp's decode_k; IQ4_XS's quants are signed.
+struct KSuper {
+  __m256i u[8];
+  __m256i sc[8];
+  __m256i mins;
+  float d, dmin;
+};
+
+// Byte masks that pick 16-bit element ch of each 128-bit lane into all of that lane.
+alignas(32) constexpr uint8_t kPickWord[8][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+     0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
+    {2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5,
+     4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5},
+    {6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7,
+     6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9,
+     8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9},
+    {10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+     10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+     12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13},
+    {14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15,
+     14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Scale vectors of the 8 chunks from 16 int16 sub-block scales laid out even ones in the low
+// lane and odd ones in the high lane (sub-blocks of 16), or the 8 scales in both lanes (of 32).
+inline void spread_scales(__m256i lanes, __m256i* sc) {
+#pragma GCC unroll 8
+  for (int ch = 0; ch < 8; ++ch) {
+    sc[ch] = _mm256_shuffle_epi8(lanes, load256(kPickWord[ch]));
+  }
+}
+
+// 16 int8 scales of sub-blocks of 16 as even-in-low, odd-in-high int16 lanes.
+inline __m256i even_odd_scales(__m128i s8, bool is_signed) {
+  const __m128i eo =
+      _mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+  return is_signed ? _mm256_cvtepi8_epi16(eo) : _mm256_cvtepu8_epi16(eo);
+}
+
+// The 8 six-bit scales (bytes 0..7) and minimums (bytes 8..15) of Q4_K and Q5_K: see
+// quant.cpp's k_scale_min; four bytes at a time.
+inline __m128i k_scales_mins(const uint8_t* s) {
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  const uint32_t sc_lo = a & 0x3f3f3f3f;
+  const uint32_t m_lo = b & 0x3f3f3f3f;
+  const uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 2) & 0x30303030);
+  const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 2) & 0x30303030);
+  return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                        static_cast<int>(m_hi));
+}
+
+// 8 scales of sub-blocks of 32 (bytes 0..7 of s8) in both lanes, and the 16 minimums (bytes
+// 8..15, each repeated for the two halves of its sub-block).
+inline void k32_scales(__m128i sm, KSuper* ks) {
+  spread_scales(_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)), ks->sc);
+  ks->mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+      sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+}
+
+template <DType T>
+inline void decode_k(const uint8_t* blk, KSuper* ks);
+
+template <>
+inline void decode_k<DType::Q2_K>(const uint8_t* blk, KSuper* ks) {
+  const __m128i s8 = load128(blk);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  spread_scales(even_odd_scales(_mm_and_si128(s8, low4), false), ks->sc);
+  ks->mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
+  const __m256i three = _mm256_set1_epi8(3);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = load256(blk + 16 + 32 * h);
+    ks->u[4 * h] = _mm256_and_si256(q, three);
+    ks->u[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), three);
+    ks->u[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), three);
+    ks->u[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), three);
+  }
+  ks->d = half_at(blk + 80);
+  ks->dmin = half_at(blk + 82);
+}
+
+template <>
+inline void decode_k<DType::Q3_K>(const uint8_t* blk, KSuper* ks) {
+  // The 16 six-bit scales of quant.cpp's q3_k_scale, four at a time, offset back by 32.
+  const uint8_t* s = blk + 96;
+  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
+  const __m128i s8 = _mm_sub_epi8(
+      _mm_setr_epi32(static_cast<int>((a & 0x0f0f0f0f) | ((c & 0x03030303) << 4)),
+                     static_cast<int>((b & 0x0f0f0f0f) | (((c >> 2) & 0x03030303) << 4)),
+                     static_cast<int>(((a >> 4) & 0x0f0f0f0f) | (((c >> 4) & 0x03030303) << 4)),
+                     static_cast<int>(((b >> 4) & 0x0f0f0f0f) | (((c >> 6) & 0x03030303) << 4))),
+      _mm_set1_epi8(32));
+  spread_scales(even_odd_scales(s8, true), ks->sc);
+  ks->mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2);  // value = u - 4
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  __m256i hm = load256(blk);  // third bit 4h + s of each byte, moved to bit 0 chunk by chunk
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q = load256(blk + 32 + 32 * h);
+#pragma GCC unroll 4
+    for (int sh = 0; sh < 4; ++sh) {
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * sh), three);
+      ks->u[4 * h + sh] = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(hm, 2), four));
+      hm = _mm256_srli_epi16(hm, 1);
+    }
+  }
+  ks->d = half_at(blk + 108);
+  ks->dmin = 0.0f;
+}
+
+template <>
+inline void decode_k<DType::Q4_K>(const uint8_t* blk, KSuper* ks) {
+  k32_scales(k_scales_mins(blk + 4), ks);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const __m256i q = load256(blk + 16 + 32 * g);
+    ks->u[2 * g] = _mm256_and_si256(q, low4);
+    ks->u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+  }
+  ks->d = half_at(blk);
+  ks->dmin = half_at(blk + 2);
+}
+
+template <>
+inline void decode_k<DType::Q5_K>(const uint8_t* blk, KSuper* ks) {
+  k32_scales(k_scales_mins(blk + 4), ks);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+  __m256i qh = load256(blk + 16);  // fifth bit j of each byte, moved to bit 0 chunk by chunk
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const __m256i q = load256(blk + 48 + 32 * g);
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4);
+    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4);
+    qh = _mm256_srli_epi16(qh, 2);
+    ks->u[2 * g] = _mm256_or_si256(_mm256_and_si256(q, low4), h0);
+    ks->u[2 * g + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), h1);
+  }
+  ks->d = half_at(blk);
+  ks->dmin = half_at(blk + 2);
+}
+
+template <>
+inline void decode_k<DType::Q6_K>(const uint8_t* blk, KSuper* ks) {
+  const __m128i s8 = load128(blk + 192);
+  spread_scales(even_odd_scales(s8, true), ks->sc);
+  ks->mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  // value = u - 32
+  const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = load256(blk + 64 * h), l1 = load256(blk + 64 * h + 32);
+    const __m256i qh = load256(blk + 128 + 32 * h);
+    ks->u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                   _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+    ks->u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                       _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+    ks->u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                       _mm256_and_si256(qh, top2));
+    ks->u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+  }
+  ks->d = half_at(blk + 208);
+  ks->dmin = 0.0f;
+}
+
+template <>
+inline void decode_k<DType::IQ4_XS>(const uint8_t* blk, KSuper* ks) {
+  uint16_t sh;
+  std::memcpy(&sh, blk + 2, 2);
+  alignas(16) int8_t sc[16] = {};
+  for (int j = 0; j < 8; ++j) {
+    const int lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+    sc[j] = static_cast<int8_t>((lo | (((sh >> (2 * j)) & 3) << 4)) - 32);
+  }
+  spread_scales(_mm256_broadcastsi128_si256(
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
+                ks->sc);
+  ks->mins = _mm256_setzero_si256();
+  const __m256i levels =
+      _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    // Bytes 0..15 hold sub-block 2g (low nibbles its first 16 values), bytes 16..31 sub-block
+    // 2g + 1: the lane swap puts each sub-block's 32 values in order.
+    const __m256i q = load256(blk + 8 + 32 * g);
+    const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(q, low4));
+    const __m256i hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+    ks->u[2 * g] = _mm256_permute2x128_si256(lo, hi, 0x20);
+    ks->u[2 * g + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+  }
+  ks->d = half_at(blk);
+  ks->dmin = 0.0f;
+}
+
+void prepare_q8k_x86(const float* x, void* dst, int64_t k) {
+  std::memset(dst, 0, q8k_act_size(k));
+  uint8_t* q = static_cast<uint8_t*>(dst);
+  float* d = reinterpret_cast<float*>(q + k);
+  int16_t* bsums = reinterpret_cast<int16_t*>(q + k + 4 * (k / 256));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  for (int64_t b = 0; b < k / 256; ++b, x += 256, q += 256) {
+    __m256i amax = _mm256_setzero_si256();
+    for (int i = 0; i < 32; ++i) {
+      const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(x + 8 * i));
+      amax = _mm256_max_epu32(amax, _mm256_and_si256(v, abs_mask));
+    }
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(amax), _mm256_extracti128_si256(amax, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    const uint32_t amax_bits = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+    if (amax_bits >= 0x7f800000) {
+      d[b] = __builtin_nanf("");  // the whole super-block shows as NaN in every dot
+      continue;
+    }
+    float amax_f;
+    std::memcpy(&amax_f, &amax_bits, sizeof(amax_f));
+    const __m256 id = _mm256_set1_ps(amax_f != 0.0f ? 127.0f / amax_f : 0.0f);
+    for (int i = 0; i < 8; ++i) {
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j) {
+        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * i + 8 * j), id));
+      }
+      // Sums of values 0..15 and 16..31 of this group of 32.
+      const __m128i s01 = _mm_add_epi32(
+          _mm_add_epi32(_mm256_castsi256_si128(qi[0]), _mm256_extracti128_si256(qi[0], 1)),
+          _mm_add_epi32(_mm256_castsi256_si128(qi[1]), _mm256_extracti128_si256(qi[1], 1)));
+      const __m128i s23 = _mm_add_epi32(
+          _mm_add_epi32(_mm256_castsi256_si128(qi[2]), _mm256_extracti128_si256(qi[2], 1)),
+          _mm_add_epi32(_mm256_castsi256_si128(qi[3]), _mm256_extracti128_si256(qi[3], 1)));
+      __m128i s = _mm_hadd_epi32(s01, s23);
+      s = _mm_hadd_epi32(s, s);
+      bsums[16 * b + 2 * i] = static_cast<int16_t>(_mm_cvtsi128_si32(s));
+      bsums[16 * b + 2 * i + 1] = static_cast<int16_t>(_mm_extract_epi32(s, 1));
+      const __m256i p8 =
+          _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      const __m256i ordered =
+          _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * i), ordered);
+    }
+    d[b] = amax_f / 127.0f;
+  }
+}
+
+// The arithmetic of quant.cpp's tile_k_scalar, 8 lanes at once: per chunk of 32 the exact
+// integer dot of each 4 quants with their activations (maddubs: |u| <= 63 or the signed levels'
+// magnitudes, pairs at most 2 * 127 * 127), times the sub-block scale (madd); per super-block the
+// minimums dotted with the sums of 16, then one or two fused steps into the float lanes.
+template <DType T>
+struct KQuantTile {
+  static constexpr bool kDmin = T == DType::Q2_K || T == DType::Q4_K || T == DType::Q5_K;
+  static constexpr bool kSigned = T == DType::IQ4_XS;
+  static constexpr size_t kBlock = T == DType::Q2_K   ? 84
+                                   : T == DType::Q3_K ? 110
+                                   : T == DType::Q4_K ? 144
+                                   : T == DType::Q5_K ? 176
+                                   : T == DType::Q6_K ? 210
+                                                      : 136;
+
+  static inline __m256i chunk_dot(__m256i u, __m256i a, __m256i sc) {
+    const __m256i p16 = kSigned ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))
+                                : _mm256_maddubs_epi16(u, a);
+    return _mm256_madd_epi16(p16, sc);
+  }
+
+  static inline __m256 step(const KSuper& ks, __m256i isum, __m256i bsums, float da, __m256 acc) {
+    const __m256i msum = _mm256_madd_epi16(bsums, ks.mins);
+    if (kDmin) {
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(ks.d * da), _mm256_cvtepi32_ps(isum), acc);
+      return _mm256_fnmadd_ps(_mm256_set1_ps(ks.dmin * da), _mm256_cvtepi32_ps(msum), acc);
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(ks.d * da),
+                           _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)), acc);
+  }
+
+  template <int NR>
+  static void matvec(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act, float* out,
+                     size_t out_stride) {
+    float v[NR];
+    tile<NR, 1>(k, w, w_stride, act, 0, v, 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) out[r * out_stride] = v[r];
+  }
+
+  template <int NR, int NC>
+  static void tile(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act,
+                   size_t act_stride, float* out, size_t out_stride) {
+    const int64_t ns = k / 256;
+    __m256 acc[NR][NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    }
+    KSuper ks[NR];
+    for (int64_t b = 0; b < ns; ++b) {
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) decode_k<T>(w + r * w_stride + b * kBlock, &ks[r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const uint8_t* col = act + c * act_stride;
+        __m256i isum[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int ch = 0; ch < 8; ++ch) {
+          const __m256i a = load256(col + 256 * b + 32 * ch);
+#pragma GCC unroll 8
+          for (int r = 0; r < NR; ++r) {
+            isum[r] = _mm256_add_epi32(isum[r], chunk_dot(ks[r].u[ch], a, ks[r].sc[ch]));
+          }
+        }
+        const __m256i bsums = load256(reinterpret_cast<const uint8_t*>(q8k_bsums(col, k) + 16 * b));
+        const float da = q8k_d(col, k)[b];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[r][c] = step(ks[r], isum[r], bsums, da, acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) out[c * out_stride + r] = hsum(acc[r][c]);
     }
   }
 };
