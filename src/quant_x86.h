@@ -67,7 +67,7 @@ inline __m128i load128(const uint8_t* p) {
 // Both give, per 32-bit lane l, the exact sum of the 8 products u*s at bytes 4l..4l+3 of the
 // first and of the second pair of operands (u unsigned, s signed).
 struct DotAvx2 {
-  // u <= 15: each 16-bit sum of two products is at most 2*15*127, so two of them still fit.
+  // u <= 31: each 16-bit sum of two products is at most 2*31*127, so two of them still fit.
   static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     const __m256i p16 =
         _mm256_add_epi16(_mm256_maddubs_epi16(ulo, slo), _mm256_maddubs_epi16(uhi, shi));
@@ -148,14 +148,25 @@ void prepare_f32_x86(const float* x, void* dst, int64_t k) {
 
 // ----- quantized weights -----------------------------------------------------------------------
 
-enum class Fmt { kQ4_0, kQ4_1, kQ8_0 };
+enum class Fmt { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kIQ4_NL };
 
 template <Fmt F>
 struct Format {
-  static constexpr size_t kBlock = F == Fmt::kQ4_0 ? 18 : F == Fmt::kQ4_1 ? 20 : 34;
-  static constexpr size_t kQs = F == Fmt::kQ4_1 ? 4 : 2;  // offset of the quants in a block
-  static constexpr bool kNibbles = F != Fmt::kQ8_0;
-  static constexpr bool kMin = F != Fmt::kQ8_0;  // Q4_0 counts as minimum -8 d
+  static constexpr size_t kBlock = F == Fmt::kQ4_0     ? 18
+                                   : F == Fmt::kQ4_1   ? 20
+                                   : F == Fmt::kQ5_0   ? 22
+                                   : F == Fmt::kQ5_1   ? 24
+                                   : F == Fmt::kIQ4_NL ? 18
+                                                       : 34;
+  // Offsets of the quants and of Q5's fifth bits in a block.
+  static constexpr size_t kQs = F == Fmt::kQ4_1 ? 4 : F == Fmt::kQ5_0 ? 6 : F == Fmt::kQ5_1 ? 8 : 2;
+  static constexpr size_t kQh = F == Fmt::kQ5_1 ? 4 : 2;
+  static constexpr bool kFifthBit = F == Fmt::kQ5_0 || F == Fmt::kQ5_1;
+  // Unsigned quants below 32 (the 4- and 5-bit formats) or signed bytes (Q8_0, IQ4_NL's levels).
+  static constexpr bool kNibbles = F != Fmt::kQ8_0 && F != Fmt::kIQ4_NL;
+  // Q4_0 counts as minimum -8 d and Q5_0 as -16 d; Q4_1 and Q5_1 store theirs.
+  static constexpr bool kMin = kNibbles;
+  static constexpr bool kStoredMin = F == Fmt::kQ4_1 || F == Fmt::kQ5_1;
 };
 
 // Scale and minimum of 4 consecutive blocks as [d0 m0 d1 m1 d2 m2 d3 m3]; blocks from nb on give
@@ -171,11 +182,12 @@ inline __m256 block_scales4(const uint8_t* row, int64_t b, int64_t nb) {
   const __m128i x2 = left > 2 ? _mm_cvtsi32_si128(static_cast<int>(load_u32(p + 2 * B))) : zero;
   const __m128i x3 = left > 3 ? _mm_cvtsi32_si128(static_cast<int>(load_u32(p + 3 * B))) : zero;
   __m128i v = _mm_unpacklo_epi64(_mm_unpacklo_epi32(x0, x1), _mm_unpacklo_epi32(x2, x3));
-  if (F != Fmt::kQ4_1) {
+  if (!Format<F>::kStoredMin) {
     v = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
   }
   __m256 f = _mm256_cvtph_ps(v);
   if (F == Fmt::kQ4_0) f = _mm256_mul_ps(f, _mm256_setr_ps(1, -8, 1, -8, 1, -8, 1, -8));
+  if (F == Fmt::kQ5_0) f = _mm256_mul_ps(f, _mm256_setr_ps(1, -16, 1, -16, 1, -16, 1, -16));
   return f;
 }
 
@@ -184,12 +196,35 @@ inline __m256 block_scales4(const uint8_t* row, int64_t b, int64_t nb) {
 template <Fmt F, bool kBoth>
 inline void load_pair(const uint8_t* blk, __m256i* lo, __m256i* hi) {
   constexpr size_t B = Format<F>::kBlock, Q = Format<F>::kQs;
-  if (Format<F>::kNibbles) {
+  if (Format<F>::kNibbles || F == Fmt::kIQ4_NL) {
     const __m128i q1 = kBoth ? load128(blk + B + Q) : _mm_setzero_si128();
     const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(blk + Q)), q1, 1);
     const __m256i mask = _mm256_set1_epi8(0x0f);
     *lo = _mm256_and_si256(v, mask);
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    if (Format<F>::kFifthBit) {
+      // Bit j of a block's 32-bit qh is element j's: bits 0..15 go to lo, 16..31 to hi. Each
+      // byte of lo/hi picks its qh byte, keeps its own bit and turns it into 16.
+      constexpr size_t H = Format<F>::kQh;
+      const uint64_t qh = load_u32(blk + H) | (kBoth ? uint64_t(load_u32(blk + B + H)) << 32 : 0);
+      const __m256i all = _mm256_set1_epi64x(static_cast<int64_t>(qh));
+      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+      const __m256i pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                               4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5);
+      const __m256i pick_hi = _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,  //
+                                               6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7);
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      const __m256i b_lo = _mm256_and_si256(_mm256_shuffle_epi8(all, pick_lo), bit);
+      const __m256i b_hi = _mm256_and_si256(_mm256_shuffle_epi8(all, pick_hi), bit);
+      *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(b_lo, bit), sixteen));
+      *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(b_hi, bit), sixteen));
+    }
+    if (F == Fmt::kIQ4_NL) {
+      const __m256i levels =
+          _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
+      *lo = _mm256_shuffle_epi8(levels, *lo);
+      *hi = _mm256_shuffle_epi8(levels, *hi);
+    }
   } else {
     const __m256i x0 = load256(blk + Q);
     const __m256i x1 = kBoth ? load256(blk + B + Q) : _mm256_setzero_si256();
