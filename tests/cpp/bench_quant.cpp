@@ -61,9 +61,46 @@ struct Matrix {
   std::vector<uint8_t> data;
 };
 
+// Offsets of the f16 fields of formats ggraph has no quantizer for (ggml's block structs).
+std::vector<int> half_fields(DType type) {
+  switch (type) {
+    case DType::Q5_0:
+    case DType::IQ4_NL:
+    case DType::IQ4_XS:
+    case DType::Q6_K:
+      return {type == DType::Q6_K ? 208 : 0};
+    case DType::Q5_1:
+    case DType::Q4_K:
+    case DType::Q5_K:
+      return {0, 2};
+    case DType::Q2_K:
+      return {80, 82};
+    case DType::Q3_K:
+      return {108};
+    default:
+      return {};
+  }
+}
+
+bool has_quantizer(DType type) {
+  return type == DType::F32 || type == DType::F16 || type == DType::BF16 || type == DType::Q8_0 ||
+         type == DType::Q4_0 || type == DType::Q4_1;
+}
+
 Matrix random_matrix(DType type, int64_t k, int64_t rows, std::mt19937& rng) {
   Matrix m{type, k, rows, ggraph::row_size(type, k), {}};
   m.data.resize(m.stride * rows);
+  if (!has_quantizer(type)) {
+    // Random quants with small finite scales: speed does not depend on the values.
+    const auto& traits = ggraph::type_traits(type);
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (uint8_t& b : m.data) b = static_cast<uint8_t>(byte(rng));
+    const uint16_t scale = ggraph::f32_to_f16(1e-3f);
+    for (size_t off = 0; off < m.data.size(); off += traits.type_size) {
+      for (int h : half_fields(type)) std::memcpy(m.data.data() + off + h, &scale, 2);
+    }
+    return m;
+  }
   std::normal_distribution<float> dist(0.0f, 0.05f);
   std::vector<float> row(k);
   for (int64_t r = 0; r < rows; ++r) {
@@ -129,7 +166,7 @@ void bench_matvec(DType type, int64_t k, int64_t rows, int copies, double min_s,
       },
       min_s);
   const double bytes = double(ms[0].data.size());
-  std::printf("  matvec %-5s k=%-5lld rows=%-6lld %-6s %7.2f GB/s  %8.1f us\n",
+  std::printf("  matvec %-6s k=%-5lld rows=%-6lld %-6s %7.2f GB/s  %8.1f us\n",
               ggraph::type_name(type), (long long)k, (long long)rows,
               copies > 1 ? "memory" : "cache", bytes / t / 1e9, t * 1e6);
 }
@@ -154,7 +191,7 @@ void bench_tiles(DType type, int64_t k, int64_t rows, int tile_rows, int n_cols,
         }
       },
       min_s);
-  std::printf("  tiles  %-5s k=%-5lld rows=%-5lld tile %2dx%d  %7.1f GFLOP/s\n",
+  std::printf("  tiles  %-6s k=%-5lld rows=%-5lld tile %2dx%d  %7.1f GFLOP/s\n",
               ggraph::type_name(type), (long long)k, (long long)rows, tile_rows, n_cols,
               2.0 * k * rows * total_cols / t / 1e9);
 }
@@ -249,6 +286,18 @@ int main(int argc, char** argv) {
   bench_matvec(DType::Q4_0, 4096, 11008, 2, min_s, rng);
   bench_matvec(DType::F16, 576, 1536, 1, min_s, rng);
   bench_matvec(DType::F32, 576, 1536, 1, min_s, rng);
+
+  std::printf("mat-vec of every format, 4096 x 11008 from memory, 1 thread:\n");
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::IQ4_NL,
+                  DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS}) {
+    bench_matvec(t, 4096, 11008, 2, min_s, rng);
+  }
+
+  std::printf("tiles of every format, 1 thread (k=1536, 576 rows, tiles 64x4 and 64x8):\n");
+  for (DType t : {DType::Q4_0, DType::Q5_0, DType::Q8_0, DType::IQ4_NL, DType::Q2_K, DType::Q3_K,
+                  DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS}) {
+    for (int nc : {4, 8}) bench_tiles(t, 1536, 576, 64, nc, min_s, rng);
+  }
 
   std::printf("tiles, 1 thread (64 columns, 2*k*rows*cols / thread CPU time):\n");
   for (DType t : {DType::Q4_1, DType::Q4_0, DType::Q8_0}) {
