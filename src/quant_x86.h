@@ -437,17 +437,6 @@ struct QuantTile {
 
 // ----- K-quants and IQ4_XS against the kQ8K layout -----------------------------------------------
 
-// A decoded super-block: 8 chunks of 32 quants in element order with the 16-bit scale vector of
-// each ([scale of its first 16 x8][scale of its second 16 x8]), the 16 sub-blocks' minimum
-// multipliers, and the two f16 scales. The values are d (sc u) - dmin mn for formats with a dmin
-// and d (sc u - mn) for the others, as in quant.cpp's decode_k; IQ4_XS's quants are signed.
-struct KSuper {
-  __m256i u[8];
-  __m256i sc[8];
-  __m256i mins;
-  float d, dmin;
-};
-
 // Byte masks that pick 16-bit element ch of each 128-bit lane into all of that lane.
 alignas(32) constexpr uint8_t kPickWord[8][32] = {
     {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -474,16 +463,13 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Scale vectors of the 8 chunks from 16 int16 sub-block scales laid out even ones in the low
-// lane and odd ones in the high lane (sub-blocks of 16), or the 8 scales in both lanes (of 32).
-inline void spread_scales(__m256i lanes, __m256i* sc) {
-#pragma GCC unroll 8
-  for (int ch = 0; ch < 8; ++ch) {
-    sc[ch] = _mm256_shuffle_epi8(lanes, load256(kPickWord[ch]));
-  }
+// 16-bit shift of every lane by a count known after unrolling: left for n > 0, right for n < 0.
+inline __m256i shift16(__m256i v, int n) {
+  return n > 0 ? _mm256_slli_epi16(v, n) : n < 0 ? _mm256_srli_epi16(v, -n) : v;
 }
 
-// 16 int8 scales of sub-blocks of 16 as even-in-low, odd-in-high int16 lanes.
+// 16 int8 scales of sub-blocks of 16 as even-in-low, odd-in-high int16 lanes, so that picking
+// word ch of each lane gives chunk ch's two scales.
 inline __m256i even_odd_scales(__m128i s8, bool is_signed) {
   const __m128i eo =
       _mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
@@ -502,148 +488,172 @@ inline __m128i k_scales_mins(const uint8_t* s) {
                         static_cast<int>(m_hi));
 }
 
-// 8 scales of sub-blocks of 32 (bytes 0..7 of s8) in both lanes, and the 16 minimums (bytes
-// 8..15, each repeated for the two halves of its sub-block).
-inline void k32_scales(__m128i sm, KSuper* ks) {
-  spread_scales(_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)), ks->sc);
-  ks->mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
-      sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-}
+// A super-block being decoded. The constructor reads its scales: `lanes` holds the sub-block
+// scales as 16-bit words (sub-blocks of 32: the 8 scales in both 128-bit lanes; of 16: even ones
+// low, odd ones high), `mins` the 16 sub-blocks' minimum multipliers, d and dmin the f16 scales.
+// u(ch) decodes chunk ch of 32 quants in element order. The values are d (sc u) - dmin mn for
+// formats with a dmin and d (sc u - mn) for the others, as in quant.cpp's decode_k; IQ4_XS's
+// quants are signed.
+struct KDecoderBase {
+  const uint8_t* blk;
+  __m256i lanes, mins;
+  float d, dmin;
+  __m256i scale(int ch) const { return _mm256_shuffle_epi8(lanes, load256(kPickWord[ch])); }
+};
 
 template <DType T>
-inline void decode_k(const uint8_t* blk, KSuper* ks);
+struct KDecoder;
 
 template <>
-inline void decode_k<DType::Q2_K>(const uint8_t* blk, KSuper* ks) {
-  const __m128i s8 = load128(blk);
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  spread_scales(even_odd_scales(_mm_and_si128(s8, low4), false), ks->sc);
-  ks->mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
-  const __m256i three = _mm256_set1_epi8(3);
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    const __m256i q = load256(blk + 16 + 32 * h);
-    ks->u[4 * h] = _mm256_and_si256(q, three);
-    ks->u[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), three);
-    ks->u[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), three);
-    ks->u[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), three);
+struct KDecoder<DType::Q2_K> : KDecoderBase {
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    const __m128i s8 = load128(b), low4 = _mm_set1_epi8(0x0f);
+    lanes = even_odd_scales(_mm_and_si128(s8, low4), false);
+    mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
+    d = half_at(b + 80);
+    dmin = half_at(b + 82);
   }
-  ks->d = half_at(blk + 80);
-  ks->dmin = half_at(blk + 82);
-}
-
-template <>
-inline void decode_k<DType::Q3_K>(const uint8_t* blk, KSuper* ks) {
-  // The 16 six-bit scales of quant.cpp's q3_k_scale, four at a time, offset back by 32.
-  const uint8_t* s = blk + 96;
-  const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
-  const __m128i s8 = _mm_sub_epi8(
-      _mm_setr_epi32(static_cast<int>((a & 0x0f0f0f0f) | ((c & 0x03030303) << 4)),
-                     static_cast<int>((b & 0x0f0f0f0f) | (((c >> 2) & 0x03030303) << 4)),
-                     static_cast<int>(((a >> 4) & 0x0f0f0f0f) | (((c >> 4) & 0x03030303) << 4)),
-                     static_cast<int>(((b >> 4) & 0x0f0f0f0f) | (((c >> 6) & 0x03030303) << 4))),
-      _mm_set1_epi8(32));
-  spread_scales(even_odd_scales(s8, true), ks->sc);
-  ks->mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2);  // value = u - 4
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-  __m256i hm = load256(blk);  // third bit 4h + s of each byte, moved to bit 0 chunk by chunk
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    const __m256i q = load256(blk + 32 + 32 * h);
-#pragma GCC unroll 4
-    for (int sh = 0; sh < 4; ++sh) {
-      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * sh), three);
-      ks->u[4 * h + sh] = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(hm, 2), four));
-      hm = _mm256_srli_epi16(hm, 1);
-    }
+  __m256i u(int ch) const {
+    const __m256i q = load256(blk + 16 + 32 * (ch / 4));
+    return _mm256_and_si256(shift16(q, -2 * (ch % 4)), _mm256_set1_epi8(3));
   }
-  ks->d = half_at(blk + 108);
-  ks->dmin = 0.0f;
-}
+};
 
 template <>
-inline void decode_k<DType::Q4_K>(const uint8_t* blk, KSuper* ks) {
-  k32_scales(k_scales_mins(blk + 4), ks);
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {
-    const __m256i q = load256(blk + 16 + 32 * g);
-    ks->u[2 * g] = _mm256_and_si256(q, low4);
-    ks->u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+struct KDecoder<DType::Q3_K> : KDecoderBase {
+  __m256i hm;  // third bits: chunk ch's are bit ch of each byte
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    // The 16 six-bit scales of quant.cpp's q3_k_scale, four at a time, offset back by 32.
+    const uint32_t x = load_u32(b + 96), y = load_u32(b + 100), z = load_u32(b + 104);
+    const __m128i s8 = _mm_sub_epi8(
+        _mm_setr_epi32(static_cast<int>((x & 0x0f0f0f0f) | ((z & 0x03030303) << 4)),
+                       static_cast<int>((y & 0x0f0f0f0f) | (((z >> 2) & 0x03030303) << 4)),
+                       static_cast<int>(((x >> 4) & 0x0f0f0f0f) | (((z >> 4) & 0x03030303) << 4)),
+                       static_cast<int>(((y >> 4) & 0x0f0f0f0f) | (((z >> 6) & 0x03030303) << 4))),
+        _mm_set1_epi8(32));
+    lanes = even_odd_scales(s8, true);
+    mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2);  // value = u - 4
+    hm = load256(b);
+    d = half_at(b + 108);
+    dmin = 0.0f;
   }
-  ks->d = half_at(blk);
-  ks->dmin = half_at(blk + 2);
-}
-
-template <>
-inline void decode_k<DType::Q5_K>(const uint8_t* blk, KSuper* ks) {
-  k32_scales(k_scales_mins(blk + 4), ks);
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
-  __m256i qh = load256(blk + 16);  // fifth bit j of each byte, moved to bit 0 chunk by chunk
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {
-    const __m256i q = load256(blk + 48 + 32 * g);
-    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4);
-    const __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4);
-    qh = _mm256_srli_epi16(qh, 2);
-    ks->u[2 * g] = _mm256_or_si256(_mm256_and_si256(q, low4), h0);
-    ks->u[2 * g + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), h1);
+  __m256i u(int ch) const {
+    const __m256i q = load256(blk + 32 + 32 * (ch / 4));
+    const __m256i low = _mm256_and_si256(shift16(q, -2 * (ch % 4)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_and_si256(shift16(hm, 2 - ch), _mm256_set1_epi8(4)));
   }
-  ks->d = half_at(blk);
-  ks->dmin = half_at(blk + 2);
-}
+};
 
 template <>
-inline void decode_k<DType::Q6_K>(const uint8_t* blk, KSuper* ks) {
-  const __m128i s8 = load128(blk + 192);
-  spread_scales(even_odd_scales(s8, true), ks->sc);
-  ks->mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  // value = u - 32
-  const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    const __m256i l0 = load256(blk + 64 * h), l1 = load256(blk + 64 * h + 32);
+struct KDecoder<DType::Q4_K> : KDecoderBase {
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    const __m128i sm = k_scales_mins(b + 4);
+    lanes = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+        sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    d = half_at(b);
+    dmin = half_at(b + 2);
+  }
+  __m256i u(int ch) const {
+    const __m256i q = load256(blk + 16 + 32 * (ch / 2));
+    return _mm256_and_si256(ch % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+  }
+};
+
+template <>
+struct KDecoder<DType::Q5_K> : KDecoderBase {
+  __m256i qh;  // fifth bits: chunk ch's are bit ch of each byte
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    const __m128i sm = k_scales_mins(b + 4);
+    lanes = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+        sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+    qh = load256(b + 16);
+    d = half_at(b);
+    dmin = half_at(b + 2);
+  }
+  __m256i u(int ch) const {
+    const __m256i q = load256(blk + 48 + 32 * (ch / 2));
+    const __m256i nib =
+        _mm256_and_si256(ch % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
+    return _mm256_or_si256(nib, _mm256_and_si256(shift16(qh, 4 - ch), _mm256_set1_epi8(0x10)));
+  }
+};
+
+template <>
+struct KDecoder<DType::Q6_K> : KDecoderBase {
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    const __m128i s8 = load128(b + 192);
+    lanes = even_odd_scales(s8, true);
+    mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  // value = u - 32
+    d = half_at(b + 208);
+    dmin = 0.0f;
+  }
+  __m256i u(int ch) const {
+    const int h = ch / 4, s = ch % 4;
+    const __m256i l = load256(blk + 64 * h + 32 * (s % 2));
     const __m256i qh = load256(blk + 128 + 32 * h);
-    ks->u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                   _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
-    ks->u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                       _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
-    ks->u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                       _mm256_and_si256(qh, top2));
-    ks->u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+    const __m256i lo =
+        _mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
+    return _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * s), _mm256_set1_epi8(0x30)));
   }
-  ks->d = half_at(blk + 208);
-  ks->dmin = 0.0f;
-}
+};
 
 template <>
-inline void decode_k<DType::IQ4_XS>(const uint8_t* blk, KSuper* ks) {
-  uint16_t sh;
-  std::memcpy(&sh, blk + 2, 2);
-  alignas(16) int8_t sc[16] = {};
-  for (int j = 0; j < 8; ++j) {
-    const int lo = (blk[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
-    sc[j] = static_cast<int8_t>((lo | (((sh >> (2 * j)) & 3) << 4)) - 32);
+struct KDecoder<DType::IQ4_XS> : KDecoderBase {
+  __m256i levels;
+  explicit KDecoder(const uint8_t* b) {
+    blk = b;
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    alignas(16) int8_t sc[16] = {};
+    for (int j = 0; j < 8; ++j) {
+      const int lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
+      sc[j] = static_cast<int8_t>((lo | (((sh >> (2 * j)) & 3) << 4)) - 32);
+    }
+    lanes = _mm256_broadcastsi128_si256(
+        _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    mins = _mm256_setzero_si256();
+    levels = _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
+    d = half_at(b);
+    dmin = 0.0f;
   }
-  spread_scales(_mm256_broadcastsi128_si256(
-                    _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
-                ks->sc);
-  ks->mins = _mm256_setzero_si256();
-  const __m256i levels =
-      _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {
+  __m256i u(int ch) const {
     // Bytes 0..15 hold sub-block 2g (low nibbles its first 16 values), bytes 16..31 sub-block
-    // 2g + 1: the lane swap puts each sub-block's 32 values in order.
-    const __m256i q = load256(blk + 8 + 32 * g);
+    // 2g + 1: a lane swap puts each sub-block's 32 values in order.
+    const __m256i q = load256(blk + 8 + 32 * (ch / 2));
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(q, low4));
     const __m256i hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
-    ks->u[2 * g] = _mm256_permute2x128_si256(lo, hi, 0x20);
-    ks->u[2 * g + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+    return ch % 2 ? _mm256_permute2x128_si256(lo, hi, 0x31)
+                  : _mm256_permute2x128_si256(lo, hi, 0x20);
   }
-  ks->d = half_at(blk);
-  ks->dmin = 0.0f;
+};
+
+// A super-block decoded whole, for tiles of several columns that reuse it.
+struct KSuper {
+  __m256i u[8];
+  __m256i sc[8];
+  __m256i mins;
+  float d, dmin;
+};
+
+template <DType T>
+inline void decode_k(const uint8_t* blk, KSuper* ks) {
+  const KDecoder<T> dec(blk);
+#pragma GCC unroll 8
+  for (int ch = 0; ch < 8; ++ch) {
+    ks->u[ch] = dec.u(ch);
+    ks->sc[ch] = dec.scale(ch);
+  }
+  ks->mins = dec.mins;
+  ks->d = dec.d;
+  ks->dmin = dec.dmin;
 }
 
 void prepare_q8k_x86(const float* x, void* dst, int64_t k) {
@@ -716,23 +726,51 @@ struct KQuantTile {
     return _mm256_madd_epi16(p16, sc);
   }
 
-  static inline __m256 step(const KSuper& ks, __m256i isum, __m256i bsums, float da, __m256 acc) {
-    const __m256i msum = _mm256_madd_epi16(bsums, ks.mins);
+  static inline __m256 step(__m256i mins, float d, float dmin, __m256i isum, __m256i bsums,
+                            float da, __m256 acc) {
+    const __m256i msum = _mm256_madd_epi16(bsums, mins);
     if (kDmin) {
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(ks.d * da), _mm256_cvtepi32_ps(isum), acc);
-      return _mm256_fnmadd_ps(_mm256_set1_ps(ks.dmin * da), _mm256_cvtepi32_ps(msum), acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(isum), acc);
+      return _mm256_fnmadd_ps(_mm256_set1_ps(dmin * da), _mm256_cvtepi32_ps(msum), acc);
     }
-    return _mm256_fmadd_ps(_mm256_set1_ps(ks.d * da),
-                           _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * da), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)),
+                           acc);
   }
 
+  // One column: each chunk is decoded right before its dot, so nothing leaves the registers.
   template <int NR>
   static void matvec(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act, float* out,
                      size_t out_stride) {
-    float v[NR];
-    tile<NR, 1>(k, w, w_stride, act, 0, v, 1);
+    static_assert(NR <= 2, "two rows at most: their decoders stay in registers");
+    const int64_t ns = k / 256;
+    const float* da = q8k_d(act, k);
+    const int16_t* bsums = q8k_bsums(act, k);
+    __m256 acc[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) out[r * out_stride] = v[r];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < ns; ++b) {
+      __m256i isum[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) isum[r] = _mm256_setzero_si256();
+      const KDecoder<T> dec0(w + b * kBlock);
+      const KDecoder<T> dec1(w + (NR > 1 ? w_stride : 0) + b * kBlock);
+      const KDecoder<T>* dec[2] = {&dec0, &dec1};
+#pragma GCC unroll 8
+      for (int ch = 0; ch < 8; ++ch) {
+        const __m256i a = load256(act + 256 * b + 32 * ch);
+#pragma GCC unroll 2
+        for (int r = 0; r < NR; ++r) {
+          isum[r] = _mm256_add_epi32(isum[r], chunk_dot(dec[r]->u(ch), a, dec[r]->scale(ch)));
+        }
+      }
+      const __m256i bs = load256(reinterpret_cast<const uint8_t*>(bsums + 16 * b));
+#pragma GCC unroll 2
+      for (int r = 0; r < NR; ++r) {
+        acc[r] = step(dec[r]->mins, dec[r]->d, dec[r]->dmin, isum[r], bs, da[b], acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) out[r * out_stride] = hsum(acc[r]);
   }
 
   template <int NR, int NC>
@@ -766,7 +804,9 @@ struct KQuantTile {
         const __m256i bsums = load256(reinterpret_cast<const uint8_t*>(q8k_bsums(col, k) + 16 * b));
         const float da = q8k_d(col, k)[b];
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; ++r) acc[r][c] = step(ks[r], isum[r], bsums, da, acc[r][c]);
+        for (int r = 0; r < NR; ++r) {
+          acc[r][c] = step(ks[r].mins, ks[r].d, ks[r].dmin, isum[r], bsums, da, acc[r][c]);
+        }
       }
     }
 #pragma GCC unroll 8
