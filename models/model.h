@@ -42,5 +42,6 @@ std::unique_ptr<Model> load_model(const GGUFFile& file, Backend& backend);
 
 // Architecture loaders (one per file in models/).
 std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend);
+std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend);
 
 }  // namespace ggraph
