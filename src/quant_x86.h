@@ -206,13 +206,17 @@ inline void load_pair(const uint8_t* blk, __m256i* lo, __m256i* hi) {
       // Bit j of a block's 32-bit qh is element j's: bits 0..15 go to lo, 16..31 to hi. Each
       // byte of lo/hi picks its qh byte, keeps its own bit and turns it into 16.
       constexpr size_t H = Format<F>::kQh;
-      const uint64_t qh = load_u32(blk + H) | (kBoth ? uint64_t(load_u32(blk + B + H)) << 32 : 0);
-      const __m256i all = _mm256_set1_epi64x(static_cast<int64_t>(qh));
+      // Block b's qh in the low lane, block b + 1's in the high lane (broadcast loads).
+      const __m256i qh0 = _mm256_set1_epi32(static_cast<int>(load_u32(blk + H)));
+      const __m256i all =
+          kBoth ? _mm256_blend_epi32(
+                      qh0, _mm256_set1_epi32(static_cast<int>(load_u32(blk + B + H))), 0xf0)
+                : _mm256_blend_epi32(qh0, _mm256_setzero_si256(), 0xf0);
       const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
       const __m256i pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                               4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5);
+                                               0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
       const __m256i pick_hi = _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,  //
-                                               6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7);
+                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
       const __m256i sixteen = _mm256_set1_epi8(16);
       const __m256i b_lo = _mm256_and_si256(_mm256_shuffle_epi8(all, pick_lo), bit);
       const __m256i b_hi = _mm256_and_si256(_mm256_shuffle_epi8(all, pick_hi), bit);
