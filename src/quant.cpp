@@ -560,28 +560,53 @@ struct Q32Format<DType::IQ4_NL> {
   static float min(const uint8_t*, float) { return 0.0f; }
 };
 
-// Per block the integer dot times both scales; the minimum's term summed apart.
+// The vector kernels' arithmetic (quant_x86.h's QuantTile), lane for lane, so that they give the
+// same bits: blocks in pairs, block 2p + h feeding float lanes 4h..4h+3, lane l of a block the
+// exact integer dot of its elements 4l..4l+3 and 16+4l..16+4l+3, fused with the product of the
+// two block scales; the minimum's products m * s summed per group of 4 blocks into odd lanes; the
+// lanes added in fixed trees at the end.
 template <DType T>
 void tile_q32_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
                      size_t act_stride, int n_cols, float* out, size_t out_stride) {
   const int64_t nb = k / QK;
   const size_t bsize = type_traits(T).type_size;
+  constexpr bool kHasMin = T != DType::Q8_0 && T != DType::IQ4_NL;
   for (int r = 0; r < n_rows; ++r) {
     const uint8_t* row = w + r * w_stride;
     for (int c = 0; c < n_cols; ++c) {
       const uint8_t* col = act + c * act_stride;
       const int8_t* q = reinterpret_cast<const int8_t*>(col);
-      const float* ds = act_ds(col, k);
-      float acc = 0.0f, acc_min = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * bsize;
-        int32_t isum = 0;
-        for (int j = 0; j < QK; ++j) isum += Q32Format<T>::value(blk, j) * q[act_q_offset(b, j)];
-        const float dw = f16_to_f32(load_u16(blk));
-        acc += dw * ds[2 * b] * static_cast<float>(isum);
-        acc_min += Q32Format<T>::min(blk, dw) * ds[2 * b + 1];
+      const float* ds = act_ds(col, k);  // zero past the last block, up to a multiple of 4
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_min[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t g = 0; g < nb; g += 4) {
+        float scale[4];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t b = g + i;
+          float dw = 0.0f, m = 0.0f;
+          if (b < nb) {
+            dw = f16_to_f32(load_u16(row + b * bsize));
+            m = Q32Format<T>::min(row + b * bsize, dw);
+          }
+          scale[i] = dw * ds[2 * b];
+          acc_min[2 * i] += scale[i];
+          acc_min[2 * i + 1] += m * ds[2 * b + 1];
+        }
+        for (int64_t b = g; b < g + 4 && b < nb; ++b) {
+          const uint8_t* blk = row + b * bsize;
+          const int half = static_cast<int>(b % 2);
+          for (int l = 0; l < 4; ++l) {
+            int32_t isum = 0;
+            for (int j : {4 * l, 4 * l + 1, 4 * l + 2, 4 * l + 3, 16 + 4 * l, 17 + 4 * l,
+                          18 + 4 * l, 19 + 4 * l}) {
+              isum += Q32Format<T>::value(blk, j) * q[act_q_offset(b, j)];
+            }
+            acc[4 * half + l] = std::fma(scale[b - g], static_cast<float>(isum), acc[4 * half + l]);
+          }
+        }
       }
-      out[c * out_stride + r] = acc + acc_min;
+      float v = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      if (kHasMin) v += (acc_min[1] + acc_min[5]) + (acc_min[3] + acc_min[7]);
+      out[c * out_stride + r] = v;
     }
   }
 }

@@ -25,10 +25,6 @@ constexpr DType kComputable[] = {DType::F32,  DType::F16,    DType::BF16,  DType
                                  DType::Q4_0, DType::Q4_1,   DType::Q5_0,  DType::Q5_1,
                                  DType::Q2_K, DType::Q3_K,   DType::Q4_K,  DType::Q5_K,
                                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
-// Formats whose dot products accumulate 256-element super-blocks in integers.
-constexpr DType kSuperBlock[] = {DType::Q2_K, DType::Q3_K, DType::Q4_K,
-                                 DType::Q5_K, DType::Q6_K, DType::IQ4_XS};
-
 bool is_quantized(DType t) { return type_traits(t).block_size > 1; }
 bool has_quantizer(DType t) {
   return !is_quantized(t) || t == DType::Q8_0 || t == DType::Q4_0 || t == DType::Q4_1;
@@ -842,8 +838,9 @@ TEST(KernelDispatch, PreparedActivationsAreIdenticalBytes) {
   }
 }
 
-// The vector kernels sum in a different order from the scalar ones: both must land within the
-// float summation bound of the same float64 value, so within twice that bound of each other.
+// Float weights: the vector kernels sum in a different order from the scalar ones (the quantized
+// formats' give the same bits, tested below); both must land within the float summation bound of
+// the same float64 value, so within twice that bound of each other.
 TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
   KernelModeGuard guard;
   std::mt19937 rng(61);
@@ -869,16 +866,18 @@ TEST(KernelDispatch, ScalarAndVectorKernelsAgree) {
   }
 }
 
-// The super-block formats' scalar kernels follow the vector kernels' integer lanes and fused
-// float steps, so all give the same bits: checked for every instruction set the CPU has.
-TEST(KernelDispatch, SuperBlockFormatsGiveScalarBitsOnEveryInstructionSet) {
+// The quantized formats' scalar kernels follow the vector kernels' integer lanes and float
+// steps, so all give the same bits: checked for every instruction set the CPU has.
+TEST(KernelDispatch, QuantizedFormatsGiveScalarBitsOnEveryInstructionSet) {
   KernelModeGuard guard;
   std::mt19937 rng(67);
   for (const quant_impl::Kernels* set :
        {quant_impl::avx2_kernels(), quant_impl::avx512_kernels()}) {
     if (!quant_impl::cpu_supports(set)) continue;
-    for (DType t : kSuperBlock) {
-      for (int64_t k : {256, 1024, 4352}) {
+    for (DType t : kComputable) {
+      if (!is_quantized(t)) continue;
+      for (int64_t k : {32, 96, 256, 1024, 4352}) {
+        if (k % act_block(t) != 0) continue;
         for (int n_cols : {1, 2, 5, 9}) {
           const Problem p = make_problem(t, k, 21, n_cols, rng);
           quant_impl::use_kernels(&quant_impl::scalar_kernels());
