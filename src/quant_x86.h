@@ -613,15 +613,21 @@ struct KDecoder<DType::IQ4_XS> : KDecoderBase {
   __m256i levels;
   explicit KDecoder(const uint8_t* b) {
     blk = b;
+    // The 8 six-bit scales: low nibbles from scales_l, 2-bit high parts from scales_h, each
+    // spread to its own byte by halving the field groups' distances until fields are bytes.
     uint16_t sh;
     std::memcpy(&sh, b + 2, 2);
-    alignas(16) int8_t sc[16] = {};
-    for (int j = 0; j < 8; ++j) {
-      const int lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0f;
-      sc[j] = static_cast<int8_t>((lo | (((sh >> (2 * j)) & 3) << 4)) - 32);
-    }
-    lanes = _mm256_broadcastsi128_si256(
-        _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    uint64_t lo = load_u32(b + 4);
+    lo = (lo | (lo << 16)) & 0x0000ffff0000ffffull;
+    lo = (lo | (lo << 8)) & 0x00ff00ff00ff00ffull;
+    lo = (lo | (lo << 4)) & 0x0f0f0f0f0f0f0f0full;
+    uint64_t hi = sh;
+    hi = (hi | (hi << 24)) & 0x000000ff000000ffull;
+    hi = (hi | (hi << 12)) & 0x000f000f000f000full;
+    hi = (hi | (hi << 6)) & 0x0303030303030303ull;
+    const __m128i s8 =
+        _mm_sub_epi8(_mm_cvtsi64_si128(static_cast<int64_t>(lo | (hi << 4))), _mm_set1_epi8(32));
+    lanes = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
     mins = _mm256_setzero_si256();
     levels = _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
     d = half_at(b);
