@@ -189,6 +189,19 @@ AttnWeights load_attention(ModelLoader& ld, const std::string& p, const Hparams&
   return a;
 }
 
+FfnWeights load_feed_forward(ModelLoader& ld, const std::string& p, const Hparams& hp) {
+  FfnWeights f;
+  f.gate = ld.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
+  f.up = ld.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+  f.down = ld.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
+  return f;
+}
+
+Weight load_output(ModelLoader& ld, const Hparams& hp, const Weight& tok_embd) {
+  return ld.has_tensor("output.weight") ? ld.matrix("output.weight", hp.n_embd, hp.n_vocab)
+                                        : tok_embd;
+}
+
 GraphContext::GraphContext(Graph& graph, const Batch& b, const KvCache& cache, const Hparams& h)
     : g(graph), batch(b), kv(cache), hp(h) {
   tokens = g.input_i32(b.n_tokens, b.tokens, "tokens");

@@ -86,6 +86,9 @@ struct AttnWeights {
 // Loads wq/wk/wv/wo of standard names ("blk.N.attn_q.weight"...) with shapes from hp.
 AttnWeights load_attention(ModelLoader& ld, const std::string& prefix, const Hparams& hp);
 
+// output.weight, or token_embd (tied embeddings) when the file has none.
+Weight load_output(ModelLoader& ld, const Hparams& hp, const Weight& tok_embd);
+
 // One layer's attention choices.
 struct AttnOptions {
   int rope_mode = kRopeNormal;
@@ -97,6 +100,8 @@ struct AttnOptions {
 struct FfnWeights {
   Weight gate, up, down;
 };
+// Loads ffn_gate/ffn_up/ffn_down of standard names with shapes from hp.
+FfnWeights load_feed_forward(ModelLoader& ld, const std::string& prefix, const Hparams& hp);
 enum class Activation { Silu, Gelu };  // the gate's activation: SwiGLU or GeGLU
 
 // One batch's graph under construction: the inputs, the KV cache and the blocks.

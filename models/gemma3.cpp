@@ -52,7 +52,7 @@ std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend) {
   // the head size; the file does not say which, so the layer count does, as in llama.cpp.
   const float scale_dim = hp.n_layer == 62 ? float(hp.n_embd / hp.n_head) : float(hp.head_dim);
 
-  const int64_t E = hp.n_embd, F = hp.n_ff, D = hp.head_dim;
+  const int64_t E = hp.n_embd, D = hp.head_dim;
   m->tok_embd = ld.matrix("token_embd.weight", E, hp.n_vocab);
   for (int il = 0; il < hp.n_layer; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
@@ -63,9 +63,7 @@ std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend) {
     L.attn.k_norm = ld.vector(p + "attn_k_norm.weight", D);
     L.post_attn_norm = ld.vector(p + "post_attention_norm.weight", E);
     L.ffn_norm = ld.vector(p + "ffn_norm.weight", E);
-    L.ffn.gate = ld.matrix(p + "ffn_gate.weight", E, F);
-    L.ffn.up = ld.matrix(p + "ffn_up.weight", E, F);
-    L.ffn.down = ld.matrix(p + "ffn_down.weight", F, E);
+    L.ffn = load_feed_forward(ld, p, hp);
     L.post_ffn_norm = ld.vector(p + "post_ffw_norm.weight", E);
     const bool windowed = hp.window > 0 && (il + 1) % period != 0;
     L.opts.rope_mode = kRopeNeox;
@@ -76,8 +74,7 @@ std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend) {
     m->layers.push_back(L);
   }
   m->output_norm = ld.vector("output_norm.weight", E);
-  m->output = ld.has_tensor("output.weight") ? ld.matrix("output.weight", E, hp.n_vocab)
-                                             : m->tok_embd;  // tied embeddings
+  m->output = load_output(ld, hp, m->tok_embd);
   describe(*m, hp, ld);
   return m;
 }

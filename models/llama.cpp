@@ -45,7 +45,7 @@ std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend) {
   ModelLoader ld(file, backend, "llama");
   m->hp = read_hparams(ld);
   const Hparams& hp = m->hp;
-  const int64_t E = hp.n_embd, F = hp.n_ff;
+  const int64_t E = hp.n_embd;
   m->tok_embd = ld.matrix("token_embd.weight", E, hp.n_vocab);
   for (int il = 0; il < hp.n_layer; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
@@ -53,14 +53,11 @@ std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend) {
     L.attn_norm = ld.vector(p + "attn_norm.weight", E);
     L.attn = load_attention(ld, p, hp);
     L.ffn_norm = ld.vector(p + "ffn_norm.weight", E);
-    L.ffn.gate = ld.matrix(p + "ffn_gate.weight", E, F);
-    L.ffn.up = ld.matrix(p + "ffn_up.weight", E, F);
-    L.ffn.down = ld.matrix(p + "ffn_down.weight", F, E);
+    L.ffn = load_feed_forward(ld, p, hp);
     m->layers.push_back(L);
   }
   m->output_norm = ld.vector("output_norm.weight", E);
-  m->output = ld.has_tensor("output.weight") ? ld.matrix("output.weight", E, hp.n_vocab)
-                                             : m->tok_embd;  // tied embeddings
+  m->output = load_output(ld, hp, m->tok_embd);
   describe(*m, hp, ld);
   return m;
 }

@@ -43,5 +43,8 @@ std::unique_ptr<Model> load_model(const GGUFFile& file, Backend& backend);
 // Architecture loaders (one per file in models/).
 std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend);
 std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend);
+std::unique_ptr<Model> load_qwen2(const GGUFFile& file, Backend& backend);
+std::unique_ptr<Model> load_qwen3(const GGUFFile& file, Backend& backend);
+std::unique_ptr<Model> load_phi3(const GGUFFile& file, Backend& backend);
 
 }  // namespace ggraph
