@@ -24,6 +24,8 @@ class Phi3 final : public Model {
     attn.rope_mode = kRopeNeox;
     attn.rope_base = hp.rope_base;
     attn.scale = 1.0f / std::sqrt(float(hp.head_dim));
+    // A declared window is honoured (Phi-3-mini's 2047); llama.cpp ignores Phi 3's, so their
+    // logits part past that many tokens.
     attn.window = hp.window;
 
     Tensor* x = ctx.embeddings(tok_embd);
