@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstring>
 #include <utility>
 
@@ -512,14 +513,14 @@ template <>
 struct KDecoder<DType::Q2_K> : KDecoderBase {
   explicit KDecoder(const uint8_t* b) {
     blk = b;
-    const __m128i s8 = load128(b), low4 = _mm_set1_epi8(0x0f);
+    const __m128i s8 = load128(b + offsetof(BlockQ2_K, scales)), low4 = _mm_set1_epi8(0x0f);
     lanes = even_odd_scales(_mm_and_si128(s8, low4), false);
     mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4));
-    d = half_at(b + 80);
-    dmin = half_at(b + 82);
+    d = half_at(b + offsetof(BlockQ2_K, d));
+    dmin = half_at(b + offsetof(BlockQ2_K, dmin));
   }
   __m256i u(int ch) const {
-    const __m256i q = load256(blk + 16 + 32 * (ch / 4));
+    const __m256i q = load256(blk + offsetof(BlockQ2_K, qs) + 32 * (ch / 4));
     return _mm256_and_si256(shift16(q, -2 * (ch % 4)), _mm256_set1_epi8(3));
   }
 };
@@ -530,7 +531,9 @@ struct KDecoder<DType::Q3_K> : KDecoderBase {
   explicit KDecoder(const uint8_t* b) {
     blk = b;
     // The 16 six-bit scales of quant.cpp's q3_k_scale, four at a time, offset back by 32.
-    const uint32_t x = load_u32(b + 96), y = load_u32(b + 100), z = load_u32(b + 104);
+    const uint32_t x = load_u32(b + offsetof(BlockQ3_K, scales)),
+                   y = load_u32(b + offsetof(BlockQ3_K, scales) + 4),
+                   z = load_u32(b + offsetof(BlockQ3_K, scales) + 8);
     const __m128i s8 = _mm_sub_epi8(
         _mm_setr_epi32(static_cast<int>((x & 0x0f0f0f0f) | ((z & 0x03030303) << 4)),
                        static_cast<int>((y & 0x0f0f0f0f) | (((z >> 2) & 0x03030303) << 4)),
@@ -539,12 +542,12 @@ struct KDecoder<DType::Q3_K> : KDecoderBase {
         _mm_set1_epi8(32));
     lanes = even_odd_scales(s8, true);
     mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2);  // value = u - 4
-    hm = load256(b);
-    d = half_at(b + 108);
+    hm = load256(b + offsetof(BlockQ3_K, hmask));
+    d = half_at(b + offsetof(BlockQ3_K, d));
     dmin = 0.0f;
   }
   __m256i u(int ch) const {
-    const __m256i q = load256(blk + 32 + 32 * (ch / 4));
+    const __m256i q = load256(blk + offsetof(BlockQ3_K, qs) + 32 * (ch / 4));
     const __m256i low = _mm256_and_si256(shift16(q, -2 * (ch % 4)), _mm256_set1_epi8(3));
     return _mm256_or_si256(low, _mm256_and_si256(shift16(hm, 2 - ch), _mm256_set1_epi8(4)));
   }
@@ -554,15 +557,15 @@ template <>
 struct KDecoder<DType::Q4_K> : KDecoderBase {
   explicit KDecoder(const uint8_t* b) {
     blk = b;
-    const __m128i sm = k_scales_mins(b + 4);
+    const __m128i sm = k_scales_mins(b + offsetof(BlockQ4_K, scales));
     lanes = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
         sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-    d = half_at(b);
-    dmin = half_at(b + 2);
+    d = half_at(b + offsetof(BlockQ4_K, d));
+    dmin = half_at(b + offsetof(BlockQ4_K, dmin));
   }
   __m256i u(int ch) const {
-    const __m256i q = load256(blk + 16 + 32 * (ch / 2));
+    const __m256i q = load256(blk + offsetof(BlockQ4_K, qs) + 32 * (ch / 2));
     return _mm256_and_si256(ch % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
   }
 };
@@ -572,16 +575,16 @@ struct KDecoder<DType::Q5_K> : KDecoderBase {
   __m256i qh;  // fifth bits: chunk ch's are bit ch of each byte
   explicit KDecoder(const uint8_t* b) {
     blk = b;
-    const __m128i sm = k_scales_mins(b + 4);
+    const __m128i sm = k_scales_mins(b + offsetof(BlockQ5_K, scales));
     lanes = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
     mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
         sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-    qh = load256(b + 16);
-    d = half_at(b);
-    dmin = half_at(b + 2);
+    qh = load256(b + offsetof(BlockQ5_K, qh));
+    d = half_at(b + offsetof(BlockQ5_K, d));
+    dmin = half_at(b + offsetof(BlockQ5_K, dmin));
   }
   __m256i u(int ch) const {
-    const __m256i q = load256(blk + 48 + 32 * (ch / 2));
+    const __m256i q = load256(blk + offsetof(BlockQ5_K, qs) + 32 * (ch / 2));
     const __m256i nib =
         _mm256_and_si256(ch % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0f));
     return _mm256_or_si256(nib, _mm256_and_si256(shift16(qh, 4 - ch), _mm256_set1_epi8(0x10)));
@@ -592,16 +595,16 @@ template <>
 struct KDecoder<DType::Q6_K> : KDecoderBase {
   explicit KDecoder(const uint8_t* b) {
     blk = b;
-    const __m128i s8 = load128(b + 192);
+    const __m128i s8 = load128(b + offsetof(BlockQ6_K, scales));
     lanes = even_odd_scales(s8, true);
     mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);  // value = u - 32
-    d = half_at(b + 208);
+    d = half_at(b + offsetof(BlockQ6_K, d));
     dmin = 0.0f;
   }
   __m256i u(int ch) const {
     const int h = ch / 4, s = ch % 4;
-    const __m256i l = load256(blk + 64 * h + 32 * (s % 2));
-    const __m256i qh = load256(blk + 128 + 32 * h);
+    const __m256i l = load256(blk + offsetof(BlockQ6_K, ql) + 64 * h + 32 * (s % 2));
+    const __m256i qh = load256(blk + offsetof(BlockQ6_K, qh) + 32 * h);
     const __m256i lo =
         _mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0f));
     return _mm256_or_si256(lo, _mm256_and_si256(shift16(qh, 4 - 2 * s), _mm256_set1_epi8(0x30)));
@@ -616,8 +619,8 @@ struct KDecoder<DType::IQ4_XS> : KDecoderBase {
     // The 8 six-bit scales: low nibbles from scales_l, 2-bit high parts from scales_h, each
     // spread to its own byte by halving the field groups' distances until fields are bytes.
     uint16_t sh;
-    std::memcpy(&sh, b + 2, 2);
-    uint64_t lo = load_u32(b + 4);
+    std::memcpy(&sh, b + offsetof(BlockIQ4_XS, scales_h), 2);
+    uint64_t lo = load_u32(b + offsetof(BlockIQ4_XS, scales_l));
     lo = (lo | (lo << 16)) & 0x0000ffff0000ffffull;
     lo = (lo | (lo << 8)) & 0x00ff00ff00ff00ffull;
     lo = (lo | (lo << 4)) & 0x0f0f0f0f0f0f0f0full;
@@ -630,13 +633,13 @@ struct KDecoder<DType::IQ4_XS> : KDecoderBase {
     lanes = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
     mins = _mm256_setzero_si256();
     levels = _mm256_broadcastsi128_si256(load128(reinterpret_cast<const uint8_t*>(kIQ4Levels)));
-    d = half_at(b);
+    d = half_at(b + offsetof(BlockIQ4_XS, d));
     dmin = 0.0f;
   }
   __m256i u(int ch) const {
     // Bytes 0..15 hold sub-block 2g (low nibbles its first 16 values), bytes 16..31 sub-block
     // 2g + 1: a lane swap puts each sub-block's 32 values in order.
-    const __m256i q = load256(blk + 8 + 32 * (ch / 2));
+    const __m256i q = load256(blk + offsetof(BlockIQ4_XS, qs) + 32 * (ch / 2));
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(q, low4));
     const __m256i hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
@@ -723,12 +726,12 @@ template <DType T>
 struct KQuantTile {
   static constexpr bool kDmin = T == DType::Q2_K || T == DType::Q4_K || T == DType::Q5_K;
   static constexpr bool kSigned = T == DType::IQ4_XS;
-  static constexpr size_t kBlock = T == DType::Q2_K   ? 84
-                                   : T == DType::Q3_K ? 110
-                                   : T == DType::Q4_K ? 144
-                                   : T == DType::Q5_K ? 176
-                                   : T == DType::Q6_K ? 210
-                                                      : 136;
+  static constexpr size_t kBlock = T == DType::Q2_K   ? sizeof(BlockQ2_K)
+                                   : T == DType::Q3_K ? sizeof(BlockQ3_K)
+                                   : T == DType::Q4_K ? sizeof(BlockQ4_K)
+                                   : T == DType::Q5_K ? sizeof(BlockQ5_K)
+                                   : T == DType::Q6_K ? sizeof(BlockQ6_K)
+                                                      : sizeof(BlockIQ4_XS);
 
   static inline __m256i chunk_dot(__m256i u, __m256i a, __m256i sc) {
     const __m256i p16 = kSigned ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(a, u))
