@@ -1,6 +1,8 @@
 // The x86 kernels built for AVX512 F/BW/VL + VNNI on top of AVX2 + FMA + F16C: the same
-// arithmetic as quant_avx2.cpp with vpdpbusd for the 8-bit dots and 32 vector registers for
-// larger register tiles. quant.cpp calls into it only after checking the running CPU.
+// arithmetic as quant_avx2.cpp with vpdpbusd for the 8-bit dots of the 32-element block formats
+// (the K-quants scale each 4-product sum by its sub-block scale, which maddubs + madd do in as
+// many instructions) and 32 vector registers for larger register tiles. quant.cpp calls into it
+// only after checking the running CPU.
 #include "quant_impl.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
