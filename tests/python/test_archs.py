@@ -148,9 +148,11 @@ def _rope(x, base, neox):
     return np.stack([ra, rb], -1).reshape(x.shape)
 
 
-def reference_logits(arch, w, ids, softcap=None):
-    """float64 logits [T, vocab] of every position."""
-    c = ARCHS[arch]
+def reference_logits(arch, w, ids, softcap=None, window=None):
+    """float64 logits [T, vocab] of every position; window overrides the shape's."""
+    c = dict(ARCHS[arch])
+    if window is not None:
+        c["window"] = window
     e, nh, nkv = c["n_embd"], c["n_head"], c["n_head_kv"]
     hd = c.get("head_dim", e // nh)
     t = len(ids)
@@ -159,7 +161,7 @@ def reference_logits(arch, w, ids, softcap=None):
     for il in range(c["n_layer"]):
         p = f"blk.{il}."
         window, base = c.get("window", 0), ROPE_BASE[arch]
-        if arch == "gemma3":
+        if arch == "gemma3" and window:  # five windowed layers with their own base, one global
             windowed = (il + 1) % 6 != 0
             window, base = (window, 10000.0) if windowed else (0, base)
         h = _rms(x, w[p + "attn_norm.weight"])
@@ -230,6 +232,13 @@ def test_gemma3_soft_caps_the_logits(tmp_path):
     assert np.abs(got).max() <= 3.0
     assert np.abs(reference_logits("gemma3", w, np.array(PROMPT))).max() > 3.0, "cap unused"
     assert _rel(got, ref) < 1e-4
+
+
+def test_gemma3_without_a_window_is_global_everywhere(tmp_path):
+    path = tmp_path / "global.gguf"
+    w = write_arch(path, "gemma3", seed=7, meta={"attention.sliding_window": None})
+    got = ggraph.Model(str(path), device="cpu", n_ctx=64).eval(PROMPT, all_logits=True)
+    assert _rel(got, reference_logits("gemma3", w, np.array(PROMPT), window=0)) < 1e-4
 
 
 def test_window_changes_what_later_positions_see(tmp_path):
