@@ -384,3 +384,17 @@ def test_rope_scaling_and_frequency_factors_are_refused(tmp_path):
         "rope_factors_long.weight': rope frequency factors are not supported",
         tensors={"rope_factors_long.weight": np.ones(8)},
     )
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((N_VOCAB, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(
+        ggraph.GGUFError, match=r"'mamba' \(supported: gemma3, llama, phi3, qwen2, qwen3\)"
+    ):
+        ggraph.Model(str(path), device="cpu")
