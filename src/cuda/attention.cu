@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d) {
+                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window) {
   pdl_begin();
   extern __shared__ float smem[];
   const int n_kv = kv_value(n_kv_at, n_kv_value);
@@ -91,10 +91,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     qs[i] = q[t * q_stride + static_cast<int64_t>(h_first) * head_dim + i] * scale;
   __syncthreads();
 
+  // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
+  // batch reads, from range_begin on, and rows before lo are never read.
   const int lim = min(n_kv, first_pos + t + 1);
-  const int split_len = (n_kv + n_splits - 1) / n_splits;
-  const int k_begin = split * split_len;
-  const int k_end = min(k_begin + split_len, lim);
+  const int lo = window > 0 ? max(0, first_pos + t + 1 - window) : 0;
+  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
+  const int split_len = (n_kv - range_begin + n_splits - 1) / n_splits;
+  const int k_begin = max(lo, range_begin + split * split_len);
+  const int k_end = min(range_begin + (split + 1) * split_len, lim);
 
   float m[G], l[G], acc[G][DI][2];
 #pragma unroll
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_prompt_kernel(const float* q, const __half* kc, const __half* vc, float* out, int n_head,
                        int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_tokens) {
+                       int n_tokens, int window) {
   pdl_begin();
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
@@ -304,7 +308,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 
   const int vec_per_row = head_dim / 8;
-  for (int tile = 0; tile < k_limit; tile += 32) {
+  // With a window, tiles before the first query's first key are skipped unread.
+  const int k_first = window > 0 ? max(0, first_pos + t0 + 1 - window) / 32 * 32 : 0;
+  for (int tile = k_first; tile < k_limit; tile += 32) {
     __syncthreads();  // previous tile fully consumed (and qs written, first time)
     for (int i = threadIdx.x; i < 32 * vec_per_row; i += blockDim.x) {
       const int r = i / vec_per_row, c = i % vec_per_row;
@@ -341,7 +347,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
     for (int qi = 0; qi < QW; ++qi) {
       const int t = t0 + warp * QW + qi;
-      const bool valid = t < n_tokens && j < n_kv && j <= first_pos + t;
+      const bool valid = t < n_tokens && j < n_kv && j <= first_pos + t &&
+                         (window <= 0 || j > first_pos + t - window);
       const float alpha = softmax_step(s[qi], valid, m[qi], l[qi], p[qi]);
 #pragma unroll
       for (int i = 0; i < DI; ++i) acc[qi][i][0] *= alpha, acc[qi][i][1] *= alpha;
@@ -390,7 +397,8 @@ struct AttnKvArgs {
 template <int DI>
 void attention_di(Launcher& l, const float* q, const __half* kc, const __half* vc, float* out,
                   int n_head, int n_head_kv, int head_dim, float scale, int n_tokens,
-                  int n_kv_bucket, const AttnKvArgs& kv, float* partials, uint8_t* quant_ws) {
+                  int n_kv_bucket, const AttnKvArgs& kv, float* partials, uint8_t* quant_ws,
+                  int window) {
   if (n_tokens <= kDecodeAttnMaxTokens) {
     const int group = n_head / n_head_kv;
     // Heads per block: over short contexts one, so that each head's short chain of loads and
@@ -408,7 +416,7 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
     auto launch = [&](auto kernel) {
       l(kernel, grid, block, smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
         kv.n_kv, kv.first_pos, kv.n_kv_at, kv.first_pos_at, n_splits, n_gchunks,
-        n_splits == 1 ? q8.qs : nullptr, q8.ds);
+        n_splits == 1 ? q8.qs : nullptr, q8.ds, window);
     };
     if (g == 1) launch(attn_decode_kernel<DI, 1>);
     if (g == 2) launch(attn_decode_kernel<DI, 2>);
@@ -426,7 +434,7 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
       BQ * head_dim * sizeof(float) + (32 * (head_dim + 4) + 32 * head_dim) * sizeof(__half);
   l(attn_prompt_kernel<DI, QW>, dim3((n_tokens + BQ - 1) / BQ, n_head), dim3(kAttnWarps * 32), smem,
     q, kc, vc, out, n_head, n_head_kv, head_dim, scale, kv.n_kv, kv.first_pos, kv.n_kv_at,
-    kv.first_pos_at, n_tokens);
+    kv.first_pos_at, n_tokens, window);
 }
 
 }  // namespace
@@ -434,27 +442,29 @@ void attention_di(Launcher& l, const float* q, const __half* kc, const __half* v
 void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
                       int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
-                      const int32_t* n_kv_at, const int32_t* first_pos_at, uint8_t* quant_ws) {
+                      const int32_t* n_kv_at, const int32_t* first_pos_at, uint8_t* quant_ws,
+                      int window) {
   if (quant_ws && (head_dim % 32 != 0 || n_tokens > kDecodeAttnMaxTokens))
     throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
   const auto* kc = static_cast<const __half*>(k_cache);
   const auto* vc = static_cast<const __half*>(v_cache);
   // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
   const AttnKvArgs kv{n_kv_at ? 0 : n_kv, first_pos_at ? 0 : first_pos, n_kv_at, first_pos_at};
-  const int bucket = kv_bucket(n_kv);
+  // The split choice follows the keys actually read: with a window, at most window + n_tokens - 1.
+  const int bucket = kv_bucket(window > 0 ? std::min(n_kv, window + n_tokens - 1) : n_kv);
   switch ((head_dim + 63) / 64) {
     case 1:
       return attention_di<1>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws);
+                             bucket, kv, partials, quant_ws, window);
     case 2:
       return attention_di<2>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws);
+                             bucket, kv, partials, quant_ws, window);
     case 3:
       return attention_di<3>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws);
+                             bucket, kv, partials, quant_ws, window);
     case 4:
       return attention_di<4>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws);
+                             bucket, kv, partials, quant_ws, window);
     default:
       throw ArgumentError("attention: head_dim must be at most 256, got " +
                           std::to_string(head_dim));

@@ -141,7 +141,7 @@ void validate_node(const Tensor* t) {
       bad_node(t, "shapes " + shape_str(a) + " and " + shape_str(b) + " differ");
   };
   auto need_broadcast = [&](const Tensor* a, const Tensor* b) {
-    if (b->ne[0] != a->ne[0] || (b->ne[1] != 1 && b->ne[1] != a->ne[1]))
+    if (b->ne[0] <= 0 || a->ne[0] % b->ne[0] != 0 || (b->ne[1] != 1 && b->ne[1] != a->ne[1]))
       bad_node(t, "cannot broadcast " + shape_str(b) + " over " + shape_str(a));
   };
   switch (t->op) {
@@ -155,7 +155,6 @@ void validate_node(const Tensor* t) {
         bad_node(t, std::string("table type ") + (table ? dtype_name(table->type) : "missing") +
                         " is not computable");
       const Tensor* ids = need_src(1, DType::I32);
-      if (t->param_f(0) != 1.0f) bad_node(t, "scaled rows are not supported");
       if (ids->storage == Storage::Input && ids->data) {
         const auto* v = static_cast<const int32_t*>(ids->data);
         for (int64_t i = 0; i < ids->ne[0]; ++i) {
@@ -166,17 +165,25 @@ void validate_node(const Tensor* t) {
       }
       break;
     }
-    case Op::RmsNorm:
-      if (need_src(0, DType::F32)->ne[0] != t->params[kNormGroup])
-        bad_node(t, "only whole-column norms are supported");
+    case Op::RmsNorm: {
+      const int64_t group = t->params[kNormGroup];
+      if (group <= 0 || need_src(0, DType::F32)->ne[0] % group != 0)
+        bad_node(t, "norm group " + std::to_string(group) + " does not divide the width");
       break;
+    }
     case Op::Mul:
     case Op::Add:
       need_broadcast(need_src(0, DType::F32), need_src(1, DType::F32));
       break;
     case Op::Glu:
       need_same(need_src(0, DType::F32), need_src(1, DType::F32));
-      if (t->params[0] != kGluSilu) bad_node(t, "only the SiLU-gated unit is supported");
+      if (t->params[0] != kGluSilu && t->params[0] != kGluGelu)
+        bad_node(t, "unknown gate activation " + std::to_string(t->params[0]));
+      break;
+    case Op::Softcap:
+      need_src(0, DType::F32);
+      if (!(t->param_f(0) > 0.0f && t->param_f(0) < INFINITY))
+        bad_node(t, "cap must be positive and finite");
       break;
     case Op::MulMat: {
       const Tensor* w = t->src[0];
@@ -245,7 +252,7 @@ void validate_node(const Tensor* t) {
                           std::to_string(c->ne[1]));
       }
       if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
-      if (t->params[kAttnWindow] != 0) bad_node(t, "windowed attention is not supported");
+      if (t->params[kAttnWindow] < 0) bad_node(t, "negative window");
       break;
     }
     default:
@@ -408,13 +415,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // kernel does not read everything first: several columns or wide rows).
   auto launch_norm = [&](int ri, const Tensor* add) {
     const Tensor* r = nodes[ri];
-    const bool reads_first = r->ne[1] == 1 && r->ne[0] <= kNormRegElems;
+    // A grouped norm (per-head q/k norms) runs as a norm of as many short columns.
+    const int64_t group = r->params[kNormGroup];
+    const int64_t cols = r->ne[1] * (r->ne[0] / group);
+    const bool reads_first = cols == 1 && group <= kNormRegElems;
     const Tensor* in = add ? add : r->src[0];
     const int mi = next_op(ri);
     const Tensor* next = mi < n ? nodes[mi] : nullptr;
     const Tensor* w = nullptr;
     if (next && next->op == Op::Mul && !done[mi] && uses[ri] == 1 && r != graph.output() &&
-        next->src[0] == r && next->src[1] != r &&
+        next->src[0] == r && next->src[1] != r && next->src[1]->ne[0] == group &&
+        (next->src[1]->ne[1] == 1 || group == r->ne[0]) &&
         (!scratch_overlap(next, in) || (reads_first && !add)))
       w = next->src[1];
     const Tensor* out = w ? next : r;
@@ -433,8 +444,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       a.w_fixed = w->storage == Storage::Weight;
     }
     a.dst = fptr(out);
-    a.quant_ws = q8_output(out);
-    launch_rms_norm(l, a, r->ne[0], r->ne[1], r->param_f(0));
+    a.quant_ws = q8_output(out, group == r->ne[0]);
+    launch_rms_norm(l, a, group, cols, r->param_f(kNormEps));
     done[ri] = 1;
     if (w) done[mi] = 1;
     return true;
@@ -450,7 +461,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       case Op::GetRows:
         launch_get_rows(l, t->src[0]->type, ptr(t->src[0]), t->src[0]->ne[0], t->src[0]->ne[1],
                         static_cast<const int32_t*>(ptr(t->src[1])),
-                        static_cast<int>(t->src[1]->ne[0]), fptr(t));
+                        static_cast<int>(t->src[1]->ne[0]), fptr(t), t->param_f(0));
         break;
       case Op::RmsNorm:
         launch_norm(i, nullptr);
@@ -460,21 +471,24 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const int ri = next_op(i);
         const Tensor* r = ri < n ? nodes[ri] : nullptr;
         if (r && r->op == Op::RmsNorm && r->src[0] == t && t->src[1]->ne[1] == t->ne[1] &&
-            launch_norm(ri, t))
+            t->src[1]->ne[0] == t->ne[0] && r->params[kNormGroup] == r->ne[0] && launch_norm(ri, t))
           break;
         launch_binary(l, 0, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
-                      t->src[0]->ne[0], t->src[0]->ne[1]);
+                      t->src[0]->ne[0], t->src[0]->ne[1], t->src[1]->ne[0]);
         break;
       }
       case Op::Mul:
         launch_binary(l, 1, fptr(t->src[0]), fptr(t->src[1]), t->src[1]->ne[1], fptr(t),
-                      t->src[0]->ne[0], t->src[0]->ne[1]);
+                      t->src[0]->ne[0], t->src[0]->ne[1], t->src[1]->ne[0]);
         break;
       case Op::Glu: {
-        launch_swiglu(l, fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
-                      q8_output(t));
+        launch_glu(l, t->params[0], fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
+                   q8_output(t));
         break;
       }
+      case Op::Softcap:
+        launch_softcap(l, fptr(t->src[0]), fptr(t), t->n_elements(), t->param_f(0));
+        break;
       case Op::MulMat: {
         const Tensor* w = t->src[0];
         const Tensor* x = t->src[1];
@@ -609,7 +623,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                          fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
                          t->params[kAttnHeadDim], scale, n_tokens, t->kv[kAttnNKv],
                          t->kv[kAttnFirstPos], buf.attn, kv_at(t->kv[kAttnNKv]),
-                         kv_at(t->kv[kAttnFirstPos]), q);
+                         kv_at(t->kv[kAttnFirstPos]), q, t->params[kAttnWindow]);
         break;
       }
       default:
@@ -674,9 +688,16 @@ class CudaBackend : public Backend {
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
 
+  // Formats without CUDA kernels of their own (Q5_0, Q5_1, the K-quants, IQ4_NL/XS) are decoded
+  // to F16 on upload, so that every file the CPU runs runs here too (F16 reads 16 bits a weight).
+  DType stored_type(DType type) const override {
+    return is_computable(type) || !type_traits(type).computable ? type : DType::F16;
+  }
+
   void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
                       const std::string& name) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    if (stored_type(type) != type) return upload_decoded(host, bytes, type, ne0, ne1, name);
     if (is_quantized(type) && (ne0 % 32 != 0 || bytes != row_bytes(type, ne0) * size_t(ne1)))
       throw ArgumentError(
           "weight " + name + ": " + std::to_string(bytes) + " bytes for a " + dtype_name(type) +
@@ -719,6 +740,42 @@ class CudaBackend : public Backend {
     if (err == cudaSuccess) err = synced;
     cudaFree(staging);
     GGRAPH_CUDA_CHECK(err);
+    return p;
+  }
+
+  // Decodes the rows on the host, a chunk at a time, and uploads them as F16.
+  void* upload_decoded(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
+                       const std::string& name) {
+    const size_t src_row = row_size(type, ne0);
+    if (bytes != src_row * static_cast<size_t>(ne1))
+      throw ArgumentError("weight " + name + ": " + std::to_string(bytes) + " bytes for a " +
+                          type_name(type) + " [" + std::to_string(ne0) + ", " +
+                          std::to_string(ne1) + "], expected " +
+                          std::to_string(src_row * static_cast<size_t>(ne1)));
+    const size_t dst_row = static_cast<size_t>(ne0) * sizeof(uint16_t);
+    const size_t dst_bytes = dst_row * static_cast<size_t>(ne1);
+    void* p = device_alloc(dst_bytes + kWeightPadding, "weight " + name);
+    allocations_.push_back(p);
+    GGRAPH_CUDA_CHECK(
+        cudaMemsetAsync(static_cast<uint8_t*>(p) + dst_bytes, 0, kWeightPadding, stream_));
+    const int64_t chunk_rows =
+        std::max<int64_t>(1, static_cast<int64_t>(kWeightStagingBytes / dst_row));
+    std::vector<float> row(static_cast<size_t>(ne0));
+    std::vector<uint16_t> chunk(static_cast<size_t>(std::min(chunk_rows, ne1) * ne0));
+    for (int64_t r0 = 0; r0 < ne1; r0 += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, ne1 - r0);
+      for (int64_t r = 0; r < n; ++r) {
+        dequantize_row(type, static_cast<const uint8_t*>(host) + (r0 + r) * src_row, row.data(),
+                       ne0);
+        uint16_t* h = chunk.data() + r * ne0;
+        for (int64_t i = 0; i < ne0; ++i) h[i] = f32_to_f16(row[static_cast<size_t>(i)]);
+      }
+      // The host chunk is refilled next round: wait for its copy.
+      GGRAPH_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(p) + r0 * dst_row, chunk.data(),
+                                        static_cast<size_t>(n) * dst_row, cudaMemcpyHostToDevice,
+                                        stream_));
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     return p;
   }
 

@@ -20,7 +20,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <int TYPE>
 __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_rows,
-                                size_t row_stride, const int32_t* ids, float* dst) {
+                                size_t row_stride, const int32_t* ids, float* dst, float scale) {
   pdl_begin();
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
@@ -38,9 +38,10 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
         table + static_cast<size_t>(n_rows) * row_stride +
         static_cast<size_t>(id) * nb * split_format(static_cast<DType>(TYPE)).scale_bytes;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
-      out[i] = load_split_elem<TYPE>(row, scales, i);
+      out[i] = load_split_elem<TYPE>(row, scales, i) * scale;
   } else {
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = load_elem<TYPE>(row, i);
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
+      out[i] = load_elem<TYPE>(row, i) * scale;
   }
 }
 
@@ -147,26 +148,40 @@ __global__ void __launch_bounds__(1024)
 
 template <int OP>
 __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, float* dst,
-                              int64_t ne0) {
+                              int64_t ne0, int64_t b_ne0) {
   pdl_begin();
   const int64_t col = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= ne0) return;
   const float x = a[col * ne0 + i];
-  const float z = b[(b_cols == 1 ? 0 : col * ne0) + i];
+  const float z = b[(b_cols == 1 ? 0 : col * b_ne0) + (b_ne0 == ne0 ? i : i % b_ne0)];
   dst[col * ne0 + i] = OP == 0 ? x + z : x * z;
 }
 
 // qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range).
-__global__ void swiglu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
-                              float2* ds) {
+template <int ACT>
+__global__ void glu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
+                           float2* ds) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = gate[i];
-  const float v = g / (1.0f + expf(-g)) * up[i];
+  float a;
+  if constexpr (ACT == kGluGelu) {
+    // The tanh approximation, as the CPU backend computes it.
+    a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+  } else {
+    a = g / (1.0f + expf(-g));
+  }
+  const float v = a * up[i];
   dst[i] = v;
   if (qs) quantize_warp_block(v, i, qs, ds);
+}
+
+__global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap) {
+  pdl_begin();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = cap * tanhf(x[i] / cap);
 }
 
 // ---- rope ----------------------------------------------------------------------------------
@@ -375,7 +390,7 @@ __global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_
 }  // namespace
 
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
-                     const int32_t* ids, int n_ids, float* dst) {
+                     const int32_t* ids, int n_ids, float* dst, float scale) {
   const auto* t = static_cast<const uint8_t*>(table);
   // Quantized tables are split (cuda/weight_layout.h): a row's quants are 16 or 32 bytes a block.
   const size_t rb = is_quantized(type)
@@ -384,22 +399,22 @@ void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, in
   const dim3 grid(n_ids), block(256);
   switch (type) {
     case DType::F32:
-      l(get_rows_kernel<kTypeF32>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeF32>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     case DType::F16:
-      l(get_rows_kernel<kTypeF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     case DType::BF16:
-      l(get_rows_kernel<kTypeBF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeBF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     case DType::Q8_0:
-      l(get_rows_kernel<kTypeQ8_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeQ8_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     case DType::Q4_0:
-      l(get_rows_kernel<kTypeQ4_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeQ4_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     case DType::Q4_1:
-      l(get_rows_kernel<kTypeQ4_1>, grid, block, 0, t, ne0, n_rows, rb, ids, dst);
+      l(get_rows_kernel<kTypeQ4_1>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
       break;
     default:
       throw ArgumentError(std::string("get_rows: unsupported table type ") + dtype_name(type));
@@ -426,20 +441,29 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
 }
 
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
-                   int64_t ne0, int64_t cols) {
+                   int64_t ne0, int64_t cols, int64_t b_ne0) {
   const dim3 grid(ceil_div(ne0, 256), cols), block(256);
   if (op == 0) {
-    l(binary_kernel<0>, grid, block, 0, a, b, b_cols, dst, ne0);
+    l(binary_kernel<0>, grid, block, 0, a, b, b_cols, dst, ne0, b_ne0);
   } else {
-    l(binary_kernel<1>, grid, block, 0, a, b, b_cols, dst, ne0);
+    l(binary_kernel<1>, grid, block, 0, a, b, b_cols, dst, ne0, b_ne0);
   }
 }
 
-void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
-                   int64_t cols, uint8_t* quant_ws) {
+void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
+                int64_t cols, uint8_t* quant_ws) {
   const int64_t n = ne0 * cols;
   const ActQ8 q = act_q8(quant_ws, ne0, cols);
-  l(swiglu_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, gate, up, dst, n, q.qs, q.ds);
+  const dim3 grid(ceil_div(n, 256)), block(256);
+  if (act == kGluGelu) {
+    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds);
+  } else {
+    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds);
+  }
+}
+
+void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap) {
+  l(softcap_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, x, dst, n, cap);
 }
 
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {

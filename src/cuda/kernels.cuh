@@ -175,8 +175,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
 // ---- Per-op launches (pointers already resolved) ----------------------------------------------
 
+// scale multiplies every value gathered.
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
-                     const int32_t* ids, int n_ids, float* dst);
+                     const int32_t* ids, int n_ids, float* dst, float scale = 1.0f);
 // rms_norm per column, with optional fusions: x = src + add (written to sum_out) before the
 // norm; the weight multiply after it (w broadcast when w_cols == 1; w_fixed: a model weight);
 // and the 8-bit quantization of the result into quant_ws (the layout of launch_quantize_act;
@@ -194,12 +195,16 @@ struct NormArgs {
   uint8_t* quant_ws = nullptr;
 };
 void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t cols, float eps);
-// op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1.
+// op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1, and its columns of
+// b_ne0 elements repeated along a column of ne0 (ne0 a multiple of b_ne0).
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
-                   int64_t ne0, int64_t cols);
-// quant_ws (optional, ne0 % 32 == 0): also the 8-bit quantization of the result.
-void launch_swiglu(Launcher& l, const float* gate, const float* up, float* dst, int64_t ne0,
-                   int64_t cols, uint8_t* quant_ws);
+                   int64_t ne0, int64_t cols, int64_t b_ne0);
+// act: kGluSilu or kGluGelu (graph.h). quant_ws (optional, ne0 % 32 == 0): also the 8-bit
+// quantization of the result.
+void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
+                int64_t cols, uint8_t* quant_ws);
+// dst = cap * tanh(x / cap) over n elements.
+void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap);
 // The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
 // as k's) go to F16 caches at rows *first_row... (first_row points into the KV record).
 struct RopeKvStore {
@@ -294,7 +299,7 @@ void launch_attention(Launcher& l, const float* q, const void* k_cache, const vo
                       float* out, int n_head, int n_head_kv, int head_dim, float scale,
                       int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
                       const int32_t* n_kv_at = nullptr, const int32_t* first_pos_at = nullptr,
-                      uint8_t* quant_ws = nullptr);
+                      uint8_t* quant_ws = nullptr, int window = 0);
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
 
 }  // namespace ggraph::cuda

@@ -652,6 +652,7 @@ TEST_F(CudaOps, TwoRopesOfTheSamePositions) {
 
 struct AttnCase {
   int n_head, n_head_kv, hd, n_past, n_tok;
+  int window = 0;  // > 0: each query sees its last `window` positions
 };
 
 // Cache rows 0..n_past-1 already hold values; kv_store writes the new rows; attention reads all.
@@ -677,9 +678,10 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   for (int t = 0; t < c.n_tok; ++t)
     for (int h = 0; h < c.n_head; ++h) {
       const int hk = h / (c.n_head / c.n_head_kv), len = c.n_past + t + 1;
-      std::vector<double> s(len);
+      const int first = c.window > 0 ? std::max(0, len - c.window) : 0;
+      std::vector<double> s(len, -INFINITY);
       double mx = -INFINITY, sum = 0;
-      for (int p = 0; p < len; ++p) {
+      for (int p = first; p < len; ++p) {
         double d = 0;
         for (int i = 0; i < c.hd; ++i)
           d += double(q[(size_t(t) * c.n_head + h) * c.hd + i]) * kr[p * kv_w + hk * c.hd + i];
@@ -689,7 +691,7 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
       for (auto& v : s) sum += (v = std::exp(v - mx));
       for (int i = 0; i < c.hd; ++i) {
         double acc = 0;
-        for (int p = 0; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * c.hd + i];
+        for (int p = first; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * c.hd + i];
         ref[(size_t(t) * c.n_head + h) * c.hd + i] = acc / sum;
       }
     }
@@ -701,12 +703,13 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
         g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
         g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
         return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
-                           c.n_head, c.n_head_kv, c.hd, scale, c.n_past + c.n_tok, c.n_past);
+                           c.n_head, c.n_head_kv, c.hd, scale, c.n_past + c.n_tok, c.n_past,
+                           c.window);
       },
       ref, 2e-5, 2e-5,
-      "heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " hd " +
-          std::to_string(c.hd) + " past " + std::to_string(c.n_past) + " tokens " +
-          std::to_string(c.n_tok),
+      "window " + std::to_string(c.window) + " heads " + std::to_string(c.n_head) + "/" +
+          std::to_string(c.n_head_kv) + " hd " + std::to_string(c.hd) + " past " +
+          std::to_string(c.n_past) + " tokens " + std::to_string(c.n_tok),
       0);
 }
 
@@ -729,6 +732,132 @@ TEST_F(CudaOps, AttentionPrompt) {
   const AttnCase cases[] = {{6, 1, 16, 100, 13}, {12, 4, 80, 5, 33},  {4, 1, 256, 50, 9},
                             {9, 3, 64, 0, 512},  {8, 2, 128, 0, 100}, {4, 4, 128, 40, 77}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// A window shorter than, equal to and longer than the context; decode batches (split over long
+// pasts, the split count following the window) and prompt batches; head_dim up to 256.
+TEST_F(CudaOps, AttentionWindowed) {
+  std::mt19937 rng(22);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const AttnCase cases[] = {{4, 1, 256, 600, 1, 512}, {4, 1, 256, 3000, 1, 512},
+                            {9, 3, 64, 1000, 8, 100}, {8, 2, 128, 40, 1, 64},
+                            {8, 8, 64, 10, 1, 512},   {4, 1, 256, 700, 40, 512},
+                            {6, 1, 16, 100, 33, 7},   {12, 4, 80, 5, 33, 16},
+                            {4, 2, 128, 4500, 3, 1},  {8, 1, 192, 300, 1, 300}};
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// ---- the ops Gemma, Qwen and Phi add --------------------------------------------------------
+
+TEST_F(CudaOps, PerHeadNormWithItsWeightAndRepeatedBroadcast) {
+  std::mt19937 rng(23);
+  for (int64_t hd : {int64_t(64), int64_t(128), int64_t(256)}) {
+    for (int64_t n_head : {int64_t(1), int64_t(4), int64_t(9)}) {
+      for (int64_t n_tok : {int64_t(1), int64_t(5)}) {
+        const int64_t w = hd * n_head;
+        auto x = randn(size_t(w) * n_tok, rng, 2.0f);
+        auto wt = randn(size_t(hd), rng);
+        const Shape heads = {hd, n_head * n_tok};
+        const auto norm = rms_norm_ref(x, heads, 1e-6f);
+        std::vector<double> ref(norm.size()), add_ref(norm.size());
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ref[i] = norm[i] * wt[i % hd];
+          add_ref[i] = double(x[i]) + wt[i % hd];
+        }
+        std::vector<int32_t> ids;
+        const std::string what = std::to_string(n_head) + " heads of " + std::to_string(hd) +
+                                 " x " + std::to_string(n_tok);
+        check(
+            [&](Graph& g, Backend& be) {
+              Tensor* weight = upload(g, be, DType::F32, hd, 1, wt.data(), "w");
+              return g.mul(g.rms_norm(activations(g, be, x, w, n_tok, ids), 1e-6f, hd), weight);
+            },
+            ref, 1e-6, 1e-6, "per-head norm*w, " + what);
+        check(
+            [&](Graph& g, Backend& be) {
+              Tensor* weight = upload(g, be, DType::F32, hd, 1, wt.data(), "w");
+              return g.add(activations(g, be, x, w, n_tok, ids), weight);
+            },
+            add_ref, 1e-6, 1e-6, "repeated add, " + what);
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, GegluSoftcapAndScaledRows) {
+  std::mt19937 rng(24);
+  for (Shape s : {Shape{64, 1}, Shape{2048, 1}, Shape{2048, 7}, Shape{96, 33}}) {
+    auto a = randn(size_t(s.ne0) * s.ne1, rng, 3.0f), b = randn(size_t(s.ne0) * s.ne1, rng);
+    std::vector<double> geglu(a.size()), capped(a.size()), scaled(a.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double x = a[i];
+      geglu[i] = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))) * b[i];
+      capped[i] = 2.5 * std::tanh(x / 2.5);
+      scaled[i] = x * 25.3;
+    }
+    std::vector<int32_t> ia, ib;
+    const std::string what = std::to_string(s.ne0) + "x" + std::to_string(s.ne1);
+    check(
+        [&](Graph& g, Backend& be) {
+          return g.geglu(activations(g, be, a, s.ne0, s.ne1, ia),
+                         activations(g, be, b, s.ne0, s.ne1, ib));
+        },
+        geglu, 1e-5, 1e-5, "geglu " + what);
+    check([&](Graph& g,
+              Backend& be) { return g.softcap(activations(g, be, a, s.ne0, s.ne1, ia), 2.5f); },
+          capped, 1e-6, 1e-6, "softcap " + what);
+    ia.resize(s.ne1);
+    for (int64_t i = 0; i < s.ne1; ++i) ia[i] = int32_t(i);
+    check(
+        [&](Graph& g, Backend& be) {
+          return g.get_rows(upload(g, be, DType::F32, s.ne0, s.ne1, a.data(), "t"),
+                            g.input_i32(s.ne1, ia.data(), "ids"), 25.3f);
+        },
+        scaled, 1e-6, 1e-6, "scaled get_rows " + what);
+  }
+}
+
+// Formats without CUDA kernels of their own are stored decoded to F16: products and row
+// gathers of them match the CPU (which computes on the blocks) within 8-bit activation error.
+TEST_F(CudaOps, FormatsDecodedOnUploadMatchTheCpu) {
+  std::mt19937 rng(25);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (DType t : {DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
+                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS}) {
+    ASSERT_EQ(cuda_->stored_type(t), DType::F16) << type_name(t);
+    const int64_t k = 512, n = 40;
+    const TypeTraits& tr = type_traits(t);
+    // Random blocks whose f16 fields (the scales, at the start or end of a block) are small.
+    std::vector<uint8_t> bytes(row_size(t, k) * n);
+    for (auto& v : bytes) v = uint8_t(byte(rng));
+    const size_t nblocks = bytes.size() / tr.type_size;
+    for (size_t b = 0; b < nblocks; ++b) {
+      uint8_t* blk = bytes.data() + b * tr.type_size;
+      const uint16_t small = f32_to_f16(0.001f * float(1 + byte(rng) % 8));
+      const bool scale_last = t == DType::Q6_K || t == DType::Q2_K || t == DType::Q3_K;
+      uint8_t* d = scale_last ? blk + tr.type_size - (t == DType::Q2_K ? 4 : 2) : blk;
+      std::memcpy(d, &small, 2);
+      if (t == DType::Q2_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q5_1)
+        std::memcpy(d + 2, &small, 2);
+    }
+    std::vector<float> deq(size_t(k) * n);
+    for (int64_t r = 0; r < n; ++r)
+      dequantize_row(t, bytes.data() + r * row_size(t, k), deq.data() + r * k, k);
+    for (int64_t cols : {int64_t(1), int64_t(3), int64_t(40)}) {
+      auto x = randn(size_t(k) * cols, rng);
+      double scale = 0;
+      const auto ref = mul_mat_ref(deq, x, k, n, cols, &scale);
+      std::vector<int32_t> ids;
+      check(
+          [&](Graph& g, Backend& be) {
+            Tensor* w = g.weight(be.stored_type(t), k, n,
+                                 be.upload_weight(bytes.data(), bytes.size(), t, k, n, "w"), "w");
+            return g.mul_mat(w, activations(g, be, x, k, cols, ids));
+          },
+          ref, 2e-2, 2e-2, std::string(type_name(t)) + " cols " + std::to_string(cols), scale);
+    }
+  }
 }
 
 // ---- determinism, memory errors, devices
