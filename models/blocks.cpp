@@ -1,6 +1,6 @@
 #include "blocks.h"
 
-#include <sstream>
+#include <cstdio>
 
 namespace ggraph {
 
@@ -11,9 +11,9 @@ std::string dims(int64_t ne0, int64_t ne1) {
 }
 
 std::string num(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
 }
 
 }  // namespace
