@@ -272,4 +272,24 @@ void GraphContext::logits(Tensor* x, const Weight& output_norm, const Weight& ou
   g.set_output(out);
 }
 
+void PreNormDecoder::build(Graph& g, const Batch& b, const KvCache& kv) const {
+  GraphContext ctx(g, b, kv, hp);
+  AttnOptions attn;
+  attn.rope_mode = rope_mode;
+  attn.rope_base = hp.rope_base;
+  attn.scale = 1.0f / std::sqrt(float(hp.head_dim));
+  attn.window = hp.window;
+
+  Tensor* x = ctx.embeddings(tok_embd);
+  for (int il = 0; il < n_layer; ++il) {
+    const DecoderLayer& L = layers[il];
+    Tensor* h = ctx.norm(x, L.attn_norm);
+    Tensor* attn_out = ctx.attention(il, h, x, L.attn, attn);
+    x = g.add(x, attn_out);
+    Tensor* f = ctx.norm(x, L.ffn_norm);
+    x = g.add(x, ctx.feed_forward(f, L.ffn, Activation::Silu));
+  }
+  ctx.logits(x, output_norm, output);
+}
+
 }  // namespace ggraph

@@ -136,4 +136,21 @@ class GraphContext {
   Tensor* out_ids;
 };
 
+// The pre-norm decoder that Llama, Qwen 2/3 and Phi 3 share: per layer norm, attention,
+// residual, norm, SwiGLU feed-forward, residual. Their files load it and set its options.
+struct DecoderLayer {
+  Weight attn_norm, ffn_norm;
+  AttnWeights attn;
+  FfnWeights ffn;
+};
+class PreNormDecoder final : public Model {
+ public:
+  void build(Graph& g, const Batch& b, const KvCache& kv) const override;
+
+  Hparams hp;
+  int rope_mode = kRopeNormal;
+  Weight tok_embd, output_norm, output;
+  std::vector<DecoderLayer> layers;
+};
+
 }  // namespace ggraph

@@ -4,47 +4,12 @@
 #include "blocks.h"
 
 namespace ggraph {
-namespace {
-
-struct Layer {
-  Weight attn_norm, ffn_norm;
-  AttnWeights attn;
-  FfnWeights ffn;
-};
-
-class Phi3 final : public Model {
- public:
-  Hparams hp;
-  Weight tok_embd, output_norm, output;
-  std::vector<Layer> layers;
-
-  void build(Graph& g, const Batch& b, const KvCache& kv) const override {
-    GraphContext ctx(g, b, kv, hp);
-    AttnOptions attn;
-    attn.rope_mode = kRopeNeox;
-    attn.rope_base = hp.rope_base;
-    attn.scale = 1.0f / std::sqrt(float(hp.head_dim));
-    // A declared window is honoured (Phi-3-mini's 2047); llama.cpp ignores Phi 3's, so their
-    // logits part past that many tokens.
-    attn.window = hp.window;
-
-    Tensor* x = ctx.embeddings(tok_embd);
-    for (int il = 0; il < n_layer; ++il) {
-      const Layer& L = layers[il];
-      Tensor* h = ctx.norm(x, L.attn_norm);
-      Tensor* attn_out = ctx.attention(il, h, x, L.attn, attn);
-      x = g.add(x, attn_out);
-      Tensor* f = ctx.norm(x, L.ffn_norm);
-      x = g.add(x, ctx.feed_forward(f, L.ffn, Activation::Silu));
-    }
-    ctx.logits(x, output_norm, output);
-  }
-};
-
-}  // namespace
 
 std::unique_ptr<Model> load_phi3(const GGUFFile& file, Backend& backend) {
-  auto m = std::make_unique<Phi3>();
+  auto m = std::make_unique<PreNormDecoder>();
+  m->rope_mode = kRopeNeox;
+  // A declared window is honoured (Phi-3-mini's 2047); llama.cpp ignores Phi 3's, so their
+  // logits part past that many tokens.
   ModelLoader ld(file, backend, "phi3");
   m->hp = read_hparams(ld);
   const Hparams& hp = m->hp;
@@ -52,7 +17,7 @@ std::unique_ptr<Model> load_phi3(const GGUFFile& file, Backend& backend) {
   m->tok_embd = ld.matrix("token_embd.weight", E, hp.n_vocab);
   for (int il = 0; il < hp.n_layer; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
-    Layer L;
+    DecoderLayer L;
     L.attn_norm = ld.vector(p + "attn_norm.weight", E);
     if (ld.has_tensor(p + "attn_qkv.weight")) {
       // Rows: q, then k, then v.

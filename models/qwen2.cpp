@@ -2,52 +2,17 @@
 #include "blocks.h"
 
 namespace ggraph {
-namespace {
-
-struct Layer {
-  Weight attn_norm, ffn_norm;
-  AttnWeights attn;
-  FfnWeights ffn;
-};
-
-class Qwen2 final : public Model {
- public:
-  Hparams hp;
-  Weight tok_embd, output_norm, output;
-  std::vector<Layer> layers;
-
-  void build(Graph& g, const Batch& b, const KvCache& kv) const override {
-    GraphContext ctx(g, b, kv, hp);
-    AttnOptions attn;
-    attn.rope_mode = kRopeNeox;
-    attn.rope_base = hp.rope_base;
-    attn.scale = 1.0f / std::sqrt(float(hp.head_dim));
-    attn.window = hp.window;
-
-    Tensor* x = ctx.embeddings(tok_embd);
-    for (int il = 0; il < n_layer; ++il) {
-      const Layer& L = layers[il];
-      Tensor* h = ctx.norm(x, L.attn_norm);
-      Tensor* attn_out = ctx.attention(il, h, x, L.attn, attn);
-      x = g.add(x, attn_out);
-      Tensor* f = ctx.norm(x, L.ffn_norm);
-      x = g.add(x, ctx.feed_forward(f, L.ffn, Activation::Silu));
-    }
-    ctx.logits(x, output_norm, output);
-  }
-};
-
-}  // namespace
 
 std::unique_ptr<Model> load_qwen2(const GGUFFile& file, Backend& backend) {
-  auto m = std::make_unique<Qwen2>();
+  auto m = std::make_unique<PreNormDecoder>();
+  m->rope_mode = kRopeNeox;
   ModelLoader ld(file, backend, "qwen2");
   m->hp = read_hparams(ld);
   const Hparams& hp = m->hp;
   m->tok_embd = ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
   for (int il = 0; il < hp.n_layer; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
-    Layer L;
+    DecoderLayer L;
     L.attn_norm = ld.vector(p + "attn_norm.weight", hp.n_embd);
     L.attn = load_attention(ld, p, hp);
     L.attn.bq = ld.vector(p + "attn_q.bias", hp.q_width());
