@@ -147,16 +147,18 @@ Hparams read_hparams(const ModelLoader& ld) {
   }
   const std::string scaling = ld.file.get_string(ld.key("rope.scaling.type"), "none");
   const double factor = ld.file.get_float(ld.key("rope.scaling.factor"), 1.0);
-  if ((scaling != "none" && scaling != "linear") || (factor != 1.0 && factor != 0.0))
+  const bool unscaled = scaling == "none" || factor == 1.0 || factor == 0.0;
+  if (!unscaled && (scaling != "linear" || !(factor > 0.0) || !std::isfinite(factor)))
     throw GGUFError("metadata " + ld.key("rope.scaling.type") + " '" + scaling + "' with factor " +
-                    num(factor) + ": rope scaling is not supported yet (expected none, or a " +
-                    "factor of 1)");
+                    num(factor) + ": rope scaling is not supported yet (expected none, or " +
+                    "linear with a finite positive factor)");
+  if (!unscaled) hp.rope_scale = float(1.0 / factor);
 
-  // Per-dimension frequency factors (Llama 3.1's rope_freqs, Phi 3's long-context factors)
-  // change every position's angles: refused rather than silently ignored.
-  for (const char* name :
-       {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight",
-        "blk.0.rope_factors_long.weight", "blk.0.rope_factors_short.weight"})
+  // Phi 3's long-context factors (chosen by context length, with an attention factor) change
+  // every position's angles: refused rather than silently ignored. Llama 3.1's rope_freqs are
+  // loaded by load_rope_freqs.
+  for (const char* name : {"rope_factors_long.weight", "rope_factors_short.weight",
+                           "blk.0.rope_factors_long.weight", "blk.0.rope_factors_short.weight"})
     if (ld.has_tensor(name))
       throw GGUFError(std::string("tensor '") + name +
                       "': rope frequency factors are not supported yet (expected a file " +
@@ -243,8 +245,12 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
   if (w.bv) v = g.add(v, weight(w.bv));
   if (w.q_norm) q = head_norm(q, w.q_norm);
   if (w.k_norm) k = head_norm(k, w.k_norm);
-  q = g.rope(q, positions, hp.n_head, hp.head_dim, hp.n_rot, o.rope_mode, o.rope_base);
-  k = g.rope(k, positions, hp.n_head_kv, hp.head_dim, hp.n_rot, o.rope_mode, o.rope_base);
+  // One leaf for both ropes' factors: a backend may rotate q and k in one launch.
+  Tensor* freqs = o.rope_freqs ? weight(o.rope_freqs) : nullptr;
+  q = g.rope(q, positions, hp.n_head, hp.head_dim, hp.n_rot, o.rope_mode, o.rope_base, freqs,
+             o.rope_scale);
+  k = g.rope(k, positions, hp.n_head_kv, hp.head_dim, hp.n_rot, o.rope_mode, o.rope_base, freqs,
+             o.rope_scale);
   g.kv_store(k_cache, k, batch.n_past);
   g.kv_store(v_cache, v, batch.n_past);
   Tensor* attn = g.attention(q, k_cache, v_cache, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale,
@@ -272,6 +278,10 @@ void GraphContext::logits(Tensor* x, const Weight& output_norm, const Weight& ou
   g.set_output(out);
 }
 
+Weight load_rope_freqs(ModelLoader& ld, const Hparams& hp) {
+  return ld.vector("rope_freqs.weight", hp.n_rot / 2, /*optional=*/true);
+}
+
 void PreNormDecoder::build(Graph& g, const Batch& b, const KvCache& kv) const {
   GraphContext ctx(g, b, kv, hp);
   AttnOptions attn;
@@ -279,6 +289,8 @@ void PreNormDecoder::build(Graph& g, const Batch& b, const KvCache& kv) const {
   attn.rope_base = hp.rope_base;
   attn.scale = 1.0f / std::sqrt(float(hp.head_dim));
   attn.window = hp.window;
+  attn.rope_scale = hp.rope_scale;
+  attn.rope_freqs = rope_freqs;
 
   Tensor* x = ctx.embeddings(tok_embd);
   for (int il = 0; il < n_layer; ++il) {

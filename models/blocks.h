@@ -68,11 +68,12 @@ struct Hparams {
   int n_ctx_train = 0;
   int window = 0;  // attention.sliding_window when declared (0: none)
   float rope_base = 10000.0f, norm_eps = 1e-5f;
+  float rope_scale = 1.0f;  // linear rope scaling: 1 / rope.scaling.factor
 
   int64_t q_width() const { return int64_t(n_head) * head_dim; }
   int64_t kv_width() const { return int64_t(n_head_kv) * head_dim; }
 };
-// Reads the shared keys of `ld.arch`; refuses rope scaling, which no block implements yet.
+// Reads the shared keys of `ld.arch`; refuses rope scaling other than linear.
 Hparams read_hparams(const ModelLoader& ld);
 // The Model fields every architecture fills the same way.
 void describe(Model& m, const Hparams& hp, const ModelLoader& ld);
@@ -95,7 +96,11 @@ struct AttnOptions {
   float rope_base = 10000.0f;
   float scale = 1.0f;  // multiplies q.k
   int window = 0;      // > 0: a query at position p sees keys p - window + 1 .. p
+  float rope_scale = 1.0f;
+  Weight rope_freqs;  // per-pair frequency divisors (Llama 3.1's rope_freqs), optional
 };
+// rope_freqs.weight (n_rot / 2 F32 values) when the file has it, else an empty weight.
+Weight load_rope_freqs(ModelLoader& ld, const Hparams& hp);
 
 struct FfnWeights {
   Weight gate, up, down;
@@ -149,6 +154,7 @@ class PreNormDecoder final : public Model {
 
   Hparams hp;
   int rope_mode = kRopeNormal;
+  Weight rope_freqs;
   Weight tok_embd, output_norm, output;
   std::vector<DecoderLayer> layers;
 };

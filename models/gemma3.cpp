@@ -70,6 +70,8 @@ std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend) {
     // Windowed layers keep the original rope base; global layers take the file's (1e6).
     L.opts.rope_base = windowed ? 10000.0f : hp.rope_base;
     L.opts.window = windowed ? hp.window : 0;
+    // Linear rope scaling (Gemma 3 4B and larger) applies to the global layers only.
+    L.opts.rope_scale = windowed ? 1.0f : hp.rope_scale;
     L.opts.scale = 1.0f / std::sqrt(scale_dim);
     m->layers.push_back(L);
   }

@@ -21,6 +21,7 @@ std::unique_ptr<Model> load_llama(const GGUFFile& file, Backend& backend) {
     L.ffn = load_feed_forward(ld, p, hp);
     m->layers.push_back(L);
   }
+  m->rope_freqs = load_rope_freqs(ld, hp);
   m->output_norm = ld.vector("output_norm.weight", E);
   m->output = load_output(ld, hp, m->tok_embd);
   describe(*m, hp, ld);

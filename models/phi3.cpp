@@ -38,6 +38,7 @@ std::unique_ptr<Model> load_phi3(const GGUFFile& file, Backend& backend) {
     L.ffn.down = ld.matrix(p + "ffn_down.weight", hp.n_ff, E);
     m->layers.push_back(L);
   }
+  m->rope_freqs = load_rope_freqs(ld, hp);
   m->output_norm = ld.vector("output_norm.weight", E);
   m->output = load_output(ld, hp, m->tok_embd);
   describe(*m, hp, ld);

@@ -22,6 +22,7 @@ std::unique_ptr<Model> load_qwen2(const GGUFFile& file, Backend& backend) {
     L.ffn = load_feed_forward(ld, p, hp);
     m->layers.push_back(L);
   }
+  m->rope_freqs = load_rope_freqs(ld, hp);
   m->output_norm = ld.vector("output_norm.weight", hp.n_embd);
   m->output = load_output(ld, hp, m->tok_embd);
   describe(*m, hp, ld);

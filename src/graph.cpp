@@ -138,10 +138,13 @@ Tensor* Graph::mul_mat(Tensor* w, Tensor* x) {
 }
 
 Tensor* Graph::rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
-                    float freq_base) {
+                    float freq_base, Tensor* freq_factors, float freq_scale) {
   require(x->ne[0] == int64_t(n_head) * head_dim, "rope", "width must be n_head*head_dim");
   require(pos->type == DType::I32 && pos->ne[0] == x->ne[1], "rope", "one position per token");
   require(n_dims <= head_dim && n_dims % 2 == 0, "rope", "n_dims must be even and <= head_dim");
+  require(!freq_factors || (freq_factors->type == DType::F32 && freq_factors->ne[0] >= n_dims / 2),
+          "rope", "freq_factors must be F32 with n_dims/2 values");
+  require(freq_scale > 0.0f, "rope", "freq_scale must be positive");
   Tensor* t = new_tensor(Op::Rope, DType::F32, x->ne[0], x->ne[1], "rope");
   t->src[0] = x;
   t->src[1] = pos;
@@ -150,6 +153,8 @@ Tensor* Graph::rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims
   t->params[kRopeNDims] = n_dims;
   t->params[kRopeMode] = mode;
   t->set_param_f(kRopeBase, freq_base);
+  t->set_param_f(kRopeScale, freq_scale);
+  t->src[2] = freq_factors;
   return t;
 }
 

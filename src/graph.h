@@ -91,8 +91,11 @@ class Graph {
   Tensor* mul(Tensor* a, Tensor* b);
   Tensor* add(Tensor* a, Tensor* b);
   Tensor* mul_mat(Tensor* w, Tensor* x);
+  // Pair i turns by pos * freq_scale * freq_base^(-2i/n_dims) / freq_factors[i]; freq_factors
+  // (F32 [n_dims/2], optional) are Llama 3.1's long-context rope factors, freq_scale < 1 is
+  // linear rope scaling.
   Tensor* rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
-               float freq_base);
+               float freq_base, Tensor* freq_factors = nullptr, float freq_scale = 1.0f);
   Tensor* kv_store(Tensor* cache, Tensor* x, int32_t first_row);
   // window > 0: a query at position p sees only keys at positions p - window + 1 .. p.
   Tensor* attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
@@ -141,6 +144,13 @@ constexpr int32_t kGluSilu = 0;
 constexpr int32_t kGluGelu = 1;
 enum AttnKv { kAttnNKv = 0, kAttnFirstPos = 1 };
 // Rope op parameter slots.
-enum RopeParam { kRopeNHead = 0, kRopeHeadDim = 1, kRopeNDims = 2, kRopeMode = 3, kRopeBase = 4 };
+enum RopeParam {
+  kRopeNHead = 0,
+  kRopeHeadDim = 1,
+  kRopeNDims = 2,
+  kRopeMode = 3,
+  kRopeBase = 4,
+  kRopeScale = 5
+};
 
 }  // namespace ggraph

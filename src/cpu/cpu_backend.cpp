@@ -280,13 +280,15 @@ class CpuBackend final : public Backend {
     float* y = f32(t);
     const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
     const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
-    const double base = t->param_f(kRopeBase);
+    const double base = t->param_f(kRopeBase), scale = t->param_f(kRopeScale);
+    const float* factors = t->src[2] ? f32(t->src[2]) : nullptr;
     const int64_t width = t->ne[0];
     parallel(t->ne[1], 4, [&](int64_t b, int64_t e) {
       std::vector<float> cs(n_dims);
       for (int64_t j = b; j < e; ++j) {
         for (int i = 0; i < n_dims / 2; ++i) {
-          const double theta = pos[j] * std::pow(base, -2.0 * i / n_dims);
+          double theta = pos[j] * scale * std::pow(base, -2.0 * i / n_dims);
+          if (factors) theta /= factors[i];
           cs[2 * i] = float(std::cos(theta));
           cs[2 * i + 1] = float(std::sin(theta));
         }

@@ -212,6 +212,9 @@ void validate_node(const Tensor* t) {
       if (mode != kRopeNormal && mode != kRopeNeox)
         bad_node(t, "unknown rope mode " + std::to_string(mode));
       if (pos->ne[0] != x->ne[1]) bad_node(t, "positions and tokens differ in count");
+      if (t->src[2] && (t->src[2]->type != DType::F32 || t->src[2]->ne[0] < n_dims / 2))
+        bad_node(t, "frequency factors must be F32 with n_dims/2 values");
+      if (!(t->param_f(kRopeScale) > 0.0f)) bad_node(t, "frequency scale must be positive");
       break;
     }
     case Op::KvStore: {
@@ -560,6 +563,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
               c->params[kRopeNDims] == t->params[kRopeNDims] &&
               c->params[kRopeMode] == t->params[kRopeMode] &&
               c->params[kRopeBase] == t->params[kRopeBase] &&
+              c->params[kRopeScale] == t->params[kRopeScale] && c->src[2] == t->src[2] &&
               (reads_first || (!scratch_overlap(c, t) && !scratch_overlap(c, t->src[0]) &&
                                !scratch_overlap(t, c->src[0])))) {
             pair = c;
@@ -596,7 +600,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                     t->params[kRopeNHead], t->params[kRopeHeadDim], t->params[kRopeNDims],
                     t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]),
                     pair ? fptr(pair->src[0]) : nullptr, pair ? fptr(pair) : nullptr,
-                    pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr);
+                    pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr,
+                    t->src[2] ? fptr(t->src[2]) : nullptr, t->param_f(kRopeScale));
         break;
       }
       case Op::KvStore: {

@@ -263,10 +263,13 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int64_t idx, in
   return r;
 }
 
+// freq_factors: n_dims/2 values (pairs past them do not rotate, and read none).
 __device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
-                                           float& sf, float& cf) {
-  const double theta =
-      static_cast<double>(pos) * exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+                                           float freq_scale, const float* freq_factors, float& sf,
+                                           float& cf) {
+  double theta = static_cast<double>(pos) * static_cast<double>(freq_scale) *
+                 exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+  if (freq_factors && 2 * freq_i < n_dims) theta /= static_cast<double>(freq_factors[freq_i]);
   double s, c;
   sincos(theta, &s, &c);
   sf = static_cast<float>(s);
@@ -288,10 +291,11 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
 }
 
 // The arguments one by one (a struct's padding would differ between otherwise equal launches).
-#define GGRAPH_ROPE_PARAMS                                                                      \
-  const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
-      int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
-      const int32_t *pos, float freq_base, const int32_t *first_row_at
+#define GGRAPH_ROPE_PARAMS                                                                         \
+  const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,        \
+      int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache,    \
+      const int32_t *pos, float freq_base, const int32_t *first_row_at, const float *freq_factors, \
+      float freq_scale
 #define GGRAPH_ROPE_ARGS                                                                      \
   const RopeArgs a {                                                                          \
     src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache \
@@ -307,7 +311,8 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
   if (!r.valid) return;
   const float x0 = r.x[r.i0], x1 = r.x[r.i1];
   float sf = 0.0f, cf = 1.0f;
-  if (!r.copy && r.rotate) rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, sf, cf);
+  if (!r.copy && r.rotate)
+    rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
   rope_write(r, x0, x1, sf, cf);
 }
 
@@ -332,7 +337,7 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
   const int half_dim = a.head_dim / 2;
   for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
     float sf, cf;
-    rope_angle(pos[0], p, a.n_dims, freq_base, sf, cf);
+    rope_angle(pos[0], p, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
     angle[p] = make_float2(sf, cf);
   }
   __syncthreads();
@@ -472,7 +477,8 @@ int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
 
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
-                 const float* src1, float* dst1, int n_head1, const RopeKvStore* kv) {
+                 const float* src1, float* dst1, int n_head1, const RopeKvStore* kv,
+                 const float* freq_factors, float freq_scale) {
   if (!src1) n_head1 = 0;
   RopeArgs a{
       src,     dst, n_head, src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, head_dim, n_dims, mode,
@@ -490,12 +496,12 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
     l(rope_token_kernel, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
       a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, slots);
+      first_row, freq_factors, freq_scale, slots);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
     a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
-    freq_base, first_row);
+    freq_base, first_row, freq_factors, freq_scale);
 }
 
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {

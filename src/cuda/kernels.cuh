@@ -218,7 +218,8 @@ struct RopeKvStore {
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
-                 const RopeKvStore* kv = nullptr);
+                 const RopeKvStore* kv = nullptr, const float* freq_factors = nullptr,
+                 float freq_scale = 1.0f);
 // Pair slots of such a launch: q's and k's rotation pairs, and v's pairs when the stores ride
 // along.
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);

@@ -133,10 +133,12 @@ def _rms(x, w):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * w
 
 
-def _rope(x, base, neox):
-    """x [T, heads, D] rotated by position t * base^(-2i/D)."""
+def _rope(x, base, neox, freqs=None, scale=1.0):
+    """x [T, heads, D] rotated by position t * scale * base^(-2i/D) / freqs[i]."""
     t, d = x.shape[0], x.shape[-1]
-    ang = np.arange(t)[:, None] * base ** (-np.arange(d // 2) * 2.0 / d)[None, :]
+    ang = scale * np.arange(t)[:, None] * base ** (-np.arange(d // 2) * 2.0 / d)[None, :]
+    if freqs is not None:
+        ang = ang / np.asarray(freqs, dtype=np.float64)[None, :]
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     if neox:
         a, b = x[..., : d // 2], x[..., d // 2 :]
@@ -148,7 +150,7 @@ def _rope(x, base, neox):
     return np.stack([ra, rb], -1).reshape(x.shape)
 
 
-def reference_logits(arch, w, ids, softcap=None, window=None):
+def reference_logits(arch, w, ids, softcap=None, window=None, rope_freqs=None, rope_scale=1.0):
     """float64 logits [T, vocab] of every position; window overrides the shape's."""
     c = dict(ARCHS[arch])
     if window is not None:
@@ -174,7 +176,9 @@ def reference_logits(arch, w, ids, softcap=None, window=None):
         q, k, v = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
         if arch in ("qwen3", "gemma3"):
             q, k = _rms(q, w[p + "attn_q_norm.weight"]), _rms(k, w[p + "attn_k_norm.weight"])
-        q, k = _rope(q, base, arch != "llama"), _rope(k, base, arch != "llama")
+        neox = arch != "llama"
+        q = _rope(q, base, neox, rope_freqs, rope_scale)
+        k = _rope(k, base, neox, rope_freqs, rope_scale)
         masked = j > i
         if window:
             masked |= j <= i - window
@@ -383,6 +387,25 @@ def test_bad_bias_and_fused_shapes_are_named(tmp_path):
         r"blk.0.attn_qkv.weight': expected 64x192, file has 64x128",
         tensors={"blk.0.attn_qkv.weight": np.zeros((128, 64))},
     )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rope_frequency_factors_and_linear_scaling(tmp_path, device):
+    # Llama 3.1's rope_freqs divide each pair's frequency; linear scaling multiplies positions.
+    if device == "cuda" and not cuda_available():
+        pytest.skip("the CUDA run needs a CUDA device")
+    c = ARCHS["llama"]
+    factors = np.linspace(1.0, 8.0, c.get("head_dim", c["n_embd"] // c["n_head"]) // 2)
+    path = tmp_path / "llama31.gguf"
+    meta = {"rope.scaling.type": ("string", "linear"), "rope.scaling.factor": ("float32", 2.0)}
+    w = write_arch(path, "llama", seed=3, meta=meta, tensors={"rope_freqs.weight": factors})
+    got = ggraph.Model(str(path), device=device, n_ctx=64).eval(PROMPT, all_logits=True)
+    ref = reference_logits("llama", w, np.array(PROMPT), rope_freqs=factors, rope_scale=0.5)
+    plain = reference_logits("llama", w, np.array(PROMPT))
+    bound = 1e-4 if device == "cpu" else 1e-2  # the GPU's KV cache is F16
+    for pos in range(1, len(PROMPT)):
+        assert _rel(got[pos], ref[pos]) < bound, f"position {pos}"
+    assert max(_rel(plain[p], ref[p]) for p in range(1, len(PROMPT))) > 10 * bound
 
 
 def test_rope_scaling_and_frequency_factors_are_refused(tmp_path):
