@@ -57,11 +57,13 @@ for stage in "$@"; do
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_graphs.py \
-        tests/python/test_cuda_backend.py 2>&1 | tee "$OUT/pytest-cuda.log" | tail -30
+        tests/python/test_cuda_backend.py tests/python/test_archs.py 2>&1 |
+        tee "$OUT/pytest-cuda.log" | tail -30
       ;;
     golden)
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_golden.py \
-        tests/python/test_generate.py 2>&1 | tee "$OUT/pytest-golden.log" | tail -15
+        tests/python/test_gemma3_golden.py tests/python/test_generate.py 2>&1 |
+        tee "$OUT/pytest-golden.log" | tail -15
       ;;
     sanitize)
       for tool in memcheck racecheck; do
