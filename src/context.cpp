@@ -34,6 +34,37 @@ static std::unique_ptr<Backend> make_backend(const ContextOptions& o, std::strin
   throw ArgumentError("device '" + o.device + "': expected 'cpu', 'cuda', 'cuda:N' or 'auto'");
 }
 
+namespace {
+
+// A backend that keeps nothing: loading a model through it checks names, shapes, types and keys.
+class CheckBackend final : public Backend {
+ public:
+  std::string name() const override { return "check"; }
+  void* upload_weight(const void* host, size_t, DType, int64_t, int64_t,
+                      const std::string&) override {
+    return const_cast<void*>(host);
+  }
+  void* alloc_kv(size_t) override { return nullptr; }
+  void reserve(size_t, size_t) override {}
+  void compute(const Graph&, float*) override {
+    throw std::logic_error("check backend: nothing to compute");
+  }
+};
+
+}  // namespace
+
+std::string check_model_file(const std::string& path) {
+  try {
+    auto file = GGUFFile::open(path);
+    CheckBackend backend;
+    load_model(*file, backend);
+    Tokenizer::from_gguf(*file);
+  } catch (const GGUFError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_ctx < 0) throw ArgumentError("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
   if (o.n_batch < 1) throw ArgumentError("n_batch must be >= 1, got " + std::to_string(o.n_batch));

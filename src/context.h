@@ -23,6 +23,11 @@ struct ContextOptions {
   bool cuda_graph_debug = false;
 };
 
+// Why ggraph cannot run the model file at `path` (an unsupported architecture, tensor format or
+// key, a malformed file, a vocabulary it cannot read), or "" when it can. Reads the metadata and
+// checks every tensor as loading would, without loading weights.
+std::string check_model_file(const std::string& path);
+
 class Context {
  public:
   Context(const std::string& path, const ContextOptions& options);

