@@ -655,6 +655,18 @@ void decode_k<DType::Q3_K>(const uint8_t* blk, KBlock* kb) {
   kb->has_dmin = false;
 }
 
+// Q4_K's and Q5_K's eight 6-bit scales and minimums (each for two 16-element halves) and d, dmin.
+void k_scales_mins(const uint8_t* scales, uint16_t d, uint16_t dmin, KBlock* kb) {
+  for (int j = 0; j < 8; ++j) {
+    quant_impl::k_scale_min(scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
+    kb->sc[2 * j + 1] = kb->sc[2 * j];
+    kb->mn[2 * j + 1] = kb->mn[2 * j];
+  }
+  kb->d = f16_to_f32(d);
+  kb->dmin = f16_to_f32(dmin);
+  kb->has_dmin = true;
+}
+
 template <>
 void decode_k<DType::Q4_K>(const uint8_t* blk, KBlock* kb) {
   const BlockQ4_K& b = *reinterpret_cast<const BlockQ4_K*>(blk);
@@ -662,14 +674,7 @@ void decode_k<DType::Q4_K>(const uint8_t* blk, KBlock* kb) {
     const uint8_t q = b.qs[32 * (e / 64) + e % 32];
     kb->u[e] = e % 64 < 32 ? q & 0x0f : q >> 4;
   }
-  for (int j = 0; j < 8; ++j) {
-    quant_impl::k_scale_min(b.scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
-    kb->sc[2 * j + 1] = kb->sc[2 * j];
-    kb->mn[2 * j + 1] = kb->mn[2 * j];
-  }
-  kb->d = f16_to_f32(b.d);
-  kb->dmin = f16_to_f32(b.dmin);
-  kb->has_dmin = true;
+  k_scales_mins(b.scales, b.d, b.dmin, kb);
 }
 
 template <>
@@ -679,14 +684,7 @@ void decode_k<DType::Q5_K>(const uint8_t* blk, KBlock* kb) {
     const uint8_t q = b.qs[32 * (e / 64) + e % 32];
     kb->u[e] = (e % 64 < 32 ? q & 0x0f : q >> 4) | (((b.qh[e % 32] >> (e / 32)) & 1) << 4);
   }
-  for (int j = 0; j < 8; ++j) {
-    quant_impl::k_scale_min(b.scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
-    kb->sc[2 * j + 1] = kb->sc[2 * j];
-    kb->mn[2 * j + 1] = kb->mn[2 * j];
-  }
-  kb->d = f16_to_f32(b.d);
-  kb->dmin = f16_to_f32(b.dmin);
-  kb->has_dmin = true;
+  k_scales_mins(b.scales, b.d, b.dmin, kb);
 }
 
 template <>
