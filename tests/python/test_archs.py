@@ -7,6 +7,8 @@ The float64 reference is written from the papers' math (RMS norm, rope, causal s
 attention with a window, gated feed-forward), not from ggraph's code."""
 
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from conftest import cuda_available
 import ggraph
 
 gguf = pytest.importorskip("gguf")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
 N_VOCAB = 96
 
@@ -62,10 +65,53 @@ def _layout(arch, c):
     return out
 
 
-def write_arch(path, arch, wtype="F32", seed=0, meta=None, tensors=None, softcap=None):
+# Shapes whose rows suit K-quants' 256-element blocks (for the llama.cpp references).
+K_SHAPES = {
+    "llama": dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2),
+    "qwen2": dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=1),
+    "qwen3": dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=128),
+    "phi3": dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=4),
+    "gemma3": dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=1, head_dim=128),
+}
+# Where each block format keeps its f16 scale (and minimum) fields, in bytes.
+_SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}
+
+
+def weight_type(mix, name):
+    """The type of a matrix in a mix: "Q4_K_M" is llama.cpp's (Q6_K for attn_v, ffn_down and
+    the output, Q4_K elsewhere); "Q5_K_S" and the like use one type; plain names one type."""
+    if mix == "Q4_K_M":
+        fused_v = name.endswith("attn_qkv.weight")
+        six = name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "output.weight"
+        return "Q6_K" if six or fused_v else "Q4_K"
+    return mix
+
+
+def _random_k_blocks(qt_name, shape, rng, std):
+    """Random blocks of a K-quant whose scale fields make the values' spread about std."""
+    qt = getattr(gguf.GGMLQuantizationType, qt_name)
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, ne0 = shape[1], shape[0]
+    raw = rng.integers(0, 256, size=(rows * ne0 // block, size), dtype=np.uint8)
+    fields = _SCALE_FIELDS[qt_name]
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    for f in fields:
+        raw[:, f : f + 2] = one
+    spread = gguf.quants.dequantize(raw.reshape(rows, -1), qt).std()
+    scale = np.frombuffer(np.float16(std / spread).tobytes(), np.uint8)
+    for f in fields:
+        raw[:, f : f + 2] = scale
+    return raw.reshape(rows, -1)
+
+
+def write_arch(
+    path, arch, wtype="F32", seed=0, meta=None, tensors=None, softcap=None, shape=None, vocab=False
+):
     """Writes a random-weight file; returns {name: float64 weights as the file stores them}.
-    meta overrides metadata (None drops a key); tensors replaces (None drops) tensors."""
-    c = ARCHS[arch]
+    meta overrides metadata (None drops a key); tensors replaces (None drops) tensors; shape
+    overrides ARCHS' sizes; wtype is a type or a mix (see weight_type); vocab adds a plain
+    SentencePiece-style vocabulary (which llama.cpp needs to load a file)."""
+    c = dict(ARCHS[arch], **(shape or {}))
     rng = np.random.default_rng(seed)
     hd = c.get("head_dim")
     keys = {
@@ -93,6 +139,14 @@ def write_arch(path, arch, wtype="F32", seed=0, meta=None, tensors=None, softcap
     w = gguf.GGUFWriter(str(path), arch)
     for k, (kind, v) in keys.items():
         getattr(w, f"add_{kind}")(f"{arch}.{k}", v)
+    if vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, N_VOCAB)])
+        w.add_token_scores([0.0] * N_VOCAB)
+        w.add_token_types([3, 3, 3] + [1] * (N_VOCAB - 3))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     stored = {}
     layout = dict(_layout(arch, c))
     for name, value in (tensors or {}).items():
@@ -114,8 +168,14 @@ def write_arch(path, arch, wtype="F32", seed=0, meta=None, tensors=None, softcap
             if name == "token_embd.weight" and arch != "gemma3":
                 vals *= 8.0  # embeddings of unit-like rms, as trained models have
         arr = vals.reshape(tuple(reversed(shape)))
-        if len(shape) > 1 and wtype != "F32":
-            qt = getattr(gguf.GGMLQuantizationType, wtype)
+        wt = weight_type(wtype, name)
+        if len(shape) > 1 and wt in _SCALE_FIELDS:
+            qt = getattr(gguf.GGMLQuantizationType, wt)
+            raw = _random_k_blocks(wt, shape, rng, float(vals.std()))
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+            stored[name] = gguf.quants.dequantize(raw, qt).astype(np.float64).reshape(arr.shape)
+        elif len(shape) > 1 and wt != "F32":
+            qt = getattr(gguf.GGMLQuantizationType, wt)
             raw = gguf.quants.quantize(arr, qt)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
             stored[name] = gguf.quants.dequantize(raw, qt).astype(np.float64).reshape(arr.shape)
@@ -435,3 +495,26 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
         ggraph.GGUFError, match=r"'mamba' \(supported: gemma3, llama, phi3, qwen2, qwen3\)"
     ):
         ggraph.Model(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_matches_llamacpp(tmp_path, device):
+    # llama.cpp's logits (tools/record_llamacpp_references.py) for every architecture in K-quant
+    # mixes, at every position: cosine >= 0.995 each, top-1 agreement >= 95% over all of them.
+    if device == "cuda" and not cuda_available():
+        pytest.skip("the CUDA run needs a CUDA device")
+    import record_llamacpp_references as rec
+
+    ref = np.load(os.path.join(os.path.dirname(__file__), "data", "llamacpp_arch_logits.npz"))
+    agree = total = 0
+    for arch, mix, seed in rec.CASES:
+        path = tmp_path / f"{arch}-{mix}.gguf"
+        rec.write_case(path, arch, mix, seed)
+        got = ggraph.Model(str(path), device=device, n_ctx=64).eval(PROMPT, all_logits=True)
+        want = ref[f"{arch}_{mix}"]
+        for pos in range(len(PROMPT)):
+            cos = _cosine(got[pos], want[pos])
+            assert cos >= 0.995, f"{arch} {mix} position {pos}: cosine {cos:.5f}"
+        agree += int(np.sum(got.argmax(1) == want.argmax(1)))
+        total += len(PROMPT)
+    assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
