@@ -75,6 +75,14 @@ K_SHAPES = {
 }
 # Where each block format keeps its f16 scale (and minimum) fields, in bytes.
 _SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}
+# (offset, packed bytes) of sub-block scales and minimums with d = dmin that centre the values:
+# Q4_K scale 8 and minimum 60 (8 * 7.5), Q5_K 4 and 62 (4 * 15.5), both in the 12-byte 6-bit
+# packing; Q2_K scale 2 and minimum 3 (2 * 1.5) in each of its 16 nibble pairs.
+_CENTRED_SCALES = {
+    "Q4_K": (4, [8] * 4 + [60 | 3 << 6] * 4 + [8 | 12 << 4] * 4),
+    "Q5_K": (4, [4] * 4 + [62 | 3 << 6] * 4 + [4 | 14 << 4] * 4),
+    "Q2_K": (0, [2 | 3 << 4] * 16),
+}
 
 
 def weight_type(mix, name):
@@ -93,6 +101,11 @@ def _random_k_blocks(qt_name, shape, rng, std):
     block, size = gguf.GGML_QUANT_SIZES[qt]
     rows, ne0 = shape[1], shape[0]
     raw = rng.integers(0, 256, size=(rows * ne0 // block, size), dtype=np.uint8)
+    # Sub-block scales and minimums chosen so that each row's values centre on zero, as trained
+    # weights do (random minimums give rows random means, which no trained model has).
+    if qt_name in _CENTRED_SCALES:
+        start, values = _CENTRED_SCALES[qt_name]
+        raw[:, start : start + len(values)] = values
     fields = _SCALE_FIELDS[qt_name]
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     for f in fields:
