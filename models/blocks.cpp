@@ -282,6 +282,36 @@ Weight load_rope_freqs(ModelLoader& ld, const Hparams& hp) {
   return ld.vector("rope_freqs.weight", hp.n_rot / 2, /*optional=*/true);
 }
 
+std::unique_ptr<Model> load_pre_norm_decoder(const GGUFFile& file, Backend& backend,
+                                             const std::string& arch, int rope_mode,
+                                             const LoadLayer& load_layer) {
+  auto m = std::make_unique<PreNormDecoder>();
+  m->rope_mode = rope_mode;
+  ModelLoader ld(file, backend, arch);
+  m->hp = read_hparams(ld);
+  const Hparams& hp = m->hp;
+  m->tok_embd = ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
+  for (int il = 0; il < hp.n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    DecoderLayer L;
+    L.attn_norm = ld.vector(p + "attn_norm.weight", hp.n_embd);
+    load_layer(ld, hp, p, L);
+    L.ffn_norm = ld.vector(p + "ffn_norm.weight", hp.n_embd);
+    m->layers.push_back(L);
+  }
+  m->rope_freqs = load_rope_freqs(ld, hp);
+  m->output_norm = ld.vector("output_norm.weight", hp.n_embd);
+  m->output = load_output(ld, hp, m->tok_embd);
+  describe(*m, hp, ld);
+  return m;
+}
+
+void load_standard_layer(ModelLoader& ld, const Hparams& hp, const std::string& prefix,
+                         DecoderLayer& layer) {
+  layer.attn = load_attention(ld, prefix, hp);
+  layer.ffn = load_feed_forward(ld, prefix, hp);
+}
+
 void PreNormDecoder::build(Graph& g, const Batch& b, const KvCache& kv) const {
   GraphContext ctx(g, b, kv, hp);
   AttnOptions attn;

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -158,5 +160,16 @@ class PreNormDecoder final : public Model {
   Weight tok_embd, output_norm, output;
   std::vector<DecoderLayer> layers;
 };
+// Loads a PreNormDecoder of `arch`: its keys, the embeddings, per layer the two norms with the
+// attention and feed-forward weights that load_layer reads (prefix "blk.N."), rope factors and
+// the output. What the families differ in is load_layer and the rope mode.
+using LoadLayer = std::function<void(ModelLoader& ld, const Hparams& hp, const std::string& prefix,
+                                     DecoderLayer& layer)>;
+std::unique_ptr<Model> load_pre_norm_decoder(const GGUFFile& file, Backend& backend,
+                                             const std::string& arch, int rope_mode,
+                                             const LoadLayer& load_layer);
+// load_attention and load_feed_forward: the layer of Llama and of others with standard names.
+void load_standard_layer(ModelLoader& ld, const Hparams& hp, const std::string& prefix,
+                         DecoderLayer& layer);
 
 }  // namespace ggraph

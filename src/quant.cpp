@@ -292,9 +292,11 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
 }
 
 // Q4_K: element 64g + l (l < 32) is the low nibble of qs[32g + l], element 64g + 32 + l its high
-// nibble; sub-blocks of 32.
-void to_float_q4_k(const void* blocks, float* dst, int64_t n) {
-  const BlockQ4_K* b = static_cast<const BlockQ4_K*>(blocks);
+// nibble; sub-blocks of 32. Q5_K (kHigh): the same plus fifth bits, element 32j + l's in bit j of
+// qh[l].
+template <typename Block, bool kHigh>
+void to_float_q45_k(const void* blocks, float* dst, int64_t n) {
+  const Block* b = static_cast<const Block*>(blocks);
   for (int64_t i = 0; i < n; ++i, dst += QK_K) {
     const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
     for (int j = 0; j < QK_K / 32; ++j) {
@@ -303,29 +305,20 @@ void to_float_q4_k(const void* blocks, float* dst, int64_t n) {
       const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
       const uint8_t* q = b[i].qs + 32 * (j / 2);
       for (int l = 0; l < 32; ++l) {
-        const int v = j % 2 ? q[l] >> 4 : q[l] & 0x0f;
+        int v = j % 2 ? q[l] >> 4 : q[l] & 0x0f;
+        if constexpr (kHigh) v |= ((b[i].qh[l] >> j) & 1) << 4;
         dst[32 * j + l] = dl * static_cast<float>(v) - ml;
       }
     }
   }
 }
 
-// Q5_K: Q4_K's nibbles plus fifth bits, element 32j + l's in bit j of qh[l].
+void to_float_q4_k(const void* blocks, float* dst, int64_t n) {
+  to_float_q45_k<BlockQ4_K, false>(blocks, dst, n);
+}
+
 void to_float_q5_k(const void* blocks, float* dst, int64_t n) {
-  const BlockQ5_K* b = static_cast<const BlockQ5_K*>(blocks);
-  for (int64_t i = 0; i < n; ++i, dst += QK_K) {
-    const float d = f16_to_f32(b[i].d), dmin = f16_to_f32(b[i].dmin);
-    for (int j = 0; j < QK_K / 32; ++j) {
-      int sc, m;
-      k_scale_min(b[i].scales, j, &sc, &m);
-      const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-      const uint8_t* q = b[i].qs + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l) {
-        const int v = (j % 2 ? q[l] >> 4 : q[l] & 0x0f) | (((b[i].qh[l] >> j) & 1) << 4);
-        dst[32 * j + l] = dl * static_cast<float>(v) - ml;
-      }
-    }
-  }
+  to_float_q45_k<BlockQ5_K, true>(blocks, dst, n);
 }
 
 // Q6_K: element 128h + 32s + l (l < 32) has its low 4 bits in ql[64h + 32 (s % 2) + l] (low

