@@ -279,18 +279,6 @@ void to_float_q3_k(const void* blocks, float* dst, int64_t n) {
   }
 }
 
-// The 8 six-bit scales and minimums of Q4_K and Q5_K: for j < 4 the low 6 bits of bytes j and
-// j + 4; for j >= 4 the nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them.
-inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // Q4_K: element 64g + l (l < 32) is the low nibble of qs[32g + l], element 64g + 32 + l its high
 // nibble; sub-blocks of 32. Q5_K (kHigh): the same plus fifth bits, element 32j + l's in bit j of
 // qh[l].
@@ -651,7 +639,7 @@ void decode_k<DType::Q3_K>(const uint8_t* blk, KBlock* kb) {
 // Q4_K's and Q5_K's eight 6-bit scales and minimums (each for two 16-element halves) and d, dmin.
 void k_scales_mins(const uint8_t* scales, uint16_t d, uint16_t dmin, KBlock* kb) {
   for (int j = 0; j < 8; ++j) {
-    quant_impl::k_scale_min(scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
+    k_scale_min(scales, j, &kb->sc[2 * j], &kb->mn[2 * j]);
     kb->sc[2 * j + 1] = kb->sc[2 * j];
     kb->mn[2 * j + 1] = kb->mn[2 * j];
   }

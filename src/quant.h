@@ -5,6 +5,12 @@
 #include <cstdint>
 #include <string>
 
+#if defined(__CUDACC__)
+#define GGRAPH_HD __host__ __device__ __forceinline__
+#else
+#define GGRAPH_HD inline
+#endif
+
 namespace ggraph {
 
 // Values are ggml's type ids as stored in GGUF tensor tables.
@@ -73,6 +79,18 @@ size_t row_size(DType t, int64_t n);
 DType type_from_name(const std::string& name);
 // The computable formats' names in the table's order, for error messages: "F32, F16, ..., Q6_K".
 std::string computable_type_names();
+
+// The 8 six-bit scales and minimums of Q4_K and Q5_K: for j < 4 the low 6 bits of bytes j and
+// j + 4; for j >= 4 the nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them.
+GGRAPH_HD void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
 
 // Block layouts (identical to ggml's on-disk formats).
 constexpr int QK = 32;  // elements per block of Q4_0, Q4_1, Q8_0

@@ -482,7 +482,7 @@ inline __m256i even_odd_scales(__m128i s8, bool is_signed) {
 }
 
 // The 8 six-bit scales (bytes 0..7) and minimums (bytes 8..15) of Q4_K and Q5_K: see
-// quant.cpp's k_scale_min; four bytes at a time.
+// quant.h's k_scale_min; four bytes at a time.
 inline __m128i k_scales_mins(const uint8_t* s) {
   const uint32_t a = load_u32(s), b = load_u32(s + 4), c = load_u32(s + 8);
   const uint32_t sc_lo = a & 0x3f3f3f3f;

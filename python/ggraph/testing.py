@@ -108,7 +108,19 @@ GGML_TYPES = {
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _INT_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "F64": "<f8"}
 # general.file_type values (llama_ftype) for a model whose weights are mostly of one type.
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+FILE_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "BF16": 32,
+}
 
 
 def ggml_type(name: str) -> GGMLType:
@@ -285,6 +297,22 @@ def dequantize(data: bytes | np.ndarray, type_name: str) -> np.ndarray:
     raise ValueError(f"cannot dequantize {name}; supported: {', '.join(QUANTIZABLE)}")
 
 
+# Types random_blocks generates beside the quantizable ones, and llama.cpp-style mixes: the main
+# type, and the type of attn_v, ffn_down and the output projection (the tensors llama.cpp's
+# "_M" mixes keep at more bits).
+RANDOM_BLOCK_TYPES = QUANTIZABLE + ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+WEIGHT_TYPES = RANDOM_BLOCK_TYPES + tuple(MIXES)
+# K-quant sub-block fields that centre the values on zero, with the spread of one unit of d:
+# (offset, packed bytes, std). Q4_K: scale 8 and minimum 60 (8 * 7.5) for every sub-block, in the
+# 12-byte 6-bit packing; Q5_K: 4 and 62 (4 * 15.5); Q6_K: int8 scales 2 (values 2 (q - 32)).
+_K_SUBBLOCKS = {
+    "Q4_K": (4, [8] * 4 + [60 | 3 << 6] * 4 + [8 | 12 << 4] * 4, 8 * 4.61),
+    "Q5_K": (4, [4] * 4 + [62 | 3 << 6] * 4 + [4 | 14 << 4] * 4, 4 * 9.23),
+    "Q6_K": (192, [2] * 16, 2 * 18.47),
+}
+
+
 def random_blocks(
     type_name: str, n_elements: int, std: float, rng: np.random.Generator
 ) -> np.ndarray:
@@ -297,25 +325,37 @@ def random_blocks(
     if name in ("F32", "F16", "BF16"):
         return quantize(rng.standard_normal(n_elements, dtype=np.float32) * np.float32(std), name)
     t = ggml_type(name)
-    if name not in QUANTIZABLE or n_elements % t.block_size:
+    if name not in RANDOM_BLOCK_TYPES or n_elements % t.block_size:
         raise ValueError(f"cannot generate random {name} blocks for {n_elements} elements")
     n = n_elements // t.block_size
-    out = np.empty((n, t.type_size), dtype=np.uint8)
+    out = np.frombuffer(rng.bytes(n * t.type_size), np.uint8).reshape(n, t.type_size).copy()
     jitter = rng.uniform(0.9, 1.1, n).astype(np.float32)
+
+    def put_f16(at: int, v: np.ndarray) -> None:
+        out[:, at : at + 2] = v.astype("<f2")[:, None].view(np.uint8)
+
+    if name in _K_SUBBLOCKS:
+        at, packed, unit = _K_SUBBLOCKS[name]
+        out[:, at : at + len(packed)] = packed
+        d = np.float32(std / unit) * jitter
+        put_f16(208 if name == "Q6_K" else 0, d)
+        if name != "Q6_K":
+            put_f16(2, d)  # dmin, times the minimums above
+        return out.reshape(-1)
     if name == "Q8_0":
         # Uniform integers in [-127, 127] have standard deviation 73.3.
         d = np.float32(std / 73.3) * jitter
         out[:, 2:] = rng.integers(-127, 128, (n, 32), dtype=np.int8).view(np.uint8)
     else:
-        # Uniform nibbles have standard deviation 4.61.
-        d = np.float32(std / 4.61) * jitter
-        out[:, 2:] = np.frombuffer(rng.bytes(n * (t.type_size - 2)), np.uint8).reshape(n, -1)
-        if name == "Q4_0":
+        # Uniform nibbles have standard deviation 4.61, five-bit values 9.23.
+        five = name in ("Q5_0", "Q5_1")
+        d = np.float32(std / (9.23 if five else 4.61)) * jitter
+        if name in ("Q4_0", "Q5_0"):
             d = d * rng.choice(np.array([-1, 1], np.float32), n)
         else:
-            m = np.float32(-7.5) * d * rng.uniform(0.95, 1.05, n).astype(np.float32)
-            out[:, 2:4] = m.astype("<f2")[:, None].view(np.uint8)
-    out[:, 0:2] = d.astype("<f2")[:, None].view(np.uint8)
+            m = np.float32(-15.5 if five else -7.5) * d * rng.uniform(0.95, 1.05, n)
+            put_f16(2, m.astype(np.float32))
+    put_f16(0, d)
     return out.reshape(-1)
 
 
@@ -693,7 +733,7 @@ def llama_metadata(shape: ModelShape, name: str, weight_type: str) -> dict[str, 
 def llama_tensor_layout(shape: ModelShape) -> list[tuple[str, str, list[int]]]:
     """(name, ggml type, GGUF shape) of every tensor of a llama model, in llama.cpp's order."""
     e, f, kv, v = shape.n_embd, shape.n_ff, shape.n_embd_kv, shape.n_vocab
-    w = shape.weight_type
+    w, w_more = MIXES.get(shape.weight_type, (shape.weight_type, shape.weight_type))
     layout = [("token_embd.weight", shape.embd_type or w, [e, v])]
     for i in range(shape.n_layer):
         p = f"blk.{i}."
@@ -701,16 +741,16 @@ def llama_tensor_layout(shape: ModelShape) -> list[tuple[str, str, list[int]]]:
             (p + "attn_norm.weight", "F32", [e]),
             (p + "attn_q.weight", w, [e, e]),
             (p + "attn_k.weight", w, [e, kv]),
-            (p + "attn_v.weight", w, [e, kv]),
+            (p + "attn_v.weight", w_more, [e, kv]),
             (p + "attn_output.weight", w, [e, e]),
             (p + "ffn_norm.weight", "F32", [e]),
             (p + "ffn_gate.weight", w, [e, f]),
             (p + "ffn_up.weight", w, [e, f]),
-            (p + "ffn_down.weight", w, [f, e]),
+            (p + "ffn_down.weight", w_more, [f, e]),
         ]
     layout.append(("output_norm.weight", "F32", [e]))
     if not shape.tied:
-        layout.append(("output.weight", shape.output_type or w, [e, v]))
+        layout.append(("output.weight", shape.output_type or w_more, [e, v]))
     return layout
 
 
@@ -738,8 +778,8 @@ def resolve_shape(
         changes["tied"] = tied
     shape = dataclasses.replace(shape, **changes)
     for t in (shape.weight_type, shape.embd_type, shape.output_type):
-        if t is not None and ggml_type(t).name not in QUANTIZABLE:
-            raise ValueError(f"weight type {t!r}: expected one of {', '.join(QUANTIZABLE)}")
+        if t is not None and t not in MIXES and ggml_type(t).name not in RANDOM_BLOCK_TYPES:
+            raise ValueError(f"weight type {t!r}: expected one of {', '.join(WEIGHT_TYPES)}")
     if shape.n_embd % shape.n_head or shape.n_head % shape.n_head_kv:
         raise ValueError("n_embd must divide into n_head heads, n_head into n_head_kv groups")
     return shape
@@ -769,6 +809,8 @@ def write_random_gguf(
     layout = llama_tensor_layout(m)
     if direct_blocks is None:
         direct_blocks = sum(int(np.prod(s)) for _, _, s in layout) > 500_000_000
+    # Formats the writer cannot quantize floats to are generated as blocks.
+    direct_blocks = direct_blocks or any(ggml_type(t).name not in QUANTIZABLE for _, t, _ in layout)
     label = shape if isinstance(shape, str) else "custom"
     metadata = llama_metadata(m, name or f"random {label}", m.weight_type)
 
@@ -799,9 +841,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("out", help="output .gguf path")
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    parser.add_argument("--type", dest="weight_type", choices=QUANTIZABLE, help="weight type")
-    parser.add_argument("--embd-type", choices=QUANTIZABLE, help="token embedding type")
-    parser.add_argument("--output-type", choices=QUANTIZABLE, help="output projection type")
+    parser.add_argument(
+        "--type", dest="weight_type", choices=WEIGHT_TYPES, help="weight type or mix (Q4_K_M)"
+    )
+    parser.add_argument("--embd-type", choices=RANDOM_BLOCK_TYPES, help="token embedding type")
+    parser.add_argument("--output-type", choices=RANDOM_BLOCK_TYPES, help="output projection type")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None)
     tie.add_argument("--untied", dest="tied", action="store_false")

@@ -693,8 +693,8 @@ class CudaBackend : public Backend {
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
 
-  // Formats without CUDA kernels of their own (Q5_0, Q5_1, the K-quants, IQ4_NL/XS) are decoded
-  // to F16 on upload, so that every file the CPU runs runs here too (F16 reads 16 bits a weight).
+  // Formats without CUDA kernels of their own (Q2_K, Q3_K, IQ4_NL, IQ4_XS) are decoded to F16
+  // on upload, so that every file the CPU runs runs here too (F16 reads 16 bits a weight).
   DType stored_type(DType type) const override {
     return is_computable(type) || !type_traits(type).computable ? type : DType::F16;
   }
@@ -703,11 +703,13 @@ class CudaBackend : public Backend {
                       const std::string& name) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     if (stored_type(type) != type) return upload_decoded(host, bytes, type, ne0, ne1, name);
-    if (is_quantized(type) && (ne0 % 32 != 0 || bytes != row_bytes(type, ne0) * size_t(ne1)))
-      throw ArgumentError(
-          "weight " + name + ": " + std::to_string(bytes) + " bytes for a " + dtype_name(type) +
-          " [" + std::to_string(ne0) + ", " + std::to_string(ne1) + "], expected " +
-          std::to_string(row_bytes(type, ne0) * size_t(ne1)) + " with ne0 a multiple of 32");
+    if (is_quantized(type) &&
+        (ne0 % block_elems(type) != 0 || bytes != row_bytes(type, ne0) * size_t(ne1)))
+      throw ArgumentError("weight " + name + ": " + std::to_string(bytes) + " bytes for a " +
+                          dtype_name(type) + " [" + std::to_string(ne0) + ", " +
+                          std::to_string(ne1) + "], expected " +
+                          std::to_string(row_bytes(type, ne0) * size_t(ne1)) +
+                          " with ne0 a multiple of " + std::to_string(block_elems(type)));
     void* p = device_alloc(bytes + kWeightPadding, "weight " + name);
     allocations_.push_back(p);
     // Everything on the backend's stream, which does not wait for the legacy default stream.

@@ -16,7 +16,16 @@ constexpr int kTypeF16 = static_cast<int>(DType::F16);
 constexpr int kTypeBF16 = static_cast<int>(DType::BF16);
 constexpr int kTypeQ4_0 = static_cast<int>(DType::Q4_0);
 constexpr int kTypeQ4_1 = static_cast<int>(DType::Q4_1);
+constexpr int kTypeQ5_0 = static_cast<int>(DType::Q5_0);
+constexpr int kTypeQ5_1 = static_cast<int>(DType::Q5_1);
 constexpr int kTypeQ8_0 = static_cast<int>(DType::Q8_0);
+constexpr int kTypeQ4_K = static_cast<int>(DType::Q4_K);
+constexpr int kTypeQ5_K = static_cast<int>(DType::Q5_K);
+constexpr int kTypeQ6_K = static_cast<int>(DType::Q6_K);
+// Whether the kernels read the type in the split layout (cuda/weight_layout.h).
+constexpr bool is_split_type(int type) {
+  return type != kTypeF32 && type != kTypeF16 && type != kTypeBF16;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -121,29 +130,6 @@ __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {
   } else {
     static_assert(TYPE == kTypeBF16, "a float type");
     return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
-  }
-}
-
-// Element i of a quantized row in the split layout (cuda/weight_layout.h): q the row's quants,
-// s its scales.
-template <int TYPE>
-__device__ __forceinline__ float load_split_elem(const uint8_t* q, const uint8_t* s, int64_t i) {
-  const int64_t b = i / 32;
-  const int j = static_cast<int>(i % 32);
-  if constexpr (TYPE == kTypeQ8_0) {
-    const float d = f16_bits_to_float(reinterpret_cast<const uint16_t*>(s)[b]);
-    return d * static_cast<float>(static_cast<int8_t>(q[b * 32 + j]));
-  } else {
-    static_assert(TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1, "a quantized type");
-    const uint8_t* qb = q + b * 16;
-    const int v = j < 16 ? (qb[j] & 0xF) : (qb[j - 16] >> 4);
-    if constexpr (TYPE == kTypeQ4_0) {
-      const float d = f16_bits_to_float(reinterpret_cast<const uint16_t*>(s)[b]);
-      return d * static_cast<float>(v - 8);
-    } else {
-      const uint16_t* dm = reinterpret_cast<const uint16_t*>(s) + 2 * b;
-      return f16_bits_to_float(dm[0]) * static_cast<float>(v) + f16_bits_to_float(dm[1]);
-    }
   }
 }
 

@@ -30,16 +30,18 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) out[i] = 0.0f;
     return;
   }
-  const uint8_t* row = table + static_cast<size_t>(id) * row_stride;
-  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1 || TYPE == kTypeQ8_0) {
-    // Split layout: all rows' quants (row_stride bytes a row), then all rows' scales.
-    const int64_t nb = ne0 / 32;
-    const uint8_t* scales =
-        table + static_cast<size_t>(n_rows) * row_stride +
-        static_cast<size_t>(id) * nb * split_format(static_cast<DType>(TYPE)).scale_bytes;
+  if constexpr (is_split_type(TYPE)) {
+    // Split layout: all rows' quants (row_stride bytes a row), then high bits, then scales.
+    constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
+    const int64_t nb = ne0 / f.block_elems;
+    const size_t total = static_cast<size_t>(n_rows) * nb, first = static_cast<size_t>(id) * nb;
+    const uint8_t* q = table + static_cast<size_t>(id) * row_stride;
+    const uint8_t* h = table + split_high_offset(f, total) + split_pieces(f, first) * f.high_bytes;
+    const uint8_t* s = table + split_scales_offset(f, total) + first * f.scale_bytes;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
-      out[i] = load_split_elem<TYPE>(row, scales, i) * scale;
+      out[i] = split_elem(static_cast<DType>(TYPE), q, h, s, i) * scale;
   } else {
+    const uint8_t* row = table + static_cast<size_t>(id) * row_stride;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x)
       out[i] = load_elem<TYPE>(row, i) * scale;
   }
@@ -397,33 +399,14 @@ __global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_
 void launch_get_rows(Launcher& l, DType type, const void* table, int64_t ne0, int64_t n_rows,
                      const int32_t* ids, int n_ids, float* dst, float scale) {
   const auto* t = static_cast<const uint8_t*>(table);
-  // Quantized tables are split (cuda/weight_layout.h): a row's quants are 16 or 32 bytes a block.
+  // Quantized tables are split (cuda/weight_layout.h): a row's quants are 16 or 32 bytes a 32.
   const size_t rb = is_quantized(type)
                         ? static_cast<size_t>(ne0 / 32) * split_format(type).quant_bytes
                         : row_bytes(type, ne0);
-  const dim3 grid(n_ids), block(256);
-  switch (type) {
-    case DType::F32:
-      l(get_rows_kernel<kTypeF32>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    case DType::F16:
-      l(get_rows_kernel<kTypeF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    case DType::BF16:
-      l(get_rows_kernel<kTypeBF16>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    case DType::Q8_0:
-      l(get_rows_kernel<kTypeQ8_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    case DType::Q4_0:
-      l(get_rows_kernel<kTypeQ4_0>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    case DType::Q4_1:
-      l(get_rows_kernel<kTypeQ4_1>, grid, block, 0, t, ne0, n_rows, rb, ids, dst, scale);
-      break;
-    default:
-      throw ArgumentError(std::string("get_rows: unsupported table type ") + dtype_name(type));
-  }
+  with_weight_type(type, "get_rows", [&](auto tc) {
+    l(get_rows_kernel<decltype(tc)::value>, dim3(n_ids), dim3(256), 0, t, ne0, n_rows, rb, ids, dst,
+      scale);
+  });
 }
 
 void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, float eps) {

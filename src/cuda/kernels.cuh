@@ -6,65 +6,56 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
+#include "common.h"
 #include "cuda/launch.cuh"
+#include "cuda/weight_layout.h"
 #include "graph.h"
 
 namespace ggraph::cuda {
 
 // ---- Weight formats as the kernels see them -------------------------------------------------
 
-inline int64_t block_elems(DType t) {
-  return (t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0) ? 32 : 1;
-}
-inline size_t block_bytes(DType t) {
-  switch (t) {
-    case DType::F32:
-    case DType::I32:
-      return 4;
-    case DType::F16:
-    case DType::BF16:
-      return 2;
-    case DType::Q4_0:
-      return 18;
-    case DType::Q4_1:
-      return 20;
-    case DType::Q8_0:
-      return 34;
-    default:
-      return 0;
-  }
-}
-inline bool is_quantized(DType t) {
-  return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0;
-}
+// Sizes and names come from the core's type table (dtype.cpp); quantized weights are those with
+// a split layout (cuda/weight_layout.h), which every kernel reads.
+inline int64_t block_elems(DType t) { return type_traits(t).block_size; }
+inline size_t block_bytes(DType t) { return type_traits(t).type_size; }
+inline bool is_quantized(DType t) { return split_format(t).block_bytes != 0; }
 // The weight formats every kernel handles.
 inline bool is_computable(DType t) {
   return t == DType::F32 || t == DType::F16 || t == DType::BF16 || is_quantized(t);
 }
-inline const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::F32:
-      return "F32";
-    case DType::F16:
-      return "F16";
-    case DType::BF16:
-      return "BF16";
-    case DType::Q4_0:
-      return "Q4_0";
-    case DType::Q4_1:
-      return "Q4_1";
-    case DType::Q8_0:
-      return "Q8_0";
-    case DType::I32:
-      return "I32";
-    default:
-      return "unsupported type";
-  }
-}
+inline const char* dtype_name(DType t) { return type_name(t); }
 inline size_t row_bytes(DType t, int64_t n) {
   return static_cast<size_t>(n / block_elems(t)) * block_bytes(t);
+}
+
+// Calls fn(std::integral_constant<int, TYPE>{}) for a weight format the kernels handle (what
+// names the caller in the error for any other).
+template <typename Fn>
+decltype(auto) with_weight_type(DType t, const char* what, Fn&& fn) {
+  switch (t) {
+#define GGRAPH_WEIGHT_TYPE(T) \
+  case DType::T:              \
+    return fn(std::integral_constant<int, static_cast<int>(DType::T)>{});
+    GGRAPH_WEIGHT_TYPE(F32)
+    GGRAPH_WEIGHT_TYPE(F16)
+    GGRAPH_WEIGHT_TYPE(BF16)
+    GGRAPH_WEIGHT_TYPE(Q4_0)
+    GGRAPH_WEIGHT_TYPE(Q4_1)
+    GGRAPH_WEIGHT_TYPE(Q5_0)
+    GGRAPH_WEIGHT_TYPE(Q5_1)
+    GGRAPH_WEIGHT_TYPE(Q8_0)
+    GGRAPH_WEIGHT_TYPE(Q4_K)
+    GGRAPH_WEIGHT_TYPE(Q5_K)
+    GGRAPH_WEIGHT_TYPE(Q6_K)
+#undef GGRAPH_WEIGHT_TYPE
+    default:
+      throw ArgumentError(std::string(what) + ": unsupported weight type " + dtype_name(t));
+  }
 }
 
 // Weight allocations get this many spare bytes so that the mat-vec kernels' 16-byte copies of a

@@ -46,13 +46,26 @@ __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t*
 constexpr int kMvqWarps = 4;
 constexpr int kMvqThreads = 32 * kMvqWarps;
 
+// A piece is 16 bytes of quants: 32 elements of a 4-, 5- or 6-bit format, 16 of Q8_0.
 template <int TYPE>
 struct PieceInfo {
   static constexpr SplitFormat kFormat = split_format(static_cast<DType>(TYPE));
   static constexpr int kScaleBytes = kFormat.scale_bytes;
-  static constexpr int kQuantBytes = kFormat.quant_bytes;
-  static constexpr int kPerBlock = kQuantBytes / 16;  // 16-byte pieces per block
-  static constexpr int kActBytes = 32 / kPerBlock;    // activation bytes a piece meets
+  static constexpr int kHighBytes = kFormat.high_bytes;                // a piece's high bits
+  static constexpr int kPer32 = kFormat.quant_bytes / 16;              // pieces per 32 elements
+  static constexpr int kPerScale = kFormat.block_elems / 32 * kPer32;  // pieces a scale record
+  static constexpr int kActBytes = 32 / kPer32;  // activation bytes a piece meets
+  // Words of scale a piece keeps: the K-quants' whole 16-byte record (d, dmin, packed 6-bit
+  // scales and minimums); one word otherwise (Q6_K: its two int8 scales and d).
+  static constexpr int kScaleWords = TYPE == kTypeQ4_K || TYPE == kTypeQ5_K ? 4 : 1;
+};
+
+// What a lane holds of one piece of one row: quants, high bits, scales.
+template <int TYPE>
+struct PieceRegs {
+  uint4 q;
+  uint32_t h[PieceInfo<TYPE>::kHighBytes > 0 ? PieceInfo<TYPE>::kHighBytes / 4 : 1];
+  uint32_t s[PieceInfo<TYPE>::kScaleWords];
 };
 
 // Weights are read once: keep them out of L1, where the activation lives.
@@ -64,9 +77,38 @@ __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t ldg_scale(const uint8_t* p, int bytes) {
-  return bytes == 4 ? __ldg(reinterpret_cast<const uint32_t*>(p))
-                    : static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
+// Loads the piece at quants q, high bits h and scale record s; j is the piece's sub-block within
+// a K-quant block (which of Q6_K's scales it takes).
+template <int TYPE>
+__device__ __forceinline__ void load_piece(PieceRegs<TYPE>& r, const uint4* q, const uint8_t* h,
+                                           const uint8_t* s, int j) {
+  using P = PieceInfo<TYPE>;
+  r.q = ldg_stream16(q);
+  if constexpr (P::kHighBytes == 4) {
+    r.h[0] = __ldg(reinterpret_cast<const uint32_t*>(h));
+  } else if constexpr (P::kHighBytes == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(h));
+    r.h[0] = v.x, r.h[1] = v.y;
+  }
+  if constexpr (P::kScaleWords == 4) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(s));
+    r.s[0] = v.x, r.s[1] = v.y, r.s[2] = v.z, r.s[3] = v.w;
+  } else if constexpr (TYPE == kTypeQ6_K) {
+    // Sub-block j's two int8 scales, and d above them.
+    r.s[0] = static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(s) + j)) |
+             static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(s + 16))) << 16;
+  } else if constexpr (P::kScaleBytes == 4) {
+    r.s[0] = __ldg(reinterpret_cast<const uint32_t*>(s));
+  } else {
+    r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(s));
+  }
+}
+
+template <int TYPE>
+__device__ __forceinline__ void zero_piece(PieceRegs<TYPE>& r) {
+  r.q = make_uint4(0, 0, 0, 0);
+  for (uint32_t& v : r.h) v = 0;
+  for (uint32_t& v : r.s) v = 0;
 }
 
 // Four products of unsigned bytes of a with signed bytes of b, added to c.
@@ -76,58 +118,145 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
   return d;
 }
 
-// The activation words a piece meets, 8 (a whole Q4 block) or 4 (half a Q8_0 block), from ap;
-// and the block's (d, d * sum(q)) from dp.
+// The activation a piece meets: 8 words (a whole 32) or 4 (half a Q8_0 block), its 32's
+// (d, d * sum(q)), and for Q6_K (a scale per 16) the sums of q over each half.
+struct PieceAct {
+  int a[8];
+  float2 ad;
+  int sum_lo, sum_hi;
+};
+
 template <int TYPE>
-__device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, int (&a)[8],
-                                               float2& ad) {
+__device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, PieceAct& x) {
   const int4 lo = __ldg(reinterpret_cast<const int4*>(ap));
-  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
-  if constexpr (PieceInfo<TYPE>::kPerBlock == 1) {
+  x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
+  if constexpr (PieceInfo<TYPE>::kPer32 == 1) {
     const int4 hi = __ldg(reinterpret_cast<const int4*>(ap) + 1);
-    a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+    x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
   }
-  ad = __ldg(dp);
+  x.ad = __ldg(dp);
+  if constexpr (TYPE == kTypeQ6_K) {
+    x.sum_lo = x.sum_hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x.sum_lo = __dp4a(x.a[i], 0x01010101, x.sum_lo);
+      x.sum_hi = __dp4a(x.a[i + 4], 0x01010101, x.sum_hi);
+    }
+  }
+}
+
+template <int TYPE>
+__device__ __forceinline__ void zero_piece_act(PieceAct& x) {
+  for (int& v : x.a) v = 0;
+  x.ad = make_float2(0.0f, 0.0f);
+  x.sum_lo = x.sum_hi = 0;
 }
 
 // Piece `piece` of column t of the activation.
 template <int TYPE>
 __device__ __forceinline__ void load_piece_act(const int8_t* aq, const float2* ads, int64_t k,
-                                               int nb, int t, int piece, int (&a)[8], float2& ad) {
+                                               int nb, int t, int piece, PieceAct& x) {
   using P = PieceInfo<TYPE>;
   load_piece_act<TYPE>(aq + t * k + static_cast<int64_t>(piece) * P::kActBytes,
-                       ads + static_cast<int64_t>(t) * nb + piece / P::kPerBlock, a, ad);
+                       ads + static_cast<int64_t>(t) * nb + piece / P::kPer32, x);
 }
 
-// One piece's contribution: quants q (4 words), scale word s (f16 d; Q4_1: d | m << 16).
+// The high bits of word i of the first (second) half of a piece, as bits 4.. of each byte
+// (cuda/weight_layout.h lays them out so that this is a shift and a mask; i is a constant once
+// the callers' loops are unrolled).
+template <int HB>
+__device__ __forceinline__ uint32_t high_lo(const uint32_t* h, int i) {
+  if constexpr (HB == 4) return (h[0] >> i) & 0x10101010u;
+  // Two bits at 8b + {4, 6, 0, 2}[i].
+  const uint32_t v = i == 0 ? h[0] : i == 1 ? h[0] >> 2 : i == 2 ? h[0] << 4 : h[0] << 2;
+  return v & 0x30303030u;
+}
+template <int HB>
+__device__ __forceinline__ uint32_t high_hi(const uint32_t* h, int i) {
+  if constexpr (HB == 4) return (h[0] << (4 - i)) & 0x10101010u;
+  return high_lo<HB>(h + 1, i);
+}
+
+// A K-quant sub-block's scale d * sc and minimum dmin * m, from its block's record (d | dmin,
+// then the 12 bytes of packed 6-bit values: quant.h's k_scale_min, four bytes a word).
+__device__ __forceinline__ float2 k_scale_min_dev(const uint32_t (&s)[4], int j) {
+  const int sh = 8 * (j & 3);
+  const uint32_t b0 = s[1] >> sh, b1 = s[2] >> sh, b2 = s[3] >> sh;
+  const bool low = j < 4;
+  const uint32_t sc = low ? b0 & 63 : (b2 & 15) | (((b0 >> 6) & 3) << 4);
+  const uint32_t m = low ? b1 & 63 : ((b2 >> 4) & 15) | (((b1 >> 6) & 3) << 4);
+  return make_float2(
+      f16_bits_to_float(static_cast<uint16_t>(s[0] & 0xFFFF)) * static_cast<float>(sc),
+      f16_bits_to_float(static_cast<uint16_t>(s[0] >> 16)) * static_cast<float>(m));
+}
+
+// One piece's contribution to a row's dot product; j is the piece's sub-block in a K-quant block.
 template <int TYPE>
-__device__ __forceinline__ void piece_dot(const uint4& q, uint32_t s, const int (&a)[8], float2 ad,
+__device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const PieceAct& x,
                                           float& acc) {
-  const float d = f16_bits_to_float(static_cast<uint16_t>(s & 0xFFFF));
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  constexpr int HB = PieceInfo<TYPE>::kHighBytes;
+  const uint32_t w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+  const float2 ad = x.ad;
   if constexpr (TYPE == kTypeQ8_0) {
     int sum = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sum = __dp4a(static_cast<int>(w[i]), a[i], sum);
-    acc += d * static_cast<float>(sum) * ad.x;
-  } else {
+    for (int i = 0; i < 4; ++i) sum = __dp4a(static_cast<int>(w[i]), x.a[i], sum);
+    acc += f16_bits_to_float(static_cast<uint16_t>(r.s[0])) * static_cast<float>(sum) * ad.x;
+  } else if constexpr (HB == 0) {
     // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble). The
     // high nibbles are dotted in place, as unsigned bytes 16 times their value, which saves
     // shifting them down: lo + hi / 16 is the sum, 16 * lo + hi is 16 times it, exactly.
     int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      lo = dp4a_us(w[i] & 0x0F0F0F0Fu, a[i], lo);
-      hi = dp4a_us(w[i] & 0xF0F0F0F0u, a[i + 4], hi);
+      lo = dp4a_us(w[i] & 0x0F0F0F0Fu, x.a[i], lo);
+      hi = dp4a_us(w[i] & 0xF0F0F0F0u, x.a[i + 4], hi);
     }
     const float sum = static_cast<float>(lo * 16 + hi);
     const float ad16 = ad.x * 0.0625f;  // the same for every row: computed once
     if constexpr (TYPE == kTypeQ4_0) {
       // sum((q - 8) * d * a_i * d8) = d * (d8 * sum(q a) - 8 * d8 * sum(a))
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
       acc += d * (sum * ad16 - 8.0f * ad.y);
-    } else {
-      const float m = f16_bits_to_float(static_cast<uint16_t>(s >> 16));
+    } else if constexpr (TYPE == kTypeQ4_1) {
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+      const float m = f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16));
       acc += d * sum * ad16 + m * ad.y;
+    } else {
+      static_assert(TYPE == kTypeQ4_K, "a 4-bit format");
+      const float2 dm = k_scale_min_dev(r.s, j);
+      acc += dm.x * sum * ad16 - dm.y * ad.y;
+    }
+  } else {
+    // The high bits join the nibbles in bits 4..; both halves dotted as unsigned bytes.
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t ql = high_lo<HB>(r.h, i), qh = high_hi<HB>(r.h, i);
+      lo = dp4a_us((w[i] & 0x0F0F0F0Fu) | ql, x.a[i], lo);
+      hi = dp4a_us(((w[i] >> 4) & 0x0F0F0F0Fu) | qh, x.a[i + 4], hi);
+    }
+    if constexpr (TYPE == kTypeQ6_K) {
+      // Stored offset by 32, a scale per half: sc0 (q_lo - 32) a_lo + sc1 (q_hi - 32) a_hi.
+      const int sc0 = static_cast<int8_t>(r.s[0] & 0xFF);
+      const int sc1 = static_cast<int8_t>((r.s[0] >> 8) & 0xFF);
+      const int isum = sc0 * (lo - 32 * x.sum_lo) + sc1 * (hi - 32 * x.sum_hi);
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16));
+      acc += d * ad.x * static_cast<float>(isum);
+    } else {
+      const float sum = static_cast<float>(lo + hi);
+      if constexpr (TYPE == kTypeQ5_0) {
+        const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+        acc += d * (sum * ad.x - 16.0f * ad.y);
+      } else if constexpr (TYPE == kTypeQ5_1) {
+        const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+        const float m = f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16));
+        acc += d * sum * ad.x + m * ad.y;
+      } else {
+        static_assert(TYPE == kTypeQ5_K, "a 5-bit format");
+        const float2 dm = k_scale_min_dev(r.s, j);
+        acc += dm.x * sum * ad.x - dm.y * ad.y;
+      }
     }
   }
 }
@@ -145,18 +274,24 @@ __global__ void __launch_bounds__(kMvqThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wr = warp / KS, ks = warp % KS;
   const int row0 = (part.local_block * (kMvqWarps / KS) + wr) * R;
-  const int n_pieces = nb * P::kPerBlock;
+  const int n_pieces = nb * P::kPer32;
+  // A lane's pieces are lane + 32 u of a round, so their sub-block in a K-quant block is fixed.
+  const int sub = lane % 8;
   // Pointers to this lane's pieces of the round (pieces base + lane + 32 u), moved on each round,
   // so that every load takes a constant offset from one of them.
   int base = ks * 32 * U;
-  const uint8_t* scales = part.w + static_cast<size_t>(part.n) * nb * P::kQuantBytes;
+  const uint8_t* high = part.w + static_cast<size_t>(part.n) * n_pieces * 16;
+  const uint8_t* scales = high + static_cast<size_t>(part.n) * n_pieces * P::kHighBytes;
   const uint4* qp[R];
+  const uint8_t* hp[R];
   const uint8_t* sp[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const size_t row = static_cast<size_t>(min(row0 + j, part.n - 1));
-    qp[j] = reinterpret_cast<const uint4*>(part.w) + row * n_pieces + base + lane;
-    sp[j] = scales + (row * nb + (base + lane) / P::kPerBlock) * P::kScaleBytes;
+    const size_t piece = row * n_pieces + base + lane;
+    qp[j] = reinterpret_cast<const uint4*>(part.w) + piece;
+    hp[j] = high + piece * P::kHighBytes;
+    sp[j] = scales + piece / P::kPerScale * P::kScaleBytes;
   }
 
   float acc[R][NCOLS];
@@ -165,18 +300,18 @@ __global__ void __launch_bounds__(kMvqThreads)
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) acc[j][t] = 0.0f;
 
-  uint4 q[U][R];
-  uint32_t s[U][R];
+  PieceRegs<TYPE> pc[U][R];
+  auto load_one = [&](int u, int j) {
+    load_piece<TYPE>(pc[u][j], qp[j] + u * 32, hp[j] + u * 32 * P::kHighBytes,
+                     sp[j] + u * 32 / P::kPerScale * P::kScaleBytes, sub);
+  };
   // A full round loads unconditionally; the last may hold fewer pieces than lanes * U.
   auto load = [&]() {
     if (base + 32 * U <= n_pieces) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int j = 0; j < R; ++j) {
-          q[u][j] = ldg_stream16(qp[j] + u * 32);
-          s[u][j] = ldg_scale(sp[j] + u * 32 / P::kPerBlock * P::kScaleBytes, P::kScaleBytes);
-        }
+        for (int j = 0; j < R; ++j) load_one(u, j);
       }
       return;
     }
@@ -185,9 +320,10 @@ __global__ void __launch_bounds__(kMvqThreads)
       const bool ok = base + u * 32 + lane < n_pieces;
 #pragma unroll
       for (int j = 0; j < R; ++j) {
-        q[u][j] = ok ? ldg_stream16(qp[j] + u * 32) : make_uint4(0, 0, 0, 0);
-        s[u][j] =
-            ok ? ldg_scale(sp[j] + u * 32 / P::kPerBlock * P::kScaleBytes, P::kScaleBytes) : 0u;
+        if (ok)
+          load_one(u, j);
+        else
+          zero_piece<TYPE>(pc[u][j]);
       }
     }
   };
@@ -196,7 +332,8 @@ __global__ void __launch_bounds__(kMvqThreads)
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       qp[j] += kStep;
-      sp[j] += kStep / P::kPerBlock * P::kScaleBytes;
+      hp[j] += kStep * P::kHighBytes;
+      sp[j] += kStep / P::kPerScale * P::kScaleBytes;
     }
   };
   // The first pieces' weights may be requested before waiting for the grid before this one
@@ -207,7 +344,7 @@ __global__ void __launch_bounds__(kMvqThreads)
   if (early) pdl_trigger();
   if (!prefetch && base < n_pieces) load();
   const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
-  const float2* dp = ads + (base + lane) / P::kPerBlock;
+  const float2* dp = ads + (base + lane) / P::kPer32;
   // One round's dot products; a full round (every lane has all U pieces) without bounds checks,
   // which lets the activation loads of all columns be issued together.
   auto dot_round = [&](auto full) {
@@ -217,13 +354,14 @@ __global__ void __launch_bounds__(kMvqThreads)
       const bool ok = full || base + u * 32 + lane < n_pieces;
 #pragma unroll
       for (int t = 0; t < NCOLS; ++t) {
-        int a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        float2 ad = make_float2(0.0f, 0.0f);
+        PieceAct x;
         if (ok)
           load_piece_act<TYPE>(ap + t * k + u * 32 * P::kActBytes,
-                               dp + static_cast<int64_t>(t) * nb + u * 32 / P::kPerBlock, a, ad);
+                               dp + static_cast<int64_t>(t) * nb + u * 32 / P::kPer32, x);
+        else
+          zero_piece_act<TYPE>(x);
 #pragma unroll
-        for (int j = 0; j < R; ++j) piece_dot<TYPE>(q[u][j], s[u][j], a, ad, acc[j][t]);
+        for (int j = 0; j < R; ++j) piece_dot<TYPE>(pc[u][j], sub, x, acc[j][t]);
       }
     }
   };
@@ -234,7 +372,7 @@ __global__ void __launch_bounds__(kMvqThreads)
       dot_round(std::false_type{});
     advance();
     ap += kStep * P::kActBytes;
-    dp += kStep / P::kPerBlock;
+    dp += kStep / P::kPer32;
     if (base < n_pieces) load();
   }
 
@@ -279,11 +417,11 @@ __global__ void __launch_bounds__(kMvqThreads)
                           const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
+  const int sub = lane % 8;  // pieces lane + 32 i: a fixed sub-block of a K-quant block
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   const int n_rows = n0 + n1 + n2;
-  const int n_pieces = nb * P::kPerBlock;
-  uint4 v[R][PL];
-  uint32_t sc[R][PL];
+  const int n_pieces = nb * P::kPer32;
+  PieceRegs<TYPE> v[R][PL];
   float* dst[R];
   int row[R];
   // Issues the loads of rows g0.. (weights only: they never change after upload).
@@ -295,15 +433,20 @@ __global__ void __launch_bounds__(kMvqThreads)
       const int n = g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
       row[j] = g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
       dst[j] = g < n0 ? d0 : g < n0 + n1 ? d1 : d2;
-      const uint4* q = reinterpret_cast<const uint4*>(w) + static_cast<size_t>(row[j]) * n_pieces;
-      const uint8_t* s = w + static_cast<size_t>(n) * nb * P::kQuantBytes +
-                         static_cast<size_t>(row[j]) * nb * P::kScaleBytes;
+      const size_t first = static_cast<size_t>(row[j]) * n_pieces;
+      const uint4* q = reinterpret_cast<const uint4*>(w) + first;
+      const uint8_t* high = w + static_cast<size_t>(n) * n_pieces * 16;
+      const uint8_t* h = high + first * P::kHighBytes;
+      const uint8_t* s = high + static_cast<size_t>(n) * n_pieces * P::kHighBytes +
+                         first / P::kPerScale * P::kScaleBytes;
 #pragma unroll
       for (int i = 0; i < PL; ++i) {
         const int p = lane + 32 * i;
-        v[j][i] = p < n_pieces ? ldg_stream16(q + p) : make_uint4(0, 0, 0, 0);
-        sc[j][i] =
-            p < n_pieces ? ldg_scale(s + (p / P::kPerBlock) * P::kScaleBytes, P::kScaleBytes) : 0u;
+        if (p < n_pieces)
+          load_piece<TYPE>(v[j][i], q + p, h + p * P::kHighBytes,
+                           s + p / P::kPerScale * P::kScaleBytes, sub);
+        else
+          zero_piece<TYPE>(v[j][i]);
       }
     }
   };
@@ -313,25 +456,21 @@ __global__ void __launch_bounds__(kMvqThreads)
   if (prefetch && g0 < n_rows) load_rows(g0);
   pdl_begin();
   if (!prefetch && g0 < n_rows) load_rows(g0);
-  int a[PL][8];
-  float2 ad[PL];
+  PieceAct x[PL];
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
     const int p = lane + 32 * i;
-    if (p < n_pieces) {
-      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, a[i], ad[i]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[i][e] = 0;
-      ad[i] = make_float2(0.0f, 0.0f);
-    }
+    if (p < n_pieces)
+      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
+    else
+      zero_piece_act<TYPE>(x[i]);
   }
   while (g0 < n_rows) {
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       float acc = 0.0f;
 #pragma unroll
-      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sc[j][i], a[i], ad[i], acc);
+      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sub, x[i], acc);
       acc = warp_sum(acc);
       if (lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
     }
@@ -553,7 +692,7 @@ bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, in
 template <int TYPE>
 bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const int8_t* aq,
                     const float2* ads) {
-  const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPerBlock, 32);
+  const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPer32, 32);
   if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads);
   if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads);
   return false;
@@ -564,7 +703,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, NCOLS);
   const int8_t* aq = act.qs;
   const float2* ads = act.ds;
-  const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPerBlock;
+  const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
   // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
   int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
   if (!all_fixed(parts, n_parts)) overlap &= ~1;
@@ -573,11 +712,14 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
     // activation in registers. Longer rows: two warps share a row's pieces, over four rows of
     // two pieces in flight for 4-bit weights; 8-bit weights (twice the pieces a row) do best
-    // with four warps a row, over two rows of two pieces.
+    // with four warps a row, over two rows of two pieces; the K-quants with high bits (Q5_K,
+    // Q6_K: more work a piece) with a warp a row, over two rows of four pieces.
     if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
-    constexpr bool kQ8 = PieceInfo<TYPE>::kPerBlock == 2;
-    if (c.rows == 0) c = kQ8 ? MatVecConfig{2, 2, 4} : MatVecConfig{4, 2, 2};
+    constexpr bool kQ8 = PieceInfo<TYPE>::kPer32 == 2;
+    constexpr bool kHighK = TYPE == kTypeQ5_K || TYPE == kTypeQ6_K;
+    if (c.rows == 0)
+      c = kQ8 ? MatVecConfig{2, 2, 4} : kHighK ? MatVecConfig{2, 4, 1} : MatVecConfig{4, 2, 2};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
         return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
@@ -624,22 +766,13 @@ void mat_vec_f(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
 template <int NCOLS>
 void mat_vec_cols(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                   const float* x, const uint8_t* ws) {
-  switch (type) {
-    case DType::Q4_0:
-      return mat_vec_q<kTypeQ4_0, NCOLS>(l, parts, n_parts, k, ws);
-    case DType::Q4_1:
-      return mat_vec_q<kTypeQ4_1, NCOLS>(l, parts, n_parts, k, ws);
-    case DType::Q8_0:
-      return mat_vec_q<kTypeQ8_0, NCOLS>(l, parts, n_parts, k, ws);
-    case DType::F32:
-      return mat_vec_f<kTypeF32, NCOLS>(l, parts, n_parts, k, x);
-    case DType::F16:
-      return mat_vec_f<kTypeF16, NCOLS>(l, parts, n_parts, k, x);
-    case DType::BF16:
-      return mat_vec_f<kTypeBF16, NCOLS>(l, parts, n_parts, k, x);
-    default:
-      throw ArgumentError(std::string("mul_mat: unsupported weight type ") + dtype_name(type));
-  }
+  with_weight_type(type, "mul_mat", [&](auto tc) {
+    constexpr int TYPE = decltype(tc)::value;
+    if constexpr (is_split_type(TYPE))
+      mat_vec_q<TYPE, NCOLS>(l, parts, n_parts, k, ws);
+    else
+      mat_vec_f<TYPE, NCOLS>(l, parts, n_parts, k, x);
+  });
 }
 
 // ---- Tensor-core tiled product (prompt path) -------------------------------------------------
@@ -679,29 +812,56 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
 struct WeightRegs {
   uint32_t v[32];
   float d, m;
+  uint32_t h[2];  // the piece's high bits (5- and 6-bit formats)
+  uint32_t s[4];  // its scale record as stored, decoded when the tile is written (new formats)
+  int sub;        // which 32 of its K-quant block the piece is
 };
 
 template <int TYPE, bool KALIGNED, int BK>
 __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* row,
-                                                 const uint8_t* srow, int kt, int hsel, int64_t k) {
+                                                 const uint8_t* hrow, const uint8_t* srow, int kt,
+                                                 int hsel, int64_t k) {
   constexpr int E = BK / 2;  // elements per thread
-  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0 || TYPE == kTypeQ4_1) {
-    // Split layout: the row's quants (16 or 32 bytes a block), its scales in srow.
-    constexpr int QB = split_format(static_cast<DType>(TYPE)).quant_bytes;
-    // At BK 64 each thread takes block 2 kt + hsel; at BK 32 half of block kt.
+  if constexpr (is_split_type(TYPE)) {
+    // Split layout: the row's quants (16 or 32 bytes per 32 elements), high bits in hrow,
+    // scale records in srow.
+    constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
+    constexpr int QB = f.quant_bytes;
+    // At BK 64 each thread takes the 32 elements 2 kt + hsel; at BK 32 half of 32 elements kt.
     const int blk = BK == 64 ? 2 * kt + hsel : kt;
     const int part = BK == 64 ? 0 : hsel;
     r.d = 0.0f;
     r.m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) r.v[i] = 0;
+    r.h[0] = r.h[1] = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.s[i] = 0;
+    r.sub = blk % 8;
     if (static_cast<int64_t>(blk) * 32 >= k) return;  // past the row's last block: zeros
+    const uint8_t* rec = srow + blk / (f.block_elems / 32) * f.scale_bytes;
     if constexpr (TYPE == kTypeQ4_1) {
-      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(srow) + blk);
+      const uint32_t dm = __ldg(reinterpret_cast<const uint32_t*>(rec));
       r.d = f16_bits_to_float(static_cast<uint16_t>(dm & 0xFFFF));
       r.m = f16_bits_to_float(static_cast<uint16_t>(dm >> 16));
+    } else if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ8_0) {
+      r.d = f16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(rec)));
+    } else if constexpr (f.scale_bytes == 16) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec));
+      r.s[0] = v.x, r.s[1] = v.y, r.s[2] = v.z, r.s[3] = v.w;
+    } else if constexpr (TYPE == kTypeQ6_K) {
+      r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
+      r.s[1] = __ldg(reinterpret_cast<const uint16_t*>(rec + 16));
+    } else if constexpr (f.scale_bytes == 4) {
+      r.s[0] = __ldg(reinterpret_cast<const uint32_t*>(rec));
     } else {
-      r.d = f16_bits_to_float(__ldg(reinterpret_cast<const uint16_t*>(srow) + blk));
+      r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec));
+    }
+    if constexpr (f.high_bytes == 4) {
+      r.h[0] = __ldg(reinterpret_cast<const uint32_t*>(hrow) + blk);
+    } else if constexpr (f.high_bytes == 8) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(hrow) + blk);
+      r.h[0] = v.x, r.h[1] = v.y;
     }
     // 32-bit words of quants this thread takes: E / 8 (Q4) or E / 4 (Q8), whole 16-byte loads
     // but for Q4 at BK 32 (8 bytes).
@@ -761,7 +921,49 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
   constexpr int E = BK / 2;
   uint32_t o[E / 2];  // half pairs, in element order of the thread's columns (see below)
   int col[E / 8];     // start column of each 8-wide group of o
-  if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1) {
+  if constexpr (is_split_type(TYPE) && TYPE != kTypeQ8_0 && TYPE != kTypeQ4_0 &&
+                TYPE != kTypeQ4_1) {
+    // The 5-bit, 6-bit and K formats: each byte's two elements with their high bits, then the
+    // piece's scale (and minimum; Q6_K: a scale per half, stored offset by 32).
+    constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
+    constexpr int NB = E / 2;
+    const int tb = BK == 64 ? 0 : hsel * 8;  // the first quant byte this thread holds
+    float d0 = 0.0f, d1 = 0.0f, m = 0.0f;
+    if constexpr (f.scale_bytes == 16) {
+      const float2 dm = k_scale_min_dev(r.s, r.sub);
+      d0 = d1 = dm.x;
+      m = -dm.y;
+    } else if constexpr (TYPE == kTypeQ6_K) {
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1]));
+      d0 = d * static_cast<float>(static_cast<int8_t>(r.s[0] & 0xFF));
+      d1 = d * static_cast<float>(static_cast<int8_t>(r.s[0] >> 8));
+      m = -32.0f;
+    } else {
+      d0 = d1 = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+      m = TYPE == kTypeQ5_1 ? f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16)) : -16.0f * d0;
+    }
+    auto value = [&](int t, uint32_t nibble) {
+      int q = static_cast<int>(nibble);
+      constexpr int HB = PieceInfo<TYPE>::kHighBytes;
+      if constexpr (HB > 0) {
+        const HighBits hb = split_high_bits(HB, t);
+        q |= static_cast<int>((r.h[hb.word] >> hb.shift) & (HB == 4 ? 1u : 3u)) << 4;
+      }
+      if constexpr (TYPE == kTypeQ6_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 32);
+      return static_cast<float>(q) * d0 + m;
+    };
+    auto byte_at = [&](int e) -> uint32_t { return (r.v[e / 4] >> (8 * (e % 4))) & 0xFF; };
+#pragma unroll
+    for (int p = 0; p < NB / 2; ++p) {
+      const uint32_t b0 = byte_at(2 * p), b1 = byte_at(2 * p + 1);
+      const int t = tb + 2 * p;
+      o[p] = pack_half2(value(t, b0 & 0xF), value(t + 1, b1 & 0xF));
+      o[NB / 2 + p] = pack_half2(value(t + 16, b0 >> 4), value(t + 17, b1 >> 4));
+    }
+    const int first = BK == 64 ? hsel * 32 : hsel * 8;
+#pragma unroll
+    for (int c = 0; c < E / 8; ++c) col[c] = first + (c < E / 16 ? 8 * c : 16 + 8 * (c - E / 16));
+  } else if constexpr (TYPE == kTypeQ4_0 || TYPE == kTypeQ4_1) {
     // Byte j of a block's quants holds element j (low nibble) and element j + 16 (high).
     constexpr int NB = E / 2;  // quant bytes this thread holds: 8 (half block) or 16
     const float m = TYPE == kTypeQ4_1 ? r.m : -8.0f * r.d;
@@ -815,8 +1017,9 @@ constexpr size_t tc_smem_bytes() {
 
 template <int TYPE, int BK, int WT, int MT, int NT, bool KALIGNED>
 __global__ void __launch_bounds__(256)
-    mat_mul_tc_kernel(const uint8_t* w, size_t rb, const uint8_t* scales, size_t sb, int n,
-                      int64_t k, const __half* xh, int64_t kp, int n_cols, float* dst) {
+    mat_mul_tc_kernel(const uint8_t* w, size_t rb, const uint8_t* high, size_t hb,
+                      const uint8_t* scales, size_t sb, int n, int64_t k, const __half* xh,
+                      int64_t kp, int n_cols, float* dst) {
   pdl_begin();
   constexpr int WW = 8 / WT;
   constexpr int BT = WT * MT * 16;
@@ -835,6 +1038,7 @@ __global__ void __launch_bounds__(256)
   // Weight rows: two threads per row, each half of the BK k of a tile.
   const int b_row = tid / 2, hsel = tid % 2;
   const uint8_t* w_row = w + static_cast<size_t>(min(n0 + b_row, n - 1)) * rb;
+  const uint8_t* h_row = high + static_cast<size_t>(min(n0 + b_row, n - 1)) * hb;
   const uint8_t* s_row = scales + static_cast<size_t>(min(n0 + b_row, n - 1)) * sb;
 
   auto load_a = [&](int s, int kt) {
@@ -859,7 +1063,7 @@ __global__ void __launch_bounds__(256)
 
   WeightRegs regs;
   load_a(0, 0);
-  load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, s_row, 0, hsel, k);
+  load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, h_row, s_row, 0, hsel, k);
   store_weight_regs<TYPE, BK>(regs, &bs[0][b_row][0], hsel);
   cp_async_wait<0>();
   __syncthreads();
@@ -869,7 +1073,7 @@ __global__ void __launch_bounds__(256)
     const bool more = kt + 1 < n_kt;
     if (more) {
       load_a(nxt, kt + 1);
-      load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, s_row, kt + 1, hsel, k);
+      load_weight_regs<TYPE, KALIGNED, BK>(regs, w_row, h_row, s_row, kt + 1, hsel, k);
     }
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
@@ -938,20 +1142,22 @@ void mat_mul_tc_launch(Launcher& l, const void* w, int64_t n, int64_t k, const u
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* xh = reinterpret_cast<const __half*>(ws);
   const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
-  // Quantized weights are split (cuda/weight_layout.h): rows of quants, then rows of scales.
+  // Quantized weights are split (cuda/weight_layout.h): rows of quants, of high bits, of scales.
   constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
   constexpr bool kQuant = f.block_bytes != 0;
   const size_t nb = static_cast<size_t>(k / 32);
   const size_t rb = kQuant ? nb * f.quant_bytes : row_bytes(static_cast<DType>(TYPE), k);
-  const size_t sb = kQuant ? nb * f.scale_bytes : 0;
-  const uint8_t* sp = kQuant ? wp + static_cast<size_t>(n) * rb : wp;
+  const size_t hb = kQuant ? nb * f.high_bytes : 0;
+  const size_t sb = kQuant ? static_cast<size_t>(k / f.block_elems) * f.scale_bytes : 0;
+  const uint8_t* hp = kQuant ? wp + static_cast<size_t>(n) * rb : wp;
+  const uint8_t* sp = kQuant ? hp + static_cast<size_t>(n) * hb : wp;
   const bool aligned = k % 8 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const size_t smem = tc_smem_bytes<BT, BK>();
   if (aligned) {
-    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>, grid, dim3(256), smem, wp, rb, sp, sb,
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, true>, grid, dim3(256), smem, wp, rb, hp, hb, sp, sb,
       static_cast<int>(n), k, xh, kp, cols, dst);
   } else {
-    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>, grid, dim3(256), smem, wp, rb, sp, sb,
+    l(mat_mul_tc_kernel<TYPE, BK, WT, MT, NT, false>, grid, dim3(256), smem, wp, rb, hp, hb, sp, sb,
       static_cast<int>(n), k, xh, kp, cols, dst);
   }
 }
@@ -1000,14 +1206,19 @@ void mat_mul_tc_prepare_type() {
   mat_mul_tc_prepare<TYPE, 64, 2, 4, 4>();
 }
 
-__global__ void split_weight_kernel(SplitFormat f, const uint8_t* src, uint8_t* dst, int64_t first,
+__global__ void split_weight_kernel(DType t, const uint8_t* src, uint8_t* dst, int64_t first,
                                     int64_t n, int64_t n_blocks) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n)
-    split_block(f, src + i * f.block_bytes, static_cast<size_t>(first + i),
+    split_block(t, src + i * split_format(t).block_bytes, static_cast<size_t>(first + i),
                 static_cast<size_t>(n_blocks), dst);
 }
+
+// Every weight format, for start-up work done per format.
+constexpr DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0,
+                                  DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0,
+                                  DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
 }  // namespace
 
@@ -1015,32 +1226,32 @@ void set_mat_vec_config(MatVecConfig c) { mat_vec_override() = c; }
 
 void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t first, int64_t n,
                          int64_t n_blocks, cudaStream_t stream) {
-  const SplitFormat f = split_format(type);
-  if (f.block_bytes == 0)
+  if (!is_quantized(type))
     throw ArgumentError(std::string("split_weight: expected a quantized type, got ") +
                         dtype_name(type));
   if (n == 0) return;
   // At load time, outside any step: a plain launch, not through the Launcher.
   split_weight_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(
-      f, src, dst, first, n, n_blocks);
+      type, src, dst, first, n, n_blocks);
   GGRAPH_CUDA_CHECK(cudaGetLastError());
 }
 
 void prepare_kernels() {
   int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess &&
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess) {
-    measure_rows_kernels<kTypeQ4_0>(sms);
-    measure_rows_kernels<kTypeQ4_1>(sms);
-    measure_rows_kernels<kTypeQ8_0>(sms);
+  const bool have_sms =
+      cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+  cudaGetLastError();
+  for (DType t : kWeightTypes) {
+    with_weight_type(t, "prepare_kernels", [&](auto tc) {
+      constexpr int TYPE = decltype(tc)::value;
+      if constexpr (is_split_type(TYPE)) {
+        if (have_sms) measure_rows_kernels<TYPE>(sms);
+      }
+      mat_mul_tc_prepare_type<TYPE>();
+    });
   }
   cudaGetLastError();
-  mat_mul_tc_prepare_type<kTypeQ4_0>();
-  mat_mul_tc_prepare_type<kTypeQ4_1>();
-  mat_mul_tc_prepare_type<kTypeQ8_0>();
-  mat_mul_tc_prepare_type<kTypeF32>();
-  mat_mul_tc_prepare_type<kTypeF16>();
-  mat_mul_tc_prepare_type<kTypeBF16>();
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
@@ -1070,22 +1281,9 @@ void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_part
 
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst) {
-  switch (type) {
-    case DType::Q4_0:
-      return mat_mul_tc_type<kTypeQ4_0>(l, w, n, k, ws, cols, dst);
-    case DType::Q4_1:
-      return mat_mul_tc_type<kTypeQ4_1>(l, w, n, k, ws, cols, dst);
-    case DType::Q8_0:
-      return mat_mul_tc_type<kTypeQ8_0>(l, w, n, k, ws, cols, dst);
-    case DType::F32:
-      return mat_mul_tc_type<kTypeF32>(l, w, n, k, ws, cols, dst);
-    case DType::F16:
-      return mat_mul_tc_type<kTypeF16>(l, w, n, k, ws, cols, dst);
-    case DType::BF16:
-      return mat_mul_tc_type<kTypeBF16>(l, w, n, k, ws, cols, dst);
-    default:
-      throw ArgumentError(std::string("mul_mat: unsupported weight type ") + dtype_name(type));
-  }
+  with_weight_type(type, "mul_mat", [&](auto tc) {
+    mat_mul_tc_type<decltype(tc)::value>(l, w, n, k, ws, cols, dst);
+  });
 }
 
 }  // namespace ggraph::cuda

@@ -1,8 +1,17 @@
-// How quantized weights lie in device memory. The GGUF blocks (18, 20 or 34 bytes: scale, then
-// quants) are split at upload into two arrays of one matrix: every block's quants, 16 or 32
-// bytes each, then every block's scale (f16 d; f16 d and m for Q4_1). Quants then start on
-// 16-byte boundaries, so the mat-vec lanes load them side by side with 16-byte loads and no
-// realignment. Plain C++ as well: the host tests check the split against the CPU's dequantizer.
+// How quantized weights lie in device memory (the split layout). At upload the GGUF blocks of a
+// matrix are rearranged into three arrays, each row's part contiguous:
+//   quants  per 32 elements (a "piece"): 16 bytes of low 4 bits, byte j holding element j in its
+//           low nibble and element j + 16 in its high nibble (Q8_0: the 32 int8 quants, two
+//           16-byte pieces);
+//   high    per piece, the bits above the low 4: 4 bytes for the 5-bit formats (Q5_0, Q5_1,
+//           Q5_K), 8 for Q6_K, none for the others; laid out so that one shift and one mask give
+//           the bits of four elements in place (split_high_offset);
+//   scales  per GGUF block, the block's scale bytes copied as they are (f16 d; d and m; the
+//           K-quants' d, dmin and packed 6-bit scales; Q6_K's int8 scales and d).
+// A matrix takes exactly its GGUF bytes. Quants start on 16-byte boundaries, so the mat-vec lanes
+// load them side by side with 16-byte loads; every K-quant sub-block of 32 is one piece, shaped
+// like a Q4_0 block, which is what lets one kernel serve every format. Plain C++ as well: the host
+// tests decode the split layout and compare it with the CPU's dequantizer bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -11,43 +20,195 @@
 #include "quant.h"
 
 #if defined(__CUDACC__)
-#define GGRAPH_HD __host__ __device__ __forceinline__
-#else
-#define GGRAPH_HD inline
+#include <cuda_fp16.h>
 #endif
 
 namespace ggraph::cuda {
 
-// Per block: GGUF bytes, quant bytes, scale bytes (what leads the GGUF block).
 struct SplitFormat {
-  int block_bytes;
-  int quant_bytes;
-  int scale_bytes;
+  int block_bytes;  // GGUF block; 0 for a type that is not split
+  int block_elems;  // 32 or 256
+  int quant_bytes;  // per 32 elements: 16 (low 4 bits) or 32 (Q8_0)
+  int high_bytes;   // per 32 elements: 0, 4 (a fifth bit) or 8 (a fifth and sixth)
+  int scale_bytes;  // per block
+  int scale_at;     // where the scale bytes start in the GGUF block
 };
-constexpr SplitFormat kSplitQ4_0{18, 16, 2};
-constexpr SplitFormat kSplitQ4_1{20, 16, 4};
-constexpr SplitFormat kSplitQ8_0{34, 32, 2};
-
-// Byte offset of the scales of a matrix of n_blocks blocks (16-byte aligned: quants are 16 or 32).
-GGRAPH_HD size_t split_scales_offset(const SplitFormat& f, size_t n_blocks) {
-  return n_blocks * static_cast<size_t>(f.quant_bytes);
-}
-
-// Splits the GGUF block at src, block i of a matrix of n_blocks, into the split arrays at dst.
-GGRAPH_HD void split_block(const SplitFormat& f, const uint8_t* src, size_t i, size_t n_blocks,
-                           uint8_t* dst) {
-  uint8_t* q = dst + i * static_cast<size_t>(f.quant_bytes);
-  uint8_t* s = dst + split_scales_offset(f, n_blocks) + i * static_cast<size_t>(f.scale_bytes);
-  for (int b = 0; b < f.scale_bytes; ++b) s[b] = src[b];
-  for (int b = 0; b < f.quant_bytes; ++b) q[b] = src[f.scale_bytes + b];
-}
+constexpr SplitFormat kSplitQ4_0{18, 32, 16, 0, 2, 0};
+constexpr SplitFormat kSplitQ4_1{20, 32, 16, 0, 4, 0};
+constexpr SplitFormat kSplitQ5_0{22, 32, 16, 4, 2, 0};
+constexpr SplitFormat kSplitQ5_1{24, 32, 16, 4, 4, 0};
+constexpr SplitFormat kSplitQ8_0{34, 32, 32, 0, 2, 0};
+constexpr SplitFormat kSplitQ4_K{144, 256, 16, 0, 16, 0};
+constexpr SplitFormat kSplitQ5_K{176, 256, 16, 4, 16, 0};
+constexpr SplitFormat kSplitQ6_K{210, 256, 16, 8, 18, 192};
 
 // The split format of a weight type; block_bytes 0 for types that are not split.
 constexpr GGRAPH_HD SplitFormat split_format(DType t) {
-  return t == DType::Q4_0   ? kSplitQ4_0
-         : t == DType::Q4_1 ? kSplitQ4_1
-         : t == DType::Q8_0 ? kSplitQ8_0
-                            : SplitFormat{0, 0, 0};
+  switch (t) {
+    case DType::Q4_0:
+      return kSplitQ4_0;
+    case DType::Q4_1:
+      return kSplitQ4_1;
+    case DType::Q5_0:
+      return kSplitQ5_0;
+    case DType::Q5_1:
+      return kSplitQ5_1;
+    case DType::Q8_0:
+      return kSplitQ8_0;
+    case DType::Q4_K:
+      return kSplitQ4_K;
+    case DType::Q5_K:
+      return kSplitQ5_K;
+    case DType::Q6_K:
+      return kSplitQ6_K;
+    default:
+      return SplitFormat{0, 0, 0, 0, 0, 0};
+  }
+}
+
+// Offsets of the three arrays in a matrix of n_blocks blocks.
+GGRAPH_HD size_t split_pieces(const SplitFormat& f, size_t n_blocks) {
+  return n_blocks * static_cast<size_t>(f.block_elems / 32);
+}
+GGRAPH_HD size_t split_high_offset(const SplitFormat& f, size_t n_blocks) {
+  return split_pieces(f, n_blocks) * static_cast<size_t>(f.quant_bytes);
+}
+GGRAPH_HD size_t split_scales_offset(const SplitFormat& f, size_t n_blocks) {
+  return split_high_offset(f, n_blocks) + split_pieces(f, n_blocks) * f.high_bytes;
+}
+
+// Where the high bits of element t (0..31) of a piece lie. Element t is byte b = t % 4 of word
+// w = t % 16 / 4 of its half (t / 16) of the quants. 5-bit: one word, the bit at 8b + 4 + w for
+// the first half, 8b + w for the second. Q6_K: a word per half, two bits at 8b + {4, 6, 0, 2}[w].
+// So the bits of word w's four elements are one shift away from bits 4.. of each byte.
+struct HighBits {
+  int word, shift;
+};
+GGRAPH_HD HighBits split_high_bits(int high_bytes, int t) {
+  const int half = t / 16, w = t % 16 / 4, b = t % 4;
+  if (high_bytes == 4) return {0, 8 * b + (half ? 0 : 4) + w};
+  constexpr int kPos[4] = {4, 6, 0, 2};
+  return {half, 8 * b + kPos[w]};
+}
+
+// The unsigned quant of element e of a GGUF block (Q8_0: the int8 as stored).
+GGRAPH_HD int gguf_quant(DType t, const uint8_t* blk, int e) {
+  switch (t) {
+    case DType::Q8_0:
+      return static_cast<int8_t>(blk[2 + e]);
+    case DType::Q4_0:
+    case DType::Q4_1: {
+      const uint8_t* qs = blk + (t == DType::Q4_0 ? 2 : 4);
+      return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+    }
+    case DType::Q5_0:
+    case DType::Q5_1: {
+      const int at = t == DType::Q5_0 ? 2 : 4;
+      const uint8_t* qs = blk + at + 4;
+      const int lo = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+      return lo | (((blk[at + e / 8] >> (e % 8)) & 1) << 4);
+    }
+    case DType::Q4_K:
+    case DType::Q5_K: {
+      const bool five = t == DType::Q5_K;
+      const uint8_t* qs = blk + (five ? 48 : 16);
+      const int g = e / 64, r = e % 64;
+      const int lo = r < 32 ? qs[32 * g + r] & 15 : qs[32 * g + r - 32] >> 4;
+      return five ? lo | (((blk[16 + e % 32] >> (e / 32)) & 1) << 4) : lo;
+    }
+    case DType::Q6_K: {
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      const uint8_t lo_byte = blk[64 * h + 32 * (s % 2) + l];
+      const int lo = s < 2 ? lo_byte & 15 : lo_byte >> 4;
+      return lo | (((blk[128 + 32 * h + l] >> (2 * s)) & 3) << 4);
+    }
+    default:
+      return 0;
+  }
+}
+
+// Splits the GGUF block at src, block i of a matrix of n_blocks, into the split arrays at dst.
+// The quant and high bytes a block owns are written whole (each byte once), so blocks may be
+// split in parallel.
+GGRAPH_HD void split_block(DType t, const uint8_t* src, size_t i, size_t n_blocks, uint8_t* dst) {
+  const SplitFormat f = split_format(t);
+  uint8_t* s = dst + split_scales_offset(f, n_blocks) + i * static_cast<size_t>(f.scale_bytes);
+  for (int b = 0; b < f.scale_bytes; ++b) s[b] = src[f.scale_at + b];
+  const int n_pieces = f.block_elems / 32;
+  for (int p = 0; p < n_pieces; ++p) {
+    const size_t piece = i * n_pieces + p;
+    uint8_t* q = dst + piece * f.quant_bytes;
+    if (f.quant_bytes == 32) {
+      for (int e = 0; e < 32; ++e) q[e] = static_cast<uint8_t>(gguf_quant(t, src, e));
+      continue;
+    }
+    uint32_t high[2] = {0, 0};
+    for (int j = 0; j < 16; ++j) {
+      const int lo = gguf_quant(t, src, 32 * p + j), hi = gguf_quant(t, src, 32 * p + j + 16);
+      q[j] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+      if (f.high_bytes == 0) continue;
+      const HighBits bl = split_high_bits(f.high_bytes, j);
+      const HighBits bh = split_high_bits(f.high_bytes, j + 16);
+      high[bl.word] |= static_cast<uint32_t>(lo >> 4) << bl.shift;
+      high[bh.word] |= static_cast<uint32_t>(hi >> 4) << bh.shift;
+    }
+    uint8_t* h = dst + split_high_offset(f, n_blocks) + piece * f.high_bytes;
+    for (int b = 0; b < f.high_bytes; ++b)
+      h[b] = static_cast<uint8_t>(high[b / 4] >> (8 * (b % 4)));
+  }
+}
+
+GGRAPH_HD float split_f16(const uint8_t* p) {
+  const uint16_t bits = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(bits));
+#else
+  return f16_to_f32(bits);
+#endif
+}
+
+// Element i of a row in the split layout, q, h and s pointing at the row's quants, high bits and
+// scales; the same float bits as the CPU's dequantizer.
+GGRAPH_HD float split_elem(DType t, const uint8_t* q, const uint8_t* h, const uint8_t* s,
+                           int64_t i) {
+  const SplitFormat f = split_format(t);
+  const int64_t piece = i / 32;
+  const int e = static_cast<int>(i % 32);
+  const uint8_t* rec = s + (i / f.block_elems) * f.scale_bytes;
+  if (t == DType::Q8_0)
+    return static_cast<float>(static_cast<int8_t>(q[piece * 32 + e])) * split_f16(rec);
+  const uint8_t* qp = q + piece * 16;
+  int v = e < 16 ? qp[e] & 15 : qp[e - 16] >> 4;
+  if (f.high_bytes) {
+    const HighBits hb = split_high_bits(f.high_bytes, e);
+    const uint8_t* hp = h + piece * f.high_bytes + 4 * hb.word;
+    const uint32_t word =
+        hp[0] | (hp[1] << 8) | (hp[2] << 16) | (static_cast<uint32_t>(hp[3]) << 24);
+    v |= static_cast<int>((word >> hb.shift) & (f.high_bytes == 4 ? 1 : 3)) << 4;
+  }
+  switch (t) {
+    case DType::Q4_0:
+      return static_cast<float>(v - 8) * split_f16(rec);
+    case DType::Q5_0:
+      return static_cast<float>(v - 16) * split_f16(rec);
+    case DType::Q4_1:
+    case DType::Q5_1:
+      return static_cast<float>(v) * split_f16(rec) + split_f16(rec + 2);
+    case DType::Q4_K:
+    case DType::Q5_K: {
+      int sc, m;
+      k_scale_min(rec + 4, static_cast<int>(i % 256 / 32), &sc, &m);
+      const float dl = split_f16(rec) * static_cast<float>(sc);
+      const float ml = split_f16(rec + 2) * static_cast<float>(m);
+      return dl * static_cast<float>(v) - ml;
+    }
+    case DType::Q6_K: {
+      const int8_t sc = static_cast<int8_t>(rec[i % 256 / 16]);
+      return split_f16(rec + 16) * static_cast<float>(sc) * static_cast<float>(v - 32);
+    }
+    default:
+      return 0.0f;
+  }
 }
 
 }  // namespace ggraph::cuda

@@ -102,10 +102,14 @@ std::vector<uint8_t> random_weights(DType t, int64_t k, int64_t n, std::mt19937&
     auto* f = reinterpret_cast<float*>(w.data());
     for (size_t i = 0; i < bytes / 4; ++i) f[i] = float(byte(rng)) / 255.f - 0.5f;
   } else {
+    // The block's f16 scale (Q6_K's is its last two bytes), and minimum where it has one.
     const size_t bb = gc::block_bytes(t);
+    const size_t at = t == DType::Q6_K ? bb - 2 : 0;
+    const bool has_min =
+        t == DType::Q4_1 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K;
     for (size_t off = 0; off < bytes; off += bb) {
-      std::memcpy(&w[off], &scale, 2);
-      if (t == DType::Q4_1) std::memcpy(&w[off + 2], &scale, 2);
+      std::memcpy(&w[off + at], &scale, 2);
+      if (has_min) std::memcpy(&w[off + 2], &scale, 2);
     }
   }
   return w;
@@ -165,8 +169,11 @@ int main() {
     int64_t k, n;
   };
   const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::BF16}) {
+  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                         DType::Q6_K, DType::Q5_0, DType::Q5_1, DType::F16,  DType::BF16};
+  for (DType t : types) {
     for (KN sh : shapes) {
+      if (sh.k % gc::block_elems(t) != 0) continue;  // 576 is no multiple of a K-quant block
       const auto host = random_weights(t, sh.k, sh.n, rng);
       const double mb = host.size() / 1e6;
       const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
@@ -233,8 +240,10 @@ int main() {
 
   // ---- tiled mat-mul ------------------------------------------------------------------------
   std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16}) {
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K,
+                  DType::Q5_0, DType::F16}) {
     for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
+      if (sh.k % gc::block_elems(t) != 0) continue;
       const int cols = 512;
       const auto host = random_weights(t, sh.k, sh.n, rng);
       void* w = device_copy_of(host, t);

@@ -335,6 +335,54 @@ void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rn
       scale);
 }
 
+// Random blocks of a format whose f16 fields (the scales, at the start or end of a block) are
+// small, so that products stay finite; the other bytes (quants, sub-block scales) are random.
+std::vector<uint8_t> random_blocks(DType t, int64_t k, int64_t n, std::mt19937& rng) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  const TypeTraits& tr = type_traits(t);
+  std::vector<uint8_t> bytes(row_size(t, k) * n);
+  for (auto& v : bytes) v = uint8_t(byte(rng));
+  const size_t nblocks = bytes.size() / tr.type_size;
+  for (size_t b = 0; b < nblocks; ++b) {
+    uint8_t* blk = bytes.data() + b * tr.type_size;
+    const uint16_t small = f32_to_f16(0.001f * float(1 + byte(rng) % 8));
+    const bool scale_last = t == DType::Q6_K || t == DType::Q2_K || t == DType::Q3_K;
+    uint8_t* d = scale_last ? blk + tr.type_size - (t == DType::Q2_K ? 4 : 2) : blk;
+    std::memcpy(d, &small, 2);
+    if (t == DType::Q2_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q4_1 ||
+        t == DType::Q5_1)
+      std::memcpy(d + 2, &small, 2);
+  }
+  return bytes;
+}
+
+// Products of random blocks of format t against the float64 product of their decoded values,
+// and against the CPU (which computes on the blocks).
+void check_random_blocks(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rng,
+                         const std::function<void(const Build&, const std::vector<double>&, double,
+                                                  double, const std::string&, double)>& check) {
+  const std::vector<uint8_t> bytes = random_blocks(t, k, n, rng);
+  std::vector<float> deq(size_t(k) * n);
+  for (int64_t r = 0; r < n; ++r)
+    dequantize_row(t, bytes.data() + r * row_size(t, k), deq.data() + r * k, k);
+  auto x = randn(size_t(k) * cols, rng);
+  double scale = 0;
+  const auto ref = mul_mat_ref(deq, x, k, n, cols, &scale);
+  std::vector<int32_t> ids;
+  check(
+      [&](Graph& g, Backend& be) {
+        Tensor* w = g.weight(be.stored_type(t), k, n,
+                             be.upload_weight(bytes.data(), bytes.size(), t, k, n, "w"), "w");
+        return g.mul_mat(w, activations(g, be, x, k, cols, ids));
+      },
+      ref, 2e-2, cols <= 8 ? 2e-2 : 3e-2,
+      std::string(type_name(t)) + " k " + std::to_string(k) + " n " + std::to_string(n) + " cols " +
+          std::to_string(cols),
+      scale);
+}
+
+const DType kKernelOnlyTypes[] = {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+
 TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
@@ -367,12 +415,15 @@ TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
                                         {4, 2, 4}, {2, 4, 2}, {2, 2, 4}};
   for (const cuda::MatVecConfig& c : configs) {
     cuda::set_mat_vec_config(c);
+    SCOPED_TRACE("rows " + std::to_string(c.rows) + " unroll " + std::to_string(c.unroll) +
+                 " ksplit " + std::to_string(c.ksplit));
     for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
-      for (Shape s : {Shape{96, 37}, Shape{4192, 37}, Shape{11008, 19}}) {
-        SCOPED_TRACE("rows " + std::to_string(c.rows) + " unroll " + std::to_string(c.unroll) +
-                     " ksplit " + std::to_string(c.ksplit));
+      for (Shape s : {Shape{96, 37}, Shape{4192, 37}, Shape{11008, 19}})
         check_mul_mat(t, s.ne0, s.ne1, 1, rng, chk);
-      }
+    }
+    for (DType t : kKernelOnlyTypes) {
+      for (Shape s : {Shape{256, 37}, Shape{4352, 37}, Shape{10752, 19}})
+        check_random_blocks(t, s.ne0, s.ne1, 1, rng, chk);
     }
   }
 }
@@ -818,45 +869,38 @@ TEST_F(CudaOps, GegluSoftcapAndScaledRows) {
   }
 }
 
-// Formats without CUDA kernels of their own are stored decoded to F16: products and row
-// gathers of them match the CPU (which computes on the blocks) within 8-bit activation error.
+// The formats with kernels of their own beside Q4_0/Q4_1/Q8_0 (no quantizer here: random
+// blocks): every mat-vec path (short rows in registers, long rows, several columns) and the tiles.
+TEST_F(CudaOps, MulMatFiveBitSixBitAndKQuants) {
+  std::mt19937 rng(26);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  for (DType t : kKernelOnlyTypes) {
+    ASSERT_EQ(cuda_->stored_type(t), t) << type_name(t);
+    const bool k_quant = type_traits(t).block_size == 256;
+    const Shape kn[] = {{256, 7},
+                        {768, 33},
+                        {2048, 130},
+                        {k_quant ? 4352 : 4128, 65},
+                        {k_quant ? 11008 - 11008 % 256 : 11008, 19}};
+    for (Shape s : kn) {
+      for (int64_t cols : {1, 2, 7, 8, 9, 40}) check_random_blocks(t, s.ne0, s.ne1, cols, rng, chk);
+    }
+    check_random_blocks(t, 256, 8197, 1, rng, chk);
+    if (!k_quant) check_random_blocks(t, 96, 37, 1, rng, chk);  // rows shorter than a round
+  }
+}
+
+// Formats without CUDA kernels of their own are stored decoded to F16: products of them match
+// the CPU (which computes on the blocks) within 8-bit activation error.
 TEST_F(CudaOps, FormatsDecodedOnUploadMatchTheCpu) {
   std::mt19937 rng(25);
-  std::uniform_int_distribution<int> byte(0, 255);
-  for (DType t : {DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
-                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS}) {
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  for (DType t : {DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS}) {
     ASSERT_EQ(cuda_->stored_type(t), DType::F16) << type_name(t);
-    const int64_t k = 512, n = 40;
-    const TypeTraits& tr = type_traits(t);
-    // Random blocks whose f16 fields (the scales, at the start or end of a block) are small.
-    std::vector<uint8_t> bytes(row_size(t, k) * n);
-    for (auto& v : bytes) v = uint8_t(byte(rng));
-    const size_t nblocks = bytes.size() / tr.type_size;
-    for (size_t b = 0; b < nblocks; ++b) {
-      uint8_t* blk = bytes.data() + b * tr.type_size;
-      const uint16_t small = f32_to_f16(0.001f * float(1 + byte(rng) % 8));
-      const bool scale_last = t == DType::Q6_K || t == DType::Q2_K || t == DType::Q3_K;
-      uint8_t* d = scale_last ? blk + tr.type_size - (t == DType::Q2_K ? 4 : 2) : blk;
-      std::memcpy(d, &small, 2);
-      if (t == DType::Q2_K || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q5_1)
-        std::memcpy(d + 2, &small, 2);
-    }
-    std::vector<float> deq(size_t(k) * n);
-    for (int64_t r = 0; r < n; ++r)
-      dequantize_row(t, bytes.data() + r * row_size(t, k), deq.data() + r * k, k);
-    for (int64_t cols : {int64_t(1), int64_t(3), int64_t(40)}) {
-      auto x = randn(size_t(k) * cols, rng);
-      double scale = 0;
-      const auto ref = mul_mat_ref(deq, x, k, n, cols, &scale);
-      std::vector<int32_t> ids;
-      check(
-          [&](Graph& g, Backend& be) {
-            Tensor* w = g.weight(be.stored_type(t), k, n,
-                                 be.upload_weight(bytes.data(), bytes.size(), t, k, n, "w"), "w");
-            return g.mul_mat(w, activations(g, be, x, k, cols, ids));
-          },
-          ref, 2e-2, 2e-2, std::string(type_name(t)) + " cols " + std::to_string(cols), scale);
-    }
+    for (int64_t cols : {int64_t(1), int64_t(3), int64_t(40)})
+      check_random_blocks(t, 512, 40, cols, rng, chk);
   }
 }
 
@@ -1201,29 +1245,34 @@ TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
   }
 }
 
-// The split weight layout the upload writes, on the host: every block's scale and quants land
-// where the kernels look for them, whatever the block count.
-TEST(CudaLaunchPlan, WeightSplitPutsEveryBlocksScaleAndQuantsInPlace) {
+// The split weight layout the upload writes, on the host: every element of every block decodes
+// from the split arrays to the CPU dequantizer's bits, whatever the block count, and the arrays
+// take exactly the GGUF bytes.
+TEST(CudaLaunchPlan, WeightSplitDecodesToTheCpusValues) {
   std::mt19937 rng(25);
-  std::uniform_int_distribution<int> byte(0, 255);
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                  DType::Q5_K, DType::Q6_K}) {
     const cuda::SplitFormat f = cuda::split_format(t);
-    ASSERT_EQ(size_t(f.block_bytes), row_size(t, 32)) << type_name(t);
-    EXPECT_EQ(f.scale_bytes + f.quant_bytes, f.block_bytes) << type_name(t);
-    for (size_t n_blocks : {size_t(1), size_t(7), size_t(96)}) {
-      std::vector<uint8_t> src(n_blocks * f.block_bytes), dst(src.size(), 0);
-      for (auto& b : src) b = uint8_t(byte(rng));
-      for (size_t i = 0; i < n_blocks; ++i)
-        cuda::split_block(f, src.data() + i * f.block_bytes, i, n_blocks, dst.data());
-      const size_t scales = cuda::split_scales_offset(f, n_blocks);
-      EXPECT_EQ(scales % 16, 0u);
-      for (size_t i = 0; i < n_blocks; ++i) {
-        const uint8_t* blk = src.data() + i * f.block_bytes;
-        EXPECT_EQ(std::memcmp(dst.data() + scales + i * f.scale_bytes, blk, f.scale_bytes), 0)
-            << f.block_bytes << "-byte blocks, block " << i << " of " << n_blocks;
-        EXPECT_EQ(std::memcmp(dst.data() + i * f.quant_bytes, blk + f.scale_bytes, f.quant_bytes),
-                  0)
-            << f.block_bytes << "-byte blocks, block " << i << " of " << n_blocks;
+    ASSERT_EQ(size_t(f.block_bytes), type_traits(t).type_size) << type_name(t);
+    ASSERT_EQ(f.block_elems, type_traits(t).block_size) << type_name(t);
+    for (int64_t n_blocks : {int64_t(1), int64_t(7), int64_t(96)}) {
+      // Rows of one block each: the decode takes row 0 of a table whose arrays hold all.
+      const std::vector<uint8_t> src = random_blocks(t, f.block_elems, n_blocks, rng);
+      std::vector<uint8_t> dst(src.size(), 0);
+      for (int64_t i = 0; i < n_blocks; ++i)
+        cuda::split_block(t, src.data() + i * f.block_bytes, size_t(i), size_t(n_blocks),
+                          dst.data());
+      const size_t hi = cuda::split_high_offset(f, size_t(n_blocks));
+      const size_t sc = cuda::split_scales_offset(f, size_t(n_blocks));
+      EXPECT_EQ(hi % 16, 0u);
+      EXPECT_EQ(sc + size_t(n_blocks) * f.scale_bytes, src.size()) << type_name(t);
+      std::vector<float> want(size_t(f.block_elems) * n_blocks);
+      dequantize_row(t, src.data(), want.data(), int64_t(want.size()));
+      for (int64_t i = 0; i < int64_t(want.size()); ++i) {
+        const float got = cuda::split_elem(t, dst.data(), dst.data() + hi, dst.data() + sc, i);
+        ASSERT_EQ(std::memcmp(&got, &want[size_t(i)], 4), 0)
+            << type_name(t) << " element " << i << " of " << n_blocks << " blocks: " << got
+            << " against " << want[size_t(i)];
       }
     }
   }
