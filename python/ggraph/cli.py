@@ -93,7 +93,7 @@ def cmd_info(args):
 
     from ggraph import read_metadata
     from ggraph._core import check_model_file
-    from ggraph.model import resolve_model
+    from ggraph.model import BUILTIN_CHAT_TEMPLATES, resolve_model
 
     args.file = resolve_model(args.file)
     info = read_metadata(args.file)
@@ -127,7 +127,8 @@ def cmd_info(args):
             print(f"{key + ':':<16}{md[f'{arch}.{key}']}")
     tok = md.get("tokenizer.ggml.model", "none")
     print(f"tokenizer:      {tok} (pre: {md.get('tokenizer.ggml.pre', '-')})")
-    print(f"chat template:  {'yes' if md.get('tokenizer.chat_template') else 'no'}")
+    builtin = "built-in" if md.get("general.architecture") in BUILTIN_CHAT_TEMPLATES else "no"
+    print(f"chat template:  {'yes' if md.get('tokenizer.chat_template') else builtin}")
     reason = check_model_file(args.file)
     print("runs in ggraph: " + ("yes" if not reason else f"no: {reason}"))
     return 0

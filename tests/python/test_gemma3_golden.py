@@ -145,3 +145,48 @@ def test_first_four_greedy_tokens_equal(prompt_runs, golden, exact_choice):
             assert _agrees(got, recorded, exact[i]), f"{g['prompt'][:40]!r}: token {i}"
             if got != recorded:
                 break  # an accepted departure: the two runs' contexts differ from here on
+
+
+@pytest.fixture(scope="module")
+def cpu_model(gemma3):
+    return ggraph.Model(gemma3, device="cpu", n_ctx=256)
+
+
+def test_chat_uses_gemmas_turns_when_the_file_has_no_template(cpu_model):
+    assert not cpu_model.metadata.get("tokenizer.chat_template")
+    text = cpu_model.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi "},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Name a colour."},
+        ]
+    )
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # The turn markers are the vocabulary's control tokens, one id each, and end a reply.
+    ids = cpu_model.tokenize(text, special=True)
+    start, end = (
+        cpu_model.tokenize(t, add_bos=False, special=True)
+        for t in ("<start_of_turn>", "<end_of_turn>")
+    )
+    assert len(start) == 1 and len(end) == 1
+    assert ids.count(start[0]) == 4 and ids.count(end[0]) == 3
+    assert ids[0] == cpu_model.tokenize("", add_bos=True)[0]  # the template's bos, once
+
+
+def test_chat_template_raises_on_roles_that_do_not_alternate(cpu_model):
+    with pytest.raises(ValueError, match="roles must alternate"):
+        cpu_model.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        )
+
+
+def test_chat_answers_through_the_template(cpu_model):
+    reply = "".join(cpu_model.chat([{"role": "user", "content": "Say hello."}], max_tokens=8))
+    assert cpu_model.stop_reason in ("eos", "length")
+    assert "<start_of_turn>" not in reply and "<end_of_turn>" not in reply
+    assert cpu_model.n_generated >= 1
