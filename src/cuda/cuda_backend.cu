@@ -416,7 +416,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // when quantized mat-vecs read it. Refuses (false) when the result's memory overlaps the sum
   // it also writes, or inputs that other threads of the kernel may still read (only where the
   // kernel does not read everything first: several columns or wide rows).
-  auto launch_norm = [&](int ri, const Tensor* add) {
+  // pre (with add): the norm node whose weighted result is add's second input; add then takes
+  // its input unnormalized and the kernel normalizes it (one column in registers only).
+  auto launch_norm = [&](int ri, const Tensor* add, const Tensor* pre = nullptr,
+                         const Tensor* pre_w = nullptr) {
     const Tensor* r = nodes[ri];
     // A grouped norm (per-head q/k norms) runs as a norm of as many short columns.
     const int64_t group = r->params[kNormGroup];
@@ -438,8 +441,13 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     NormArgs a;
     a.src = fptr(add ? add->src[0] : r->src[0]);
     if (add) {
-      a.add = fptr(add->src[1]);
+      a.add = fptr(pre ? pre->src[0] : add->src[1]);
       a.sum_out = fptr(add);
+    }
+    if (pre) {
+      if (!reads_first) return false;
+      a.add_w = fptr(pre_w);
+      a.add_eps = pre->param_f(kNormEps);
     }
     if (w) {
       a.w = fptr(w);
@@ -466,9 +474,31 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                         static_cast<const int32_t*>(ptr(t->src[1])),
                         static_cast<int>(t->src[1]->ne[0]), fptr(t), t->param_f(0));
         break;
-      case Op::RmsNorm:
+      case Op::RmsNorm: {
+        // A post-norm (Gemma's): rms_norm(a) * w added to the residual, whose sum the next
+        // pre-norm reads at once. All four go into that norm's kernel, which normalizes a itself
+        // (decode batches: one column).
+        const int mi = next_op(i);
+        const int ai = mi < n ? next_op(mi) : n;
+        const int ri = ai < n ? next_op(ai) : n;
+        if (ri < n && t->ne[1] == 1 && t->params[kNormGroup] == t->ne[0] && uses[i] == 1 &&
+            t != graph.output() && nodes[mi] != graph.output()) {
+          const Tensor* mul = nodes[mi];
+          const Tensor* add = nodes[ai];
+          const Tensor* r = nodes[ri];
+          if (mul->op == Op::Mul && mul->src[0] == t && mul->src[1] != t &&
+              mul->src[1]->ne[0] == t->ne[0] && mul->src[1]->ne[1] == 1 && uses[mi] == 1 &&
+              add->op == Op::Add && add->src[1] == mul && add->src[0] != mul &&
+              add->src[0]->ne[0] == t->ne[0] && add->src[0]->ne[1] == 1 && r->op == Op::RmsNorm &&
+              r->src[0] == add && r->params[kNormGroup] == r->ne[0] &&
+              launch_norm(ri, add, t, mul->src[1])) {
+            done[i] = done[mi] = done[ai] = 1;
+            break;
+          }
+        }
         launch_norm(i, nullptr);
         break;
+      }
       case Op::Add: {
         // The residual add and the norm that reads it (as each layer has them): one kernel.
         const int ri = next_op(i);

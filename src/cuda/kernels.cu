@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "cuda/device_util.cuh"
@@ -51,6 +52,8 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
 // it and the 8-bit quantization of the result for the mat-vecs that read it -----------------
 
 // One block per column. add/sum_out: x = src + add is written to sum_out and normalized.
+// pre_w (EPT > 0 only): add is itself normalized (pre_eps) and multiplied by pre_w before it is
+// added (Gemma's post-norms: x + rms_norm(a) * w, then the next pre-norm).
 // w: multiplied in (broadcast when w_cols == 1); w_fixed: it is a weight, which never changes, so
 // its loads may go out before the wait for the grid before. qs/ds: also quantize the result (needs
 // ne0 a multiple of 32, so that each warp iteration covers one whole quant block).
@@ -58,13 +61,29 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
 // so every read precedes the block's barrier and every write follows it: with one column, the
 // outputs may overlap the inputs in any way. EPT == 0 (wide rows): two passes over memory, where
 // each thread rereads only what it read (or wrote) itself.
+// The rms scale 1 / sqrt(mean(v^2) + eps) of a row whose threads hold partial sums of squares
+// `sum`; partial is the block's 32 floats of shared memory. Every warp sums the warps' partial
+// sums itself, so one barrier suffices (callers with two reductions pass two arrays).
+__device__ __forceinline__ float block_rms_scale(float sum, float* partial, int64_t ne0,
+                                                 float eps) {
+  sum = warp_sum(sum);
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) partial[threadIdx.x / 32] = sum;
+  __syncthreads();
+  const int n_warps = blockDim.x / 32;
+  float total = lane < n_warps ? partial[lane] : 0.0f;
+  total = warp_sum(total);
+  return 1.0f / sqrtf(total / static_cast<float>(ne0) + eps);
+}
+
 template <int EPT>
 __global__ void __launch_bounds__(1024)
     rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
                     int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs,
-                    float2* ds) {
+                    float2* ds, const float* pre_w, float pre_eps) {
   constexpr int kRegs = EPT > 0 ? EPT : 1;
   __shared__ float partial[32];
+  __shared__ float pre_partial[EPT > 0 ? 32 : 1];
   const int64_t col = blockIdx.x;
   const float* x = src + col * ne0;
   const float* a = add ? add + col * ne0 : nullptr;
@@ -82,22 +101,39 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
+  float pw[kRegs];
+  if constexpr (EPT > 0) {
+    if (pre_w) {
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int64_t i = threadIdx.x + j * bd;
+        pw[j] = i < ne0 ? pre_w[i] : 0.0f;
+      }
+    }
+  }
   pdl_begin();
   float v[kRegs];
   float sum = 0.0f;
   if constexpr (EPT > 0) {
+    float av[EPT];
+    float asum = 0.0f;
 #pragma unroll
     for (int j = 0; j < EPT; ++j) {
       const int64_t i = threadIdx.x + j * bd;
-      v[j] = 0.0f;
+      v[j] = av[j] = 0.0f;
       if (i < ne0) {
         v[j] = x[i];
-        if (a) v[j] += a[i];
+        if (a) av[j] = a[i];
         if (wc && !w_fixed) wv[j] = wc[i];
       }
+      asum += av[j] * av[j];
     }
+    const float ascale = pre_w ? block_rms_scale(asum, pre_partial, ne0, pre_eps) : 1.0f;
 #pragma unroll
-    for (int j = 0; j < EPT; ++j) sum += v[j] * v[j];
+    for (int j = 0; j < EPT; ++j) {
+      if (a) v[j] += pre_w ? av[j] * ascale * pw[j] : av[j];
+      sum += v[j] * v[j];
+    }
   } else {
     for (int64_t i = threadIdx.x; i < ne0; i += bd) {
       float u = x[i];
@@ -108,15 +144,7 @@ __global__ void __launch_bounds__(1024)
       sum += u * u;
     }
   }
-  // One barrier: every warp sums the warps' partial sums itself.
-  sum = warp_sum(sum);
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) partial[threadIdx.x / 32] = sum;
-  __syncthreads();
-  const int n_warps = bd / 32;
-  float total = lane < n_warps ? partial[lane] : 0.0f;
-  total = warp_sum(total);
-  const float scale = 1.0f / sqrtf(total / static_cast<float>(ne0) + eps);
+  const float scale = block_rms_scale(sum, partial, ne0, eps);
   if constexpr (EPT > 0) {
     // Each round j is whole warps when ne0 % 32 == 0 (as quantizing needs): a warp is wholly
     // inside the row or past its end.
@@ -418,8 +446,10 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   const int64_t per_thread = ceil_div(ne0, threads);
   auto launch = [&](auto kernel) {
     l(kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds);
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, a.add_w, a.add_eps);
   };
+  if (a.add_w && (cols != 1 || per_thread > 8))
+    throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
   if (per_thread <= 1) return launch(rms_norm_kernel<1>);
   if (per_thread <= 2) return launch(rms_norm_kernel<2>);
   if (per_thread <= 4) return launch(rms_norm_kernel<4>);

@@ -179,6 +179,10 @@ struct NormArgs {
   const float* src = nullptr;
   const float* add = nullptr;
   float* sum_out = nullptr;
+  // When set, add is first normalized (add_eps) and multiplied by add_w: src + rms_norm(add) *
+  // add_w is the sum. One column of at most kNormRegElems only.
+  const float* add_w = nullptr;
+  float add_eps = 0.0f;
   const float* w = nullptr;
   int64_t w_cols = 1;
   bool w_fixed = false;

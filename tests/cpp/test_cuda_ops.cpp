@@ -231,6 +231,41 @@ TEST_F(CudaOps, RmsNormAloneAndFusedWithItsWeight) {
   }
 }
 
+// Gemma's post-norm before the residual add and the next pre-norm: res = x + rms_norm(a) * w1,
+// h = rms_norm(res) * w2. CUDA runs the four as one kernel for one column that fits in
+// registers; wider rows and several columns take the separate kernels. Both outputs checked.
+TEST_F(CudaOps, PostNormResidualAddAndPreNorm) {
+  std::mt19937 rng(27);
+  for (Shape s : {Shape{64, 1}, Shape{640, 1}, Shape{4096, 1}, Shape{8192, 1}, Shape{8224, 1},
+                  Shape{576, 3}}) {
+    auto x = randn(size_t(s.ne0) * s.ne1, rng, 2.0f), a = randn(size_t(s.ne0) * s.ne1, rng, 5.0f);
+    auto w1 = randn(size_t(s.ne0), rng), w2 = randn(size_t(s.ne0), rng);
+    const auto na = rms_norm_ref(a, s, 1e-6f);
+    std::vector<float> res(x.size());
+    for (size_t i = 0; i < x.size(); ++i) res[i] = float(x[i] + na[i] * w1[i % s.ne0]);
+    const auto nr = rms_norm_ref(res, s, 1e-5f);
+    for (bool with_res : {false, true}) {
+      std::vector<double> ref(x.size());
+      for (size_t i = 0; i < ref.size(); ++i)
+        ref[i] = nr[i] * w2[i % s.ne0] + (with_res ? double(res[i]) : 0.0);
+      std::vector<int32_t> xi, ai;
+      check(
+          [&](Graph& g, Backend& be) {
+            Tensor* w1t = upload(g, be, DType::F32, s.ne0, 1, w1.data(), "w1");
+            Tensor* w2t = upload(g, be, DType::F32, s.ne0, 1, w2.data(), "w2");
+            Tensor* xt = activations(g, be, x, s.ne0, s.ne1, xi);
+            Tensor* at = activations(g, be, a, s.ne0, s.ne1, ai);
+            Tensor* r = g.add(xt, g.mul(g.rms_norm(at, 1e-6f), w1t));
+            Tensor* h = g.mul(g.rms_norm(r, 1e-5f), w2t);
+            return with_res ? g.add(h, r) : h;
+          },
+          ref, 2e-6, 2e-6,
+          "post-norm " + std::to_string(s.ne0) + "x" + std::to_string(s.ne1) +
+              (with_res ? " + residual" : ""));
+    }
+  }
+}
+
 TEST_F(CudaOps, NormUsedTwiceIsNotFusedAway) {
   std::mt19937 rng(13);
   const Shape s = {576, 3};
