@@ -1,8 +1,9 @@
 /* ggraph C API: load a GGUF model, evaluate tokens, sample, tokenize.
  *
  * Every function that can fail returns a negative GGRAPH_ERR_* code (or NULL) and leaves a
- * message for ggraph_last_error(); a failed call leaves the model as it was. A model may be used
- * from one thread at a time. */
+ * message for ggraph_last_error() in the calling thread; a failed call leaves the model as it
+ * was. A model may be shared between threads: calls on it are serialized (a caller waits for
+ * the call in progress). */
 #ifndef GGRAPH_H
 #define GGRAPH_H
 
@@ -32,7 +33,7 @@ enum {
 typedef struct {
   const char* device;      /* "auto" (default), "cpu", "cuda", "cuda:N" */
   int n_ctx;               /* context length in tokens; 0 = the model's own */
-  int n_threads;           /* CPU threads; 0 = all cores */
+  int n_threads;           /* CPU threads; 0 = all cores; at most 1024 */
   const char* cuda_graphs; /* "patch" (default), "update", "recapture", "off" */
 } ggraph_params;
 
@@ -52,6 +53,8 @@ GGRAPH_API ggraph_sampling ggraph_default_sampling(void);
 GGRAPH_API ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* err,
                                      size_t err_size);
 GGRAPH_API void ggraph_free(ggraph_model* model);
+/* The calling thread's last error message ("" after a call that succeeded); model is not
+ * used. */
 GGRAPH_API const char* ggraph_last_error(const ggraph_model* model);
 
 GGRAPH_API int32_t ggraph_n_vocab(const ggraph_model* model);

@@ -1,6 +1,9 @@
-// The C API: a thin shell over Context that turns exceptions into error codes.
+// The C API: a thin shell over Context that turns exceptions into error codes. Calls on one
+// model are serialized by its mutex; the last error is per thread.
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -12,31 +15,56 @@ struct ggraph_model {
   std::unique_ptr<ggraph::Context> ctx;
   std::vector<float> logits;
   std::vector<int32_t> history;
-  std::string error;
+  mutable std::mutex mutex;  // held by every call on the model
 };
 
 namespace {
 
+// The calling thread's last error message.
+thread_local std::string t_error;
+
 template <typename F>
 int guarded(ggraph_model* m, F&& fn) {
-  if (!m) return GGRAPH_ERR_ARGUMENT;
+  t_error.clear();
+  if (!m) {
+    t_error = "model is NULL";
+    return GGRAPH_ERR_ARGUMENT;
+  }
   try {
-    m->error.clear();
+    std::lock_guard<std::mutex> lock(m->mutex);
     return fn();
   } catch (const ggraph::GGUFError& e) {
-    m->error = e.what();
+    t_error = e.what();
     return GGRAPH_ERR_FILE;
   } catch (const ggraph::ArgumentError& e) {
-    m->error = e.what();
+    t_error = e.what();
     return GGRAPH_ERR_ARGUMENT;
   } catch (const ggraph::DeviceError& e) {
-    m->error = e.what();
+    t_error = e.what();
+    return GGRAPH_ERR_DEVICE;
+  } catch (const std::bad_alloc&) {
+    t_error = "out of host memory";
     return GGRAPH_ERR_DEVICE;
   } catch (const std::exception& e) {
-    m->error = e.what();
+    t_error = e.what();
     return GGRAPH_ERR_INTERNAL;
   }
 }
+
+// Reads of a model's fixed sizes and position, under its mutex.
+template <typename F>
+int32_t locked_read(const ggraph_model* m, int32_t fallback, F&& fn) {
+  if (!m) return fallback;
+  std::lock_guard<std::mutex> lock(m->mutex);
+  try {
+    return fn();
+  } catch (const std::exception&) {
+    return fallback;
+  }
+}
+
+// The most bytes of text ggraph_tokenize takes in one call.
+constexpr size_t kMaxTextBytes = size_t(1) << 30;
 
 void copy_error(const std::string& msg, char* err, size_t size) {
   if (!err || size == 0) return;
@@ -58,8 +86,10 @@ ggraph_sampling ggraph_default_sampling(void) {
 
 ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* err,
                           size_t err_size) {
+  t_error.clear();
   if (!path) {
-    copy_error("ggraph_load: path is NULL", err, err_size);
+    t_error = "ggraph_load: path is NULL";
+    copy_error(t_error, err, err_size);
     return nullptr;
   }
   const ggraph_params p = params ? *params : ggraph_default_params();
@@ -73,7 +103,8 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
     m->ctx = std::make_unique<ggraph::Context>(path, o);
     return m.release();
   } catch (const std::exception& e) {
-    copy_error(e.what(), err, err_size);
+    t_error = e.what();
+    copy_error(t_error, err, err_size);
     return nullptr;
   }
 }
@@ -81,32 +112,39 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
 void ggraph_free(ggraph_model* model) { delete model; }
 
 const char* ggraph_last_error(const ggraph_model* model) {
-  return model ? model->error.c_str() : "model is NULL";
+  (void)model;  // the message is the calling thread's, whichever model failed
+  return t_error.c_str();
 }
 
-int32_t ggraph_n_vocab(const ggraph_model* m) { return m ? m->ctx->n_vocab() : 0; }
-int32_t ggraph_n_ctx(const ggraph_model* m) { return m ? m->ctx->n_ctx() : 0; }
-int32_t ggraph_n_past(const ggraph_model* m) { return m ? m->ctx->n_past() : 0; }
+int32_t ggraph_n_vocab(const ggraph_model* m) {
+  return locked_read(m, 0, [&] { return m->ctx->n_vocab(); });
+}
+int32_t ggraph_n_ctx(const ggraph_model* m) {
+  return locked_read(m, 0, [&] { return m->ctx->n_ctx(); });
+}
+int32_t ggraph_n_past(const ggraph_model* m) {
+  return locked_read(m, 0, [&] { return m->ctx->n_past(); });
+}
 
 int32_t ggraph_eos(const ggraph_model* m) {
-  try {
-    return m ? m->ctx->tokenizer().eos_id() : -1;
-  } catch (const std::exception&) {
-    return -1;
-  }
+  return locked_read(m, -1, [&] { return m->ctx->tokenizer().eos_id(); });
 }
 
 int ggraph_is_end_of_generation(const ggraph_model* m, int32_t token) {
-  try {
-    return m && m->ctx->tokenizer().is_end_of_generation(token) ? 1 : 0;
-  } catch (const std::exception&) {
-    return 0;
-  }
+  return locked_read(m, 0,
+                     [&] { return m->ctx->tokenizer().is_end_of_generation(token) ? 1 : 0; });
 }
 
 int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits) {
   return guarded(m, [&] {
     if (!tokens && n) throw ggraph::ArgumentError("ggraph_eval: tokens is NULL");
+    // The capacity first: the caller's buffer is read only once n is known to fit.
+    const size_t room = size_t(m->ctx->n_ctx() - m->ctx->n_past());
+    if (n > room)
+      throw ggraph::ArgumentError("ggraph_eval: " + std::to_string(n) +
+                                  " tokens do not fit: the context holds " +
+                                  std::to_string(m->ctx->n_ctx()) + " and has " +
+                                  std::to_string(room) + " left");
     m->logits = m->ctx->eval(tokens, n, false);
     m->history.insert(m->history.end(), tokens, tokens + n);
     if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
@@ -116,6 +154,7 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
 
 void ggraph_reset(ggraph_model* m) {
   if (!m) return;
+  std::lock_guard<std::mutex> lock(m->mutex);
   m->ctx->reset();
   m->history.clear();
   m->logits.clear();
@@ -143,6 +182,13 @@ int32_t ggraph_tokenize(ggraph_model* m, const char* text, size_t len, int add_b
                         int32_t* tokens, int32_t max_tokens) {
   return guarded(m, [&] {
     if (!text && len) throw ggraph::ArgumentError("ggraph_tokenize: text is NULL");
+    if (len > kMaxTextBytes)
+      throw ggraph::ArgumentError("ggraph_tokenize: " + std::to_string(len) +
+                                  " bytes of text; at most " + std::to_string(kMaxTextBytes) +
+                                  " a call");
+    if (max_tokens < 0)
+      throw ggraph::ArgumentError("ggraph_tokenize: max_tokens must be >= 0, got " +
+                                  std::to_string(max_tokens));
     const auto& tok = m->ctx->tokenizer();
     const bool bos = add_bos < 0 ? tok.add_bos_default() : add_bos != 0;
     std::vector<int32_t> ids = tok.tokenize(std::string(text ? text : "", len), bos, special != 0);

@@ -68,8 +68,13 @@ std::string check_model_file(const std::string& path) {
 Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_ctx < 0) throw ArgumentError("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
   if (o.n_batch < 1) throw ArgumentError("n_batch must be >= 1, got " + std::to_string(o.n_batch));
-  if (o.n_threads < 0)
-    throw ArgumentError("n_threads must be >= 0, got " + std::to_string(o.n_threads));
+  if (o.cuda_graphs != "off" && o.cuda_graphs != "recapture" && o.cuda_graphs != "update" &&
+      o.cuda_graphs != "patch")
+    throw ArgumentError("cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', got '" +
+                        o.cuda_graphs + "'");
+  if (o.n_threads < 0 || o.n_threads > kMaxThreads)
+    throw ArgumentError("n_threads must be 0 (automatic) to " + std::to_string(kMaxThreads) +
+                        ", got " + std::to_string(o.n_threads));
   file_ = GGUFFile::open(path);
   backend_ = make_backend(o, &device_);
   model_ = load_model(*file_, *backend_);

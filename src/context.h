@@ -14,6 +14,9 @@
 
 namespace ggraph {
 
+// The most CPU threads a context takes (more are refused, not clamped).
+constexpr int kMaxThreads = 1024;
+
 struct ContextOptions {
   std::string device = "auto";  // cpu | cuda | cuda:N | auto
   int n_ctx = 2048;             // 0 = the model's training context

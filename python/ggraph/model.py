@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -154,6 +157,12 @@ class Model:
         )
         self._tokens: list[int] = []  # what the KV cache holds
         self._last_logits: np.ndarray | None = None
+        # Calls on one model are serialized: each public call holds the lock while it reads or
+        # changes the context (C++ work runs without the GIL, so other threads may call in).
+        # _epoch counts changes of the context made outside a generator; a generator that finds
+        # it moved since it started stops with an error instead of continuing from foreign state.
+        self._lock = threading.RLock()
+        self._epoch = 0
         self.stop_reason: str | None = None
         self.n_generated = 0  # tokens sampled by the last generate/chat
 
@@ -195,9 +204,11 @@ class Model:
 
     def reset(self) -> None:
         """Empties the context."""
-        self._ctx.reset()
-        self._tokens = []
-        self._last_logits = None
+        with self._lock:
+            self._epoch += 1
+            self._ctx.reset()
+            self._tokens = []
+            self._last_logits = None
 
     def __repr__(self) -> str:
         return (
@@ -209,10 +220,34 @@ class Model:
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends tokens to the context; returns the last position's logits (n_vocab,), or
         every position's (n_tokens, n_vocab) with all_logits. A refused call changes nothing."""
+        ids = self._token_ids(tokens, "eval")
+        with self._lock:
+            self._epoch += 1
+            return self._eval(ids, all_logits)
+
+    def _token_ids(self, tokens, what: str) -> list[int]:
+        """tokens (any iterable of integers, read once) as a list of ids in the vocabulary;
+        ValueError before anything changes otherwise."""
+        if isinstance(tokens, (str, bytes)):
+            raise ValueError(f"{what}: expected token ids, got {type(tokens).__name__}")
         if isinstance(tokens, np.ndarray):
             tokens = tokens.tolist()
-        logits = self._ctx.eval(tokens, all_logits)
-        self._tokens.extend(int(t) for t in tokens)
+        try:
+            ids = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise ValueError(f"{what}: token ids must be integers") from None
+        n_vocab = self.n_vocab
+        for i, t in enumerate(ids):
+            if not 0 <= t < n_vocab:
+                raise ValueError(
+                    f"{what}: token id {t} at position {i} is outside the vocabulary [0, {n_vocab})"
+                )
+        return ids
+
+    def _eval(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        # Holding the lock. The context refuses a bad call before it changes anything.
+        logits = self._ctx.eval(ids, all_logits)
+        self._tokens.extend(ids)
         self._last_logits = logits if not all_logits else logits[-1]
         return logits
 
@@ -221,12 +256,14 @@ class Model:
         (0 = greedy), top_k, top_p, min_p, repeat_penalty, frequency_penalty, presence_penalty,
         penalty_last_n (window over the context's tokens), seed."""
         _check_keys(params)
-        if logits is None:
-            if self._last_logits is None:
-                raise ValueError("sample: no logits yet; call eval first or pass logits")
-            logits = self._last_logits
         _core.validate_sampling(**params)
-        return _core.sample(np.asarray(logits, dtype=np.float32), history=self._tokens, **params)
+        with self._lock:
+            if logits is None:
+                if self._last_logits is None:
+                    raise ValueError("sample: no logits yet; call eval first or pass logits")
+                logits = self._last_logits
+            history = list(self._tokens)
+        return _core.sample(np.asarray(logits, dtype=np.float32), history=history, **params)
 
     # -- text --------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list:
@@ -245,7 +282,8 @@ class Model:
         )
 
     def _prefill(self, ids: list[int]) -> None:
-        """Evaluates ids, reusing whatever prefix the KV cache already holds."""
+        """Evaluates ids, reusing whatever prefix the KV cache already holds (holding the
+        lock)."""
         common = 0
         for a, b in zip(self._tokens, ids):
             if a != b:
@@ -256,7 +294,7 @@ class Model:
         if common < len(self._tokens):
             self._ctx.rewind(common)
             del self._tokens[common:]
-        self.eval(ids[common:])
+        self._eval(ids[common:])
 
     def generate(
         self,
@@ -276,7 +314,10 @@ class Model:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_bos, special)
+        else:
+            ids = self._token_ids(prompt, "generate")
         if not ids:
             raise ValueError("generate: the prompt is empty")
         if len(ids) >= self.n_ctx:
@@ -284,12 +325,29 @@ class Model:
                 f"generate: the prompt has {len(ids)} tokens; the context holds {self.n_ctx}"
             )
         sampler = make_sampler(**sampling)
-        return self._generate(ids, max_tokens, stops, sampler)
+        # Starting a generation invalidates the generators before it.
+        with self._lock:
+            self._epoch += 1
+            epoch = self._epoch
+        return self._generate(ids, max_tokens, stops, sampler, epoch)
 
-    def _generate(self, ids, max_tokens, stops, sampler) -> Iterator[str]:
-        self.stop_reason = None
-        self.n_generated = 0
-        self._prefill(ids)
+    @contextlib.contextmanager
+    def _step(self, epoch: int):
+        """Holds the lock for one step of a generator, after checking that the context is still
+        the generator's own."""
+        with self._lock:
+            if self._epoch != epoch:
+                raise RuntimeError(
+                    "generate: this generator is no longer valid: the model started another "
+                    "generation, or its context changed (eval, reset) since it began"
+                )
+            yield
+
+    def _generate(self, ids, max_tokens, stops, sampler, epoch) -> Iterator[str]:
+        with self._step(epoch):
+            self.stop_reason = None
+            self.n_generated = 0
+            self._prefill(ids)
         decoder = self._ctx.decode_stream()
         pending = ""  # text held back while it could be the start of a stop string
         hold = max((len(s) for s in stops), default=1) - 1
@@ -297,7 +355,8 @@ class Model:
             if n == max_tokens:
                 self.stop_reason = "length"
                 break
-            tok = sampler.sample(self._last_logits, self._tokens)
+            with self._step(epoch):
+                tok = sampler.sample(self._last_logits, self._tokens)
             self.n_generated += 1
             if self._ctx.is_end_of_generation(tok):
                 self.stop_reason = "eos"
@@ -314,10 +373,11 @@ class Model:
             if len(pending) > hold:
                 yield pending[: len(pending) - hold] if hold else pending
                 pending = pending[len(pending) - hold :] if hold else ""
-            if self.n_past >= self.n_ctx:
-                self.stop_reason = "context_full"
-                break
-            self.eval([tok])
+            with self._step(epoch):
+                if self.n_past >= self.n_ctx:
+                    self.stop_reason = "context_full"
+                    break
+                self._eval([tok])
         tail = pending + (decoder.flush() if self.stop_reason != "stop" else "")
         if tail:
             yield tail

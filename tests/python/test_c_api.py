@@ -1,6 +1,7 @@
 """The C API, used as an embedding application would: through the shared library."""
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
@@ -106,3 +107,82 @@ def test_c_api_load_error_message(lib, tmp_path):
     err = ctypes.create_string_buffer(256)
     assert not lib.ggraph_load(str(bad).encode(), None, err, 256)
     assert err.value
+
+
+def _load(lib, path, n_ctx=256, graphs=b"patch"):
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(path.encode(), ctypes.byref(Params(b"cpu", n_ctx, 1, graphs)), err, 256)
+    return m, err.value
+
+
+def test_c_api_calls_from_two_threads_are_serialized(lib, tiny_model):
+    m, err = _load(lib, tiny_model)
+    assert m, err
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        failures = []
+
+        def worker(first):
+            logits = (ctypes.c_float * n_vocab)()
+            for i in range(60):
+                if lib.ggraph_eval(m, _ids([(first + i) % n_vocab]), 1, logits) != 0:
+                    failures.append(lib.ggraph_last_error(m))
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in (3, 7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+        assert lib.ggraph_n_past(m) == 120
+    finally:
+        lib.ggraph_free(m)
+
+
+def test_c_api_last_error_is_the_calling_threads(lib, tiny_model):
+    m, err = _load(lib, tiny_model)
+    assert m, err
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        logits = (ctypes.c_float * n_vocab)()
+        assert lib.ggraph_eval(m, _ids([n_vocab + 5]), 1, logits) == -2
+        seen = []
+
+        def other():
+            seen.append(lib.ggraph_last_error(m))
+            assert lib.ggraph_eval(m, _ids([1]), 1, logits) == 0
+            seen.append(lib.ggraph_last_error(m))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert seen == [b"", b""]
+        assert b"outside" in lib.ggraph_last_error(m)  # this thread's failure, still
+    finally:
+        lib.ggraph_free(m)
+
+
+def test_c_api_checks_sizes_before_reading_buffers(lib, tiny_model):
+    m, err = _load(lib, tiny_model, n_ctx=32)
+    assert m, err
+    try:
+        one = _ids([1])
+        # A count far past the one-element buffer: refused for the context's size, not read.
+        assert lib.ggraph_eval(m, one, 1 << 40, None) == -2
+        assert b"do not fit" in lib.ggraph_last_error(m)
+        assert lib.ggraph_n_past(m) == 0
+        out = (ctypes.c_int32 * 4)()
+        assert lib.ggraph_tokenize(m, b"hi", ctypes.c_size_t(-1).value, 0, 0, out, 4) == -2
+        assert b"bytes of text" in lib.ggraph_last_error(m)
+    finally:
+        lib.ggraph_free(m)
+
+
+def test_c_api_refuses_unknown_options(lib, tiny_model):
+    m, err = _load(lib, tiny_model, graphs=b"bogus")
+    assert not m
+    assert b"cuda_graphs" in err and b"bogus" in err
+    err = ctypes.create_string_buffer(256)
+    bad_threads = Params(b"cpu", 32, 100000, b"patch")
+    assert not lib.ggraph_load(tiny_model.encode(), ctypes.byref(bad_threads), err, 256)
+    assert b"n_threads" in err.value and b"1024" in err.value

@@ -1,0 +1,144 @@
+"""One Model shared between threads, and calls that are refused: serialized calls, generators that
+a newer generation invalidates, and state that a refused call leaves exactly as it was."""
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import cuda_available
+
+import ggraph
+
+
+def _devices():
+    return ["cpu", "cuda"] if cuda_available() else ["cpu"]
+
+
+@pytest.fixture(params=_devices())
+def model(request, tiny_model):
+    return ggraph.Model(tiny_model, device=request.param, n_ctx=256, n_threads=2)
+
+
+def _state(m):
+    return m.n_past, list(m._tokens), None if m._last_logits is None else m._last_logits.copy()
+
+
+def _same_state(a, b):
+    assert a[0] == b[0] and a[1] == b[1]
+    assert (a[2] is None) == (b[2] is None)
+    if a[2] is not None:
+        np.testing.assert_array_equal(a[2], b[2])
+
+
+def _run_threads(fn, args):
+    errors = []
+
+    def wrap(*a):
+        try:
+            fn(*a)
+        except BaseException as e:  # noqa: B036 - reported to the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return errors
+
+
+def test_two_threads_evaluating_one_model(model):
+    model.eval([1])
+    logits = {}
+
+    def worker(first):
+        for i in range(50):
+            logits[(first, i)] = model.eval([first + i])
+
+    assert _run_threads(worker, [(10,), (100,)]) == []
+    assert model.n_past == 101
+    assert len(model._tokens) == 101 and sorted(model._tokens[1:]) == sorted(
+        [10 + i for i in range(50)] + [100 + i for i in range(50)]
+    )
+    # The interleaving the threads took, replayed alone, gives the same logits at every step.
+    order = model._tokens
+    ref = ggraph.Model(model.path, device=model.device.split(":")[0], n_ctx=256, n_threads=1)
+    expected = ref.eval(order, all_logits=True)
+    for pos, tok in enumerate(order[1:], start=1):
+        first = 10 if 10 <= tok < 60 else 100
+        np.testing.assert_allclose(
+            logits[(first, tok - first)], expected[pos], rtol=2e-3, atol=2e-3
+        )
+
+
+def test_two_threads_generating_on_one_model(model):
+    """Every generation that finishes equals the same generation run alone; one that a newer
+    generation invalidated says so."""
+    prompts = {"a": [1, 5, 9, 13], "b": [1, 7, 3]}
+    alone = {
+        k: "".join(model.generate(p, max_tokens=24, temperature=0)) for k, p in prompts.items()
+    }
+    results, invalidated = {}, []
+
+    def worker(key):
+        for _ in range(5):
+            try:
+                results.setdefault(key, []).append(
+                    "".join(model.generate(prompts[key], max_tokens=24, temperature=0))
+                )
+            except RuntimeError as e:
+                assert "no longer valid" in str(e)
+                invalidated.append(key)
+
+    assert _run_threads(worker, [("a",), ("b",)]) == []
+    finished = sum(len(v) for v in results.values())
+    assert finished + len(invalidated) == 10 and finished >= 1
+    for key, texts in results.items():
+        assert all(t == alone[key] for t in texts), key
+
+
+def test_a_new_generation_invalidates_the_previous_generator(model):
+    first = model.generate([1, 2, 3], max_tokens=10, temperature=0)
+    next(first)
+    second = model.generate([1, 4, 5], max_tokens=4, temperature=0)
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(first)
+    assert "".join(second) == "".join(model.generate([1, 4, 5], max_tokens=4, temperature=0))
+    # So does a change of the context by eval or reset.
+    third = model.generate([1, 2], max_tokens=10, temperature=0)
+    next(third)
+    model.eval([7])
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(third)
+
+
+def test_refused_calls_leave_the_model_as_it_was(model):
+    model.eval([1, 2, 3, 4, 5])
+    before = _state(model)
+    for bad in ([5, -1], [5, model.n_vocab], [5, 2.5], "text"):
+        with pytest.raises(ValueError):
+            model.eval(bad)
+        _same_state(_state(model), before)
+    for bad in ([5, -1], [5, model.n_vocab], []):
+        with pytest.raises(ValueError):
+            model.generate(bad)
+        _same_state(_state(model), before)
+    with pytest.raises(ValueError):
+        model.generate([1] * (model.n_ctx + 1))
+    _same_state(_state(model), before)
+
+
+def test_eval_of_an_iterator_keeps_tokens_and_cache_in_step(model, tiny_model):
+    out = model.eval(iter([5, 6, 7]))
+    assert model.n_past == 3 and model._tokens == [5, 6, 7]
+    ref = ggraph.Model(tiny_model, device=model.device.split(":")[0], n_ctx=256).eval([5, 6, 7])
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
+    assert model.eval(np.array([8], dtype=np.int64)).shape == (model.n_vocab,)
+    assert model._tokens == [5, 6, 7, 8]
+
+
+def test_thread_counts_out_of_range_are_refused(tiny_model):
+    for bad in (-1, 1025, 100000):
+        with pytest.raises(ValueError, match="n_threads"):
+            ggraph.Model(tiny_model, device="cpu", n_threads=bad)
