@@ -131,8 +131,7 @@ int32_t ggraph_eos(const ggraph_model* m) {
 }
 
 int ggraph_is_end_of_generation(const ggraph_model* m, int32_t token) {
-  return locked_read(m, 0,
-                     [&] { return m->ctx->tokenizer().is_end_of_generation(token) ? 1 : 0; });
+  return locked_read(m, 0, [&] { return m->ctx->tokenizer().is_end_of_generation(token) ? 1 : 0; });
 }
 
 int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits) {
@@ -141,10 +140,9 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
     // The capacity first: the caller's buffer is read only once n is known to fit.
     const size_t room = size_t(m->ctx->n_ctx() - m->ctx->n_past());
     if (n > room)
-      throw ggraph::ArgumentError("ggraph_eval: " + std::to_string(n) +
-                                  " tokens do not fit: the context holds " +
-                                  std::to_string(m->ctx->n_ctx()) + " and has " +
-                                  std::to_string(room) + " left");
+      throw ggraph::ArgumentError(
+          "ggraph_eval: " + std::to_string(n) + " tokens do not fit: the context holds " +
+          std::to_string(m->ctx->n_ctx()) + " and has " + std::to_string(room) + " left");
     m->logits = m->ctx->eval(tokens, n, false);
     m->history.insert(m->history.end(), tokens, tokens + n);
     if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
