@@ -78,6 +78,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   file_ = GGUFFile::open(path);
   backend_ = make_backend(o, &device_);
   model_ = load_model(*file_, *backend_);
+  // The vocabulary is read and checked now: a broken one fails the load, not a later call. A
+  // file without one (weights only) loads, and tokenizing with it says why it cannot.
+  if (file_->has("tokenizer.ggml.model"))
+    tokenizer_ = Tokenizer::from_gguf(*file_);
+  else
+    tokenizer_error_ = file_->path() + ": the file has no tokenizer (no 'tokenizer.ggml.model')";
   n_ctx_ = o.n_ctx > 0 ? o.n_ctx : model_->n_ctx_train;
   n_batch_ = std::min(o.n_batch, n_ctx_);
   // The CPU keeps its cache in F32 (no conversions in its attention loop); GPUs use F16.
@@ -95,15 +101,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 Context::~Context() = default;
 
 const Tokenizer& Context::tokenizer() const {
-  if (!tokenizer_) {
-    if (!tokenizer_error_.empty()) throw GGUFError(tokenizer_error_);
-    try {
-      tokenizer_ = Tokenizer::from_gguf(*file_);
-    } catch (const GGUFError& e) {
-      tokenizer_error_ = e.what();
-      throw;
-    }
-  }
+  if (!tokenizer_) throw GGUFError(tokenizer_error_);
   return *tokenizer_;
 }
 

@@ -64,8 +64,8 @@ class Context {
   std::unique_ptr<GGUFFile> file_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Model> model_;
-  mutable std::unique_ptr<Tokenizer> tokenizer_;
-  mutable std::string tokenizer_error_;
+  std::unique_ptr<Tokenizer> tokenizer_;  // read at load; null when the file has none
+  std::string tokenizer_error_;           // why tokenizer() cannot give one
   KvCache kv_;
   int n_ctx_ = 0;
   int n_batch_ = 0;

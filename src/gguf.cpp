@@ -14,6 +14,8 @@
 #include <limits>
 #include <utility>
 
+#include "unicode.h"
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the GGUF reader assumes a little-endian host"
 #endif
@@ -59,7 +61,37 @@ uint64_t min_value_bytes(GGUFType t) {
   return 1;
 }
 
-std::string quoted(const std::string& s) { return "'" + s + "'"; }
+// s in quotes for a message: bytes that are not well-formed UTF-8, and control characters, as
+// \xNN escapes, so that a message always decodes (a name from the file may hold any bytes).
+std::string quoted(const std::string& s) {
+  std::string out = "'";
+  size_t i = 0;
+  while (i < s.size()) {
+    const unicode::Utf8Step step = unicode::decode_utf8_step(s.data() + i, s.size() - i);
+    const bool control = step.valid && (step.cp < 0x20 || step.cp == 0x7f);
+    if (step.valid && !control && step.cp != '\\') {
+      out.append(s, i, size_t(step.len));
+    } else {
+      char buf[8];
+      for (int k = 0; k < step.len; ++k) {
+        std::snprintf(buf, sizeof(buf), "\\x%02x", static_cast<unsigned char>(s[i + k]));
+        out += buf;
+      }
+    }
+    i += size_t(step.len);
+  }
+  return out + "'";
+}
+
+// Names (keys, tensors) must be text: a name that is not well-formed UTF-8 is refused.
+bool valid_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const unicode::Utf8Step step = unicode::decode_utf8_step(s.data() + i, s.size() - i);
+    if (!step.valid) return false;
+    i += size_t(step.len);
+  }
+  return true;
+}
 
 std::string hex_bytes(const uint8_t* p, size_t n) {
   std::string out;
@@ -325,7 +357,9 @@ std::string GGUFTensorInfo::shape_str() const {
 std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
   std::unique_ptr<GGUFFile> file(new GGUFFile());
   file->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking, so that a FIFO or a device fails the regular-file check below instead of
+  // blocking the open.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     throw GGUFError("cannot open " + quoted(path) + ": " + std::strerror(errno));
   }
@@ -415,6 +449,7 @@ void GGUFFile::parse() {
     std::string key = p.read_string("key");
     p.set_context("metadata key " + quoted(key) + " (entry #" + std::to_string(i) +
                   " at byte offset " + std::to_string(entry_at) + ")");
+    if (!valid_utf8(key)) p.fail("the key is not valid UTF-8");
     if (kv_.count(key)) p.fail("duplicate key");
     GGUFValue value;
     value.type = p.read_value_type("value type");
@@ -442,6 +477,7 @@ void GGUFFile::parse() {
     t.name = p.read_string("name");
     p.set_context("tensor " + quoted(t.name) + " (entry #" + std::to_string(i) +
                   " at byte offset " + std::to_string(entry_at) + ")");
+    if (!valid_utf8(t.name)) p.fail("the name is not valid UTF-8");
     if (tensor_index_.count(t.name)) p.fail("duplicate tensor name");
     const uint32_t n_dims = p.read<uint32_t>("n_dims");
     if (n_dims < 1 || n_dims > kMaxDims) {
@@ -491,11 +527,20 @@ void GGUFFile::parse() {
   // The data section starts at the header's end rounded up to the alignment.
   const uint64_t header_end = p.pos();
   const uint64_t data_start = (header_end + alignment_ - 1) / alignment_ * alignment_;
+  // ggml's layout: the tensors' data in the order of their entries, each at the running size of
+  // the ones before it padded to the alignment (so no two overlap).
+  uint64_t expected = 0;
   for (GGUFTensorInfo& t : tensors_) {
-    if (t.offset % alignment_ != 0) {
+    if (t.offset != expected) {
       throw GGUFError("tensor " + quoted(t.name) + ": data offset " + std::to_string(t.offset) +
-                      " is not a multiple of the alignment " + std::to_string(alignment_));
+                      ", expected " + std::to_string(expected) +
+                      " (ggml lays tensors out in the order of their entries, each padded to "
+                      "the alignment " +
+                      std::to_string(alignment_) + ")");
     }
+    const uint64_t padded = (uint64_t(t.nbytes) + alignment_ - 1) / alignment_ * alignment_;
+    if (__builtin_add_overflow(expected, padded, &expected))
+      throw GGUFError("tensor " + quoted(t.name) + ": the data sizes overflow");
     uint64_t begin = 0;
     uint64_t end = 0;
     const bool overflow = __builtin_add_overflow(data_start, t.offset, &begin) ||

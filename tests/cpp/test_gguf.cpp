@@ -494,30 +494,48 @@ TEST(GGUF, DimensionOverflow) {
   EXPECT_ERROR_HAS(msg, "ne[0] = 48 is not a multiple of the Q8_0 block size 32");
 }
 
-TEST(GGUF, OffsetPastTheEnd) {
+TEST(GGUF, DataPastTheEnd) {
   Image im = valid_image();
   Writer w;
   w.buf = im.bytes;
-  const size_t offset_at = im.tensor_b_at + 4 + 8 + 4;
-  w.patch<uint64_t>(offset_at, 64 * 100);
+  w.buf.resize(im.data_start + 64 + 60);  // b's 68 bytes start at 64
   std::string msg = parse_error(w.buf);
-  EXPECT_ERROR_HAS(msg, "tensor 'b': data [offset " + std::to_string(im.data_start + 6400) +
+  EXPECT_ERROR_HAS(msg, "tensor 'b': data [offset " + std::to_string(im.data_start + 64) +
                             ", 68 bytes] runs past the end of the file (" +
-                            std::to_string(im.bytes.size()) + " bytes)");
-
-  w.patch<uint64_t>(offset_at, std::numeric_limits<uint64_t>::max() - 63);
-  msg = parse_error(w.buf);
-  EXPECT_ERROR_HAS(msg, "tensor 'b'");
-  EXPECT_ERROR_HAS(msg, "runs past the end of the file");
+                            std::to_string(w.buf.size()) + " bytes)");
 }
 
-TEST(GGUF, MisalignedOffset) {
+// ggml's layout rule: each tensor's data at the running padded size of those before it. Offsets
+// far past the end, misaligned, overlapping the previous tensor or leaving a gap are refused.
+TEST(GGUF, OffsetsFollowGgmlsLayout) {
   Image im = valid_image();
   Writer w;
-  w.buf = im.bytes;
-  w.patch<uint64_t>(im.tensor_b_at + 4 + 8 + 4, 64 + 16);
-  const std::string msg = parse_error(w.buf);
-  EXPECT_ERROR_HAS(msg, "tensor 'b': data offset 80 is not a multiple of the alignment 64");
+  const size_t offset_at = im.tensor_b_at + 4 + 8 + 4;
+  for (uint64_t bad : {uint64_t(6400), uint64_t(80), uint64_t(0), uint64_t(128),
+                       std::numeric_limits<uint64_t>::max() - 63}) {
+    w.buf = im.bytes;
+    w.patch<uint64_t>(offset_at, bad);
+    EXPECT_ERROR_HAS(parse_error(w.buf),
+                     "tensor 'b': data offset " + std::to_string(bad) + ", expected 64");
+  }
+}
+
+// Names must be text; a message shows a name's undecodable bytes escaped, so that it is text too.
+TEST(GGUF, NamesThatAreNotUtf8AreRefusedAndEscaped) {
+  Writer k;
+  k.header(3, 0, 1);
+  k.key("bad\xff\xfename", GGUFType::UINT32);
+  k.put<uint32_t>(1);
+  std::string msg = parse_error(k.buf);
+  EXPECT_ERROR_HAS(msg, "metadata key 'bad\\xff\\xfename'");
+  EXPECT_ERROR_HAS(msg, "the key is not valid UTF-8");
+
+  Writer t;
+  t.header(3, 1, 0);
+  t.tensor("w\xc3", {32}, 0, 0);
+  msg = parse_error(t.buf);
+  EXPECT_ERROR_HAS(msg, "tensor 'w\\xc3'");
+  EXPECT_ERROR_HAS(msg, "the name is not valid UTF-8");
 }
 
 TEST(GGUF, BadAlignment) {

@@ -1,0 +1,115 @@
+"""Files an application may be handed: each is refused at load with a GGUFError that names the
+problem, quickly, and as text."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ggraph
+
+
+def _patched(src, dst, old: bytes, new: bytes):
+    data = open(src, "rb").read()
+    assert data.count(old) == 1 and len(old) == len(new)
+    open(dst, "wb").write(data.replace(old, new))
+    return str(dst)
+
+
+def _write_llama(path, **meta):
+    """A tiny llama file through gguf-py, with metadata entries replaced or added."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    src = gguf.GGUFReader(os.fspath(meta.pop("_base")))
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    for field in src.fields.values():
+        name = field.name
+        if name.startswith("GGUF.") or name == "general.architecture" or name in meta:
+            continue
+        vt = field.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_array(name, field.contents())
+        else:
+            w.add_key_value(name, field.contents(), vt)
+    for name, value in meta.items():
+        if value is not None:
+            w.add_string(name, value)
+    for t in src.tensors:
+        plain = t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=None if plain else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = (
+        "import ggraph, sys\n"
+        "try:\n"
+        f"    ggraph.Model({str(fifo)!r}, device='cpu')\n"
+        "except ggraph.GGUFError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "not a regular file" in out.stdout
+
+
+def test_a_key_that_is_not_utf8_is_a_gguf_error_shown_escaped(tmp_path, tiny_model):
+    bad = _patched(tiny_model, tmp_path / "key.gguf", b"general.name", b"general.n\xffme")
+    for load in (ggraph.read_metadata, lambda p: ggraph.Model(p, device="cpu")):
+        with pytest.raises(ggraph.GGUFError, match=r"general\.n\\xffme.*not valid UTF-8"):
+            load(bad)
+
+
+def test_a_tensor_name_that_is_not_utf8_is_a_gguf_error(tmp_path, tiny_model):
+    bad = _patched(
+        tiny_model, tmp_path / "name.gguf", b"output_norm.weight", b"output_norm.w\xe9ight"
+    )
+    with pytest.raises(ggraph.GGUFError, match=r"output_norm\.w\\xe9ight"):
+        ggraph.Model(bad, device="cpu")
+
+
+def test_overlapping_tensor_data_is_refused(tmp_path, tiny_model):
+    import struct
+
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(tiny_model)
+    second = r.tensors[1]
+    # The second tensor's data offset field, pointed back at the first tensor's data.
+    field = second.field.parts[-1]
+    at = int(field.ctypes.data - r.data.ctypes.data)
+    data = bytearray(open(tiny_model, "rb").read())
+    data[at : at + 8] = struct.pack("<Q", 0)
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ggraph.GGUFError, match=r"data offset 0, expected \d+"):
+        ggraph.Model(str(bad), device="cpu")
+
+
+def test_a_broken_tokenizer_fails_the_load(tmp_path, tiny_model):
+    bad = _write_llama(tmp_path / "tok.gguf", _base=tiny_model, **{"tokenizer.ggml.pre": "mystery"})
+    with pytest.raises(ggraph.GGUFError, match="mystery"):
+        ggraph.Model(bad, device="cpu")
+
+
+def test_a_file_without_a_tokenizer_loads_and_says_so_when_asked(tmp_path, tiny_model):
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(tiny_model)
+    tok_keys = {k: None for k in r.fields if k.startswith("tokenizer.")}
+    plain = _write_llama(tmp_path / "plain.gguf", _base=tiny_model, **tok_keys)
+    m = ggraph.Model(plain, device="cpu", n_ctx=32)
+    assert m.eval([1, 2]).shape == (m.n_vocab,)
+    with pytest.raises(ggraph.GGUFError, match="no tokenizer"):
+        m.tokenize("hello")
