@@ -391,7 +391,7 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
-  if (n_threads <= 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
+  if (n_threads <= 0) n_threads = default_thread_count();
   return std::make_unique<CpuBackend>(n_threads);
 }
 

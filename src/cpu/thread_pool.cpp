@@ -1,5 +1,13 @@
 #include "cpu/thread_pool.h"
 
+#include <sched.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+#include <string>
+#include <utility>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define GGRAPH_PAUSE() _mm_pause()
@@ -9,53 +17,121 @@
 
 namespace ggraph {
 
+namespace {
+
 // About 100 microseconds of spinning before a worker sleeps.
 constexpr int kSpinIterations = 20000;
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back(&ThreadPool::worker, this);
+// ctl: the loop's generation (high 32 bits), whether workers may still join it (bit 31) and how
+// many have joined and not yet left (low 31 bits).
+constexpr uint64_t kOpen = uint64_t(1) << 31;
+constexpr uint64_t kActiveMask = kOpen - 1;
+uint64_t gen_of(uint64_t c) { return c >> 32; }
+
+}  // namespace
+
+int default_thread_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? int(n) : 1;
+  }
+  // Hyper-threads of one core share its id within its package.
+  std::set<std::pair<std::string, std::string>> cores;
+  int logical = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set)) continue;
+    ++logical;
+    const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+    std::ifstream core(dir + "core_id"), package(dir + "physical_package_id");
+    std::string c, p;
+    if (!(core >> c) || !(package >> p)) return logical > 0 ? CPU_COUNT(&set) : 1;
+    cores.emplace(p, c);
+  }
+  return cores.empty() ? 1 : int(cores.size());
+}
+
+struct ThreadPool::State {
+  std::vector<std::thread> workers;
+  std::mutex mu;
+  std::condition_variable wake;
+  std::atomic<uint64_t> ctl{0};
+  std::atomic<bool> stop{false};
+  // The current loop; written before its generation opens, read by workers that joined it.
+  const std::function<void(int)>* fn = nullptr;
+  int n_tasks = 0;
+  std::atomic<int> next_task{0};
+  std::atomic<int> done_tasks{0};
+  std::mutex error_mu;
+  std::exception_ptr error;
+
+  void run_tasks() {
+    for (;;) {
+      const int task = next_task.fetch_add(1, std::memory_order_relaxed);
+      if (task >= n_tasks) return;
+      try {
+        (*fn)(task);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+      }
+      done_tasks.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void worker() {
+    uint64_t seen = 0;
+    for (;;) {
+      // Wait for a new open generation, then join it (a compare-and-swap, which fails if the
+      // loop closed or moved on meanwhile).
+      int spins = 0;
+      uint64_t c = ctl.load(std::memory_order_acquire);
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (gen_of(c) != seen && (c & kOpen)) {
+          if (ctl.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) break;
+          continue;  // c reloaded
+        }
+        if (gen_of(c) != seen) seen = gen_of(c);  // a closed loop: wait for the next
+        if (++spins < kSpinIterations) {
+          GGRAPH_PAUSE();
+        } else {
+          std::unique_lock<std::mutex> lock(mu);
+          wake.wait(lock, [&] {
+            const uint64_t v = ctl.load(std::memory_order_acquire);
+            return stop.load() || (gen_of(v) != seen && (v & kOpen));
+          });
+          spins = 0;
+        }
+        c = ctl.load(std::memory_order_acquire);
+      }
+      if (stop.load()) return;
+      seen = gen_of(c);
+      run_tasks();
+      ctl.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) { start(); }
+
+void ThreadPool::start() {
+  pid_ = getpid();
+  s_ = std::make_unique<State>();
+  for (int i = 1; i < n_threads_; ++i) s_->workers.emplace_back(&State::worker, s_.get());
 }
 
 ThreadPool::~ThreadPool() {
+  if (!s_ || getpid() != pid_) {
+    (void)s_.release();  // a forked child's copy: its threads are not in this process
+    return;
+  }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_.store(true);
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->stop.store(true);
   }
-  wake_.notify_all();
-  for (auto& w : workers_) w.join();
-}
-
-void ThreadPool::run_tasks() {
-  for (;;) {
-    int task = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (task >= n_tasks_) return;
-    try {
-      (*fn_)(task);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mu_);
-      if (!error_) error_ = std::current_exception();
-      next_task_.store(n_tasks_, std::memory_order_relaxed);
-    }
-  }
-}
-
-void ThreadPool::worker() {
-  long seen = 0;
-  for (;;) {
-    int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
-      if (++spins < kSpinIterations) {
-        GGRAPH_PAUSE();
-        continue;
-      }
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
-    }
-    if (stop_.load()) return;
-    seen = generation_.load(std::memory_order_acquire);
-    run_tasks();
-    finished_.fetch_add(1, std::memory_order_acq_rel);
-  }
+  s_->wake.notify_all();
+  for (auto& w : s_->workers) w.join();
 }
 
 void ThreadPool::parallel_for(int n_tasks, const std::function<void(int)>& fn) {
@@ -64,26 +140,42 @@ void ThreadPool::parallel_for(int n_tasks, const std::function<void(int)>& fn) {
     for (int i = 0; i < n_tasks; ++i) fn(i);
     return;
   }
-  fn_ = &fn;
-  n_tasks_ = n_tasks;
-  error_ = nullptr;
-  next_task_.store(0, std::memory_order_relaxed);
-  finished_.store(0, std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    generation_.fetch_add(1, std::memory_order_release);
+  if (getpid() != pid_) {
+    // A child of fork(): the threads and any lock they held stay behind in the parent. The old
+    // state is left alone (never destroyed) and the pool starts anew.
+    (void)s_.release();
+    start();
   }
-  wake_.notify_all();
-  run_tasks();
-  const int workers = n_threads_ - 1;
-  // A worker may have been descheduled: after a short spin, give the core away.
-  for (int spins = 0; finished_.load(std::memory_order_acquire) < workers; ++spins) {
+  State& s = *s_;
+  s.fn = &fn;
+  s.n_tasks = n_tasks;
+  s.error = nullptr;
+  s.next_task.store(0, std::memory_order_relaxed);
+  s.done_tasks.store(0, std::memory_order_relaxed);
+  const uint64_t gen = gen_of(s.ctl.load(std::memory_order_relaxed)) + 1;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.ctl.store((gen << 32) | kOpen, std::memory_order_release);
+  }
+  s.wake.notify_all();
+  s.run_tasks();
+  // Every task done (some by workers that joined), then the loop closes, and the workers still
+  // inside it (who will find no task left) leave before fn goes out of scope.
+  for (int spins = 0; s.done_tasks.load(std::memory_order_acquire) < n_tasks; ++spins) {
     if (spins < kSpinIterations)
       GGRAPH_PAUSE();
     else
       std::this_thread::yield();
   }
-  if (error_) std::rethrow_exception(error_);
+  uint64_t c = s.ctl.fetch_and(~kOpen, std::memory_order_acq_rel) & ~kOpen;
+  for (int spins = 0; (c & kActiveMask) != 0; ++spins) {
+    if (spins < kSpinIterations)
+      GGRAPH_PAUSE();
+    else
+      std::this_thread::yield();
+    c = s.ctl.load(std::memory_order_acquire);
+  }
+  if (s.error) std::rethrow_exception(s.error);
 }
 
 }  // namespace ggraph
