@@ -1,7 +1,10 @@
 """One Model shared between threads, and calls that are refused: serialized calls, generators that
 a newer generation invalidates, and state that a refused call leaves exactly as it was."""
 
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,3 +145,29 @@ def test_thread_counts_out_of_range_are_refused(tiny_model):
     for bad in (-1, 1025, 100000):
         with pytest.raises(ValueError, match="n_threads"):
             ggraph.Model(tiny_model, device="cpu", n_threads=bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_eval_in_a_forked_child(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=2)
+    parent = m.eval([1, 2, 3])
+    pid = os.fork()
+    if pid == 0:  # the child: its pool must start its own threads, not wait for the parent's
+        code = 1
+        try:
+            child = m.eval([4])
+            ref = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=2).eval([1, 2, 3, 4])
+            code = 0 if np.allclose(child, ref, rtol=1e-4, atol=1e-4) else 2
+        finally:
+            os._exit(code)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("eval in the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert m.n_past == 3 and parent.shape == (m.n_vocab,)  # the parent's model is untouched
