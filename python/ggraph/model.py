@@ -120,6 +120,72 @@ def _check_keys(params):
         )
 
 
+def _check_messages(messages) -> list:
+    messages = list(messages)
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"chat: each message needs 'role' and 'content', got {m!r}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"chat: a message's content must be text, got {m['content']!r}")
+    return messages
+
+
+# Bounds of one chat-template render: the loop steps its range() calls may take, the seconds it
+# may run, and the characters it may write beyond the messages' own.
+TEMPLATE_MAX_STEPS = 1_000_000
+TEMPLATE_MAX_SECONDS = 5.0
+TEMPLATE_MAX_EXTRA_CHARS = 1 << 20
+
+
+def render_chat_template(template: str, messages: list, **variables) -> str:
+    """Renders a chat template in jinja2's sandbox, with transformers' helpers (raise_exception,
+    strftime_now) and bounds on its loops, time and output; every failure is a ValueError."""
+    import datetime
+    import time
+
+    import jinja2
+    import jinja2.sandbox
+
+    deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
+    steps = [0]
+
+    def check_budget():
+        steps[0] += 1
+        if steps[0] > TEMPLATE_MAX_STEPS or (steps[0] % 1024 == 0 and time.monotonic() > deadline):
+            raise ValueError(
+                f"chat template: the render passed its bound ({TEMPLATE_MAX_STEPS} loop steps "
+                f"or {TEMPLATE_MAX_SECONDS:g} s)"
+            )
+
+    def bounded_range(*args):
+        for i in range(*args):
+            check_budget()
+            yield i
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, range=bounded_range
+    )
+    limit = TEMPLATE_MAX_EXTRA_CHARS + 2 * sum(len(m["content"]) for m in messages)
+    try:
+        out, size = [], 0
+        for chunk in env.from_string(template).generate(messages=messages, **variables):
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"chat template: the render passed {limit} characters")
+            check_budget()
+            out.append(chunk)
+        return "".join(out)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template: {e}") from None
+
+
 class Model:
     """A GGUF model loaded with its KV cache on a device.
 
@@ -382,37 +448,61 @@ class Model:
         if tail:
             yield tail
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt=True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt=True, tokenize: bool = False
+    ):
+        """The conversation rendered by the model's chat template: the text, or with tokenize the
+        token ids that chat() feeds. The template's own text may hold control tokens (turn
+        markers); a message's content never becomes one, whatever it contains. Template errors
+        (raise_exception, syntax, a render past its time or size bound) are ValueErrors."""
+        messages = _check_messages(messages)
         template = self.chat_template
         if not template:
             raise ValueError(
                 "this model has no tokenizer.chat_template and its architecture no built-in one"
             )
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
         ctx = self._ctx
         specials = {
             "bos_token": ctx.detokenize([ctx.bos_id], True) if ctx.bos_id >= 0 else "",
             "eos_token": ctx.detokenize([ctx.eos_id], True) if ctx.eos_id >= 0 else "",
         }
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials
+        text = render_chat_template(
+            template, messages, add_generation_prompt=add_generation_prompt, **specials
         )
+        if not tokenize:
+            return text
+        bos = specials["bos_token"]
+        add_bos = False if bos and text.startswith(bos) else None
+        ids = self.tokenize(text, add_bos=add_bos, special=True)
+        # Content that reads as control tokens is tokenized as plain text instead: the rendered
+        # text is cut around each such content, and only the template's pieces parse specials.
+        risky = [
+            m["content"]
+            for m in messages
+            if self.tokenize(m["content"], add_bos=False, special=True)
+            != self.tokenize(m["content"], add_bos=False, special=False)
+        ]
+        if not risky:
+            return ids
+        pieces, pos = [], 0
+        for content in risky:
+            at = text.find(content, pos)
+            if at < 0:
+                raise ValueError(
+                    "chat: a message holds control-token text and the template transforms it, "
+                    "so it cannot be kept out of the control tokens"
+                )
+            pieces += [(text[pos:at], True), (content, False)]
+            pos = at + len(content)
+        pieces.append((text[pos:], True))
+        out = self.tokenize("", add_bos=add_bos)  # the bos the whole text would have begun with
+        for piece, special in pieces:
+            if piece:
+                out += self.tokenize(piece, add_bos=False, special=special)
+        return out
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 256, **kw) -> Iterator[str]:
         """Generates the assistant's reply to `messages` ([{"role", "content"}, ...]) with the
         model's chat template."""
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"chat: each message needs 'role' and 'content', got {m!r}")
-        text = self.apply_chat_template(messages)
-        bos = self._ctx.detokenize([self._ctx.bos_id], True) if self._ctx.bos_id >= 0 else None
-        add_bos = False if bos and text.startswith(bos) else None
-        ids = self.tokenize(text, add_bos=add_bos, special=True)
+        ids = self.apply_chat_template(messages, tokenize=True)
         return self.generate(ids, max_tokens=max_tokens, **kw)
