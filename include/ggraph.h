@@ -28,6 +28,7 @@ enum {
   GGRAPH_ERR_ARGUMENT = -2, /* bad token id, full context, bad option */
   GGRAPH_ERR_DEVICE = -3,   /* CUDA error, out of memory */
   GGRAPH_ERR_INTERNAL = -4,
+  GGRAPH_ERR_CANCELLED = -5, /* stopped by ggraph_cancel; the model is as it was */
 };
 
 typedef struct {
@@ -67,6 +68,10 @@ GGRAPH_API int ggraph_is_end_of_generation(const ggraph_model* model, int32_t to
  * (may be NULL). Returns GGRAPH_OK or an error code. */
 GGRAPH_API int ggraph_eval(ggraph_model* model, const int32_t* tokens, size_t n, float* logits);
 GGRAPH_API void ggraph_reset(ggraph_model* model);
+/* Stops the ggraph_eval in progress on model (from any thread, without waiting): a long input
+ * stops before its next chunk of tokens and that eval returns GGRAPH_ERR_CANCELLED with the
+ * model as it was. No effect when no eval is running. */
+GGRAPH_API void ggraph_cancel(ggraph_model* model);
 
 /* Samples from the last eval's logits, with the context's tokens as penalty history.
  * Returns the token id, or a negative error code. */

@@ -42,6 +42,9 @@ int guarded(ggraph_model* m, F&& fn) {
   } catch (const ggraph::DeviceError& e) {
     t_error = e.what();
     return GGRAPH_ERR_DEVICE;
+  } catch (const ggraph::Cancelled& e) {
+    t_error = e.what();
+    return GGRAPH_ERR_CANCELLED;
   } catch (const std::bad_alloc&) {
     t_error = "out of host memory";
     return GGRAPH_ERR_DEVICE;
@@ -148,6 +151,10 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
     if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
     return GGRAPH_OK;
   });
+}
+
+void ggraph_cancel(ggraph_model* m) {
+  if (m) m->ctx->cancel();  // lock-free: the eval in progress holds the mutex
 }
 
 void ggraph_reset(ggraph_model* m) {

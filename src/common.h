@@ -25,6 +25,12 @@ class DeviceError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Work stopped on request (a cancel flag, an interrupt): the call changed nothing.
+class Cancelled : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Overflow-checked multiply for sizes read from untrusted files.
 inline bool mul_overflows(uint64_t a, uint64_t b, uint64_t* out) {
   return __builtin_mul_overflow(a, b, out);

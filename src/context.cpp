@@ -120,7 +120,8 @@ void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_p
   model_->build(graph, b, kv_);
 }
 
-std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logits) {
+std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logits,
+                                 const std::function<bool()>& interrupted) {
   if (n == 0) throw ArgumentError("eval: the token list is empty");
   const int n_vocab = model_->n_vocab;
   for (size_t i = 0; i < n; ++i) {
@@ -135,7 +136,14 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
 
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
   int n_past = n_past_;
+  cancel_.store(false, std::memory_order_relaxed);
   for (size_t start = 0; start < n; start += n_batch_) {
+    // The cache rows the earlier chunks wrote lie past n_past_, which has not moved: stopping
+    // here leaves the context as it was.
+    if (start > 0 &&
+        (cancel_.exchange(false, std::memory_order_relaxed) || (interrupted && interrupted())))
+      throw Cancelled("eval: cancelled after " + std::to_string(start) + " of " +
+                      std::to_string(n) + " tokens; the context is unchanged");
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();

@@ -1,7 +1,9 @@
 // A loaded model with its KV cache and backend: what Model in Python and ggraph_model in C wrap.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,7 +41,14 @@ class Context {
   // Appends tokens to the context and returns logits: the last position's (n_vocab) or, with
   // all_logits, every position's (n_tokens x n_vocab). Throws ArgumentError, leaving the
   // context unchanged, for an empty list, an id outside [0, n_vocab) or a context overflow.
-  std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits);
+  // A long input runs in chunks of n_batch tokens; before each chunk after the first the eval
+  // stops, throwing Cancelled and leaving the context unchanged, if cancel() was called since it
+  // began or `interrupted` (when given) returns true.
+  std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits,
+                          const std::function<bool()>& interrupted = nullptr);
+  // Asks the eval in progress to stop at its next chunk; any thread may call it at any time
+  // (lock-free). An eval clears the request when it starts.
+  void cancel() { cancel_.store(true, std::memory_order_relaxed); }
   void reset() { n_past_ = 0; }
   // Forgets every position from n on (keeps the first n tokens of the cache).
   void rewind(int n) {
@@ -76,6 +85,7 @@ class Context {
   // new position, instead of building and planning again.
   std::unique_ptr<Graph> step_graph_;
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
+  std::atomic<bool> cancel_{false};
 };
 
 }  // namespace ggraph

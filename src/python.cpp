@@ -197,6 +197,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "ggraph engine (C++/CUDA)";
   static py::exception<GGUFError> gguf_error(m, "GGUFError", PyExc_ValueError);
   static py::exception<DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
+  static py::exception<Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -206,6 +207,8 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(device_error.ptr(), e.what());
     } catch (const ArgumentError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Cancelled& e) {
+      PyErr_SetString(cancelled.ptr(), e.what());
     }
   });
 
@@ -361,9 +364,20 @@ PYBIND11_MODULE(_core, m) {
           [](Context& c, const py::handle& tokens, bool all_logits) {
             std::vector<int32_t> ids = to_ids(tokens, "eval");
             std::vector<float> logits;
-            {
+            // Ctrl-C stops a long input between chunks: the pending signal's KeyboardInterrupt
+            // is raised, and the context is as it was.
+            bool interrupted = false;
+            auto check_signals = [&] {
+              py::gil_scoped_acquire acquire;
+              interrupted = PyErr_CheckSignals() != 0;
+              return interrupted;
+            };
+            try {
               py::gil_scoped_release release;
-              logits = c.eval(ids.data(), ids.size(), all_logits);
+              logits = c.eval(ids.data(), ids.size(), all_logits, check_signals);
+            } catch (const Cancelled&) {
+              if (interrupted) throw py::error_already_set();
+              throw;
             }
             const py::ssize_t n_vocab = c.n_vocab();
             auto* heap = new std::vector<float>(std::move(logits));
@@ -375,6 +389,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("tokens"), py::arg("all_logits") = false)
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
+      .def("cancel", &Context::cancel)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)
       .def_property_readonly("n_vocab", &Context::n_vocab)

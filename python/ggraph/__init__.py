@@ -5,13 +5,14 @@
 >>> for piece in m.generate("Once upon a time", max_tokens=32): print(piece, end="")
 """
 
-from ggraph._core import DeviceError, GGUFError, Tokenizer, build_info, devices
+from ggraph._core import Cancelled, DeviceError, GGUFError, Tokenizer, build_info, devices
 from ggraph._core import read_metadata as _read_metadata
 from ggraph.model import Model, default_model_path, make_sampler, sample
 
 __version__ = build_info()["version"]
 
 __all__ = [
+    "Cancelled",
     "DeviceError",
     "GGUFError",
     "Model",

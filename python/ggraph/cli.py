@@ -194,6 +194,10 @@ def main(argv=None):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C: the work stops where it was, without a traceback (130 = 128 + SIGINT).
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

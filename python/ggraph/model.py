@@ -268,6 +268,14 @@ class Model:
         """Writes the current CUDA graph as Graphviz DOT (cudaGraphDebugDotPrint)."""
         self._ctx.dump_cuda_graph(os.fspath(path))
 
+    def cancel(self) -> None:
+        """Stops the eval in progress (a long prompt) before its next chunk of n_batch tokens,
+        from any thread, without waiting for the model's lock; the stopped call raises
+        ggraph.Cancelled and changes nothing (Ctrl-C stops it the same way, raising
+        KeyboardInterrupt). A generation checks between tokens: break out of
+        it instead, or press Ctrl-C, which stops either."""
+        self._ctx.cancel()
+
     def reset(self) -> None:
         """Empties the context."""
         with self._lock:

@@ -186,3 +186,33 @@ def test_c_api_refuses_unknown_options(lib, tiny_model):
     bad_threads = Params(b"cpu", 32, 100000, b"patch")
     assert not lib.ggraph_load(tiny_model.encode(), ctypes.byref(bad_threads), err, 256)
     assert b"n_threads" in err.value and b"1024" in err.value
+
+
+def test_c_api_cancel_stops_a_long_input_from_another_thread(lib, smollm2):
+    lib.ggraph_cancel.argtypes = [ctypes.c_void_p]
+    m, err = _load(lib, smollm2, n_ctx=2048)
+    assert m, err
+    try:
+        assert lib.ggraph_eval(m, _ids([1, 2]), 2, None) == 0
+        done = threading.Event()
+
+        def canceller():
+            while not done.is_set():
+                lib.ggraph_cancel(m)
+                done.wait(0.01)
+
+        t = threading.Thread(target=canceller)
+        t.start()
+        try:
+            # 1500 tokens run as chunks of 512: the cancel lands before the second.
+            rc = lib.ggraph_eval(m, _ids([100 + i % 1000 for i in range(1500)]), 1500, None)
+        finally:
+            done.set()
+            t.join()
+        assert rc == -5  # GGRAPH_ERR_CANCELLED
+        assert b"cancelled" in lib.ggraph_last_error(m)
+        assert lib.ggraph_n_past(m) == 2
+        assert lib.ggraph_eval(m, _ids([3]), 1, None) == 0
+        assert lib.ggraph_n_past(m) == 3
+    finally:
+        lib.ggraph_free(m)

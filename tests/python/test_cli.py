@@ -97,3 +97,22 @@ def test_bench_prints_a_table(tiny_model):
     r = ggraph_cmd("bench", "-m", tiny_model, "-p", "16", "-n", "8", "-r", "2", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "pp16" in r.stdout and "tg8" in r.stdout and "t/s" in r.stdout
+
+
+def test_ctrl_c_stops_generation_without_a_traceback(smollm2):
+    import signal
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ggraph", "generate", "-n", "1900", "--device", "cpu", "Once"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # Wait for the first piece of text: the model is loaded and generating.
+    first = p.stdout.read(1)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert first and p.returncode == 130, err
+    assert "Traceback" not in err

@@ -3,6 +3,8 @@ a newer generation invalidates, and state that a refused call leaves exactly as 
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -171,3 +173,56 @@ def test_eval_in_a_forked_child(tiny_model):
         pytest.fail("eval in the forked child hung")
     assert os.waitstatus_to_exitcode(status) == 0
     assert m.n_past == 3 and parent.shape == (m.n_vocab,)  # the parent's model is untouched
+
+
+def _evaluate_while_cancelling(m, ids):
+    done = threading.Event()
+
+    def canceller():
+        while not done.is_set():
+            m.cancel()
+
+    t = threading.Thread(target=canceller)
+    t.start()
+    try:
+        return m.eval(ids)
+    finally:
+        done.set()
+        t.join()
+
+
+def test_cancel_from_another_thread_stops_a_long_input_and_changes_nothing(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=2048, n_batch=1)
+    m.eval([1, 2])
+    before = _state(m)
+    with pytest.raises(ggraph.Cancelled, match="context is unchanged"):
+        _evaluate_while_cancelling(m, [3 + i % 50 for i in range(1500)])
+    _same_state(_state(m), before)
+    ref = ggraph.Model(tiny_model, device="cpu", n_ctx=2048).eval([1, 2, 9])
+    np.testing.assert_allclose(m.eval([9]), ref, rtol=1e-4, atol=1e-4)
+
+
+CTRL_C = """
+import os, signal, threading, ggraph
+m = ggraph.Model({path!r}, device="cpu", n_ctx=4096, n_batch=1)
+threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    m.eval([3 + i % 50 for i in range(4000)])
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted", m.n_past, len(m.eval([1, 2])))
+"""
+
+
+def test_ctrl_c_stops_a_long_input_and_leaves_the_model_usable(tiny_model):
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C.format(path=tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    # 4000 one-token chunks take seconds; the signal comes after 0.1 s.
+    n_vocab = ggraph.Model(tiny_model).n_vocab
+    assert out.stdout.split() == ["interrupted", "0", str(n_vocab)]
