@@ -159,8 +159,18 @@ def _add_model_args(p, sampling=True):
         p.add_argument("--seed", type=int, default=None)
 
 
+def _version() -> str:
+    from ggraph import build_info
+
+    info = build_info()
+    archs = ", ".join(f"sm_{a}" for a in info.get("cuda_archs", []))
+    cuda = f"CUDA for {archs}" if info.get("cuda_compiled") else "CPU only"
+    return f"{info['version']} ({cuda})"
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="ggraph", description="GGUF language models on GPU and CPU")
+    p.add_argument("--version", action="version", version=f"ggraph {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     _add_model_args(g)

@@ -116,3 +116,11 @@ def test_ctrl_c_stops_generation_without_a_traceback(smollm2):
     out, err = p.communicate(timeout=120)
     assert first and p.returncode == 130, err
     assert "Traceback" not in err
+
+
+def test_version():
+    import ggraph
+
+    r = ggraph_cmd("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"ggraph {ggraph.__version__} (")
