@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -198,17 +199,25 @@ PYBIND11_MODULE(_core, m) {
   static py::exception<GGUFError> gguf_error(m, "GGUFError", PyExc_ValueError);
   static py::exception<DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
   static py::exception<Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
+  // Messages may quote bytes from the file that are not UTF-8: they are decoded with
+  // backslash escapes, so that an error is always its own type with a readable message.
   py::register_exception_translator([](std::exception_ptr p) {
+    auto set = [](PyObject* type, const char* msg) {
+      PyObject* text = PyUnicode_DecodeUTF8(msg, Py_ssize_t(std::strlen(msg)), "backslashreplace");
+      if (!text) return;  // the decode's own error stands
+      PyErr_SetObject(type, text);
+      Py_DECREF(text);
+    };
     try {
       if (p) std::rethrow_exception(p);
     } catch (const GGUFError& e) {
-      PyErr_SetString(gguf_error.ptr(), e.what());
+      set(gguf_error.ptr(), e.what());
     } catch (const DeviceError& e) {
-      PyErr_SetString(device_error.ptr(), e.what());
+      set(device_error.ptr(), e.what());
     } catch (const ArgumentError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set(PyExc_ValueError, e.what());
     } catch (const Cancelled& e) {
-      PyErr_SetString(cancelled.ptr(), e.what());
+      set(cancelled.ptr(), e.what());
     }
   });
 
