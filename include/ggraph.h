@@ -86,6 +86,65 @@ GGRAPH_API int32_t ggraph_tokenize(ggraph_model* model, const char* text, size_t
 GGRAPH_API int32_t ggraph_token_to_piece(ggraph_model* model, int32_t token, char* buf,
                                          int32_t size);
 
+/* ---- Generation ---------------------------------------------------------------------------
+ * The whole loop in the library: the prompt's prefill (reusing the prefix the context already
+ * holds), then per token: sampling, end of generation, stop strings, UTF-8 text as it becomes
+ * whole. Set .size to sizeof(ggraph_generate_params) (ggraph_default_generate_params does): a
+ * later version may add fields at the end and reads only what the caller's size covers. */
+typedef struct {
+  size_t size;
+  int32_t max_tokens;      /* >= 0 */
+  float temperature;       /* 0 = greedy */
+  int32_t top_k;           /* 0 = off */
+  float top_p;             /* 1 = off */
+  float min_p;             /* 0 = off */
+  float repeat_penalty;    /* 1 = off */
+  float frequency_penalty; /* 0 = off */
+  float presence_penalty;  /* 0 = off */
+  int32_t penalty_last_n;  /* -1 = the whole context, 0 = off */
+  uint64_t seed;           /* UINT64_MAX = a fresh random seed */
+  const char* const* stop; /* n_stop non-empty NUL-terminated strings, or NULL */
+  size_t n_stop;
+  int32_t top_logprobs; /* 0 to 20 alternatives passed to the callback each step */
+} ggraph_generate_params;
+
+typedef struct {
+  int32_t token;
+  float logprob;
+} ggraph_token_logprob;
+
+/* Called for every step: `text` (len bytes, not NUL-terminated, often empty while text is held
+ * back) became final; `token` was sampled (-1 for a last call that only flushes text), with its
+ * log-probability under the model's logits and the n_top most likely tokens. Return 0 to go on,
+ * anything else to stop (ggraph_generate then returns GGRAPH_STOP_CALLBACK). */
+typedef int (*ggraph_step_fn)(const char* text, size_t len, int32_t token, float logprob,
+                              const ggraph_token_logprob* top, int32_t n_top, void* user);
+
+enum {
+  GGRAPH_STOP_EOS = 1,          /* an end-of-generation token */
+  GGRAPH_STOP_STRING = 2,       /* a stop string (not passed to the callback) */
+  GGRAPH_STOP_LENGTH = 3,       /* max_tokens */
+  GGRAPH_STOP_CONTEXT_FULL = 4, /* the context is full */
+  GGRAPH_STOP_CANCELLED = 5,    /* ggraph_cancel */
+  GGRAPH_STOP_CALLBACK = 6,     /* the callback returned non-zero */
+};
+
+GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
+/* Generates a continuation of the n prompt tokens. Returns a GGRAPH_STOP_* reason (> 0) or a
+ * negative error code; a refused call (bad ids or parameters, a prompt that does not fit) leaves
+ * the model as it was. ggraph_cancel from another thread stops it at the next token. */
+GGRAPH_API int ggraph_generate(ggraph_model* model, const int32_t* prompt, size_t n,
+                               const ggraph_generate_params* params, ggraph_step_fn on_step,
+                               void* user);
+
+/* Writes the text of n tokens (special tokens rendered when render_special) to buf when it
+ * fits in size bytes; returns the text's length in bytes (call again with a larger buffer if it
+ * exceeds size), or a negative error code. Not NUL-terminated. */
+GGRAPH_API int32_t ggraph_detokenize(ggraph_model* model, const int32_t* tokens, size_t n,
+                                     int render_special, char* buf, int32_t size);
+/* Keeps the first n_keep tokens of the context and forgets the rest. */
+GGRAPH_API int ggraph_rewind(ggraph_model* model, int32_t n_keep);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,6 @@
 // The C API: a thin shell over Context that turns exceptions into error codes. Calls on one
 // model are serialized by its mutex; the last error is per thread.
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -8,13 +9,13 @@
 #include <vector>
 
 #include "context.h"
+#include "generation.h"
 #include "ggraph.h"
 #include "sampling.h"
 
 struct ggraph_model {
   std::unique_ptr<ggraph::Context> ctx;
   std::vector<float> logits;
-  std::vector<int32_t> history;
   mutable std::mutex mutex;  // held by every call on the model
 };
 
@@ -146,8 +147,8 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
       throw ggraph::ArgumentError(
           "ggraph_eval: " + std::to_string(n) + " tokens do not fit: the context holds " +
           std::to_string(m->ctx->n_ctx()) + " and has " + std::to_string(room) + " left");
+    m->ctx->clear_cancel();
     m->logits = m->ctx->eval(tokens, n, false);
-    m->history.insert(m->history.end(), tokens, tokens + n);
     if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
     return GGRAPH_OK;
   });
@@ -161,7 +162,6 @@ void ggraph_reset(ggraph_model* m) {
   if (!m) return;
   std::lock_guard<std::mutex> lock(m->mutex);
   m->ctx->reset();
-  m->history.clear();
   m->logits.clear();
 }
 
@@ -178,8 +178,9 @@ int32_t ggraph_sample(ggraph_model* m, const ggraph_sampling* s) {
     p.seed = in.seed;
     ggraph::validate(p);
     ggraph::Sampler sampler(p);
-    return int(sampler.sample(m->logits.data(), int32_t(m->logits.size()), m->history.data(),
-                              m->history.size()));
+    const std::vector<int32_t>& history = m->ctx->tokens();
+    return int(sampler.sample(m->logits.data(), int32_t(m->logits.size()), history.data(),
+                              history.size()));
   });
 }
 
@@ -212,6 +213,120 @@ int32_t ggraph_token_to_piece(ggraph_model* m, int32_t token, char* buf, int32_t
     const std::string piece = tok.token_to_piece(token);
     if (buf && int64_t(piece.size()) <= size) std::memcpy(buf, piece.data(), piece.size());
     return int(piece.size());
+  });
+}
+
+ggraph_generate_params ggraph_default_generate_params(void) {
+  const ggraph::SamplingParams p;
+  ggraph_generate_params g{};
+  g.size = sizeof(ggraph_generate_params);
+  g.max_tokens = 128;
+  g.temperature = p.temperature;
+  g.top_k = p.top_k;
+  g.top_p = p.top_p;
+  g.min_p = p.min_p;
+  g.repeat_penalty = p.repeat_penalty;
+  g.frequency_penalty = p.frequency_penalty;
+  g.presence_penalty = p.presence_penalty;
+  g.penalty_last_n = p.penalty_last_n;
+  g.seed = p.seed;
+  return g;
+}
+
+int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
+                    const ggraph_generate_params* params, ggraph_step_fn on_step, void* user) {
+  return guarded(m, [&] {
+    if (!prompt && n) throw ggraph::ArgumentError("ggraph_generate: prompt is NULL");
+    if (n > size_t(m->ctx->n_ctx()))
+      throw ggraph::ArgumentError("ggraph_generate: a prompt of " + std::to_string(n) +
+                                  " tokens; the context holds " + std::to_string(m->ctx->n_ctx()));
+    // The caller's struct may be older (smaller) than this one: read what it has.
+    ggraph_generate_params in = ggraph_default_generate_params();
+    if (params) {
+      if (params->size < offsetof(ggraph_generate_params, max_tokens) + sizeof(int32_t) ||
+          params->size > sizeof(ggraph_generate_params))
+        throw ggraph::ArgumentError("ggraph_generate: params->size " +
+                                    std::to_string(params->size) +
+                                    " is not a size this "
+                                    "library knows (at most " +
+                                    std::to_string(sizeof(ggraph_generate_params)) + ")");
+      std::memcpy(&in, params, params->size);
+    }
+    ggraph::GenerateOptions o;
+    o.max_tokens = in.max_tokens;
+    o.sampling.temperature = in.temperature;
+    o.sampling.top_k = in.top_k;
+    o.sampling.top_p = in.top_p;
+    o.sampling.min_p = in.min_p;
+    o.sampling.repeat_penalty = in.repeat_penalty;
+    o.sampling.frequency_penalty = in.frequency_penalty;
+    o.sampling.presence_penalty = in.presence_penalty;
+    o.sampling.penalty_last_n = in.penalty_last_n;
+    o.sampling.seed = in.seed;
+    o.top_logprobs = in.top_logprobs;
+    if (in.n_stop && !in.stop) throw ggraph::ArgumentError("ggraph_generate: stop is NULL");
+    for (size_t i = 0; i < in.n_stop; ++i) {
+      if (!in.stop[i]) throw ggraph::ArgumentError("ggraph_generate: stop string is NULL");
+      o.stop.emplace_back(in.stop[i]);
+    }
+    ggraph::Generation gen(*m->ctx, std::vector<int32_t>(prompt, prompt + n), std::move(o));
+    std::string text;
+    ggraph::GeneratedToken tok;
+    std::vector<ggraph_token_logprob> top;
+    while (gen.next(&text, &tok)) {
+      top.clear();
+      for (const auto& t : tok.top) top.push_back({t.first, t.second});
+      if (on_step && on_step(text.data(), text.size(), tok.id, tok.logprob, top.data(),
+                             int32_t(top.size()), user) != 0)
+        return int(GGRAPH_STOP_CALLBACK);
+    }
+    m->logits.clear();  // the last eval's logits are the generation's own
+    switch (gen.stop_reason()) {
+      case ggraph::StopReason::kEos:
+        return int(GGRAPH_STOP_EOS);
+      case ggraph::StopReason::kStop:
+        return int(GGRAPH_STOP_STRING);
+      case ggraph::StopReason::kLength:
+        return int(GGRAPH_STOP_LENGTH);
+      case ggraph::StopReason::kContextFull:
+        return int(GGRAPH_STOP_CONTEXT_FULL);
+      case ggraph::StopReason::kCancelled:
+        return int(GGRAPH_STOP_CANCELLED);
+      case ggraph::StopReason::kNone:
+        break;
+    }
+    throw std::logic_error("ggraph_generate: ended without a reason");
+  });
+}
+
+int32_t ggraph_detokenize(ggraph_model* m, const int32_t* tokens, size_t n, int render_special,
+                          char* buf, int32_t size) {
+  return guarded(m, [&] {
+    if (!tokens && n) throw ggraph::ArgumentError("ggraph_detokenize: tokens is NULL");
+    if (size < 0)
+      throw ggraph::ArgumentError("ggraph_detokenize: size must be >= 0, got " +
+                                  std::to_string(size));
+    const auto& tok = m->ctx->tokenizer();
+    for (size_t i = 0; i < n; ++i) {
+      if (tokens[i] < 0 || tokens[i] >= tok.n_vocab())
+        throw ggraph::ArgumentError("ggraph_detokenize: token id " + std::to_string(tokens[i]) +
+                                    " at index " + std::to_string(i) + " is outside [0, " +
+                                    std::to_string(tok.n_vocab()) + ")");
+    }
+    const std::string text =
+        tok.detokenize(std::vector<int32_t>(tokens, tokens + n), render_special != 0);
+    if (text.size() > size_t(INT32_MAX))
+      throw ggraph::ArgumentError("ggraph_detokenize: the text exceeds 2 GiB");
+    if (buf && int64_t(text.size()) <= size) std::memcpy(buf, text.data(), text.size());
+    return int(text.size());
+  });
+}
+
+int ggraph_rewind(ggraph_model* m, int32_t n_keep) {
+  return guarded(m, [&] {
+    m->ctx->rewind(n_keep);
+    m->logits.clear();
+    return GGRAPH_OK;
   });
 }
 

@@ -136,7 +136,6 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
 
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
   int n_past = n_past_;
-  cancel_.store(false, std::memory_order_relaxed);
   for (size_t start = 0; start < n; start += n_batch_) {
     // The cache rows the earlier chunks wrote lie past n_past_, which has not moved: stopping
     // here leaves the context as it was.
@@ -170,6 +169,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     n_past += chunk;
   }
   n_past_ = n_past;  // only once every chunk has run: a failure leaves the context as it was
+  tokens_.insert(tokens_.end(), tokens, tokens + n);
   return logits;
 }
 

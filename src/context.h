@@ -42,21 +42,30 @@ class Context {
   // all_logits, every position's (n_tokens x n_vocab). Throws ArgumentError, leaving the
   // context unchanged, for an empty list, an id outside [0, n_vocab) or a context overflow.
   // A long input runs in chunks of n_batch tokens; before each chunk after the first the eval
-  // stops, throwing Cancelled and leaving the context unchanged, if cancel() was called since it
-  // began or `interrupted` (when given) returns true.
+  // stops, throwing Cancelled and leaving the context unchanged, if cancel() was called (and not
+  // cleared) or `interrupted` (when given) returns true.
   std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits,
                           const std::function<bool()>& interrupted = nullptr);
-  // Asks the eval in progress to stop at its next chunk; any thread may call it at any time
-  // (lock-free). An eval clears the request when it starts.
+  // Asks the operation in progress (an eval: at its next chunk; a Generation: at its next
+  // step) to stop; any thread may call it at any time (lock-free). Callers clear a stale
+  // request when an operation starts (clear_cancel); take_cancel consumes a pending one.
   void cancel() { cancel_.store(true, std::memory_order_relaxed); }
-  void reset() { n_past_ = 0; }
+  void clear_cancel() { cancel_.store(false, std::memory_order_relaxed); }
+  bool take_cancel() { return cancel_.exchange(false, std::memory_order_relaxed); }
+  void reset() {
+    n_past_ = 0;
+    tokens_.clear();
+  }
   // Forgets every position from n on (keeps the first n tokens of the cache).
   void rewind(int n) {
     if (n < 0 || n > n_past_)
       throw ArgumentError("rewind: expected a position in [0, " + std::to_string(n_past_) +
                           "], got " + std::to_string(n));
     n_past_ = n;
+    tokens_.resize(size_t(n));
   }
+  // The tokens the KV cache holds, in order (n_past of them).
+  const std::vector<int32_t>& tokens() const { return tokens_; }
 
   int n_past() const { return n_past_; }
   int n_ctx() const { return n_ctx_; }
@@ -86,6 +95,7 @@ class Context {
   std::unique_ptr<Graph> step_graph_;
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
   std::atomic<bool> cancel_{false};
+  std::vector<int32_t> tokens_;
 };
 
 }  // namespace ggraph

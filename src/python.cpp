@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "context.h"
+#include "generation.h"
 #include "quant.h"
 #include "sampling.h"
 #include "tokenizer.h"
@@ -351,6 +352,52 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
 
+  // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
+  // for each step, None once the generation is over.
+  py::class_<Generation>(m, "Generation")
+      .def(py::init([](Context& c, std::vector<int32_t> prompt, int max_tokens,
+                       std::vector<std::string> stop, int top_logprobs, const py::kwargs& kw) {
+             GenerateOptions o;
+             o.max_tokens = max_tokens;
+             o.stop = std::move(stop);
+             o.top_logprobs = top_logprobs;
+             o.sampling = sampling_params(kw, "generate");
+             return std::make_unique<Generation>(c, std::move(prompt), std::move(o));
+           }),
+           py::keep_alive<1, 2>(), py::arg("context"), py::arg("prompt"),
+           py::arg("max_tokens") = 128, py::arg("stop") = std::vector<std::string>{},
+           py::arg("top_logprobs") = 0)
+      .def("next",
+           [](Generation& g) -> py::object {
+             std::string text;
+             GeneratedToken tok;
+             bool more = false;
+             bool interrupted = false;
+             auto check_signals = [&] {
+               py::gil_scoped_acquire acquire;
+               interrupted = PyErr_CheckSignals() != 0;
+               return interrupted;
+             };
+             try {
+               py::gil_scoped_release release;
+               more = g.next(&text, &tok, check_signals);
+             } catch (const Cancelled&) {
+               if (interrupted) throw py::error_already_set();
+               throw;
+             }
+             if (!more) return py::none();
+             py::list top;
+             for (const auto& t : tok.top) top.append(py::make_tuple(t.first, t.second));
+             return py::make_tuple(utf8(text), tok.id, tok.logprob, top);
+           })
+      .def_property_readonly("stop_reason",
+                             [](const Generation& g) -> py::object {
+                               const char* r = stop_reason_name(g.stop_reason());
+                               if (*r == 0) return py::none();
+                               return py::str(r);
+                             })
+      .def_property_readonly("n_generated", &Generation::n_generated);
+
   py::class_<Context> context(m, "Context");
   context
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
@@ -381,6 +428,7 @@ PYBIND11_MODULE(_core, m) {
               interrupted = PyErr_CheckSignals() != 0;
               return interrupted;
             };
+            c.clear_cancel();
             try {
               py::gil_scoped_release release;
               logits = c.eval(ids.data(), ids.size(), all_logits, check_signals);
@@ -398,6 +446,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("tokens"), py::arg("all_logits") = false)
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
+      .def_property_readonly("tokens", [](const Context& c) { return c.tokens(); })
       .def("cancel", &Context::cancel)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)

@@ -7,7 +7,7 @@
 
 from ggraph._core import Cancelled, DeviceError, GGUFError, Tokenizer, build_info, devices
 from ggraph._core import read_metadata as _read_metadata
-from ggraph.model import Model, default_model_path, make_sampler, sample
+from ggraph.model import GeneratedToken, Model, default_model_path, make_sampler, sample
 
 __version__ = build_info()["version"]
 
@@ -15,6 +15,7 @@ __all__ = [
     "Cancelled",
     "DeviceError",
     "GGUFError",
+    "GeneratedToken",
     "Model",
     "make_sampler",
     "Tokenizer",

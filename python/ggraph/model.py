@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import os
 import threading
@@ -186,6 +187,16 @@ def render_chat_template(template: str, messages: list, **variables) -> str:
         raise ValueError(f"chat template: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class GeneratedToken:
+    """One step of Model.generate(..., logprobs=N)."""
+
+    token: int  # -1 for the last item when it only carries held-back text
+    text: str
+    logprob: float | None
+    top: list  # [(token id, logprob), ...], most likely first
+
+
 class Model:
     """A GGUF model loaded with its KV cache on a device.
 
@@ -221,7 +232,6 @@ class Model:
             cuda_graphs=cuda_graphs,
             cuda_graph_debug=debug,
         )
-        self._tokens: list[int] = []  # what the KV cache holds
         self._last_logits: np.ndarray | None = None
         # Calls on one model are serialized: each public call holds the lock while it reads or
         # changes the context (C++ work runs without the GIL, so other threads may call in).
@@ -281,7 +291,6 @@ class Model:
         with self._lock:
             self._epoch += 1
             self._ctx.reset()
-            self._tokens = []
             self._last_logits = None
 
     def __repr__(self) -> str:
@@ -321,7 +330,6 @@ class Model:
     def _eval(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
         # Holding the lock. The context refuses a bad call before it changes anything.
         logits = self._ctx.eval(ids, all_logits)
-        self._tokens.extend(ids)
         self._last_logits = logits if not all_logits else logits[-1]
         return logits
 
@@ -336,7 +344,7 @@ class Model:
                 if self._last_logits is None:
                     raise ValueError("sample: no logits yet; call eval first or pass logits")
                 logits = self._last_logits
-            history = list(self._tokens)
+            history = self._ctx.tokens
         return _core.sample(np.asarray(logits, dtype=np.float32), history=history, **params)
 
     # -- text --------------------------------------------------------------------------------
@@ -355,20 +363,10 @@ class Model:
             md.get("general.architecture")
         )
 
-    def _prefill(self, ids: list[int]) -> None:
-        """Evaluates ids, reusing whatever prefix the KV cache already holds (holding the
-        lock)."""
-        common = 0
-        for a, b in zip(self._tokens, ids):
-            if a != b:
-                break
-            common += 1
-        if common == len(ids):  # the whole prompt is cached: recompute its last position
-            common -= 1
-        if common < len(self._tokens):
-            self._ctx.rewind(common)
-            del self._tokens[common:]
-        self._eval(ids[common:])
+    @property
+    def _tokens(self) -> list[int]:
+        """The tokens the KV cache holds, in order."""
+        return self._ctx.tokens
 
     def generate(
         self,
@@ -377,33 +375,38 @@ class Model:
         stop: Sequence[str] | str | None = None,
         add_bos: bool | None = None,
         special: bool = False,
+        logprobs: int | None = None,
         **sampling,
-    ) -> Iterator[str]:
+    ) -> Iterator:
         """Yields text pieces of the continuation of `prompt` (text or token ids). Stops at an
         end-of-generation token, a stop string, max_tokens, or a full context; the reason is
-        left in `stop_reason` ("eos", "stop", "length" or "context_full")."""
+        left in `stop_reason` ("eos", "stop", "length" or "context_full").
+
+        With logprobs=N (0 to 20) it yields a GeneratedToken per sampled token instead: the
+        token id, the text that became final with it (held-back text arrives with a later
+        token; the last item may carry text and no token), its log-probability under the
+        model's logits, and the N most likely tokens with theirs."""
         _check_keys(sampling)
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_bos, special)
         else:
             ids = self._token_ids(prompt, "generate")
-        if not ids:
-            raise ValueError("generate: the prompt is empty")
-        if len(ids) >= self.n_ctx:
-            raise ValueError(
-                f"generate: the prompt has {len(ids)} tokens; the context holds {self.n_ctx}"
-            )
-        sampler = make_sampler(**sampling)
+        # The generation checks its prompt and options before anything changes (the prefill
+        # waits for the first step).
+        gen = _core.Generation(
+            self._ctx,
+            ids,
+            max_tokens=max_tokens,
+            stop=stops,
+            top_logprobs=logprobs or 0,
+            **sampling,
+        )
         # Starting a generation invalidates the generators before it.
         with self._lock:
             self._epoch += 1
             epoch = self._epoch
-        return self._generate(ids, max_tokens, stops, sampler, epoch)
+        return self._generate(gen, epoch, logprobs is not None)
 
     @contextlib.contextmanager
     def _step(self, epoch: int):
@@ -417,44 +420,23 @@ class Model:
                 )
             yield
 
-    def _generate(self, ids, max_tokens, stops, sampler, epoch) -> Iterator[str]:
+    def _generate(self, gen, epoch: int, detailed: bool) -> Iterator:
         with self._step(epoch):
             self.stop_reason = None
             self.n_generated = 0
-            self._prefill(ids)
-        decoder = self._ctx.decode_stream()
-        pending = ""  # text held back while it could be the start of a stop string
-        hold = max((len(s) for s in stops), default=1) - 1
-        for n in range(max_tokens + 1):
-            if n == max_tokens:
-                self.stop_reason = "length"
-                break
+        while True:
             with self._step(epoch):
-                tok = sampler.sample(self._last_logits, self._tokens)
-            self.n_generated += 1
-            if self._ctx.is_end_of_generation(tok):
-                self.stop_reason = "eos"
-                break
-            pending += decoder.push(tok)
-            if stops:
-                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    if pending[:cut]:
-                        yield pending[:cut]
-                    self.stop_reason = "stop"
-                    pending = ""
-                    break
-            if len(pending) > hold:
-                yield pending[: len(pending) - hold] if hold else pending
-                pending = pending[len(pending) - hold :] if hold else ""
-            with self._step(epoch):
-                if self.n_past >= self.n_ctx:
-                    self.stop_reason = "context_full"
-                    break
-                self._eval([tok])
-        tail = pending + (decoder.flush() if self.stop_reason != "stop" else "")
-        if tail:
-            yield tail
+                step = gen.next()
+                self.n_generated = gen.n_generated
+                self.stop_reason = gen.stop_reason
+            if step is None:
+                return
+            text, token, logprob, top = step
+            if detailed:
+                if token >= 0 or text:
+                    yield GeneratedToken(token, text, logprob if token >= 0 else None, top)
+            elif text:
+                yield text
 
     def apply_chat_template(
         self, messages: Sequence[dict], add_generation_prompt=True, tokenize: bool = False

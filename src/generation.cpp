@@ -1,0 +1,155 @@
+#include "generation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace ggraph {
+
+const char* stop_reason_name(StopReason r) {
+  switch (r) {
+    case StopReason::kEos:
+      return "eos";
+    case StopReason::kStop:
+      return "stop";
+    case StopReason::kLength:
+      return "length";
+    case StopReason::kContextFull:
+      return "context_full";
+    case StopReason::kCancelled:
+      return "cancelled";
+    case StopReason::kNone:
+      break;
+  }
+  return "";
+}
+
+namespace {
+
+// The length of s's longest prefix that ends on a UTF-8 character boundary at or before n.
+size_t utf8_boundary(const std::string& s, size_t n) {
+  while (n > 0 && n < s.size() && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return n;
+}
+
+// log-softmax of the logits at `id`, and the `top` largest with theirs.
+void logprobs(const std::vector<float>& logits, int32_t id, int top, GeneratedToken* out) {
+  float max = -INFINITY;
+  for (float v : logits)
+    if (v > max) max = v;
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(double(v) - max);
+  const double log_z = double(max) + std::log(sum);
+  out->logprob = float(double(logits[size_t(id)]) - log_z);
+  out->top.clear();
+  if (top <= 0) return;
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  const size_t k = std::min(order.size(), size_t(top));
+  std::partial_sort(order.begin(), order.begin() + long(k), order.end(), [&](int32_t a, int32_t b) {
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  });
+  for (size_t i = 0; i < k; ++i)
+    out->top.emplace_back(order[i], float(double(logits[size_t(order[i])]) - log_z));
+}
+
+}  // namespace
+
+Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOptions options)
+    : ctx_(ctx),
+      prompt_(std::move(prompt)),
+      opt_(std::move(options)),
+      sampler_(opt_.sampling),
+      decoder_(ctx.tokenizer()) {
+  if (prompt_.empty()) throw ArgumentError("generate: the prompt is empty");
+  for (size_t i = 0; i < prompt_.size(); ++i) {
+    if (prompt_[i] < 0 || prompt_[i] >= ctx.n_vocab())
+      throw ArgumentError("generate: token id " + std::to_string(prompt_[i]) + " at position " +
+                          std::to_string(i) + " is outside the vocabulary [0, " +
+                          std::to_string(ctx.n_vocab()) + ")");
+  }
+  if (prompt_.size() >= size_t(ctx.n_ctx()))
+    throw ArgumentError("generate: the prompt has " + std::to_string(prompt_.size()) +
+                        " tokens; the context holds " + std::to_string(ctx.n_ctx()));
+  if (opt_.max_tokens < 0)
+    throw ArgumentError("generate: max_tokens must be >= 0, got " +
+                        std::to_string(opt_.max_tokens));
+  if (opt_.top_logprobs < 0 || opt_.top_logprobs > kMaxTopLogprobs)
+    throw ArgumentError("generate: top_logprobs must be 0 to " + std::to_string(kMaxTopLogprobs) +
+                        ", got " + std::to_string(opt_.top_logprobs));
+  for (const std::string& s : opt_.stop) {
+    if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
+    hold_ = std::max(hold_, s.size() - 1);
+  }
+  ctx_.clear_cancel();
+}
+
+void Generation::finish(StopReason reason, std::string* text) {
+  reason_ = reason;
+  over_ = true;
+  *text += pending_;
+  if (reason != StopReason::kStop) *text += decoder_.flush();
+  pending_.clear();
+}
+
+bool Generation::next(std::string* text, GeneratedToken* token,
+                      const std::function<bool()>& interrupted) {
+  text->clear();
+  if (token) token->id = -1;
+  if (over_) return false;
+  if (!started_) {
+    // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
+    const std::vector<int32_t>& cached = ctx_.tokens();
+    size_t common = 0;
+    while (common < cached.size() && common < prompt_.size() && cached[common] == prompt_[common])
+      ++common;
+    if (common == prompt_.size()) --common;
+    if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
+    logits_ = ctx_.eval(prompt_.data() + common, prompt_.size() - common, false, interrupted);
+    started_ = true;
+  }
+  if (ctx_.take_cancel()) {
+    finish(StopReason::kCancelled, text);
+    return true;
+  }
+  if (n_generated_ == opt_.max_tokens) {
+    finish(StopReason::kLength, text);
+    return true;
+  }
+  const std::vector<int32_t>& history = ctx_.tokens();
+  const int32_t tok =
+      sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+  ++n_generated_;
+  if (token) {
+    token->id = tok;
+    logprobs(logits_, tok, opt_.top_logprobs, token);
+  }
+  if (ctx_.tokenizer().is_end_of_generation(tok)) {
+    finish(StopReason::kEos, text);
+    return true;
+  }
+  pending_ += decoder_.push(tok);
+  size_t stop_at = std::string::npos;
+  for (const std::string& s : opt_.stop) stop_at = std::min(stop_at, pending_.find(s));
+  if (stop_at != std::string::npos) {
+    pending_.resize(stop_at);  // the text before the first stop string found
+    finish(StopReason::kStop, text);
+    return true;
+  }
+  if (pending_.size() > hold_) {
+    const size_t cut = utf8_boundary(pending_, pending_.size() - hold_);
+    *text = pending_.substr(0, cut);
+    pending_.erase(0, cut);
+  }
+  if (ctx_.n_past() >= ctx_.n_ctx()) {
+    std::string tail;
+    finish(StopReason::kContextFull, &tail);
+    *text += tail;
+    return true;
+  }
+  logits_ = ctx_.eval(&tok, 1, false);
+  return true;
+}
+
+}  // namespace ggraph

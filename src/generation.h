@@ -1,0 +1,76 @@
+// The generation loop, shared by Python's Model.generate and the C API's ggraph_generate: the
+// prompt's prefill (reusing the prefix the KV cache already holds), then a token at a time:
+// sample, check for the end of generation, decode the text as it becomes whole UTF-8, hold back
+// what could begin a stop string, evaluate.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "context.h"
+#include "sampling.h"
+#include "tokenizer.h"
+
+namespace ggraph {
+
+// The most alternatives a step reports with their log-probabilities.
+constexpr int kMaxTopLogprobs = 20;
+
+struct GenerateOptions {
+  int max_tokens = 128;           // >= 0
+  std::vector<std::string> stop;  // non-empty strings; the text ends before the first found
+  SamplingParams sampling;
+  int top_logprobs = 0;  // 0 to kMaxTopLogprobs alternatives a step
+};
+
+enum class StopReason { kNone, kEos, kStop, kLength, kContextFull, kCancelled };
+// "eos", "stop", "length", "context_full", "cancelled"; "" for none.
+const char* stop_reason_name(StopReason r);
+
+// A sampled token with its log-probability under the raw logits (before penalties and
+// temperature) and, when asked for, the most likely alternatives, descending.
+struct GeneratedToken {
+  int32_t id = -1;
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+class Generation {
+ public:
+  // Checks everything before the context changes: ids in range, a prompt that is non-empty and
+  // leaves room in the context, the options. The prefill runs at the first next(). Clears a
+  // stale cancel request: Context::cancel() from then on stops the generation at its next step
+  // (stop reason kCancelled), or a long prefill between chunks (Cancelled is thrown; the
+  // context keeps the prefix it shares with the prompt).
+  Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOptions options);
+
+  // One step: at most one token. Returns false once the generation is over and its text all
+  // given; otherwise true, with the text that became final (often empty: held back or not yet
+  // whole UTF-8) and, when the step sampled one, the token in *token (token->id -1 otherwise).
+  // `interrupted` (when given) may stop a long prefill between chunks (Context::eval).
+  bool next(std::string* text, GeneratedToken* token = nullptr,
+            const std::function<bool()>& interrupted = nullptr);
+
+  StopReason stop_reason() const { return reason_; }
+  int n_generated() const { return n_generated_; }
+
+ private:
+  void finish(StopReason reason, std::string* text);
+
+  Context& ctx_;
+  std::vector<int32_t> prompt_;
+  GenerateOptions opt_;
+  Sampler sampler_;
+  StreamDecoder decoder_;
+  std::vector<float> logits_;
+  std::string pending_;  // decoded text held back while it could begin a stop string
+  size_t hold_ = 0;      // bytes held back: the longest stop string's, less one
+  bool started_ = false, over_ = false;
+  StopReason reason_ = StopReason::kNone;
+  int n_generated_ = 0;
+};
+
+}  // namespace ggraph

@@ -1,0 +1,195 @@
+"""The generation loop in the core: logprobs, cancellation, and the C API's ggraph_generate, each
+against an independent computation (numpy over evaluated logits; the Python API)."""
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+import ggraph
+
+
+def _log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def test_logprobs_are_those_of_the_evaluated_logits(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=128)
+    prompt = [1, 5, 9]
+    items = list(m.generate(prompt, max_tokens=8, temperature=0, logprobs=3))
+    steps = [it for it in items if it.token >= 0]
+    assert len(steps) == m.n_generated and m.stop_reason in ("length", "eos")
+    tokens = [it.token for it in steps]
+    ref = ggraph.Model(tiny_model, device="cpu", n_ctx=128)
+    logits = ref.eval(prompt + tokens, all_logits=True)
+    for i, it in enumerate(steps):
+        row = _log_softmax(logits[len(prompt) - 1 + i])
+        assert it.token == int(np.argmax(row))  # greedy
+        assert it.logprob == pytest.approx(row[it.token], abs=1e-4)
+        assert [t for t, _ in it.top] == [int(j) for j in np.argsort(-row, kind="stable")[:3]]
+        assert [lp for _, lp in it.top] == pytest.approx(sorted(row, reverse=True)[:3], abs=1e-4)
+    # The same text as the plain form.
+    plain = "".join(m.generate(prompt, max_tokens=8, temperature=0))
+    assert "".join(it.text for it in items) == plain
+
+
+def test_bad_generation_options_are_refused_before_anything_changes(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    m.eval([1, 2, 3])
+    for kw in (dict(logprobs=21), dict(logprobs=-1), dict(max_tokens=-1), dict(stop=[""])):
+        with pytest.raises(ValueError):
+            m.generate([1, 2], **kw)
+    assert m.n_past == 3 and m._tokens == [1, 2, 3]
+
+
+def test_cancel_ends_a_generation_at_its_next_token(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=256)
+    gen = m.generate([1, 2, 3], max_tokens=200, temperature=0)
+    next(gen)
+    t = threading.Thread(target=m.cancel)  # from another thread, between two steps
+    t.start()
+    t.join()
+    rest = list(gen)
+    assert m.stop_reason == "cancelled", (m.stop_reason, m.n_generated)
+    assert m.n_generated < 200 and isinstance("".join(rest), str)
+    # The model goes on working, from the context the generation left.
+    assert m.n_past == len(m._tokens)
+    assert "".join(m.generate([1, 2, 3], max_tokens=4, temperature=0))
+
+
+class GenParams(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("max_tokens", ctypes.c_int32),
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_int32),
+        ("top_p", ctypes.c_float),
+        ("min_p", ctypes.c_float),
+        ("repeat_penalty", ctypes.c_float),
+        ("frequency_penalty", ctypes.c_float),
+        ("presence_penalty", ctypes.c_float),
+        ("penalty_last_n", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("stop", ctypes.POINTER(ctypes.c_char_p)),
+        ("n_stop", ctypes.c_size_t),
+        ("top_logprobs", ctypes.c_int32),
+    ]
+
+
+class TokLp(ctypes.Structure):
+    _fields_ = [("token", ctypes.c_int32), ("logprob", ctypes.c_float)]
+
+
+STEP = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.POINTER(ctypes.c_char),
+    ctypes.c_size_t,
+    ctypes.c_int32,
+    ctypes.c_float,
+    ctypes.POINTER(TokLp),
+    ctypes.c_int32,
+    ctypes.c_void_p,
+)
+
+
+@pytest.fixture(scope="module")
+def capi(tiny_model):
+    try:
+        lib = ctypes.CDLL(ggraph.c_library_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    lib.ggraph_load.restype = ctypes.c_void_p
+    lib.ggraph_load.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.ggraph_default_generate_params.restype = GenParams
+    lib.ggraph_generate.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_size_t,
+        ctypes.POINTER(GenParams),
+        STEP,
+        ctypes.c_void_p,
+    ]
+    lib.ggraph_detokenize.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int32,
+    ]
+    lib.ggraph_rewind.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.ggraph_n_past.argtypes = [ctypes.c_void_p]
+    lib.ggraph_last_error.restype = ctypes.c_char_p
+    lib.ggraph_last_error.argtypes = [ctypes.c_void_p]
+    lib.ggraph_free.argtypes = [ctypes.c_void_p]
+    err = ctypes.create_string_buffer(256)
+    model = lib.ggraph_load(tiny_model.encode(), None, err, 256)
+    assert model, err.value
+    yield lib, model
+    lib.ggraph_free(model)
+
+
+def _generate(lib, model, prompt, params, stop_after=None):
+    pieces, tokens = [], []
+
+    def on_step(text, n, token, logprob, top, n_top, user):
+        pieces.append(ctypes.string_at(text, n))
+        if token >= 0:
+            tokens.append((token, logprob, [(top[i].token, top[i].logprob) for i in range(n_top)]))
+        return 1 if stop_after is not None and len(tokens) >= stop_after else 0
+
+    ids = (ctypes.c_int32 * len(prompt))(*prompt)
+    rc = lib.ggraph_generate(model, ids, len(prompt), ctypes.byref(params), STEP(on_step), None)
+    return rc, b"".join(pieces).decode("utf-8"), tokens
+
+
+def test_c_generate_matches_python(capi, tiny_model):
+    lib, model = capi
+    p = lib.ggraph_default_generate_params()
+    assert p.size == ctypes.sizeof(GenParams)
+    p.temperature, p.max_tokens, p.top_logprobs = 0.0, 12, 2
+    rc, text, tokens = _generate(lib, model, [1, 5, 9], p)
+    py = ggraph.Model(tiny_model, device="cpu", n_ctx=2048)
+    items = [it for it in py.generate([1, 5, 9], max_tokens=12, temperature=0, logprobs=2)]
+    assert rc == {"length": 3, "eos": 1}[py.stop_reason]
+    assert text == "".join(it.text for it in items)
+    steps = [it for it in items if it.token >= 0]
+    assert [t for t, _, _ in tokens] == [it.token for it in steps]
+    for (_, lp, top), it in zip(tokens, steps):
+        assert lp == pytest.approx(it.logprob, abs=1e-5)
+        assert [t for t, _ in top] == [t for t, _ in it.top]
+
+
+def test_c_generate_stops_when_asked_and_refuses_bad_params(capi):
+    lib, model = capi
+    p = lib.ggraph_default_generate_params()
+    p.temperature, p.max_tokens = 0.0, 50
+    rc, _, tokens = _generate(lib, model, [1, 2], p, stop_after=3)
+    assert rc == 6 and len(tokens) == 3  # GGRAPH_STOP_CALLBACK
+    n_past = lib.ggraph_n_past(model)
+    for field, value in (("size", 3), ("top_logprobs", 99), ("max_tokens", -1)):
+        bad = lib.ggraph_default_generate_params()
+        setattr(bad, field, value)
+        assert _generate(lib, model, [1, 2], bad)[0] == -2
+        assert lib.ggraph_last_error(model)
+        assert lib.ggraph_n_past(model) == n_past
+    assert _generate(lib, model, [1, 10**6], p)[0] == -2
+
+
+def test_c_detokenize_and_rewind(capi, tiny_model):
+    lib, model = capi
+    py = ggraph.Model(tiny_model, device="cpu")
+    ids = py.tokenize("hello world", add_bos=False)
+    arr = (ctypes.c_int32 * len(ids))(*ids)
+    need = lib.ggraph_detokenize(model, arr, len(ids), 0, None, 0)
+    buf = ctypes.create_string_buffer(need)
+    assert lib.ggraph_detokenize(model, arr, len(ids), 0, buf, need) == need
+    assert buf.raw[:need].decode() == py.detokenize(ids)
+    p = lib.ggraph_default_generate_params()
+    p.temperature, p.max_tokens = 0.0, 4
+    _generate(lib, model, [1, 2, 3], p)
+    assert lib.ggraph_rewind(model, 2) == 0 and lib.ggraph_n_past(model) == 2
+    assert lib.ggraph_rewind(model, 5) == -2
