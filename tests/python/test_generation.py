@@ -152,7 +152,7 @@ def test_c_generate_matches_python(capi, tiny_model):
     assert p.size == ctypes.sizeof(GenParams)
     p.temperature, p.max_tokens, p.top_logprobs = 0.0, 12, 2
     rc, text, tokens = _generate(lib, model, [1, 5, 9], p)
-    py = ggraph.Model(tiny_model, device="cpu", n_ctx=2048)
+    py = ggraph.Model(tiny_model, device="auto", n_ctx=2048)  # the device the C model took
     items = [it for it in py.generate([1, 5, 9], max_tokens=12, temperature=0, logprobs=2)]
     assert rc == {"length": 3, "eos": 1}[py.stop_reason]
     assert text == "".join(it.text for it in items)
