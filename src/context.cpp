@@ -75,7 +75,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_threads < 0 || o.n_threads > kMaxThreads)
     throw ArgumentError("n_threads must be 0 (automatic) to " + std::to_string(kMaxThreads) +
                         ", got " + std::to_string(o.n_threads));
-  file_ = GGUFFile::open(path);
+  file_ = GGUFFile::open(path, o.use_mmap);
   backend_ = make_backend(o, &device_);
   model_ = load_model(*file_, *backend_);
   // The vocabulary is read and checked now: a broken one fails the load, not a later call. A

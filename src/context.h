@@ -26,6 +26,7 @@ struct ContextOptions {
   int n_batch = 512;            // most tokens per graph; longer inputs are split
   std::string cuda_graphs = "patch";
   bool cuda_graph_debug = false;
+  bool use_mmap = true;  // false: read the file into memory (see GGUFFile::open)
 };
 
 // Why ggraph cannot run the model file at `path` (an unsupported architecture, tensor format or

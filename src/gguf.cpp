@@ -354,7 +354,7 @@ std::string GGUFTensorInfo::shape_str() const {
   return s;
 }
 
-std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
+std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path, bool use_mmap) {
   std::unique_ptr<GGUFFile> file(new GGUFFile());
   file->path_ = path;
   // Non-blocking, so that a FIFO or a device fails the regular-file check below instead of
@@ -378,16 +378,45 @@ std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
     ::close(fd);
     throw GGUFError(quoted(path) + ": file is empty (expected a GGUF header)");
   }
-  void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (p == MAP_FAILED) {
-    throw GGUFError("cannot map " + quoted(path) + " (" + std::to_string(size) +
-                    " bytes): " + std::strerror(map_err));
+  if (use_mmap) {
+    void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int map_err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      throw GGUFError("cannot map " + quoted(path) + " (" + std::to_string(size) +
+                      " bytes): " + std::strerror(map_err));
+    }
+    file->base_ = static_cast<const uint8_t*>(p);
+    file->mapped_ = true;
+  } else {
+    // Read into memory aligned as a mapping would be: later changes to the file do not reach
+    // the model. The descriptor is non-blocking, which a regular file ignores.
+    constexpr size_t kAlign = 64;
+    try {
+      file->owned_.resize(size + kAlign);
+    } catch (const std::bad_alloc&) {
+      ::close(fd);
+      throw GGUFError("cannot read " + quoted(path) + " into memory (" + std::to_string(size) +
+                      " bytes): out of memory");
+    }
+    const uintptr_t raw = reinterpret_cast<uintptr_t>(file->owned_.data());
+    uint8_t* base = file->owned_.data() + ((kAlign - raw % kAlign) % kAlign);
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t got = ::pread(fd, base + done, size - done, off_t(done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        const int err = got < 0 ? errno : 0;
+        ::close(fd);
+        throw GGUFError("cannot read " + quoted(path) + ": " +
+                        (err ? std::strerror(err) : "the file shrank while it was read"));
+      }
+      done += size_t(got);
+    }
+    ::close(fd);
+    file->base_ = base;
   }
-  file->base_ = static_cast<const uint8_t*>(p);
   file->size_ = size;
-  file->mapped_ = true;
   try {
     file->parse();
   } catch (const GGUFError& e) {

@@ -58,8 +58,10 @@ struct GGUFTensorInfo {
 
 class GGUFFile {
  public:
-  // Maps and validates the file; throws GGUFError naming what is wrong and where.
-  static std::unique_ptr<GGUFFile> open(const std::string& path);
+  // Maps (or, without use_mmap, reads into memory) and validates the file; throws GGUFError
+  // naming what is wrong and where. With a mapping, a file truncated on disk while it is in use
+  // can end the process with SIGBUS, as with llama.cpp: read it when it may change.
+  static std::unique_ptr<GGUFFile> open(const std::string& path, bool use_mmap = true);
   // Parses a copy of an in-memory image (tests, fuzzing).
   static std::unique_ptr<GGUFFile> from_bytes(const void* data, size_t size);
   ~GGUFFile();

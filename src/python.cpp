@@ -401,7 +401,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Context> context(m, "Context");
   context
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
-                       int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug) {
+                       int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug,
+                       bool use_mmap) {
              ContextOptions o;
              o.device = device;
              o.n_ctx = n_ctx;
@@ -409,12 +410,13 @@ PYBIND11_MODULE(_core, m) {
              o.n_batch = n_batch;
              o.cuda_graphs = cuda_graphs;
              o.cuda_graph_debug = cuda_graph_debug;
+             o.use_mmap = use_mmap;
              py::gil_scoped_release release;
              return std::make_unique<Context>(path, o);
            }),
            py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = 2048,
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
-           py::arg("cuda_graph_debug") = false)
+           py::arg("cuda_graph_debug") = false, py::arg("use_mmap") = true)
       .def(
           "eval",
           [](Context& c, const py::handle& tokens, bool all_logits) {

@@ -202,6 +202,9 @@ class Model:
 
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present).
     cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
+    use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
+    uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory
+    instead, for applications whose model file may change.
     """
 
     def __init__(
@@ -212,6 +215,7 @@ class Model:
         n_threads: int | None = None,
         n_batch: int = 512,
         cuda_graphs: str | None = None,
+        use_mmap: bool = True,
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
@@ -231,6 +235,7 @@ class Model:
             n_batch=n_batch,
             cuda_graphs=cuda_graphs,
             cuda_graph_debug=debug,
+            use_mmap=use_mmap,
         )
         self._last_logits: np.ndarray | None = None
         # Calls on one model are serialized: each public call holds the lock while it reads or

@@ -113,3 +113,20 @@ def test_a_file_without_a_tokenizer_loads_and_says_so_when_asked(tmp_path, tiny_
     assert m.eval([1, 2]).shape == (m.n_vocab,)
     with pytest.raises(ggraph.GGUFError, match="no tokenizer"):
         m.tokenize("hello")
+
+
+def test_use_mmap_false_reads_the_file_and_survives_its_truncation(tmp_path, tiny_model):
+    import shutil
+
+    import numpy as np
+
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(tiny_model, copy)
+    read = ggraph.Model(str(copy), device="cpu", n_ctx=32, use_mmap=False)
+    mapped = ggraph.Model(tiny_model, device="cpu", n_ctx=32)
+    np.testing.assert_array_equal(read.eval([1, 2, 3]), mapped.eval([1, 2, 3]))
+    os.truncate(copy, 100)  # the file on disk changes; the read model does not notice
+    read.reset()
+    mapped.reset()
+    np.testing.assert_array_equal(read.eval([1, 2, 3]), mapped.eval([1, 2, 3]))
+    assert read.tokenize("hello") == mapped.tokenize("hello")
