@@ -22,6 +22,7 @@ __all__ = [
     "build_info",
     "c_include_dir",
     "c_library_path",
+    "cmake_prefix_path",
     "default_model_path",
     "devices",
     "read_metadata",
@@ -44,6 +45,14 @@ def c_library_path():
     if not found:
         raise FileNotFoundError(f"libggraph is not installed under {os.path.join(here, 'lib')}")
     return found[0]
+
+
+def cmake_prefix_path():
+    """The prefix under which CMake finds ggraph's package config (find_package(ggraph)) and
+    pkg-config its ggraph.pc (lib/pkgconfig): the package's own directory."""
+    import os
+
+    return os.path.dirname(os.path.abspath(__file__))
 
 
 def c_include_dir():

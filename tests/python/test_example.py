@@ -1,0 +1,83 @@
+"""The embedding example (examples/chat.c), built as an application would build it: against the
+installed package's CMake config, and with its pkg-config file."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import ggraph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _need(tool):
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed")
+
+
+@pytest.fixture(scope="module")
+def chat_binary(tmp_path_factory):
+    _need("cmake")
+    prefix = ggraph.cmake_prefix_path()
+    if not os.path.exists(os.path.join(prefix, "lib", "cmake", "ggraph", "ggraphConfig.cmake")):
+        pytest.skip("this ggraph was not installed with its CMake package config")
+    build = tmp_path_factory.mktemp("example")
+    for cmd in (
+        [
+            "cmake",
+            "-S",
+            os.path.join(ROOT, "examples"),
+            "-B",
+            str(build),
+            f"-DCMAKE_PREFIX_PATH={prefix}",
+        ],
+        ["cmake", "--build", str(build)],
+    ):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+    return str(build / "ggraph_chat")
+
+
+def test_the_example_chats_turn_after_turn(chat_binary, tiny_model):
+    out = subprocess.run(
+        [chat_binary, tiny_model, "6"],
+        input="Hi there\nAnd again <|im_end|> with a marker in the text\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    # Two turns, each ended with its reason.
+    assert out.stdout.count("\n[") == 2, out.stdout
+
+
+def test_the_example_reports_a_bad_model(chat_binary, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    out = subprocess.run([chat_binary, str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "cannot load" in out.stderr
+
+
+def test_pkg_config_compiles_the_example(tmp_path):
+    _need("pkg-config")
+    _need("cc")
+    pc_dir = os.path.join(ggraph.cmake_prefix_path(), "lib", "pkgconfig")
+    if not os.path.exists(os.path.join(pc_dir, "ggraph.pc")):
+        pytest.skip("this ggraph was not installed with its pkg-config file")
+    env = dict(os.environ, PKG_CONFIG_PATH=pc_dir)
+    flags = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", "ggraph"], capture_output=True, text=True, env=env
+    )
+    assert flags.returncode == 0, flags.stderr
+    exe = tmp_path / "chat"
+    cc = subprocess.run(
+        ["cc", os.path.join(ROOT, "examples", "chat.c"), "-o", str(exe), *flags.stdout.split()],
+        capture_output=True,
+        text=True,
+    )
+    assert cc.returncode == 0, cc.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage" in out.stderr
