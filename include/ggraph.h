@@ -145,6 +145,16 @@ GGRAPH_API int32_t ggraph_detokenize(ggraph_model* model, const int32_t* tokens,
 /* Keeps the first n_keep tokens of the context and forgets the rest. */
 GGRAPH_API int ggraph_rewind(ggraph_model* model, int32_t n_keep);
 
+/* ---- State ------------------------------------------------------------------------------
+ * A context's tokens and KV cache rows, to resume a conversation later or elsewhere: in a
+ * buffer (ggraph_save_state returns the bytes it takes, writing them when size suffices; call it
+ * with NULL to learn the size) or a file. Loading checks the state belongs to this model file
+ * and this kind of device's cache, and fits the context, before it changes anything. */
+GGRAPH_API int64_t ggraph_save_state(ggraph_model* model, void* buf, size_t size);
+GGRAPH_API int ggraph_load_state(ggraph_model* model, const void* buf, size_t size);
+GGRAPH_API int ggraph_save_state_file(ggraph_model* model, const char* path);
+GGRAPH_API int ggraph_load_state_file(ggraph_model* model, const char* path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,6 +30,14 @@ class Backend {
   virtual DType stored_type(DType type) const { return type; }
   // Zeroed memory for the KV cache. Throws DeviceError naming bytes needed and free on failure.
   virtual void* alloc_kv(size_t bytes) = 0;
+  // Copies between the host and memory from alloc_kv (saving and loading a context's state),
+  // finished when they return.
+  virtual void kv_to_host(void* host, const void* kv, size_t bytes) {
+    std::memcpy(host, kv, bytes);
+  }
+  virtual void kv_from_host(void* kv, const void* host, size_t bytes) {
+    std::memcpy(kv, host, bytes);
+  }
   // Sizes the scratch and input buffers once per context, from the largest graph it will run.
   virtual void reserve(size_t scratch_bytes, size_t input_bytes) = 0;
   // Copies the graph's inputs in, runs every node, copies the output tensor (F32) to `out`.

@@ -1,7 +1,9 @@
 // The C API: a thin shell over Context that turns exceptions into error codes. Calls on one
 // model are serialized by its mutex; the last error is per thread.
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -325,6 +327,65 @@ int32_t ggraph_detokenize(ggraph_model* m, const int32_t* tokens, size_t n, int 
 int ggraph_rewind(ggraph_model* m, int32_t n_keep) {
   return guarded(m, [&] {
     m->ctx->rewind(n_keep);
+    m->logits.clear();
+    return GGRAPH_OK;
+  });
+}
+
+int64_t ggraph_save_state(ggraph_model* m, void* buf, size_t size) {
+  int64_t n = 0;
+  const int rc = guarded(m, [&] {
+    const std::vector<uint8_t> state = m->ctx->save_state();
+    if (buf && state.size() <= size) std::memcpy(buf, state.data(), state.size());
+    n = int64_t(state.size());
+    return GGRAPH_OK;
+  });
+  return rc < 0 ? rc : n;
+}
+
+int ggraph_load_state(ggraph_model* m, const void* buf, size_t size) {
+  return guarded(m, [&] {
+    if (!buf && size) throw ggraph::ArgumentError("ggraph_load_state: buf is NULL");
+    m->ctx->load_state(static_cast<const uint8_t*>(buf), size);
+    m->logits.clear();
+    return GGRAPH_OK;
+  });
+}
+
+int ggraph_save_state_file(ggraph_model* m, const char* path) {
+  return guarded(m, [&] {
+    if (!path) throw ggraph::ArgumentError("ggraph_save_state_file: path is NULL");
+    const std::vector<uint8_t> state = m->ctx->save_state();
+    FILE* f = std::fopen(path, "wb");
+    if (!f)
+      throw ggraph::ArgumentError(std::string("ggraph_save_state_file: cannot write ") + path +
+                                  ": " + std::strerror(errno));
+    const bool ok = std::fwrite(state.data(), 1, state.size(), f) == state.size();
+    if (std::fclose(f) != 0 || !ok)
+      throw ggraph::ArgumentError(std::string("ggraph_save_state_file: writing ") + path +
+                                  " failed");
+    return GGRAPH_OK;
+  });
+}
+
+int ggraph_load_state_file(ggraph_model* m, const char* path) {
+  return guarded(m, [&] {
+    if (!path) throw ggraph::ArgumentError("ggraph_load_state_file: path is NULL");
+    FILE* f = std::fopen(path, "rb");
+    if (!f)
+      throw ggraph::ArgumentError(std::string("ggraph_load_state_file: cannot read ") + path +
+                                  ": " + std::strerror(errno));
+    std::vector<uint8_t> data;
+    uint8_t chunk[1 << 16];
+    size_t got = 0;
+    while ((got = std::fread(chunk, 1, sizeof chunk, f)) > 0)
+      data.insert(data.end(), chunk, chunk + got);
+    const bool failed = std::ferror(f) != 0;
+    std::fclose(f);
+    if (failed)
+      throw ggraph::ArgumentError(std::string("ggraph_load_state_file: reading ") + path +
+                                  " failed");
+    m->ctx->load_state(data.data(), data.size());
     m->logits.clear();
     return GGRAPH_OK;
   });

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <numeric>
 
 #include "planner.h"
@@ -84,6 +85,21 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     tokenizer_ = Tokenizer::from_gguf(*file_);
   else
     tokenizer_error_ = file_->path() + ": the file has no tokenizer (no 'tokenizer.ggml.model')";
+  // FNV-1a over the file's size and tensor table: what a saved state must have been made with.
+  fingerprint_ = 1469598103934665603ull;
+  auto mix = [&](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+      fingerprint_ ^= static_cast<const uint8_t*>(p)[i];
+      fingerprint_ *= 1099511628211ull;
+    }
+  };
+  const uint64_t file_size = file_->file_size();
+  mix(&file_size, sizeof file_size);
+  for (const GGUFTensorInfo& t : file_->tensors()) {
+    mix(t.name.data(), t.name.size());
+    mix(t.ne, sizeof t.ne);
+    mix(&t.type, sizeof t.type);
+  }
   n_ctx_ = o.n_ctx > 0 ? o.n_ctx : model_->n_ctx_train;
   n_batch_ = std::min(o.n_batch, n_ctx_);
   // The CPU keeps its cache in F32 (no conversions in its attention loop); GPUs use F16.
@@ -171,6 +187,102 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   n_past_ = n_past;  // only once every chunk has run: a failure leaves the context as it was
   tokens_.insert(tokens_.end(), tokens, tokens + n);
   return logits;
+}
+
+namespace {
+
+constexpr char kStateMagic[4] = {'G', 'G', 'R', 'S'};
+constexpr uint32_t kStateVersion = 1;
+
+struct StateHeader {
+  char magic[4];
+  uint32_t version;
+  uint64_t fingerprint;
+  uint32_t kv_type;
+  uint32_t n_layer;
+  uint64_t width;
+  uint32_t n_past;
+  uint32_t reserved;
+};
+
+}  // namespace
+
+std::vector<uint8_t> Context::save_state() const {
+  const size_t row = row_size(kv_.type, kv_.width);
+  const size_t rows = size_t(n_past_) * row;
+  std::vector<uint8_t> out(sizeof(StateHeader) + size_t(n_past_) * sizeof(int32_t) +
+                           2 * size_t(kv_.n_layer) * rows);
+  StateHeader h{};
+  std::memcpy(h.magic, kStateMagic, 4);
+  h.version = kStateVersion;
+  h.fingerprint = fingerprint_;
+  h.kv_type = static_cast<uint32_t>(kv_.type);
+  h.n_layer = uint32_t(kv_.n_layer);
+  h.width = uint64_t(kv_.width);
+  h.n_past = uint32_t(n_past_);
+  uint8_t* p = out.data();
+  std::memcpy(p, &h, sizeof h);
+  p += sizeof h;
+  std::memcpy(p, tokens_.data(), size_t(n_past_) * sizeof(int32_t));
+  p += size_t(n_past_) * sizeof(int32_t);
+  for (int l = 0; l < kv_.n_layer; ++l) {
+    backend_->kv_to_host(p, kv_.k[size_t(l)], rows);
+    backend_->kv_to_host(p + rows, kv_.v[size_t(l)], rows);
+    p += 2 * rows;
+  }
+  return out;
+}
+
+void Context::load_state(const uint8_t* data, size_t size) {
+  StateHeader h{};
+  if (!data || size < sizeof h)
+    throw ArgumentError("load_state: " + std::to_string(size) +
+                        " bytes are too few for a saved state");
+  std::memcpy(&h, data, sizeof h);
+  if (std::memcmp(h.magic, kStateMagic, 4) != 0)
+    throw ArgumentError("load_state: not a ggraph state (its first bytes are not 'GGRS')");
+  if (h.version != kStateVersion)
+    throw ArgumentError("load_state: state format version " + std::to_string(h.version) +
+                        "; this ggraph reads version " + std::to_string(kStateVersion));
+  if (h.fingerprint != fingerprint_)
+    throw ArgumentError("load_state: the state was saved with another model file");
+  if (h.kv_type != static_cast<uint32_t>(kv_.type) || h.n_layer != uint32_t(kv_.n_layer) ||
+      h.width != uint64_t(kv_.width))
+    throw ArgumentError(std::string("load_state: the state's KV cache is ") +
+                        type_name(static_cast<DType>(h.kv_type)) + " (" +
+                        std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) +
+                        "), this context's " + type_name(kv_.type) +
+                        " (states move between contexts on the same kind of device)");
+  if (h.n_past > uint32_t(n_ctx_))
+    throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
+                        " tokens; this context holds " + std::to_string(n_ctx_));
+  const size_t row = row_size(kv_.type, kv_.width);
+  const size_t rows = size_t(h.n_past) * row;
+  const size_t expected =
+      sizeof h + size_t(h.n_past) * sizeof(int32_t) + 2 * size_t(kv_.n_layer) * rows;
+  if (size != expected)
+    throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
+                        std::to_string(h.n_past) + " tokens takes " + std::to_string(expected));
+  std::vector<int32_t> tokens(h.n_past);
+  std::memcpy(tokens.data(), data + sizeof h, size_t(h.n_past) * sizeof(int32_t));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= model_->n_vocab)
+      throw ArgumentError("load_state: token id " + std::to_string(tokens[i]) + " at position " +
+                          std::to_string(i) + " is outside the vocabulary");
+  }
+  const uint8_t* p = data + sizeof h + size_t(h.n_past) * sizeof(int32_t);
+  try {
+    for (int l = 0; l < kv_.n_layer; ++l) {
+      backend_->kv_from_host(kv_.k[size_t(l)], p, rows);
+      backend_->kv_from_host(kv_.v[size_t(l)], p + rows, rows);
+      p += 2 * rows;
+    }
+  } catch (...) {
+    reset();  // a device failure half-way: the old rows are gone, so the context is emptied
+    throw;
+  }
+  tokens_ = std::move(tokens);
+  n_past_ = int(h.n_past);
 }
 
 }  // namespace ggraph

@@ -65,6 +65,12 @@ class Context {
     n_past_ = n;
     tokens_.resize(size_t(n));
   }
+  // The context's state: its tokens and their KV cache rows, in a versioned binary format that
+  // names the model it belongs to (a fingerprint of its file's tensor table and size) and the
+  // cache's element type. load_state checks all of it before it changes anything, and throws
+  // ArgumentError naming what does not match.
+  std::vector<uint8_t> save_state() const;
+  void load_state(const uint8_t* data, size_t size);
   // The tokens the KV cache holds, in order (n_past of them).
   const std::vector<int32_t>& tokens() const { return tokens_; }
 
@@ -97,6 +103,7 @@ class Context {
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
   std::atomic<bool> cancel_{false};
   std::vector<int32_t> tokens_;
+  uint64_t fingerprint_ = 0;  // of the model file, for saved states
 };
 
 }  // namespace ggraph

@@ -449,6 +449,22 @@ PYBIND11_MODULE(_core, m) {
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("tokens", [](const Context& c) { return c.tokens(); })
+      .def("save_state",
+           [](const Context& c) {
+             std::vector<uint8_t> s;
+             {
+               py::gil_scoped_release release;
+               s = c.save_state();
+             }
+             return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
+           })
+      .def("load_state",
+           [](Context& c, const py::buffer& data) {
+             const py::buffer_info b = data.request();
+             if (b.ndim != 1 || b.itemsize != 1) throw ArgumentError("load_state: expected bytes");
+             py::gil_scoped_release release;
+             c.load_state(static_cast<const uint8_t*>(b.ptr), size_t(b.size));
+           })
       .def("cancel", &Context::cancel)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)

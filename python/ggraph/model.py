@@ -283,6 +283,30 @@ class Model:
         """Writes the current CUDA graph as Graphviz DOT (cudaGraphDebugDotPrint)."""
         self._ctx.dump_cuda_graph(os.fspath(path))
 
+    def save_state(self, path: str | os.PathLike | None = None) -> bytes | None:
+        """The context's tokens and KV cache as bytes, or written to `path`: a conversation to
+        resume later with load_state, on a model of the same file on the same kind of device."""
+        with self._lock:
+            state = self._ctx.save_state()
+        if path is None:
+            return state
+        with open(path, "wb") as f:
+            f.write(state)
+        return None
+
+    def load_state(self, state: bytes | str | os.PathLike) -> None:
+        """Restores a state from save_state (bytes, or a path to one). A state of another model
+        file, another kind of device, or more tokens than the context holds is refused with a
+        ValueError, and the context is left as it was. No logits are kept: eval or generate
+        next."""
+        if not isinstance(state, (bytes, bytearray, memoryview)):
+            with open(state, "rb") as f:
+                state = f.read()
+        with self._lock:
+            self._epoch += 1
+            self._ctx.load_state(state)
+            self._last_logits = None
+
     def cancel(self) -> None:
         """Stops the eval in progress (a long prompt) before its next chunk of n_batch tokens,
         from any thread, without waiting for the model's lock; the stopped call raises

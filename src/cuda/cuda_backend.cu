@@ -826,6 +826,17 @@ class CudaBackend : public Backend {
     return p;
   }
 
+  void kv_to_host(void* host, const void* kv, size_t bytes) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(host, kv, bytes, cudaMemcpyDeviceToHost, stream_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void kv_from_host(void* kv, const void* host, size_t bytes) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(kv, host, bytes, cudaMemcpyHostToDevice, stream_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
   void reserve(size_t scratch_bytes, size_t input_bytes) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -1,0 +1,102 @@
+"""Saving and loading a context's state: a restored conversation continues exactly as the
+original would, and a state that does not belong is refused without changing anything."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from conftest import cuda_available
+
+import ggraph
+
+
+@pytest.fixture
+def model(tiny_model):
+    return ggraph.Model(tiny_model, device="auto", n_ctx=128)
+
+
+def test_a_restored_state_continues_exactly(model, tiny_model, tmp_path):
+    model.eval([1, 5, 9, 13, 2, 7])
+    state = model.save_state()
+    expected = model.eval([3, 4])
+    other = ggraph.Model(tiny_model, device="auto", n_ctx=128)
+    other.eval([2, 2, 2, 2, 2, 2, 2, 2, 2])  # different content, overwritten by the load
+    other.load_state(state)
+    assert other.n_past == 6 and other._tokens == [1, 5, 9, 13, 2, 7]
+    np.testing.assert_array_equal(other.eval([3, 4]), expected)
+    # Through a file, and into the same model after it moved on.
+    model.save_state(tmp_path / "s.bin")
+    model.reset()
+    model.load_state(tmp_path / "s.bin")
+    assert model._tokens == [1, 5, 9, 13, 2, 7, 3, 4]
+    a = "".join(model.generate(model._tokens + [5], max_tokens=6, temperature=0))
+    other.reset()
+    b = "".join(other.generate([1, 5, 9, 13, 2, 7, 3, 4, 5], max_tokens=6, temperature=0))
+    assert a == b
+
+
+def test_states_that_do_not_belong_are_refused(model, tiny_models):
+    model.eval([1, 2, 3])
+    good = model.save_state()
+    model.eval([4])
+    before = (model.n_past, model._tokens)
+    bad = [
+        (b"", "too few"),
+        (b"XXXX" + good[4:], "not a ggraph state"),
+        (good[:-1], "bytes"),
+        (good + b"\0", "bytes"),
+        (good[:4] + (99).to_bytes(4, "little") + good[8:], "version"),
+    ]
+    small = ggraph.Model(model.path, device="auto", n_ctx=2)
+    for data, match in bad:
+        with pytest.raises(ValueError, match=match):
+            model.load_state(data)
+        assert (model.n_past, model._tokens) == before
+    with pytest.raises(ValueError, match="another model file"):
+        ggraph.Model(tiny_models["Q8_0"], device="auto", n_ctx=128).load_state(good)
+    with pytest.raises(ValueError, match="holds 3 tokens"):
+        small.load_state(good)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU beside the CPU")
+def test_a_state_stays_on_its_kind_of_device(tiny_model):
+    cpu = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    cpu.eval([1, 2])
+    gpu = ggraph.Model(tiny_model, device="cuda", n_ctx=64)
+    with pytest.raises(ValueError, match="KV cache is F32"):
+        gpu.load_state(cpu.save_state())
+
+
+def test_c_api_state_round_trip(tiny_model):
+    try:
+        lib = ctypes.CDLL(ggraph.c_library_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    lib.ggraph_load.restype = ctypes.c_void_p
+    lib.ggraph_load.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.ggraph_save_state.restype = ctypes.c_int64
+    lib.ggraph_save_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggraph_load_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggraph_eval.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_float),
+    ]
+    lib.ggraph_n_past.argtypes = [ctypes.c_void_p]
+    lib.ggraph_free.argtypes = [ctypes.c_void_p]
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(tiny_model.encode(), None, err, 256)
+    assert m, err.value
+    try:
+        ids = (ctypes.c_int32 * 3)(1, 2, 3)
+        assert lib.ggraph_eval(m, ids, 3, None) == 0
+        need = lib.ggraph_save_state(m, None, 0)
+        buf = ctypes.create_string_buffer(need)
+        assert lib.ggraph_save_state(m, buf, need) == need
+        assert buf.raw[:4] == b"GGRS"
+        lib.ggraph_eval(m, ids, 3, None)
+        assert lib.ggraph_load_state(m, buf, need) == 0 and lib.ggraph_n_past(m) == 3
+        assert lib.ggraph_load_state(m, buf, need - 1) == -2 and lib.ggraph_n_past(m) == 3
+    finally:
+        lib.ggraph_free(m)
