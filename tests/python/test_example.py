@@ -81,3 +81,27 @@ def test_pkg_config_compiles_the_example(tmp_path):
     assert cc.returncode == 0, cc.stderr
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_the_example_is_clean_under_valgrind(chat_binary, tiny_model):
+    """No invalid access and no leak through a whole session: load, two streamed turns, free."""
+    _need("valgrind")
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--error-exitcode=9",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite,indirect",
+            "-q",
+            chat_binary,
+            tiny_model,
+            "6",
+        ],
+        input="Hello there\nAgain <|im_end|> x\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("\n[") == 2
