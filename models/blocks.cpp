@@ -176,6 +176,7 @@ Hparams read_hparams(const ModelLoader& ld) {
 void describe(Model& m, const Hparams& hp, const ModelLoader& ld) {
   m.arch = ld.arch;
   m.n_vocab = hp.n_vocab;
+  m.n_embd = hp.n_embd;
   m.n_layer = hp.n_layer;
   m.kv_width = hp.kv_width();
   m.n_ctx_train = hp.n_ctx_train;
@@ -273,6 +274,10 @@ Tensor* GraphContext::feed_forward(Tensor* h, const FfnWeights& w, Activation ac
 void GraphContext::logits(Tensor* x, const Weight& output_norm, const Weight& output,
                           float softcap) {
   Tensor* h = norm(x, output_norm);
+  if (batch.embeddings) {
+    g.set_output(h);
+    return;
+  }
   Tensor* out = g.mul_mat(weight(output), h);
   if (softcap > 0.0f) out = g.softcap(out, softcap);
   g.set_output(out);

@@ -20,6 +20,8 @@ struct Batch {
   int n_tokens = 0;
   int n_outputs = 0;
   int n_past = 0;  // tokens already in the KV cache
+  // Output the final normalized hidden state, F32 [n_embd, n_outputs], instead of the logits.
+  bool embeddings = false;
 };
 
 class Model {
@@ -30,6 +32,7 @@ class Model {
 
   std::string arch;
   int n_vocab = 0;
+  int64_t n_embd = 0;
   int n_layer = 0;
   int64_t kv_width = 0;  // n_head_kv * head_dim
   int n_ctx_train = 0;

@@ -121,7 +121,8 @@ const Tokenizer& Context::tokenizer() const {
   return *tokenizer_;
 }
 
-void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_past) {
+void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_past,
+                    bool embeddings) {
   in_tokens_.resize(n_tokens);
   in_positions_.resize(n_tokens);
   std::iota(in_positions_.begin(), in_positions_.end(), n_past);
@@ -133,6 +134,7 @@ void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_p
   b.n_tokens = n_tokens;
   b.n_outputs = n_outputs;
   b.n_past = n_past;
+  b.embeddings = embeddings;
   model_->build(graph, b, kv_);
 }
 
@@ -155,14 +157,13 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   for (size_t start = 0; start < n; start += n_batch_) {
     // The cache rows the earlier chunks wrote lie past n_past_, which has not moved: stopping
     // here leaves the context as it was.
-    if (start > 0 &&
-        (cancel_.exchange(false, std::memory_order_relaxed) || (interrupted && interrupted())))
+    if (start > 0 && (take_cancel() || (interrupted && interrupted())))
       throw Cancelled("eval: cancelled after " + std::to_string(start) + " of " +
                       std::to_string(n) + " tokens; the context is unchanged");
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();
-    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out) {
+    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out && !step_embeddings_) {
       step_graph_->shift_kv(n_past - step_n_past_);
       std::iota(in_positions_.begin(), in_positions_.end(), n_past);
     } else {
@@ -174,6 +175,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
       step_graph_ = std::move(graph);
       step_tokens_ = chunk;
       step_outputs_ = n_out;
+      step_embeddings_ = false;
     }
     step_n_past_ = n_past;
     std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
@@ -283,6 +285,36 @@ void Context::load_state(const uint8_t* data, size_t size) {
   }
   tokens_ = std::move(tokens);
   n_past_ = int(h.n_past);
+}
+
+std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
+  if (n == 0) throw ArgumentError("embed: the token list is empty");
+  for (size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= model_->n_vocab)
+      throw ArgumentError("embed: token id " + std::to_string(tokens[i]) + " at index " +
+                          std::to_string(i) + " is outside [0, " + std::to_string(model_->n_vocab) +
+                          ")");
+  }
+  if (n > size_t(n_batch_))
+    throw ArgumentError("embed: " + std::to_string(n) + " tokens; one call takes at most " +
+                        std::to_string(n_batch_) + " (n_batch)");
+  const std::vector<uint8_t> saved = save_state();
+  const int n_tok = int(n);
+  std::vector<float> out(size_t(model_->n_embd) * n);
+  try {
+    step_graph_.reset();  // its own graph shape: the decode graph is rebuilt after
+    Graph graph;
+    Batch b;
+    build(graph, b, n_tok, n_tok, 0, /*embeddings=*/true);
+    plan(graph);
+    std::copy(tokens, tokens + n, in_tokens_.begin());
+    backend_->compute(graph, out.data());
+  } catch (...) {
+    load_state(saved.data(), saved.size());
+    throw;
+  }
+  load_state(saved.data(), saved.size());
+  return out;
 }
 
 }  // namespace ggraph

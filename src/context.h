@@ -47,6 +47,11 @@ class Context {
   // cleared) or `interrupted` (when given) returns true.
   std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits,
                           const std::function<bool()>& interrupted = nullptr);
+  // The final normalized hidden state of every one of n tokens, [n][n_embd], as llama.cpp's
+  // embedding mode computes it: the tokens are evaluated as a sequence of their own, from
+  // position 0. The context's own tokens and cache are kept (saved and restored around it).
+  std::vector<float> embed(const int32_t* tokens, size_t n);
+  int64_t n_embd() const { return model_->n_embd; }
   // Asks the operation in progress (an eval: at its next chunk; a Generation: at its next
   // step) to stop; any thread may call it at any time (lock-free). Callers clear a stale
   // request when an operation starts (clear_cancel); take_cancel consumes a pending one.
@@ -84,7 +89,8 @@ class Context {
   const std::string& device() const { return device_; }
 
  private:
-  void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past);
+  void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past,
+             bool embeddings = false);
 
   std::unique_ptr<GGUFFile> file_;
   std::unique_ptr<Backend> backend_;
@@ -101,6 +107,7 @@ class Context {
   // new position, instead of building and planning again.
   std::unique_ptr<Graph> step_graph_;
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
+  bool step_embeddings_ = false;
   std::atomic<bool> cancel_{false};
   std::vector<int32_t> tokens_;
   uint64_t fingerprint_ = 0;  // of the model file, for saved states

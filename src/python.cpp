@@ -449,6 +449,18 @@ PYBIND11_MODULE(_core, m) {
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("tokens", [](const Context& c) { return c.tokens(); })
+      .def("embed",
+           [](Context& c, const py::handle& tokens) {
+             std::vector<int32_t> ids = to_ids(tokens, "embed");
+             std::vector<float> out;
+             {
+               py::gil_scoped_release release;
+               out = c.embed(ids.data(), ids.size());
+             }
+             py::array_t<float> a({py::ssize_t(ids.size()), py::ssize_t(c.n_embd())});
+             std::copy(out.begin(), out.end(), a.mutable_data());
+             return a;
+           })
       .def("save_state",
            [](const Context& c) {
              std::vector<uint8_t> s;

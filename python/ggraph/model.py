@@ -283,6 +283,26 @@ class Model:
         """Writes the current CUDA graph as Graphviz DOT (cudaGraphDebugDotPrint)."""
         self._ctx.dump_cuda_graph(os.fspath(path))
 
+    def embed(
+        self, text: str | Sequence[int], pooling: str = "mean", normalize: bool = True
+    ) -> np.ndarray:
+        """The final hidden state of `text` (or token ids), as llama.cpp's embedding mode gives
+        it: mean-pooled over the tokens and L2-normalized (n_embd,) by default; pooling="last"
+        takes the last token's, pooling="none" returns every token's (n_tokens, n_embd). The
+        text is evaluated on its own, from position 0; the conversation in the context is kept."""
+        if pooling not in ("mean", "last", "none"):
+            raise ValueError(f"embed: pooling must be 'mean', 'last' or 'none', got {pooling!r}")
+        ids = self.tokenize(text) if isinstance(text, str) else self._token_ids(text, "embed")
+        with self._lock:
+            h = self._ctx.embed(ids)
+        if pooling == "mean":
+            h = h.mean(axis=0)
+        elif pooling == "last":
+            h = h[-1]
+        if normalize:
+            h = h / np.maximum(np.linalg.norm(h, axis=-1, keepdims=True), 1e-12)
+        return h
+
     def save_state(self, path: str | os.PathLike | None = None) -> bytes | None:
         """The context's tokens and KV cache as bytes, or written to `path`: a conversation to
         resume later with load_state, on a model of the same file on the same kind of device."""

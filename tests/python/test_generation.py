@@ -193,3 +193,40 @@ def test_c_detokenize_and_rewind(capi, tiny_model):
     _generate(lib, model, [1, 2, 3], p)
     assert lib.ggraph_rewind(model, 2) == 0 and lib.ggraph_n_past(model) == 2
     assert lib.ggraph_rewind(model, 5) == -2
+
+
+def test_embeddings_are_the_hidden_state_the_logits_come_from(tiny_model):
+    gguf = pytest.importorskip("gguf")
+    m = ggraph.Model(tiny_model, device="auto", n_ctx=128)
+    ids = [1, 5, 9, 13]
+    h = m.embed(ids, pooling="none", normalize=False)
+    assert h.shape[0] == len(ids) and h.shape[1] == 64  # the tiny shape's n_embd
+    # The output projection (dequantized with gguf-py) of each position's hidden state gives
+    # that position's logits.
+    r = gguf.GGUFReader(tiny_model)
+    t = next(t for t in r.tensors if t.name == "output.weight")
+    w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(m.n_vocab, -1).astype(np.float64)
+    logits = ggraph.Model(tiny_model, device="auto", n_ctx=128).eval(ids, all_logits=True)
+    for pos in range(len(ids)):
+        want = logits[pos].astype(np.float64)
+        got = w @ h[pos].astype(np.float64)
+        cos = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+        assert cos > 0.999, (pos, cos)
+    # Pooling and normalization.
+    mean = m.embed(ids)
+    np.testing.assert_allclose(np.linalg.norm(mean), 1.0, rtol=1e-5)
+    ref = h.mean(axis=0)
+    np.testing.assert_allclose(mean, ref / np.linalg.norm(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.embed(ids, pooling="last", normalize=False), h[-1], rtol=1e-6)
+    with pytest.raises(ValueError, match="pooling"):
+        m.embed(ids, pooling="max")
+
+
+def test_embedding_keeps_the_conversation(tiny_model):
+    m = ggraph.Model(tiny_model, device="auto", n_ctx=128)
+    m.eval([1, 2, 3, 4])
+    m.embed([7, 8, 9])
+    assert m.n_past == 4 and m._tokens == [1, 2, 3, 4]
+    ref = ggraph.Model(tiny_model, device="auto", n_ctx=128)
+    ref.eval([1, 2, 3, 4])
+    np.testing.assert_array_equal(m.eval([5]), ref.eval([5]))
