@@ -1,13 +1,16 @@
-"""Test helpers: a GGUF v3 writer, ggml block quantizers and random-weight llama models.
+"""Test helpers: random-weight llama models and GGUF files, written with gguf-py.
 
-Pure Python and numpy, importable without the compiled extension::
+The files are written by gguf-py's GGUFWriter and quantized by its quantizers (the `gguf`
+package: pip install gguf, or the test extra); this module adds typed metadata, lazy tensors
+(large models never sit in memory), random quantized blocks of every weight format (K-quants
+included) and llama-shaped models with a byte-level BPE vocabulary::
 
     from ggraph.testing import write_random_gguf
     write_random_gguf("tiny.gguf", shape="tiny", weight_type="Q4_1")
 
 or from the shell::
 
-    python -m ggraph.testing model.gguf --shape smollm2-135m --type Q4_1
+    python -m ggraph.testing model.gguf --shape smollm2-135m --type Q4_K_M
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import struct
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -23,8 +25,6 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
 
 # Metadata value types: name -> GGUF type id.
@@ -146,155 +146,39 @@ def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantizers: ggml's reference rounding, on blocks of float32.
-
-
-def _blocks(x: np.ndarray, block_size: int) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if x.size % block_size:
-        raise ValueError(f"{x.size} elements are not a multiple of the block size {block_size}")
-    return x.reshape(-1, block_size)
-
-
-def _inverse(d: np.ndarray) -> np.ndarray:
-    """1/d where d is non-zero, else 0 (float32, as ggml's `d ? 1.0f/d : 0.0f`)."""
-    safe = np.where(d == 0, np.float32(1), d)
-    return np.where(d == 0, np.float32(0), np.float32(1) / safe).astype(np.float32)
-
-
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """Element j of a 32-block goes to the low nibble of byte j, element j+16 to the high one."""
-    q = q.astype(np.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even; NaN stays a quiet NaN (as ggml_compute_fp32_to_bf16)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = ((u >> 16) | 64).astype(np.uint16)
-    return np.where(np.isnan(x), nan, rounded)
-
-
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks (f16 d, 32 x int8) as an (n_blocks, 34) uint8 array."""
-    b = _blocks(x, 32)
-    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
-    v = b * _inverse(d)[:, None]
-    # roundf rounds halves away from zero; v - trunc(v) is exact, so the test for .5 is too.
-    t = np.trunc(v)
-    q = (t + np.copysign(np.abs(v - t) >= np.float32(0.5), v)).astype(np.int8)
-    out = np.empty((b.shape[0], 34), dtype=np.uint8)
-    out[:, :2] = d.astype("<f2")[:, None].view(np.uint8)
-    out[:, 2:] = q.view(np.uint8)
-    return out
-
-
-def quantize_q4_0(x: np.ndarray) -> np.ndarray:
-    """Q4_0 blocks (f16 d, 16 bytes of nibbles) as an (n_blocks, 18) uint8 array."""
-    b = _blocks(x, 32)
-    # d comes from the first element of largest magnitude, keeping its sign.
-    hi = b.max(axis=1)
-    lo = b.min(axis=1)
-    extreme = np.where(-lo > hi, lo, hi)
-    ties = np.flatnonzero((-lo == hi) & (hi > 0))
-    if ties.size:
-        first = np.argmax(np.abs(b[ties]), axis=1)
-        extreme[ties] = b[ties, first]
-    d = (extreme / np.float32(-8)).astype(np.float32)
-    v = (b * _inverse(d)[:, None]).astype(np.float32)
-    q = np.minimum(np.trunc(v + np.float32(8.5)), 15)
-    out = np.empty((b.shape[0], 18), dtype=np.uint8)
-    out[:, :2] = d.astype("<f2")[:, None].view(np.uint8)
-    out[:, 2:] = _pack_nibbles(q)
-    return out
-
-
-def quantize_q4_1(x: np.ndarray) -> np.ndarray:
-    """Q4_1 blocks (f16 d, f16 m, 16 bytes of nibbles) as an (n_blocks, 20) uint8 array."""
-    b = _blocks(x, 32)
-    lo = b.min(axis=1)
-    hi = b.max(axis=1)
-    d = ((hi - lo) / np.float32(15)).astype(np.float32)
-    v = ((b - lo[:, None]) * _inverse(d)[:, None]).astype(np.float32)
-    q = np.minimum(np.trunc(v + np.float32(0.5)), 15)
-    out = np.empty((b.shape[0], 20), dtype=np.uint8)
-    out[:, 0:2] = d.astype("<f2")[:, None].view(np.uint8)
-    out[:, 2:4] = lo.astype("<f2")[:, None].view(np.uint8)
-    out[:, 4:] = _pack_nibbles(q)
-    return out
-
-
-def _scale(blocks: np.ndarray, at: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, at : at + 2]).view("<f2")[:, 0].astype(np.float32)
-
-
-def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    blocks = blocks.reshape(-1, 34)
-    q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)
-    return (_scale(blocks, 0)[:, None] * q).reshape(-1)
-
-
-def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
-    blocks = blocks.reshape(-1, 18)
-    q = _unpack_nibbles(blocks[:, 2:]).astype(np.float32) - 8
-    return (_scale(blocks, 0)[:, None] * q).reshape(-1)
-
-
-def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
-    blocks = blocks.reshape(-1, 20)
-    q = _unpack_nibbles(blocks[:, 4:]).astype(np.float32)
-    return (_scale(blocks, 0)[:, None] * q + _scale(blocks, 2)[:, None]).reshape(-1)
+# Quantizers: gguf-py's, which round as ggml does.
 
 
 def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
-    """Encodes float values as type_name; returns the bytes as a flat uint8 array."""
+    """Encodes float values as type_name (one of QUANTIZABLE) with gguf-py; returns the bytes
+    as a flat uint8 array."""
+    gguf = _gguf()
     name = ggml_type(type_name).name
-    x = np.asarray(x)
-    if name == "F32":
-        out = np.ascontiguousarray(x, dtype="<f4")
-    elif name == "F16":
-        out = np.ascontiguousarray(x, dtype="<f2")
-    elif name == "BF16":
-        out = f32_to_bf16_bits(x.astype(np.float32)).astype("<u2")
-    elif name in _BLOCK_QUANTIZERS:
-        t = ggml_type(name)
-        b = _blocks(x, t.block_size)
-        out = np.empty((b.shape[0], t.type_size), dtype=np.uint8)
-        # Chunks that fit in cache make the many elementwise passes several times faster.
-        for i in range(0, b.shape[0], _CHUNK_BLOCKS):
-            out[i : i + _CHUNK_BLOCKS] = _BLOCK_QUANTIZERS[name](b[i : i + _CHUNK_BLOCKS])
-    else:
+    if name not in QUANTIZABLE:
         raise ValueError(f"cannot quantize to {name}; supported: {', '.join(QUANTIZABLE)}")
-    return out.reshape(-1).view(np.uint8)
-
-
-_BLOCK_QUANTIZERS = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1}
-_CHUNK_BLOCKS = 8192
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    block = ggml_type(name).block_size
+    if x.size % block:
+        raise ValueError(f"{x.size} elements are not a multiple of the block size {block}")
+    rows = x.reshape(-1, block) if block > 1 else x.reshape(1, -1)
+    out = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[name])
+    return np.ascontiguousarray(out).reshape(-1).view(np.uint8)
 
 
 def dequantize(data: bytes | np.ndarray, type_name: str) -> np.ndarray:
-    """Decodes bytes of type_name into a flat float32 array."""
-    name = ggml_type(type_name).name
+    """Decodes bytes of type_name into a flat float32 array with gguf-py."""
+    gguf = _gguf()
+    t = ggml_type(type_name)
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    if name == "F32":
-        return raw.view("<f4").astype(np.float32)
-    if name == "F16":
-        return raw.view("<f2").astype(np.float32)
-    if name == "BF16":
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    if name == "Q8_0":
-        return dequantize_q8_0(raw)
-    if name == "Q4_0":
-        return dequantize_q4_0(raw)
-    if name == "Q4_1":
-        return dequantize_q4_1(raw)
-    raise ValueError(f"cannot dequantize {name}; supported: {', '.join(QUANTIZABLE)}")
+    if raw.size % t.type_size:
+        raise ValueError(f"{raw.size} bytes are not whole {t.name} blocks of {t.type_size}")
+    rows = raw.reshape(-1, t.type_size)
+    try:
+        out = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[t.name])
+    except NotImplementedError:
+        raise ValueError(f"cannot dequantize {t.name}") from None
+    return np.asarray(out, dtype=np.float32).reshape(-1)
 
 
 # Types random_blocks generates beside the quantizable ones, and llama.cpp-style mixes: the main
@@ -449,59 +333,67 @@ def _infer_elem_type(values: Any) -> str:
     raise TypeError(f"array mixes element types {sorted(kinds)}")
 
 
-def _encode_string(s: str | bytes) -> bytes:
-    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
-    return struct.pack("<Q", len(b)) + b
+def _gguf():
+    """gguf-py, which writes the files (imported when first needed, so that the quantizers and
+    shapes above work without it)."""
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            "ggraph.testing writes GGUF files with the gguf package: pip install gguf"
+        ) from None
+    return gguf
 
 
-def _encode_value(type_name: str, value: Any, elem_type: str | None = None) -> bytes:
+def _Writer():  # noqa: N802 - returns a class
+    """GGUFWriter that also writes empty arrays (legal GGUF, which gguf-py refuses to write)."""
+    gguf = _gguf()
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return bytes(head + self._pack("I", sub_type) + self._pack("Q", 0))
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
+def _value_for_writer(type_name: str, value: Any, elem_type: str | None = None):
+    """(GGUFValueType, value, element type) for GGUFWriter.add_key_value, with the range checks
+    and element-type inference of this module (gguf-py infers an array's type from its first
+    element alone)."""
+    vt = _gguf().GGUFValueType
     if isinstance(value, Typed):
-        return _encode_value(value.type, value.value, value.elem_type)
-    if type_name == "string":
-        return _encode_string(value)
+        return _value_for_writer(value.type, value.value, value.elem_type)
     if type_name == "array":
         elem = elem_type or _infer_elem_type(value)
         if elem not in VALUE_TYPES:
             raise ValueError(f"unknown array element type {elem!r}")
-        head = struct.pack("<IQ", VALUE_TYPES[elem], len(value))
-        if elem == "string":
-            return head + b"".join(_encode_string(v) for v in value)
         if elem == "array":
-            return head + b"".join(_encode_value("array", v) for v in value)
-        if elem == "bool":
-            return head + np.asarray(value, dtype=bool).astype(np.uint8).tobytes()
-        arr = np.asarray(value)
-        out = arr.astype(_SCALAR_DTYPES[elem])
-        if out.dtype.kind in "iu" and not np.array_equal(out, arr):
-            raise ValueError(f"array values do not fit {elem}")
-        return head + out.tobytes()
-    if type_name not in _SCALAR_DTYPES:
+            items = [list(v) for v in value]
+        elif elem == "string":
+            items = [v if isinstance(v, (str, bytes)) else str(v) for v in value]
+        elif elem == "bool":
+            items = [bool(v) for v in value]
+        else:
+            arr = np.asarray(value)
+            out = arr.astype(_SCALAR_DTYPES[elem])
+            if out.dtype.kind in "iu" and not np.array_equal(out, arr):
+                raise ValueError(f"array values do not fit {elem}")
+            items = out.tolist()
+        return vt.ARRAY, items, vt[elem.upper()]
+    if type_name not in _SCALAR_DTYPES and type_name != "string":
         raise ValueError(f"unknown metadata type {type_name!r}")
-    if type_name == "bool":
-        return struct.pack("<B", 1 if value else 0)
+    if type_name in ("string", "bool"):
+        return vt[type_name.upper()], value if type_name == "string" else bool(value), None
     dtype = _SCALAR_DTYPES[type_name]
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         if not info.min <= int(value) <= info.max:
             raise ValueError(f"{value} does not fit {type_name}")
-        return np.array(int(value), dtype=dtype).tobytes()
-    return np.array(value, dtype=dtype).tobytes()
-
-
-def encode_kv(key: str, value: Any) -> bytes:
-    """One metadata entry: key, value type, value."""
-    type_name = _infer_type(value)
-    return (
-        _encode_string(key)
-        + struct.pack("<I", VALUE_TYPES[type_name])
-        + _encode_value(
-            type_name, value.value if isinstance(value, Typed) else value, _elem_type(value)
-        )
-    )
-
-
-def _elem_type(value: Any) -> str | None:
-    return value.elem_type if isinstance(value, Typed) else None
+        return vt[type_name.upper()], int(value), None
+    return vt[type_name.upper()], float(value), None
 
 
 def _encode_tensor(t: Tensor, shape: list[int], nbytes: int) -> np.ndarray:
@@ -537,12 +429,14 @@ def write_gguf(
     tensors: Iterable[Tensor | tuple],
     alignment: int | None = None,
 ) -> None:
-    """Writes a little-endian GGUF v3 file.
+    """Writes a little-endian GGUF v3 file with gguf-py's GGUFWriter.
 
     metadata maps keys to values; types are inferred (int -> uint32/int32/uint64/int64 by range,
     float -> float32, str, bool, lists -> arrays) unless given with Typed. tensors are Tensor
-    objects or (name, data, type[, shape]) tuples, written in order.
+    objects or (name, data, type[, shape]) tuples, written in order, one at a time (lazy data is
+    produced only when its tensor is written).
     """
+    gguf = _gguf()
     metadata = dict(metadata)
     if alignment is None:
         a = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -556,31 +450,36 @@ def write_gguf(
     names = [t.name for t in specs]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names")
-
-    header = bytearray(GGUF_MAGIC)
-    header += struct.pack("<IQQ", GGUF_VERSION, len(specs), len(metadata))
-    for key, value in metadata.items():
-        header += encode_kv(key, value)
     layout = []
-    offset = 0
     for t in specs:
         shape = t.resolved_shape()
         if not 1 <= len(shape) <= 4:
             raise ValueError(f"tensor {t.name!r}: {len(shape)} dimensions, expected 1 to 4")
-        nbytes = tensor_nbytes(t.type, shape)
-        header += _encode_string(t.name)
-        header += struct.pack(
-            f"<I{len(shape)}QIQ", len(shape), *shape, ggml_type(t.type).id, offset
-        )
-        layout.append((t, shape, nbytes))
-        offset += -(-nbytes // alignment) * alignment
+        layout.append((t, shape, tensor_nbytes(t.type, shape)))
+    entries = [(key, _value_for_writer(_infer_type(v), v)) for key, v in metadata.items()]
 
-    with open(path, "wb") as f:
-        f.write(header)
-        f.write(b"\0" * (-len(header) % alignment))
+    w = _Writer()(os.fspath(path), arch="")
+    # The writer names an architecture itself; the metadata given is what the file holds.
+    w.kv_data[0].clear()
+    w.data_alignment = alignment
+    for key, (vtype, value, sub_type) in entries:
+        w.add_key_value(key, value, vtype, sub_type=sub_type)
+    for t, shape, nbytes in layout:
+        w.add_tensor_info(
+            t.name,
+            list(reversed(shape)),
+            np.dtype(np.float32),
+            nbytes,
+            raw_dtype=gguf.GGMLQuantizationType(ggml_type(t.type).id),
+        )
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
         for t, shape, nbytes in layout:
-            f.write(memoryview(_encode_tensor(t, shape, nbytes)))
-            f.write(b"\0" * (-nbytes % alignment))
+            w.write_tensor_data(_encode_tensor(t, shape, nbytes))
+    finally:
+        w.close()
 
 
 # ---------------------------------------------------------------------------------------------
