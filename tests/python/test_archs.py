@@ -531,3 +531,12 @@ def test_matches_llamacpp(tmp_path, device):
         agree += int(np.sum(got.argmax(1) == want.argmax(1)))
         total += len(PROMPT)
     assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("key", ["rope.freq_base", "attention.layer_norm_rms_epsilon"])
+def test_non_finite_or_non_positive_hyperparameters_are_refused(tmp_path, key, value):
+    # ggml refuses such files too; loaded, they would give NaN logits.
+    _refused(
+        tmp_path, "llama", f"{key}: expected a finite positive", meta={key: ("float32", value)}
+    )
