@@ -5,71 +5,15 @@ import threading
 
 import numpy as np
 import pytest
+from capi import Params, Sampling, load_library
+from capi import ids as _ids
 
 import ggraph
 
 
-class Params(ctypes.Structure):
-    _fields_ = [
-        ("device", ctypes.c_char_p),
-        ("n_ctx", ctypes.c_int),
-        ("n_threads", ctypes.c_int),
-        ("cuda_graphs", ctypes.c_char_p),
-    ]
-
-
-class Sampling(ctypes.Structure):
-    _fields_ = [
-        ("temperature", ctypes.c_float),
-        ("top_k", ctypes.c_int32),
-        ("top_p", ctypes.c_float),
-        ("min_p", ctypes.c_float),
-        ("repeat_penalty", ctypes.c_float),
-        ("seed", ctypes.c_uint64),
-    ]
-
-
 @pytest.fixture(scope="module")
 def lib():
-    try:
-        path = ggraph.c_library_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    lib = ctypes.CDLL(path)
-    lib.ggraph_load.restype = ctypes.c_void_p
-    lib.ggraph_load.argtypes = [
-        ctypes.c_char_p,
-        ctypes.POINTER(Params),
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-    ]
-    lib.ggraph_last_error.restype = ctypes.c_char_p
-    lib.ggraph_last_error.argtypes = [ctypes.c_void_p]
-    for name in ("ggraph_n_vocab", "ggraph_n_past", "ggraph_n_ctx"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-    lib.ggraph_eval.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_float),
-    ]
-    lib.ggraph_sample.argtypes = [ctypes.c_void_p, ctypes.POINTER(Sampling)]
-    lib.ggraph_tokenize.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_int32,
-    ]
-    lib.ggraph_free.argtypes = [ctypes.c_void_p]
-    lib.ggraph_reset.argtypes = [ctypes.c_void_p]
-    return lib
-
-
-def _ids(values):
-    return (ctypes.c_int32 * len(values))(*values)
+    return load_library()
 
 
 def test_c_api_eval_matches_python_and_refuses_bad_input(lib, tiny_model):
@@ -189,7 +133,6 @@ def test_c_api_refuses_unknown_options(lib, tiny_model):
 
 
 def test_c_api_cancel_stops_a_long_input_from_another_thread(lib, smollm2):
-    lib.ggraph_cancel.argtypes = [ctypes.c_void_p]
     m, err = _load(lib, smollm2, n_ctx=2048)
     assert m, err
     try:

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from capi import STEP, GenParams, load_library
 
 import ggraph
 
@@ -60,71 +61,9 @@ def test_cancel_ends_a_generation_at_its_next_token(tiny_model):
     assert "".join(m.generate([1, 2, 3], max_tokens=4, temperature=0))
 
 
-class GenParams(ctypes.Structure):
-    _fields_ = [
-        ("size", ctypes.c_size_t),
-        ("max_tokens", ctypes.c_int32),
-        ("temperature", ctypes.c_float),
-        ("top_k", ctypes.c_int32),
-        ("top_p", ctypes.c_float),
-        ("min_p", ctypes.c_float),
-        ("repeat_penalty", ctypes.c_float),
-        ("frequency_penalty", ctypes.c_float),
-        ("presence_penalty", ctypes.c_float),
-        ("penalty_last_n", ctypes.c_int32),
-        ("seed", ctypes.c_uint64),
-        ("stop", ctypes.POINTER(ctypes.c_char_p)),
-        ("n_stop", ctypes.c_size_t),
-        ("top_logprobs", ctypes.c_int32),
-    ]
-
-
-class TokLp(ctypes.Structure):
-    _fields_ = [("token", ctypes.c_int32), ("logprob", ctypes.c_float)]
-
-
-STEP = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.POINTER(ctypes.c_char),
-    ctypes.c_size_t,
-    ctypes.c_int32,
-    ctypes.c_float,
-    ctypes.POINTER(TokLp),
-    ctypes.c_int32,
-    ctypes.c_void_p,
-)
-
-
 @pytest.fixture(scope="module")
 def capi(tiny_model):
-    try:
-        lib = ctypes.CDLL(ggraph.c_library_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    lib.ggraph_load.restype = ctypes.c_void_p
-    lib.ggraph_load.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-    lib.ggraph_default_generate_params.restype = GenParams
-    lib.ggraph_generate.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_size_t,
-        ctypes.POINTER(GenParams),
-        STEP,
-        ctypes.c_void_p,
-    ]
-    lib.ggraph_detokenize.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int32,
-    ]
-    lib.ggraph_rewind.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    lib.ggraph_n_past.argtypes = [ctypes.c_void_p]
-    lib.ggraph_last_error.restype = ctypes.c_char_p
-    lib.ggraph_last_error.argtypes = [ctypes.c_void_p]
-    lib.ggraph_free.argtypes = [ctypes.c_void_p]
+    lib = load_library()
     err = ctypes.create_string_buffer(256)
     model = lib.ggraph_load(tiny_model.encode(), None, err, 256)
     assert model, err.value

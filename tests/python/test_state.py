@@ -5,6 +5,7 @@ import ctypes
 
 import numpy as np
 import pytest
+from capi import load_library
 from conftest import cuda_available
 
 import ggraph
@@ -68,23 +69,7 @@ def test_a_state_stays_on_its_kind_of_device(tiny_model):
 
 
 def test_c_api_state_round_trip(tiny_model):
-    try:
-        lib = ctypes.CDLL(ggraph.c_library_path())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    lib.ggraph_load.restype = ctypes.c_void_p
-    lib.ggraph_load.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-    lib.ggraph_save_state.restype = ctypes.c_int64
-    lib.ggraph_save_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    lib.ggraph_load_state.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    lib.ggraph_eval.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_float),
-    ]
-    lib.ggraph_n_past.argtypes = [ctypes.c_void_p]
-    lib.ggraph_free.argtypes = [ctypes.c_void_p]
+    lib = load_library()
     err = ctypes.create_string_buffer(256)
     m = lib.ggraph_load(tiny_model.encode(), None, err, 256)
     assert m, err.value
