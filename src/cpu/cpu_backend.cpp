@@ -50,6 +50,69 @@ __attribute__((target_clones("avx2", "default"))) void axpy(float* y, float w, c
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
+// s[i] = exp(s[i] - m) for the s[i] <= m of a softmax, and their sum, in lanes of 8 (the same
+// bits whichever clone runs). exp is 2^t with t = x log2(e) split into an integer and a fraction
+// whose 2^f is a degree-6 polynomial (relative error below 2e-7); inputs below -87 give 0. The
+// C library's exp, one call a score, was most of the time of attention at depth.
+__attribute__((target_clones("avx2", "default"))) float softmax_exp(float* s, int64_t n, float m) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  auto one = [m](float v) {
+    const float x = std::max(v - m, -87.0f);
+    const float t = x * 1.4426950408889634f;
+    const float fl = std::floor(t);
+    const float f = t - fl;
+    const float p =
+        1.0f + f * (0.6931471825f +
+                    f * (0.2402264923f +
+                         f * (0.0555041087f +
+                              f * (0.0096181291f + f * (0.0013333558f + f * 0.0001540353f)))));
+    const int32_t e = static_cast<int32_t>(fl) + 127;
+    uint32_t bits = static_cast<uint32_t>(e) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return v - m < -87.0f ? 0.0f : p * scale;
+  };
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += (s[i + j] = one(s[i + j]));
+  for (; i < n; ++i) acc[0] += (s[i] = one(s[i]));
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// One chunk of attention over an F32 cache for the `group` query heads q (group x hd) that share
+// a KV head: scores of keys lo..hi-1 (K rows at k, stride ks floats; V rows likewise), their
+// max and exp-sum per head, and the exp-weighted sum of V rows in acc (group x hd). One function,
+// so that the per-key loops vectorize whole; lane-wise sums keep the bits clone-independent.
+__attribute__((target_clones("avx2", "default"))) void attn_chunk(
+    const float* q, int group, int hd, const float* k, int64_t ks, const float* v, int64_t vs,
+    int lo, int hi, float scale, float* scores, float* mx, float* sum, float* acc) {
+  const int n = hi - lo;
+  for (int g = 0; g < group; ++g) mx[g] = -INFINITY;
+  for (int p = lo; p < hi; ++p) {
+    const float* kr = k + int64_t(p) * ks;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q + g * hd;
+      float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int d = 0;
+      for (; d + 8 <= hd; d += 8)
+        for (int j = 0; j < 8; ++j) l[j] += qg[d + j] * kr[d + j];
+      for (; d < hd; ++d) l[0] += qg[d] * kr[d];
+      const float sc = (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) * scale;
+      scores[g * n + (p - lo)] = sc;
+      mx[g] = std::max(mx[g], sc);
+    }
+  }
+  for (int g = 0; g < group; ++g) sum[g] = softmax_exp(scores + g * n, n, mx[g]);
+  for (int p = lo; p < hi; ++p) {
+    const float* vr = v + int64_t(p) * vs;
+    for (int g = 0; g < group; ++g) {
+      const float w = scores[g * n + (p - lo)];
+      float* ag = acc + g * hd;
+      for (int d = 0; d < hd; ++d) ag[d] += w * vr[d];
+    }
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n_threads) : pool_(n_threads) {}
@@ -323,6 +386,13 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // A task is one token, one KV head and one chunk of kAttnChunk keys: the query heads that
+  // share the KV head (GQA) read each key and value row once together, and a decode step at
+  // depth spreads over the threads by chunks. Each chunk keeps its softmax max, sum and weighted
+  // values; the chunks merge afterwards (log-sum-exp). The split depends on the lengths alone,
+  // never on the thread count, so the result is the same bits whatever the threads.
+  static constexpr int kAttnChunk = 256;
+
   void attention(const Tensor* t) {
     const Tensor* q = t->src[0];
     const Tensor* kc = t->src[1];
@@ -332,53 +402,106 @@ class CpuBackend final : public Backend {
     const float scale = t->param_f(kAttnScale);
     const int n_kv = t->kv[kAttnNKv], first_pos = t->kv[kAttnFirstPos];
     const int window = t->params[kAttnWindow];
-    const int64_t n_tok = q->ne[1];
+    const int n_tok = int(q->ne[1]);
     const int group = n_head / n_head_kv;
     const float* qd = f32(q);
     float* out = f32(t);
     const bool f32_cache = kc->type == DType::F32;
-    std::function<void(int)> body = [&](int task) {
-      const int64_t j = task / n_head;
-      const int h = task % n_head, hk = h / group;
-      const int len = std::min<int>(n_kv, first_pos + int(j) + 1);
+    const int n_chunks = std::max(1, (n_kv + kAttnChunk - 1) / kAttnChunk);
+    // Per (token, head, chunk): max, sum, then hd weighted values (only with several chunks).
+    const size_t part = size_t(hd) + 2;
+    if (n_chunks > 1) attn_parts_.resize(size_t(n_tok) * n_head * n_chunks * part);
+    auto keys = [&](int j, int* start, int* len) {
+      *len = std::min(n_kv, first_pos + j + 1);
       // Keys before `start` are outside the window: never read.
-      const int start = window > 0 ? std::max(0, first_pos + int(j) + 1 - window) : 0;
-      thread_local std::vector<float> scores, krow, vrow;
-      scores.resize(len);
+      *start = window > 0 ? std::max(0, first_pos + j + 1 - window) : 0;
+    };
+    std::function<void(int)> body = [&](int task) {
+      const int c = task % n_chunks;
+      const int hk = task / n_chunks % n_head_kv;
+      const int j = task / n_chunks / n_head_kv;
+      int start, len;
+      keys(j, &start, &len);
+      const int lo = std::max(start, c * kAttnChunk), hi = std::min(len, (c + 1) * kAttnChunk);
+      thread_local std::vector<float> scores, krow, vrow, acc;
+      const int n = std::max(0, hi - lo);
+      scores.resize(size_t(group) * std::max(n, 1));
+      acc.assign(size_t(group) * hd, 0.0f);
       krow.resize(hd);
       vrow.resize(hd);
-      const float* qr = qd + j * q->ne[0] + h * hd;
-      float* o = out + j * t->ne[0] + h * hd;
-      float max_s = -INFINITY;
-      for (int p = start; p < len; ++p) {
+      const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
+      thread_local std::vector<float> mx, sum;
+      mx.assign(group, -INFINITY);
+      sum.assign(group, 0.0f);
+      if (f32_cache && n > 0) {
+        const float* kb = reinterpret_cast<const float*>(ptr(kc)) + int64_t(hk) * hd;
+        const float* vb = reinterpret_cast<const float*>(ptr(vc)) + int64_t(hk) * hd;
+        attn_chunk(qr, group, hd, kb, kc->nb[1] / 4, vb, vc->nb[1] / 4, lo, hi, scale,
+                   scores.data(), mx.data(), sum.data(), acc.data());
+      }
+      for (int p = lo; p < hi && !f32_cache; ++p) {
         const uint8_t* kp = ptr(kc) + size_t(p) * kc->nb[1] + size_t(hk) * hd * kc->nb[0];
         const float* kr = reinterpret_cast<const float*>(kp);
         if (!f32_cache) {
           dequantize_row(kc->type, kp, krow.data(), hd);
           kr = krow.data();
         }
-        scores[p] = dot_f32(qr, kr, hd) * scale;
-        max_s = std::max(max_s, scores[p]);
+        for (int g = 0; g < group; ++g) {
+          const float s = dot_f32(qr + g * hd, kr, hd) * scale;
+          scores[size_t(g) * n + (p - lo)] = s;
+          mx[g] = std::max(mx[g], s);
+        }
       }
-      double sum = 0;
-      for (int p = start; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - max_s);
-        sum += scores[p];
-      }
-      std::fill(o, o + hd, 0.0f);
-      for (int p = start; p < len; ++p) {
+      if (!f32_cache)
+        for (int g = 0; g < group; ++g)
+          sum[g] = softmax_exp(scores.data() + size_t(g) * n, n, mx[g]);
+      for (int p = lo; p < hi && !f32_cache; ++p) {
         const uint8_t* vp = ptr(vc) + size_t(p) * vc->nb[1] + size_t(hk) * hd * vc->nb[0];
         const float* vr = reinterpret_cast<const float*>(vp);
         if (!f32_cache) {
           dequantize_row(vc->type, vp, vrow.data(), hd);
           vr = vrow.data();
         }
-        axpy(o, scores[p], vr, hd);
+        for (int g = 0; g < group; ++g)
+          axpy(acc.data() + g * hd, scores[size_t(g) * n + (p - lo)], vr, hd);
       }
-      const float inv = float(1.0 / sum);
+      for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        if (n_chunks == 1) {
+          float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
+          const float inv = n > 0 ? 1.0f / sum[g] : 0.0f;
+          for (int d = 0; d < hd; ++d) o[d] = acc[size_t(g) * hd + d] * inv;
+        } else {
+          float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
+          pp[0] = mx[g];
+          pp[1] = sum[g];
+          std::copy(acc.begin() + g * hd, acc.begin() + (g + 1) * hd, pp + 2);
+        }
+      }
+    };
+    pool_.parallel_for(n_tok * n_head_kv * n_chunks, body);
+    if (n_chunks == 1) return;
+    // Merge each head's chunks: weights exp(max_c - max), empty chunks (sum 0) add nothing.
+    std::function<void(int)> merge = [&](int task) {
+      const int j = task / n_head, h = task % n_head;
+      const float* pp = attn_parts_.data() + (size_t(j) * n_head + h) * n_chunks * part;
+      float m = -INFINITY;
+      for (int c = 0; c < n_chunks; ++c)
+        if (pp[c * part + 1] > 0.0f) m = std::max(m, pp[c * part]);
+      float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
+      std::fill(o, o + hd, 0.0f);
+      double total = 0;
+      for (int c = 0; c < n_chunks; ++c) {
+        const float* pc = pp + c * part;
+        if (pc[1] <= 0.0f) continue;
+        const float w = std::exp(pc[0] - m);
+        total += double(pc[1]) * w;
+        axpy(o, w, pc + 2, hd);
+      }
+      const float inv = total > 0 ? float(1.0 / total) : 0.0f;
       for (int d = 0; d < hd; ++d) o[d] *= inv;
     };
-    pool_.parallel_for(int(n_tok * n_head), body);
+    pool_.parallel_for(n_tok * n_head, merge);
   }
 
   ThreadPool pool_;
@@ -386,6 +509,7 @@ class CpuBackend final : public Backend {
   size_t scratch_size_ = 0, input_size_ = 0;
   std::vector<Buffer> kv_;
   std::vector<uint8_t> act_;
+  std::vector<float> attn_parts_;  // attention's per-chunk partial results
 };
 
 }  // namespace

@@ -284,6 +284,12 @@ TEST(CpuOps, AttentionCausalGqaMatchesReference) {
     check_attention(ct, 6, 1, 16, 100, 13, rng);
     check_attention(ct, 8, 1, 256, 3, 4, rng);  // head_dim 256 with 8 query heads a KV head
     check_attention(ct, 4, 1, 128, 9, 2, rng);
+    // Several chunks of 256 keys (split, then merged): decode and short batches at depth, a
+    // window across chunk boundaries, and a window that leaves whole chunks empty.
+    check_attention(ct, 9, 3, 64, 700, 1, rng);
+    check_attention(ct, 8, 2, 32, 600, 3, rng, 300);
+    check_attention(ct, 4, 1, 64, 1000, 2, rng, 100);
+    check_attention(ct, 6, 6, 16, 511, 1, rng);
   }
 }
 
