@@ -1,8 +1,9 @@
 """Test helpers: random-weight llama models and GGUF files, written with gguf-py.
 
-The files are written by gguf-py's GGUFWriter and quantized by its quantizers (the `gguf`
-package: pip install gguf, or the test extra); this module adds typed metadata, lazy tensors
-(large models never sit in memory), random quantized blocks of every weight format (K-quants
+ggraph.testing needs the `gguf` package (gguf-py 0.17 or newer: pip install gguf, or the test
+extra), imported when first needed: its GGUFWriter writes the files and its quantizers encode
+the weights. This module adds typed metadata, lazy tensors (written one at a time, so large
+models never sit in memory), random quantized blocks of every weight format (K-quants
 included) and llama-shaped models with a byte-level BPE vocabulary::
 
     from ggraph.testing import write_random_gguf
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -187,6 +189,9 @@ def dequantize(data: bytes | np.ndarray, type_name: str) -> np.ndarray:
 RANDOM_BLOCK_TYPES = QUANTIZABLE + ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
 WEIGHT_TYPES = RANDOM_BLOCK_TYPES + tuple(MIXES)
+# llama.cpp's fallbacks for K-quant tensors whose rows are not whole 256-element super-blocks
+# (the tiny and SmolLM2 shapes): a type of 32-element blocks with about as many bits.
+K_FALLBACKS = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # K-quant sub-block fields that centre the values on zero, with the spread of one unit of d:
 # (offset, packed bytes, std). Q4_K: scale 8 and minimum 60 (8 * 7.5) for every sub-block, in the
 # 12-byte 6-bit packing; Q5_K: 4 and 62 (4 * 15.5); Q6_K: int8 scales 2 (values 2 (q - 32)).
@@ -334,26 +339,38 @@ def _infer_elem_type(values: Any) -> str:
 
 
 def _gguf():
-    """gguf-py, which writes the files (imported when first needed, so that the quantizers and
-    shapes above work without it)."""
+    """gguf-py, which writes the files and quantizes: imported when first needed, so that the
+    shapes, layouts and random blocks above work without it."""
     try:
         import gguf
     except ImportError:
-        raise ImportError(
-            "ggraph.testing writes GGUF files with the gguf package: pip install gguf"
-        ) from None
+        raise ImportError("ggraph.testing needs the gguf package: pip install gguf") from None
     return gguf
 
 
+class _Array(list):
+    """The items of an array nested in an array, with their own GGUF element type (gguf-py
+    takes an inner array's element type from its first item alone)."""
+
+    def __init__(self, items: Iterable[Any], sub_type: Any):
+        super().__init__(items)
+        self.sub_type = sub_type
+
+
+@functools.cache
 def _Writer():  # noqa: N802 - returns a class
-    """GGUFWriter that also writes empty arrays (legal GGUF, which gguf-py refuses to write)."""
+    """GGUFWriter that also writes empty arrays (legal GGUF, which gguf-py refuses to write)
+    and arrays nested in arrays with their own element types."""
     gguf = _gguf()
 
     class Writer(gguf.GGUFWriter):
         def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
-                head = self._pack("I", vtype) if add_vtype else b""
-                return bytes(head + self._pack("I", sub_type) + self._pack("Q", 0))
+            if vtype == gguf.GGUFValueType.ARRAY:
+                if isinstance(val, _Array):
+                    sub_type = val.sub_type
+                if len(val) == 0 and sub_type is not None:
+                    head = self._pack("I", vtype) if add_vtype else b""
+                    return bytes(head + self._pack("I", sub_type) + self._pack("Q", 0))
             return super()._pack_val(val, vtype, add_vtype, sub_type)
 
     return Writer
@@ -371,7 +388,7 @@ def _value_for_writer(type_name: str, value: Any, elem_type: str | None = None):
         if elem not in VALUE_TYPES:
             raise ValueError(f"unknown array element type {elem!r}")
         if elem == "array":
-            items = [list(v) for v in value]
+            items = [_Array(*_value_for_writer("array", v)[1:]) for v in value]
         elif elem == "string":
             items = [v if isinstance(v, (str, bytes)) else str(v) for v in value]
         elif elem == "bool":
@@ -393,7 +410,8 @@ def _value_for_writer(type_name: str, value: Any, elem_type: str | None = None):
         if not info.min <= int(value) <= info.max:
             raise ValueError(f"{value} does not fit {type_name}")
         return vt[type_name.upper()], int(value), None
-    return vt[type_name.upper()], float(value), None
+    # Rounded by numpy as before: a value beyond the float32 range is stored as infinity.
+    return vt[type_name.upper()], float(dtype.type(value)), None
 
 
 def _encode_tensor(t: Tensor, shape: list[int], nbytes: int) -> np.ndarray:
@@ -435,6 +453,9 @@ def write_gguf(
     float -> float32, str, bool, lists -> arrays) unless given with Typed. tensors are Tensor
     objects or (name, data, type[, shape]) tuples, written in order, one at a time (lazy data is
     produced only when its tensor is written).
+
+    This is the module's only writer: tests that need malformed files (bad offsets, keys or
+    names) patch the bytes of a file written here, so no raw encoder is kept beside GGUFWriter.
     """
     gguf = _gguf()
     metadata = dict(metadata)
@@ -630,7 +651,11 @@ def llama_metadata(shape: ModelShape, name: str, weight_type: str) -> dict[str, 
 
 
 def llama_tensor_layout(shape: ModelShape) -> list[tuple[str, str, list[int]]]:
-    """(name, ggml type, GGUF shape) of every tensor of a llama model, in llama.cpp's order."""
+    """(name, ggml type, GGUF shape) of every tensor of a llama model, in llama.cpp's order.
+
+    K-quant tensors with rows that are not a multiple of 256 get the type of K_FALLBACKS, as
+    llama.cpp's quantizer gives them (Q4_K_M on the tiny shape: Q5_0 and Q8_0).
+    """
     e, f, kv, v = shape.n_embd, shape.n_ff, shape.n_embd_kv, shape.n_vocab
     w, w_more = MIXES.get(shape.weight_type, (shape.weight_type, shape.weight_type))
     layout = [("token_embd.weight", shape.embd_type or w, [e, v])]
@@ -650,7 +675,10 @@ def llama_tensor_layout(shape: ModelShape) -> list[tuple[str, str, list[int]]]:
     layout.append(("output_norm.weight", "F32", [e]))
     if not shape.tied:
         layout.append(("output.weight", shape.output_type or w_more, [e, v]))
-    return layout
+    return [
+        (name, K_FALLBACKS.get(ggml_type(t).name, t) if s[0] % 256 else t, s)
+        for name, t, s in layout
+    ]
 
 
 def resolve_shape(
