@@ -1,6 +1,8 @@
-"""llama-bench-style throughput: pp (prompt processing) and tg (token generation) in tokens/s.
+"""llama-bench-style throughput: pp (prompt processing) and tg (token generation) in tokens/s,
+optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096").
 
-python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [--device cuda] [--cuda-graphs off,patch]
+python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
+    [--cuda-graphs off,patch]
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ import time
 import numpy as np
 
 
-def _time_pp(model, n_prompt, rng):
+def _time_pp(model, n_prompt, rng, depth=0):
     tokens = rng.integers(0, model.n_vocab, size=n_prompt).tolist()
-    model.reset()
+    model.rewind(depth)
     t0 = time.perf_counter()
     model.eval(tokens)
     return time.perf_counter() - t0
 
 
-def _time_tg(model, n_gen, rng):
+def _time_tg(model, n_gen, rng, depth=0):
     tokens = rng.integers(0, model.n_vocab, size=n_gen).tolist()
-    model.reset()
+    model.rewind(depth)
     t0 = time.perf_counter()
     for t in tokens:
         model.eval([t])
@@ -33,30 +35,48 @@ def _time_tg(model, n_gen, rng):
 
 
 def run_bench(
-    path, n_prompt=512, n_gen=128, reps=5, device="auto", modes=("patch",), n_threads=None, seed=0
+    path,
+    n_prompt=512,
+    n_gen=128,
+    reps=5,
+    device="auto",
+    modes=("patch",),
+    n_threads=None,
+    seed=0,
+    depths=(0,),
 ):
-    """Returns one result dict per (mode, test)."""
+    """Returns one result dict per (mode, depth, test)."""
     from ggraph.model import Model
 
+    if any(d < 0 for d in depths):
+        raise ValueError(f"depths must be >= 0, got {list(depths)}")
     rows = []
     for mode in modes:
         model = Model(
             path,
             device=device,
-            n_ctx=max(n_prompt, n_gen) + 16,
+            n_ctx=max(n_prompt, n_gen) + max(depths) + 16,
             n_threads=n_threads,
             cuda_graphs=mode,
         )
         rng = np.random.default_rng(seed)
         tests = []
-        if n_prompt > 0:
-            tests.append((f"pp{n_prompt}", n_prompt, _time_pp))
-        if n_gen > 0:
-            tests.append((f"tg{n_gen}", n_gen, _time_tg))
-        for name, n, fn in tests:
-            fn(model, min(n, 16), rng)  # warm-up: first use, capture of the graphs
+        for depth in depths:
+            at = f" @ d{depth}" if depth else ""
+            if n_prompt > 0:
+                tests.append((f"pp{n_prompt}{at}", n_prompt, _time_pp, depth))
+            if n_gen > 0:
+                tests.append((f"tg{n_gen}{at}", n_gen, _time_tg, depth))
+        for name, n, fn, depth in tests:
+            # The context of `depth` tokens, evaluated once; each run starts from it.
+            if depth != getattr(model, "_bench_depth", None):
+                model.reset()
+                if depth:
+                    model.eval(rng.integers(0, model.n_vocab, size=depth).tolist())
+                model._bench_depth = depth
+            fn(model, min(n, 16), rng, depth)  # warm-up: first use, capture of the graphs
             model.reset_graph_stats()
-            times = [fn(model, n, rng) for _ in range(reps)]
+            times = [fn(model, n, rng, depth) for _ in range(reps)]
             stats = model.graph_stats
             rates = [n / t for t in times]
             row = {
@@ -103,6 +123,9 @@ def add_arguments(p):
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument(
+        "-d", "--n-depth", default="0", help="comma-separated context depths to test at (0,4096)"
+    )
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument(
@@ -116,8 +139,19 @@ def main_args(args):
 
     path = args.model or default_model_path()
     modes = [m.strip() for m in args.cuda_graphs.split(",") if m.strip()]
+    try:
+        depths = [int(d) for d in str(args.n_depth).split(",") if d.strip()] or [0]
+    except ValueError:
+        raise ValueError(f"-d: expected comma-separated integers, got {args.n_depth!r}") from None
     rows = run_bench(
-        path, args.n_prompt, args.n_gen, args.repetitions, args.device, modes, args.threads
+        path,
+        args.n_prompt,
+        args.n_gen,
+        args.repetitions,
+        args.device,
+        modes,
+        args.threads,
+        depths=depths,
     )
     print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
     return 0

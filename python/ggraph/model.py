@@ -327,6 +327,13 @@ class Model:
             self._ctx.load_state(state)
             self._last_logits = None
 
+    def rewind(self, n: int) -> None:
+        """Keeps the first n tokens of the context and forgets the rest."""
+        with self._lock:
+            self._epoch += 1
+            self._ctx.rewind(int(n))
+            self._last_logits = None
+
     def cancel(self) -> None:
         """Stops the eval in progress (a long prompt) before its next chunk of n_batch tokens,
         from any thread, without waiting for the model's lock; the stopped call raises

@@ -124,3 +124,40 @@ def test_version():
     r = ggraph_cmd("--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"ggraph {ggraph.__version__} (")
+
+
+def test_bench_at_depth(tiny_model):
+    r = ggraph_cmd(
+        "bench",
+        "-m",
+        tiny_model,
+        "-p",
+        "16",
+        "-n",
+        "8",
+        "-r",
+        "2",
+        "-d",
+        "0,100",
+        "--device",
+        "cpu",
+    )
+    assert r.returncode == 0, r.stderr
+    tests = [line.split("|")[5].strip() for line in r.stdout.splitlines()[2:]]
+    assert tests == ["pp16", "tg8", "pp16 @ d100", "tg8 @ d100"]
+    bad = ggraph_cmd("bench", "-m", tiny_model, "-d", "x", "--device", "cpu")
+    assert bad.returncode == 1 and "-d" in bad.stderr
+
+
+def test_rewind_keeps_a_prefix(tiny_model):
+    import ggraph
+
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    full = m.eval([1, 2, 3, 4])
+    m.eval([5])
+    m.rewind(4)
+    assert m.n_past == 4 and m._tokens == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        m.rewind(9)
+    m.rewind(3)
+    np.testing.assert_allclose(m.eval([4]), full, rtol=1e-5, atol=1e-5)
