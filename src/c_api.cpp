@@ -209,9 +209,7 @@ int32_t ggraph_tokenize(ggraph_model* m, const char* text, size_t len, int add_b
 int32_t ggraph_token_to_piece(ggraph_model* m, int32_t token, char* buf, int32_t size) {
   return guarded(m, [&] {
     const auto& tok = m->ctx->tokenizer();
-    if (token < 0 || token >= tok.n_vocab())
-      throw ggraph::ArgumentError("ggraph_token_to_piece: token id " + std::to_string(token) +
-                                  " is outside [0, " + std::to_string(tok.n_vocab()) + ")");
+    ggraph::check_token_ids(&token, 1, tok.n_vocab(), "ggraph_token_to_piece");
     const std::string piece = tok.token_to_piece(token);
     if (buf && int64_t(piece.size()) <= size) std::memcpy(buf, piece.data(), piece.size());
     return int(piece.size());
@@ -309,12 +307,7 @@ int32_t ggraph_detokenize(ggraph_model* m, const int32_t* tokens, size_t n, int 
       throw ggraph::ArgumentError("ggraph_detokenize: size must be >= 0, got " +
                                   std::to_string(size));
     const auto& tok = m->ctx->tokenizer();
-    for (size_t i = 0; i < n; ++i) {
-      if (tokens[i] < 0 || tokens[i] >= tok.n_vocab())
-        throw ggraph::ArgumentError("ggraph_detokenize: token id " + std::to_string(tokens[i]) +
-                                    " at index " + std::to_string(i) + " is outside [0, " +
-                                    std::to_string(tok.n_vocab()) + ")");
-    }
+    ggraph::check_token_ids(tokens, n, tok.n_vocab(), "ggraph_detokenize");
     const std::string text =
         tok.detokenize(std::vector<int32_t>(tokens, tokens + n), render_special != 0);
     if (text.size() > size_t(INT32_MAX))

@@ -142,11 +142,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
                                  const std::function<bool()>& interrupted) {
   if (n == 0) throw ArgumentError("eval: the token list is empty");
   const int n_vocab = model_->n_vocab;
-  for (size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= n_vocab)
-      throw ArgumentError("eval: token id " + std::to_string(tokens[i]) + " at index " +
-                          std::to_string(i) + " is outside [0, " + std::to_string(n_vocab) + ")");
-  }
+  check_token_ids(tokens, n, n_vocab, "eval");
   if (size_t(n_past_) + n > size_t(n_ctx_))
     throw ArgumentError("eval: " + std::to_string(n) +
                         " tokens do not fit the context: " + std::to_string(n_past_) + " of " +
@@ -267,11 +263,7 @@ void Context::load_state(const uint8_t* data, size_t size) {
                         std::to_string(h.n_past) + " tokens takes " + std::to_string(expected));
   std::vector<int32_t> tokens(h.n_past);
   std::memcpy(tokens.data(), data + sizeof h, size_t(h.n_past) * sizeof(int32_t));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= model_->n_vocab)
-      throw ArgumentError("load_state: token id " + std::to_string(tokens[i]) + " at position " +
-                          std::to_string(i) + " is outside the vocabulary");
-  }
+  check_token_ids(tokens.data(), tokens.size(), model_->n_vocab, "load_state");
   const uint8_t* p = data + sizeof h + size_t(h.n_past) * sizeof(int32_t);
   try {
     for (int l = 0; l < kv_.n_layer; ++l) {
@@ -289,12 +281,7 @@ void Context::load_state(const uint8_t* data, size_t size) {
 
 std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
   if (n == 0) throw ArgumentError("embed: the token list is empty");
-  for (size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= model_->n_vocab)
-      throw ArgumentError("embed: token id " + std::to_string(tokens[i]) + " at index " +
-                          std::to_string(i) + " is outside [0, " + std::to_string(model_->n_vocab) +
-                          ")");
-  }
+  check_token_ids(tokens, n, model_->n_vocab, "embed");
   if (n > size_t(n_batch_))
     throw ArgumentError("embed: " + std::to_string(n) + " tokens; one call takes at most " +
                         std::to_string(n_batch_) + " (n_batch)");

@@ -63,12 +63,7 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
       sampler_(opt_.sampling),
       decoder_(ctx.tokenizer()) {
   if (prompt_.empty()) throw ArgumentError("generate: the prompt is empty");
-  for (size_t i = 0; i < prompt_.size(); ++i) {
-    if (prompt_[i] < 0 || prompt_[i] >= ctx.n_vocab())
-      throw ArgumentError("generate: token id " + std::to_string(prompt_[i]) + " at position " +
-                          std::to_string(i) + " is outside the vocabulary [0, " +
-                          std::to_string(ctx.n_vocab()) + ")");
-  }
+  check_token_ids(prompt_.data(), prompt_.size(), ctx.n_vocab(), "generate");
   if (prompt_.size() >= size_t(ctx.n_ctx()))
     throw ArgumentError("generate: the prompt has " + std::to_string(prompt_.size()) +
                         " tokens; the context holds " + std::to_string(ctx.n_ctx()));

@@ -105,10 +105,7 @@ std::vector<int32_t> tokenize(const Tokenizer& tok, const std::string& text, py:
 
 std::string detokenize(const Tokenizer& tok, const py::handle& ids, bool render_special) {
   std::vector<int32_t> v = to_ids(ids, "detokenize");
-  for (int32_t id : v)
-    if (id < 0 || id >= tok.n_vocab())
-      throw ArgumentError("detokenize: token id " + std::to_string(id) + " is outside [0, " +
-                          std::to_string(tok.n_vocab()) + ")");
+  check_token_ids(v.data(), v.size(), tok.n_vocab(), "detokenize");
   return tok.detokenize(v, render_special);
 }
 
@@ -178,9 +175,7 @@ void bind_text(Cls& cls, GetTokenizer tok) {
           "token_to_piece",
           [tok](const T& o, int32_t id, bool render_special) {
             const Tokenizer& t = tok(o);
-            if (id < 0 || id >= t.n_vocab())
-              throw ArgumentError("token id " + std::to_string(id) + " is outside [0, " +
-                                  std::to_string(t.n_vocab()) + ")");
+            check_token_ids(&id, 1, t.n_vocab(), "token_to_piece");
             return py::bytes(t.token_to_piece(id, render_special));
           },
           py::arg("id"), py::arg("render_special") = false)
@@ -355,14 +350,14 @@ PYBIND11_MODULE(_core, m) {
   // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
   // for each step, None once the generation is over.
   py::class_<Generation>(m, "Generation")
-      .def(py::init([](Context& c, std::vector<int32_t> prompt, int max_tokens,
+      .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
                        std::vector<std::string> stop, int top_logprobs, const py::kwargs& kw) {
              GenerateOptions o;
              o.max_tokens = max_tokens;
              o.stop = std::move(stop);
              o.top_logprobs = top_logprobs;
              o.sampling = sampling_params(kw, "generate");
-             return std::make_unique<Generation>(c, std::move(prompt), std::move(o));
+             return std::make_unique<Generation>(c, to_ids(prompt, "generate"), std::move(o));
            }),
            py::keep_alive<1, 2>(), py::arg("context"), py::arg("prompt"),
            py::arg("max_tokens") = 128, py::arg("stop") = std::vector<std::string>{},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -219,12 +218,7 @@ class Model:
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
-            cuda_graphs = os.environ.get("GGRAPH_CUDA_GRAPHS", "patch")
-        if cuda_graphs not in ("off", "recapture", "update", "patch"):
-            raise ValueError(
-                "cuda_graphs: expected 'off', 'recapture', 'update' or 'patch', "
-                f"got {cuda_graphs!r}"
-            )
+            cuda_graphs = os.environ.get("GGRAPH_CUDA_GRAPHS", "patch")  # the core checks it
         debug = os.environ.get("GGRAPH_CUDA_GRAPH_DEBUG", "0") not in ("", "0")
         self.path = path
         self._ctx = _core.Context(
@@ -292,7 +286,7 @@ class Model:
         text is evaluated on its own, from position 0; the conversation in the context is kept."""
         if pooling not in ("mean", "last", "none"):
             raise ValueError(f"embed: pooling must be 'mean', 'last' or 'none', got {pooling!r}")
-        ids = self.tokenize(text) if isinstance(text, str) else self._token_ids(text, "embed")
+        ids = self.tokenize(text) if isinstance(text, str) else text
         with self._lock:
             h = self._ctx.embed(ids)
         if pooling == "mean":
@@ -359,33 +353,14 @@ class Model:
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends tokens to the context; returns the last position's logits (n_vocab,), or
         every position's (n_tokens, n_vocab) with all_logits. A refused call changes nothing."""
-        ids = self._token_ids(tokens, "eval")
         with self._lock:
             self._epoch += 1
-            return self._eval(ids, all_logits)
+            return self._eval(tokens, all_logits)
 
-    def _token_ids(self, tokens, what: str) -> list[int]:
-        """tokens (any iterable of integers, read once) as a list of ids in the vocabulary;
-        ValueError before anything changes otherwise."""
-        if isinstance(tokens, (str, bytes)):
-            raise ValueError(f"{what}: expected token ids, got {type(tokens).__name__}")
-        if isinstance(tokens, np.ndarray):
-            tokens = tokens.tolist()
-        try:
-            ids = [operator.index(t) for t in tokens]
-        except TypeError:
-            raise ValueError(f"{what}: token ids must be integers") from None
-        n_vocab = self.n_vocab
-        for i, t in enumerate(ids):
-            if not 0 <= t < n_vocab:
-                raise ValueError(
-                    f"{what}: token id {t} at position {i} is outside the vocabulary [0, {n_vocab})"
-                )
-        return ids
-
-    def _eval(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        # Holding the lock. The context refuses a bad call before it changes anything.
-        logits = self._ctx.eval(ids, all_logits)
+    def _eval(self, tokens, all_logits: bool = False) -> np.ndarray:
+        # Holding the lock. The context reads the ids once (any iterable of integers) and
+        # refuses a bad call before it changes anything.
+        logits = self._ctx.eval(tokens, all_logits)
         self._last_logits = logits if not all_logits else logits[-1]
         return logits
 
@@ -444,10 +419,7 @@ class Model:
         model's logits, and the N most likely tokens with theirs."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_bos, special)
-        else:
-            ids = self._token_ids(prompt, "generate")
+        ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt
         # The generation checks its prompt and options before anything changes (the prefill
         # waits for the first step).
         gen = _core.Generation(
