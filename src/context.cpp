@@ -159,7 +159,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();
-    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out && !step_embeddings_) {
+    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out) {
       step_graph_->shift_kv(n_past - step_n_past_);
       std::iota(in_positions_.begin(), in_positions_.end(), n_past);
     } else {
@@ -171,7 +171,6 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
       step_graph_ = std::move(graph);
       step_tokens_ = chunk;
       step_outputs_ = n_out;
-      step_embeddings_ = false;
     }
     step_n_past_ = n_past;
     std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
@@ -205,11 +204,29 @@ struct StateHeader {
 
 }  // namespace
 
+size_t Context::kv_rows_bytes(size_t n_rows) const {
+  return 2 * size_t(kv_.n_layer) * n_rows * row_size(kv_.type, kv_.width);
+}
+
+void Context::kv_rows_to_host(uint8_t* host, size_t n_rows) const {
+  const size_t rows = n_rows * row_size(kv_.type, kv_.width);
+  for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
+    backend_->kv_to_host(host, kv_.k[size_t(l)], rows);
+    backend_->kv_to_host(host + rows, kv_.v[size_t(l)], rows);
+  }
+}
+
+void Context::kv_rows_from_host(const uint8_t* host, size_t n_rows) {
+  const size_t rows = n_rows * row_size(kv_.type, kv_.width);
+  for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
+    backend_->kv_from_host(kv_.k[size_t(l)], host, rows);
+    backend_->kv_from_host(kv_.v[size_t(l)], host + rows, rows);
+  }
+}
+
 std::vector<uint8_t> Context::save_state() const {
-  const size_t row = row_size(kv_.type, kv_.width);
-  const size_t rows = size_t(n_past_) * row;
   std::vector<uint8_t> out(sizeof(StateHeader) + size_t(n_past_) * sizeof(int32_t) +
-                           2 * size_t(kv_.n_layer) * rows);
+                           kv_rows_bytes(size_t(n_past_)));
   StateHeader h{};
   std::memcpy(h.magic, kStateMagic, 4);
   h.version = kStateVersion;
@@ -222,12 +239,7 @@ std::vector<uint8_t> Context::save_state() const {
   std::memcpy(p, &h, sizeof h);
   p += sizeof h;
   std::memcpy(p, tokens_.data(), size_t(n_past_) * sizeof(int32_t));
-  p += size_t(n_past_) * sizeof(int32_t);
-  for (int l = 0; l < kv_.n_layer; ++l) {
-    backend_->kv_to_host(p, kv_.k[size_t(l)], rows);
-    backend_->kv_to_host(p + rows, kv_.v[size_t(l)], rows);
-    p += 2 * rows;
-  }
+  kv_rows_to_host(p + size_t(n_past_) * sizeof(int32_t), size_t(n_past_));
   return out;
 }
 
@@ -254,23 +266,15 @@ void Context::load_state(const uint8_t* data, size_t size) {
   if (h.n_past > uint32_t(n_ctx_))
     throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
                         " tokens; this context holds " + std::to_string(n_ctx_));
-  const size_t row = row_size(kv_.type, kv_.width);
-  const size_t rows = size_t(h.n_past) * row;
-  const size_t expected =
-      sizeof h + size_t(h.n_past) * sizeof(int32_t) + 2 * size_t(kv_.n_layer) * rows;
+  const size_t expected = sizeof h + size_t(h.n_past) * sizeof(int32_t) + kv_rows_bytes(h.n_past);
   if (size != expected)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
                         std::to_string(h.n_past) + " tokens takes " + std::to_string(expected));
   std::vector<int32_t> tokens(h.n_past);
   std::memcpy(tokens.data(), data + sizeof h, size_t(h.n_past) * sizeof(int32_t));
   check_token_ids(tokens.data(), tokens.size(), model_->n_vocab, "load_state");
-  const uint8_t* p = data + sizeof h + size_t(h.n_past) * sizeof(int32_t);
   try {
-    for (int l = 0; l < kv_.n_layer; ++l) {
-      backend_->kv_from_host(kv_.k[size_t(l)], p, rows);
-      backend_->kv_from_host(kv_.v[size_t(l)], p + rows, rows);
-      p += 2 * rows;
-    }
+    kv_rows_from_host(data + sizeof h + size_t(h.n_past) * sizeof(int32_t), h.n_past);
   } catch (...) {
     reset();  // a device failure half-way: the old rows are gone, so the context is emptied
     throw;
@@ -285,7 +289,11 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
   if (n > size_t(n_batch_))
     throw ArgumentError("embed: " + std::to_string(n) + " tokens; one call takes at most " +
                         std::to_string(n_batch_) + " (n_batch)");
-  const std::vector<uint8_t> saved = save_state();
+  // The graph writes cache rows [0, n): the conversation's rows there are kept aside and put
+  // back, so that its tokens and cache are as they were.
+  const size_t kept = std::min(n, size_t(n_past_));
+  std::vector<uint8_t> saved(kv_rows_bytes(kept));
+  kv_rows_to_host(saved.data(), kept);
   const int n_tok = int(n);
   std::vector<float> out(size_t(model_->n_embd) * n);
   try {
@@ -297,10 +305,10 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
     std::copy(tokens, tokens + n, in_tokens_.begin());
     backend_->compute(graph, out.data());
   } catch (...) {
-    load_state(saved.data(), saved.size());
+    kv_rows_from_host(saved.data(), kept);
     throw;
   }
-  load_state(saved.data(), saved.size());
+  kv_rows_from_host(saved.data(), kept);
   return out;
 }
 

@@ -91,6 +91,11 @@ class Context {
  private:
   void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past,
              bool embeddings = false);
+  // Copies the KV rows of positions [0, n_rows) of every layer, K then V, to or from `host`
+  // (2 * n_layer * n_rows rows).
+  size_t kv_rows_bytes(size_t n_rows) const;
+  void kv_rows_to_host(uint8_t* host, size_t n_rows) const;
+  void kv_rows_from_host(const uint8_t* host, size_t n_rows);
 
   std::unique_ptr<GGUFFile> file_;
   std::unique_ptr<Backend> backend_;
@@ -107,7 +112,6 @@ class Context {
   // new position, instead of building and planning again.
   std::unique_ptr<Graph> step_graph_;
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
-  bool step_embeddings_ = false;
   std::atomic<bool> cancel_{false};
   std::vector<int32_t> tokens_;
   uint64_t fingerprint_ = 0;  // of the model file, for saved states
