@@ -73,6 +73,8 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
   if (opt_.top_logprobs < 0 || opt_.top_logprobs > kMaxTopLogprobs)
     throw ArgumentError("generate: top_logprobs must be 0 to " + std::to_string(kMaxTopLogprobs) +
                         ", got " + std::to_string(opt_.top_logprobs));
+  if (!opt_.logprobs && opt_.top_logprobs > 0)
+    throw ArgumentError("generate: top_logprobs needs logprobs");
   for (const std::string& s : opt_.stop) {
     if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
     hold_ = std::max(hold_, s.size() - 1);
@@ -118,7 +120,12 @@ bool Generation::next(std::string* text, GeneratedToken* token,
   ++n_generated_;
   if (token) {
     token->id = tok;
-    logprobs(logits_, tok, opt_.top_logprobs, token);
+    if (opt_.logprobs) {
+      logprobs(logits_, tok, opt_.top_logprobs, token);
+    } else {
+      token->logprob = NAN;
+      token->top.clear();
+    }
   }
   if (ctx_.tokenizer().is_end_of_generation(tok)) {
     finish(StopReason::kEos, text);

@@ -24,6 +24,9 @@ struct GenerateOptions {
   std::vector<std::string> stop;  // non-empty strings; the text ends before the first found
   SamplingParams sampling;
   int top_logprobs = 0;  // 0 to kMaxTopLogprobs alternatives a step
+  // The sampled token's log-probability (a softmax over the vocabulary each step); without it
+  // GeneratedToken::logprob is NaN and top_logprobs must be 0.
+  bool logprobs = true;
 };
 
 enum class StopReason { kNone, kEos, kStop, kLength, kContextFull, kCancelled };

@@ -351,17 +351,19 @@ PYBIND11_MODULE(_core, m) {
   // for each step, None once the generation is over.
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
-                       std::vector<std::string> stop, int top_logprobs, const py::kwargs& kw) {
+                       std::vector<std::string> stop, bool logprobs, int top_logprobs,
+                       const py::kwargs& kw) {
              GenerateOptions o;
              o.max_tokens = max_tokens;
              o.stop = std::move(stop);
+             o.logprobs = logprobs;
              o.top_logprobs = top_logprobs;
              o.sampling = sampling_params(kw, "generate");
              return std::make_unique<Generation>(c, to_ids(prompt, "generate"), std::move(o));
            }),
            py::keep_alive<1, 2>(), py::arg("context"), py::arg("prompt"),
            py::arg("max_tokens") = 128, py::arg("stop") = std::vector<std::string>{},
-           py::arg("top_logprobs") = 0)
+           py::arg("logprobs") = true, py::arg("top_logprobs") = 0)
       .def("next",
            [](Generation& g) -> py::object {
              std::string text;

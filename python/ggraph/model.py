@@ -411,7 +411,7 @@ class Model:
     ) -> Iterator:
         """Yields text pieces of the continuation of `prompt` (text or token ids). Stops at an
         end-of-generation token, a stop string, max_tokens, or a full context; the reason is
-        left in `stop_reason` ("eos", "stop", "length" or "context_full").
+        left in `stop_reason` ("eos", "stop", "length", "context_full" or "cancelled").
 
         With logprobs=N (0 to 20) it yields a GeneratedToken per sampled token instead: the
         token id, the text that became final with it (held-back text arrives with a later
@@ -427,6 +427,7 @@ class Model:
             ids,
             max_tokens=max_tokens,
             stop=stops,
+            logprobs=logprobs is not None,  # the plain text form skips the softmax a step
             top_logprobs=logprobs or 0,
             **sampling,
         )
