@@ -33,17 +33,6 @@ Buffer alloc_buffer(size_t bytes, const char* what) {
   return Buffer(static_cast<uint8_t*>(p));
 }
 
-// Lane-wise accumulation: the same bits whichever clone runs.
-__attribute__((target_clones("avx2", "default"))) float dot_f32(const float* a, const float* b,
-                                                                int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
 // y += w * x
 __attribute__((target_clones("avx2", "default"))) void axpy(float* y, float w, const float* x,
                                                             int64_t n) {
@@ -79,16 +68,15 @@ __attribute__((target_clones("avx2", "default"))) float softmax_exp(float* s, in
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-// One chunk of attention over an F32 cache for the `group` query heads q (group x hd) that share
-// a KV head: scores of keys lo..hi-1 (K rows at k, stride ks floats; V rows likewise), their
-// max and exp-sum per head, and the exp-weighted sum of V rows in acc (group x hd). One function,
-// so that the per-key loops vectorize whole; lane-wise sums keep the bits clone-independent.
+// One chunk of attention for the `group` query heads q (group x hd) that share a KV head: the
+// scores of n keys (F32 rows from k, stride ks floats; V rows likewise), their max and exp-sum
+// per head, and the exp-weighted sum of V rows in acc (group x hd). One function, so that the
+// per-key loops vectorize whole; lane-wise sums keep the bits clone-independent.
 __attribute__((target_clones("avx2", "default"))) void attn_chunk(
     const float* q, int group, int hd, const float* k, int64_t ks, const float* v, int64_t vs,
-    int lo, int hi, float scale, float* scores, float* mx, float* sum, float* acc) {
-  const int n = hi - lo;
+    int n, float scale, float* scores, float* mx, float* sum, float* acc) {
   for (int g = 0; g < group; ++g) mx[g] = -INFINITY;
-  for (int p = lo; p < hi; ++p) {
+  for (int p = 0; p < n; ++p) {
     const float* kr = k + int64_t(p) * ks;
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * hd;
@@ -98,15 +86,15 @@ __attribute__((target_clones("avx2", "default"))) void attn_chunk(
         for (int j = 0; j < 8; ++j) l[j] += qg[d + j] * kr[d + j];
       for (; d < hd; ++d) l[0] += qg[d] * kr[d];
       const float sc = (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) * scale;
-      scores[g * n + (p - lo)] = sc;
+      scores[g * n + p] = sc;
       mx[g] = std::max(mx[g], sc);
     }
   }
   for (int g = 0; g < group; ++g) sum[g] = softmax_exp(scores + g * n, n, mx[g]);
-  for (int p = lo; p < hi; ++p) {
+  for (int p = 0; p < n; ++p) {
     const float* vr = v + int64_t(p) * vs;
     for (int g = 0; g < group; ++g) {
-      const float w = scores[g * n + (p - lo)];
+      const float w = scores[g * n + p];
       float* ag = acc + g * hd;
       for (int d = 0; d < hd; ++d) ag[d] += w * vr[d];
     }
@@ -423,47 +411,33 @@ class CpuBackend final : public Backend {
       int start, len;
       keys(j, &start, &len);
       const int lo = std::max(start, c * kAttnChunk), hi = std::min(len, (c + 1) * kAttnChunk);
-      thread_local std::vector<float> scores, krow, vrow, acc;
+      thread_local std::vector<float> scores, acc, mx, sum, kbuf, vbuf;
       const int n = std::max(0, hi - lo);
       scores.resize(size_t(group) * std::max(n, 1));
       acc.assign(size_t(group) * hd, 0.0f);
-      krow.resize(hd);
-      vrow.resize(hd);
-      const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
-      thread_local std::vector<float> mx, sum;
       mx.assign(group, -INFINITY);
       sum.assign(group, 0.0f);
-      if (f32_cache && n > 0) {
-        const float* kb = reinterpret_cast<const float*>(ptr(kc)) + int64_t(hk) * hd;
-        const float* vb = reinterpret_cast<const float*>(ptr(vc)) + int64_t(hk) * hd;
-        attn_chunk(qr, group, hd, kb, kc->nb[1] / 4, vb, vc->nb[1] / 4, lo, hi, scale,
-                   scores.data(), mx.data(), sum.data(), acc.data());
-      }
-      for (int p = lo; p < hi && !f32_cache; ++p) {
-        const uint8_t* kp = ptr(kc) + size_t(p) * kc->nb[1] + size_t(hk) * hd * kc->nb[0];
-        const float* kr = reinterpret_cast<const float*>(kp);
+      const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
+      if (n > 0) {
+        // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
+        // into rows of hd floats first.
+        const size_t at = size_t(hk) * hd * kc->nb[0];
+        const float* kb = reinterpret_cast<const float*>(ptr(kc) + size_t(lo) * kc->nb[1] + at);
+        const float* vb = reinterpret_cast<const float*>(ptr(vc) + size_t(lo) * vc->nb[1] + at);
+        int64_t ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
         if (!f32_cache) {
-          dequantize_row(kc->type, kp, krow.data(), hd);
-          kr = krow.data();
+          kbuf.resize(size_t(n) * hd);
+          vbuf.resize(size_t(n) * hd);
+          for (int p = lo; p < hi; ++p) {
+            dequantize_row(kc->type, ptr(kc) + size_t(p) * kc->nb[1] + at,
+                           kbuf.data() + size_t(p - lo) * hd, hd);
+            dequantize_row(vc->type, ptr(vc) + size_t(p) * vc->nb[1] + at,
+                           vbuf.data() + size_t(p - lo) * hd, hd);
+          }
+          kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
-        for (int g = 0; g < group; ++g) {
-          const float s = dot_f32(qr + g * hd, kr, hd) * scale;
-          scores[size_t(g) * n + (p - lo)] = s;
-          mx[g] = std::max(mx[g], s);
-        }
-      }
-      if (!f32_cache)
-        for (int g = 0; g < group; ++g)
-          sum[g] = softmax_exp(scores.data() + size_t(g) * n, n, mx[g]);
-      for (int p = lo; p < hi && !f32_cache; ++p) {
-        const uint8_t* vp = ptr(vc) + size_t(p) * vc->nb[1] + size_t(hk) * hd * vc->nb[0];
-        const float* vr = reinterpret_cast<const float*>(vp);
-        if (!f32_cache) {
-          dequantize_row(vc->type, vp, vrow.data(), hd);
-          vr = vrow.data();
-        }
-        for (int g = 0; g < group; ++g)
-          axpy(acc.data() + g * hd, scores[size_t(g) * n + (p - lo)], vr, hd);
+        attn_chunk(qr, group, hd, kb, ks, vb, vs, n, scale, scores.data(), mx.data(), sum.data(),
+                   acc.data());
       }
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
