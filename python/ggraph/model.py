@@ -316,15 +316,13 @@ class Model:
         if not isinstance(state, (bytes, bytearray, memoryview)):
             with open(state, "rb") as f:
                 state = f.read()
-        with self._lock:
-            self._epoch += 1
+        with self._changing():
             self._ctx.load_state(state)
             self._last_logits = None
 
     def rewind(self, n: int) -> None:
         """Keeps the first n tokens of the context and forgets the rest."""
-        with self._lock:
-            self._epoch += 1
+        with self._changing():
             self._ctx.rewind(int(n))
             self._last_logits = None
 
@@ -338,8 +336,7 @@ class Model:
 
     def reset(self) -> None:
         """Empties the context."""
-        with self._lock:
-            self._epoch += 1
+        with self._changing():
             self._ctx.reset()
             self._last_logits = None
 
@@ -353,8 +350,7 @@ class Model:
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends tokens to the context; returns the last position's logits (n_vocab,), or
         every position's (n_tokens, n_vocab) with all_logits. A refused call changes nothing."""
-        with self._lock:
-            self._epoch += 1
+        with self._changing():
             return self._eval(tokens, all_logits)
 
     def _eval(self, tokens, all_logits: bool = False) -> np.ndarray:
@@ -436,6 +432,21 @@ class Model:
             self._epoch += 1
             epoch = self._epoch
         return self._generate(gen, epoch, logprobs is not None)
+
+    @contextlib.contextmanager
+    def _changing(self):
+        """Holds the lock for a call that changes the context (eval, reset, rewind, load_state),
+        and then invalidates the generators before it. A refused call changes nothing, so it
+        invalidates nothing; a call that failed half-way (a device error) still does."""
+        with self._lock:
+            before = self._ctx.n_past
+            try:
+                yield
+            except BaseException:
+                if self._ctx.n_past != before:
+                    self._epoch += 1
+                raise
+            self._epoch += 1
 
     @contextlib.contextmanager
     def _step(self, epoch: int):

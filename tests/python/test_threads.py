@@ -227,3 +227,15 @@ def test_ctrl_c_stops_a_long_input_and_leaves_the_model_usable(tiny_model):
     # 4000 one-token chunks take seconds; the signal comes after 0.1 s.
     n_vocab = ggraph.Model(tiny_model).n_vocab
     assert out.stdout.split() == ["interrupted", "0", str(n_vocab)]
+
+
+def test_a_refused_call_leaves_a_generator_valid(model):
+    gen = model.generate([1, 2, 3], max_tokens=6, temperature=0)
+    first = next(gen)
+    with pytest.raises(ValueError):
+        model.eval([model.n_vocab])
+    with pytest.raises(ValueError):
+        model.rewind(model.n_past + 5)
+    rest = "".join(gen)
+    model.reset()
+    assert first + rest == "".join(model.generate([1, 2, 3], max_tokens=6, temperature=0))
