@@ -363,6 +363,10 @@ void to_float_iq4_xs(const void* blocks, float* dst, int64_t n) {
 
 }  // namespace quant_impl
 
+namespace {
+const quant_impl::Kernels& kernels();  // the set in use (below)
+}  // namespace
+
 void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
   const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
   if (traits == nullptr || traits->to_float == nullptr) {
@@ -372,7 +376,8 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
                              : "type id " + std::to_string(static_cast<uint32_t>(t))));
   }
   check_blocks(t, n, traits->block_size, "dequantize_row");
-  traits->to_float(src, dst, n / traits->block_size);
+  quant_impl::ToFloatFn fn = kernels().to_float[quant_impl::slot(t)];
+  (fn != nullptr ? fn : traits->to_float)(src, dst, n / traits->block_size);
 }
 
 void quantize_row(DType t, const float* src, void* dst, int64_t n) {

@@ -32,6 +32,8 @@ Kernels make_kernels() {
   k.prepare[slot(ActLayout::kFloat)] = prepare_f32_x86;
   k.prepare[slot(ActLayout::kQ8K)] = prepare_q8k_x86;
   k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
+  k.to_float[slot(DType::F16)] = to_float_f16_x86;
+  k.to_float[slot(DType::Q8_0)] = to_float_q8_0_x86;
   return k;
 }
 

@@ -91,6 +91,9 @@ struct Kernels {
   const char* features;            // what cpu_features() reports while this set is in use
   TileFn tile[kTypeSlots];         // by weight type id
   PrepareFn prepare[kActLayouts];  // by activation layout
+  // Decoders giving the type table's bits faster (the KV cache's rows, read every step); null:
+  // the table's own.
+  ToFloatFn to_float[kTypeSlots];
 };
 
 // The portable kernels (quant.cpp).

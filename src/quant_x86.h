@@ -147,6 +147,28 @@ void prepare_f32_x86(const float* x, void* dst, int64_t k) {
   std::memset(static_cast<float*>(dst) + k, 0, f32_act_size(k) - static_cast<size_t>(k) * 4);
 }
 
+// ----- decoders --------------------------------------------------------------------------------
+
+// F16C converts exactly, NaN payloads included, as f16_to_f32 does.
+void to_float_f16_x86(const void* blocks, float* dst, int64_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(blocks);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(load128(p + 2 * i)));
+  for (; i < n; ++i) dst[i] = f16_to_f32(static_cast<const uint16_t*>(blocks)[i]);
+}
+
+// Each value is one rounding of int8 * scale, as ggml's dequantize_row_q8_0.
+void to_float_q8_0_x86(const void* blocks, float* dst, int64_t n_blocks) {
+  const BlockQ8_0* b = static_cast<const BlockQ8_0*>(blocks);
+  for (int64_t i = 0; i < n_blocks; ++i, dst += kQK) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(b[i].d));
+    for (int j = 0; j < kQK; j += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b[i].qs + j));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+  }
+}
+
 // ----- quantized weights -----------------------------------------------------------------------
 
 enum class Fmt { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kIQ4_NL };

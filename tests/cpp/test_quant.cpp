@@ -926,6 +926,43 @@ TEST(KernelDispatch, InstructionSetsGiveSameBits) {
   }
 }
 
+// The vector decoders of the KV cache's formats give the table's bits: every F16 value (NaN
+// payloads included) at offsets that leave a scalar tail, and random Q8_0 blocks whose scales
+// span normal, subnormal and zero.
+TEST(KernelDispatch, VectorDecodersGiveTheTableBits) {
+  KernelModeGuard guard;
+  std::vector<uint16_t> halves(65536 + 5);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i * 40503u);
+  std::mt19937 rng(73);
+  std::vector<BlockQ8_0> q8(64);
+  for (size_t i = 0; i < q8.size(); ++i) {
+    const uint16_t scales[] = {0x3c00, 0x0001, 0x0000, 0x1234, 0x7bff, 0x8400};
+    q8[i].d = i < 6 ? scales[i] : static_cast<uint16_t>(rng() & 0x7fff);
+    for (int j = 0; j < QK; ++j) q8[i].qs[j] = static_cast<int8_t>(rng());
+  }
+  for (const quant_impl::Kernels* set :
+       {quant_impl::avx2_kernels(), quant_impl::avx512_kernels()}) {
+    if (!quant_impl::cpu_supports(set)) continue;
+    for (int64_t n : {int64_t(65536), int64_t(5), int64_t(13), int64_t(64)}) {
+      std::vector<float> want(n), got(n);
+      quant_impl::use_kernels(&quant_impl::scalar_kernels());
+      dequantize_row(DType::F16, halves.data() + 3, want.data(), n);
+      quant_impl::use_kernels(set);
+      dequantize_row(DType::F16, halves.data() + 3, got.data(), n);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(float_bits(want[i]), float_bits(got[i])) << "F16 " << n << " element " << i;
+    }
+    const int64_t n = int64_t(q8.size()) * QK;
+    std::vector<float> want(n), got(n);
+    quant_impl::use_kernels(&quant_impl::scalar_kernels());
+    dequantize_row(DType::Q8_0, q8.data(), want.data(), n);
+    quant_impl::use_kernels(set);
+    dequantize_row(DType::Q8_0, q8.data(), got.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(float_bits(want[i]), float_bits(got[i])) << "Q8_0 element " << i;
+  }
+}
+
 TEST(KernelDispatch, RejectsTypesWithoutKernelsAndPartialBlocks) {
   std::vector<uint8_t> buf(4096);
   float out[4];
