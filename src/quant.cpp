@@ -367,17 +367,32 @@ namespace {
 const quant_impl::Kernels& kernels();  // the set in use (below)
 }  // namespace
 
-void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
+namespace {
+
+const TypeTraits& decodable_traits(DType t, const char* what) {
   const TypeTraits* traits = type_traits_or_null(static_cast<uint32_t>(t));
   if (traits == nullptr || traits->to_float == nullptr) {
-    throw ArgumentError(std::string("dequantize_row: ggraph cannot decode ") +
+    throw ArgumentError(std::string(what) + ": ggraph cannot decode " +
                         (traits != nullptr
                              ? std::string(traits->name) + " weights"
                              : "type id " + std::to_string(static_cast<uint32_t>(t))));
   }
-  check_blocks(t, n, traits->block_size, "dequantize_row");
+  return *traits;
+}
+
+}  // namespace
+
+RowDecoder row_decoder(DType t) {
+  const TypeTraits& traits = decodable_traits(t, "row_decoder");
   quant_impl::ToFloatFn fn = kernels().to_float[quant_impl::slot(t)];
-  (fn != nullptr ? fn : traits->to_float)(src, dst, n / traits->block_size);
+  return fn != nullptr ? fn : traits.to_float;
+}
+
+void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
+  const TypeTraits& traits = decodable_traits(t, "dequantize_row");
+  check_blocks(t, n, traits.block_size, "dequantize_row");
+  quant_impl::ToFloatFn fn = kernels().to_float[quant_impl::slot(t)];
+  (fn != nullptr ? fn : traits.to_float)(src, dst, n / traits.block_size);
 }
 
 void quantize_row(DType t, const float* src, void* dst, int64_t n) {

@@ -197,6 +197,11 @@ uint16_t f32_to_bf16(float f);  // round to nearest even
 // Dequantize n elements (n a multiple of the block size) of a type the table can decode (every
 // computable type).
 void dequantize_row(DType t, const void* src, float* dst, int64_t n);
+// The decoder dequantize_row uses for t (the fastest the CPU has), which decodes n_blocks whole
+// blocks without checks: for loops over many short rows (a KV cache's), where a check and a
+// lookup per row cost as much as the decoding. Throws ArgumentError for a type it cannot decode.
+using RowDecoder = void (*)(const void* blocks, float* dst, int64_t n_blocks);
+RowDecoder row_decoder(DType t);
 // Reference quantizer (ggml's rounding) for F32, F16, BF16, Q8_0, Q4_0 and Q4_1; used by tests,
 // tools and the KV cache. Other types throw ArgumentError.
 void quantize_row(DType t, const float* src, void* dst, int64_t n);

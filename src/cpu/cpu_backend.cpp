@@ -78,6 +78,9 @@ __attribute__((target_clones("avx2", "default"))) void attn_chunk(
   for (int g = 0; g < group; ++g) mx[g] = -INFINITY;
   for (int p = 0; p < n; ++p) {
     const float* kr = k + int64_t(p) * ks;
+    // Rows read in place from an F32 cache lie a whole cache row apart: fetched ahead by hand.
+    if (p + 8 < n)
+      for (int d = 0; d < hd; d += 16) __builtin_prefetch(k + int64_t(p + 8) * ks + d);
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * hd;
       float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -93,6 +96,8 @@ __attribute__((target_clones("avx2", "default"))) void attn_chunk(
   for (int g = 0; g < group; ++g) sum[g] = softmax_exp(scores + g * n, n, mx[g]);
   for (int p = 0; p < n; ++p) {
     const float* vr = v + int64_t(p) * vs;
+    if (p + 8 < n)
+      for (int d = 0; d < hd; d += 16) __builtin_prefetch(v + int64_t(p + 8) * vs + d);
     for (int g = 0; g < group; ++g) {
       const float w = scores[g * n + p];
       float* ag = acc + g * hd;
@@ -365,13 +370,9 @@ class CpuBackend final : public Backend {
     const float* x = f32(src);
     const int64_t n = src->ne[0];
     uint8_t* cache = ptr(t) + size_t(t->kv[0]) * t->nb[1];
-    for (int64_t j = 0; j < src->ne[1]; ++j) {
-      if (t->type == DType::F32) {
-        std::memcpy(cache + j * t->nb[1], x + j * n, n * sizeof(float));
-      } else {
-        quantize_row(t->type, x + j * n, cache + j * t->nb[1], n);
-      }
-    }
+    // F32 rows are copied; F16 rounded to nearest even; Q8_0 quantized as ggml's reference.
+    for (int64_t j = 0; j < src->ne[1]; ++j)
+      quantize_row(t->type, x + j * n, cache + j * t->nb[1], n);
   }
 
   // A task is one token, one KV head and one chunk of kAttnChunk keys: the query heads that
@@ -420,19 +421,28 @@ class CpuBackend final : public Backend {
       const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
       if (n > 0) {
         // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
-        // into rows of hd floats first.
-        const size_t at = size_t(hk) * hd * kc->nb[0];
+        // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks).
+        const size_t at = row_size(kc->type, int64_t(hk) * hd);
         const float* kb = reinterpret_cast<const float*>(ptr(kc) + size_t(lo) * kc->nb[1] + at);
         const float* vb = reinterpret_cast<const float*>(ptr(vc) + size_t(lo) * vc->nb[1] + at);
         int64_t ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
         if (!f32_cache) {
           kbuf.resize(size_t(n) * hd);
           vbuf.resize(size_t(n) * hd);
+          const size_t head_bytes = row_size(kc->type, hd);
+          const RowDecoder decode = row_decoder(kc->type);
+          const int64_t head_blocks = hd / type_traits(kc->type).block_size;
           for (int p = lo; p < hi; ++p) {
-            dequantize_row(kc->type, ptr(kc) + size_t(p) * kc->nb[1] + at,
-                           kbuf.data() + size_t(p - lo) * hd, hd);
-            dequantize_row(vc->type, ptr(vc) + size_t(p) * vc->nb[1] + at,
-                           vbuf.data() + size_t(p - lo) * hd, hd);
+            // Each head's slice is a cache row apart from the next: fetched ahead by hand.
+            if (p + 8 < hi)
+              for (size_t b = 0; b < head_bytes; b += 64) {
+                __builtin_prefetch(ptr(kc) + size_t(p + 8) * kc->nb[1] + at + b);
+                __builtin_prefetch(ptr(vc) + size_t(p + 8) * vc->nb[1] + at + b);
+              }
+            decode(ptr(kc) + size_t(p) * kc->nb[1] + at, kbuf.data() + size_t(p - lo) * hd,
+                   head_blocks);
+            decode(ptr(vc) + size_t(p) * vc->nb[1] + at, vbuf.data() + size_t(p - lo) * hd,
+                   head_blocks);
           }
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }

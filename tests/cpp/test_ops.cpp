@@ -214,10 +214,14 @@ TEST(CpuOps, RopeBothModesMatchReference) {
   }
 }
 
-// Causal GQA attention over a cache that already holds `n_past` rows, against float64.
-// window > 0: the query at position p sees keys p - window + 1 .. p only.
-void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_past, int n_tok,
-                     std::mt19937& rng, int window = 0) {
+// Causal GQA attention over a cache that already holds `n_past` rows, against float64 on the
+// values as the cache stores them; returns the relative error against float64 on the values
+// before they were stored (the cache format's own error). window > 0: the query at position p
+// sees keys p - window + 1 .. p only. A Q8_0 cache needs heads of whole 32-blocks: other head
+// sizes are skipped for it (Context refuses them).
+double check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_past, int n_tok,
+                       std::mt19937& rng, int window = 0) {
+  if (hd % type_traits(cache_type).block_size != 0) return 0.0;
   const int n_ctx = n_past + n_tok + 5;
   const int64_t kv_w = int64_t(n_head_kv) * hd;
   const size_t row = row_size(cache_type, kv_w);
@@ -249,35 +253,39 @@ void check_attention(DType cache_type, int n_head, int n_head_kv, int hd, int n_
     quantize_row(cache_type, v_all.data() + p * kv_w, tmp.data(), kv_w);
     dequantize_row(cache_type, tmp.data(), vr.data() + p * kv_w, kv_w);
   }
-  std::vector<double> ref(q.size());
-  for (int t = 0; t < n_tok; ++t)
-    for (int h = 0; h < n_head; ++h) {
-      const int hk = h / (n_head / n_head_kv), len = n_past + t + 1;
-      const int first = window > 0 ? std::max(0, len - window) : 0;
-      std::vector<double> s(len, 0.0);
-      double mx = -INFINITY, sum = 0;
-      for (int p = first; p < len; ++p) {
-        double d = 0;
-        for (int i = 0; i < hd; ++i)
-          d += double(q[(t * n_head + h) * hd + i]) * kr[p * kv_w + hk * hd + i];
-        s[p] = d * scale;
-        mx = std::max(mx, s[p]);
+  auto reference = [&](const std::vector<float>& kv_k, const std::vector<float>& kv_v) {
+    std::vector<double> ref(q.size());
+    for (int t = 0; t < n_tok; ++t)
+      for (int h = 0; h < n_head; ++h) {
+        const int hk = h / (n_head / n_head_kv), len = n_past + t + 1;
+        const int first = window > 0 ? std::max(0, len - window) : 0;
+        std::vector<double> s(len, 0.0);
+        double mx = -INFINITY, sum = 0;
+        for (int p = first; p < len; ++p) {
+          double d = 0;
+          for (int i = 0; i < hd; ++i)
+            d += double(q[(t * n_head + h) * hd + i]) * kv_k[p * kv_w + hk * hd + i];
+          s[p] = d * scale;
+          mx = std::max(mx, s[p]);
+        }
+        for (int p = first; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        for (int i = 0; i < hd; ++i) {
+          double acc = 0;
+          for (int p = first; p < len; ++p) acc += s[p] * kv_v[p * kv_w + hk * hd + i];
+          ref[(t * n_head + h) * hd + i] = acc / sum;
+        }
       }
-      for (int p = first; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
-      for (int i = 0; i < hd; ++i) {
-        double acc = 0;
-        for (int p = first; p < len; ++p) acc += s[p] * vr[p * kv_w + hk * hd + i];
-        ref[(t * n_head + h) * hd + i] = acc / sum;
-      }
-    }
-  EXPECT_LT(rel_err(out, ref), 1e-5)
+    return ref;
+  };
+  EXPECT_LT(rel_err(out, reference(kr, vr)), 1e-5)
       << type_name(cache_type) << " heads " << n_head << "/" << n_head_kv << " head_dim " << hd
       << " past " << n_past << " tokens " << n_tok << " window " << window;
+  return rel_err(out, reference(k_all, v_all));
 }
 
 TEST(CpuOps, AttentionCausalGqaMatchesReference) {
   std::mt19937 rng(6);
-  for (DType ct : {DType::F32, DType::F16}) {
+  for (DType ct : {DType::F32, DType::F16, DType::Q8_0}) {
     check_attention(ct, 4, 4, 32, 0, 1, rng);
     check_attention(ct, 9, 3, 64, 0, 7, rng);
     check_attention(ct, 8, 2, 64, 37, 1, rng);
@@ -432,7 +440,7 @@ TEST(CpuOps, ScaledGetRowsMultipliesEveryGatheredValue) {
 // GQA ratios 1 to 8 and head sizes 64 to 256 (attention never assumes n_embd / n_head).
 TEST(CpuOps, WindowedAttentionMatchesReference) {
   std::mt19937 rng(13);
-  for (DType ct : {DType::F32, DType::F16}) {
+  for (DType ct : {DType::F32, DType::F16, DType::Q8_0}) {
     check_attention(ct, 4, 4, 64, 0, 9, rng, 4);      // prompt past a window of 4
     check_attention(ct, 4, 2, 128, 30, 1, rng, 8);    // decode step, 23 keys outside
     check_attention(ct, 8, 2, 256, 20, 13, rng, 16);  // prompt after a past, crossing the edge
@@ -441,6 +449,33 @@ TEST(CpuOps, WindowedAttentionMatchesReference) {
     check_attention(ct, 16, 2, 128, 40, 1, rng, 40);  // one key short of it
     check_attention(ct, 8, 8, 128, 0, 17, rng, 1);    // a window of one: attend to itself
     check_attention(ct, 32, 4, 64, 64, 5, rng, 32);
+  }
+}
+
+// What a cache format costs attention, against float64 on the values before they were stored
+// (keys, values and queries N(0, 1), scores N(0, 1) after the 1/sqrt(head_dim) scale). F16
+// rounds each value by at most 2^-11 relative (rms about 3e-4); the output's relative error is of
+// that order, from V directly and from K through the softmax weights: bound 2e-3. Q8_0 rounds to
+// a step of amax/127 per 32 values, amax about 2.1 sigma for 32 normal values, so an rms error
+// of 2.1 / 127 / sqrt(12) = 0.5% of sigma a value; through V and through K's scores, about 0.7%
+// of the output: bound 2e-2. Q8_0's error is also checked to be there (above F16's bound): the
+// cache really holds 8-bit values.
+TEST(CpuOps, AttentionErrorOfEachCacheFormatIsWithinItsRoundingBound) {
+  const struct {
+    int n_head, n_head_kv, hd, n_past, n_tok;
+  } cases[] = {{9, 3, 64, 0, 7}, {9, 3, 64, 700, 1}, {8, 2, 128, 300, 4}, {8, 1, 256, 40, 2}};
+  std::mt19937 rng(14);
+  for (const auto& c : cases) {
+    const double f32 =
+        check_attention(DType::F32, c.n_head, c.n_head_kv, c.hd, c.n_past, c.n_tok, rng);
+    const double f16 =
+        check_attention(DType::F16, c.n_head, c.n_head_kv, c.hd, c.n_past, c.n_tok, rng);
+    const double q8 =
+        check_attention(DType::Q8_0, c.n_head, c.n_head_kv, c.hd, c.n_past, c.n_tok, rng);
+    EXPECT_LT(f32, 1e-5) << "head_dim " << c.hd << " past " << c.n_past;
+    EXPECT_LT(f16, 2e-3) << "head_dim " << c.hd << " past " << c.n_past;
+    EXPECT_LT(q8, 2e-2) << "head_dim " << c.hd << " past " << c.n_past;
+    EXPECT_GT(q8, 2e-3) << "head_dim " << c.hd << " past " << c.n_past;
   }
 }
 
