@@ -31,11 +31,15 @@ enum {
   GGRAPH_ERR_CANCELLED = -5, /* stopped by ggraph_cancel; the model is as it was */
 };
 
+/* Set .size to sizeof(ggraph_params) (ggraph_default_params does): a later version may add
+ * fields at the end and reads only what the caller's size covers. */
 typedef struct {
+  size_t size;
   const char* device;      /* "auto" (default), "cpu", "cuda", "cuda:N" */
-  int n_ctx;               /* context length in tokens; 0 = the model's own */
+  int n_ctx;               /* context length in tokens; 0 = the model's training length */
   int n_threads;           /* CPU threads; 0 = all cores; at most 1024 */
   const char* cuda_graphs; /* "patch" (default), "update", "recapture", "off" */
+  const char* kv_type;     /* the KV cache's elements: "f16" (default), "f32", "q8_0" (CPU) */
 } ggraph_params;
 
 typedef struct {
@@ -149,7 +153,7 @@ GGRAPH_API int ggraph_rewind(ggraph_model* model, int32_t n_keep);
  * A context's tokens and KV cache rows, to resume a conversation later or elsewhere: in a
  * buffer (ggraph_save_state returns the bytes it takes, writing them when size suffices; call it
  * with NULL to learn the size) or a file. Loading checks the state belongs to this model file
- * and this kind of device's cache, and fits the context, before it changes anything. */
+ * and a cache of this kv_type, and fits the context, before it changes anything. */
 GGRAPH_API int64_t ggraph_save_state(ggraph_model* model, void* buf, size_t size);
 GGRAPH_API int ggraph_load_state(ggraph_model* model, const void* buf, size_t size);
 GGRAPH_API int ggraph_save_state_file(ggraph_model* model, const char* path);

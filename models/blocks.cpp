@@ -179,6 +179,7 @@ void describe(Model& m, const Hparams& hp, const ModelLoader& ld) {
   m.n_embd = hp.n_embd;
   m.n_layer = hp.n_layer;
   m.kv_width = hp.kv_width();
+  m.head_dim = hp.head_dim;
   m.n_ctx_train = hp.n_ctx_train;
   m.weight_bytes = ld.weight_bytes;
 }

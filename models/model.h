@@ -35,6 +35,7 @@ class Model {
   int64_t n_embd = 0;
   int n_layer = 0;
   int64_t kv_width = 0;  // n_head_kv * head_dim
+  int head_dim = 0;      // one attention head's width (of keys and of values)
   int n_ctx_train = 0;
   size_t weight_bytes = 0;
 };

@@ -83,7 +83,17 @@ void copy_error(const std::string& msg, char* err, size_t size) {
 
 extern "C" {
 
-ggraph_params ggraph_default_params(void) { return ggraph_params{"auto", 2048, 0, "patch"}; }
+ggraph_params ggraph_default_params(void) {
+  ggraph::ContextOptions o;
+  ggraph_params p{};
+  p.size = sizeof(ggraph_params);
+  p.device = "auto";
+  p.n_ctx = o.n_ctx;
+  p.n_threads = o.n_threads;
+  p.cuda_graphs = "patch";
+  p.kv_type = "f16";
+  return p;
+}
 
 ggraph_sampling ggraph_default_sampling(void) {
   ggraph::SamplingParams p;
@@ -98,13 +108,24 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
     copy_error(t_error, err, err_size);
     return nullptr;
   }
-  const ggraph_params p = params ? *params : ggraph_default_params();
-  ggraph::ContextOptions o;
-  o.device = p.device ? p.device : "auto";
-  o.n_ctx = p.n_ctx;
-  o.n_threads = p.n_threads;
-  o.cuda_graphs = p.cuda_graphs ? p.cuda_graphs : "patch";
   try {
+    ggraph_params p = ggraph_default_params();
+    if (params) {
+      // The fields the caller's version of the struct has; the rest keep their defaults.
+      if (params->size < offsetof(ggraph_params, cuda_graphs) + sizeof(const char*) ||
+          params->size > sizeof(ggraph_params))
+        throw ggraph::ArgumentError("ggraph_load: params->size " + std::to_string(params->size) +
+                                    " is not the size of a ggraph_params (expected " +
+                                    std::to_string(sizeof(ggraph_params)) +
+                                    ": start from ggraph_default_params())");
+      std::memcpy(&p, params, params->size);
+    }
+    ggraph::ContextOptions o;
+    o.device = p.device ? p.device : "auto";
+    o.n_ctx = p.n_ctx;
+    o.n_threads = p.n_threads;
+    o.cuda_graphs = p.cuda_graphs ? p.cuda_graphs : "patch";
+    if (p.kv_type) o.kv_type = p.kv_type;
     auto m = std::make_unique<ggraph_model>();
     m->ctx = std::make_unique<ggraph::Context>(path, o);
     return m.release();

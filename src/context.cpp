@@ -37,6 +37,18 @@ static std::unique_ptr<Backend> make_backend(const ContextOptions& o, std::strin
 
 namespace {
 
+// The KV cache's element types, by the names ContextOptions::kv_type takes.
+constexpr struct {
+  const char* name;
+  DType type;
+} kKvTypes[] = {{"f32", DType::F32}, {"f16", DType::F16}, {"q8_0", DType::Q8_0}};
+
+DType kv_type_from_name(const std::string& name) {
+  for (const auto& t : kKvTypes)
+    if (name == t.name) return t.type;
+  throw ArgumentError("kv_type: expected 'f32', 'f16' or 'q8_0', got '" + name + "'");
+}
+
 // A backend that keeps nothing: loading a model through it checks names, shapes, types and keys.
 class CheckBackend final : public Backend {
  public:
@@ -76,8 +88,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_threads < 0 || o.n_threads > kMaxThreads)
     throw ArgumentError("n_threads must be 0 (automatic) to " + std::to_string(kMaxThreads) +
                         ", got " + std::to_string(o.n_threads));
+  const DType kv_type = kv_type_from_name(o.kv_type);
   file_ = GGUFFile::open(path, o.use_mmap);
   backend_ = make_backend(o, &device_);
+  // The CUDA kernels read F16 caches only, so far.
+  if (backend_->is_cuda() && kv_type != DType::F16)
+    throw ArgumentError("kv_type '" + o.kv_type + "' is not supported on CUDA yet; use 'f16'");
   model_ = load_model(*file_, *backend_);
   // The vocabulary is read and checked now: a broken one fails the load, not a later call. A
   // file without one (weights only) loads, and tokenizing with it says why it cannot.
@@ -85,6 +101,13 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     tokenizer_ = Tokenizer::from_gguf(*file_);
   else
     tokenizer_error_ = file_->path() + ": the file has no tokenizer (no 'tokenizer.ggml.model')";
+  // Attention reads one head's slice of a row: with Q8_0 each head must be whole blocks.
+  const int64_t block = type_traits(kv_type).block_size;
+  if (model_->head_dim % block != 0)
+    throw ArgumentError("kv_type '" + o.kv_type + "' stores blocks of " + std::to_string(block) +
+                        " values, and this model's attention heads are " +
+                        std::to_string(model_->head_dim) + " wide (not a multiple of " +
+                        std::to_string(block) + "); use 'f16' or 'f32'");
   // FNV-1a over the file's size and tensor table: what a saved state must have been made with.
   fingerprint_ = 1469598103934665603ull;
   auto mix = [&](const void* p, size_t n) {
@@ -102,8 +125,6 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   }
   n_ctx_ = o.n_ctx > 0 ? o.n_ctx : model_->n_ctx_train;
   n_batch_ = std::min(o.n_batch, n_ctx_);
-  // The CPU keeps its cache in F32 (no conversions in its attention loop); GPUs use F16.
-  const DType kv_type = backend_->is_cuda() ? DType::F16 : DType::F32;
   kv_.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
 
   // Size the buffers once, from the largest graph: a full batch with every logit.
@@ -115,6 +136,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 }
 
 Context::~Context() = default;
+
+std::string Context::kv_type() const {
+  for (const auto& t : kKvTypes)
+    if (kv_.type == t.type) return t.name;
+  return type_name(kv_.type);
+}
 
 const Tokenizer& Context::tokenizer() const {
   if (!tokenizer_) throw GGUFError(tokenizer_error_);
@@ -257,12 +284,15 @@ void Context::load_state(const uint8_t* data, size_t size) {
   if (h.fingerprint != fingerprint_)
     throw ArgumentError("load_state: the state was saved with another model file");
   if (h.kv_type != static_cast<uint32_t>(kv_.type) || h.n_layer != uint32_t(kv_.n_layer) ||
-      h.width != uint64_t(kv_.width))
+      h.width != uint64_t(kv_.width)) {
+    const TypeTraits* saved = type_traits_or_null(h.kv_type);
     throw ArgumentError(std::string("load_state: the state's KV cache is ") +
-                        type_name(static_cast<DType>(h.kv_type)) + " (" +
+                        (saved ? saved->name : "of type id " + std::to_string(h.kv_type)) + " (" +
                         std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) +
-                        "), this context's " + type_name(kv_.type) +
-                        " (states move between contexts on the same kind of device)");
+                        "), this context's " + type_name(kv_.type) + " (" +
+                        std::to_string(kv_.n_layer) + " layers of " + std::to_string(kv_.width) +
+                        "): a state loads into a context of the same kv_type");
+  }
   if (h.n_past > uint32_t(n_ctx_))
     throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
                         " tokens; this context holds " + std::to_string(n_ctx_));

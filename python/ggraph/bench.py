@@ -2,7 +2,7 @@
 optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096").
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
-    [--cuda-graphs off,patch]
+    [--cuda-graphs off,patch] [--kv-type f16]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def run_bench(
     n_threads=None,
     seed=0,
     depths=(0,),
+    kv_type="f16",
 ):
     """Returns one result dict per (mode, depth, test)."""
     from ggraph.model import Model
@@ -58,6 +59,7 @@ def run_bench(
             n_ctx=max(n_prompt, n_gen) + max(depths) + 16,
             n_threads=n_threads,
             cuda_graphs=mode,
+            kv_type=kv_type,
         )
         rng = np.random.default_rng(seed)
         tests = []
@@ -84,6 +86,7 @@ def run_bench(
                 "size_mib": model._ctx.weight_bytes / 2**20,
                 "backend": model._ctx.backend_name,
                 "mode": mode if model.device.startswith("cuda") else "-",
+                "kv_type": model.kv_type,
                 "test": name,
                 "tokens_per_s": statistics.mean(rates),
                 "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
@@ -106,14 +109,15 @@ def run_bench(
 
 
 def format_markdown(rows):
-    head = "| model | size | backend | graphs | test | t/s | host us/step | vs off |"
-    out = [head, "|" + "---|" * 8]
+    head = "| model | size | backend | graphs | test | t/s | host us/step | vs off | kv cache |"
+    out = [head, "|" + "---|" * 9]
     for r in rows:
         host = f"{r['host_us_per_step']:.1f}" if "host_us_per_step" in r else ""
         sp = f"{r['speedup_vs_off']:.2f}x" if "speedup_vs_off" in r else ""
         out.append(
             f"| {r['model']} | {r['size_mib']:.1f} MiB | {r['backend']} | {r['mode']} | "
-            f"{r['test']} | {r['tokens_per_s']:.2f} ± {r['stddev']:.2f} | {host} | {sp} |"
+            f"{r['test']} | {r['tokens_per_s']:.2f} ± {r['stddev']:.2f} | {host} | {sp} | "
+            f"{r['kv_type']} |"
         )
     return "\n".join(out)
 
@@ -132,6 +136,9 @@ def add_arguments(p):
         "--cuda-graphs", default="patch", help="comma-separated modes: off,recapture,update,patch"
     )
     p.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    from ggraph.cli import add_context_arguments
+
+    add_context_arguments(p)
 
 
 def main_args(args):
@@ -152,6 +159,7 @@ def main_args(args):
         modes,
         args.threads,
         depths=depths,
+        kv_type=args.kv_type,
     )
     print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
     return 0

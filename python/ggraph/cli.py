@@ -11,7 +11,13 @@ import time
 def _load(args):
     from ggraph.model import Model
 
-    return Model(args.model, device=args.device, n_ctx=args.n_ctx, n_threads=args.threads)
+    return Model(
+        args.model,
+        device=args.device,
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        kv_type=args.kv_type,
+    )
 
 
 def _sampling(args):
@@ -147,7 +153,10 @@ def _add_model_args(p, sampling=True):
         help="GGUF file, or a short name: smollm2 (the default) or gemma3",
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("-c", "--n-ctx", type=int, default=2048)
+    p.add_argument(
+        "-c", "--n-ctx", type=int, default=2048, help="context length; 0 = the training length"
+    )
+    add_context_arguments(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-n", "--n-predict", type=int, default=128)
     if sampling:
@@ -157,6 +166,13 @@ def _add_model_args(p, sampling=True):
         p.add_argument("--min-p", type=float, default=0.05)
         p.add_argument("--repeat-penalty", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=None)
+
+
+def add_context_arguments(p):
+    """The KV cache's options, shared by generate, chat and bench."""
+    p.add_argument(
+        "--kv-type", default="f16", help="KV cache elements: f16 (default), f32 or q8_0 (CPU)"
+    )
 
 
 def _version() -> str:

@@ -200,6 +200,9 @@ class Model:
     """A GGUF model loaded with its KV cache on a device.
 
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present).
+    kv_type: the KV cache's element type: "f16" (default), "f32" or "q8_0" (8-bit blocks of 32
+    with a scale, a quarter of f32's memory; the CPU only, so far). See BENCHMARKS.md for what
+    each costs in quality and speed.
     cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
     use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
     uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory
@@ -215,6 +218,7 @@ class Model:
         n_batch: int = 512,
         cuda_graphs: str | None = None,
         use_mmap: bool = True,
+        kv_type: str = "f16",
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
@@ -230,6 +234,7 @@ class Model:
             cuda_graphs=cuda_graphs,
             cuda_graph_debug=debug,
             use_mmap=use_mmap,
+            kv_type=kv_type,
         )
         self._last_logits: np.ndarray | None = None
         # Calls on one model are serialized: each public call holds the lock while it reads or
@@ -249,6 +254,11 @@ class Model:
     @property
     def n_ctx(self) -> int:
         return self._ctx.n_ctx
+
+    @property
+    def kv_type(self) -> str:
+        """The KV cache's element type: "f32", "f16" or "q8_0"."""
+        return self._ctx.kv_type
 
     @property
     def n_vocab(self) -> int:
@@ -299,7 +309,7 @@ class Model:
 
     def save_state(self, path: str | os.PathLike | None = None) -> bytes | None:
         """The context's tokens and KV cache as bytes, or written to `path`: a conversation to
-        resume later with load_state, on a model of the same file on the same kind of device."""
+        resume later with load_state, on a model of the same file with the same kv_type."""
         with self._lock:
             state = self._ctx.save_state()
         if path is None:
@@ -310,7 +320,7 @@ class Model:
 
     def load_state(self, state: bytes | str | os.PathLike) -> None:
         """Restores a state from save_state (bytes, or a path to one). A state of another model
-        file, another kind of device, or more tokens than the context holds is refused with a
+        file, another kv_type, or more tokens than the context holds is refused with a
         ValueError, and the context is left as it was. No logits are kept: eval or generate
         next."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
@@ -343,7 +353,7 @@ class Model:
     def __repr__(self) -> str:
         return (
             f"ggraph.Model({os.path.basename(self.path)!r}, device={self.device!r}, "
-            f"n_ctx={self.n_ctx}, n_past={self.n_past})"
+            f"n_ctx={self.n_ctx}, kv_type={self.kv_type!r}, n_past={self.n_past})"
         )
 
     # -- compute -----------------------------------------------------------------------------

@@ -37,6 +37,20 @@ TEST(CApi, LoadFailuresReturnNullWithAReason) {
   EXPECT_EQ(small[4], 'x');
 }
 
+// A params struct of a size this version does not know (an application built against another
+// header, or one that did not start from ggraph_default_params) is refused before anything is
+// read past its end.
+TEST(CApi, ParamsOfAnUnknownSizeAreRefused) {
+  char err[256];
+  for (size_t size : {size_t(0), size_t(8), sizeof(ggraph_params) + 8}) {
+    ggraph_params p = ggraph_default_params();
+    p.size = size;
+    EXPECT_EQ(ggraph_load("/nonexistent/model.gguf", &p, err, sizeof err), nullptr);
+    EXPECT_NE(std::string(err).find("params->size " + std::to_string(size)), std::string::npos)
+        << err;
+  }
+}
+
 TEST(CApi, NullModelIsAnArgumentError) {
   const int32_t tok = 1;
   EXPECT_EQ(ggraph_eval(nullptr, &tok, 1, nullptr), GGRAPH_ERR_ARGUMENT);
@@ -49,8 +63,11 @@ TEST(CApi, NullModelIsAnArgumentError) {
 
 TEST(CApi, DefaultsAreSensible) {
   const ggraph_params p = ggraph_default_params();
+  EXPECT_EQ(p.size, sizeof(ggraph_params));
   EXPECT_STREQ(p.device, "auto");
+  EXPECT_EQ(p.n_ctx, 2048);
   EXPECT_STREQ(p.cuda_graphs, "patch");
+  EXPECT_STREQ(p.kv_type, "f16");
   const ggraph_sampling s = ggraph_default_sampling();
   EXPECT_GT(s.temperature, 0.0f);
   EXPECT_GT(s.top_p, 0.0f);

@@ -8,10 +8,12 @@ import ggraph
 
 class Params(ctypes.Structure):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("device", ctypes.c_char_p),
         ("n_ctx", ctypes.c_int),
         ("n_threads", ctypes.c_int),
         ("cuda_graphs", ctypes.c_char_p),
+        ("kv_type", ctypes.c_char_p),
     ]
 
 
@@ -63,6 +65,7 @@ STEP = ctypes.CFUNCTYPE(
 _M = ctypes.c_void_p
 _IDS = ctypes.POINTER(ctypes.c_int32)
 _SIGNATURES = {
+    "ggraph_default_params": (Params, []),
     "ggraph_load": (
         _M,
         [ctypes.c_char_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t],
@@ -108,6 +111,14 @@ def load_library():
         fn.restype = restype
         fn.argtypes = argtypes
     return lib
+
+
+def params(lib, **fields):
+    """ggraph_default_params() with the given fields set, as an application fills it."""
+    p = lib.ggraph_default_params()
+    for name, value in fields.items():
+        setattr(p, name, value)
+    return p
 
 
 def ids(values):

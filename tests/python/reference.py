@@ -48,8 +48,30 @@ def _rope(x, pos, n_rot, base):
     return out
 
 
-def forward(model, tokens):
-    """Logits [T, n_vocab] for tokens at positions 0..T-1."""
+def kv_cache_round(kv_type):
+    """What a KV cache of kv_type keeps of keys or values [T, n_head_kv, head_dim]: their float32,
+    float16 or Q8_0 values (blocks of 32 along each row, quantized by gguf-py as ggml's
+    reference quantize_row_q8_0 does). The rows are float32 before they are stored."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    def keep(x):
+        x32 = x.astype(np.float32)
+        if kv_type == "f32":
+            return x32.astype(np.float64)
+        if kv_type == "f16":
+            return x32.astype(np.float16).astype(np.float64)
+        assert kv_type == "q8_0", kv_type
+        rows = x32.reshape(x.shape[0], -1)
+        q = quantize(rows, GGMLQuantizationType.Q8_0)
+        return dequantize(q, GGMLQuantizationType.Q8_0).reshape(x.shape).astype(np.float64)
+
+    return keep
+
+
+def forward(model, tokens, kv_round=None):
+    """Logits [T, n_vocab] for tokens at positions 0..T-1. kv_round, when given, maps the keys
+    (after rope) and values to what a KV cache stores of them (kv_cache_round)."""
     w, hp = model
     T = len(tokens)
     H, HK, D = hp["n_head"], hp["n_head_kv"], hp["head_dim"]
@@ -64,6 +86,8 @@ def forward(model, tokens):
         v = (h @ w[p + "attn_v.weight"].T).reshape(T, HK, D)
         q = _rope(q, pos, hp["n_rot"], hp["rope_base"])
         k = _rope(k, pos, hp["n_rot"], hp["rope_base"])
+        if kv_round is not None:
+            k, v = kv_round(k), kv_round(v)
         k = np.repeat(k, H // HK, axis=1)
         v = np.repeat(v, H // HK, axis=1)
         s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D) + mask

@@ -292,10 +292,12 @@ def _rel(a, b):
 def test_logits_match_float64_reference(tmp_path, arch, wtype):
     path = tmp_path / f"{arch}.gguf"
     w = write_arch(path, arch, wtype, seed=1)
-    got = ggraph.Model(str(path), device="cpu", n_ctx=64).eval(PROMPT, all_logits=True)
+    m = ggraph.Model(str(path), device="cpu", n_ctx=64, kv_type="f32")
+    got = m.eval(PROMPT, all_logits=True)
     ref = reference_logits(arch, w, np.array(PROMPT))
-    # F32 weights: float32 rounding only. Q8_0: activations meet the weights in 8 bits, about
-    # 1% a layer (six Gemma layers reach 2.5%).
+    # F32 weights (and an F32 KV cache, as the reference keeps K and V): float32 rounding only.
+    # Q8_0: activations meet the weights in 8 bits, about 1% a layer (six Gemma layers reach
+    # 2.5%).
     bound = 1e-4 if wtype == "F32" else 5e-2
     for pos in range(len(PROMPT)):
         assert _rel(got[pos], ref[pos]) < bound, f"{arch} {wtype} position {pos}"
@@ -304,7 +306,9 @@ def test_logits_match_float64_reference(tmp_path, arch, wtype):
 def test_gemma3_soft_caps_the_logits(tmp_path):
     path = tmp_path / "capped.gguf"
     w = write_arch(path, "gemma3", seed=2, softcap=3.0)
-    got = ggraph.Model(str(path), device="cpu", n_ctx=64).eval(PROMPT, all_logits=True)
+    got = ggraph.Model(str(path), device="cpu", n_ctx=64, kv_type="f32").eval(
+        PROMPT, all_logits=True
+    )
     ref = reference_logits("gemma3", w, np.array(PROMPT), softcap=3.0)
     assert np.abs(got).max() <= 3.0
     assert np.abs(reference_logits("gemma3", w, np.array(PROMPT))).max() > 3.0, "cap unused"
@@ -314,7 +318,9 @@ def test_gemma3_soft_caps_the_logits(tmp_path):
 def test_gemma3_without_a_window_is_global_everywhere(tmp_path):
     path = tmp_path / "global.gguf"
     w = write_arch(path, "gemma3", seed=7, meta={"attention.sliding_window": None})
-    got = ggraph.Model(str(path), device="cpu", n_ctx=64).eval(PROMPT, all_logits=True)
+    got = ggraph.Model(str(path), device="cpu", n_ctx=64, kv_type="f32").eval(
+        PROMPT, all_logits=True
+    )
     assert _rel(got, reference_logits("gemma3", w, np.array(PROMPT), window=0)) < 1e-4
 
 
@@ -472,10 +478,13 @@ def test_rope_frequency_factors_and_linear_scaling(tmp_path, device):
     path = tmp_path / "llama31.gguf"
     meta = {"rope.scaling.type": ("string", "linear"), "rope.scaling.factor": ("float32", 2.0)}
     w = write_arch(path, "llama", seed=3, meta=meta, tensors={"rope_freqs.weight": factors})
-    got = ggraph.Model(str(path), device=device, n_ctx=64).eval(PROMPT, all_logits=True)
+    kv_type = "f32" if device == "cpu" else "f16"  # CUDA has F16 caches only
+    got = ggraph.Model(str(path), device=device, n_ctx=64, kv_type=kv_type).eval(
+        PROMPT, all_logits=True
+    )
     ref = reference_logits("llama", w, np.array(PROMPT), rope_freqs=factors, rope_scale=0.5)
     plain = reference_logits("llama", w, np.array(PROMPT))
-    bound = 1e-4 if device == "cpu" else 1e-2  # the GPU's KV cache is F16
+    bound = 1e-4 if kv_type == "f32" else 1e-2
     for pos in range(1, len(PROMPT)):
         assert _rel(got[pos], ref[pos]) < bound, f"position {pos}"
     assert max(_rel(plain[p], ref[p]) for p in range(1, len(PROMPT))) > 10 * bound

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from capi import Params, Sampling, load_library
+from capi import Sampling, load_library, params
 from capi import ids as _ids
 
 import ggraph
@@ -17,7 +17,7 @@ def lib():
 
 
 def test_c_api_eval_matches_python_and_refuses_bad_input(lib, tiny_model):
-    p = Params(b"cpu", 32, 1, b"patch")
+    p = params(lib, device=b"cpu", n_ctx=32, n_threads=1)
     err = ctypes.create_string_buffer(256)
     m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
     assert m, err.value
@@ -55,7 +55,8 @@ def test_c_api_load_error_message(lib, tmp_path):
 
 def _load(lib, path, n_ctx=256, graphs=b"patch"):
     err = ctypes.create_string_buffer(256)
-    m = lib.ggraph_load(path.encode(), ctypes.byref(Params(b"cpu", n_ctx, 1, graphs)), err, 256)
+    p = params(lib, device=b"cpu", n_ctx=n_ctx, n_threads=1, cuda_graphs=graphs)
+    m = lib.ggraph_load(path.encode(), ctypes.byref(p), err, 256)
     return m, err.value
 
 
@@ -127,7 +128,7 @@ def test_c_api_refuses_unknown_options(lib, tiny_model):
     assert not m
     assert b"cuda_graphs" in err and b"bogus" in err
     err = ctypes.create_string_buffer(256)
-    bad_threads = Params(b"cpu", 32, 100000, b"patch")
+    bad_threads = params(lib, device=b"cpu", n_ctx=32, n_threads=100000)
     assert not lib.ggraph_load(tiny_model.encode(), ctypes.byref(bad_threads), err, 256)
     assert b"n_threads" in err.value and b"1024" in err.value
 

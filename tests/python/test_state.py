@@ -60,12 +60,20 @@ def test_states_that_do_not_belong_are_refused(model, tiny_models):
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs a GPU beside the CPU")
-def test_a_state_stays_on_its_kind_of_device(tiny_model):
-    cpu = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+def test_a_state_moves_between_devices_with_its_kv_type_only(tiny_model):
+    cpu = ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="f32")
     cpu.eval([1, 2])
     gpu = ggraph.Model(tiny_model, device="cuda", n_ctx=64)
     with pytest.raises(ValueError, match="KV cache is F32"):
         gpu.load_state(cpu.save_state())
+    # An F16 cache's rows are the same bytes on both: the GPU continues from the CPU's rows.
+    half = ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="f16")
+    half.eval([1, 2])
+    gpu.load_state(half.save_state())
+    assert gpu.n_past == 2
+    own = ggraph.Model(tiny_model, device="cuda", n_ctx=64)
+    own.eval([1, 2])
+    np.testing.assert_allclose(gpu.eval([3]), own.eval([3]), rtol=1e-2, atol=1e-2)
 
 
 def test_c_api_state_round_trip(tiny_model):

@@ -1,0 +1,184 @@
+"""The KV cache's element types (kv_type): each type against a float64 forward pass, states that
+keep their type, and every refusal, in Python, C and the CLI."""
+
+import ctypes
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import reference
+from capi import load_library, params
+from conftest import cuda_available
+
+import ggraph
+from ggraph.testing import write_random_gguf
+
+KV_TYPES = ["f32", "f16", "q8_0"]
+TOKENS = [1, 17, 42, 3, 99, 5, 250, 0, 7, 7, 64, 120, 33, 2, 19, 200]
+STATE_HEADER = 40  # bytes: magic, version, fingerprint, kv type, layers, width, n_past, reserved
+
+
+@pytest.fixture(scope="module")
+def heads32(tmp_path_factory):
+    """A tiny random model with F32 weights and attention heads 32 wide (one Q8_0 block), so that
+    the cache's rounding is the only error against float64."""
+    path = str(tmp_path_factory.mktemp("kv") / "heads32.gguf")
+    write_random_gguf(
+        path, shape="tiny", weight_type="F32", seed=3, n_embd=128, n_head=4, n_head_kv=2
+    )
+    return path
+
+
+# Relative L2 error of the logits against float64 on the unrounded keys and values (measured:
+# f16 1.9e-4, q8_0 6.0e-3): F16 rounds by at most 2^-11, Q8_0 by half a step of amax/127 per 32
+# values; a few times the measured error leaves room for other seeds without hiding a wrong
+# decoder (one of those is off by whole steps: errors of 1e-1 and more).
+BOUND_UNROUNDED = {"f32": 1e-4, "f16": 2e-3, "q8_0": 3e-2}
+
+
+@pytest.mark.parametrize("kv_type", KV_TYPES)
+def test_each_cache_type_rounds_as_its_format_and_no_more(heads32, kv_type):
+    w = reference.load(heads32)
+    m = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+    assert m.kv_type == kv_type
+    got = m.eval(TOKENS, all_logits=True)
+    tokens = np.array(TOKENS)
+    stored = reference.forward(w, tokens, kv_round=reference.kv_cache_round(kv_type))
+    plain = reference.forward(w, tokens)
+
+    def rel(ref):
+        return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+    # On the values the cache stores, only float32 arithmetic remains (and, rarely, a value that
+    # float32 and float64 round to neighbouring steps).
+    assert rel(stored) < 1e-4, f"{kv_type}: {rel(stored):.2e} against the stored values"
+    assert rel(plain) < BOUND_UNROUNDED[kv_type], f"{kv_type}: {rel(plain):.2e}"
+    if kv_type == "q8_0":
+        assert rel(plain) > 1e-3, "a Q8_0 cache that loses nothing holds no 8-bit values"
+
+
+@pytest.mark.parametrize("kv_type", KV_TYPES)
+def test_decoding_step_by_step_equals_one_prompt_for_every_type(heads32, kv_type):
+    whole = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type).eval(
+        TOKENS, all_logits=True
+    )
+    m = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+    steps = np.stack([m.eval([t]) for t in TOKENS])
+    np.testing.assert_allclose(steps, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_default_kv_type_is_f16(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    assert m.kv_type == "f16"
+    assert "kv_type='f16'" in repr(m)
+
+
+@pytest.mark.parametrize("bad", ["bf16", "F16", "q4_0", ""])
+def test_unknown_kv_types_are_refused(tiny_model, bad):
+    with pytest.raises(ValueError, match=f"kv_type: expected 'f32', 'f16' or 'q8_0', got '{bad}'"):
+        ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type=bad)
+
+
+def test_q8_0_needs_heads_of_whole_blocks(tiny_model):
+    # The tiny shape's heads are 16 wide: half a Q8_0 block.
+    with pytest.raises(ValueError, match=r"kv_type 'q8_0'.*heads are 16 wide.*use 'f16' or 'f32'"):
+        ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="q8_0")
+    assert ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="f32").kv_type == "f32"
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
+def test_cuda_takes_f16_caches_only_so_far(heads32, kv_type):
+    with pytest.raises(ValueError, match=f"kv_type '{kv_type}' is not supported on CUDA yet"):
+        ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type=kv_type)
+    assert ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type="f16").kv_type == "f16"
+
+
+# ---------------------------------------------------------------------------------------------
+# States
+
+
+@pytest.mark.parametrize("kv_type", KV_TYPES)
+def test_a_state_round_trips_in_its_own_type(heads32, kv_type):
+    m = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+    m.eval(TOKENS[:9])
+    state = m.save_state()
+    row = {"f32": 64 * 4, "f16": 64 * 2, "q8_0": 2 * 34}[kv_type]  # rows of 64 (2 heads of 32)
+    assert len(state) == STATE_HEADER + 9 * 4 + 2 * 2 * 9 * row  # 2 layers, K and V
+    expected = m.eval(TOKENS[9:])
+    other = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+    other.eval([5, 5, 5])
+    other.load_state(state)
+    assert other.n_past == 9
+    np.testing.assert_array_equal(other.eval(TOKENS[9:]), expected)
+
+
+def test_a_state_is_refused_by_a_context_of_another_type(heads32):
+    states = {}
+    for kv_type in KV_TYPES:
+        m = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+        m.eval(TOKENS[:5])
+        states[kv_type] = m.save_state()
+    for kv_type in KV_TYPES:
+        m = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
+        m.eval([3, 4])
+        expected = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type).eval([3, 4, 5])
+        for saved, state in states.items():
+            if saved == kv_type:
+                continue
+            with pytest.raises(
+                ValueError,
+                match=rf"KV cache is {saved.upper()} .*this context's {kv_type.upper()} .*"
+                "same kv_type",
+            ):
+                m.load_state(state)
+            assert m.n_past == 2 and m._tokens == [3, 4]
+        np.testing.assert_allclose(m.eval([5]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_c_api_kv_type(tiny_model, heads32):
+    lib = load_library()
+    err = ctypes.create_string_buffer(512)
+
+    def load(path, **fields):
+        return lib.ggraph_load(path.encode(), ctypes.byref(params(lib, **fields)), err, 512)
+
+    assert lib.ggraph_default_params().kv_type == b"f16"
+    assert not load(tiny_model, device=b"cpu", n_ctx=64, kv_type=b"f8")
+    assert b"expected 'f32', 'f16' or 'q8_0', got 'f8'" in err.value
+    assert not load(tiny_model, device=b"cpu", n_ctx=64, size=8)
+    assert b"params->size 8" in err.value
+    # The type reaches the cache: the C model's logits are Python's for the same type.
+    m = load(heads32, device=b"cpu", n_ctx=64, kv_type=b"q8_0")
+    assert m, err.value
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        logits = (ctypes.c_float * n_vocab)()
+        ids = (ctypes.c_int32 * len(TOKENS))(*TOKENS)
+        assert lib.ggraph_eval(m, ids, len(TOKENS), logits) == 0
+        py = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type="q8_0").eval(TOKENS)
+        f16 = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type="f16").eval(TOKENS)
+        got = np.frombuffer(logits, dtype=np.float32)
+        np.testing.assert_allclose(got, py, rtol=1e-6, atol=1e-6)
+        assert not np.allclose(got, f16, rtol=1e-6, atol=1e-6)
+    finally:
+        lib.ggraph_free(m)
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "ggraph", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_kv_type(tiny_model, heads32):
+    r = _cli("generate", "-m", tiny_model, "--device", "cpu", "-c", "64", "--kv-type", "x", "hi")
+    assert r.returncode == 1 and "kv_type: expected" in r.stderr
+    r = _cli(
+        "bench", "-m", heads32, "-p", "8", "-n", "4", "-r", "1", "--device", "cpu",
+        "--kv-type", "q8_0",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines()[2:]]
+    assert [row[9].strip() for row in rows] == ["q8_0", "q8_0"]
