@@ -40,6 +40,9 @@ typedef struct {
   int n_threads;           /* CPU threads; 0 = all cores; at most 1024 */
   const char* cuda_graphs; /* "patch" (default), "update", "recapture", "off" */
   const char* kv_type;     /* the KV cache's elements: "f16" (default), "f32", "q8_0" (CPU) */
+  /* 1: accept an n_ctx past the model's training context (quality usually drops there);
+   * 0 (default): refuse it */
+  int allow_longer_context;
 } ggraph_params;
 
 typedef struct {

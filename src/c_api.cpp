@@ -92,6 +92,7 @@ ggraph_params ggraph_default_params(void) {
   p.n_threads = o.n_threads;
   p.cuda_graphs = "patch";
   p.kv_type = "f16";
+  p.allow_longer_context = 0;
   return p;
 }
 
@@ -126,6 +127,7 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
     o.n_threads = p.n_threads;
     o.cuda_graphs = p.cuda_graphs ? p.cuda_graphs : "patch";
     if (p.kv_type) o.kv_type = p.kv_type;
+    o.allow_longer_context = p.allow_longer_context != 0;
     auto m = std::make_unique<ggraph_model>();
     m->ctx = std::make_unique<ggraph::Context>(path, o);
     return m.release();

@@ -108,6 +108,13 @@ Context::Context(const std::string& path, const ContextOptions& o) {
                         " values, and this model's attention heads are " +
                         std::to_string(model_->head_dim) + " wide (not a multiple of " +
                         std::to_string(block) + "); use 'f16' or 'f32'");
+  if (o.n_ctx > model_->n_ctx_train && model_->n_ctx_train > 0 && !o.allow_longer_context)
+    throw ArgumentError(
+        "n_ctx " + std::to_string(o.n_ctx) + " is longer than the model's training context of " +
+        std::to_string(model_->n_ctx_train) + " tokens (" + model_->arch +
+        ".context_length); ask for " + std::to_string(model_->n_ctx_train) +
+        " or fewer (n_ctx 0 means the training length), or set allow_longer_context to run " +
+        "past it (quality usually drops beyond the training length)");
   // FNV-1a over the file's size and tensor table: what a saved state must have been made with.
   fingerprint_ = 1469598103934665603ull;
   auto mix = [&](const void* p, size_t n) {

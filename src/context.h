@@ -22,6 +22,9 @@ constexpr int kMaxThreads = 1024;
 struct ContextOptions {
   std::string device = "auto";  // cpu | cuda | cuda:N | auto
   int n_ctx = 2048;             // 0 = the model's training context
+  // Past the model's training context (its <arch>.context_length) only when allowed: the
+  // model has never seen such positions, so quality usually drops.
+  bool allow_longer_context = false;
   std::string kv_type = "f16";  // the KV cache's element type: f32 | f16 | q8_0
   int n_threads = 0;            // CPU threads; 0 = all cores
   int n_batch = 512;            // most tokens per graph; longer inputs are split
@@ -82,6 +85,7 @@ class Context {
 
   int n_past() const { return n_past_; }
   int n_ctx() const { return n_ctx_; }
+  int n_ctx_train() const { return model_->n_ctx_train; }
   // The KV cache's element type as ContextOptions::kv_type names it ("f16").
   std::string kv_type() const;
   int n_vocab() const { return model_->n_vocab; }

@@ -399,7 +399,7 @@ PYBIND11_MODULE(_core, m) {
   context
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
                        int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug,
-                       bool use_mmap, const std::string& kv_type) {
+                       bool use_mmap, const std::string& kv_type, bool allow_longer_context) {
              ContextOptions o;
              o.device = device;
              o.n_ctx = n_ctx;
@@ -409,13 +409,14 @@ PYBIND11_MODULE(_core, m) {
              o.cuda_graph_debug = cuda_graph_debug;
              o.use_mmap = use_mmap;
              o.kv_type = kv_type;
+             o.allow_longer_context = allow_longer_context;
              py::gil_scoped_release release;
              return std::make_unique<Context>(path, o);
            }),
            py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = 2048,
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
            py::arg("cuda_graph_debug") = false, py::arg("use_mmap") = true,
-           py::arg("kv_type") = ContextOptions().kv_type)
+           py::arg("kv_type") = ContextOptions().kv_type, py::arg("allow_longer_context") = false)
       .def(
           "eval",
           [](Context& c, const py::handle& tokens, bool all_logits) {
@@ -479,6 +480,7 @@ PYBIND11_MODULE(_core, m) {
       .def("cancel", &Context::cancel)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)
+      .def_property_readonly("n_ctx_train", &Context::n_ctx_train)
       .def_property_readonly("kv_type", &Context::kv_type)
       .def_property_readonly("n_vocab", &Context::n_vocab)
       .def_property_readonly("device", &Context::device)

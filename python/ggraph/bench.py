@@ -2,7 +2,7 @@
 optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096").
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
-    [--cuda-graphs off,patch] [--kv-type f16]
+    [--cuda-graphs off,patch] [--kv-type f16] [--allow-longer-context]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def run_bench(
     seed=0,
     depths=(0,),
     kv_type="f16",
+    allow_longer_context=False,
 ):
     """Returns one result dict per (mode, depth, test)."""
     from ggraph.model import Model
@@ -60,6 +61,7 @@ def run_bench(
             n_threads=n_threads,
             cuda_graphs=mode,
             kv_type=kv_type,
+            allow_longer_context=allow_longer_context,
         )
         rng = np.random.default_rng(seed)
         tests = []
@@ -160,6 +162,7 @@ def main_args(args):
         args.threads,
         depths=depths,
         kv_type=args.kv_type,
+        allow_longer_context=args.allow_longer_context,
     )
     print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
     return 0

@@ -17,6 +17,7 @@ def _load(args):
         n_ctx=args.n_ctx,
         n_threads=args.threads,
         kv_type=args.kv_type,
+        allow_longer_context=args.allow_longer_context,
     )
 
 
@@ -172,6 +173,11 @@ def add_context_arguments(p):
     """The KV cache's options, shared by generate, chat and bench."""
     p.add_argument(
         "--kv-type", default="f16", help="KV cache elements: f16 (default), f32 or q8_0 (CPU)"
+    )
+    p.add_argument(
+        "--allow-longer-context",
+        action="store_true",
+        help="accept a context longer than the model's training context (with a warning)",
     )
 
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -200,6 +201,9 @@ class Model:
     """A GGUF model loaded with its KV cache on a device.
 
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present).
+    n_ctx: the context length in tokens; 0 means the model's training context. A longer one than
+    the model was trained with is refused unless allow_longer_context=True (then a
+    RuntimeWarning says so: quality usually drops past the training length).
     kv_type: the KV cache's element type: "f16" (default), "f32" or "q8_0" (8-bit blocks of 32
     with a scale, a quarter of f32's memory; the CPU only, so far). See BENCHMARKS.md for what
     each costs in quality and speed.
@@ -219,6 +223,7 @@ class Model:
         cuda_graphs: str | None = None,
         use_mmap: bool = True,
         kv_type: str = "f16",
+        allow_longer_context: bool = False,
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
@@ -235,7 +240,15 @@ class Model:
             cuda_graph_debug=debug,
             use_mmap=use_mmap,
             kv_type=kv_type,
+            allow_longer_context=allow_longer_context,
         )
+        if self._ctx.n_ctx > self._ctx.n_ctx_train:
+            warnings.warn(
+                f"n_ctx {self._ctx.n_ctx} is longer than the model's training context of "
+                f"{self._ctx.n_ctx_train} tokens: quality usually drops past it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._last_logits: np.ndarray | None = None
         # Calls on one model are serialized: each public call holds the lock while it reads or
         # changes the context (C++ work runs without the GIL, so other threads may call in).
@@ -254,6 +267,11 @@ class Model:
     @property
     def n_ctx(self) -> int:
         return self._ctx.n_ctx
+
+    @property
+    def n_ctx_train(self) -> int:
+        """The context length the model was trained with (its <arch>.context_length)."""
+        return self._ctx.n_ctx_train
 
     @property
     def kv_type(self) -> str:

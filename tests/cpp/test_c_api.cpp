@@ -68,6 +68,7 @@ TEST(CApi, DefaultsAreSensible) {
   EXPECT_EQ(p.n_ctx, 2048);
   EXPECT_STREQ(p.cuda_graphs, "patch");
   EXPECT_STREQ(p.kv_type, "f16");
+  EXPECT_EQ(p.allow_longer_context, 0);
   const ggraph_sampling s = ggraph_default_sampling();
   EXPECT_GT(s.temperature, 0.0f);
   EXPECT_GT(s.top_p, 0.0f);

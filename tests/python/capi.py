@@ -14,6 +14,7 @@ class Params(ctypes.Structure):
         ("n_threads", ctypes.c_int),
         ("cuda_graphs", ctypes.c_char_p),
         ("kv_type", ctypes.c_char_p),
+        ("allow_longer_context", ctypes.c_int),
     ]
 
 

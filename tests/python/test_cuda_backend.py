@@ -102,6 +102,6 @@ def test_devices_lists_the_gpu_and_auto_picks_it(models):
 def test_out_of_device_memory_is_a_clear_error_and_the_process_goes_on(models):
     path = models[("tiny", "Q4_1")]
     with pytest.raises(ggraph.DeviceError, match=r"out of device memory: needed .* MiB free of"):
-        ggraph.Model(path, device="cuda", n_ctx=2_000_000_000)
+        ggraph.Model(path, device="cuda", n_ctx=2_000_000_000, allow_longer_context=True)
     m = ggraph.Model(path, device="cuda", n_ctx=64)
     assert np.all(np.isfinite(m.eval([1, 2, 3])))

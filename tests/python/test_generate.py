@@ -72,7 +72,7 @@ def test_generate_argument_errors(tiny_model):
     with pytest.raises(ValueError, match="empty"):
         m.generate([])
     with pytest.raises(ValueError, match="sample"):
-        ggraph.Model(tiny_model, device="cpu").sample()
+        ggraph.Model(tiny_model, device="cpu", n_ctx=64).sample()
 
 
 def test_prefix_is_reused_and_results_unchanged(tiny_model):

@@ -1,9 +1,10 @@
-"""The KV cache's element types (kv_type): each type against a float64 forward pass, states that
-keep their type, and every refusal, in Python, C and the CLI."""
+"""The KV cache's element types (kv_type) and the context-length guard: each type against a
+float64 forward pass, states that keep their type, and every refusal, in Python, C and the CLI."""
 
 import ctypes
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -137,7 +138,36 @@ def test_a_state_is_refused_by_a_context_of_another_type(heads32):
         np.testing.assert_allclose(m.eval([5]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_c_api_kv_type(tiny_model, heads32):
+# ---------------------------------------------------------------------------------------------
+# The context-length guard (the tiny model says it was trained on 256 positions)
+
+
+def test_a_context_past_the_training_length_is_refused_and_says_how_to_allow_it(tiny_model):
+    with pytest.raises(ValueError) as info:
+        ggraph.Model(tiny_model, device="cpu", n_ctx=257)
+    msg = str(info.value)
+    assert "n_ctx 257" in msg and "training context of 256 tokens" in msg
+    assert "llama.context_length" in msg and "allow_longer_context" in msg
+
+
+def test_the_training_length_itself_and_zero_load_without_a_warning(tiny_model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = ggraph.Model(tiny_model, device="cpu", n_ctx=256)
+        zero = ggraph.Model(tiny_model, device="cpu", n_ctx=0)
+    assert (m.n_ctx, m.n_ctx_train) == (256, 256)
+    assert (zero.n_ctx, zero.n_ctx_train) == (256, 256)
+
+
+def test_allow_longer_context_runs_past_the_training_length_with_a_warning(tiny_model):
+    with pytest.warns(RuntimeWarning, match="n_ctx 300 is longer than .* 256 tokens"):
+        m = ggraph.Model(tiny_model, device="cpu", n_ctx=300, allow_longer_context=True)
+    assert m.n_ctx == 300
+    logits = m.eval(list(range(1, 291)))
+    assert m.n_past == 290 and np.all(np.isfinite(logits))
+
+
+def test_c_api_kv_type_and_context_guard(tiny_model, heads32):
     lib = load_library()
     err = ctypes.create_string_buffer(512)
 
@@ -145,10 +175,19 @@ def test_c_api_kv_type(tiny_model, heads32):
         return lib.ggraph_load(path.encode(), ctypes.byref(params(lib, **fields)), err, 512)
 
     assert lib.ggraph_default_params().kv_type == b"f16"
+    assert not load(tiny_model, device=b"cpu", n_ctx=512)
+    assert b"training context of 256 tokens" in err.value
+    assert b"allow_longer_context" in err.value
     assert not load(tiny_model, device=b"cpu", n_ctx=64, kv_type=b"f8")
     assert b"expected 'f32', 'f16' or 'q8_0', got 'f8'" in err.value
     assert not load(tiny_model, device=b"cpu", n_ctx=64, size=8)
     assert b"params->size 8" in err.value
+    m = load(tiny_model, device=b"cpu", n_ctx=512, allow_longer_context=1)
+    assert m, err.value
+    try:
+        assert lib.ggraph_n_ctx(m) == 512
+    finally:
+        lib.ggraph_free(m)
     # The type reaches the cache: the C model's logits are Python's for the same type.
     m = load(heads32, device=b"cpu", n_ctx=64, kv_type=b"q8_0")
     assert m, err.value
@@ -172,7 +211,15 @@ def _cli(*args):
     )
 
 
-def test_cli_kv_type(tiny_model, heads32):
+def test_cli_kv_type_and_allow_longer_context(tiny_model, heads32):
+    r = _cli("generate", "-m", tiny_model, "--device", "cpu", "-n", "2", "-c", "512", "hi")
+    assert r.returncode == 1 and "training context of 256 tokens" in r.stderr
+    r = _cli(
+        "generate", "-m", tiny_model, "--device", "cpu", "-n", "2", "-c", "512",
+        "--allow-longer-context", "hi",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "RuntimeWarning" in r.stderr and "longer than the model's training context" in r.stderr
     r = _cli("generate", "-m", tiny_model, "--device", "cpu", "-c", "64", "--kv-type", "x", "hi")
     assert r.returncode == 1 and "kv_type: expected" in r.stderr
     r = _cli(

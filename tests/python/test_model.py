@@ -169,8 +169,8 @@ def test_metadata_and_build_info(tiny_model):
 
 def test_n_threads_do_not_change_logits(tiny_model):
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
-    a = ggraph.Model(tiny_model, device="cpu", n_threads=1).eval(tokens, all_logits=True)
-    b = ggraph.Model(tiny_model, device="cpu", n_threads=2).eval(tokens, all_logits=True)
+    a = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1).eval(tokens, all_logits=True)
+    b = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=2).eval(tokens, all_logits=True)
     np.testing.assert_array_equal(a, b)
 
 
