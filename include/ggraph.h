@@ -36,10 +36,14 @@ enum {
 typedef struct {
   size_t size;
   const char* device;      /* "auto" (default), "cpu", "cuda", "cuda:N" */
-  int n_ctx;               /* context length in tokens; 0 = the model's training length */
+  /* context length in tokens; 0 = the model's training length; -1 (default) = 2048, or the
+   * training length where that is shorter */
+  int n_ctx;
   int n_threads;           /* CPU threads; 0 = all cores; at most 1024 */
   const char* cuda_graphs; /* "patch" (default), "update", "recapture", "off" */
-  const char* kv_type;     /* the KV cache's elements: "f16" (default), "f32", "q8_0" (CPU) */
+  /* the KV cache's elements: "auto" (default: f32 on the CPU, f16 on CUDA), "f32", "f16",
+   * "q8_0" (CPU) */
+  const char* kv_type;
   /* 1: accept an n_ctx past the model's training context (quality usually drops there);
    * 0 (default): refuse it */
   int allow_longer_context;

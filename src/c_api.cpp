@@ -91,7 +91,7 @@ ggraph_params ggraph_default_params(void) {
   p.n_ctx = o.n_ctx;
   p.n_threads = o.n_threads;
   p.cuda_graphs = "patch";
-  p.kv_type = "f16";
+  p.kv_type = "auto";
   p.allow_longer_context = 0;
   return p;
 }

@@ -43,10 +43,13 @@ constexpr struct {
   DType type;
 } kKvTypes[] = {{"f32", DType::F32}, {"f16", DType::F16}, {"q8_0", DType::Q8_0}};
 
-DType kv_type_from_name(const std::string& name) {
+// "auto": F32 on the CPU, the reference backend (its attention reads F32 rows in place), and F16
+// on CUDA.
+DType kv_type_from_name(const std::string& name, bool cuda) {
+  if (name == "auto") return cuda ? DType::F16 : DType::F32;
   for (const auto& t : kKvTypes)
     if (name == t.name) return t.type;
-  throw ArgumentError("kv_type: expected 'f32', 'f16' or 'q8_0', got '" + name + "'");
+  throw ArgumentError("kv_type: expected 'auto', 'f32', 'f16' or 'q8_0', got '" + name + "'");
 }
 
 // A backend that keeps nothing: loading a model through it checks names, shapes, types and keys.
@@ -79,7 +82,10 @@ std::string check_model_file(const std::string& path) {
 }
 
 Context::Context(const std::string& path, const ContextOptions& o) {
-  if (o.n_ctx < 0) throw ArgumentError("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
+  if (o.n_ctx < 0 && o.n_ctx != kDefaultContext)
+    throw ArgumentError("n_ctx must be >= 0 (0: the training context), or " +
+                        std::to_string(kDefaultContext) + " for the default, got " +
+                        std::to_string(o.n_ctx));
   if (o.n_batch < 1) throw ArgumentError("n_batch must be >= 1, got " + std::to_string(o.n_batch));
   if (o.cuda_graphs != "off" && o.cuda_graphs != "recapture" && o.cuda_graphs != "update" &&
       o.cuda_graphs != "patch")
@@ -88,9 +94,10 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_threads < 0 || o.n_threads > kMaxThreads)
     throw ArgumentError("n_threads must be 0 (automatic) to " + std::to_string(kMaxThreads) +
                         ", got " + std::to_string(o.n_threads));
-  const DType kv_type = kv_type_from_name(o.kv_type);
+  kv_type_from_name(o.kv_type, false);  // a bad name fails before the file is read
   file_ = GGUFFile::open(path, o.use_mmap);
   backend_ = make_backend(o, &device_);
+  const DType kv_type = kv_type_from_name(o.kv_type, backend_->is_cuda());
   // The CUDA kernels read F16 caches only, so far.
   if (backend_->is_cuda() && kv_type != DType::F16)
     throw ArgumentError("kv_type '" + o.kv_type + "' is not supported on CUDA yet; use 'f16'");
@@ -130,7 +137,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     mix(t.ne, sizeof t.ne);
     mix(&t.type, sizeof t.type);
   }
-  n_ctx_ = o.n_ctx > 0 ? o.n_ctx : model_->n_ctx_train;
+  if (o.n_ctx > 0)
+    n_ctx_ = o.n_ctx;
+  else if (o.n_ctx == 0 || (model_->n_ctx_train > 0 && model_->n_ctx_train < kDefaultContextTokens))
+    n_ctx_ = model_->n_ctx_train;
+  else
+    n_ctx_ = kDefaultContextTokens;
   n_batch_ = std::min(o.n_batch, n_ctx_);
   kv_.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
 

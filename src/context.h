@@ -19,13 +19,20 @@ namespace ggraph {
 // The most CPU threads a context takes (more are refused, not clamped).
 constexpr int kMaxThreads = 1024;
 
+// ContextOptions::n_ctx's default: 2048 tokens, or the model's training context if shorter.
+constexpr int kDefaultContext = -1;
+constexpr int kDefaultContextTokens = 2048;
+
 struct ContextOptions {
   std::string device = "auto";  // cpu | cuda | cuda:N | auto
-  int n_ctx = 2048;             // 0 = the model's training context
+  // Tokens; 0 = the model's training context; kDefaultContext = 2048, or the training context
+  // where that is shorter (what a caller who did not choose gets).
+  int n_ctx = kDefaultContext;
   // Past the model's training context (its <arch>.context_length) only when allowed: the
   // model has never seen such positions, so quality usually drops.
   bool allow_longer_context = false;
-  std::string kv_type = "f16";  // the KV cache's element type: f32 | f16 | q8_0
+  // The KV cache's element type: f32 | f16 | q8_0 | auto (f32 on the CPU, f16 on CUDA).
+  std::string kv_type = "auto";
   int n_threads = 0;            // CPU threads; 0 = all cores
   int n_batch = 512;            // most tokens per graph; longer inputs are split
   std::string cuda_graphs = "patch";

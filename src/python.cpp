@@ -413,7 +413,7 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              return std::make_unique<Context>(path, o);
            }),
-           py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = 2048,
+           py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = kDefaultContext,
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
            py::arg("cuda_graph_debug") = false, py::arg("use_mmap") = true,
            py::arg("kv_type") = ContextOptions().kv_type, py::arg("allow_longer_context") = false)

@@ -2,7 +2,7 @@
 optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096").
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
-    [--cuda-graphs off,patch] [--kv-type f16] [--allow-longer-context]
+    [--cuda-graphs off,patch] [--kv-type auto] [--allow-longer-context]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def run_bench(
     n_threads=None,
     seed=0,
     depths=(0,),
-    kv_type="f16",
+    kv_type="auto",
     allow_longer_context=False,
 ):
     """Returns one result dict per (mode, depth, test)."""

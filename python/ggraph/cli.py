@@ -155,7 +155,12 @@ def _add_model_args(p, sampling=True):
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument(
-        "-c", "--n-ctx", type=int, default=2048, help="context length; 0 = the training length"
+        "-c",
+        "--n-ctx",
+        type=int,
+        default=None,
+        help="context length; 0 = the training length; default 2048, or the training length "
+        "where shorter",
     )
     add_context_arguments(p)
     p.add_argument("-t", "--threads", type=int, default=None)
@@ -172,7 +177,10 @@ def _add_model_args(p, sampling=True):
 def add_context_arguments(p):
     """The KV cache's options, shared by generate, chat and bench."""
     p.add_argument(
-        "--kv-type", default="f16", help="KV cache elements: f16 (default), f32 or q8_0 (CPU)"
+        "--kv-type",
+        default="auto",
+        help="KV cache elements: auto (default: f32 on the CPU, f16 on CUDA), f32, f16 "
+        "or q8_0 (CPU)",
     )
     p.add_argument(
         "--allow-longer-context",

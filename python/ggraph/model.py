@@ -201,12 +201,13 @@ class Model:
     """A GGUF model loaded with its KV cache on a device.
 
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when a GPU is present).
-    n_ctx: the context length in tokens; 0 means the model's training context. A longer one than
+    n_ctx: the context length in tokens; 0 means the model's training context; None (default)
+    means 2048, or the training context where that is shorter. A longer one than
     the model was trained with is refused unless allow_longer_context=True (then a
     RuntimeWarning says so: quality usually drops past the training length).
-    kv_type: the KV cache's element type: "f16" (default), "f32" or "q8_0" (8-bit blocks of 32
-    with a scale, a quarter of f32's memory; the CPU only, so far). See BENCHMARKS.md for what
-    each costs in quality and speed.
+    kv_type: the KV cache's element type: "auto" (default: "f32" on the CPU, "f16" on CUDA),
+    "f16", "f32" or "q8_0" (8-bit blocks of 32 with a scale, a quarter of f32's memory; the CPU
+    only, so far). See BENCHMARKS.md for what each costs in quality and speed.
     cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
     use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
     uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory
@@ -217,12 +218,12 @@ class Model:
         self,
         path: str | os.PathLike | None = None,
         device: str = "auto",
-        n_ctx: int = 2048,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         n_batch: int = 512,
         cuda_graphs: str | None = None,
         use_mmap: bool = True,
-        kv_type: str = "f16",
+        kv_type: str = "auto",
         allow_longer_context: bool = False,
     ):
         path = resolve_model(path)
@@ -233,7 +234,7 @@ class Model:
         self._ctx = _core.Context(
             path,
             device=device,
-            n_ctx=n_ctx,
+            n_ctx=-1 if n_ctx is None else n_ctx,
             n_threads=n_threads or 0,
             n_batch=n_batch,
             cuda_graphs=cuda_graphs,

@@ -69,15 +69,23 @@ def test_decoding_step_by_step_equals_one_prompt_for_every_type(heads32, kv_type
     np.testing.assert_allclose(steps, whole, rtol=1e-4, atol=1e-4)
 
 
-def test_default_kv_type_is_f16(tiny_model):
+def test_the_default_kv_type_is_f32_on_the_cpu(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
-    assert m.kv_type == "f16"
-    assert "kv_type='f16'" in repr(m)
+    assert m.kv_type == "f32"
+    assert "kv_type='f32'" in repr(m)
+    assert ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="auto").kv_type == "f32"
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_the_default_kv_type_is_f16_on_cuda(heads32):
+    assert ggraph.Model(heads32, device="cuda", n_ctx=64).kv_type == "f16"
 
 
 @pytest.mark.parametrize("bad", ["bf16", "F16", "q4_0", ""])
 def test_unknown_kv_types_are_refused(tiny_model, bad):
-    with pytest.raises(ValueError, match=f"kv_type: expected 'f32', 'f16' or 'q8_0', got '{bad}'"):
+    with pytest.raises(
+        ValueError, match=f"kv_type: expected 'auto', 'f32', 'f16' or 'q8_0', got '{bad}'"
+    ):
         ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type=bad)
 
 
@@ -157,6 +165,19 @@ def test_the_training_length_itself_and_zero_load_without_a_warning(tiny_model):
         zero = ggraph.Model(tiny_model, device="cpu", n_ctx=0)
     assert (m.n_ctx, m.n_ctx_train) == (256, 256)
     assert (zero.n_ctx, zero.n_ctx_train) == (256, 256)
+
+
+def test_the_default_context_is_2048_or_the_training_length_where_shorter(tiny_model, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short = ggraph.Model(tiny_model, device="cpu")
+    assert short.n_ctx == short.n_ctx_train == 256
+    path = str(tmp_path / "long.gguf")
+    write_random_gguf(path, shape="tiny", weight_type="F32", seed=1, n_ctx=4096)
+    long_trained = ggraph.Model(path, device="cpu")
+    assert (long_trained.n_ctx, long_trained.n_ctx_train) == (2048, 4096)
+    with pytest.raises(ValueError, match="n_ctx must be >= 0"):
+        ggraph.Model(tiny_model, device="cpu", n_ctx=-2)
 
 
 def test_allow_longer_context_runs_past_the_training_length_with_a_warning(tiny_model):
