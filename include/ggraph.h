@@ -35,7 +35,7 @@ enum {
  * fields at the end and reads only what the caller's size covers. */
 typedef struct {
   size_t size;
-  const char* device;      /* "auto" (default), "cpu", "cuda", "cuda:N" */
+  const char* device; /* "auto" (default), "cpu", "cuda", "cuda:N" */
   /* context length in tokens; 0 = the model's training length; -1 (default) = 2048, or the
    * training length where that is shorter */
   int n_ctx;

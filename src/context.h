@@ -33,8 +33,8 @@ struct ContextOptions {
   bool allow_longer_context = false;
   // The KV cache's element type: f32 | f16 | q8_0 | auto (f32 on the CPU, f16 on CUDA).
   std::string kv_type = "auto";
-  int n_threads = 0;            // CPU threads; 0 = all cores
-  int n_batch = 512;            // most tokens per graph; longer inputs are split
+  int n_threads = 0;  // CPU threads; 0 = all cores
+  int n_batch = 512;  // most tokens per graph; longer inputs are split
   std::string cuda_graphs = "patch";
   bool cuda_graph_debug = false;
   bool use_mmap = true;  // false: read the file into memory (see GGUFFile::open)
