@@ -6,6 +6,8 @@
 # may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls, the Gemma 3
 # 270M file in pieces (.gemma3/gemma3.partNN, one or more a call; .gemma3/gemma3.sha256 names the
 # whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
+# DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
+# off,recapture,update,patch) the CUDA graph modes bench runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -79,8 +81,9 @@ for stage in "$@"; do
       [ -f /tmp/llama2-7b-shape.gguf ] || python3 -m ggraph.testing /tmp/llama2-7b-shape.gguf \
         --shape llama2-7b --type Q4_0 --seed 1 >/dev/null
       for m in /tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf; do
-        python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda \
-          --cuda-graphs off,recapture,update,patch 2>&1 | tee -a "$OUT/bench.md"
+        # Random weights: past the shape's training context only the speed means anything.
+        python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
+          --allow-longer-context --cuda-graphs "${MODES:-off,recapture,update,patch}" 2>&1 | tee -a "$OUT/bench.md"
       done
       ;;
     kernels)
@@ -118,18 +121,27 @@ for stage in "$@"; do
       ;;
     refbench)
       # ggraph bench and llama-bench on the same files: $REFBENCH_MODELS (space-separated
-      # paths; default: the Gemma 3 file when present and a 7B-shape Q4_K_M random file).
-      [ -f /tmp/llama2-7b-q4km.gguf ] || python3 -m ggraph.testing /tmp/llama2-7b-q4km.gguf \
-        --shape llama2-7b --type Q4_K_M --seed 1 >/dev/null
-      models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
-      for m in $models; do
-        python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda \
-          --cuda-graphs off,patch 2>&1 | tee -a "$OUT/refbench.md"
+      # paths; default: the Gemma 3 file when present and a 7B-shape Q4_K_M random file). The
+      # shape files are made here when named. Both engines run after llama.cpp's build, so that
+      # neither competes with the compiler for the host.
+      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
+        llama2-7b-q4km:llama2-7b:Q4_K_M; do
+        IFS=: read -r name shape type <<<"$spec"
+        case " ${REFBENCH_MODELS:-/tmp/llama2-7b-q4km.gguf} " in *" /tmp/$name.gguf "*)
+          [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
+            --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
+        esac
       done
-      for _ in $(seq 60); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
+      for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      for m in $models; do
+        python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
+          --allow-longer-context --cuda-graphs "${MODES:-off,patch}" 2>&1 | tee -a "$OUT/refbench.md"
+      done
       if [ -f $LLAMA_CPP/done ]; then
         for m in $models; do
-          $LLAMA_CPP/bin/llama-bench -m "$m" -p 512 -n 128 -r 5 -ngl 99 2>&1 |
+          $LLAMA_CPP/bin/llama-bench -m "$m" -p 512 -n 128 -r 5 -ngl 99 -fa 1 \
+            -d "${DEPTHS:-0}" 2>&1 |
             tee -a "$OUT/refbench.md"
         done
       else

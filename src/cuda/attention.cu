@@ -10,16 +10,11 @@
 
 namespace ggraph::cuda {
 
-int kv_bucket(int n_kv) {
-  int b = 256;
-  while (b < n_kv && b < (1 << 30)) b *= 2;
-  return b;
-}
-
-int attention_splits(int n_kv_bucket, int n_head_kv) {
-  // One split (no reduce launch) up to 256 keys per KV head group, more as the cache grows.
-  const int keys_per_split = n_head_kv >= 16 ? 512 : 256;
-  return std::max(1, std::min(kMaxAttnSplits, n_kv_bucket / keys_per_split));
+int attention_splits(int max_keys, int kv_blocks) {
+  // Enough blocks to fill the GPU at the longest context, each with at least a tile per warp.
+  const int fill = (kAttnTargetBlocks + kv_blocks - 1) / kv_blocks;
+  const int most = (max_keys + kAttnMinSplitKeys - 1) / kAttnMinSplitKeys;
+  return std::max(1, std::min({kMaxAttnSplits, fill, most}));
 }
 
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens) {
@@ -27,11 +22,15 @@ size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens) {
   return static_cast<size_t>(n_head) * n_tokens * kMaxAttnSplits * (head_dim + 2) * sizeof(float);
 }
 
+size_t attn_counters_bytes(int n_head, int n_tokens) {
+  if (n_tokens > kDecodeAttnMaxTokens) return 0;
+  return static_cast<size_t>(n_head) * n_tokens * sizeof(unsigned);
+}
+
 namespace {
 
 constexpr int kAttnWarps = 4;
-constexpr int kDecodeGroup = 8;      // at most this many query heads per block share a KV head
-constexpr int kShortKvBucket = 256;  // KV buckets up to this take one query head per block
+constexpr int kDecodeGroup = 8;  // at most this many query heads per block share a KV head
 constexpr float kNegInf = -INFINITY;
 
 // A KV-position value: from the step's KV record in graph steps (the kernel's arguments then stay
@@ -61,25 +60,65 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // Block (kv head group chunk, split, token): up to G query heads that share one KV head,
 // keys [split start, split end) of the causal range. Each warp takes 32-key tiles: lane j
 // computes key j's scores for every head (its K row read once for the whole group), then lanes
-// own head dimensions for the P*V update. The 4 warps are merged in shared memory; with one
-// split the block writes the normalized output, otherwise (m, l, acc) partials for the reduce.
+// own head dimensions for the P*V update. The 4 warps are merged in shared memory.
+//
+// The grid has n_splits splits, a function of the cache size alone; of them, the step uses as
+// many as its keys fill with kAttnMinSplitKeys each (the others return at once). With one in use
+// the block writes the normalized output; otherwise each writes (m, l, acc) partials and the
+// last of a head group's splits to finish (a ticket counter, left at zero again) merges them.
+// So the launch is the same at every depth, and there is no second kernel.
 // DI: head_dim <= 64 * DI.
+
+// Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
+// out (and its 8-bit form). Partials are read through L2: other blocks wrote them.
+__device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
+                                  int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
+                                  float2* out_d) {
+  const int rec = head_dim + 2;
+  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
+    const int h = h_first + idx / head_dim, d = idx % head_dim;
+    const float* base = part + (static_cast<int64_t>(t) * n_head + h) * n_splits * rec;
+    float mm = kNegInf;
+    for (int s = 0; s < n_used; ++s) mm = fmaxf(mm, __ldcg(base + s * rec));
+    float ll = 0.0f, a = 0.0f;
+    if (mm != kNegInf) {
+      for (int s = 0; s < n_used; ++s) {
+        const float* r = base + s * rec;
+        const float m_s = __ldcg(r);
+        const float e = m_s == kNegInf ? 0.0f : expf(m_s - mm);
+        ll += __ldcg(r + 1) * e;
+        a += __ldcg(r + 2 + d) * e;
+      }
+    }
+    const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
+    const float v = ll > 0.0f ? a / ll : 0.0f;
+    out[i] = v;
+    if (out_q) quantize_warp_block(v, i, out_q, out_d);
+  }
+}
 
 template <int DI, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window) {
+                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
+                       unsigned* counters) {
   pdl_begin();
   extern __shared__ float smem[];
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
+  // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
+  // batch reads, from range_begin on, and rows before lo are never read.
+  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
+  const int range = n_kv - range_begin;
+  const int n_used = max(1, min(n_splits, (range + kAttnMinSplitKeys - 1) / kAttnMinSplitKeys));
+  const int split = blockIdx.y;
+  if (split >= n_used) return;
   const int group = n_head / n_head_kv;
   const int hkv = blockIdx.x / n_gchunks;
   const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
   const int n_g = min(G, hkv * group + group - h_first);
-  const int split = blockIdx.y;
   const int t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
@@ -91,12 +130,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     qs[i] = q[t * q_stride + static_cast<int64_t>(h_first) * head_dim + i] * scale;
   __syncthreads();
 
-  // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
-  // batch reads, from range_begin on, and rows before lo are never read.
   const int lim = min(n_kv, first_pos + t + 1);
   const int lo = window > 0 ? max(0, first_pos + t + 1 - window) : 0;
-  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
-  const int split_len = (n_kv - range_begin + n_splits - 1) / n_splits;
+  const int split_len = ((range + n_used - 1) / n_used + 31) / 32 * 32;  // whole tiles
   const int k_begin = max(lo, range_begin + split * split_len);
   const int k_end = min(range_begin + (split + 1) * split_len, lim);
 
@@ -222,7 +258,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       }
     }
     const int h = h_first + g;
-    if (n_splits == 1) {
+    if (n_used == 1) {
       const int64_t i = t * q_stride + static_cast<int64_t>(h) * head_dim + d;
       const float v = ll > 0.0f ? a / ll : 0.0f;
       out[i] = v;
@@ -233,31 +269,20 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       pr[2 + d] = a;
     }
   }
-}
-
-__global__ void attn_reduce_kernel(const float* part, float* out, int n_head, int head_dim,
-                                   int n_splits, int8_t* out_q, float2* out_d) {
-  pdl_begin();
-  const int h = blockIdx.x, t = blockIdx.y;
-  const int rec = head_dim + 2;
-  const float* base = part + (static_cast<int64_t>(t) * n_head + h) * n_splits * rec;
-  float mm = kNegInf;
-  for (int s = 0; s < n_splits; ++s) mm = fmaxf(mm, base[s * rec]);
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float ll = 0.0f, a = 0.0f;
-    if (mm != kNegInf) {
-      for (int s = 0; s < n_splits; ++s) {
-        const float* r = base + s * rec;
-        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
-        ll += r[1] * e;
-        a += r[2 + d] * e;
-      }
-    }
-    const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
-    const float v = ll > 0.0f ? a / ll : 0.0f;
-    out[i] = v;
-    if (out_q) quantize_warp_block(v, i, out_q, out_d);
+  if (n_used == 1) return;
+  // Every thread's partials are visible device-wide before the block takes its ticket.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    unsigned* counter = counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x;
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(n_used - 1);
+    if (last) *counter = 0;  // every split has arrived: ready for the next step
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d);
 }
 
 // ---- Prompt attention ---------------------------------------------------------------------
@@ -387,87 +412,75 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 }
 
-// n_kv and first_pos as the kernels take them (see kv_value).
-struct AttnKvArgs {
-  int32_t n_kv, first_pos;
-  const int32_t* n_kv_at;
-  const int32_t* first_pos_at;
-};
-
 template <int DI>
-void attention_di(Launcher& l, const float* q, const __half* kc, const __half* vc, float* out,
-                  int n_head, int n_head_kv, int head_dim, float scale, int n_tokens,
-                  int n_kv_bucket, const AttnKvArgs& kv, float* partials, uint8_t* quant_ws,
-                  int window) {
-  if (n_tokens <= kDecodeAttnMaxTokens) {
-    const int group = n_head / n_head_kv;
-    // Heads per block: over short contexts one, so that each head's short chain of loads and
-    // sums runs in a block of its own; over longer ones the group (rounded up to a power of
-    // two, at most kDecodeGroup), whose heads then share each K and V load.
-    int g = 1;
-    while (n_kv_bucket > kShortKvBucket && g < group && g < kDecodeGroup) g *= 2;
-    const int n_gchunks = (group + g - 1) / g;
-    const int n_splits = attention_splits(n_kv_bucket, n_head_kv);
-    const size_t smem = (g * head_dim + kAttnWarps * g * (head_dim + 2)) * sizeof(float);
-    const dim3 grid(n_head_kv * n_gchunks, n_splits, n_tokens), block(kAttnWarps * 32);
+void attention_di(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc) {
+  // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
+  const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
+  if (a.n_tokens <= kDecodeAttnMaxTokens) {
+    const int g = attention_group(a.n_head, a.n_head_kv);
+    const int n_gchunks = (a.n_head / a.n_head_kv + g - 1) / g;
+    const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks);
+    const size_t smem = (g * a.head_dim + kAttnWarps * g * (a.head_dim + 2)) * sizeof(float);
+    const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(kAttnWarps * 32);
     // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
     // quant block when head_dim is a multiple of 32.
-    const ActQ8 q8 = act_q8(quant_ws, static_cast<int64_t>(n_head) * head_dim, n_tokens);
+    const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
     auto launch = [&](auto kernel) {
-      l(kernel, grid, block, smem, q, kc, vc, out, partials, n_head, n_head_kv, head_dim, scale,
-        kv.n_kv, kv.first_pos, kv.n_kv_at, kv.first_pos_at, n_splits, n_gchunks,
-        n_splits == 1 ? q8.qs : nullptr, q8.ds, window);
+      l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv,
+        a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs,
+        q8.ds, a.window, a.counters);
     };
     if (g == 1) launch(attn_decode_kernel<DI, 1>);
     if (g == 2) launch(attn_decode_kernel<DI, 2>);
     if (g == 4) launch(attn_decode_kernel<DI, 4>);
     if (g == 8) launch(attn_decode_kernel<DI, 8>);
-    if (n_splits > 1) {
-      l(attn_reduce_kernel, dim3(n_head, n_tokens), dim3(128), 0,
-        static_cast<const float*>(partials), out, n_head, head_dim, n_splits, q8.qs, q8.ds);
-    }
     return;
   }
   constexpr int QW = DI <= 2 ? 4 : 2;
   constexpr int BQ = kAttnWarps * QW;
   const size_t smem =
-      BQ * head_dim * sizeof(float) + (32 * (head_dim + 4) + 32 * head_dim) * sizeof(__half);
-  l(attn_prompt_kernel<DI, QW>, dim3((n_tokens + BQ - 1) / BQ, n_head), dim3(kAttnWarps * 32), smem,
-    q, kc, vc, out, n_head, n_head_kv, head_dim, scale, kv.n_kv, kv.first_pos, kv.n_kv_at,
-    kv.first_pos_at, n_tokens, window);
+      BQ * a.head_dim * sizeof(float) + (32 * (a.head_dim + 4) + 32 * a.head_dim) * sizeof(__half);
+  l(attn_prompt_kernel<DI, QW>, dim3((a.n_tokens + BQ - 1) / BQ, a.n_head), dim3(kAttnWarps * 32),
+    smem, a.q, kc, vc, a.out, a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos,
+    a.n_kv_at, a.first_pos_at, a.n_tokens, a.window);
 }
 
 }  // namespace
 
-void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
-                      float* out, int n_head, int n_head_kv, int head_dim, float scale,
-                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
-                      const int32_t* n_kv_at, const int32_t* first_pos_at, uint8_t* quant_ws,
-                      int window) {
-  if (quant_ws && (head_dim % 32 != 0 || n_tokens > kDecodeAttnMaxTokens))
+int attention_group(int n_head, int n_head_kv) {
+  // The query heads of a KV head (rounded up to a power of two, at most kDecodeGroup) share
+  // each K and V load.
+  const int group = n_head / n_head_kv;
+  int g = 1;
+  while (g < group && g < kDecodeGroup) g *= 2;
+  return g;
+}
+
+int attention_max_keys(const AttentionArgs& a) {
+  // With a window, a batch reads at most window + n_tokens - 1 keys.
+  return a.window > 0 ? std::min(a.cache_rows, a.window + a.n_tokens - 1) : a.cache_rows;
+}
+
+void launch_attention(Launcher& l, const AttentionArgs& a) {
+  if (a.quant_ws && (a.head_dim % 32 != 0 || a.n_tokens > kDecodeAttnMaxTokens))
     throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
-  const auto* kc = static_cast<const __half*>(k_cache);
-  const auto* vc = static_cast<const __half*>(v_cache);
-  // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
-  const AttnKvArgs kv{n_kv_at ? 0 : n_kv, first_pos_at ? 0 : first_pos, n_kv_at, first_pos_at};
-  // The split choice follows the keys actually read: with a window, at most window + n_tokens - 1.
-  const int bucket = kv_bucket(window > 0 ? std::min(n_kv, window + n_tokens - 1) : n_kv);
-  switch ((head_dim + 63) / 64) {
+  if (a.n_tokens <= kDecodeAttnMaxTokens && (!a.partials || !a.counters))
+    throw std::logic_error("attention: a decode batch needs partials and counters");
+  if (a.n_kv > a.cache_rows) throw std::logic_error("attention: n_kv beyond the cache rows");
+  const auto* kc = static_cast<const __half*>(a.k_cache);
+  const auto* vc = static_cast<const __half*>(a.v_cache);
+  switch ((a.head_dim + 63) / 64) {
     case 1:
-      return attention_di<1>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws, window);
+      return attention_di<1>(l, a, kc, vc);
     case 2:
-      return attention_di<2>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws, window);
+      return attention_di<2>(l, a, kc, vc);
     case 3:
-      return attention_di<3>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws, window);
+      return attention_di<3>(l, a, kc, vc);
     case 4:
-      return attention_di<4>(l, q, kc, vc, out, n_head, n_head_kv, head_dim, scale, n_tokens,
-                             bucket, kv, partials, quant_ws, window);
+      return attention_di<4>(l, a, kc, vc);
     default:
       throw ArgumentError("attention: head_dim must be at most 256, got " +
-                          std::to_string(head_dim));
+                          std::to_string(a.head_dim));
   }
 }
 

@@ -108,12 +108,14 @@ size_t act_workspace_bytes(const Graph& graph) {
   return need;
 }
 
-size_t attn_workspace_bytes(const Graph& graph) {
+size_t attn_workspace_bytes(const Graph& graph, bool counters) {
   size_t need = 0;
   for (const Tensor* t : graph.nodes()) {
     if (t->op != Op::Attention) continue;
-    need = std::max(need, attn_partials_bytes(t->params[kAttnNHead], t->params[kAttnHeadDim],
-                                              static_cast<int>(t->src[0]->ne[1])));
+    const int n_head = t->params[kAttnNHead], n_tokens = static_cast<int>(t->src[0]->ne[1]);
+    need =
+        std::max(need, counters ? attn_counters_bytes(n_head, n_tokens)
+                                : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens));
   }
   return need;
 }
@@ -273,7 +275,6 @@ void kv_layout(const Graph& graph, KvLayout* layout) {
   layout->sources.clear();
   layout->values = {};
   layout->n_slots = 0;
-  std::fill(std::begin(layout->bucket), std::end(layout->bucket), 0);
   const std::vector<Tensor*>& nodes = graph.nodes();
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Tensor* t = nodes[i];
@@ -290,9 +291,6 @@ void kv_layout(const Graph& graph, KvLayout* layout) {
         layout->values.v[slot] = value;
       }
       layout->sources.push_back({static_cast<int>(i), k, slot});
-      if (t->op == Op::Attention && k == kAttnNKv && t->src[0] &&
-          t->src[0]->ne[1] <= kDecodeAttnMaxTokens)
-        layout->bucket[slot] = kv_bucket(value);
     }
   }
 }
@@ -311,7 +309,6 @@ bool refresh_kv_values(const Graph& graph, KvLayout* layout) {
     }
   }
   for (int i = 0; i < seen; ++i) {
-    if (layout->bucket[i] != 0 && kv_bucket(values.v[i]) != layout->bucket[i]) return false;
     for (int j = 0; j < i; ++j)
       if (values.v[j] == values.v[i]) return false;
   }
@@ -654,11 +651,26 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         // The 8-bit form for the mat-vec that reads the output (the output projection).
         uint8_t* q =
             q8_output(t, t->params[kAttnHeadDim] % 32 == 0 && n_tokens <= kDecodeAttnMaxTokens);
-        launch_attention(l, fptr(t->src[0]), cache_of(t->src[1])->data, cache_of(t->src[2])->data,
-                         fptr(t), t->params[kAttnNHead], t->params[kAttnNHeadKv],
-                         t->params[kAttnHeadDim], scale, n_tokens, t->kv[kAttnNKv],
-                         t->kv[kAttnFirstPos], buf.attn, kv_at(t->kv[kAttnNKv]),
-                         kv_at(t->kv[kAttnFirstPos]), q, t->params[kAttnWindow]);
+        AttentionArgs a;
+        a.q = fptr(t->src[0]);
+        a.k_cache = cache_of(t->src[1])->data;
+        a.v_cache = cache_of(t->src[2])->data;
+        a.out = fptr(t);
+        a.n_head = t->params[kAttnNHead];
+        a.n_head_kv = t->params[kAttnNHeadKv];
+        a.head_dim = t->params[kAttnHeadDim];
+        a.scale = scale;
+        a.n_tokens = n_tokens;
+        a.n_kv = t->kv[kAttnNKv];
+        a.first_pos = t->kv[kAttnFirstPos];
+        a.cache_rows = static_cast<int>(cache_of(t->src[1])->ne[1]);
+        a.n_kv_at = kv_at(t->kv[kAttnNKv]);
+        a.first_pos_at = kv_at(t->kv[kAttnFirstPos]);
+        a.partials = buf.attn;
+        a.counters = buf.attn_counters;
+        a.quant_ws = q;
+        a.window = t->params[kAttnWindow];
+        launch_attention(l, a);
         break;
       }
       default:
@@ -713,6 +725,7 @@ class CudaBackend : public Backend {
     cudaFree(input_);
     cudaFree(act_);
     cudaFree(attn_);
+    cudaFree(attn_counters_);
     cudaFree(kv_record_);
     cudaFreeHost(input_staging_);
     cudaFreeHost(output_staging_);
@@ -876,7 +889,10 @@ class CudaBackend : public Backend {
                             std::to_string(input_bytes_));
       // Workspaces only grow, and before any launch: never inside the launches themselves.
       ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations");
-      ensure(attn_, attn_bytes_, attn_workspace_bytes(graph), "attention partials");
+      ensure(attn_, attn_bytes_, attn_workspace_bytes(graph, false), "attention partials");
+      if (ensure(attn_counters_, attn_counters_bytes_, attn_workspace_bytes(graph, true),
+                 "attention counters"))
+        GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
       plan_reuse(graph, &reuse_);
     }
 
@@ -898,11 +914,12 @@ class CudaBackend : public Backend {
     buf.act_bytes = act_bytes_;
     buf.attn = static_cast<float*>(attn_);
     buf.attn_bytes = attn_bytes_;
+    buf.attn_counters = static_cast<unsigned*>(attn_counters_);
     buf.kv_record = kv_record_;
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
-    // One executable per batch shape; a changed topology within it (an attention split bucket
+    // One executable per batch shape; a changed topology within it
     // crossed) is applied to that executable with cudaGraphExecUpdate.
     const uint64_t batch_key = (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
     // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
@@ -1010,8 +1027,9 @@ class CudaBackend : public Backend {
     p = nullptr;
   }
 
-  void ensure(void*& p, size_t& have, size_t need, const char* what) {
-    if (need <= have) return;
+  // Grows a workspace to need bytes (contents lost); whether it did.
+  bool ensure(void*& p, size_t& have, size_t need, const char* what) {
+    if (need <= have) return false;
     ++buffers_version_;  // launches recorded before now point at the old buffer
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (p) GGRAPH_CUDA_CHECK(cudaFree(p));
@@ -1019,6 +1037,7 @@ class CudaBackend : public Backend {
     have = 0;
     p = device_alloc(need, what);
     have = need;
+    return true;
   }
 
   int device_;
@@ -1043,6 +1062,8 @@ class CudaBackend : public Backend {
   size_t act_bytes_ = 0;
   void* attn_ = nullptr;
   size_t attn_bytes_ = 0;
+  void* attn_counters_ = nullptr;  // flash-decoding tickets: zero between launches
+  size_t attn_counters_bytes_ = 0;
 };
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Internal declarations of the CUDA backend: device buffers, the step's KV record, per-op launch
-// functions and the bucket function that decides the flash-decoding split count.
+// functions and the flash-decoding split count.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,14 +72,15 @@ constexpr int kDecodeAttnMaxTokens = 8;
 
 // ---- Flash-decoding split count ---------------------------------------------------------------
 
-// The KV length rounded up to its bucket: a power of two, at least 256. Within one bucket the
-// attention kernels' grids are fixed, so a captured graph only needs its kv arguments patched;
-// crossing into another bucket is a topology change.
-int kv_bucket(int n_kv);
-// Number of KV splits for flash-decoding, a function of the bucket and the model's KV head
-// count (never of n_kv itself): enough blocks to fill the GPU, at least 128 keys per split.
-int attention_splits(int n_kv_bucket, int n_head_kv);
-constexpr int kMaxAttnSplits = 32;
+// Flash-decoding launches kAttnTargetBlocks blocks or more (per query) where the cache is long
+// enough to give each split kAttnMinSplitKeys keys; a step uses as many of its splits as its
+// keys fill (attn_decode_kernel). The grid depends on the cache size, never on the KV position,
+// so one executable serves a whole conversation.
+constexpr int kAttnTargetBlocks = 256;
+constexpr int kAttnMinSplitKeys = 128;
+constexpr int kMaxAttnSplits = 64;
+// Splits for a decode attention that reads at most max_keys keys with kv_blocks blocks per split.
+int attention_splits(int max_keys, int kv_blocks);
 
 // ---- The step's KV record ---------------------------------------------------------------------
 //
@@ -106,16 +107,13 @@ struct KvLayout {
   std::vector<Source> sources;  // in node order
   KvSlots values = {};          // unused slots zero
   int n_slots = 0;
-  // kv_bucket of each slot a flash-decoding attention reads as n_kv (0 for the others): the
-  // attention's grid depends on it.
-  int bucket[kMaxKvSlots] = {};
   int slot_of(int32_t value) const;  // -1 when no slot holds it
 };
 // Throws ArgumentError when the graph has more than kMaxKvSlots distinct KV values.
 void kv_layout(const Graph& graph, KvLayout* layout);
 // Reads the KV values of the graph that layout was made from, shifted since (Graph::shift_kv),
 // into layout->values. False when the layout no longer fits it (values that were equal differ
-// or the other way round, or a flash-decoding attention moved to another split bucket): then
+// or the other way round): then
 // its launches are not those of the last step and must be walked again.
 bool refresh_kv_values(const Graph& graph, KvLayout* layout);
 
@@ -128,7 +126,8 @@ struct DeviceBuffers {
   size_t act_bytes = 0;
   float* attn = nullptr;  // flash-decoding partial results
   size_t attn_bytes = 0;
-  int32_t* kv_record = nullptr;  // kMaxKvSlots values
+  unsigned* attn_counters = nullptr;  // flash-decoding tickets (attn_counters_bytes)
+  int32_t* kv_record = nullptr;       // kMaxKvSlots values
 };
 
 // Device address of a tensor's data.
@@ -136,7 +135,8 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
 
 // Workspace sizes a graph needs (computed on the host from shapes; never depends on kv values).
 size_t act_workspace_bytes(const Graph& graph);
-size_t attn_workspace_bytes(const Graph& graph);
+// Attention partials, or with counters the flash-decoding tickets.
+size_t attn_workspace_bytes(const Graph& graph, bool counters);
 
 // Checks every node's shapes, types and KV arguments against what the kernels support, before
 // anything is launched. Throws ArgumentError naming the node.
@@ -286,16 +286,35 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
                        const uint8_t* ws, int cols, float* dst);
 
 // Attention: q [n_head*head_dim, T] F32; caches F16 rows of n_head_kv*head_dim; out like q.
-// The grid depends on n_tokens and the bucket of n_kv only. With n_kv_at and first_pos_at
-// (pointers into the KV record: graph steps) the kernels read n_kv and first_pos there, so
-// their arguments stay the same from step to step; without (a launch outside a graph step, as
-// the kernel benchmark makes), they take them by value. quant_ws (decode batches, head_dim a
-// multiple of 32): also the output's 8-bit form (the layout of launch_quantize_act).
-void launch_attention(Launcher& l, const float* q, const void* k_cache, const void* v_cache,
-                      float* out, int n_head, int n_head_kv, int head_dim, float scale,
-                      int n_tokens, int32_t n_kv, int32_t first_pos, float* partials,
-                      const int32_t* n_kv_at = nullptr, const int32_t* first_pos_at = nullptr,
-                      uint8_t* quant_ws = nullptr, int window = 0);
+// The grid depends on n_tokens and the cache size only. With n_kv_at and first_pos_at (pointers
+// into the KV record: graph steps) the kernels read n_kv and first_pos there, so their arguments
+// stay the same from step to step; without (a launch outside a graph step, as the kernel
+// benchmark makes), they take them by value. Decode batches (n_tokens <= kDecodeAttnMaxTokens)
+// need partials (attn_partials_bytes) and counters (attn_counters_bytes, zeroed once: the
+// kernel leaves them at zero). quant_ws (decode batches, head_dim a multiple of 32): also the
+// output's 8-bit form (the layout of launch_quantize_act).
+struct AttentionArgs {
+  const float* q = nullptr;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  float* out = nullptr;
+  int n_head = 0, n_head_kv = 0, head_dim = 0;
+  float scale = 1.0f;
+  int n_tokens = 0;
+  int32_t n_kv = 0, first_pos = 0;
+  int cache_rows = 0;  // rows the caches hold (n_ctx)
+  const int32_t* n_kv_at = nullptr;
+  const int32_t* first_pos_at = nullptr;
+  float* partials = nullptr;
+  unsigned* counters = nullptr;
+  uint8_t* quant_ws = nullptr;
+  int window = 0;  // sliding window (0: none)
+};
+void launch_attention(Launcher& l, const AttentionArgs& args);
+// Query heads per flash-decoding block, and the most keys a launch reads.
+int attention_group(int n_head, int n_head_kv);
+int attention_max_keys(const AttentionArgs& args);
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
+size_t attn_counters_bytes(int n_head, int n_tokens);
 
 }  // namespace ggraph::cuda

@@ -282,18 +282,32 @@ int main() {
     CHECK(cudaMemcpy(kc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(vc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
     float* part = nullptr;
+    unsigned* counters = nullptr;
     CHECK(cudaMalloc(&part, gc::attn_partials_bytes(a.n_head, a.hd, 1)));
+    CHECK(cudaMalloc(&counters, gc::attn_counters_bytes(a.n_head, 1)));
+    CHECK(cudaMemset(counters, 0, gc::attn_counters_bytes(a.n_head, 1)));
     for (int tokens : {1, 512}) {
       float* q = device_randn(size_t(a.n_head) * a.hd * tokens, rng);
       float* out = nullptr;
       CHECK(cudaMalloc(&out, size_t(a.n_head) * a.hd * tokens * sizeof(float)));
       for (int n_kv : {128, 512, 1024, 4096}) {
         if (tokens > 1 && n_kv != 512) continue;
-        const int first = n_kv - tokens;
-        const double ms = ev.time_ms(s, 50, [&](int) {
-          gc::launch_attention(l, q, kc, vc, out, a.n_head, a.n_head_kv, a.hd, 0.1f, tokens, n_kv,
-                               first, part);
-        });
+        gc::AttentionArgs args;
+        args.q = q;
+        args.k_cache = kc;
+        args.v_cache = vc;
+        args.out = out;
+        args.n_head = a.n_head;
+        args.n_head_kv = a.n_head_kv;
+        args.head_dim = a.hd;
+        args.scale = 0.1f;
+        args.n_tokens = tokens;
+        args.n_kv = n_kv;
+        args.first_pos = n_kv - tokens;
+        args.cache_rows = n_ctx;
+        args.partials = part;
+        args.counters = counters;
+        const double ms = ev.time_ms(s, 50, [&](int) { gc::launch_attention(l, args); });
         std::printf("| %s | %d/%d | %d | %d | %d | %.1f |\n", tokens == 1 ? "decode" : "prompt",
                     a.n_head, a.n_head_kv, a.hd, tokens, n_kv, ms * 1e3);
       }
@@ -303,6 +317,7 @@ int main() {
     cudaFree(kc);
     cudaFree(vc);
     cudaFree(part);
+    cudaFree(counters);
   }
 
   // ---- launch cost of a tiny kernel ----------------------------------------------------------

@@ -1081,6 +1081,7 @@ struct LayerGraph {
     buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
     buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
     buf.attn = reinterpret_cast<float*>(uintptr_t(0x7300000000));
+    buf.attn_counters = reinterpret_cast<unsigned*>(uintptr_t(0x7500000000));
     buf.kv_record = record();
     std::vector<cuda::KernelLaunch> rec;
     cuda::Launcher l;
@@ -1122,10 +1123,11 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.wo), 1);
   }
   {
-    // So does the reduce of a split attention (a long context).
+    // A split attention (a long context) is one launch too: the last split of each head
+    // merges the partials and writes both forms.
     LayerGraph lg(1, 900);
     const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.attention), 2);
+    EXPECT_EQ(launches_of(rec, lg.attention), 1);
     EXPECT_EQ(launches_of(rec, lg.wo), 1);
   }
   {
@@ -1200,8 +1202,8 @@ TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
       EXPECT_EQ(length_reads, 2) << "tokens " << n_tokens;
     }
   }
-  // Crossing a KV bucket changes the attention grid, and another batch other launches: another
-  // topology, which the executor sees as launches of another shape.
+  // The attention grid depends on the cache size, not on the depth: a whole conversation has one
+  // decode topology. Another batch launches other shapes: another topology.
   auto same_topology = [](const LayerGraph& x, const LayerGraph& y) {
     const auto rx = x.launches(), ry = y.launches();
     if (rx.size() != ry.size()) return false;
@@ -1210,7 +1212,7 @@ TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
     return true;
   };
   EXPECT_TRUE(same_topology(LayerGraph(1, 200), LayerGraph(1, 201)));
-  EXPECT_FALSE(same_topology(LayerGraph(1, 200), LayerGraph(1, 300)));
+  EXPECT_TRUE(same_topology(LayerGraph(1, 0), LayerGraph(1, 1000)));
   EXPECT_FALSE(same_topology(LayerGraph(1, 20), LayerGraph(2, 20)));
 }
 
@@ -1221,8 +1223,9 @@ TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
   EXPECT_EQ(reuse.kv.n_slots, 2);
   // Per layer the K and V stores and the attention; the token ids' get_rows.
   EXPECT_EQ(reuse.recheck.size(), 2u * 3u + 1u);
+  // Every depth, almost to the end of the cache (1024 rows), reuses the launches.
   int n_past = 100;
-  for (; n_past + 1 < 256; ++n_past) {
+  for (; n_past + 1 < 1000; ++n_past) {
     lg.g.shift_kv(1);
     ASSERT_TRUE(cuda::check_reused(lg.g, &reuse)) << "n_past " << n_past + 1;
     // What the backend hands the executor instead of a walk is the walk's first launch.
@@ -1235,10 +1238,6 @@ TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
     ASSERT_EQ(kv.size(), 1u);
     ASSERT_TRUE(kv[0].same_shape(full[0]) && kv[0].same_args(full[0])) << "n_past " << n_past + 1;
   }
-  // n_kv 256 is in the first split bucket; 257 is not: the launches must be walked again.
-  lg.g.shift_kv(1);
-  EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
-  EXPECT_TRUE(cuda::check_reused(lg.g, &reuse)) << "the layout was not made anew";
   // Values that were equal no longer are (the K/V stores would no longer launch together).
   lg.store_v->kv[0] += 5;
   EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
@@ -1265,18 +1264,24 @@ TEST(CudaLaunchPlan, TheKvRecordHoldsABoundedNumberOfDistinctValues) {
   }
 }
 
-TEST(CudaLaunchPlan, SplitCountDependsOnTheBucketOnly) {
-  for (int n_kv : {1, 100, 256, 257, 1000, 4096, 100000}) {
-    const int b = cuda::kv_bucket(n_kv);
-    EXPECT_GE(b, n_kv);
-    EXPECT_EQ(b & (b - 1), 0) << "bucket " << b << " is not a power of two";
-    for (int other = b / 2 + 1; other <= b; other += std::max(1, b / 7))
-      if (other >= 256 || b == 256) {
-        EXPECT_EQ(cuda::kv_bucket(other), b) << other;
+// The decode grid is fixed by the cache's size, so that a graph captured at one depth runs at
+// every other: enough splits to fill the GPU where the cache is long enough to give each split
+// kAttnMinSplitKeys keys, never more than kMaxAttnSplits, and never fewer as the cache grows.
+TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
+  for (int kv_blocks : {1, 4, 32, 256, 1024}) {
+    int last = 0;
+    for (int max_keys : {1, 127, 128, 129, 1000, 4096, 32768, 131072}) {
+      const int s = cuda::attention_splits(max_keys, kv_blocks);
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, cuda::kMaxAttnSplits);
+      EXPECT_GE(s, last) << max_keys;
+      EXPECT_LE((s - 1) * cuda::kAttnMinSplitKeys, max_keys) << "a split without keys";
+      if (max_keys >= cuda::kMaxAttnSplits * cuda::kAttnMinSplitKeys) {
+        EXPECT_TRUE(s == cuda::kMaxAttnSplits || s * kv_blocks >= cuda::kAttnTargetBlocks)
+            << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
       }
-    const int s = cuda::attention_splits(b, 32);
-    EXPECT_GE(s, 1);
-    EXPECT_LE(s, cuda::kMaxAttnSplits);
+      last = s;
+    }
   }
 }
 
