@@ -65,9 +65,9 @@ TEST(CApi, DefaultsAreSensible) {
   const ggraph_params p = ggraph_default_params();
   EXPECT_EQ(p.size, sizeof(ggraph_params));
   EXPECT_STREQ(p.device, "auto");
-  EXPECT_EQ(p.n_ctx, 2048);
+  EXPECT_EQ(p.n_ctx, -1);  // 2048, or the training length where shorter
   EXPECT_STREQ(p.cuda_graphs, "patch");
-  EXPECT_STREQ(p.kv_type, "f16");
+  EXPECT_STREQ(p.kv_type, "auto");
   EXPECT_EQ(p.allow_longer_context, 0);
   const ggraph_sampling s = ggraph_default_sampling();
   EXPECT_GT(s.temperature, 0.0f);
