@@ -7,7 +7,10 @@
 # 270M file in pieces (.gemma3/gemma3.partNN, one or more a call; .gemma3/gemma3.sha256 names the
 # whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
-# off,recapture,update,patch) the CUDA graph modes bench runs.
+# off,recapture,update,patch) the CUDA graph modes bench runs. The ab stage builds the package
+# of another commit (.carry/ref.tar, from `git archive COMMIT`) beside this one and runs tg128
+# of the SmolLM2 and 7B shapes on both, in turns, at each of AB_DEPTHS (default "0 0,4096": the
+# second entry measures depth 0 in a cache sized for 4,096 tokens more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -147,6 +150,36 @@ for stage in "$@"; do
       else
         tail -20 /tmp/llama.cpp-build.log
       fi
+      ;;
+    ab)
+      if [ ! -f /tmp/ref-py/ggraph/__init__.py ]; then
+        rm -rf /tmp/ref-src && mkdir -p /tmp/ref-src && tar xf .carry/ref.tar -C /tmp/ref-src
+        cmake -S /tmp/ref-src -B /tmp/ref-build -G Ninja -DGGRAPH_CUDA=ON -DGGRAPH_CUDA_ARCHS=90 \
+          -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+          -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/ref-build.log" 2>&1 &&
+          cmake --build /tmp/ref-build -j "$JOBS" >>"$OUT/ref-build.log" 2>&1 ||
+          { grep -E "error|FAILED" "$OUT/ref-build.log" | head -30; exit 1; }
+        mkdir -p /tmp/ref-py/ggraph/lib && cp /tmp/ref-src/python/ggraph/*.py /tmp/ref-py/ggraph/
+        cp /tmp/ref-build/_core*.so /tmp/ref-py/ggraph/ && cp /tmp/ref-build/libggraph.so /tmp/ref-py/ggraph/lib/
+      fi
+      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0; do
+        IFS=: read -r name shape type <<<"$spec"
+        [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
+          --shape "$shape" --type "$type" --seed 1 >/dev/null
+      done
+      for round in 1 2; do
+        for m in /tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf; do
+          for d in ${AB_DEPTHS:-0 0,4096}; do
+            for side in this ref; do
+              py=/tmp/ggraph-py; [ $side = ref ] && py=/tmp/ref-py
+              echo "round $round, $side, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
+              PYTHONPATH=$py:/tmp/site python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 \
+                --device cuda -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
+                grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
+            done
+          done
+        done
+      done
       ;;
   esac
   echo "== $stage: $(($(date +%s) - s)) s"
