@@ -108,6 +108,9 @@ def test_ctrl_c_stops_generation_without_a_traceback(smollm2):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Python handles SIGINT only where it starts with the default action (a job started in
+        # the background of a shell script inherits SIGINT ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Wait for the first piece of text: the model is loaded and generating.
     first = p.stdout.read(1)

@@ -195,7 +195,7 @@ def test_c_api_kv_type_and_context_guard(tiny_model, heads32):
     def load(path, **fields):
         return lib.ggraph_load(path.encode(), ctypes.byref(params(lib, **fields)), err, 512)
 
-    assert lib.ggraph_default_params().kv_type == b"f16"
+    assert lib.ggraph_default_params().kv_type == b"auto"
     assert not load(tiny_model, device=b"cpu", n_ctx=512)
     assert b"training context of 256 tokens" in err.value
     assert b"allow_longer_context" in err.value

@@ -207,6 +207,7 @@ def test_cancel_from_another_thread_stops_a_long_input_and_changes_nothing(tiny_
 
 CTRL_C = """
 import os, signal, threading, ggraph
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the parent ignores it
 m = ggraph.Model({path!r}, device="cpu", n_ctx=4096, n_batch=1, allow_longer_context=True)
 threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
 try:
