@@ -200,7 +200,7 @@ def test_c_api_kv_type_and_context_guard(tiny_model, heads32):
     assert b"training context of 256 tokens" in err.value
     assert b"allow_longer_context" in err.value
     assert not load(tiny_model, device=b"cpu", n_ctx=64, kv_type=b"f8")
-    assert b"expected 'f32', 'f16' or 'q8_0', got 'f8'" in err.value
+    assert b"expected 'auto', 'f32', 'f16' or 'q8_0', got 'f8'" in err.value
     assert not load(tiny_model, device=b"cpu", n_ctx=64, size=8)
     assert b"params->size 8" in err.value
     m = load(tiny_model, device=b"cpu", n_ctx=512, allow_longer_context=1)
