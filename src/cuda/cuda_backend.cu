@@ -459,6 +459,68 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return true;
   };
 
+  // Whether rope c may go out in the launch of rope t (q's and k's: the same positions and
+  // parameters, neither writing what the other reads unless the launch reads everything first).
+  auto ropes_pair = [&](const Tensor* t, const Tensor* c, bool reads_first) {
+    return c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
+           c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
+           c->params[kRopeNDims] == t->params[kRopeNDims] &&
+           c->params[kRopeMode] == t->params[kRopeMode] &&
+           c->params[kRopeBase] == t->params[kRopeBase] &&
+           c->params[kRopeScale] == t->params[kRopeScale] && c->src[2] == t->src[2] &&
+           (reads_first || (!scratch_overlap(c, t) && !scratch_overlap(c, t->src[0]) &&
+                            !scratch_overlap(t, c->src[0])));
+  };
+
+  // Per-head q/k norms (rms_norm per head, times the head weight) right before the ropes of q
+  // and k go into the ropes' launch (one token): the rope of q's node then reads the raw
+  // products. Only when nothing but the four norm nodes lies between the products and the
+  // ropes, so that no launch in between can overwrite the products.
+  struct HeadNorm {
+    const Tensor* q_in = nullptr;
+    const Tensor* k_in = nullptr;
+    RopeHeadNorm norm;
+  };
+  std::unordered_map<int, HeadNorm> head_norms;  // by the q rope's node
+  auto head_norm_mul = [&](int ri) -> int {      // the weight multiply of head norm ri, or -1
+    const Tensor* r = nodes[ri];
+    const int mi = next_op(ri);
+    if (r->op != Op::RmsNorm || r->ne[1] != 1 || r->params[kNormGroup] >= r->ne[0] ||
+        uses[ri] != 1 || mi >= n || r == graph.output())
+      return -1;
+    const Tensor* m = nodes[mi];
+    const Tensor* w = m->src[1];
+    const bool ok = m->op == Op::Mul && m->src[0] == r && w && w != r &&
+                    w->storage == Storage::Weight && w->ne[0] == r->params[kNormGroup] &&
+                    w->ne[1] == 1 && uses[mi] == 1 && m != graph.output();
+    return ok ? mi : -1;
+  };
+  for (int i = 0; i < n; ++i) {
+    const int qm = head_norm_mul(i);
+    if (qm < 0) continue;
+    const int kr = next_op(qm);
+    const int km = kr < n ? head_norm_mul(kr) : -1;
+    const int rq = km >= 0 ? next_op(km) : n;
+    const int rk = rq < n ? next_op(rq) : n;
+    if (rk >= n) continue;
+    const Tensor *q = nodes[rq], *k = nodes[rk];
+    const int hd = q->params[kRopeHeadDim];
+    if (q->op != Op::Rope || k->op != Op::Rope || q->src[0] != nodes[qm] ||
+        k->src[0] != nodes[km] || q->ne[1] != 1 || nodes[i]->params[kNormGroup] != hd ||
+        nodes[kr]->params[kNormGroup] != hd ||
+        nodes[i]->params[kNormEps] != nodes[kr]->params[kNormEps] || !ropes_pair(q, k, true) ||
+        !rope_norm_fits(1, q->params[kRopeNHead], k->params[kRopeNHead], hd))
+      continue;
+    HeadNorm h;
+    h.q_in = nodes[i]->src[0];
+    h.k_in = nodes[kr]->src[0];
+    h.norm.w0 = fptr(nodes[qm]->src[1]);
+    h.norm.w1 = fptr(nodes[km]->src[1]);
+    h.norm.eps = nodes[i]->param_f(kNormEps);
+    head_norms[rq] = h;
+    done[i] = done[qm] = done[kr] = done[km] = 1;
+  }
+
   for (int i = 0; i < n; ++i) {
     const Tensor* t = nodes[i];
     if (done[i]) continue;
@@ -541,13 +603,21 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
         // go out as one launch at the first of them, where that moves no write over memory
         // that the nodes in between still use.
+        // A product of another quantized format among them (v in Q6_K beside q and k in Q4_K,
+        // as K-quant mixes store them) joins a one-column launch where a kernel takes the pair.
         MatVecPart parts[3];
-        int n_parts = 0;
-        parts[n_parts++] = {ptr(w), w->ne[1], fptr(t), w->storage == Storage::Weight};
+        int same[3] = {i, -1, -1}, n_parts = 0, other = -1;
+        auto part_of = [&](const Tensor* c) {
+          return MatVecPart{ptr(c->src[0]), c->src[0]->ne[1], fptr(c),
+                            c->src[0]->storage == Storage::Weight};
+        };
+        parts[n_parts++] = part_of(t);
         for (int j = i + 1; j < n && j <= i + kGroupWindow && n_parts < 3; ++j) {
           const Tensor* c = nodes[j];
-          if (c->op != Op::MulMat || done[j] || c->src[1] != x || c->src[0]->type != w->type ||
-              c->src[0]->ne[0] != k)
+          if (c->op != Op::MulMat || done[j] || c->src[1] != x || c->src[0]->ne[0] != k) continue;
+          const bool mixed = c->src[0]->type != w->type;
+          if (mixed &&
+              (other >= 0 || cols != 1 || !is_quantized(w->type) || !is_quantized(c->src[0]->type)))
             continue;
           bool safe = true;
           for (int m = i + 1; m < j && safe; ++m) {
@@ -557,10 +627,23 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             for (const Tensor* s : between->src) safe = safe && !(s && scratch_overlap(c, s));
           }
           if (!safe) continue;
-          parts[n_parts++] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c),
-                              c->src[0]->storage == Storage::Weight};
-          done[j] = 1;
+          if (mixed) {
+            other = j;
+          } else {
+            same[n_parts] = j;
+            parts[n_parts++] = part_of(c);
+          }
         }
+        if (other >= 0 && n_parts < 3) {
+          parts[n_parts] = part_of(nodes[other]);
+          if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
+                                   buf.act)) {
+            for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
+            done[other] = 1;
+            break;
+          }
+        }
+        for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
         launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
         break;
       }
@@ -585,14 +668,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                                          rope_slots(t->params[kRopeNHead], t->params[kRopeHeadDim],
                                                     c->params[kRopeNHead], true),
                                          t->params[kRopeHeadDim]);
-          if (c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
-              c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
-              c->params[kRopeNDims] == t->params[kRopeNDims] &&
-              c->params[kRopeMode] == t->params[kRopeMode] &&
-              c->params[kRopeBase] == t->params[kRopeBase] &&
-              c->params[kRopeScale] == t->params[kRopeScale] && c->src[2] == t->src[2] &&
-              (reads_first || (!scratch_overlap(c, t) && !scratch_overlap(c, t->src[0]) &&
-                               !scratch_overlap(t, c->src[0])))) {
+          if (ropes_pair(t, c, reads_first)) {
             pair = c;
             done[jk] = 1;
           }
@@ -623,12 +699,19 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             }
           }
         }
-        launch_rope(l, fptr(t->src[0]), static_cast<const int32_t*>(ptr(t->src[1])), fptr(t),
-                    t->params[kRopeNHead], t->params[kRopeHeadDim], t->params[kRopeNDims],
-                    t->params[kRopeMode], t->param_f(kRopeBase), static_cast<int>(t->ne[1]),
-                    pair ? fptr(pair->src[0]) : nullptr, pair ? fptr(pair) : nullptr,
-                    pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr,
-                    t->src[2] ? fptr(t->src[2]) : nullptr, t->param_f(kRopeScale));
+        // With the head norms, the raw products (the pairing was checked when they were taken).
+        const auto hn = head_norms.find(i);
+        const bool norms = hn != head_norms.end();
+        if (norms && pair != nodes[next_op(i)])
+          throw std::logic_error("launch_graph: head norms taken for ropes that did not pair");
+        launch_rope(l, fptr(norms ? hn->second.q_in : t->src[0]),
+                    static_cast<const int32_t*>(ptr(t->src[1])), fptr(t), t->params[kRopeNHead],
+                    t->params[kRopeHeadDim], t->params[kRopeNDims], t->params[kRopeMode],
+                    t->param_f(kRopeBase), static_cast<int>(t->ne[1]),
+                    pair ? fptr(norms ? hn->second.k_in : pair->src[0]) : nullptr,
+                    pair ? fptr(pair) : nullptr, pair ? pair->params[kRopeNHead] : 0,
+                    with_kv ? &kv : nullptr, t->src[2] ? fptr(t->src[2]) : nullptr,
+                    t->param_f(kRopeScale), norms ? &hn->second.norm : nullptr);
         break;
       }
       case Op::KvStore: {

@@ -242,6 +242,7 @@ struct RopeSlot {
   float* y;
   __half* c;
   int i0, i1, freq_i;
+  int head;  // among the first tensor's heads, then the second's
   bool rotate, copy, valid;
 };
 
@@ -269,6 +270,7 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int64_t idx, in
   if (second) idx -= pairs0;
   const int h = static_cast<int>(idx / half_dim);
   const int p = static_cast<int>(idx % half_dim);
+  r.head = second ? a.n_head0 + h : h;
   const int64_t base = t * n_head * a.head_dim + static_cast<int64_t>(h) * a.head_dim;
   r.x = (second ? a.src1 : a.src0) + base;
   r.y = (second ? a.dst1 : a.dst0) + base;
@@ -348,12 +350,20 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
 
 // One token in one block: every read (and each frequency's angle, in shared memory) before any
 // write, so that an output may take the memory of an input, as the planner hands out k's rope
-// output where q's product was.
-__global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots) {
+// output where q's product was. NORM: each head is first RMS-normalized over its head_dim
+// elements and multiplied by norm_w0 (the first tensor's heads) or norm_w1 (the second's): the
+// per-head q/k norms of Qwen 3 and Gemma 3 in the same launch. A head's sum of squares is
+// reduced in a fixed order, so results do not depend on scheduling.
+template <bool NORM>
+__global__ void __launch_bounds__(1024)
+    rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots, const float* norm_w0, const float* norm_w1,
+                      float norm_eps) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
   const int32_t first_row = k_cache ? *first_row_at : 0;
   __shared__ float2 angle[kRopeMaxHalfDim];
+  __shared__ float squares[NORM ? kRopeNormMaxPairs : 1];
+  __shared__ float head_scale[NORM ? kRopeNormMaxHeads : 1];
   float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
   // The loads first: their latency overlaps the angles' computation.
 #pragma unroll
@@ -363,6 +373,9 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
     const RopeSlot r = rope_slot(a, idx, 0, first_row);
     x0[s] = r.x[r.i0];
     x1[s] = r.x[r.i1];
+    if constexpr (NORM) {
+      if (!r.copy) squares[idx] = x0[s] * x0[s] + x1[s] * x1[s];
+    }
   }
   const int half_dim = a.head_dim / 2;
   for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
@@ -371,11 +384,31 @@ __global__ void __launch_bounds__(1024) rope_token_kernel(GGRAPH_ROPE_PARAMS, in
     angle[p] = make_float2(sf, cf);
   }
   __syncthreads();
+  if constexpr (NORM) {
+    // A warp a head: lanes sum strided pairs in order, then the warp's butterfly.
+    const int n_heads = a.n_head0 + a.n_head1;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int h = warp; h < n_heads; h += blockDim.x / 32) {
+      float sum = 0.0f;
+      for (int p = lane; p < half_dim; p += 32) sum += squares[h * half_dim + p];
+      sum = warp_sum(sum);
+      if (lane == 0) head_scale[h] = rsqrtf(sum / static_cast<float>(a.head_dim) + norm_eps);
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
     const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
     if (idx >= slots) break;
     const RopeSlot r = rope_slot(a, idx, 0, first_row);
+    if constexpr (NORM) {
+      const float* w = r.head < a.n_head0 ? norm_w0 : norm_w1;
+      if (!r.copy && w) {
+        const float sc = head_scale[r.head];
+        x0[s] = x0[s] * sc * w[r.i0];
+        x1[s] = x1[s] * sc * w[r.i1];
+      }
+    }
     const float2 sc = r.copy ? make_float2(0.0f, 1.0f) : angle[r.freq_i];
     rope_write(r, x0[s], x1[s], sc.x, sc.y);
   }
@@ -491,7 +524,7 @@ int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1, float* dst1, int n_head1, const RopeKvStore* kv,
-                 const float* freq_factors, float freq_scale) {
+                 const float* freq_factors, float freq_scale, const RopeHeadNorm* norm) {
   if (!src1) n_head1 = 0;
   RopeArgs a{
       src,     dst, n_head, src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, head_dim, n_dims, mode,
@@ -505,16 +538,32 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     first_row = kv->first_row;
   }
   const int64_t slots = rope_slots(n_head, head_dim, n_head1, with_kv);
+  if (norm) {
+    if (!rope_norm_fits(n_tokens, n_head, n_head1, head_dim))
+      throw std::logic_error("launch_rope: head norms of this size do not fit one block");
+    const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
+    l(rope_token_kernel<true>, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
+      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
+      first_row, freq_factors, freq_scale, slots, norm->w0, src1 ? norm->w1 : nullptr, norm->eps);
+    return;
+  }
   if (src1 && rope_reads_first(n_tokens, slots, head_dim)) {
     const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
-    l(rope_token_kernel, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
-      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, freq_factors, freq_scale, slots);
+    l(rope_token_kernel<false>, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1,
+      a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
+      freq_base, first_row, freq_factors, freq_scale, slots, nullptr, nullptr, 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
     a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
     freq_base, first_row, freq_factors, freq_scale);
+}
+
+bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim) {
+  // Every pair slot of both tensors with V's riding along (as wide as the second's).
+  const int64_t slots = rope_slots(n_head, head_dim, n_head1, true);
+  return rope_reads_first(n_tokens, slots, head_dim) && n_head + n_head1 <= kRopeNormMaxHeads &&
+         static_cast<int64_t>(n_head + n_head1) * (head_dim / 2) <= kRopeNormMaxPairs;
 }
 
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {

@@ -208,13 +208,26 @@ struct RopeKvStore {
   void* v_cache = nullptr;
   const int32_t* first_row = nullptr;
 };
+// Per-head RMS norms applied before the rotation (Qwen 3's and Gemma 3's q/k norms): each head
+// of src (src1) is normalized over head_dim and multiplied by w0 (w1), head_dim values.
+struct RopeHeadNorm {
+  const float* w0 = nullptr;
+  const float* w1 = nullptr;
+  float eps = 0.0f;
+};
 // With src1 given, also rotates src1 (n_head1 heads, the same positions) into dst1: q and k in
-// one launch; with kv given too, the K and V stores as well.
+// one launch; with kv given too, the K and V stores as well; with norm, the head norms too (one
+// token only: rope_norm_fits).
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
                  const RopeKvStore* kv = nullptr, const float* freq_factors = nullptr,
-                 float freq_scale = 1.0f);
+                 float freq_scale = 1.0f, const RopeHeadNorm* norm = nullptr);
+// Whether a rope launch of q (n_head heads) and k (n_head1) can take their head norms: one
+// token, every pair in one block (w0 or w1 may be null: that tensor is not normalized).
+constexpr int kRopeNormMaxPairs = 8192;
+constexpr int kRopeNormMaxHeads = 256;
+bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim);
 // Pair slots of such a launch: q's and k's rotation pairs, and v's pairs when the stores ride
 // along.
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);
@@ -258,6 +271,12 @@ struct MatVecPart {
 // types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
                     const float* x, const uint8_t* ws, int cols);
+// One column of parts[0, n_a) (one or two) in format type_a and parts[n_a] in type_b, sharing
+// the 8-bit activation in ws (q and k in one format, v in another, as K-quant mixes make them),
+// in one launch. False, with nothing launched, where that pair of formats or that row length
+// has no such kernel: the caller then launches them apart.
+bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
+                          int64_t k, const uint8_t* ws);
 // The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
 // pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight
 // format and row length; benchmarks and tests set others.

@@ -261,13 +261,12 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
   }
 }
 
+// Block part.local_block of a part's mat-vec: the body of mat_vec_q_kernel and of the mixed
+// kernel below.
 template <int TYPE, int NCOLS, int R, int U, int KS>
-__global__ void __launch_bounds__(kMvqThreads)
-    mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
-                     const int8_t* aq, const float2* ads, int64_t k, int overlap) {
+__device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, const int8_t* aq,
+                                               const float2* ads, int64_t k, int overlap) {
   using P = PieceInfo<TYPE>;
-  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
   // KS warps share rows, each taking every KS-th run of pieces; their sums meet in shared memory.
   constexpr int kStep = 32 * U * KS;  // pieces a warp moves on by per round
@@ -402,6 +401,30 @@ __global__ void __launch_bounds__(kMvqThreads)
     }
   }
 }
+template <int TYPE, int NCOLS, int R, int U, int KS>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
+                     const int8_t* aq, const float2* ads, int64_t k, int overlap) {
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  mat_vec_q_body<TYPE, NCOLS, R, U, KS>(part, nb, aq, ads, k, overlap);
+}
+
+// Products of one activation in two formats (q and k in one, v in another, as K-quant mixes
+// store them) in one launch: blocks below blk_b take format A's body, the rest B's (each
+// part's blocks are its format's).
+template <int TA, int RA, int UA, int KSA, int TB, int RB, int UB, int KSB>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_mixed_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                           int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int blk_b,
+                           int nb, const int8_t* aq, const float2* ads, int64_t k, int overlap) {
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  if (static_cast<int>(blockIdx.x) < blk_b)
+    mat_vec_q_body<TA, 1, RA, UA, KSA>(part, nb, aq, ads, k, overlap);
+  else
+    mat_vec_q_body<TB, 1, RB, UB, KSB>(part, nb, aq, ads, k, overlap);
+}
+
 // ---- Quantized mat-vec, activation held in registers (one column, short rows) -----------------
 //
 // For rows of at most 32 * PL pieces: each lane keeps the activation words of its pieces (lane,
@@ -410,15 +433,16 @@ __global__ void __launch_bounds__(kMvqThreads)
 // once. The activation crosses L1 once per warp instead of once per row, and a small matrix
 // needs few blocks: the SmolLM2-sized mat-vecs measured faster this way.
 
+// Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below).
 template <int TYPE, int PL, int R>
-__global__ void __launch_bounds__(kMvqThreads)
-    mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                          int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
-                          const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
+__device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uint8_t* w1,
+                                                    const uint8_t* w2, int n0, int n1, int n2,
+                                                    float* d0, float* d1, float* d2, int n_warps,
+                                                    int gw, int nb, const int8_t* aq,
+                                                    const float2* ads, int64_t k, int prefetch) {
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
   const int sub = lane % 8;  // pieces lane + 32 i: a fixed sub-block of a K-quant block
-  const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   const int n_rows = n0 + n1 + n2;
   const int n_pieces = nb * P::kPer32;
   PieceRegs<TYPE> v[R][PL];
@@ -477,6 +501,34 @@ __global__ void __launch_bounds__(kMvqThreads)
     g0 += n_warps * R;
     if (g0 < n_rows) load_rows(g0);
   }
+}
+
+template <int TYPE, int PL, int R>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                          int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
+                          const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
+  const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
+  mat_vec_q_rows_body<TYPE, PL, R>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq, ads, k,
+                                   prefetch);
+}
+
+// Two formats in one launch, as mat_vec_q_mixed_kernel: format A's warps take parts 0 and 1
+// (n_warps_a of them, in blocks below blk_b), format B's part 2.
+template <int TA, int PLA, int TB, int PLB, int R>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rows_mixed_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0,
+                                int n1, int n2, float* d0, float* d1, float* d2, int n_warps_a,
+                                int n_warps_b, int blk_b, int nb, const int8_t* aq,
+                                const float2* ads, int64_t k, int prefetch) {
+  const int warp = threadIdx.x / 32;
+  if (static_cast<int>(blockIdx.x) < blk_b)
+    mat_vec_q_rows_body<TA, PLA, R>(w0, w1, w1, n0, n1, 0, d0, d1, d1, n_warps_a,
+                                    blockIdx.x * kMvqWarps + warp, nb, aq, ads, k, prefetch);
+  else
+    mat_vec_q_rows_body<TB, PLB, R>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
+                                    (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
+                                    prefetch);
 }
 
 // Warps of one instantiation resident on the whole device at once (measured in prepare_kernels,
@@ -698,28 +750,107 @@ bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k
   return false;
 }
 
+// The one-column kernel shape of a format (rows, pieces in flight, k splits), measured on an
+// H200 (BENCHMARKS.md): two warps share a row's pieces, over four rows of two pieces in flight
+// for 4-bit weights; 8-bit weights (twice the pieces a row) do best with four warps a row, over
+// two rows of two pieces; the K-quants with high bits (Q5_K, Q6_K: more work a piece) with a
+// warp a row, over two rows of four pieces.
+template <int TYPE>
+struct MatVecShape {
+  static constexpr bool kQ8 = PieceInfo<TYPE>::kPer32 == 2;
+  static constexpr bool kHighK = TYPE == kTypeQ5_K || TYPE == kTypeQ6_K;
+  static constexpr int R = kQ8 ? 2 : kHighK ? 2 : 4;
+  static constexpr int U = kQ8 ? 2 : kHighK ? 4 : 2;
+  static constexpr int KS = kQ8 ? 4 : kHighK ? 1 : 2;
+};
+
+// Short rows (at most this many pieces) take the register-resident kernel.
+constexpr int64_t kRowsKernelPieces = 64;
+
+int mat_vec_overlap(const MatVecPart* parts, int n_parts) {
+  // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
+  int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
+  if (!all_fixed(parts, n_parts)) overlap &= ~1;
+  return overlap;
+}
+
+// parts[0, n_a) of format TA and parts[n_a] of TB, one column, in one launch; false (nothing
+// launched) where a kernel shape is forced.
+template <int TA, int TB>
+bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, const uint8_t* ws) {
+  if (mat_vec_override().rows != 0 || n_a < 1 || n_a > 2) return false;
+  const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
+  // Slots: part 0 (and 1) of A, an empty part 1 when A has one, then B.
+  const MatVecPart slot[3] = {parts[0], n_a == 2 ? parts[1] : parts[0], parts[n_a]};
+  const int64_t pa = k / 32 * PieceInfo<TA>::kPer32, pb = k / 32 * PieceInfo<TB>::kPer32;
+  const int nb = static_cast<int>(k / 32);
+  if (pa <= kRowsKernelPieces && pb <= kRowsKernelPieces) {
+    constexpr int R = 2;
+    const int slots_a = pa <= 32 ? rows_kernel_slots<TA, 1, R>() : rows_kernel_slots<TA, 2, R>();
+    const int slots_b = pb <= 32 ? rows_kernel_slots<TB, 1, R>() : rows_kernel_slots<TB, 2, R>();
+    if (slots_a > 0 && slots_b > 0) {
+      const int n0 = static_cast<int>(slot[0].n), n1 = n_a == 2 ? static_cast<int>(slot[1].n) : 0;
+      const int n2 = static_cast<int>(slot[2].n);
+      // Each format's warps in proportion to its rows, as far as the device holds at once.
+      const int64_t rows = int64_t(n0) + n1 + n2;
+      const int wa = static_cast<int>(
+          std::max<int64_t>(1, std::min(ceil_div(n0 + n1, R), slots_a * (n0 + n1) / rows)));
+      const int wb = static_cast<int>(
+          std::max<int64_t>(1, std::min<int64_t>(ceil_div(n2, R), slots_b * n2 / rows)));
+      const int blk_b = static_cast<int>(ceil_div(wa, kMvqWarps));
+      const int blocks = blk_b + static_cast<int>(ceil_div(wb, kMvqWarps));
+      const int prefetch = all_fixed(parts, n_a + 1) ? 1 : 0;
+      auto go = [&](auto kernel) {
+        l(kernel, dim3(blocks), dim3(kMvqThreads), 0, static_cast<const uint8_t*>(slot[0].w),
+          static_cast<const uint8_t*>(slot[1].w), static_cast<const uint8_t*>(slot[2].w), n0, n1,
+          n2, slot[0].dst, slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k,
+          prefetch);
+      };
+      if (pa <= 32 && pb <= 32)
+        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 1, R>);
+      else if (pa <= 32)
+        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 2, R>);
+      else if (pb <= 32)
+        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 1, R>);
+      else
+        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 2, R>);
+      return true;
+    }
+  }
+  // Otherwise (longer rows, or the device's capacity not yet known) each format's block shape.
+  using A = MatVecShape<TA>;
+  using B = MatVecShape<TB>;
+  constexpr int kA = kMvqWarps / A::KS * A::R, kB = kMvqWarps / B::KS * B::R;  // rows a block
+  const int per_block[3] = {kA, kA, kB};
+  int blocks[3];
+  for (int i = 0; i < 3; ++i) blocks[i] = static_cast<int>(ceil_div(slot[i].n, per_block[i]));
+  if (n_a == 1) blocks[1] = 0;
+  const int blk1 = blocks[0], blk2 = blk1 + blocks[1];
+  l(mat_vec_q_mixed_kernel<TA, A::R, A::U, A::KS, TB, B::R, B::U, B::KS>, dim3(blk2 + blocks[2]),
+    dim3(kMvqThreads), 0, static_cast<const uint8_t*>(slot[0].w),
+    static_cast<const uint8_t*>(slot[1].w), static_cast<const uint8_t*>(slot[2].w),
+    static_cast<int>(slot[0].n), static_cast<int>(slot[1].n), static_cast<int>(slot[2].n),
+    slot[0].dst, slot[1].dst, slot[2].dst, blk1, blk2, blk2, nb, act.qs, act.ds, k,
+    mat_vec_overlap(parts, n_a + 1));
+  return true;
+}
+
 template <int TYPE, int NCOLS>
 void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, NCOLS);
   const int8_t* aq = act.qs;
   const float2* ads = act.ds;
   const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
-  // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
-  int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
-  if (!all_fixed(parts, n_parts)) overlap &= ~1;
+  const int overlap = mat_vec_overlap(parts, n_parts);
   if constexpr (NCOLS == 1) {
     MatVecConfig c = mat_vec_override();
-    // Measured on an H200 (BENCHMARKS.md): short rows (at most 64 pieces) run fastest with the
-    // activation in registers. Longer rows: two warps share a row's pieces, over four rows of
-    // two pieces in flight for 4-bit weights; 8-bit weights (twice the pieces a row) do best
-    // with four warps a row, over two rows of two pieces; the K-quants with high bits (Q5_K,
-    // Q6_K: more work a piece) with a warp a row, over two rows of four pieces.
-    if (c.rows == 0 && n_pieces <= 64 && mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
+    // Measured on an H200 (BENCHMARKS.md): short rows run fastest with the activation in
+    // registers; longer rows take MatVecShape's.
+    if (c.rows == 0 && n_pieces <= kRowsKernelPieces &&
+        mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
-    constexpr bool kQ8 = PieceInfo<TYPE>::kPer32 == 2;
-    constexpr bool kHighK = TYPE == kTypeQ5_K || TYPE == kTypeQ6_K;
-    if (c.rows == 0)
-      c = kQ8 ? MatVecConfig{2, 2, 4} : kHighK ? MatVecConfig{2, 4, 1} : MatVecConfig{4, 2, 2};
+    using S = MatVecShape<TYPE>;
+    if (c.rows == 0) c = MatVecConfig{S::R, S::U, S::KS};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
         return mat_vec_q_launch<TYPE, 1, 4, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
@@ -1252,6 +1383,21 @@ void prepare_kernels() {
     });
   }
   cudaGetLastError();
+}
+
+bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
+                          int64_t k, const uint8_t* ws) {
+  // The pairs llama.cpp's K-quant mixes make: Q4_K_M and Q5_K_M (q, k; v in Q6_K), and their
+  // fallbacks for rows that are not whole 256-blocks (Q5_0; v in Q8_0).
+#define GGRAPH_MIXED_PAIR(A, B)                                                                   \
+  if (type_a == DType::A && type_b == DType::B)                                                   \
+    return mat_vec_q_mixed<static_cast<int>(DType::A), static_cast<int>(DType::B)>(l, parts, n_a, \
+                                                                                   k, ws);
+  GGRAPH_MIXED_PAIR(Q4_K, Q6_K)
+  GGRAPH_MIXED_PAIR(Q5_K, Q6_K)
+  GGRAPH_MIXED_PAIR(Q5_0, Q8_0)
+#undef GGRAPH_MIXED_PAIR
+  return false;
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,

@@ -563,6 +563,61 @@ TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
   }
 }
 
+// Qwen 3's and Gemma 3's attention input: q, k and v products of one activation, with v in
+// another format (as K-quant mixes store it), per-head q/k norms, NeoX ropes and the K/V stores.
+// In decode the three products go out in one launch and the norms ride with the ropes; short
+// rows take the register-resident kernels, long ones the block kernels.
+TEST_F(CudaOps, HeadNormsAndProductsOfTwoFormatsMatchTheCpu) {
+  std::mt19937 rng(31);
+  const int hd = 128;
+  const std::pair<DType, DType> formats[] = {
+      {DType::Q4_K, DType::Q6_K}, {DType::Q5_K, DType::Q6_K}, {DType::Q5_0, DType::Q8_0}};
+  for (auto [qk_type, v_type] : formats) {
+    for (int n_embd : {512, 1536, 2304}) {
+      for (int n_tok : {1, 4}) {
+        const int n_head = n_embd / hd, n_head_kv = n_embd == 2304 ? 2 : 1;
+        const int kv_w = n_head_kv * hd, n_ctx = 64, n_past = 9;
+        auto bq = random_blocks(qk_type, n_embd, n_embd, rng);
+        auto bk = random_blocks(qk_type, n_embd, kv_w, rng);
+        auto bv = random_blocks(v_type, n_embd, kv_w, rng);
+        auto qn = randn(hd, rng, 0.3f), kn = randn(hd, rng, 0.3f);
+        for (auto& v : qn) v += 1.0f;
+        for (auto& v : kn) v += 1.0f;
+        auto x = randn(size_t(n_embd) * n_tok, rng);
+        std::vector<int32_t> pos(n_tok), ids;
+        for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
+        auto past_k = randn(size_t(kv_w) * n_ctx, rng), past_v = randn(size_t(kv_w) * n_ctx, rng);
+        std::vector<uint16_t> k16(past_k.size()), v16(past_v.size());
+        for (size_t i = 0; i < k16.size(); ++i) {
+          k16[i] = f32_to_f16(past_k[i]);
+          v16[i] = f32_to_f16(past_v[i]);
+        }
+        Build build = [&](Graph& g, Backend& be) {
+          Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
+          Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
+          Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
+          Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+          Tensor* q = g.mul_mat(upload(g, be, qk_type, n_embd, n_embd, bq.data(), "wq"), xt);
+          Tensor* k = g.mul_mat(upload(g, be, qk_type, n_embd, kv_w, bk.data(), "wk"), xt);
+          Tensor* v = g.mul_mat(upload(g, be, v_type, n_embd, kv_w, bv.data(), "wv"), xt);
+          q = g.mul(g.rms_norm(q, 1e-6f, hd), upload(g, be, DType::F32, hd, 1, qn.data(), "qn"));
+          k = g.mul(g.rms_norm(k, 1e-6f, hd), upload(g, be, DType::F32, hd, 1, kn.data(), "kn"));
+          q = g.rope(q, p, n_head, hd, hd, kRopeNeox, 10000.0f);
+          k = g.rope(k, p, n_head_kv, hd, hd, kRopeNeox, 10000.0f);
+          g.kv_store(kc, k, n_past);
+          g.kv_store(vc, v, n_past);
+          return g.attention(q, kc, vc, n_head, n_head_kv, hd, 1.0f / std::sqrt(float(hd)),
+                             n_past + n_tok, n_past);
+        };
+        const auto gpu = run_on(*cuda_, build);
+        const auto cpu = run_on(*cpu_, build);
+        EXPECT_LT(rel_err(gpu, cpu), 3e-2) << type_name(qk_type) << "+" << type_name(v_type)
+                                           << " n_embd " << n_embd << " tokens " << n_tok;
+      }
+    }
+  }
+}
+
 // Two llama decoder layers with real weights, CUDA against the CPU: every fusion the CUDA
 // backend makes (residual add + norm + weight + 8-bit activations, swiglu + 8-bit
 // activations, attention + 8-bit output, K/V stores, grouped mat-vecs) sits on this path. After
@@ -1013,7 +1068,12 @@ struct LayerGraph {
   Tensor *attn_norm_mul = nullptr, *attention = nullptr, *wo = nullptr;
   Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
-  LayerGraph(int n_tokens, int n_past, bool products_first = false) {
+  // q/k head norms (Qwen 3, Gemma 3) after the products, when set
+  Tensor *q_norm = nullptr, *k_norm = nullptr;
+
+  // head_norms: per-head q/k norms before the ropes; v_type: v's format (q and k are Q4_1).
+  LayerGraph(int n_tokens, int n_past, bool products_first = false, bool head_norms = false,
+             DType qk_type = DType::Q4_1, DType v_type = DType::Q4_1) {
     const int n_embd = 576, n_head = 9, n_head_kv = 3, hd = 64, n_ff = 1536, n_ctx = 1024;
     uintptr_t next = 0x100000;
     auto fake = [&](size_t bytes) {
@@ -1040,16 +1100,23 @@ struct LayerGraph {
       Tensor* attn_norm_w = weight(DType::F32, n_embd, 1, "attn_norm");
       Tensor* h = g.mul(g.rms_norm(x, 1e-5f), attn_norm_w);
       attn_norm_mul = h;
-      Tensor* wqt = weight(DType::Q4_1, n_embd, n_embd, "wq");
-      Tensor* wkt = weight(DType::Q4_1, n_embd, n_head_kv * hd, "wk");
-      Tensor* wvt = weight(DType::Q4_1, n_embd, n_head_kv * hd, "wv");
+      Tensor* wqt = weight(qk_type, n_embd, n_embd, "wq");
+      Tensor* wkt = weight(qk_type, n_embd, n_head_kv * hd, "wk");
+      Tensor* wvt = weight(v_type, n_embd, n_head_kv * hd, "wv");
       Tensor *q, *k, *v;
-      if (products_first) {
+      if (products_first || head_norms) {
         wq = g.mul_mat(wqt, h);
         wk = g.mul_mat(wkt, h);
         wv = v = g.mul_mat(wvt, h);
-        q = g.rope(wq, pos, n_head, hd, hd, kRopeNormal, 10000.0f);
-        k = g.rope(wk, pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+        Tensor *qn = wq, *kn = wk;
+        if (head_norms) {
+          q_norm = g.rms_norm(wq, 1e-6f, hd);
+          qn = g.mul(q_norm, weight(DType::F32, hd, 1, "q_norm"));
+          k_norm = g.rms_norm(wk, 1e-6f, hd);
+          kn = g.mul(k_norm, weight(DType::F32, hd, 1, "k_norm"));
+        }
+        q = g.rope(qn, pos, n_head, hd, hd, kRopeNeox, 10000.0f);
+        k = g.rope(kn, pos, n_head_kv, hd, hd, kRopeNeox, 10000.0f);
       } else {
         q = g.rope(wq = g.mul_mat(wqt, h), pos, n_head, hd, hd, kRopeNormal, 10000.0f);
         k = g.rope(wk = g.mul_mat(wkt, h), pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
@@ -1144,6 +1211,50 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     const auto rec = lg.launches();
     EXPECT_EQ(launches_of(rec, lg.wq), 2);
     EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+  }
+}
+
+TEST(CudaLaunchPlan, HeadNormsRideWithTheRopesOfOneToken) {
+  {
+    // Decode: the q and k head norms go into the ropes' launch (with the K and V stores).
+    LayerGraph lg(1, 20, false, /*head_norms=*/true);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.q_norm), 0);
+    EXPECT_EQ(launches_of(rec, lg.k_norm), 0);
+    for (const Tensor* t : lg.g.nodes()) {
+      if (t->op == Op::Mul && (t->src[0] == lg.q_norm || t->src[0] == lg.k_norm)) {
+        EXPECT_EQ(launches_of(rec, t), 0);
+      }
+    }
+    EXPECT_EQ(launches_of(rec, lg.rope_q), 1);
+    EXPECT_EQ(launches_of(rec, lg.rope_k), 0);
+    EXPECT_EQ(launches_of(rec, lg.store_k), 0);
+  }
+  {
+    // A prompt keeps them apart: one launch each (the norm with its weight).
+    LayerGraph lg(16, 0, false, /*head_norms=*/true);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.q_norm), 1);
+    EXPECT_EQ(launches_of(rec, lg.k_norm), 1);
+  }
+}
+
+TEST(CudaLaunchPlan, ProductsOfTwoFormatsShareALaunchInDecode) {
+  {
+    // q and k in Q5_0, v in Q8_0 (a K-quant mix's fallbacks): one launch at q.
+    LayerGraph lg(1, 20, true, false, DType::Q5_0, DType::Q8_0);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 1);
+    EXPECT_EQ(launches_of(rec, lg.wk), 0);
+    EXPECT_EQ(launches_of(rec, lg.wv), 0);
+  }
+  {
+    // A pair without a mixed kernel: q and k together, v apart.
+    LayerGraph lg(1, 20, true, false, DType::Q4_1, DType::Q8_0);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 1);
+    EXPECT_EQ(launches_of(rec, lg.wk), 0);
     EXPECT_EQ(launches_of(rec, lg.wv), 1);
   }
 }
