@@ -6,6 +6,8 @@
 # may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls, the Gemma 3
 # 270M file in pieces (.gemma3/gemma3.partNN, one or more a call; .gemma3/gemma3.sha256 names the
 # whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
+# REFBENCH_MODELS may name /tmp/gemma3-shape.gguf: Gemma 3 270M's shape and formats, random
+# weights (tools/gemma3_shape.py), made there.
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
 # off,recapture,update,patch) the CUDA graph modes bench runs. The ab stage builds the package
 # of another commit (.carry/ref.tar, from `git archive COMMIT`) beside this one and runs tg128
@@ -135,6 +137,9 @@ for stage in "$@"; do
             --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
         esac
       done
+      case " ${REFBENCH_MODELS:-} " in *" /tmp/gemma3-shape.gguf "*)
+        [ -f /tmp/gemma3-shape.gguf ] || python3 tools/gemma3_shape.py /tmp/gemma3-shape.gguf ;;
+      esac
       models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
       for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
       for m in $models; do
