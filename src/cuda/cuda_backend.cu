@@ -485,8 +485,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   auto head_norm_mul = [&](int ri) -> int {      // the weight multiply of head norm ri, or -1
     const Tensor* r = nodes[ri];
     const int mi = next_op(ri);
-    if (r->op != Op::RmsNorm || r->ne[1] != 1 || r->params[kNormGroup] >= r->ne[0] ||
-        uses[ri] != 1 || mi >= n || r == graph.output())
+    // (With one KV head, k's norm spans its whole column: the rope it feeds says it is a head's.)
+    if (r->op != Op::RmsNorm || r->ne[1] != 1 || uses[ri] != 1 || mi >= n || r == graph.output())
       return -1;
     const Tensor* m = nodes[mi];
     const Tensor* w = m->src[1];
