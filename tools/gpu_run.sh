@@ -11,8 +11,9 @@
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
 # off,recapture,update,patch) the CUDA graph modes bench runs. The ab stage builds the package
 # of another commit (.carry/ref.tar, from `git archive COMMIT`) beside this one and runs tg128
-# of the SmolLM2 and 7B shapes on both, in turns, at each of AB_DEPTHS (default "0 0,4096": the
-# second entry measures depth 0 in a cache sized for 4,096 tokens more).
+# of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
+# /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
+# (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -167,13 +168,20 @@ for stage in "$@"; do
         mkdir -p /tmp/ref-py/ggraph/lib && cp /tmp/ref-src/python/ggraph/*.py /tmp/ref-py/ggraph/
         cp /tmp/ref-build/_core*.so /tmp/ref-py/ggraph/ && cp /tmp/ref-build/libggraph.so /tmp/ref-py/ggraph/lib/
       fi
-      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0; do
+      ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
+      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
+        llama2-7b-q4km:llama2-7b:Q4_K_M; do
         IFS=: read -r name shape type <<<"$spec"
-        [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
-          --shape "$shape" --type "$type" --seed 1 >/dev/null
+        case " $ab_models " in *" /tmp/$name.gguf "*)
+          [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
+            --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
+        esac
       done
+      case " $ab_models " in *" /tmp/gemma3-shape.gguf "*)
+        [ -f /tmp/gemma3-shape.gguf ] || python3 tools/gemma3_shape.py /tmp/gemma3-shape.gguf ;;
+      esac
       for round in 1 2; do
-        for m in /tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf; do
+        for m in $ab_models; do
           for d in ${AB_DEPTHS:-0 0,4096}; do
             for side in this ref; do
               py=/tmp/ggraph-py; [ $side = ref ] && py=/tmp/ref-py
