@@ -42,6 +42,22 @@ fi
 LLAMA_CPP=/tmp/llama.cpp-build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+# Makes the random-weight shape files among the paths given that do not exist yet.
+make_shape_files() {
+  local spec name shape type
+  for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
+    llama2-7b-q4km:llama2-7b:Q4_K_M; do
+    IFS=: read -r name shape type <<<"$spec"
+    case " $* " in *" /tmp/$name.gguf "*)
+      [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
+        --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
+    esac
+  done
+  case " $* " in *" /tmp/gemma3-shape.gguf "*)
+    [ -f /tmp/gemma3-shape.gguf ] || python3 tools/gemma3_shape.py /tmp/gemma3-shape.gguf ;;
+  esac
+}
+
 for stage in "$@"; do
   s=$(date +%s)
   case $stage in
@@ -82,10 +98,7 @@ for stage in "$@"; do
       done
       ;;
     bench)
-      [ -f /tmp/smollm2-shape.gguf ] || python3 -m ggraph.testing /tmp/smollm2-shape.gguf \
-        --shape smollm2-135m --type Q4_1 --seed 1 >/dev/null
-      [ -f /tmp/llama2-7b-shape.gguf ] || python3 -m ggraph.testing /tmp/llama2-7b-shape.gguf \
-        --shape llama2-7b --type Q4_0 --seed 1 >/dev/null
+      make_shape_files /tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf
       for m in /tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf; do
         # Random weights: past the shape's training context only the speed means anything.
         python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
@@ -130,18 +143,8 @@ for stage in "$@"; do
       # paths; default: the Gemma 3 file when present and a 7B-shape Q4_K_M random file). The
       # shape files are made here when named. Both engines run after llama.cpp's build, so that
       # neither competes with the compiler for the host.
-      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
-        llama2-7b-q4km:llama2-7b:Q4_K_M; do
-        IFS=: read -r name shape type <<<"$spec"
-        case " ${REFBENCH_MODELS:-/tmp/llama2-7b-q4km.gguf} " in *" /tmp/$name.gguf "*)
-          [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
-            --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
-        esac
-      done
-      case " ${REFBENCH_MODELS:-} " in *" /tmp/gemma3-shape.gguf "*)
-        [ -f /tmp/gemma3-shape.gguf ] || python3 tools/gemma3_shape.py /tmp/gemma3-shape.gguf ;;
-      esac
       models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
+      make_shape_files $models
       for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
       for m in $models; do
         python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
@@ -169,17 +172,7 @@ for stage in "$@"; do
         cp /tmp/ref-build/_core*.so /tmp/ref-py/ggraph/ && cp /tmp/ref-build/libggraph.so /tmp/ref-py/ggraph/lib/
       fi
       ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
-      for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
-        llama2-7b-q4km:llama2-7b:Q4_K_M; do
-        IFS=: read -r name shape type <<<"$spec"
-        case " $ab_models " in *" /tmp/$name.gguf "*)
-          [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
-            --shape "$shape" --type "$type" --seed 1 >/dev/null ;;
-        esac
-      done
-      case " $ab_models " in *" /tmp/gemma3-shape.gguf "*)
-        [ -f /tmp/gemma3-shape.gguf ] || python3 tools/gemma3_shape.py /tmp/gemma3-shape.gguf ;;
-      esac
+      make_shape_files $ab_models
       for round in 1 2; do
         for m in $ab_models; do
           for d in ${AB_DEPTHS:-0 0,4096}; do

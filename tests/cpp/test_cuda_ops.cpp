@@ -78,6 +78,14 @@ Tensor* upload(Graph& g, Backend& be, DType type, int64_t ne0, int64_t ne1, cons
   return g.weight(type, ne0, ne1, be.upload_weight(host, bytes, type, ne0, ne1, name), name);
 }
 
+// n standard normal values as F16 bits (cache rows the same on both backends).
+std::vector<uint16_t> randn_f16(size_t n, std::mt19937& rng) {
+  const std::vector<float> v = randn(n, rng);
+  std::vector<uint16_t> h(n);
+  for (size_t i = 0; i < n; ++i) h[i] = f32_to_f16(v[i]);
+  return h;
+}
+
 // An F16 KV cache [w, n_ctx] with the given contents, uploaded through the backend.
 Tensor* f16_cache(Graph& g, Backend& be, const std::vector<uint16_t>& data, int64_t w,
                   int64_t n_ctx, const std::string& name) {
@@ -523,12 +531,8 @@ TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
         std::vector<int32_t> pos(n_tok), ids;
         for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
         // Earlier cache rows: random F16 values, the same on both backends.
-        auto past_k = randn(size_t(kv_w) * n_ctx, rng), past_v = randn(size_t(kv_w) * n_ctx, rng);
-        std::vector<uint16_t> k16(past_k.size()), v16(past_v.size());
-        for (size_t i = 0; i < k16.size(); ++i) {
-          k16[i] = f32_to_f16(past_k[i]);
-          v16[i] = f32_to_f16(past_v[i]);
-        }
+        const auto k16 = randn_f16(size_t(kv_w) * n_ctx, rng);
+        const auto v16 = randn_f16(size_t(kv_w) * n_ctx, rng);
         Build build = [&](Graph& g, Backend& be) {
           Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
           Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
@@ -586,12 +590,8 @@ TEST_F(CudaOps, HeadNormsAndProductsOfTwoFormatsMatchTheCpu) {
         auto x = randn(size_t(n_embd) * n_tok, rng);
         std::vector<int32_t> pos(n_tok), ids;
         for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
-        auto past_k = randn(size_t(kv_w) * n_ctx, rng), past_v = randn(size_t(kv_w) * n_ctx, rng);
-        std::vector<uint16_t> k16(past_k.size()), v16(past_v.size());
-        for (size_t i = 0; i < k16.size(); ++i) {
-          k16[i] = f32_to_f16(past_k[i]);
-          v16[i] = f32_to_f16(past_v[i]);
-        }
+        const auto k16 = randn_f16(size_t(kv_w) * n_ctx, rng);
+        const auto v16 = randn_f16(size_t(kv_w) * n_ctx, rng);
         Build build = [&](Graph& g, Backend& be) {
           Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
           Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
