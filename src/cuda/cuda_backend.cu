@@ -634,16 +634,15 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             parts[n_parts++] = part_of(c);
           }
         }
+        for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
         if (other >= 0 && n_parts < 3) {
           parts[n_parts] = part_of(nodes[other]);
           if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
                                    buf.act)) {
-            for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
             done[other] = 1;
             break;
           }
         }
-        for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
         launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
         break;
       }

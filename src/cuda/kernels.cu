@@ -538,20 +538,14 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     first_row = kv->first_row;
   }
   const int64_t slots = rope_slots(n_head, head_dim, n_head1, with_kv);
-  if (norm) {
-    if (!rope_norm_fits(n_tokens, n_head, n_head1, head_dim))
-      throw std::logic_error("launch_rope: head norms of this size do not fit one block");
+  if (norm && !rope_norm_fits(n_tokens, n_head, n_head1, head_dim))
+    throw std::logic_error("launch_rope: head norms of this size do not fit one block");
+  if (norm || (src1 && rope_reads_first(n_tokens, slots, head_dim))) {
     const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
-    l(rope_token_kernel<true>, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
-      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, freq_factors, freq_scale, slots, norm->w0, src1 ? norm->w1 : nullptr, norm->eps);
-    return;
-  }
-  if (src1 && rope_reads_first(n_tokens, slots, head_dim)) {
-    const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
-    l(rope_token_kernel<false>, dim3(1), dim3(threads), 0, a.src0, a.dst0, a.n_head0, a.src1,
-      a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
-      freq_base, first_row, freq_factors, freq_scale, slots, nullptr, nullptr, 0.0f);
+    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(1), dim3(threads), 0, a.src0,
+      a.dst0, a.n_head0, a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache,
+      a.v_src, a.v_cache, pos, freq_base, first_row, freq_factors, freq_scale, slots,
+      norm ? norm->w0 : nullptr, norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
