@@ -57,17 +57,21 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 
 // ---- Flash-decoding -------------------------------------------------------------------------
 //
-// Block (kv head group chunk, split, token): up to G query heads that share one KV head,
-// keys [split start, split end) of the causal range. Each warp takes 32-key tiles: lane j
-// computes key j's scores for every head (its K row read once for the whole group), then lanes
-// own head dimensions for the P*V update. The 4 warps are merged in shared memory.
+// Block (kv head group chunk, split, token): up to G query heads that share one KV head, keys
+// [split start, split end) of the causal range. Each lane owns DPL consecutive dimensions of a
+// head (head_dim <= 32 * DPL) in every phase. A warp takes TILE keys at a time: it stages their
+// K and V rows in shared memory with asynchronous copies issued together (each lane copies and
+// later reads only its own dimensions), scores 8 keys at a time (a lane's partial dot products,
+// summed over the warp by a transposing reduction: 9 shuffles for 8 keys), runs the online
+// softmax with lane j on key j, and accumulates P*V on its own dimensions. The loops stay
+// rolled: a decode step runs each of its kernels once, from a cold instruction cache, so code
+// size is latency. The warps are merged in shared memory.
 //
 // The grid has n_splits splits, a function of the cache size alone; of them, the step uses as
 // many as its keys fill with kAttnMinSplitKeys each (the others return at once). With one in use
 // the block writes the normalized output; otherwise each writes (m, l, acc) partials and the
 // last of a head group's splits to finish (a ticket counter, left at zero again) merges them.
 // So the launch is the same at every depth, and there is no second kernel.
-// DI: head_dim <= 64 * DI.
 
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
 // out (and its 8-bit form). Partials are read through L2: other blocks wrote them.
@@ -97,15 +101,66 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
   }
 }
 
-template <int DI, int G>
+// A lane's DPL dimensions of a K or V row.
+template <int DPL>
+struct alignas(2 * DPL) LaneHalves {
+  __half2 h[DPL / 2];
+};
+
+template <int DPL>
+__device__ __forceinline__ void unpack_lane(const LaneHalves<DPL>& r, float (&f)[DPL]) {
+#pragma unroll
+  for (int e = 0; e < DPL / 2; ++e) {
+    const float2 v = __half22float2(r.h[e]);
+    f[2 * e] = v.x, f[2 * e + 1] = v.y;
+  }
+}
+
+// Keys a warp stages at once: TILE rows of K and of V, 16 KiB a warp at every head size.
+template <int DPL>
+constexpr int decode_tile() {
+  return DPL == 8 ? 16 : 32;
+}
+
+template <int DPL, int G>
+constexpr size_t decode_smem_bytes(int head_dim) {
+  const size_t staging = kAttnWarps * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
+                                       G * decode_tile<DPL>() * sizeof(float));
+  const size_t merge = kAttnWarps * G * (head_dim + 2) * sizeof(float);
+  return staging > merge ? staging : merge;
+}
+
+// v[k] summed over the warp, for k = lane / 4: three exchanges halve the keys a lane holds, two
+// more finish the sum over the lanes left. Nine shuffles for eight sums.
+__device__ __forceinline__ float warp_sum8_transposed(const float (&v)[8], int lane) {
+  float a[4], b[2];
+  const bool hi4 = lane & 16, hi3 = lane & 8, hi2 = lane & 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float send = hi4 ? v[i] : v[i + 4];
+    a[i] = (hi4 ? v[i + 4] : v[i]) + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float send = hi3 ? a[i] : a[i + 2];
+    b[i] = (hi3 ? a[i + 2] : a[i]) + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+  float c = (hi2 ? b[1] : b[0]) + __shfl_xor_sync(0xffffffffu, hi2 ? b[0] : b[1], 4);
+  c += __shfl_xor_sync(0xffffffffu, c, 2);
+  return c + __shfl_xor_sync(0xffffffffu, c, 1);
+}
+
+template <int DPL, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
                        unsigned* counters) {
+  constexpr int TILE = decode_tile<DPL>();
+  using Lane = LaneHalves<DPL>;
   pdl_begin();
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) uint8_t smem_raw[];
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
   // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
@@ -123,12 +178,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
+  const bool lane_on = lane * DPL < head_dim;
 
-  float* qs = smem;                    // [G][head_dim], pre-scaled
-  float* merge = smem + G * head_dim;  // [warps][G][head_dim + 2]
-  for (int i = threadIdx.x; i < n_g * head_dim; i += blockDim.x)
-    qs[i] = q[t * q_stride + static_cast<int64_t>(h_first) * head_dim + i] * scale;
-  __syncthreads();
+  // The lane's dimensions of each head's query, pre-scaled (zero for absent heads).
+  float qv[G][DPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float* qh = q + t * q_stride + static_cast<int64_t>(h_first + g) * head_dim + lane * DPL;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) qv[g][e] = g < n_g && lane_on ? qh[e] * scale : 0.0f;
+  }
 
   const int lim = min(n_kv, first_pos + t + 1);
   const int lo = window > 0 ? max(0, first_pos + t + 1 - window) : 0;
@@ -136,111 +195,100 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int k_begin = max(lo, range_begin + split * split_len);
   const int k_end = min(range_begin + (split + 1) * split_len, lim);
 
-  float m[G], l[G], acc[G][DI][2];
+  float m[G], l[G], acc[G][DPL];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = kNegInf;
     l[g] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DI; ++i) acc[g][i][0] = acc[g][i][1] = 0.0f;
+    for (int e = 0; e < DPL; ++e) acc[g][e] = 0.0f;
   }
 
-  const __half* k_head = kc + static_cast<int64_t>(hkv) * head_dim;
-  const __half* v_head = vc + static_cast<int64_t>(hkv) * head_dim;
-  // V rows of a tile come KC at a time with all their loads in flight together; the first KC
-  // are requested before the scores, so that their latency overlaps that of the K rows.
-  constexpr int KC = DI <= 2 ? 32 : 16;
-  for (int tile = k_begin + warp * 32; tile < k_end; tile += kAttnWarps * 32) {
-    const int j = tile + lane;
-    const bool valid = j < k_end;
-    const int n_valid = min(32, k_end - tile);
-    __half2 vr[KC][DI];
-    auto load_v = [&](int j0) {
-#pragma unroll
-      for (int jj = 0; jj < KC; ++jj) {
-        const __half2* vrow =
-            reinterpret_cast<const __half2*>(v_head + (tile + j0 + jj) * kv_stride);
-#pragma unroll
-        for (int i = 0; i < DI; ++i) {
-          const int d = 64 * i + 2 * lane;
-          vr[jj][i] = j0 + jj < n_valid && d < head_dim ? vrow[d / 2] : __float2half2_rn(0.f);
-        }
+  Lane* ks = reinterpret_cast<Lane*>(smem_raw) + warp * 2 * TILE * 32;  // [TILE][32 lanes]
+  Lane* vs = ks + TILE * 32;
+  float* ps =
+      reinterpret_cast<float*>(reinterpret_cast<Lane*>(smem_raw) + kAttnWarps * 2 * TILE * 32) +
+      warp * G * TILE;  // [G][TILE]: scores, then probabilities
+  // Lanes past head_dim copy nothing (zero fill) from a valid address.
+  const int64_t lane_col = static_cast<int64_t>(hkv) * head_dim + (lane_on ? lane * DPL : 0);
+  const __half* k_lane = kc + lane_col;
+  const __half* v_lane = vc + lane_col;
+
+  for (int tile = k_begin + warp * TILE; tile < k_end; tile += kAttnWarps * TILE) {
+    const int n_valid = min(TILE, k_end - tile);
+    auto stage = [&](Lane* dst, const __half* src) {
+#pragma unroll 4
+      for (int r = 0; r < TILE; ++r) {
+        const bool ok = r < n_valid && lane_on;
+        cp_async_n<sizeof(Lane)>(dst + r * 32 + lane, src + (tile + (ok ? r : 0)) * kv_stride,
+                                 ok ? static_cast<int>(sizeof(Lane)) : 0);
       }
+      cp_async_commit();
     };
-    load_v(0);
-    float s[G];
+    stage(ks, k_lane);
+    stage(vs, v_lane);
+    cp_async_wait<1>();  // K has landed; V keeps coming during the scores
+
+#pragma unroll 1
+    for (int c = 0; c < n_valid; c += 8) {
+      float dot[G][8];
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = 0.0f;
-    if (valid) {
-      const uint4* krow = reinterpret_cast<const uint4*>(k_head + j * kv_stride);
-#pragma unroll
-      for (int c0 = 0; c0 < DI * 64; c0 += 128) {
-        uint4 kr[16];
-#pragma unroll
-        for (int u = 0; u < 16; ++u)
-          if (c0 + u * 8 < head_dim) kr[u] = __ldg(krow + c0 / 8 + u);
-#pragma unroll
-        for (int u = 0; u < 16; ++u) {
-          if (c0 + u * 8 >= head_dim) break;
-          const __half2* kh = reinterpret_cast<const __half2*>(&kr[u]);
-          float kf[8];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = __half22float2(kh[e]);
-            kf[2 * e] = f.x, kf[2 * e + 1] = f.y;
-          }
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            if (g >= n_g) break;
-            const float4* qv = reinterpret_cast<const float4*>(qs + g * head_dim + c0 + u * 8);
-            const float4 qa = qv[0], qb = qv[1];
-            s[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-                    qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-          }
-        }
-      }
-    }
-    float p[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (g >= n_g) break;
-      const float alpha = softmax_step(s[g], valid, m[g], l[g], p[g]);
-#pragma unroll
-      for (int i = 0; i < DI; ++i) acc[g][i][0] *= alpha, acc[g][i][1] *= alpha;
-    }
-    for (int j0 = 0; j0 < n_valid; j0 += KC) {
-      if (j0 > 0) load_v(j0);
-#pragma unroll
-      for (int jj = 0; jj < KC; ++jj) {
-        if (j0 + jj >= n_valid) break;
-        float2 v[DI];
-#pragma unroll
-        for (int i = 0; i < DI; ++i) v[i] = __half22float2(vr[jj][i]);
+      for (int k = 0; k < 8; ++k) {
+        float kf[DPL];
+        unpack_lane<DPL>(ks[(c + k) * 32 + lane], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          if (g >= n_g) break;
-          const float pj = __shfl_sync(0xffffffffu, p[g], j0 + jj);
+          float s = 0.0f;
 #pragma unroll
-          for (int i = 0; i < DI; ++i) acc[g][i][0] += pj * v[i].x, acc[g][i][1] += pj * v[i].y;
+          for (int e = 0; e < DPL; ++e) s += qv[g][e] * kf[e];
+          dot[g][k] = s;
         }
       }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float s = warp_sum8_transposed(dot[g], lane);
+        if ((lane & 3) == 0) ps[g * TILE + c + lane / 4] = s;
+      }
     }
+    __syncwarp();
+    const bool valid = lane < n_valid;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float p;
+      const float alpha = softmax_step(valid ? ps[g * TILE + lane] : 0.0f, valid, m[g], l[g], p);
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) acc[g][e] *= alpha;
+      if (valid) ps[g * TILE + lane] = p;
+    }
+    __syncwarp();
+    cp_async_wait<0>();
+#pragma unroll 4
+    for (int j = 0; j < n_valid; ++j) {
+      float vf[DPL];
+      unpack_lane<DPL>(vs[j * 32 + lane], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float pj = ps[g * TILE + j];
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) acc[g][e] += pj * vf[e];
+      }
+    }
+    __syncwarp();  // the next tile's scores overwrite ps
   }
 
-  // Merge the warps: each writes (m, l, acc) for its heads, then threads combine per element.
+  // Merge the warps: each writes (m, l, acc) for its heads over the staging buffers, then
+  // threads combine per element.
+  __syncthreads();
+  float* merge = reinterpret_cast<float*>(smem_raw);  // [warps][G][head_dim + 2]
   const int rec = head_dim + 2;
-  for (int g = 0; g < n_g; ++g) {
-    float* r = merge + (warp * G + g) * rec;
-    if (lane == 0) r[0] = m[g], r[1] = l[g];
-  }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     if (g >= n_g) break;
     float* r = merge + (warp * G + g) * rec;
+    if (lane == 0) r[0] = m[g], r[1] = l[g];
+    if (lane_on) {
 #pragma unroll
-    for (int i = 0; i < DI; ++i) {
-      const int d = 64 * i + 2 * lane;
-      if (d < head_dim) r[2 + d] = acc[g][i][0], r[3 + d] = acc[g][i][1];
+      for (int e = 0; e < DPL; ++e) r[2 + lane * DPL + e] = acc[g][e];
     }
   }
   __syncthreads();
@@ -412,30 +460,51 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 }
 
-template <int DI>
-void attention_di(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc) {
-  // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
-  const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
-  if (a.n_tokens <= kDecodeAttnMaxTokens) {
-    const int g = attention_group(a.n_head, a.n_head_kv);
-    const int n_gchunks = (a.n_head / a.n_head_kv + g - 1) / g;
-    const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks);
-    const size_t smem = (g * a.head_dim + kAttnWarps * g * (a.head_dim + 2)) * sizeof(float);
-    const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(kAttnWarps * 32);
-    // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
-    // quant block when head_dim is a multiple of 32.
-    const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
-    auto launch = [&](auto kernel) {
-      l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv,
-        a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs,
-        q8.ds, a.window, a.counters);
-    };
-    if (g == 1) launch(attn_decode_kernel<DI, 1>);
-    if (g == 2) launch(attn_decode_kernel<DI, 2>);
-    if (g == 4) launch(attn_decode_kernel<DI, 4>);
-    if (g == 8) launch(attn_decode_kernel<DI, 8>);
-    return;
+template <int DPL, int G>
+void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+                      int32_t n_kv, int32_t first_pos) {
+  const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
+  const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks);
+  const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(kAttnWarps * 32);
+  // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
+  // quant block when head_dim is a multiple of 32.
+  const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
+  l(attn_decode_kernel<DPL, G>, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc,
+    a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at,
+    a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters);
+}
+
+template <int DPL>
+void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+                          int32_t n_kv, int32_t first_pos) {
+  switch (attention_group(a.n_head, a.n_head_kv)) {
+    case 1:
+      return decode_attention<DPL, 1>(l, a, kc, vc, n_kv, first_pos);
+    case 2:
+      return decode_attention<DPL, 2>(l, a, kc, vc, n_kv, first_pos);
+    case 4:
+      return decode_attention<DPL, 4>(l, a, kc, vc, n_kv, first_pos);
+    default:
+      return decode_attention<DPL, 8>(l, a, kc, vc, n_kv, first_pos);
   }
+}
+
+template <int DPL>
+void prepare_decode_dpl() {
+  // Each instantiation's largest need, at its largest head_dim.
+  auto raise = [](auto kernel, size_t bytes) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(bytes));
+  };
+  raise(attn_decode_kernel<DPL, 1>, decode_smem_bytes<DPL, 1>(32 * DPL));
+  raise(attn_decode_kernel<DPL, 2>, decode_smem_bytes<DPL, 2>(32 * DPL));
+  raise(attn_decode_kernel<DPL, 4>, decode_smem_bytes<DPL, 4>(32 * DPL));
+  raise(attn_decode_kernel<DPL, 8>, decode_smem_bytes<DPL, 8>(32 * DPL));
+}
+
+template <int DI>
+void prompt_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+                      int32_t n_kv, int32_t first_pos) {
   constexpr int QW = DI <= 2 ? 4 : 2;
   constexpr int BQ = kAttnWarps * QW;
   const size_t smem =
@@ -446,6 +515,12 @@ void attention_di(Launcher& l, const AttentionArgs& a, const __half* kc, const _
 }
 
 }  // namespace
+
+void prepare_attention_kernels() {
+  prepare_decode_dpl<2>();
+  prepare_decode_dpl<4>();
+  prepare_decode_dpl<8>();
+}
 
 int attention_group(int n_head, int n_head_kv) {
   // The query heads of a KV head (rounded up to a power of two, at most kDecodeGroup) share
@@ -467,20 +542,27 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
   if (a.n_tokens <= kDecodeAttnMaxTokens && (!a.partials || !a.counters))
     throw std::logic_error("attention: a decode batch needs partials and counters");
   if (a.n_kv > a.cache_rows) throw std::logic_error("attention: n_kv beyond the cache rows");
+  if (a.head_dim > 256 || a.head_dim % 8 != 0)
+    throw ArgumentError("attention: head_dim must be a multiple of 8 and at most 256, got " +
+                        std::to_string(a.head_dim));
   const auto* kc = static_cast<const __half*>(a.k_cache);
   const auto* vc = static_cast<const __half*>(a.v_cache);
+  // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
+  const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
+  if (a.n_tokens <= kDecodeAttnMaxTokens) {
+    if (a.head_dim <= 64) return decode_attention_dpl<2>(l, a, kc, vc, n_kv, first_pos);
+    if (a.head_dim <= 128) return decode_attention_dpl<4>(l, a, kc, vc, n_kv, first_pos);
+    return decode_attention_dpl<8>(l, a, kc, vc, n_kv, first_pos);
+  }
   switch ((a.head_dim + 63) / 64) {
     case 1:
-      return attention_di<1>(l, a, kc, vc);
+      return prompt_attention<1>(l, a, kc, vc, n_kv, first_pos);
     case 2:
-      return attention_di<2>(l, a, kc, vc);
+      return prompt_attention<2>(l, a, kc, vc, n_kv, first_pos);
     case 3:
-      return attention_di<3>(l, a, kc, vc);
-    case 4:
-      return attention_di<4>(l, a, kc, vc);
+      return prompt_attention<3>(l, a, kc, vc, n_kv, first_pos);
     default:
-      throw ArgumentError("attention: head_dim must be at most 256, got " +
-                          std::to_string(a.head_dim));
+      return prompt_attention<4>(l, a, kc, vc, n_kv, first_pos);
   }
 }
 

@@ -330,6 +330,8 @@ struct AttentionArgs {
   int window = 0;  // sliding window (0: none)
 };
 void launch_attention(Launcher& l, const AttentionArgs& args);
+// Raises the decode kernels' shared memory limit (part of prepare_kernels).
+void prepare_attention_kernels();
 // Query heads per flash-decoding block, and the most keys a launch reads.
 int attention_group(int n_head, int n_head_kv);
 int attention_max_keys(const AttentionArgs& args);

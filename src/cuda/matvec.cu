@@ -1382,6 +1382,7 @@ void prepare_kernels() {
       mat_mul_tc_prepare_type<TYPE>();
     });
   }
+  prepare_attention_kernels();
   cudaGetLastError();
 }
 
