@@ -13,7 +13,8 @@
 # of another commit (.carry/ref.tar, from `git archive COMMIT`) beside this one and runs tg128
 # of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
 # /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
-# (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more).
+# (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more),
+# AB_ROUNDS times (default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -173,7 +174,7 @@ for stage in "$@"; do
       fi
       ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
       make_shape_files $ab_models
-      for round in 1 2; do
+      for round in $(seq "${AB_ROUNDS:-2}"); do
         for m in $ab_models; do
           for d in ${AB_DEPTHS:-0 0,4096}; do
             for side in this ref; do

@@ -6,7 +6,8 @@ Evaluates a prompt of N tokens (default 64) and two decode steps with stream lau
 (cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
 largest total first. ncu runs kernels one at a time, so launches do not overlap: the total
 bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on PYTHONPATH
-(tools/gpu_run.sh build).
+(tools/gpu_run.sh build). --stalls adds, per kernel, the instructions a launch issues and
+the cycles an issued instruction waited on average for an instruction fetch and for memory.
 """
 
 import argparse
@@ -25,6 +26,14 @@ m.eval([8])
 """
 
 
+TIME = "gpu__time_duration.sum"
+STALLS = {
+    "smsp__inst_executed.sum": "instructions",
+    "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio": "fetch wait",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "memory wait",
+}
+
+
 def short_name(name: str) -> str:
     # "void ns::(anonymous namespace)::kernel<3, 1, 2>(args)" -> "kernel<3, 1, 2>"
     name = name.replace("(anonymous namespace)::", "").split("(")[0]
@@ -35,13 +44,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--past", type=int, default=64)
+    ap.add_argument("--stalls", action="store_true")
     args = ap.parse_args()
+    metrics = [TIME] + (list(STALLS) if args.stalls else [])
     cmd = [
-        "ncu", "--csv", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+        "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
         sys.executable, "-c", STEP.format(model=args.model, past=args.past),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = [r for r in csv.DictReader(io.StringIO(out[out.index('"ID"') :]))]
+    extra = collections.defaultdict(lambda: collections.defaultdict(float))
+    for r in rows:
+        if r["Metric Name"] != TIME:
+            extra[r["ID"]][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
+    rows = [r for r in rows if r["Metric Name"] == TIME]
     names = [r["Kernel Name"] for r in rows]
     starts = [i for i, n in enumerate(names) if "kv_params_kernel" in n]
     if not starts:
@@ -51,15 +67,21 @@ def main() -> int:
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     total = collections.Counter()
     count = collections.Counter()
+    sums = collections.defaultdict(collections.Counter)
     for r in step:
         us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
         total[short_name(r["Kernel Name"])] += us
         count[short_name(r["Kernel Name"])] += 1
+        for metric, value in extra[r["ID"]].items():
+            sums[short_name(r["Kernel Name"])][metric] += value
     print(f"one decode step after {args.past + 1} tokens: {len(step)} kernels, "
           f"{sum(total.values()):.1f} us of GPU time\n")  # fmt: skip
-    print("| kernel | launches | us total | us each |\n|---|---|---|---|")
+    heads = [STALLS[m] for m in metrics[1:]]
+    print("| kernel | launches | us total | us each |" + "".join(f" {h} |" for h in heads))
+    print("|---|---|---|---|" + "---|" * len(heads))
     for name, us in total.most_common():
-        print(f"| {name} | {count[name]} | {us:.1f} | {us / count[name]:.2f} |")
+        cells = "".join(f" {sums[name][m] / count[name]:.1f} |" for m in metrics[1:])
+        print(f"| {name} | {count[name]} | {us:.1f} | {us / count[name]:.2f} |{cells}")
     return 0
 
 
