@@ -10,10 +10,10 @@
 
 namespace ggraph::cuda {
 
-int attention_splits(int max_keys, int kv_blocks) {
+int attention_splits(int max_keys, int kv_blocks, int split_keys) {
   // Enough blocks to fill the GPU at the longest context, each with at least a tile per warp.
   const int fill = (kAttnTargetBlocks + kv_blocks - 1) / kv_blocks;
-  const int most = (max_keys + kAttnMinSplitKeys - 1) / kAttnMinSplitKeys;
+  const int most = (max_keys + split_keys - 1) / split_keys;
   return std::max(1, std::min({kMaxAttnSplits, fill, most}));
 }
 
@@ -68,7 +68,7 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // size is latency. The warps are merged in shared memory.
 //
 // The grid has n_splits splits, a function of the cache size alone; of them, the step uses as
-// many as its keys fill with kAttnMinSplitKeys each (the others return at once). With one in use
+// many as its keys fill with decode_split_keys each (the others return at once). With one in use
 // the block writes the normalized output; otherwise each writes (m, l, acc) partials and the
 // last of a head group's splits to finish (a ticket counter, left at zero again) merges them.
 // So the launch is the same at every depth, and there is no second kernel.
@@ -122,6 +122,14 @@ constexpr int decode_tile() {
   return DPL == 8 ? 16 : 32;
 }
 
+// Keys a split takes at the least: a tile for each warp, and no fewer than kAttnMinSplitKeys
+// where the tiles are long enough.
+template <int DPL>
+constexpr int decode_split_keys() {
+  return kAttnWarps * decode_tile<DPL>() < kAttnMinSplitKeys ? kAttnWarps * decode_tile<DPL>()
+                                                             : kAttnMinSplitKeys;
+}
+
 template <int DPL, int G>
 constexpr size_t decode_smem_bytes(int head_dim) {
   const size_t staging = kAttnWarps * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
@@ -167,7 +175,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   // batch reads, from range_begin on, and rows before lo are never read.
   const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
   const int range = n_kv - range_begin;
-  const int n_used = max(1, min(n_splits, (range + kAttnMinSplitKeys - 1) / kAttnMinSplitKeys));
+  constexpr int kSplitKeys = decode_split_keys<DPL>();
+  const int n_used = max(1, min(n_splits, (range + kSplitKeys - 1) / kSplitKeys));
   const int split = blockIdx.y;
   if (split >= n_used) return;
   const int group = n_head / n_head_kv;
@@ -464,7 +473,8 @@ template <int DPL, int G>
 void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
                       int32_t n_kv, int32_t first_pos) {
   const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
-  const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks);
+  const int n_splits =
+      attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks, decode_split_keys<DPL>());
   const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(kAttnWarps * 32);
   // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
@@ -477,15 +487,19 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, con
 template <int DPL>
 void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
                           int32_t n_kv, int32_t first_pos) {
-  switch (attention_group(a.n_head, a.n_head_kv)) {
-    case 1:
-      return decode_attention<DPL, 1>(l, a, kc, vc, n_kv, first_pos);
-    case 2:
-      return decode_attention<DPL, 2>(l, a, kc, vc, n_kv, first_pos);
-    case 4:
-      return decode_attention<DPL, 4>(l, a, kc, vc, n_kv, first_pos);
-    default:
-      return decode_attention<DPL, 8>(l, a, kc, vc, n_kv, first_pos);
+  if constexpr (DPL == 8) {  // wider heads go one to a block (attention_group)
+    decode_attention<DPL, 1>(l, a, kc, vc, n_kv, first_pos);
+  } else {
+    switch (attention_group(a.n_head, a.n_head_kv, a.head_dim)) {
+      case 1:
+        return decode_attention<DPL, 1>(l, a, kc, vc, n_kv, first_pos);
+      case 2:
+        return decode_attention<DPL, 2>(l, a, kc, vc, n_kv, first_pos);
+      case 4:
+        return decode_attention<DPL, 4>(l, a, kc, vc, n_kv, first_pos);
+      default:
+        return decode_attention<DPL, 8>(l, a, kc, vc, n_kv, first_pos);
+    }
   }
 }
 
@@ -497,9 +511,11 @@ void prepare_decode_dpl() {
                          static_cast<int>(bytes));
   };
   raise(attn_decode_kernel<DPL, 1>, decode_smem_bytes<DPL, 1>(32 * DPL));
-  raise(attn_decode_kernel<DPL, 2>, decode_smem_bytes<DPL, 2>(32 * DPL));
-  raise(attn_decode_kernel<DPL, 4>, decode_smem_bytes<DPL, 4>(32 * DPL));
-  raise(attn_decode_kernel<DPL, 8>, decode_smem_bytes<DPL, 8>(32 * DPL));
+  if constexpr (DPL < 8) {  // wider heads go one to a block (attention_group)
+    raise(attn_decode_kernel<DPL, 2>, decode_smem_bytes<DPL, 2>(32 * DPL));
+    raise(attn_decode_kernel<DPL, 4>, decode_smem_bytes<DPL, 4>(32 * DPL));
+    raise(attn_decode_kernel<DPL, 8>, decode_smem_bytes<DPL, 8>(32 * DPL));
+  }
 }
 
 template <int DI>
@@ -522,9 +538,11 @@ void prepare_attention_kernels() {
   prepare_decode_dpl<8>();
 }
 
-int attention_group(int n_head, int n_head_kv) {
+int attention_group(int n_head, int n_head_kv, int head_dim) {
   // The query heads of a KV head (rounded up to a power of two, at most kDecodeGroup) share
-  // each K and V load.
+  // each K and V load. Heads wider than 128 go one to a block: a warp's work on a tile grows
+  // with G times head_dim, and short contexts, which leave most of the GPU idle, wait on it.
+  if (head_dim > 128) return 1;
   const int group = n_head / n_head_kv;
   int g = 1;
   while (g < group && g < kDecodeGroup) g *= 2;

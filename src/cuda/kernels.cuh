@@ -73,14 +73,15 @@ constexpr int kDecodeAttnMaxTokens = 8;
 // ---- Flash-decoding split count ---------------------------------------------------------------
 
 // Flash-decoding launches kAttnTargetBlocks blocks or more (per query) where the cache is long
-// enough to give each split kAttnMinSplitKeys keys; a step uses as many of its splits as its
-// keys fill (attn_decode_kernel). The grid depends on the cache size, never on the KV position,
-// so one executable serves a whole conversation.
+// enough to give each split split_keys keys (kAttnMinSplitKeys, or the keys a block's warps
+// stage in one pass where that is fewer); a step uses as many of its splits as its keys fill
+// (attn_decode_kernel). The grid depends on the cache size, never on the KV position, so one
+// executable serves a whole conversation.
 constexpr int kAttnTargetBlocks = 256;
 constexpr int kAttnMinSplitKeys = 128;
 constexpr int kMaxAttnSplits = 64;
 // Splits for a decode attention that reads at most max_keys keys with kv_blocks blocks per split.
-int attention_splits(int max_keys, int kv_blocks);
+int attention_splits(int max_keys, int kv_blocks, int split_keys = kAttnMinSplitKeys);
 
 // ---- The step's KV record ---------------------------------------------------------------------
 //
@@ -333,7 +334,7 @@ void launch_attention(Launcher& l, const AttentionArgs& args);
 // Raises the decode kernels' shared memory limit (part of prepare_kernels).
 void prepare_attention_kernels();
 // Query heads per flash-decoding block, and the most keys a launch reads.
-int attention_group(int n_head, int n_head_kv);
+int attention_group(int n_head, int n_head_kv, int head_dim);
 int attention_max_keys(const AttentionArgs& args);
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
 size_t attn_counters_bytes(int n_head, int n_tokens);

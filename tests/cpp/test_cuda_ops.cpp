@@ -1377,23 +1377,24 @@ TEST(CudaLaunchPlan, TheKvRecordHoldsABoundedNumberOfDistinctValues) {
 
 // The decode grid is fixed by the cache's size, so that a graph captured at one depth runs at
 // every other: enough splits to fill the GPU where the cache is long enough to give each split
-// kAttnMinSplitKeys keys, never more than kMaxAttnSplits, and never fewer as the cache grows.
+// split_keys keys, never more than kMaxAttnSplits, and never fewer as the cache grows.
 TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
-  for (int kv_blocks : {1, 4, 32, 256, 1024}) {
-    int last = 0;
-    for (int max_keys : {1, 127, 128, 129, 1000, 4096, 32768, 131072}) {
-      const int s = cuda::attention_splits(max_keys, kv_blocks);
-      EXPECT_GE(s, 1);
-      EXPECT_LE(s, cuda::kMaxAttnSplits);
-      EXPECT_GE(s, last) << max_keys;
-      EXPECT_LE((s - 1) * cuda::kAttnMinSplitKeys, max_keys) << "a split without keys";
-      if (max_keys >= cuda::kMaxAttnSplits * cuda::kAttnMinSplitKeys) {
-        EXPECT_TRUE(s == cuda::kMaxAttnSplits || s * kv_blocks >= cuda::kAttnTargetBlocks)
-            << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
+  for (int split_keys : {64, cuda::kAttnMinSplitKeys})
+    for (int kv_blocks : {1, 4, 32, 256, 1024}) {
+      int last = 0;
+      for (int max_keys : {1, 63, 64, 65, 127, 128, 129, 1000, 4096, 32768, 131072}) {
+        const int s = cuda::attention_splits(max_keys, kv_blocks, split_keys);
+        EXPECT_GE(s, 1);
+        EXPECT_LE(s, cuda::kMaxAttnSplits);
+        EXPECT_GE(s, last) << max_keys;
+        EXPECT_LE((s - 1) * split_keys, max_keys) << "a split without keys";
+        if (max_keys >= cuda::kMaxAttnSplits * split_keys) {
+          EXPECT_TRUE(s == cuda::kMaxAttnSplits || s * kv_blocks >= cuda::kAttnTargetBlocks)
+              << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
+        }
+        last = s;
       }
-      last = s;
     }
-  }
 }
 
 // The split weight layout the upload writes, on the host: every element of every block decodes
