@@ -818,7 +818,7 @@ class CudaBackend : public Backend {
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
 
-  // Formats without CUDA kernels of their own (Q2_K, Q3_K, IQ4_NL, IQ4_XS) are decoded to F16
+  // Formats without CUDA kernels of their own (Q2_K, Q3_K) are decoded to F16
   // on upload, so that every file the CPU runs runs here too (F16 reads 16 bits a weight).
   DType stored_type(DType type) const override {
     return is_computable(type) || !type_traits(type).computable ? type : DType::F16;

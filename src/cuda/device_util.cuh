@@ -22,6 +22,8 @@ constexpr int kTypeQ8_0 = static_cast<int>(DType::Q8_0);
 constexpr int kTypeQ4_K = static_cast<int>(DType::Q4_K);
 constexpr int kTypeQ5_K = static_cast<int>(DType::Q5_K);
 constexpr int kTypeQ6_K = static_cast<int>(DType::Q6_K);
+constexpr int kTypeIQ4_NL = static_cast<int>(DType::IQ4_NL);
+constexpr int kTypeIQ4_XS = static_cast<int>(DType::IQ4_XS);
 // Whether the kernels read the type in the split layout (cuda/weight_layout.h).
 constexpr bool is_split_type(int type) {
   return type != kTypeF32 && type != kTypeF16 && type != kTypeBF16;

@@ -52,6 +52,8 @@ decltype(auto) with_weight_type(DType t, const char* what, Fn&& fn) {
     GGRAPH_WEIGHT_TYPE(Q4_K)
     GGRAPH_WEIGHT_TYPE(Q5_K)
     GGRAPH_WEIGHT_TYPE(Q6_K)
+    GGRAPH_WEIGHT_TYPE(IQ4_NL)
+    GGRAPH_WEIGHT_TYPE(IQ4_XS)
 #undef GGRAPH_WEIGHT_TYPE
     default:
       throw ArgumentError(std::string(what) + ": unsupported weight type " + dtype_name(t));

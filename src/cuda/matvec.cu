@@ -56,8 +56,11 @@ struct PieceInfo {
   static constexpr int kPerScale = kFormat.block_elems / 32 * kPer32;  // pieces a scale record
   static constexpr int kActBytes = 32 / kPer32;  // activation bytes a piece meets
   // Words of scale a piece keeps: the K-quants' whole 16-byte record (d, dmin, packed 6-bit
-  // scales and minimums); one word otherwise (Q6_K: its two int8 scales and d).
-  static constexpr int kScaleWords = TYPE == kTypeQ4_K || TYPE == kTypeQ5_K ? 4 : 1;
+  // scales and minimums), IQ4_XS's 8 bytes (d, the scales' high and low bits); one word
+  // otherwise (Q6_K: its two int8 scales and d).
+  static constexpr int kScaleWords = TYPE == kTypeQ4_K || TYPE == kTypeQ5_K ? 4
+                                     : TYPE == kTypeIQ4_XS                  ? 2
+                                                                            : 1;
 };
 
 // What a lane holds of one piece of one row: quants, high bits, scales.
@@ -93,6 +96,9 @@ __device__ __forceinline__ void load_piece(PieceRegs<TYPE>& r, const uint4* q, c
   if constexpr (P::kScaleWords == 4) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(s));
     r.s[0] = v.x, r.s[1] = v.y, r.s[2] = v.z, r.s[3] = v.w;
+  } else if constexpr (P::kScaleWords == 2) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(s));
+    r.s[0] = v.x, r.s[1] = v.y;
   } else if constexpr (TYPE == kTypeQ6_K) {
     // Sub-block j's two int8 scales, and d above them.
     r.s[0] = static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(s) + j)) |
@@ -190,6 +196,26 @@ __device__ __forceinline__ float2 k_scale_min_dev(const uint32_t (&s)[4], int j)
       f16_bits_to_float(static_cast<uint16_t>(s[0] >> 16)) * static_cast<float>(m));
 }
 
+// The signed IQ4 levels of four indices, one in the low nibble of each byte of q (the high
+// nibbles are ignored): two byte permutes pick each index's level among the first and the last
+// eight, and bit 3 of the index chooses between them.
+__device__ __forceinline__ int iq4_levels4(uint32_t q) {
+  constexpr uint32_t kL0 = 0xBFAD9881u, kL1 = 0xF6EADDCFu;  // levels 0-3, 4-7
+  constexpr uint32_t kL2 = 0x26190D01u, kL3 = 0x71594535u;  // levels 8-11, 12-15
+  const uint32_t t = q & 0x07070707u;
+  const uint32_t sel =
+      (t & 0x7u) | ((t >> 4) & 0x70u) | ((t >> 8) & 0x700u) | ((t >> 12) & 0x7000u);
+  const uint32_t lo = __byte_perm(kL0, kL1, sel), hi = __byte_perm(kL2, kL3, sel);
+  const uint32_t upper = ((q & 0x08080808u) >> 3) * 0xFFu;
+  return static_cast<int>((hi & upper) | (lo & ~upper));
+}
+
+// IQ4_XS sub-block j's scale (offset by 32 as stored) from the record's words: d | scales_h
+// << 16, then scales_l (weight_layout.h's iq4_xs_scale).
+__device__ __forceinline__ int iq4_xs_scale_dev(const uint32_t* s, int j) {
+  return static_cast<int>(((s[1] >> (4 * j)) & 15) | (((s[0] >> (16 + 2 * j)) & 3) << 4)) - 32;
+}
+
 // One piece's contribution to a row's dot product; j is the piece's sub-block in a K-quant block.
 template <int TYPE>
 __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const PieceAct& x,
@@ -202,6 +228,17 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
 #pragma unroll
     for (int i = 0; i < 4; ++i) sum = __dp4a(static_cast<int>(w[i]), x.a[i], sum);
     acc += f16_bits_to_float(static_cast<uint16_t>(r.s[0])) * static_cast<float>(sum) * ad.x;
+  } else if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
+    // Byte j holds the indices of elements j and j + 16; their levels are signed bytes.
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sum = __dp4a(iq4_levels4(w[i]), x.a[i], sum);
+      sum = __dp4a(iq4_levels4(w[i] >> 4), x.a[i + 4], sum);
+    }
+    float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+    if constexpr (TYPE == kTypeIQ4_XS) d *= static_cast<float>(iq4_xs_scale_dev(r.s, j));
+    acc += d * ad.x * static_cast<float>(sum);
   } else if constexpr (HB == 0) {
     // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble). The
     // high nibbles are dotted in place, as unsigned bytes 16 times their value, which saves
@@ -980,6 +1017,9 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
     } else if constexpr (f.scale_bytes == 16) {
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec));
       r.s[0] = v.x, r.s[1] = v.y, r.s[2] = v.z, r.s[3] = v.w;
+    } else if constexpr (f.scale_bytes == 8) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(rec));
+      r.s[0] = v.x, r.s[1] = v.y;
     } else if constexpr (TYPE == kTypeQ6_K) {
       r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
       r.s[1] = __ldg(reinterpret_cast<const uint16_t*>(rec + 16));
@@ -1069,6 +1109,9 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
       d0 = d * static_cast<float>(static_cast<int8_t>(r.s[0] & 0xFF));
       d1 = d * static_cast<float>(static_cast<int8_t>(r.s[0] >> 8));
       m = -32.0f;
+    } else if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
+      d0 = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
+      if constexpr (TYPE == kTypeIQ4_XS) d0 *= static_cast<float>(iq4_xs_scale_dev(r.s, r.sub));
     } else {
       d0 = d1 = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
       m = TYPE == kTypeQ5_1 ? f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16)) : -16.0f * d0;
@@ -1081,6 +1124,8 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
         q |= static_cast<int>((r.h[hb.word] >> hb.shift) & (HB == 4 ? 1u : 3u)) << 4;
       }
       if constexpr (TYPE == kTypeQ6_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 32);
+      if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS)
+        return d0 * static_cast<float>(iq4_level(q));
       return static_cast<float>(q) * d0 + m;
     };
     auto byte_at = [&](int e) -> uint32_t { return (r.v[e / 4] >> (8 * (e % 4))) & 0xFF; };
@@ -1347,9 +1392,9 @@ __global__ void split_weight_kernel(DType t, const uint8_t* src, uint8_t* dst, i
 }
 
 // Every weight format, for start-up work done per format.
-constexpr DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0,
-                                  DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0,
-                                  DType::Q4_K, DType::Q5_K, DType::Q6_K};
+constexpr DType kWeightTypes[] = {
+    DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,   DType::Q5_0,  DType::Q5_1,
+    DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
 
 }  // namespace
 

@@ -7,7 +7,9 @@
 //           Q5_K), 8 for Q6_K, none for the others; laid out so that one shift and one mask give
 //           the bits of four elements in place (split_high_offset);
 //   scales  per GGUF block, the block's scale bytes copied as they are (f16 d; d and m; the
-//           K-quants' d, dmin and packed 6-bit scales; Q6_K's int8 scales and d).
+//           K-quants' d, dmin and packed 6-bit scales; Q6_K's int8 scales and d; IQ4_XS's d
+//           and packed 6-bit scales). IQ4_NL and IQ4_XS keep their 4-bit level indices as the
+//           quants (iq4_level gives the level).
 // A matrix takes exactly its GGUF bytes. Quants start on 16-byte boundaries, so the mat-vec lanes
 // load them side by side with 16-byte loads; every K-quant sub-block of 32 is one piece, shaped
 // like a Q4_0 block, which is what lets one kernel serve every format. Plain C++ as well: the host
@@ -41,6 +43,8 @@ constexpr SplitFormat kSplitQ8_0{34, 32, 32, 0, 2, 0};
 constexpr SplitFormat kSplitQ4_K{144, 256, 16, 0, 16, 0};
 constexpr SplitFormat kSplitQ5_K{176, 256, 16, 4, 16, 0};
 constexpr SplitFormat kSplitQ6_K{210, 256, 16, 8, 18, 192};
+constexpr SplitFormat kSplitIQ4_NL{18, 32, 16, 0, 2, 0};
+constexpr SplitFormat kSplitIQ4_XS{136, 256, 16, 0, 8, 0};
 
 // The split format of a weight type; block_bytes 0 for types that are not split.
 constexpr GGRAPH_HD SplitFormat split_format(DType t) {
@@ -61,6 +65,10 @@ constexpr GGRAPH_HD SplitFormat split_format(DType t) {
       return kSplitQ5_K;
     case DType::Q6_K:
       return kSplitQ6_K;
+    case DType::IQ4_NL:
+      return kSplitIQ4_NL;
+    case DType::IQ4_XS:
+      return kSplitIQ4_XS;
     default:
       return SplitFormat{0, 0, 0, 0, 0, 0};
   }
@@ -97,9 +105,15 @@ GGRAPH_HD int gguf_quant(DType t, const uint8_t* blk, int e) {
     case DType::Q8_0:
       return static_cast<int8_t>(blk[2 + e]);
     case DType::Q4_0:
+    case DType::IQ4_NL:
     case DType::Q4_1: {
-      const uint8_t* qs = blk + (t == DType::Q4_0 ? 2 : 4);
+      const uint8_t* qs = blk + (t == DType::Q4_1 ? 4 : 2);
       return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+    }
+    case DType::IQ4_XS: {  // sub-block e / 32 laid out as an IQ4_NL block's quants
+      const uint8_t* qs = blk + 8 + 16 * (e / 32);
+      const int l = e % 32;
+      return l < 16 ? qs[l] & 15 : qs[l - 16] >> 4;
     }
     case DType::Q5_0:
     case DType::Q5_1: {
@@ -158,6 +172,22 @@ GGRAPH_HD void split_block(DType t, const uint8_t* src, size_t i, size_t n_block
   }
 }
 
+// The level of IQ4_NL and IQ4_XS index q (ggml's kvalues_iq4nl), from two 8-byte constants
+// (usable in device code, unlike a table).
+GGRAPH_HD int iq4_level(int q) {
+  constexpr uint64_t kLow = 0xF6EADDCFBFAD9881ull;   // -127 -104 -83 -65 -49 -35 -22 -10
+  constexpr uint64_t kHigh = 0x7159453526190D01ull;  // 1 13 25 38 53 69 89 113
+  return static_cast<int8_t>(((q < 8 ? kLow : kHigh) >> (8 * (q & 7))) & 0xFF);
+}
+
+// IQ4_XS sub-block j's scale (offset by 32 as stored) from its block's record: d, scales_h,
+// scales_l.
+GGRAPH_HD int iq4_xs_scale(const uint8_t* rec, int j) {
+  const int lo = (rec[4 + j / 2] >> (4 * (j % 2))) & 15;
+  const int hi = ((rec[2] | (rec[3] << 8)) >> (2 * j)) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
 GGRAPH_HD float split_f16(const uint8_t* p) {
   const uint16_t bits = static_cast<uint16_t>(p[0] | (p[1] << 8));
 #if defined(__CUDA_ARCH__)
@@ -205,6 +235,13 @@ GGRAPH_HD float split_elem(DType t, const uint8_t* q, const uint8_t* h, const ui
     case DType::Q6_K: {
       const int8_t sc = static_cast<int8_t>(rec[i % 256 / 16]);
       return split_f16(rec + 16) * static_cast<float>(sc) * static_cast<float>(v - 32);
+    }
+    case DType::IQ4_NL:
+      return split_f16(rec) * static_cast<float>(iq4_level(v));
+    case DType::IQ4_XS: {
+      const float dl =
+          split_f16(rec) * static_cast<float>(iq4_xs_scale(rec, static_cast<int>(i % 256 / 32)));
+      return dl * static_cast<float>(iq4_level(v));
     }
     default:
       return 0.0f;

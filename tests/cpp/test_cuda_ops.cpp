@@ -424,7 +424,8 @@ void check_random_blocks(DType t, int64_t k, int64_t n, int64_t cols, std::mt199
       scale);
 }
 
-const DType kKernelOnlyTypes[] = {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+const DType kKernelOnlyTypes[] = {DType::Q5_0, DType::Q5_1,   DType::Q4_K,  DType::Q5_K,
+                                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
 
 TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
@@ -961,7 +962,7 @@ TEST_F(CudaOps, GegluSoftcapAndScaledRows) {
 
 // The formats with kernels of their own beside Q4_0/Q4_1/Q8_0 (no quantizer here: random
 // blocks): every mat-vec path (short rows in registers, long rows, several columns) and the tiles.
-TEST_F(CudaOps, MulMatFiveBitSixBitAndKQuants) {
+TEST_F(CudaOps, MulMatFiveBitSixBitKAndIQ4Quants) {
   std::mt19937 rng(26);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
@@ -987,7 +988,7 @@ TEST_F(CudaOps, FormatsDecodedOnUploadMatchTheCpu) {
   std::mt19937 rng(25);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
-  for (DType t : {DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS}) {
+  for (DType t : {DType::Q2_K, DType::Q3_K}) {
     ASSERT_EQ(cuda_->stored_type(t), DType::F16) << type_name(t);
     for (int64_t cols : {int64_t(1), int64_t(3), int64_t(40)})
       check_random_blocks(t, 512, 40, cols, rng, chk);
@@ -1403,7 +1404,7 @@ TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
 TEST(CudaLaunchPlan, WeightSplitDecodesToTheCpusValues) {
   std::mt19937 rng(25);
   for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
-                  DType::Q5_K, DType::Q6_K}) {
+                  DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS}) {
     const cuda::SplitFormat f = cuda::split_format(t);
     ASSERT_EQ(size_t(f.block_bytes), type_traits(t).type_size) << type_name(t);
     ASSERT_EQ(f.block_elems, type_traits(t).block_size) << type_name(t);
