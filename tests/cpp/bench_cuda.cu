@@ -169,8 +169,9 @@ int main() {
     int64_t k, n;
   };
   const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
-  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K,
-                         DType::Q6_K, DType::Q5_0, DType::Q5_1, DType::F16,  DType::BF16};
+  const DType types[] = {DType::Q4_0,   DType::Q4_1,   DType::Q8_0, DType::Q4_K,
+                         DType::Q5_K,   DType::Q6_K,   DType::Q5_0, DType::Q5_1,
+                         DType::IQ4_NL, DType::IQ4_XS, DType::F16,  DType::BF16};
   for (DType t : types) {
     for (KN sh : shapes) {
       if (sh.k % gc::block_elems(t) != 0) continue;  // 576 is no multiple of a K-quant block
@@ -241,7 +242,7 @@ int main() {
   // ---- tiled mat-mul ------------------------------------------------------------------------
   std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
   for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K,
-                  DType::Q5_0, DType::F16}) {
+                  DType::Q5_0, DType::IQ4_NL, DType::IQ4_XS, DType::F16}) {
     for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
       if (sh.k % gc::block_elems(t) != 0) continue;
       const int cols = 512;
