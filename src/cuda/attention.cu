@@ -63,9 +63,10 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // K and V rows in shared memory with asynchronous copies issued together (each lane copies and
 // later reads only its own dimensions), scores 8 keys at a time (a lane's partial dot products,
 // summed over the warp by a transposing reduction: 9 shuffles for 8 keys), runs the online
-// softmax with lane j on key j, and accumulates P*V on its own dimensions. The loops stay
-// rolled: a decode step runs each of its kernels once, from a cold instruction cache, so code
-// size is latency. The warps are merged in shared memory.
+// softmax with lane j on key j, and accumulates P*V on its own dimensions. Only the innermost
+// loops unroll, so the code stays small. The warps are merged in shared memory. At short
+// contexts the launch is a few warps' dependent sequences: their length is its latency, which
+// is why wide heads take short tiles over more warps (decode_tile, decode_warps).
 //
 // The grid has n_splits splits, a function of the cache size alone; of them, the step uses as
 // many as its keys fill with decode_split_keys each (the others return at once). With one in use
@@ -116,25 +117,32 @@ __device__ __forceinline__ void unpack_lane(const LaneHalves<DPL>& r, float (&f)
   }
 }
 
-// Keys a warp stages at once: TILE rows of K and of V, 16 KiB a warp at every head size.
+// Keys a warp stages at once (TILE rows of K and of V), and warps a block: 64 KiB of staging a
+// block at every head size. Heads wider than 128 take 8 keys a warp and 8 warps: a short context
+// is then split over twice the warps, each with half the dependent work.
 template <int DPL>
 constexpr int decode_tile() {
-  return DPL == 8 ? 16 : 32;
+  return DPL == 8 ? 8 : 32;
+}
+template <int DPL>
+constexpr int decode_warps() {
+  return DPL == 8 ? 8 : kAttnWarps;
 }
 
 // Keys a split takes at the least: a tile for each warp, and no fewer than kAttnMinSplitKeys
 // where the tiles are long enough.
 template <int DPL>
 constexpr int decode_split_keys() {
-  return kAttnWarps * decode_tile<DPL>() < kAttnMinSplitKeys ? kAttnWarps * decode_tile<DPL>()
-                                                             : kAttnMinSplitKeys;
+  constexpr int kPass = decode_warps<DPL>() * decode_tile<DPL>();
+  return kPass < kAttnMinSplitKeys ? kPass : kAttnMinSplitKeys;
 }
 
 template <int DPL, int G>
 constexpr size_t decode_smem_bytes(int head_dim) {
-  const size_t staging = kAttnWarps * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
-                                       G * decode_tile<DPL>() * sizeof(float));
-  const size_t merge = kAttnWarps * G * (head_dim + 2) * sizeof(float);
+  const size_t staging =
+      decode_warps<DPL>() * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
+                             G * decode_tile<DPL>() * sizeof(float));
+  const size_t merge = decode_warps<DPL>() * G * (head_dim + 2) * sizeof(float);
   return staging > merge ? staging : merge;
 }
 
@@ -159,13 +167,14 @@ __device__ __forceinline__ float warp_sum8_transposed(const float (&v)[8], int l
 }
 
 template <int DPL, int G>
-__global__ void __launch_bounds__(kAttnWarps * 32)
+__global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
                        unsigned* counters) {
   constexpr int TILE = decode_tile<DPL>();
+  constexpr int kWarps = decode_warps<DPL>();
   using Lane = LaneHalves<DPL>;
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -215,15 +224,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
   Lane* ks = reinterpret_cast<Lane*>(smem_raw) + warp * 2 * TILE * 32;  // [TILE][32 lanes]
   Lane* vs = ks + TILE * 32;
-  float* ps =
-      reinterpret_cast<float*>(reinterpret_cast<Lane*>(smem_raw) + kAttnWarps * 2 * TILE * 32) +
-      warp * G * TILE;  // [G][TILE]: scores, then probabilities
+  float* ps = reinterpret_cast<float*>(reinterpret_cast<Lane*>(smem_raw) + kWarps * 2 * TILE * 32) +
+              warp * G * TILE;  // [G][TILE]: scores, then probabilities
   // Lanes past head_dim copy nothing (zero fill) from a valid address.
   const int64_t lane_col = static_cast<int64_t>(hkv) * head_dim + (lane_on ? lane * DPL : 0);
   const __half* k_lane = kc + lane_col;
   const __half* v_lane = vc + lane_col;
 
-  for (int tile = k_begin + warp * TILE; tile < k_end; tile += kAttnWarps * TILE) {
+  for (int tile = k_begin + warp * TILE; tile < k_end; tile += kWarps * TILE) {
     const int n_valid = min(TILE, k_end - tile);
     auto stage = [&](Lane* dst, const __half* src) {
 #pragma unroll 4
@@ -304,10 +312,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm = kNegInf;
-    for (int w = 0; w < kAttnWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
     float ll = 0.0f, a = 0.0f;
     if (mm != kNegInf) {
-      for (int w = 0; w < kAttnWarps; ++w) {
+      for (int w = 0; w < kWarps; ++w) {
         const float* r = merge + (w * G + g) * rec;
         const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
         ll += r[1] * e;
@@ -475,7 +483,7 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, con
   const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
   const int n_splits =
       attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks, decode_split_keys<DPL>());
-  const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(kAttnWarps * 32);
+  const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(decode_warps<DPL>() * 32);
   // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
   const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
