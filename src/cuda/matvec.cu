@@ -124,6 +124,10 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
   return d;
 }
 
+// The byte order in which iq4_levels4 leaves the levels (0, 2, 1, 3); an IQ4 piece's activation
+// words are permuted the same way when loaded.
+constexpr uint32_t kIQ4ActOrder = 0x3120;
+
 // The activation a piece meets: 8 words (a whole 32) or 4 (half a Q8_0 block), its 32's
 // (d, d * sum(q)), and for Q6_K (a scale per 16) the sums of q over each half.
 struct PieceAct {
@@ -141,6 +145,10 @@ __device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* d
     x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
   }
   x.ad = __ldg(dp);
+  if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
+#pragma unroll
+    for (int& a : x.a) a = static_cast<int>(__byte_perm(static_cast<uint32_t>(a), 0, kIQ4ActOrder));
+  }
   if constexpr (TYPE == kTypeQ6_K) {
     x.sum_lo = x.sum_hi = 0;
 #pragma unroll
@@ -197,16 +205,20 @@ __device__ __forceinline__ float2 k_scale_min_dev(const uint32_t (&s)[4], int j)
 }
 
 // The signed IQ4 levels of four indices, one in the low nibble of each byte of q (the high
-// nibbles are ignored): two byte permutes pick each index's level among the first and the last
-// eight, and bit 3 of the index chooses between them.
+// nibbles are ignored), in the byte order 0, 2, 1, 3 (kIQ4ActOrder: the activation words they
+// meet are permuted the same way, once for all rows). Two byte permutes pick each index's level
+// among the first and the last eight, selected by the indices' low three bits packed as
+// t | t >> 12; a third turns each index's bit 3 into a byte mask that chooses between them.
 __device__ __forceinline__ int iq4_levels4(uint32_t q) {
   constexpr uint32_t kL0 = 0xBFAD9881u, kL1 = 0xF6EADDCFu;  // levels 0-3, 4-7
   constexpr uint32_t kL2 = 0x26190D01u, kL3 = 0x71594535u;  // levels 8-11, 12-15
   const uint32_t t = q & 0x07070707u;
-  const uint32_t sel =
-      (t & 0x7u) | ((t >> 4) & 0x70u) | ((t >> 8) & 0x700u) | ((t >> 12) & 0x7000u);
+  const uint32_t sel = t | (t >> 12);
   const uint32_t lo = __byte_perm(kL0, kL1, sel), hi = __byte_perm(kL2, kL3, sel);
-  const uint32_t upper = ((q & 0x08080808u) >> 3) * 0xFFu;
+  // Bytes 0x80 where bit 3 is set, spread over their byte in the same order by prmt's sign
+  // replication (selector nibbles with bit 3 set; __byte_perm ignores that bit).
+  uint32_t upper;
+  asm("prmt.b32 %0, %1, 0, 0xB9A8;\n" : "=r"(upper) : "r"((q & 0x08080808u) << 4));
   return static_cast<int>((hi & upper) | (lo & ~upper));
 }
 
