@@ -375,12 +375,15 @@ class CpuBackend final : public Backend {
       quantize_row(t->type, x + j * n, cache + j * t->nb[1], n);
   }
 
-  // A task is one token, one KV head and one chunk of kAttnChunk keys: the query heads that
-  // share the KV head (GQA) read each key and value row once together, and a decode step at
-  // depth spreads over the threads by chunks. Each chunk keeps its softmax max, sum and weighted
-  // values; the chunks merge afterwards (log-sum-exp). The split depends on the lengths alone,
-  // never on the thread count, so the result is the same bits whatever the threads.
+  // A task is up to kAttnTokens tokens, one KV head and one chunk of kAttnChunk keys: the query
+  // heads that share the KV head (GQA) read each key and value row once together, a chunk of an
+  // F16 or Q8_0 cache is decoded once for all the task's tokens (a prompt at depth reads it
+  // kAttnTokens times less), and a decode step at depth spreads over the threads by chunks.
+  // Each (token, chunk) keeps its softmax max, sum and weighted values; the chunks merge
+  // afterwards (log-sum-exp). The split depends on the lengths alone, never on the thread
+  // count, so the result is the same bits whatever the threads.
   static constexpr int kAttnChunk = 256;
+  static constexpr int kAttnTokens = 16;
 
   void attention(const Tensor* t) {
     const Tensor* q = t->src[0];
@@ -405,27 +408,30 @@ class CpuBackend final : public Backend {
       // Keys before `start` are outside the window: never read.
       *start = window > 0 ? std::max(0, first_pos + j + 1 - window) : 0;
     };
+    const int n_blocks = (n_tok + kAttnTokens - 1) / kAttnTokens;
     std::function<void(int)> body = [&](int task) {
       const int c = task % n_chunks;
       const int hk = task / n_chunks % n_head_kv;
-      const int j = task / n_chunks / n_head_kv;
-      int start, len;
-      keys(j, &start, &len);
-      const int lo = std::max(start, c * kAttnChunk), hi = std::min(len, (c + 1) * kAttnChunk);
+      const int j0 = task / n_chunks / n_head_kv * kAttnTokens;
+      const int j1 = std::min(n_tok, j0 + kAttnTokens);
+      // The keys any of the tokens reads in this chunk: from the first token's start (starts
+      // and ends grow with the position) to the last token's end.
+      int start0, len0, start1, len1;
+      keys(j0, &start0, &len0);
+      keys(j1 - 1, &start1, &len1);
+      const int lo = std::max(start0, c * kAttnChunk), hi = std::min(len1, (c + 1) * kAttnChunk);
       thread_local std::vector<float> scores, acc, mx, sum, kbuf, vbuf;
-      const int n = std::max(0, hi - lo);
-      scores.resize(size_t(group) * std::max(n, 1));
-      acc.assign(size_t(group) * hd, 0.0f);
-      mx.assign(group, -INFINITY);
-      sum.assign(group, 0.0f);
-      const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
-      if (n > 0) {
+      const float* kb = nullptr;
+      const float* vb = nullptr;
+      int64_t ks = 0, vs = 0;
+      if (hi > lo) {
         // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
         // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks).
+        const int n = hi - lo;
         const size_t at = row_size(kc->type, int64_t(hk) * hd);
-        const float* kb = reinterpret_cast<const float*>(ptr(kc) + size_t(lo) * kc->nb[1] + at);
-        const float* vb = reinterpret_cast<const float*>(ptr(vc) + size_t(lo) * vc->nb[1] + at);
-        int64_t ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
+        kb = reinterpret_cast<const float*>(ptr(kc) + size_t(lo) * kc->nb[1] + at);
+        vb = reinterpret_cast<const float*>(ptr(vc) + size_t(lo) * vc->nb[1] + at);
+        ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
         if (!f32_cache) {
           kbuf.resize(size_t(n) * hd);
           vbuf.resize(size_t(n) * hd);
@@ -446,24 +452,36 @@ class CpuBackend final : public Backend {
           }
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
-        attn_chunk(qr, group, hd, kb, ks, vb, vs, n, scale, scores.data(), mx.data(), sum.data(),
-                   acc.data());
       }
-      for (int g = 0; g < group; ++g) {
-        const int h = hk * group + g;
-        if (n_chunks == 1) {
-          float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
-          const float inv = n > 0 ? 1.0f / sum[g] : 0.0f;
-          for (int d = 0; d < hd; ++d) o[d] = acc[size_t(g) * hd + d] * inv;
-        } else {
-          float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
-          pp[0] = mx[g];
-          pp[1] = sum[g];
-          std::copy(acc.begin() + g * hd, acc.begin() + (g + 1) * hd, pp + 2);
+      for (int j = j0; j < j1; ++j) {
+        int start, len;
+        keys(j, &start, &len);
+        const int lo_j = std::max(start, c * kAttnChunk);
+        const int n = std::max(0, std::min(len, (c + 1) * kAttnChunk) - lo_j);
+        scores.resize(size_t(group) * std::max(n, 1));
+        acc.assign(size_t(group) * hd, 0.0f);
+        mx.assign(group, -INFINITY);
+        sum.assign(group, 0.0f);
+        const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
+        if (n > 0)
+          attn_chunk(qr, group, hd, kb + (lo_j - lo) * ks, ks, vb + (lo_j - lo) * vs, vs, n, scale,
+                     scores.data(), mx.data(), sum.data(), acc.data());
+        for (int g = 0; g < group; ++g) {
+          const int h = hk * group + g;
+          if (n_chunks == 1) {
+            float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
+            const float inv = n > 0 ? 1.0f / sum[g] : 0.0f;
+            for (int d = 0; d < hd; ++d) o[d] = acc[size_t(g) * hd + d] * inv;
+          } else {
+            float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
+            pp[0] = mx[g];
+            pp[1] = sum[g];
+            std::copy(acc.begin() + g * hd, acc.begin() + (g + 1) * hd, pp + 2);
+          }
         }
       }
     };
-    pool_.parallel_for(n_tok * n_head_kv * n_chunks, body);
+    pool_.parallel_for(n_blocks * n_head_kv * n_chunks, body);
     if (n_chunks == 1) return;
     // Merge each head's chunks: weights exp(max_c - max), empty chunks (sum 0) add nothing.
     std::function<void(int)> merge = [&](int task) {

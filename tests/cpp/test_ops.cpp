@@ -298,6 +298,10 @@ TEST(CpuOps, AttentionCausalGqaMatchesReference) {
     check_attention(ct, 8, 2, 32, 600, 3, rng, 300);
     check_attention(ct, 4, 1, 64, 1000, 2, rng, 100);
     check_attention(ct, 6, 6, 16, 511, 1, rng);
+    // Prompts at depth: tasks of 16 tokens over chunks, a block's tokens ending in different
+    // chunks, with and without a window.
+    check_attention(ct, 9, 3, 64, 300, 40, rng);
+    check_attention(ct, 8, 2, 32, 230, 37, rng, 100);
   }
 }
 
