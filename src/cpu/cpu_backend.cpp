@@ -106,6 +106,95 @@ __attribute__((target_clones("avx2", "default"))) void attn_chunk(
   }
 }
 
+// Attention of R rows (query heads of one KV head, for several tokens) against one chunk of n
+// keys, as a small matrix product: kt holds the keys transposed (hd x n), v the values (n rows
+// of hd, vs floats apart).
+// Row r attends to keys [b[r], e[r]) of the chunk. Per row: the max score, the exp-sum (0 when
+// the row has no keys; max -inf) and the exp-weighted values, unnormalized, in acc (R x hd).
+// Four rows share each load of 8 keys' dimension d, and a row's values accumulate 32
+// dimensions at a time, so that no sum crosses vector lanes (attn_chunk's per-key dot products
+// do, which suits one token but not a prompt).
+__attribute__((target_clones("avx2", "default"))) void attn_rows(
+    const float* q, int R, int hd, const float* kt, const float* v, int64_t vs, int n, const int* b,
+    const int* e, float scale, float* scores, float* mx, float* sum, float* acc) {
+  int r = 0;
+  for (; r + 4 <= R; r += 4) {
+    const float* q0 = q + int64_t(r) * hd;
+    int p = 0;
+    for (; p + 8 <= n; p += 8) {
+      float l0[8] = {}, l1[8] = {}, l2[8] = {}, l3[8] = {};
+      for (int d = 0; d < hd; ++d) {
+        const float* kd = kt + int64_t(d) * n + p;
+        const float a0 = q0[d], a1 = q0[hd + d], a2 = q0[2 * hd + d], a3 = q0[3 * hd + d];
+        for (int j = 0; j < 8; ++j) {
+          l0[j] += a0 * kd[j];
+          l1[j] += a1 * kd[j];
+          l2[j] += a2 * kd[j];
+          l3[j] += a3 * kd[j];
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        scores[int64_t(r) * n + p + j] = l0[j] * scale;
+        scores[int64_t(r + 1) * n + p + j] = l1[j] * scale;
+        scores[int64_t(r + 2) * n + p + j] = l2[j] * scale;
+        scores[int64_t(r + 3) * n + p + j] = l3[j] * scale;
+      }
+    }
+    for (; p < n; ++p)
+      for (int i = 0; i < 4; ++i) {
+        float l = 0.0f;
+        for (int d = 0; d < hd; ++d) l += q0[i * hd + d] * kt[int64_t(d) * n + p];
+        scores[int64_t(r + i) * n + p] = l * scale;
+      }
+  }
+  for (; r < R; ++r) {
+    const float* qr = q + int64_t(r) * hd;
+    int p = 0;
+    for (; p + 8 <= n; p += 8) {
+      float l[8] = {};
+      for (int d = 0; d < hd; ++d) {
+        const float* kd = kt + int64_t(d) * n + p;
+        for (int j = 0; j < 8; ++j) l[j] += qr[d] * kd[j];
+      }
+      for (int j = 0; j < 8; ++j) scores[int64_t(r) * n + p + j] = l[j] * scale;
+    }
+    for (; p < n; ++p) {
+      float l = 0.0f;
+      for (int d = 0; d < hd; ++d) l += qr[d] * kt[int64_t(d) * n + p];
+      scores[int64_t(r) * n + p] = l * scale;
+    }
+  }
+  for (r = 0; r < R; ++r) {
+    float* a = acc + int64_t(r) * hd;
+    float* w = scores + int64_t(r) * n;
+    const int br = b[r], er = e[r];
+    if (er <= br) {
+      mx[r] = -INFINITY, sum[r] = 0.0f;
+      std::fill(a, a + hd, 0.0f);
+      continue;
+    }
+    float m = -INFINITY;
+    for (int p = br; p < er; ++p) m = std::max(m, w[p]);
+    mx[r] = m;
+    sum[r] = softmax_exp(w + br, er - br, m);
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) {
+      float t[32] = {};
+      for (int p = br; p < er; ++p) {
+        const float wp = w[p];
+        const float* vp = v + int64_t(p) * vs + d0;
+        for (int i = 0; i < 32; ++i) t[i] += wp * vp[i];
+      }
+      std::copy(t, t + 32, a + d0);
+    }
+    for (; d0 < hd; ++d0) {
+      float t = 0.0f;
+      for (int p = br; p < er; ++p) t += w[p] * v[int64_t(p) * vs + d0];
+      a[d0] = t;
+    }
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int n_threads) : pool_(n_threads) {}
@@ -408,6 +497,56 @@ class CpuBackend final : public Backend {
       // Keys before `start` are outside the window: never read.
       *start = window > 0 ? std::max(0, first_pos + j + 1 - window) : 0;
     };
+    // A (token, head, chunk)'s result: the output itself when there is one chunk, else its part.
+    auto emit = [&](int j, int h, int c, float m, float s, const float* a) {
+      if (n_chunks == 1) {
+        float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int d = 0; d < hd; ++d) o[d] = a[d] * inv;
+      } else {
+        float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
+        pp[0] = m;
+        pp[1] = s;
+        std::copy(a, a + hd, pp + 2);
+      }
+    };
+    // Tokens [j0, j1) of a prompt against keys [lo, hi) of chunk c of KV head hk (rows kb and
+    // vb, ks and vs floats apart): the keys transposed once, then one product for all the
+    // tokens' query heads.
+    auto prompt_chunk = [&](int j0, int j1, int hk, int c, int lo, int hi, const float* kb,
+                            int64_t ks, const float* vb, int64_t vs) {
+      thread_local std::vector<float> kt, qs, sc, ac, m, sm;
+      thread_local std::vector<int> bs, es;
+      const int n = std::max(0, hi - lo);
+      const int R = (j1 - j0) * group;
+      kt.resize(size_t(hd) * std::max(n, 1));
+      for (int p = 0; p < n; ++p)
+        for (int d = 0; d < hd; ++d) kt[size_t(d) * n + p] = kb[p * ks + d];
+      qs.resize(size_t(R) * hd);
+      bs.resize(R);
+      es.resize(R);
+      for (int j = j0; j < j1; ++j) {
+        int start, len;
+        keys(j, &start, &len);
+        const int b = std::max(start, c * kAttnChunk) - lo;
+        const int e = std::max(b, std::min(len, (c + 1) * kAttnChunk) - lo);
+        const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
+        std::copy(qr, qr + size_t(group) * hd, qs.begin() + size_t(j - j0) * group * hd);
+        for (int g = 0; g < group; ++g) bs[(j - j0) * group + g] = b, es[(j - j0) * group + g] = e;
+      }
+      sc.resize(size_t(R) * std::max(n, 1));
+      ac.assign(size_t(R) * hd, 0.0f);
+      m.assign(R, -INFINITY);
+      sm.assign(R, 0.0f);
+      if (n > 0)
+        attn_rows(qs.data(), R, hd, kt.data(), vb, vs, n, bs.data(), es.data(), scale, sc.data(),
+                  m.data(), sm.data(), ac.data());
+      for (int j = j0; j < j1; ++j)
+        for (int g = 0; g < group; ++g) {
+          const int r = (j - j0) * group + g;
+          emit(j, hk * group + g, c, m[r], sm[r], ac.data() + size_t(r) * hd);
+        }
+    };
     const int n_blocks = (n_tok + kAttnTokens - 1) / kAttnTokens;
     std::function<void(int)> body = [&](int task) {
       const int c = task % n_chunks;
@@ -453,6 +592,10 @@ class CpuBackend final : public Backend {
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
       }
+      if (j1 - j0 > 1) {
+        prompt_chunk(j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
+        return;
+      }
       for (int j = j0; j < j1; ++j) {
         int start, len;
         keys(j, &start, &len);
@@ -466,19 +609,8 @@ class CpuBackend final : public Backend {
         if (n > 0)
           attn_chunk(qr, group, hd, kb + (lo_j - lo) * ks, ks, vb + (lo_j - lo) * vs, vs, n, scale,
                      scores.data(), mx.data(), sum.data(), acc.data());
-        for (int g = 0; g < group; ++g) {
-          const int h = hk * group + g;
-          if (n_chunks == 1) {
-            float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
-            const float inv = n > 0 ? 1.0f / sum[g] : 0.0f;
-            for (int d = 0; d < hd; ++d) o[d] = acc[size_t(g) * hd + d] * inv;
-          } else {
-            float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
-            pp[0] = mx[g];
-            pp[1] = sum[g];
-            std::copy(acc.begin() + g * hd, acc.begin() + (g + 1) * hd, pp + 2);
-          }
-        }
+        for (int g = 0; g < group; ++g)
+          emit(j, hk * group + g, c, mx[g], n > 0 ? sum[g] : 0.0f, acc.data() + size_t(g) * hd);
       }
     };
     pool_.parallel_for(n_blocks * n_head_kv * n_chunks, body);
