@@ -68,52 +68,14 @@ __attribute__((target_clones("avx2", "default"))) float softmax_exp(float* s, in
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-// One chunk of attention for the `group` query heads q (group x hd) that share a KV head: the
-// scores of n keys (F32 rows from k, stride ks floats; V rows likewise), their max and exp-sum
-// per head, and the exp-weighted sum of V rows in acc (group x hd). One function, so that the
-// per-key loops vectorize whole; lane-wise sums keep the bits clone-independent.
-__attribute__((target_clones("avx2", "default"))) void attn_chunk(
-    const float* q, int group, int hd, const float* k, int64_t ks, const float* v, int64_t vs,
-    int n, float scale, float* scores, float* mx, float* sum, float* acc) {
-  for (int g = 0; g < group; ++g) mx[g] = -INFINITY;
-  for (int p = 0; p < n; ++p) {
-    const float* kr = k + int64_t(p) * ks;
-    // Rows read in place from an F32 cache lie a whole cache row apart: fetched ahead by hand.
-    if (p + 8 < n)
-      for (int d = 0; d < hd; d += 16) __builtin_prefetch(k + int64_t(p + 8) * ks + d);
-    for (int g = 0; g < group; ++g) {
-      const float* qg = q + g * hd;
-      float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int d = 0;
-      for (; d + 8 <= hd; d += 8)
-        for (int j = 0; j < 8; ++j) l[j] += qg[d + j] * kr[d + j];
-      for (; d < hd; ++d) l[0] += qg[d] * kr[d];
-      const float sc = (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) * scale;
-      scores[g * n + p] = sc;
-      mx[g] = std::max(mx[g], sc);
-    }
-  }
-  for (int g = 0; g < group; ++g) sum[g] = softmax_exp(scores + g * n, n, mx[g]);
-  for (int p = 0; p < n; ++p) {
-    const float* vr = v + int64_t(p) * vs;
-    if (p + 8 < n)
-      for (int d = 0; d < hd; d += 16) __builtin_prefetch(v + int64_t(p + 8) * vs + d);
-    for (int g = 0; g < group; ++g) {
-      const float w = scores[g * n + p];
-      float* ag = acc + g * hd;
-      for (int d = 0; d < hd; ++d) ag[d] += w * vr[d];
-    }
-  }
-}
-
 // Attention of R rows (query heads of one KV head, for several tokens) against one chunk of n
 // keys, as a small matrix product: kt holds the keys transposed (hd x n), v the values (n rows
 // of hd, vs floats apart).
 // Row r attends to keys [b[r], e[r]) of the chunk. Per row: the max score, the exp-sum (0 when
 // the row has no keys; max -inf) and the exp-weighted values, unnormalized, in acc (R x hd).
 // Four rows share each load of 8 keys' dimension d, and a row's values accumulate 32
-// dimensions at a time, so that no sum crosses vector lanes (attn_chunk's per-key dot products
-// do, which suits one token but not a prompt).
+// dimensions at a time, so that no sum crosses vector lanes. Each row's sums run in one order
+// (over d for a score, over the keys for a value) whatever rows share the call.
 __attribute__((target_clones("avx2", "default"))) void attn_rows(
     const float* q, int R, int hd, const float* kt, const float* v, int64_t vs, int n, const int* b,
     const int* e, float scale, float* scores, float* mx, float* sum, float* acc) {
@@ -510,11 +472,12 @@ class CpuBackend final : public Backend {
         std::copy(a, a + hd, pp + 2);
       }
     };
-    // Tokens [j0, j1) of a prompt against keys [lo, hi) of chunk c of KV head hk (rows kb and
-    // vb, ks and vs floats apart): the keys transposed once, then one product for all the
-    // tokens' query heads.
-    auto prompt_chunk = [&](int j0, int j1, int hk, int c, int lo, int hi, const float* kb,
-                            int64_t ks, const float* vb, int64_t vs) {
+    // Tokens [j0, j1) against keys [lo, hi) of chunk c of KV head hk (rows kb and vb, ks and vs
+    // floats apart): the keys transposed once, then one product for all the tokens' query
+    // heads. A row's sums run in the same order whichever tokens share its task, so a prompt
+    // and the same tokens one at a time give the same bits.
+    auto token_rows = [&](int j0, int j1, int hk, int c, int lo, int hi, const float* kb,
+                          int64_t ks, const float* vb, int64_t vs) {
       thread_local std::vector<float> kt, qs, sc, ac, m, sm;
       thread_local std::vector<int> bs, es;
       const int n = std::max(0, hi - lo);
@@ -559,7 +522,7 @@ class CpuBackend final : public Backend {
       keys(j0, &start0, &len0);
       keys(j1 - 1, &start1, &len1);
       const int lo = std::max(start0, c * kAttnChunk), hi = std::min(len1, (c + 1) * kAttnChunk);
-      thread_local std::vector<float> scores, acc, mx, sum, kbuf, vbuf;
+      thread_local std::vector<float> kbuf, vbuf;
       const float* kb = nullptr;
       const float* vb = nullptr;
       int64_t ks = 0, vs = 0;
@@ -592,26 +555,7 @@ class CpuBackend final : public Backend {
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
       }
-      if (j1 - j0 > 1) {
-        prompt_chunk(j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
-        return;
-      }
-      for (int j = j0; j < j1; ++j) {
-        int start, len;
-        keys(j, &start, &len);
-        const int lo_j = std::max(start, c * kAttnChunk);
-        const int n = std::max(0, std::min(len, (c + 1) * kAttnChunk) - lo_j);
-        scores.resize(size_t(group) * std::max(n, 1));
-        acc.assign(size_t(group) * hd, 0.0f);
-        mx.assign(group, -INFINITY);
-        sum.assign(group, 0.0f);
-        const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
-        if (n > 0)
-          attn_chunk(qr, group, hd, kb + (lo_j - lo) * ks, ks, vb + (lo_j - lo) * vs, vs, n, scale,
-                     scores.data(), mx.data(), sum.data(), acc.data());
-        for (int g = 0; g < group; ++g)
-          emit(j, hk * group + g, c, mx[g], n > 0 ? sum[g] : 0.0f, acc.data() + size_t(g) * hd);
-      }
+      token_rows(j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
     };
     pool_.parallel_for(n_blocks * n_head_kv * n_chunks, body);
     if (n_chunks == 1) return;
