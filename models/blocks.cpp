@@ -57,7 +57,7 @@ Weight ModelLoader::upload(const GGUFTensorInfo& t, size_t offset, size_t bytes,
                            int64_t ne1, const std::string& name) {
   weight_bytes += bytes;
   void* data = backend_.upload_weight(t.data + offset, bytes, t.type, ne0, ne1, name);
-  return Weight{backend_.stored_type(t.type), ne0, ne1, data, name};
+  return Weight{t.type, ne0, ne1, data, name};
 }
 
 Weight ModelLoader::matrix(const std::string& name, int64_t ne0, int64_t ne1) {

@@ -25,9 +25,6 @@ class Backend {
   // device memory (quantized types in its own layout, see cuda/weight_layout.h).
   virtual void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
                               const std::string& name) = 0;
-  // The type a weight of file type `type` has once uploaded, which graphs must name: a backend
-  // without kernels of its own for a format stores its rows decoded into one it has.
-  virtual DType stored_type(DType type) const { return type; }
   // Zeroed memory for the KV cache. Throws DeviceError naming bytes needed and free on failure.
   virtual void* alloc_kv(size_t bytes) = 0;
   // Copies between the host and memory from alloc_kv (saving and loading a context's state),

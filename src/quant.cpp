@@ -254,15 +254,6 @@ void to_float_q2_k(const void* blocks, float* dst, int64_t n) {
   }
 }
 
-// The 16 six-bit scales of Q3_K: low nibbles in bytes 0..7 (scale j < 8 in the low nibble of byte
-// j, scale j >= 8 in the high nibble of byte j - 8), high bit pairs in bytes 8..11 (scale j in
-// bits 2 (j / 4) of byte 8 + j % 4); stored offset by 32.
-inline int q3_k_scale(const uint8_t* scales, int j) {
-  const int lo = j < 8 ? scales[j] & 0x0f : scales[j - 8] >> 4;
-  const int hi = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-  return (lo | (hi << 4)) - 32;
-}
-
 // Q3_K: element 128h + 32s + l has low bits 2s..2s+1 of qs[32h + l] and third bit 4h + s of
 // hmask[l]; a clear third bit subtracts 4.
 void to_float_q3_k(const void* blocks, float* dst, int64_t n) {
@@ -648,7 +639,7 @@ void decode_k<DType::Q3_K>(const uint8_t* blk, KBlock* kb) {
     kb->u[e] = ((b.qs[32 * h + l] >> (2 * s)) & 3) | (((b.hmask[l] >> (4 * h + s)) & 1) << 2);
   }
   for (int j = 0; j < 16; ++j) {
-    kb->sc[j] = quant_impl::q3_k_scale(b.scales, j);
+    kb->sc[j] = q3_k_scale(b.scales, j);
     kb->mn[j] = 4 * kb->sc[j];  // value = u - 4
   }
   kb->d = f16_to_f32(b.d);

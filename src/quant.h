@@ -92,6 +92,15 @@ GGRAPH_HD void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
   }
 }
 
+// The 16 six-bit scales of Q3_K: low nibbles in bytes 0..7 (scale j < 8 in the low nibble of byte
+// j, scale j >= 8 in the high nibble of byte j - 8), high bit pairs in bytes 8..11 (scale j in
+// bits 2 (j / 4) of byte 8 + j % 4); stored offset by 32.
+GGRAPH_HD int q3_k_scale(const uint8_t* scales, int j) {
+  const int lo = j < 8 ? scales[j] & 0x0f : scales[j - 8] >> 4;
+  const int hi = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
 // Block layouts (identical to ggml's on-disk formats).
 constexpr int QK = 32;  // elements per block of Q4_0, Q4_1, Q8_0
 struct BlockQ4_0 {

@@ -818,16 +818,9 @@ class CudaBackend : public Backend {
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
 
-  // Formats without CUDA kernels of their own (Q2_K, Q3_K) are decoded to F16
-  // on upload, so that every file the CPU runs runs here too (F16 reads 16 bits a weight).
-  DType stored_type(DType type) const override {
-    return is_computable(type) || !type_traits(type).computable ? type : DType::F16;
-  }
-
   void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
                       const std::string& name) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
-    if (stored_type(type) != type) return upload_decoded(host, bytes, type, ne0, ne1, name);
     if (is_quantized(type) &&
         (ne0 % block_elems(type) != 0 || bytes != row_bytes(type, ne0) * size_t(ne1)))
       throw ArgumentError("weight " + name + ": " + std::to_string(bytes) + " bytes for a " +
@@ -835,11 +828,14 @@ class CudaBackend : public Backend {
                           std::to_string(ne1) + "], expected " +
                           std::to_string(row_bytes(type, ne0) * size_t(ne1)) +
                           " with ne0 a multiple of " + std::to_string(block_elems(type)));
-    void* p = device_alloc(bytes + kWeightPadding, "weight " + name);
+    // The split layout of Q2_K and Q3_K takes more than their GGUF bytes (weight_layout.h).
+    const size_t stored =
+        is_quantized(type) ? split_bytes(split_format(type), bytes / block_bytes(type)) : bytes;
+    void* p = device_alloc(stored + kWeightPadding, "weight " + name);
     allocations_.push_back(p);
     // Everything on the backend's stream, which does not wait for the legacy default stream.
     GGRAPH_CUDA_CHECK(
-        cudaMemsetAsync(static_cast<uint8_t*>(p) + bytes, 0, kWeightPadding, stream_));
+        cudaMemsetAsync(static_cast<uint8_t*>(p) + stored, 0, kWeightPadding, stream_));
     if (!is_quantized(type)) {
       GGRAPH_CUDA_CHECK(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream_));
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -872,42 +868,6 @@ class CudaBackend : public Backend {
     if (err == cudaSuccess) err = synced;
     cudaFree(staging);
     GGRAPH_CUDA_CHECK(err);
-    return p;
-  }
-
-  // Decodes the rows on the host, a chunk at a time, and uploads them as F16.
-  void* upload_decoded(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
-                       const std::string& name) {
-    const size_t src_row = row_size(type, ne0);
-    if (bytes != src_row * static_cast<size_t>(ne1))
-      throw ArgumentError("weight " + name + ": " + std::to_string(bytes) + " bytes for a " +
-                          type_name(type) + " [" + std::to_string(ne0) + ", " +
-                          std::to_string(ne1) + "], expected " +
-                          std::to_string(src_row * static_cast<size_t>(ne1)));
-    const size_t dst_row = static_cast<size_t>(ne0) * sizeof(uint16_t);
-    const size_t dst_bytes = dst_row * static_cast<size_t>(ne1);
-    void* p = device_alloc(dst_bytes + kWeightPadding, "weight " + name);
-    allocations_.push_back(p);
-    GGRAPH_CUDA_CHECK(
-        cudaMemsetAsync(static_cast<uint8_t*>(p) + dst_bytes, 0, kWeightPadding, stream_));
-    const int64_t chunk_rows =
-        std::max<int64_t>(1, static_cast<int64_t>(kWeightStagingBytes / dst_row));
-    std::vector<float> row(static_cast<size_t>(ne0));
-    std::vector<uint16_t> chunk(static_cast<size_t>(std::min(chunk_rows, ne1) * ne0));
-    for (int64_t r0 = 0; r0 < ne1; r0 += chunk_rows) {
-      const int64_t n = std::min(chunk_rows, ne1 - r0);
-      for (int64_t r = 0; r < n; ++r) {
-        dequantize_row(type, static_cast<const uint8_t*>(host) + (r0 + r) * src_row, row.data(),
-                       ne0);
-        uint16_t* h = chunk.data() + r * ne0;
-        for (int64_t i = 0; i < ne0; ++i) h[i] = f32_to_f16(row[static_cast<size_t>(i)]);
-      }
-      // The host chunk is refilled next round: wait for its copy.
-      GGRAPH_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(p) + r0 * dst_row, chunk.data(),
-                                        static_cast<size_t>(n) * dst_row, cudaMemcpyHostToDevice,
-                                        stream_));
-      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    }
     return p;
   }
 

@@ -49,6 +49,8 @@ decltype(auto) with_weight_type(DType t, const char* what, Fn&& fn) {
     GGRAPH_WEIGHT_TYPE(Q5_0)
     GGRAPH_WEIGHT_TYPE(Q5_1)
     GGRAPH_WEIGHT_TYPE(Q8_0)
+    GGRAPH_WEIGHT_TYPE(Q2_K)
+    GGRAPH_WEIGHT_TYPE(Q3_K)
     GGRAPH_WEIGHT_TYPE(Q4_K)
     GGRAPH_WEIGHT_TYPE(Q5_K)
     GGRAPH_WEIGHT_TYPE(Q6_K)

@@ -55,12 +55,16 @@ struct PieceInfo {
   static constexpr int kPer32 = kFormat.quant_bytes / 16;              // pieces per 32 elements
   static constexpr int kPerScale = kFormat.block_elems / 32 * kPer32;  // pieces a scale record
   static constexpr int kActBytes = 32 / kPer32;  // activation bytes a piece meets
+  // A scale (Q2_K: and a minimum) for each half of a piece, which needs the activation's sum
+  // over each half.
+  static constexpr bool kHalfScales = TYPE == kTypeQ2_K || TYPE == kTypeQ3_K || TYPE == kTypeQ6_K;
   // Words of scale a piece keeps: the K-quants' whole 16-byte record (d, dmin, packed 6-bit
-  // scales and minimums), IQ4_XS's 8 bytes (d, the scales' high and low bits); one word
-  // otherwise (Q6_K: its two int8 scales and d).
-  static constexpr int kScaleWords = TYPE == kTypeQ4_K || TYPE == kTypeQ5_K ? 4
-                                     : TYPE == kTypeIQ4_XS                  ? 2
-                                                                            : 1;
+  // scales and minimums), IQ4_XS's 8 bytes (d, the scales' high and low bits), Q2_K's two (its
+  // two scale-and-minimum bytes, then d and dmin); one word otherwise (Q3_K and Q6_K: their two
+  // int8 scales and d).
+  static constexpr int kScaleWords = TYPE == kTypeQ4_K || TYPE == kTypeQ5_K     ? 4
+                                     : TYPE == kTypeIQ4_XS || TYPE == kTypeQ2_K ? 2
+                                                                                : 1;
 };
 
 // What a lane holds of one piece of one row: quants, high bits, scales.
@@ -93,13 +97,17 @@ __device__ __forceinline__ void load_piece(PieceRegs<TYPE>& r, const uint4* q, c
     const uint2 v = __ldg(reinterpret_cast<const uint2*>(h));
     r.h[0] = v.x, r.h[1] = v.y;
   }
-  if constexpr (P::kScaleWords == 4) {
+  if constexpr (TYPE == kTypeQ2_K) {
+    // Sub-block j's two scale-and-minimum bytes; d and dmin.
+    r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(s) + j);
+    r.s[1] = __ldg(reinterpret_cast<const uint32_t*>(s + 16));
+  } else if constexpr (P::kScaleWords == 4) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(s));
     r.s[0] = v.x, r.s[1] = v.y, r.s[2] = v.z, r.s[3] = v.w;
   } else if constexpr (P::kScaleWords == 2) {
     const uint2 v = __ldg(reinterpret_cast<const uint2*>(s));
     r.s[0] = v.x, r.s[1] = v.y;
-  } else if constexpr (TYPE == kTypeQ6_K) {
+  } else if constexpr (TYPE == kTypeQ6_K || TYPE == kTypeQ3_K) {
     // Sub-block j's two int8 scales, and d above them.
     r.s[0] = static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(s) + j)) |
              static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(s + 16))) << 16;
@@ -129,7 +137,7 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
 constexpr uint32_t kIQ4ActOrder = 0x3120;
 
 // The activation a piece meets: 8 words (a whole 32) or 4 (half a Q8_0 block), its 32's
-// (d, d * sum(q)), and for Q6_K (a scale per 16) the sums of q over each half.
+// (d, d * sum(q)), and for the formats with a scale per 16 the sums of q over each half.
 struct PieceAct {
   int a[8];
   float2 ad;
@@ -149,7 +157,7 @@ __device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* d
 #pragma unroll
     for (int& a : x.a) a = static_cast<int>(__byte_perm(static_cast<uint32_t>(a), 0, kIQ4ActOrder));
   }
-  if constexpr (TYPE == kTypeQ6_K) {
+  if constexpr (PieceInfo<TYPE>::kHalfScales) {
     x.sum_lo = x.sum_hi = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -251,6 +259,33 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
     float d = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
     if constexpr (TYPE == kTypeIQ4_XS) d *= static_cast<float>(iq4_xs_scale_dev(r.s, j));
     acc += d * ad.x * static_cast<float>(sum);
+  } else if constexpr (TYPE == kTypeQ2_K || TYPE == kTypeQ3_K) {
+    // 2- and 3-bit quants in nibbles, a scale for each half: the high nibbles dotted in place as
+    // 16 times their value, as for the 4-bit formats below, and the sums scaled to match.
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo = dp4a_us(w[i] & 0x0F0F0F0Fu, x.a[i], lo);
+      hi = dp4a_us(w[i] & 0xF0F0F0F0u, x.a[i + 4], hi);
+    }
+    const float ad16 = ad.x * 0.0625f;
+    if constexpr (TYPE == kTypeQ3_K) {
+      // Stored offset by 4: 16 (sc0 (q_lo - 4) a_lo + sc1 (q_hi - 4) a_hi).
+      const int sc0 = static_cast<int8_t>(r.s[0] & 0xFF);
+      const int sc1 = static_cast<int8_t>((r.s[0] >> 8) & 0xFF);
+      const int isum = sc0 * (16 * lo - 64 * x.sum_lo) + sc1 * (hi - 64 * x.sum_hi);
+      acc +=
+          f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16)) * ad16 * static_cast<float>(isum);
+    } else {
+      // Each half's byte: scale in the low nibble, minimum in the high one.
+      const uint32_t b = r.s[0];
+      const int isum = 16 * static_cast<int>(b & 15) * lo + static_cast<int>((b >> 8) & 15) * hi;
+      const int msum =
+          static_cast<int>((b >> 4) & 15) * x.sum_lo + static_cast<int>((b >> 12) & 15) * x.sum_hi;
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1] & 0xFFFF));
+      const float dmin = f16_bits_to_float(static_cast<uint16_t>(r.s[1] >> 16));
+      acc += d * ad16 * static_cast<float>(isum) - dmin * ad.x * static_cast<float>(msum);
+    }
   } else if constexpr (HB == 0) {
     // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble). The
     // high nibbles are dotted in place, as unsigned bytes 16 times their value, which saves
@@ -802,12 +837,12 @@ bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k
 // The one-column kernel shape of a format (rows, pieces in flight, k splits), measured on an
 // H200 (BENCHMARKS.md): two warps share a row's pieces, over four rows of two pieces in flight
 // for 4-bit weights; 8-bit weights (twice the pieces a row) do best with four warps a row, over
-// two rows of two pieces; the K-quants with high bits (Q5_K, Q6_K: more work a piece) with a
-// warp a row, over two rows of four pieces.
+// two rows of two pieces; the K-quants with high bits or a scale per half (Q5_K, Q6_K, Q2_K,
+// Q3_K: more work a piece) with a warp a row, over two rows of four pieces.
 template <int TYPE>
 struct MatVecShape {
   static constexpr bool kQ8 = PieceInfo<TYPE>::kPer32 == 2;
-  static constexpr bool kHighK = TYPE == kTypeQ5_K || TYPE == kTypeQ6_K;
+  static constexpr bool kHighK = TYPE == kTypeQ5_K || PieceInfo<TYPE>::kHalfScales;
   static constexpr int R = kQ8 ? 2 : kHighK ? 2 : 4;
   static constexpr int U = kQ8 ? 2 : kHighK ? 4 : 2;
   static constexpr int KS = kQ8 ? 4 : kHighK ? 1 : 2;
@@ -1032,9 +1067,12 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
     } else if constexpr (f.scale_bytes == 8) {
       const uint2 v = __ldg(reinterpret_cast<const uint2*>(rec));
       r.s[0] = v.x, r.s[1] = v.y;
-    } else if constexpr (TYPE == kTypeQ6_K) {
+    } else if constexpr (TYPE == kTypeQ6_K || TYPE == kTypeQ3_K) {
       r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
       r.s[1] = __ldg(reinterpret_cast<const uint16_t*>(rec + 16));
+    } else if constexpr (TYPE == kTypeQ2_K) {
+      r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
+      r.s[1] = __ldg(reinterpret_cast<const uint32_t*>(rec + 16));
     } else if constexpr (f.scale_bytes == 4) {
       r.s[0] = __ldg(reinterpret_cast<const uint32_t*>(rec));
     } else {
@@ -1107,20 +1145,27 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
   if constexpr (is_split_type(TYPE) && TYPE != kTypeQ8_0 && TYPE != kTypeQ4_0 &&
                 TYPE != kTypeQ4_1) {
     // The 5-bit, 6-bit and K formats: each byte's two elements with their high bits, then the
-    // piece's scale (and minimum; Q6_K: a scale per half, stored offset by 32).
+    // piece's scale (and minimum; Q6_K and Q3_K: a scale per half, stored offset by 32 or 4;
+    // Q2_K: a scale and a minimum per half).
     constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
     constexpr int NB = E / 2;
     const int tb = BK == 64 ? 0 : hsel * 8;  // the first quant byte this thread holds
-    float d0 = 0.0f, d1 = 0.0f, m = 0.0f;
+    float d0 = 0.0f, d1 = 0.0f, m = 0.0f, m1 = 0.0f;
     if constexpr (f.scale_bytes == 16) {
       const float2 dm = k_scale_min_dev(r.s, r.sub);
       d0 = d1 = dm.x;
       m = -dm.y;
-    } else if constexpr (TYPE == kTypeQ6_K) {
+    } else if constexpr (TYPE == kTypeQ6_K || TYPE == kTypeQ3_K) {
       const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1]));
       d0 = d * static_cast<float>(static_cast<int8_t>(r.s[0] & 0xFF));
       d1 = d * static_cast<float>(static_cast<int8_t>(r.s[0] >> 8));
-      m = -32.0f;
+    } else if constexpr (TYPE == kTypeQ2_K) {
+      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1] & 0xFFFF));
+      const float dmin = f16_bits_to_float(static_cast<uint16_t>(r.s[1] >> 16));
+      d0 = d * static_cast<float>(r.s[0] & 15);
+      m = -dmin * static_cast<float>((r.s[0] >> 4) & 15);
+      d1 = d * static_cast<float>((r.s[0] >> 8) & 15);
+      m1 = -dmin * static_cast<float>((r.s[0] >> 12) & 15);
     } else if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
       d0 = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
       if constexpr (TYPE == kTypeIQ4_XS) d0 *= static_cast<float>(iq4_xs_scale_dev(r.s, r.sub));
@@ -1136,6 +1181,9 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
         q |= static_cast<int>((r.h[hb.word] >> hb.shift) & (HB == 4 ? 1u : 3u)) << 4;
       }
       if constexpr (TYPE == kTypeQ6_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 32);
+      if constexpr (TYPE == kTypeQ3_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 4);
+      if constexpr (TYPE == kTypeQ2_K)
+        return t < 16 ? static_cast<float>(q) * d0 + m : static_cast<float>(q) * d1 + m1;
       if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS)
         return d0 * static_cast<float>(iq4_level(q));
       return static_cast<float>(q) * d0 + m;
@@ -1404,9 +1452,10 @@ __global__ void split_weight_kernel(DType t, const uint8_t* src, uint8_t* dst, i
 }
 
 // Every weight format, for start-up work done per format.
-constexpr DType kWeightTypes[] = {
-    DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,   DType::Q5_0,  DType::Q5_1,
-    DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+constexpr DType kWeightTypes[] = {DType::F32,  DType::F16,    DType::BF16,  DType::Q4_0,
+                                  DType::Q4_1, DType::Q5_0,   DType::Q5_1,  DType::Q8_0,
+                                  DType::Q2_K, DType::Q3_K,   DType::Q4_K,  DType::Q5_K,
+                                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
 
 }  // namespace
 

@@ -8,12 +8,17 @@
 //           the bits of four elements in place (split_high_offset);
 //   scales  per GGUF block, the block's scale bytes copied as they are (f16 d; d and m; the
 //           K-quants' d, dmin and packed 6-bit scales; Q6_K's int8 scales and d; IQ4_XS's d
-//           and packed 6-bit scales). IQ4_NL and IQ4_XS keep their 4-bit level indices as the
-//           quants (iq4_level gives the level).
-// A matrix takes exactly its GGUF bytes. Quants start on 16-byte boundaries, so the mat-vec lanes
-// load them side by side with 16-byte loads; every K-quant sub-block of 32 is one piece, shaped
-// like a Q4_0 block, which is what lets one kernel serve every format. Plain C++ as well: the host
-// tests decode the split layout and compare it with the CPU's dequantizer bit for bit.
+//           and packed 6-bit scales), but for Q2_K and Q3_K (split_record): Q2_K's 16 scale and
+//           minimum bytes then d and dmin; Q3_K's 16 scales unpacked to int8 then d, the record
+//           of Q6_K. IQ4_NL and IQ4_XS keep their 4-bit level indices as the quants (iq4_level
+//           gives the level).
+// A matrix takes exactly its GGUF bytes, but for Q2_K and Q3_K, whose 2- and 3-bit quants take a
+// 4-bit piece each (4.6 and 4.5 bits a weight where the file has 2.6 and 3.4: their pieces go
+// through the same kernels as every other format's). Quants start on 16-byte boundaries, so the
+// mat-vec lanes load them side by side with 16-byte loads; every K-quant sub-block of 32 is one
+// piece, shaped like a Q4_0 block, which is what lets one kernel serve every format. Plain C++ as
+// well: the host tests decode the split layout and compare it with the CPU's dequantizer bit for
+// bit.
 #pragma once
 
 #include <cstddef>
@@ -33,13 +38,15 @@ struct SplitFormat {
   int quant_bytes;  // per 32 elements: 16 (low 4 bits) or 32 (Q8_0)
   int high_bytes;   // per 32 elements: 0, 4 (a fifth bit) or 8 (a fifth and sixth)
   int scale_bytes;  // per block
-  int scale_at;     // where the scale bytes start in the GGUF block
+  int scale_at;     // where the scale bytes start in the GGUF block (-1: built by split_record)
 };
 constexpr SplitFormat kSplitQ4_0{18, 32, 16, 0, 2, 0};
 constexpr SplitFormat kSplitQ4_1{20, 32, 16, 0, 4, 0};
 constexpr SplitFormat kSplitQ5_0{22, 32, 16, 4, 2, 0};
 constexpr SplitFormat kSplitQ5_1{24, 32, 16, 4, 4, 0};
 constexpr SplitFormat kSplitQ8_0{34, 32, 32, 0, 2, 0};
+constexpr SplitFormat kSplitQ2_K{84, 256, 16, 0, 20, -1};
+constexpr SplitFormat kSplitQ3_K{110, 256, 16, 0, 18, -1};
 constexpr SplitFormat kSplitQ4_K{144, 256, 16, 0, 16, 0};
 constexpr SplitFormat kSplitQ5_K{176, 256, 16, 4, 16, 0};
 constexpr SplitFormat kSplitQ6_K{210, 256, 16, 8, 18, 192};
@@ -59,6 +66,10 @@ constexpr GGRAPH_HD SplitFormat split_format(DType t) {
       return kSplitQ5_1;
     case DType::Q8_0:
       return kSplitQ8_0;
+    case DType::Q2_K:
+      return kSplitQ2_K;
+    case DType::Q3_K:
+      return kSplitQ3_K;
     case DType::Q4_K:
       return kSplitQ4_K;
     case DType::Q5_K:
@@ -83,6 +94,10 @@ GGRAPH_HD size_t split_high_offset(const SplitFormat& f, size_t n_blocks) {
 }
 GGRAPH_HD size_t split_scales_offset(const SplitFormat& f, size_t n_blocks) {
   return split_high_offset(f, n_blocks) + split_pieces(f, n_blocks) * f.high_bytes;
+}
+// The bytes of the three arrays together.
+GGRAPH_HD size_t split_bytes(const SplitFormat& f, size_t n_blocks) {
+  return split_scales_offset(f, n_blocks) + n_blocks * static_cast<size_t>(f.scale_bytes);
 }
 
 // Where the high bits of element t (0..31) of a piece lie. Element t is byte b = t % 4 of word
@@ -122,6 +137,12 @@ GGRAPH_HD int gguf_quant(DType t, const uint8_t* blk, int e) {
       const int lo = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
       return lo | (((blk[at + e / 8] >> (e % 8)) & 1) << 4);
     }
+    case DType::Q2_K:
+      return (blk[16 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3;
+    case DType::Q3_K: {  // the low 2 bits and the third, unsigned (the value is this minus 4)
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      return ((blk[32 + 32 * h + l] >> (2 * s)) & 3) | (((blk[l] >> (4 * h + s)) & 1) << 2);
+    }
     case DType::Q4_K:
     case DType::Q5_K: {
       const bool five = t == DType::Q5_K;
@@ -141,13 +162,30 @@ GGRAPH_HD int gguf_quant(DType t, const uint8_t* blk, int e) {
   }
 }
 
+// The scale record of a Q2_K or Q3_K block (the formats whose record is not a copy of one run of
+// the block's bytes): Q2_K's scale and minimum bytes, then d and dmin; Q3_K's scales as int8
+// (offset removed), then d, which is how Q6_K keeps its own.
+GGRAPH_HD void split_record(DType t, const uint8_t* src, uint8_t* rec) {
+  if (t == DType::Q2_K) {
+    for (int b = 0; b < 16; ++b) rec[b] = src[b];
+    for (int b = 0; b < 4; ++b) rec[16 + b] = src[80 + b];
+    return;
+  }
+  for (int j = 0; j < 16; ++j) rec[j] = static_cast<uint8_t>(q3_k_scale(src + 96, j));
+  rec[16] = src[108];
+  rec[17] = src[109];
+}
+
 // Splits the GGUF block at src, block i of a matrix of n_blocks, into the split arrays at dst.
 // The quant and high bytes a block owns are written whole (each byte once), so blocks may be
 // split in parallel.
 GGRAPH_HD void split_block(DType t, const uint8_t* src, size_t i, size_t n_blocks, uint8_t* dst) {
   const SplitFormat f = split_format(t);
   uint8_t* s = dst + split_scales_offset(f, n_blocks) + i * static_cast<size_t>(f.scale_bytes);
-  for (int b = 0; b < f.scale_bytes; ++b) s[b] = src[f.scale_at + b];
+  if (f.scale_at < 0)
+    split_record(t, src, s);
+  else
+    for (int b = 0; b < f.scale_bytes; ++b) s[b] = src[f.scale_at + b];
   const int n_pieces = f.block_elems / 32;
   for (int p = 0; p < n_pieces; ++p) {
     const size_t piece = i * n_pieces + p;
@@ -232,9 +270,17 @@ GGRAPH_HD float split_elem(DType t, const uint8_t* q, const uint8_t* h, const ui
       const float ml = split_f16(rec + 2) * static_cast<float>(m);
       return dl * static_cast<float>(v) - ml;
     }
+    case DType::Q2_K: {
+      const uint8_t sc = rec[i % 256 / 16];
+      const float dl = split_f16(rec + 16) * static_cast<float>(sc & 15);
+      const float ml = split_f16(rec + 18) * static_cast<float>(sc >> 4);
+      return dl * static_cast<float>(v) - ml;
+    }
+    case DType::Q3_K:
     case DType::Q6_K: {
       const int8_t sc = static_cast<int8_t>(rec[i % 256 / 16]);
-      return split_f16(rec + 16) * static_cast<float>(sc) * static_cast<float>(v - 32);
+      return split_f16(rec + 16) * static_cast<float>(sc) *
+             static_cast<float>(v - (t == DType::Q6_K ? 32 : 4));
     }
     case DType::IQ4_NL:
       return split_f16(rec) * static_cast<float>(iq4_level(v));

@@ -75,9 +75,10 @@ void* device_copy_of(const std::vector<uint8_t>& host, DType t) {
   CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
   if (gc::is_quantized(t)) {
     void* raw = p;
-    CHECK(cudaMalloc(&p, host.size() + gc::kWeightPadding));
-    CHECK(cudaMemset(static_cast<uint8_t*>(p) + host.size(), 0, gc::kWeightPadding));
     const int64_t n_blocks = int64_t(host.size() / gc::block_bytes(t));
+    const size_t split = gc::split_bytes(gc::split_format(t), size_t(n_blocks));
+    CHECK(cudaMalloc(&p, split + gc::kWeightPadding));
+    CHECK(cudaMemset(static_cast<uint8_t*>(p) + split, 0, gc::kWeightPadding));
     gc::launch_split_weight(t, static_cast<const uint8_t*>(raw), static_cast<uint8_t*>(p), 0,
                             n_blocks, n_blocks, nullptr);
     CHECK(cudaDeviceSynchronize());
@@ -102,11 +103,12 @@ std::vector<uint8_t> random_weights(DType t, int64_t k, int64_t n, std::mt19937&
     auto* f = reinterpret_cast<float*>(w.data());
     for (size_t i = 0; i < bytes / 4; ++i) f[i] = float(byte(rng)) / 255.f - 0.5f;
   } else {
-    // The block's f16 scale (Q6_K's is its last two bytes), and minimum where it has one.
+    // The block's f16 scale (Q6_K's and Q3_K's are its last two bytes, Q2_K's d and dmin its
+    // last four), and minimum where it has one.
     const size_t bb = gc::block_bytes(t);
-    const size_t at = t == DType::Q6_K ? bb - 2 : 0;
-    const bool has_min =
-        t == DType::Q4_1 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K;
+    const size_t at = t == DType::Q6_K || t == DType::Q3_K ? bb - 2 : t == DType::Q2_K ? bb - 4 : 0;
+    const bool has_min = t == DType::Q4_1 || t == DType::Q5_1 || t == DType::Q4_K ||
+                         t == DType::Q5_K || t == DType::Q2_K;
     for (size_t off = 0; off < bytes; off += bb) {
       std::memcpy(&w[off + at], &scale, 2);
       if (has_min) std::memcpy(&w[off + 2], &scale, 2);
@@ -169,8 +171,8 @@ int main() {
     int64_t k, n;
   };
   const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
-  const DType types[] = {DType::Q4_0,   DType::Q4_1,   DType::Q8_0, DType::Q4_K,
-                         DType::Q5_K,   DType::Q6_K,   DType::Q5_0, DType::Q5_1,
+  const DType types[] = {DType::Q4_0,   DType::Q4_1,   DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                         DType::Q6_K,   DType::Q5_0,   DType::Q5_1, DType::Q2_K, DType::Q3_K,
                          DType::IQ4_NL, DType::IQ4_XS, DType::F16,  DType::BF16};
   for (DType t : types) {
     for (KN sh : shapes) {
@@ -241,8 +243,9 @@ int main() {
 
   // ---- tiled mat-mul ------------------------------------------------------------------------
   std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K,
-                  DType::Q5_0, DType::IQ4_NL, DType::IQ4_XS, DType::F16}) {
+  for (DType t :
+       {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q5_0,
+        DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16}) {
     for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
       if (sh.k % gc::block_elems(t) != 0) continue;
       const int cols = 512;
