@@ -2,11 +2,13 @@
 // kernels and the run-time choice between them and the AVX2 kernels.
 #include "quant.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "quant_impl.h"
@@ -350,6 +352,138 @@ void to_float_iq4_xs(const void* blocks, float* dst, int64_t n) {
       }
     }
   }
+}
+
+// s[i] = exp(s[i] - m) for the s[i] <= m of a softmax, and their sum, in lanes of 8 (the same
+// bits whichever clone runs). exp is 2^t with t = x log2(e) split into an integer and a fraction
+// whose 2^f is a degree-6 polynomial (relative error below 2e-7); inputs below -87 give 0. The
+// C library's exp, one call a score, was most of the time of attention at depth.
+namespace {
+__attribute__((target_clones("avx2", "default"))) float softmax_exp_clones(float* s, int64_t n,
+                                                                           float m) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  auto one = [m](float v) {
+    const float x = std::max(v - m, -87.0f);
+    const float t = x * 1.4426950408889634f;
+    const float fl = std::floor(t);
+    const float f = t - fl;
+    const float p =
+        1.0f + f * (0.6931471825f +
+                    f * (0.2402264923f +
+                         f * (0.0555041087f +
+                              f * (0.0096181291f + f * (0.0013333558f + f * 0.0001540353f)))));
+    const int32_t e = static_cast<int32_t>(fl) + 127;
+    uint32_t bits = static_cast<uint32_t>(e) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return v - m < -87.0f ? 0.0f : p * scale;
+  };
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += (s[i + j] = one(s[i + j]));
+  for (; i < n; ++i) acc[0] += (s[i] = one(s[i]));
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// The portable attention rows (quant.h's attention_rows): the chunk's keys transposed once into
+// kt (hd x n), then four rows share each load of 8 keys' dimension d, and a row's values
+// accumulate 32 dimensions at a time, so that no sum crosses vector lanes. Each row's sums run in
+// one order (over d for a score, over the keys for a value) whatever rows share the call.
+__attribute__((target_clones("avx2", "default"))) void attn_rows_clones(
+    const float* q, int R, int hd, const float* k, int64_t ks, const float* v, int64_t vs, int n,
+    const int* b, const int* e, float scale, float* scores, float* mx, float* sum, float* acc) {
+  thread_local std::vector<float> kt_buf;
+  kt_buf.resize(size_t(hd) * size_t(std::max(n, 1)));
+  float* kt = kt_buf.data();
+  for (int p = 0; p < n; ++p)
+    for (int d = 0; d < hd; ++d) kt[size_t(d) * n + p] = k[p * ks + d];
+  int r = 0;
+  for (; r + 4 <= R; r += 4) {
+    const float* q0 = q + int64_t(r) * hd;
+    int p = 0;
+    for (; p + 8 <= n; p += 8) {
+      float l0[8] = {}, l1[8] = {}, l2[8] = {}, l3[8] = {};
+      for (int d = 0; d < hd; ++d) {
+        const float* kd = kt + int64_t(d) * n + p;
+        const float a0 = q0[d], a1 = q0[hd + d], a2 = q0[2 * hd + d], a3 = q0[3 * hd + d];
+        for (int j = 0; j < 8; ++j) {
+          l0[j] += a0 * kd[j];
+          l1[j] += a1 * kd[j];
+          l2[j] += a2 * kd[j];
+          l3[j] += a3 * kd[j];
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        scores[int64_t(r) * n + p + j] = l0[j] * scale;
+        scores[int64_t(r + 1) * n + p + j] = l1[j] * scale;
+        scores[int64_t(r + 2) * n + p + j] = l2[j] * scale;
+        scores[int64_t(r + 3) * n + p + j] = l3[j] * scale;
+      }
+    }
+    for (; p < n; ++p)
+      for (int i = 0; i < 4; ++i) {
+        float l = 0.0f;
+        for (int d = 0; d < hd; ++d) l += q0[i * hd + d] * kt[int64_t(d) * n + p];
+        scores[int64_t(r + i) * n + p] = l * scale;
+      }
+  }
+  for (; r < R; ++r) {
+    const float* qr = q + int64_t(r) * hd;
+    int p = 0;
+    for (; p + 8 <= n; p += 8) {
+      float l[8] = {};
+      for (int d = 0; d < hd; ++d) {
+        const float* kd = kt + int64_t(d) * n + p;
+        for (int j = 0; j < 8; ++j) l[j] += qr[d] * kd[j];
+      }
+      for (int j = 0; j < 8; ++j) scores[int64_t(r) * n + p + j] = l[j] * scale;
+    }
+    for (; p < n; ++p) {
+      float l = 0.0f;
+      for (int d = 0; d < hd; ++d) l += qr[d] * kt[int64_t(d) * n + p];
+      scores[int64_t(r) * n + p] = l * scale;
+    }
+  }
+  for (r = 0; r < R; ++r) {
+    float* a = acc + int64_t(r) * hd;
+    float* w = scores + int64_t(r) * n;
+    const int br = b[r], er = e[r];
+    if (er <= br) {
+      mx[r] = -INFINITY, sum[r] = 0.0f;
+      std::fill(a, a + hd, 0.0f);
+      continue;
+    }
+    float m = -INFINITY;
+    for (int p = br; p < er; ++p) m = std::max(m, w[p]);
+    mx[r] = m;
+    sum[r] = softmax_exp(w + br, er - br, m);
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) {
+      float t[32] = {};
+      for (int p = br; p < er; ++p) {
+        const float wp = w[p];
+        const float* vp = v + int64_t(p) * vs + d0;
+        for (int i = 0; i < 32; ++i) t[i] += wp * vp[i];
+      }
+      std::copy(t, t + 32, a + d0);
+    }
+    for (; d0 < hd; ++d0) {
+      float t = 0.0f;
+      for (int p = br; p < er; ++p) t += w[p] * v[int64_t(p) * vs + d0];
+      a[d0] = t;
+    }
+  }
+}
+}  // namespace
+
+// Plain entry points to the clones above (a target_clones function must not be shared between
+// the library and a program that links it statically as well).
+float softmax_exp(float* s, int64_t n, float m) { return softmax_exp_clones(s, n, m); }
+
+void attn_rows_portable(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                        int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                        float* mx, float* sum, float* acc) {
+  attn_rows_clones(q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
 }
 
 }  // namespace quant_impl
@@ -884,6 +1018,14 @@ void use_kernels(const Kernels* k) {
 void force_scalar_kernels(bool scalar) { quant_impl::use_kernels(scalar ? &kScalar : nullptr); }
 
 const char* cpu_features() { return kernels().features; }
+
+void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                    int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                    float* mx, float* sum, float* acc) {
+  const quant_impl::AttnRowsFn f = kernels().attn_rows;
+  (f != nullptr && hd % 8 == 0 ? f : quant_impl::attn_rows_portable)(
+      q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+}
 
 size_t act_row_size(DType weight_type, int64_t n) {
   const TypeTraits& traits = computable_traits(weight_type, "act_row_size");

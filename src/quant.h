@@ -239,6 +239,17 @@ void prepare_act(DType weight_type, const float* x, void* dst, int64_t n);
 void mul_mat_tile(DType weight_type, int64_t k, const void* w, size_t w_stride, int n_rows,
                   const void* act, size_t act_stride, int n_cols, float* out, size_t out_stride);
 
+// Attention of R query rows (q, hd floats each) against one chunk of n keys and values (rows of
+// hd floats, ks and vs floats apart), the inner kernel of the CPU backend's attention. Row r
+// attends to keys [b[r], e[r]) of the chunk. Per row it leaves the max score in mx (-inf when
+// the row has no keys), the sum of exp(score - max) in sum (0 then) and the exp-weighted values,
+// unnormalized, in acc (R x hd); scores (R x n) is its workspace. Each row's result is one fixed
+// sequence of operations whatever the other rows of the call, so a prompt and its tokens one at
+// a time give the same bits.
+void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                    int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                    float* mx, float* sum, float* acc);
+
 // The instruction sets the hot loops use on the running CPU ("avx2 fma f16c"), or "scalar".
 const char* cpu_features();
 // Selects the portable kernels (true) or the best the CPU offers (false); for tests that compare

@@ -80,6 +80,18 @@ void to_float_iq4_xs(const void* blocks, float* dst, int64_t n);
 constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
 
+// quant.h's attention_rows.
+using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64_t ks,
+                            const float* v, int64_t vs, int n, const int* b, const int* e,
+                            float scale, float* scores, float* mx, float* sum, float* acc);
+// s[i] = exp(s[i] - m) for the s[i] <= m of a softmax, returning their sum; the same bits in
+// every kernel set (attention rows share it).
+float softmax_exp(float* s, int64_t n, float m);
+// The portable attention rows, for every head size.
+void attn_rows_portable(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                        int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                        float* mx, float* sum, float* acc);
+
 constexpr int kTypeSlots = 40;  // ggml type ids are below this
 constexpr int kActLayouts = 4;  // ActLayout values
 inline int slot(DType t) { return static_cast<int>(t); }
@@ -94,6 +106,8 @@ struct Kernels {
   // Decoders giving the type table's bits faster (the KV cache's rows, read every step); null:
   // the table's own.
   ToFloatFn to_float[kTypeSlots];
+  // Attention rows for heads a multiple of 8 wide; null: the portable kernel.
+  AttnRowsFn attn_rows;
 };
 
 // The portable kernels (quant.cpp).

@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <utility>
@@ -988,6 +990,116 @@ struct Tiler {
     }
   }
 };
+
+// ---- Attention rows (quant.h's attention_rows), heads a multiple of 8 wide -------------------
+
+// The lanes of eight vectors summed, vector j's sum in lane j: every sum is ((x0 + x1) + (x2 +
+// x3)) + ((x4 + x5) + (x6 + x7)) whichever lane it lands in.
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                    __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Weighted values of NR rows (weights w, n apart; zero outside each row's keys) over keys [pb, pe)
+// for dimensions [d0, d0 + 8 DB): each row's lanes add one key after another, so a row's result
+// does not depend on the rows beside it. One load of a value vector serves every row.
+template <int NR, int DB>
+inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
+                            int d0, float* acc, int hd) {
+  __m256 a[NR][DB];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < DB; ++i) a[r][i] = _mm256_setzero_ps();
+  for (int p = pb; p < pe; ++p) {
+    const float* vp = v + int64_t(p) * vs + d0;
+    __m256 x[DB];
+    for (int i = 0; i < DB; ++i) x[i] = _mm256_loadu_ps(vp + 8 * i);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 wr = _mm256_broadcast_ss(w + int64_t(r) * n + p);
+      for (int i = 0; i < DB; ++i) a[r][i] = _mm256_fmadd_ps(wr, x[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < DB; ++i) _mm256_storeu_ps(acc + int64_t(r) * hd + d0 + 8 * i, a[r][i]);
+}
+
+template <int NR>
+inline void attn_values_rows_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
+                                 float* acc, int hd) {
+  int d0 = 0;
+  for (; d0 + 32 <= hd; d0 += 32) attn_values_x86<NR, 4>(w, n, v, vs, pb, pe, d0, acc, hd);
+  for (; d0 < hd; d0 += 8) attn_values_x86<NR, 1>(w, n, v, vs, pb, pe, d0, acc, hd);
+}
+
+// Scores eight keys at a time, one row after another (the eight keys' rows stay in L1): each
+// key's dot product in lanes of 8 over d, then hsum8. The last block repeats its last key where
+// the chunk ends, and keeps only the real ones.
+void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                   int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                   float* mx, float* sum, float* acc) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int p0 = 0; p0 < n; p0 += 8) {
+    const float* kp[8];
+    for (int j = 0; j < 8; ++j) kp[j] = k + int64_t(std::min(p0 + j, n - 1)) * ks;
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + int64_t(r) * hd;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+             a7 = a0;
+      for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[7] + d), a7);
+      }
+      const __m256 s = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
+      float* out = scores + int64_t(r) * n + p0;
+      if (p0 + 8 <= n) {
+        _mm256_storeu_ps(out, s);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, s);
+        std::memcpy(out, t, sizeof(float) * size_t(n - p0));
+      }
+    }
+  }
+  // Softmax per row; weights outside the row's keys become 0, so rows of different ranges can
+  // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a).
+  for (int r = 0; r < R; ++r) {
+    float* w = scores + int64_t(r) * n;
+    const int br = b[r], er = e[r];
+    if (er <= br) {
+      mx[r] = -INFINITY, sum[r] = 0.0f;
+      std::fill(w, w + n, 0.0f);
+      continue;
+    }
+    float m = -INFINITY;
+    for (int p = br; p < er; ++p) m = std::max(m, w[p]);
+    mx[r] = m;
+    sum[r] = softmax_exp(w + br, er - br, m);
+    std::fill(w, w + br, 0.0f);
+    std::fill(w + er, w + n, 0.0f);
+  }
+  for (int r0 = 0; r0 < R; r0 += 3) {
+    const int nr = std::min(3, R - r0);
+    int pb = n, pe = 0;
+    for (int r = r0; r < r0 + nr; ++r)
+      if (e[r] > b[r]) pb = std::min(pb, b[r]), pe = std::max(pe, e[r]);
+    const float* w = scores + int64_t(r0) * n;
+    float* a = acc + int64_t(r0) * hd;
+    if (nr == 3)
+      attn_values_rows_x86<3>(w, n, v, vs, pb, pe, a, hd);
+    else if (nr == 2)
+      attn_values_rows_x86<2>(w, n, v, vs, pb, pe, a, hd);
+    else
+      attn_values_rows_x86<1>(w, n, v, vs, pb, pe, a, hd);
+  }
+}
 
 }  // namespace
 }  // namespace quant_impl

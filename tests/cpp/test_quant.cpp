@@ -750,6 +750,130 @@ INSTANTIATE_TEST_SUITE_P(Kernels, MulMatTile,
                          });
 
 // ---------------------------------------------------------------------------------------------
+// Attention rows (the CPU attention's inner kernel), in every kernel set
+
+class AttentionRows : public MulMatTile {};
+
+struct AttnCase {
+  int R, hd, n;
+  int64_t ks, vs;
+  std::vector<float> q, k, v;
+  std::vector<int> b, e;
+};
+
+AttnCase random_attn_case(int R, int hd, int n, std::mt19937& rng) {
+  AttnCase c{R, hd, n, hd + 8, hd + 24, {}, {}, {}, {}, {}};
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  c.q.resize(size_t(R) * hd);
+  c.k.resize(size_t(std::max(n, 1)) * c.ks);
+  c.v.resize(size_t(std::max(n, 1)) * c.vs);
+  for (float& x : c.q) x = g(rng);
+  for (float& x : c.k) x = g(rng);
+  for (float& x : c.v) x = g(rng);
+  std::uniform_int_distribution<int> pos(0, n);
+  for (int r = 0; r < R; ++r) {
+    int lo = pos(rng), hi = pos(rng);
+    if (lo > hi) std::swap(lo, hi);
+    if (r == 0) lo = 0, hi = n;  // one row over every key
+    if (r == 1) hi = lo;         // and one without any
+    c.b.push_back(lo);
+    c.e.push_back(hi);
+  }
+  return c;
+}
+
+struct AttnOut {
+  std::vector<float> scores, mx, sum, acc;
+};
+
+AttnOut run_attention_rows(const AttnCase& c, float scale) {
+  AttnOut o{std::vector<float>(size_t(c.R) * std::max(c.n, 1)), std::vector<float>(c.R),
+            std::vector<float>(c.R), std::vector<float>(size_t(c.R) * c.hd)};
+  attention_rows(c.q.data(), c.R, c.hd, c.k.data(), c.ks, c.v.data(), c.vs, c.n, c.b.data(),
+                 c.e.data(), scale, o.scores.data(), o.mx.data(), o.sum.data(), o.acc.data());
+  return o;
+}
+
+// Softmax-weighted values of every row against a float64 evaluation, for head sizes with and
+// without a vector kernel (a multiple of 8 or not), chunks of whole and partial key blocks.
+TEST_P(AttentionRows, MatchesFloat64Reference) {
+  std::mt19937 rng(41);
+  for (int hd : {64, 96, 128, 256, 36}) {
+    for (int n : {1, 7, 8, 9, 61, 256}) {
+      const AttnCase c = random_attn_case(7, hd, n, rng);
+      const float scale = 1.0f / std::sqrt(float(hd));
+      const AttnOut o = run_attention_rows(c, scale);
+      for (int r = 0; r < c.R; ++r) {
+        const std::string where =
+            "hd " + std::to_string(hd) + " n " + std::to_string(n) + " row " + std::to_string(r);
+        if (c.e[r] <= c.b[r]) {
+          EXPECT_EQ(o.sum[r], 0.0f) << where;
+          EXPECT_TRUE(std::isinf(o.mx[r]) && o.mx[r] < 0) << where;
+          for (int d = 0; d < hd; ++d) ASSERT_EQ(o.acc[size_t(r) * hd + d], 0.0f) << where;
+          continue;
+        }
+        std::vector<double> s;
+        double m = -INFINITY;
+        for (int p = c.b[r]; p < c.e[r]; ++p) {
+          double dot = 0;
+          for (int d = 0; d < hd; ++d)
+            dot += double(c.q[size_t(r) * hd + d]) * c.k[size_t(p) * c.ks + d];
+          s.push_back(dot * scale);
+          m = std::max(m, s.back());
+        }
+        double total = 0;
+        for (double& x : s) total += (x = std::exp(x - m));
+        EXPECT_NEAR(o.mx[r], m, 1e-5 * std::max(1.0, std::fabs(m))) << where;
+        EXPECT_NEAR(o.sum[r] * std::exp(double(o.mx[r]) - m), total, 1e-5 * total) << where;
+        for (int d = 0; d < hd; ++d) {
+          double want = 0;
+          for (int p = c.b[r]; p < c.e[r]; ++p) want += s[p - c.b[r]] * c.v[size_t(p) * c.vs + d];
+          const double got = double(o.acc[size_t(r) * hd + d]) / o.sum[r];
+          ASSERT_NEAR(got, want / total, 2e-5) << where << " dimension " << d;
+        }
+      }
+    }
+  }
+}
+
+// A row's result is the same bits whichever rows share the call and wherever its keys start in
+// the chunk: what lets a prompt and its tokens one at a time (whose chunks start elsewhere under
+// a sliding window) give the same bits.
+TEST_P(AttentionRows, SameBitsWhateverTheOtherRowsAndTheChunkStart) {
+  std::mt19937 rng(42);
+  for (int hd : {64, 128, 36}) {
+    const AttnCase all = random_attn_case(9, hd, 203, rng);
+    const float scale = 0.125f;
+    const AttnOut together = run_attention_rows(all, scale);
+    for (int r = 0; r < all.R; ++r) {
+      // Row r alone, over the keys from its first one on (the chunk starting there).
+      const int o = all.b[r];
+      AttnCase alone{1, hd, all.n - o, all.ks, all.vs, {}, {}, {}, {0}, {all.e[r] - o}};
+      alone.q.assign(all.q.begin() + size_t(r) * hd, all.q.begin() + size_t(r + 1) * hd);
+      alone.k.assign(all.k.begin() + size_t(o) * all.ks, all.k.end());
+      alone.v.assign(all.v.begin() + size_t(o) * all.vs, all.v.end());
+      if (alone.e[0] < 0) alone.e[0] = 0;
+      const AttnOut single = run_attention_rows(alone, scale);
+      const std::string where = "hd " + std::to_string(hd) + " row " + std::to_string(r);
+      EXPECT_EQ(float_bits(single.mx[0]), float_bits(together.mx[r])) << where;
+      EXPECT_EQ(float_bits(single.sum[0]), float_bits(together.sum[r])) << where;
+      for (int d = 0; d < hd; ++d)
+        ASSERT_EQ(float_bits(single.acc[d]), float_bits(together.acc[size_t(r) * hd + d]))
+            << where << " dimension " << d;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, AttentionRows,
+                         ::testing::Values(KernelSet::kScalar, KernelSet::kAvx2,
+                                           KernelSet::kAvx512),
+                         [](const ::testing::TestParamInfo<KernelSet>& info) {
+                           return std::string(info.param == KernelSet::kScalar ? "Scalar"
+                                              : info.param == KernelSet::kAvx2 ? "Avx2"
+                                                                               : "Avx512");
+                         });
+
+// ---------------------------------------------------------------------------------------------
 // Scalar and vector kernels
 
 // The type table is the one list of computable formats: each has a decoder, an activation layout
