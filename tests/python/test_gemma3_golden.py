@@ -41,11 +41,18 @@ def _agrees(got, recorded, exact):
     return got == recorded or (recorded != exact and got == exact)
 
 
-@pytest.fixture(scope="module", params=["cpu", "cuda"])
+# Every KV cache type meets the bars on the CPU, the 985-token prompt past the window included;
+# CUDA has F16 caches only, so far.
+@pytest.fixture(
+    scope="module",
+    params=[("cpu", "f32"), ("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "f16")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def model(request, gemma3):
-    if request.param == "cuda" and not cuda_available():
+    device, kv_type = request.param
+    if device == "cuda" and not cuda_available():
         pytest.skip("no CUDA device (or a build without CUDA): the CUDA golden run is skipped")
-    return ggraph.Model(gemma3, device=request.param, n_ctx=1100)
+    return ggraph.Model(gemma3, device=device, n_ctx=1100, kv_type=kv_type)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +136,12 @@ def test_teacher_forced_agreement_with_greedy_ids(forced_runs, golden, exact_cho
         assert np.mean(ok) >= 0.90, f"{g['prompt'][:40]!r}: {np.mean(ok):.2%} (raw {raw:.2%})"
 
 
-def test_teacher_forced_agreement_with_exact_math(forced_runs, golden, exact_choice):
+def test_teacher_forced_agreement_with_exact_math(model, forced_runs, golden, exact_choice):
+    # An 8-bit cache is not exact math by design: it moves logits by about 0.1 and flips choices
+    # whose float64 margin is that small (BENCHMARKS.md, KV cache types: quality), while it meets
+    # every bar against llama.cpp above.
+    if model.kv_type == "q8_0":
+        pytest.skip("an 8-bit KV cache is not held to float64's near-tie choices")
     greedy, _ = golden
     for g, got, exact in zip(greedy, forced_runs, exact_choice):
         n_p = len(g["prompt_ids"])
