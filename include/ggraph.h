@@ -117,7 +117,11 @@ typedef struct {
   const char* const* stop; /* n_stop non-empty NUL-terminated strings, or NULL */
   size_t n_stop;
   int32_t top_logprobs; /* 0 to 20 alternatives passed to the callback each step */
+  uint64_t flags;       /* GGRAPH_GENERATE_* bits (a field past the padding of older versions) */
 } ggraph_generate_params;
+
+/* An end-of-generation token is generated as any other (for benchmarks). */
+#define GGRAPH_GENERATE_IGNORE_EOS ((uint64_t)1)
 
 typedef struct {
   int32_t token;

@@ -287,6 +287,9 @@ int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
     o.sampling.penalty_last_n = in.penalty_last_n;
     o.sampling.seed = in.seed;
     o.top_logprobs = in.top_logprobs;
+    if (in.flags & ~GGRAPH_GENERATE_IGNORE_EOS)
+      throw ggraph::ArgumentError("ggraph_generate: unknown flags " + std::to_string(in.flags));
+    o.ignore_eos = (in.flags & GGRAPH_GENERATE_IGNORE_EOS) != 0;
     if (in.n_stop && !in.stop) throw ggraph::ArgumentError("ggraph_generate: stop is NULL");
     for (size_t i = 0; i < in.n_stop; ++i) {
       if (!in.stop[i]) throw ggraph::ArgumentError("ggraph_generate: stop string is NULL");

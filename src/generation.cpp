@@ -127,7 +127,7 @@ bool Generation::next(std::string* text, GeneratedToken* token,
       token->top.clear();
     }
   }
-  if (ctx_.tokenizer().is_end_of_generation(tok)) {
+  if (!opt_.ignore_eos && ctx_.tokenizer().is_end_of_generation(tok)) {
     finish(StopReason::kEos, text);
     return true;
   }

@@ -27,6 +27,9 @@ struct GenerateOptions {
   // The sampled token's log-probability (a softmax over the vocabulary each step); without it
   // GeneratedToken::logprob is NaN and top_logprobs must be 0.
   bool logprobs = true;
+  // An end-of-generation token is generated as any other (its text, if any, is given) instead
+  // of ending the generation: for benchmarks that need exactly max_tokens tokens.
+  bool ignore_eos = false;
 };
 
 enum class StopReason { kNone, kEos, kStop, kLength, kContextFull, kCancelled };

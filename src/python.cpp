@@ -352,18 +352,19 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
                        std::vector<std::string> stop, bool logprobs, int top_logprobs,
-                       const py::kwargs& kw) {
+                       bool ignore_eos, const py::kwargs& kw) {
              GenerateOptions o;
              o.max_tokens = max_tokens;
              o.stop = std::move(stop);
              o.logprobs = logprobs;
              o.top_logprobs = top_logprobs;
+             o.ignore_eos = ignore_eos;
              o.sampling = sampling_params(kw, "generate");
              return std::make_unique<Generation>(c, to_ids(prompt, "generate"), std::move(o));
            }),
            py::keep_alive<1, 2>(), py::arg("context"), py::arg("prompt"),
            py::arg("max_tokens") = 128, py::arg("stop") = std::vector<std::string>{},
-           py::arg("logprobs") = true, py::arg("top_logprobs") = 0)
+           py::arg("logprobs") = true, py::arg("top_logprobs") = 0, py::arg("ignore_eos") = false)
       .def("next",
            [](Generation& g) -> py::object {
              std::string text;

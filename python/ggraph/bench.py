@@ -1,5 +1,8 @@
 """llama-bench-style throughput: pp (prompt processing) and tg (token generation) in tokens/s,
-optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096").
+optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096"). Beside tg, gen
+is the speed of the generation loop a user's `generate()` runs (greedy sampling and detokenizing
+each token, the end of generation ignored), after a short prompt: what `ggraph generate`
+prints.
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
     [--cuda-graphs off,patch] [--kv-type auto] [--allow-longer-context]
@@ -32,6 +35,22 @@ def _time_tg(model, n_gen, rng, depth=0):
     for t in tokens:
         model.eval([t])
     return time.perf_counter() - t0
+
+
+def _time_gen(model, n_gen, rng, depth=0):
+    # The context, then a short prompt evaluated before the clock starts, as `ggraph generate`
+    # times it; the generation finds both in the cache.
+    prompt = model._tokens[:depth] + rng.integers(0, model.n_vocab, size=8).tolist()
+    model.rewind(depth)
+    model.eval(prompt[depth:])
+    t0 = time.perf_counter()
+    for _ in model.generate(prompt, max_tokens=n_gen, temperature=0, ignore_eos=True):
+        pass
+    elapsed = time.perf_counter() - t0
+    if model.n_generated != n_gen:
+        raise RuntimeError(f"gen: {model.n_generated} of {n_gen} tokens ({model.stop_reason})")
+    model.rewind(depth)
+    return elapsed
 
 
 def run_bench(
@@ -71,6 +90,7 @@ def run_bench(
                 tests.append((f"pp{n_prompt}{at}", n_prompt, _time_pp, depth))
             if n_gen > 0:
                 tests.append((f"tg{n_gen}{at}", n_gen, _time_tg, depth))
+                tests.append((f"gen{n_gen}{at}", n_gen, _time_gen, depth))
         for name, n, fn, depth in tests:
             # The context of `depth` tokens, evaluated once; each run starts from it.
             if depth != getattr(model, "_bench_depth", None):

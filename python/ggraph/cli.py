@@ -41,7 +41,14 @@ def cmd_generate(args):
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     t1 = time.perf_counter()
-    for piece in model.generate(ids, max_tokens=args.n_predict, stop=args.stop, **_sampling(args)):
+    pieces = model.generate(
+        ids,
+        max_tokens=args.n_predict,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        **_sampling(args),
+    )
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     t_gen = time.perf_counter() - t1
@@ -205,6 +212,9 @@ def build_parser():
     g = sub.add_parser("generate", help="continue a prompt, streaming the text")
     _add_model_args(g)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument(
+        "--ignore-eos", action="store_true", help="go on past an end-of-generation token"
+    )
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")

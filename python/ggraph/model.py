@@ -432,6 +432,7 @@ class Model:
         add_bos: bool | None = None,
         special: bool = False,
         logprobs: int | None = None,
+        ignore_eos: bool = False,
         **sampling,
     ) -> Iterator:
         """Yields text pieces of the continuation of `prompt` (text or token ids). Stops at an
@@ -441,7 +442,8 @@ class Model:
         With logprobs=N (0 to 20) it yields a GeneratedToken per sampled token instead: the
         token id, the text that became final with it (held-back text arrives with a later
         token; the last item may carry text and no token), its log-probability under the
-        model's logits, and the N most likely tokens with theirs."""
+        model's logits, and the N most likely tokens with theirs. ignore_eos=True generates an
+        end-of-generation token as any other instead of stopping there (benchmarks)."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt
@@ -454,6 +456,7 @@ class Model:
             stop=stops,
             logprobs=logprobs is not None,  # the plain text form skips the softmax a step
             top_logprobs=logprobs or 0,
+            ignore_eos=ignore_eos,
             **sampling,
         )
         # Starting a generation invalidates the generators before it.

@@ -45,6 +45,7 @@ class GenParams(ctypes.Structure):
         ("stop", ctypes.POINTER(ctypes.c_char_p)),
         ("n_stop", ctypes.c_size_t),
         ("top_logprobs", ctypes.c_int32),
+        ("flags", ctypes.c_uint64),
     ]
 
 

@@ -147,7 +147,9 @@ def test_bench_at_depth(tiny_model):
     )
     assert r.returncode == 0, r.stderr
     tests = [line.split("|")[5].strip() for line in r.stdout.splitlines()[2:]]
-    assert tests == ["pp16", "tg8", "pp16 @ d100", "tg8 @ d100"]
+    # gen: the generation loop after the context, exactly 8 tokens (the end of generation
+    # ignored), or the bench fails.
+    assert tests == ["pp16", "tg8", "gen8", "pp16 @ d100", "tg8 @ d100", "gen8 @ d100"]
     bad = ggraph_cmd("bench", "-m", tiny_model, "-d", "x", "--device", "cpu")
     assert bad.returncode == 1 and "-d" in bad.stderr
 

@@ -119,6 +119,36 @@ def test_c_generate_stops_when_asked_and_refuses_bad_params(capi):
     assert _generate(lib, model, [1, 10**6], p)[0] == -2
 
 
+def test_ignore_eos_generates_past_the_end_of_generation(smollm2):
+    m = ggraph.Model(smollm2, device="cpu", n_ctx=256)
+    ids = m.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=True)
+
+    def tokens(**kw):
+        steps = m.generate(ids, max_tokens=64, temperature=0, logprobs=0, **kw)
+        return [it.token for it in steps if it.token >= 0]
+
+    plain = tokens()
+    assert m.stop_reason == "eos" and len(plain) < 64
+    longer = tokens(ignore_eos=True)
+    assert m.stop_reason == "length" and m.n_generated == 64 == len(longer)
+    # The same tokens up to the end of generation, which is generated instead of ending it.
+    assert longer[: len(plain)] == plain
+
+
+def test_c_generate_flags(capi):
+    lib, model = capi
+    p = lib.ggraph_default_generate_params()
+    assert p.flags == 0
+    p.temperature, p.max_tokens, p.flags = 0.0, 20, 1  # GGRAPH_GENERATE_IGNORE_EOS
+    rc, _, tokens = _generate(lib, model, [1, 2], p)
+    assert rc == 3 and len(tokens) == 20  # GGRAPH_STOP_LENGTH, whatever the tokens
+    n_past = lib.ggraph_n_past(model)
+    p.flags = 2  # no such flag
+    assert _generate(lib, model, [1, 2], p)[0] == -2
+    assert b"flags" in lib.ggraph_last_error(model)
+    assert lib.ggraph_n_past(model) == n_past
+
+
 def test_c_detokenize_and_rewind(capi, tiny_model):
     lib, model = capi
     py = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
