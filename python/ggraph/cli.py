@@ -102,6 +102,19 @@ def cmd_chat(args):
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args):
+    from ggraph.server import serve
+
+    if args.parallel != 1:
+        raise ValueError(
+            f"--parallel {args.parallel}: this version serves one request at a time (--parallel 1)"
+        )
+    model = _load(args)
+    name = args.model or "smollm2"
+    serve(model, os.path.basename(name), host=args.host, port=args.port)
+    return 0
+
+
 def cmd_info(args):
     from collections import Counter
 
@@ -221,6 +234,12 @@ def build_parser():
     _add_model_args(c)
     c.add_argument("--system", help="system message")
     c.set_defaults(func=cmd_chat, n_predict=512)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_model_args(s, sampling=False)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--parallel", type=int, default=1, help="requests served at once (1)")
+    s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="describe a GGUF file")
     i.add_argument("file")
     i.set_defaults(func=cmd_info)

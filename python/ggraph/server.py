@@ -1,0 +1,500 @@
+"""`ggraph serve`: an OpenAI-compatible HTTP server over one model (starlette + uvicorn).
+
+    ggraph serve [-m MODEL] [--host 127.0.0.1] [--port 8080] [--device auto] [-c N_CTX]
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions (with
+"stream": true as server-sent events). The HTTP layer parses, streams and formats; the engine
+thread owns the model and runs one generation at a time, in arrival order, so a request waits
+for those before it. A stream whose client goes away is cancelled at its next token. Malformed
+requests get a 400 in OpenAI's error shape, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+
+# The sampling defaults of a request that names none (OpenAI's, but for top_k and min_p, which
+# its API lacks: off).
+_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+
+
+class RequestError(ValueError):
+    """A request the server refuses: becomes a 400 in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _error_body(message, kind="invalid_request_error", param=None, code=None):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Job:
+    """One request's generation: its arguments, its events and whether its client left."""
+
+    def __init__(self, loop, ids, max_tokens, stop, logprobs, sampling):
+        self.loop, self.ids, self.max_tokens = loop, ids, max_tokens
+        self.stop, self.logprobs, self.sampling = stop, logprobs, sampling
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def emit(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """The thread that owns the model: takes jobs in order and runs each generation, sending
+    ("token", GeneratedToken), then ("done", stop_reason) or ("error", exception)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._current = None
+        self._thread = threading.Thread(target=self._run, name="ggraph-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    def cancel(self, job: _Job) -> None:
+        job.cancelled.set()
+        with self._lock:
+            if self._current is job:
+                self.model.cancel()  # also stops a long prompt between its chunks
+
+    def close(self) -> None:
+        with self._lock:
+            if self._current is not None:
+                self._current.cancelled.set()
+                self.model.cancel()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                continue
+            with self._lock:
+                self._current = job
+            try:
+                steps = self.model.generate(
+                    job.ids,
+                    max_tokens=job.max_tokens,
+                    stop=job.stop,
+                    logprobs=job.logprobs,
+                    **job.sampling,
+                )
+                for step in steps:
+                    if job.cancelled.is_set():
+                        break
+                    job.emit(("token", step))
+                job.emit(("done", self.model.stop_reason))
+            except Exception as e:  # the request's failure, not the server's
+                job.emit(("error", e))
+            finally:
+                with self._lock:
+                    self._current = None
+
+
+# ---- Requests ----------------------------------------------------------------------------------
+
+
+def _get(body, key, kinds, default=None, check=None, what=""):
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise RequestError(f"'{key}' must be {what}, got {value!r}", key)
+    if not isinstance(value, kinds):
+        raise RequestError(f"'{key}' must be {what}, got {value!r}", key)
+    if check is not None and not check(value):
+        raise RequestError(f"'{key}' must be {what}, got {value!r}", key)
+    return value
+
+
+def _sampling(body) -> dict:
+    number = (int, float)
+    s = {
+        "temperature": float(
+            _get(body, "temperature", number, _DEFAULTS["temperature"], lambda v: v >= 0, ">= 0")
+        ),
+        "top_p": float(
+            _get(body, "top_p", number, _DEFAULTS["top_p"], lambda v: 0 < v <= 1, "in (0, 1]")
+        ),
+        "top_k": _get(body, "top_k", int, _DEFAULTS["top_k"], lambda v: v >= 0, "an int >= 0"),
+        "min_p": float(
+            _get(body, "min_p", number, _DEFAULTS["min_p"], lambda v: 0 <= v <= 1, "in [0, 1]")
+        ),
+        "frequency_penalty": float(
+            _get(body, "frequency_penalty", number, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        ),
+        "presence_penalty": float(
+            _get(body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]")
+        ),
+    }
+    seed = _get(body, "seed", int, None, lambda v: 0 <= v < 2**64 - 1, "an int >= 0")
+    if seed is not None:
+        s["seed"] = seed
+    return s
+
+
+def _stop(body) -> list:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > 4:
+        raise RequestError(f"'stop' takes at most 4 strings, got {len(stops)}", "stop")
+    return stops
+
+
+def _common(body, model, ids, default_max):
+    if _get(body, "n", int, 1, what="1") != 1:
+        raise RequestError("'n' must be 1: one choice a request", "n")
+    room = model.n_ctx - len(ids)
+    if room < 1:
+        raise RequestError(
+            f"the prompt is {len(ids)} tokens; the context holds {model.n_ctx}",
+            "messages" if "messages" in body else "prompt",
+            "context_length_exceeded",
+        )
+    max_tokens = _get(
+        body, "max_completion_tokens", int, None, lambda v: v >= 0, "an int >= 0"
+    ) or _get(body, "max_tokens", int, None, lambda v: v >= 0, "an int >= 0")
+    max_tokens = min(room, default_max if max_tokens is None else max_tokens)
+    return max_tokens, _stop(body), _sampling(body)
+
+
+def _completion_request(body, model):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = model.tokenize(prompt)
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t < model.n_vocab for t in prompt):
+            raise RequestError(f"'prompt' holds a token id outside [0, {model.n_vocab})", "prompt")
+        ids = list(prompt)
+    else:
+        raise RequestError(
+            "'prompt' must be a string or a list of token ids (one prompt)", "prompt"
+        )
+    if not ids:
+        raise RequestError("'prompt' is empty", "prompt")
+    logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= 5, "an int in [0, 5]")
+    return ids, logprobs, _common(body, model, ids, 16)
+
+
+def _chat_request(body, model):
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    flat = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError("each message needs a 'role' and a 'content'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise RequestError("each message needs a 'role' and a 'content'", "messages")
+        flat.append({"role": m["role"], "content": content})
+    ids = model.apply_chat_template(flat, tokenize=True)
+    logprobs = None
+    if _get(body, "logprobs", bool, False, what="a boolean"):
+        logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20, "an int in [0, 20]")
+    return ids, logprobs, _common(body, model, ids, model.n_ctx)
+
+
+# ---- Responses ---------------------------------------------------------------------------------
+
+
+def _token_text(model, token: int) -> str:
+    return model.detokenize([token])
+
+
+def _chat_logprob(model, step):
+    def entry(token, logprob):
+        text = _token_text(model, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    item = entry(step.token, step.logprob)
+    item["top_logprobs"] = [entry(t, lp) for t, lp in step.top]
+    return item
+
+
+class _Collected:
+    """What a request's events add up to: text, token count, logprobs, finish reason."""
+
+    def __init__(self):
+        self.text, self.steps, self.finish = [], [], None
+
+
+def create_app(model, model_name: str):
+    """The starlette application serving `model` (a ggraph.Model) as `model_name`."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    engine = Engine(model)
+    created = int(time.time())
+
+    def error(status, message, kind="invalid_request_error", param=None, code=None):
+        return JSONResponse(_error_body(message, kind, param, code), status_code=status)
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request):
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model_name, "object": "model", "created": created, "owned_by": "ggraph"}
+                ],
+            }
+        )
+
+    async def events(job: _Job):
+        """The job's events until it ends; cancels it if the consumer stops early."""
+        engine.submit(job)
+        finished = False
+        try:
+            while True:
+                kind, value = await job.events.get()
+                finished = kind != "token"
+                if kind == "error":
+                    raise value
+                yield kind, value
+                if kind == "done":
+                    return
+        finally:
+            if not finished:
+                engine.cancel(job)
+
+    def usage(job: _Job, n_completion: int) -> dict:
+        n_prompt = len(job.ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_completion,
+            "total_tokens": n_prompt + n_completion,
+        }
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        try:
+            ids, logprobs, (max_tokens, stop, sampling) = (
+                _chat_request if chat else _completion_request
+            )(body, model)
+            stream = _get(body, "stream", bool, False, what="a boolean")
+            opts = body.get("stream_options") or {}
+            include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        except RequestError as e:
+            return error(400, str(e), param=e.param, code=e.code)
+        except ValueError as e:  # a chat template's failure, a tokenizer's
+            return error(400, str(e))
+        job = _Job(
+            asyncio.get_running_loop(),
+            ids,
+            max_tokens,
+            stop,
+            logprobs if logprobs is not None else None,
+            sampling,
+        )
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        rid = prefix + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+
+        if not stream:
+            out = _Collected()
+            try:
+                async for kind, value in events(job):
+                    if kind == "token":
+                        if logprobs is not None:
+                            out.text.append(value.text)
+                            if value.token >= 0:
+                                out.steps.append(value)
+                        else:
+                            out.text.append(value)
+                    else:
+                        out.finish = _FINISH.get(value, "stop")
+            except ValueError as e:  # refused by the core (sampling options, the context)
+                return error(400, str(e))
+            n_completion = model.n_generated
+            text = "".join(out.text)
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": {"content": [_chat_logprob(model, s) for s in out.steps]}
+                    if logprobs is not None
+                    else None,
+                    "finish_reason": out.finish,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": _completion_logprobs(model, out.steps)
+                    if logprobs is not None
+                    else None,
+                    "finish_reason": out.finish,
+                }
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": int(time.time()),
+                    "model": model_name,
+                    "choices": [choice],
+                    "usage": usage(job, n_completion),
+                }
+            )
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice=None, **extra):
+            c = {
+                "id": rid,
+                "object": chunk_obj,
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [choice] if choice is not None else [],
+            }
+            c.update(extra)
+            return f"data: {json.dumps(c)}\n\n"
+
+        async def sse():
+            n_completion = 0
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})
+            try:
+                async for kind, value in events(job):
+                    if kind == "token":
+                        step = value
+                        text = step.text if logprobs is not None else step
+                        if logprobs is not None and step.token >= 0:
+                            n_completion += 1
+                        elif logprobs is None:
+                            n_completion = model.n_generated
+                        lp = None
+                        if logprobs is not None and step.token >= 0:
+                            lp = (
+                                {"content": [_chat_logprob(model, step)]}
+                                if chat
+                                else _completion_logprobs(model, [step])
+                            )
+                        if not text and lp is None:
+                            continue
+                        if chat:
+                            yield chunk(
+                                {
+                                    "index": 0,
+                                    "delta": {"content": text},
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }  # fmt: skip
+                            )
+                        else:
+                            yield chunk(
+                                {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
+                            )
+                    else:
+                        n_completion = model.n_generated
+                        finish = _FINISH.get(value, "stop")
+                        if chat:
+                            yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
+                        else:
+                            yield chunk({"index": 0, "text": "", "finish_reason": finish})
+                        if include_usage:
+                            yield chunk(None, usage=usage(job, n_completion))
+            except ValueError as e:
+                yield f"data: {json.dumps(_error_body(str(e)))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    async def not_found(request: Request, exc):
+        return error(404, f"no route {request.method} {request.url.path}", code="not_found")
+
+    async def not_allowed(request: Request, exc):
+        return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+    async def failed(request: Request, exc):
+        return error(500, f"{type(exc).__name__}: {exc}", kind="server_error")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.close()  # cancels a generation still running
+        print("ggraph serve: stopped", file=sys.stderr, flush=True)
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        ],
+        exception_handlers={404: not_found, 405: not_allowed, Exception: failed},
+        lifespan=lifespan,
+    )
+    app.state.engine = engine
+    return app
+
+
+def _completion_logprobs(model, steps) -> dict:
+    """The legacy completions' logprobs object for the generated tokens."""
+    tokens = [_token_text(model, s.token) for s in steps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s.logprob for s in steps],
+        "top_logprobs": [{_token_text(model, t): lp for t, lp in s.top} for s in steps],
+        "text_offset": offsets,
+    }
+
+
+def serve(model, model_name: str, host: str = "127.0.0.1", port: int = 8080) -> None:
+    """Serves until SIGINT or SIGTERM; a request in flight is cancelled at its next token."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError(
+            'ggraph serve needs starlette and uvicorn: pip install "ggraph-llm[serve]"'
+        ) from None
+    app = create_app(model, model_name)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

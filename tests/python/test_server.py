@@ -1,0 +1,227 @@
+"""`ggraph serve` as a client sees it: the official `openai` client against a real server process
+on 127.0.0.1 serving the real SmolLM2 file on the CPU, checked against the library's own
+generation (greedy, so the same text is expected token for token)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import ggraph
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+N_CTX = 512
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "stderr.log", "w+")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ggraph",
+            "serve",
+            "-m",
+            smollm2,
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "-c",
+            str(N_CTX),
+            "-t",
+            "2",
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                assert json.load(r) == {"status": "ok"}
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                log.seek(0)
+                pytest.fail(f"the server did not start: {log.read()}")
+            time.sleep(0.3)
+    proc.log = log
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(smollm2):
+    """The library in this process, for the expected outputs."""
+    return ggraph.Model(smollm2, device="cpu", n_ctx=N_CTX)
+
+
+def _chat_reference(local, content, max_tokens):
+    local.reset()
+    messages = [{"role": "user", "content": content}]
+    return "".join(local.chat(messages, max_tokens=max_tokens, temperature=0)), local.stop_reason
+
+
+def test_lists_its_model(client, smollm2):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [os.path.basename(smollm2)]
+
+
+def test_chat_equals_the_librarys_greedy_generation(client, local):
+    want, reason = _chat_reference(local, "What is the capital of France?", 40)
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=40,
+        temperature=0,
+    )
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[reason]
+    assert r.usage.completion_tokens == local.n_generated
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_with_logprobs_equals_the_library(client, local):
+    prompt = "The three primary colours are"
+    local.reset()
+    steps = [
+        s for s in local.generate(prompt, max_tokens=12, temperature=0, logprobs=3) if s.token >= 0
+    ]
+    r = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, logprobs=3
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 12
+    assert c.logprobs.token_logprobs == pytest.approx([s.logprob for s in steps], abs=1e-5)
+    assert [len(t) for t in c.logprobs.top_logprobs] == [3] * 12
+    assert "".join(c.logprobs.tokens) == local.detokenize([s.token for s in steps])
+
+
+def test_streaming_equals_non_streaming(client):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    whole = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=30, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    plain = client.completions.create(model="smollm2", prompt="Once upon", max_tokens=10, seed=3)
+    streamed = client.completions.create(
+        model="smollm2", prompt="Once upon", max_tokens=10, seed=3, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+def test_eight_concurrent_streams_each_get_their_own_answer(client, local):
+    questions = [f"What is {i} plus {i}?" for i in range(8)]
+    want = [_chat_reference(local, q, 16)[0] for q in questions]
+    got = [None] * 8
+
+    def run(i):
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": questions[i]}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+        got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
+    bad = [
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "hi"}], "n": 2},
+        {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+        {"messages": [{"role": "user", "content": "word " * (N_CTX + 10)}]},
+    ]
+    for body in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2", **body)
+        assert e.value.status_code == 400
+        assert e.value.body["type"] == "invalid_request_error", body
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smollm2", prompt=[10**9])
+    req = urllib.request.Request(server[1] + "/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and "error" in json.load(e.value)
+    r = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+def test_a_dropped_stream_leaves_the_server_serving(client, local):
+    stream = client.completions.create(
+        model="smollm2", prompt="Write a long story.", max_tokens=400, temperature=0, stream=True
+    )
+    next(iter(stream))
+    stream.close()
+    want, _ = _chat_reference(local, "Say yes.", 8)
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Say yes."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.choices[0].message.content == want
+
+
+def test_sigterm_stops_the_server_cleanly(server):
+    proc, _ = server
+    proc.send_signal(signal.SIGTERM)
+    # The server shuts down (its engine stopped), then ends as SIGTERM's default would.
+    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    proc.log.seek(0)
+    assert "ggraph serve: stopped" in proc.log.read()

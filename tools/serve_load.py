@@ -1,0 +1,97 @@
+"""A bounded load test of an OpenAI-compatible server (`ggraph serve`, or any other): N
+concurrent streaming clients send a fixed number of chat requests between them; reports the
+aggregate generation speed and the time to first token and between tokens (p50 / p99).
+
+    python tools/serve_load.py [--url http://127.0.0.1:8080/v1] [-c 8] [-n 32] [--max-tokens 64]
+
+Each request asks for max_tokens at temperature 0.8 with its own seed; tokens are counted from
+the stream's chunks that carry text and checked against the usage the server reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+
+def percentile(values, q):
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8080/v1")
+    ap.add_argument("-c", "--concurrency", type=int, default=8)
+    ap.add_argument("-n", "--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default="default")
+    args = ap.parse_args()
+
+    from openai import OpenAI  # optional: only this tool and the tests need it
+
+    client = OpenAI(base_url=args.url, api_key="none", max_retries=0, timeout=600)
+    lock = threading.Lock()
+    next_request = [0]
+    ttft, itl, tokens, usage = [], [], [0], [0]
+
+    def worker():
+        while True:
+            with lock:
+                i = next_request[0]
+                if i >= args.requests:
+                    return
+                next_request[0] += 1
+            t0 = time.perf_counter()
+            last = None
+            stream = client.chat.completions.create(
+                model=args.model,
+                messages=[{"role": "user", "content": f"Tell me a short story, number {i}."}],
+                max_tokens=args.max_tokens,
+                temperature=0.8,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            n = 0
+            for chunk in stream:
+                if chunk.usage is not None:
+                    with lock:
+                        usage[0] += chunk.usage.completion_tokens
+                if not chunk.choices or not chunk.choices[0].delta.content:
+                    continue
+                now = time.perf_counter()
+                with lock:
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                last = now
+                n += 1
+            with lock:
+                tokens[0] += n
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    print("| clients | requests | generated tokens (usage) | aggregate tok/s | TTFT p50 / p99 ms "
+          "| inter-token p50 / p99 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {args.concurrency} | {args.requests} | {usage[0]} | {usage[0] / elapsed:.1f} | "
+        f"{1e3 * statistics.median(ttft):.0f} / {1e3 * percentile(ttft, 99):.0f} | "
+        f"{1e3 * statistics.median(itl):.1f} / {1e3 * percentile(itl, 99):.1f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
