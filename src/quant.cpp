@@ -448,15 +448,11 @@ __attribute__((target_clones("avx2", "default"))) void attn_rows_clones(
     float* a = acc + int64_t(r) * hd;
     float* w = scores + int64_t(r) * n;
     const int br = b[r], er = e[r];
+    softmax_row(w, n, br, er, &mx[r], &sum[r]);
     if (er <= br) {
-      mx[r] = -INFINITY, sum[r] = 0.0f;
       std::fill(a, a + hd, 0.0f);
       continue;
     }
-    float m = -INFINITY;
-    for (int p = br; p < er; ++p) m = std::max(m, w[p]);
-    mx[r] = m;
-    sum[r] = softmax_exp(w + br, er - br, m);
     int d0 = 0;
     for (; d0 + 32 <= hd; d0 += 32) {
       float t[32] = {};
@@ -476,10 +472,22 @@ __attribute__((target_clones("avx2", "default"))) void attn_rows_clones(
 }
 }  // namespace
 
-// Plain entry points to the clones above (a target_clones function must not be shared between
-// the library and a program that links it statically as well).
-float softmax_exp(float* s, int64_t n, float m) { return softmax_exp_clones(s, n, m); }
+void softmax_row(float* w, int n, int b, int e, float* mx, float* sum) {
+  if (e <= b) {
+    *mx = -INFINITY, *sum = 0.0f;
+    std::fill(w, w + n, 0.0f);
+    return;
+  }
+  float m = -INFINITY;
+  for (int p = b; p < e; ++p) m = std::max(m, w[p]);
+  *mx = m;
+  *sum = softmax_exp_clones(w + b, e - b, m);
+  std::fill(w, w + b, 0.0f);
+  std::fill(w + e, w + n, 0.0f);
+}
 
+// A plain entry point to the clones above (a target_clones function must not be shared between
+// the library and a program that links it statically as well).
 void attn_rows_portable(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
                         int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                         float* mx, float* sum, float* acc) {

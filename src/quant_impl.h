@@ -84,9 +84,10 @@ constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64_t ks,
                             const float* v, int64_t vs, int n, const int* b, const int* e,
                             float scale, float* scores, float* mx, float* sum, float* acc);
-// s[i] = exp(s[i] - m) for the s[i] <= m of a softmax, returning their sum; the same bits in
-// every kernel set (attention rows share it).
-float softmax_exp(float* s, int64_t n, float m);
+// One attention row's softmax over its keys [b, e) of the n scores in w: the max in *mx and the
+// sum of exp(w - max) in *sum (-inf and 0 when the row has no keys); w becomes the weights, 0
+// outside [b, e).
+void softmax_row(float* w, int n, int b, int e, float* mx, float* sum);
 // The portable attention rows, for every head size.
 void attn_rows_portable(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
                         int64_t vs, int n, const int* b, const int* e, float scale, float* scores,

@@ -1070,21 +1070,7 @@ void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, co
   }
   // Softmax per row; weights outside the row's keys become 0, so rows of different ranges can
   // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a).
-  for (int r = 0; r < R; ++r) {
-    float* w = scores + int64_t(r) * n;
-    const int br = b[r], er = e[r];
-    if (er <= br) {
-      mx[r] = -INFINITY, sum[r] = 0.0f;
-      std::fill(w, w + n, 0.0f);
-      continue;
-    }
-    float m = -INFINITY;
-    for (int p = br; p < er; ++p) m = std::max(m, w[p]);
-    mx[r] = m;
-    sum[r] = softmax_exp(w + br, er - br, m);
-    std::fill(w, w + br, 0.0f);
-    std::fill(w + er, w + n, 0.0f);
-  }
+  for (int r = 0; r < R; ++r) softmax_row(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
   for (int r0 = 0; r0 < R; r0 += 3) {
     const int nr = std::min(3, R - r0);
     int pb = n, pe = 0;

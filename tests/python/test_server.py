@@ -93,6 +93,15 @@ def _chat_reference(local, content, max_tokens):
     return "".join(local.chat(messages, max_tokens=max_tokens, temperature=0)), local.stop_reason
 
 
+def _ask(client, content, max_tokens):
+    return client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+
+
 def test_lists_its_model(client, smollm2):
     ids = [m.id for m in client.models.list().data]
     assert ids == [os.path.basename(smollm2)]
@@ -100,12 +109,7 @@ def test_lists_its_model(client, smollm2):
 
 def test_chat_equals_the_librarys_greedy_generation(client, local):
     want, reason = _chat_reference(local, "What is the capital of France?", 40)
-    r = client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=40,
-        temperature=0,
-    )
+    r = _ask(client, "What is the capital of France?", 40)
     assert r.choices[0].message.content == want
     assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[reason]
     assert r.usage.completion_tokens == local.n_generated
@@ -209,13 +213,7 @@ def test_a_dropped_stream_leaves_the_server_serving(client, local):
     next(iter(stream))
     stream.close()
     want, _ = _chat_reference(local, "Say yes.", 8)
-    r = client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Say yes."}],
-        max_tokens=8,
-        temperature=0,
-    )
-    assert r.choices[0].message.content == want
+    assert _ask(client, "Say yes.", 8).choices[0].message.content == want
 
 
 def test_sigterm_stops_the_server_cleanly(server):
