@@ -249,4 +249,4 @@ def test_cli_kv_type_and_allow_longer_context(tiny_model, heads32):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     rows = [line.split("|") for line in r.stdout.splitlines()[2:]]
-    assert [row[9].strip() for row in rows] == ["q8_0", "q8_0"]
+    assert [row[9].strip() for row in rows] == ["q8_0", "q8_0", "q8_0"]  # pp, tg and gen
