@@ -53,7 +53,9 @@ class _Job:
 
 class Engine:
     """The thread that owns the model: takes jobs in order and runs each generation, sending
-    ("token", GeneratedToken), then ("done", stop_reason) or ("error", exception)."""
+    ("token", GeneratedToken or text), then ("done", (stop_reason, n_generated)) or ("error",
+    exception). What a job reports comes with its events: the model's own fields belong to the
+    job running next by the time the event loop reads them."""
 
     def __init__(self, model):
         self.model = model
@@ -101,7 +103,7 @@ class Engine:
                     if job.cancelled.is_set():
                         break
                     job.emit(("token", step))
-                job.emit(("done", self.model.stop_reason))
+                job.emit(("done", (self.model.stop_reason, self.model.n_generated)))
             except Exception as e:  # the request's failure, not the server's
                 job.emit(("error", e))
             finally:
@@ -331,6 +333,7 @@ def create_app(model, model_name: str):
 
         if not stream:
             out = _Collected()
+            n_completion = 0
             try:
                 async for kind, value in events(job):
                     if kind == "token":
@@ -341,10 +344,10 @@ def create_app(model, model_name: str):
                         else:
                             out.text.append(value)
                     else:
-                        out.finish = _FINISH.get(value, "stop")
+                        reason, n_completion = value
+                        out.finish = _FINISH.get(reason, "stop")
             except ValueError as e:  # refused by the core (sampling options, the context)
                 return error(400, str(e))
-            n_completion = model.n_generated
             text = "".join(out.text)
             if chat:
                 choice = {
@@ -389,7 +392,6 @@ def create_app(model, model_name: str):
             return f"data: {json.dumps(c)}\n\n"
 
         async def sse():
-            n_completion = 0
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})
             try:
@@ -397,10 +399,6 @@ def create_app(model, model_name: str):
                     if kind == "token":
                         step = value
                         text = step.text if logprobs is not None else step
-                        if logprobs is not None and step.token >= 0:
-                            n_completion += 1
-                        elif logprobs is None:
-                            n_completion = model.n_generated
                         lp = None
                         if logprobs is not None and step.token >= 0:
                             lp = (
@@ -424,8 +422,8 @@ def create_app(model, model_name: str):
                                 {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
                             )
                     else:
-                        n_completion = model.n_generated
-                        finish = _FINISH.get(value, "stop")
+                        reason, n_completion = value
+                        finish = _FINISH.get(reason, "stop")
                         if chat:
                             yield chunk({"index": 0, "delta": {}, "finish_reason": finish})
                         else:

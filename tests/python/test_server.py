@@ -161,7 +161,10 @@ def test_streaming_equals_non_streaming(client):
 
 def test_eight_concurrent_streams_each_get_their_own_answer(client, local):
     questions = [f"What is {i} plus {i}?" for i in range(8)]
-    want = [_chat_reference(local, q, 16)[0] for q in questions]
+    want = []
+    for q in questions:
+        text, _ = _chat_reference(local, q, 16)
+        want.append((text, local.n_generated))
     got = [None] * 8
 
     def run(i):
@@ -171,8 +174,11 @@ def test_eight_concurrent_streams_each_get_their_own_answer(client, local):
             max_tokens=16,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
         )
-        got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got[i] = (text, chunks[-1].usage.completion_tokens)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
