@@ -268,24 +268,9 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
       lo = dp4a_us(w[i] & 0x0F0F0F0Fu, x.a[i], lo);
       hi = dp4a_us(w[i] & 0xF0F0F0F0u, x.a[i + 4], hi);
     }
-    const float ad16 = ad.x * 0.0625f;
-    if constexpr (TYPE == kTypeQ3_K) {
-      // Stored offset by 4: 16 (sc0 (q_lo - 4) a_lo + sc1 (q_hi - 4) a_hi).
-      const int sc0 = static_cast<int8_t>(r.s[0] & 0xFF);
-      const int sc1 = static_cast<int8_t>((r.s[0] >> 8) & 0xFF);
-      const int isum = sc0 * (16 * lo - 64 * x.sum_lo) + sc1 * (hi - 64 * x.sum_hi);
-      acc +=
-          f16_bits_to_float(static_cast<uint16_t>(r.s[0] >> 16)) * ad16 * static_cast<float>(isum);
-    } else {
-      // Each half's byte: scale in the low nibble, minimum in the high one.
-      const uint32_t b = r.s[0];
-      const int isum = 16 * static_cast<int>(b & 15) * lo + static_cast<int>((b >> 8) & 15) * hi;
-      const int msum =
-          static_cast<int>((b >> 4) & 15) * x.sum_lo + static_cast<int>((b >> 12) & 15) * x.sum_hi;
-      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1] & 0xFFFF));
-      const float dmin = f16_bits_to_float(static_cast<uint16_t>(r.s[1] >> 16));
-      acc += d * ad16 * static_cast<float>(isum) - dmin * ad.x * static_cast<float>(msum);
-    }
+    // Q2_K's second record word is d | dmin; Q3_K keeps d in its first (weight_layout.h).
+    acc += half_scaled_piece_dot(static_cast<DType>(TYPE), lo, hi, x.sum_lo, x.sum_hi, r.s[0],
+                                 r.s[PieceInfo<TYPE>::kScaleWords - 1], ad.x);
   } else if constexpr (HB == 0) {
     // Byte j of the quants holds element j (low nibble) and element j + 16 (high nibble). The
     // high nibbles are dotted in place, as unsigned bytes 16 times their value, which saves

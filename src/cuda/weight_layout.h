@@ -226,13 +226,37 @@ GGRAPH_HD int iq4_xs_scale(const uint8_t* rec, int j) {
   return (lo | (hi << 4)) - 32;
 }
 
-GGRAPH_HD float split_f16(const uint8_t* p) {
-  const uint16_t bits = static_cast<uint16_t>(p[0] | (p[1] << 8));
+GGRAPH_HD float split_f16_bits(uint16_t bits) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(bits));
 #else
   return f16_to_f32(bits);
 #endif
+}
+GGRAPH_HD float split_f16(const uint8_t* p) {
+  return split_f16_bits(static_cast<uint16_t>(p[0] | (p[1] << 8)));
+}
+
+// A Q2_K or Q3_K piece's dot product with 32 activation quants of scale d8, from its integer
+// parts: lo, the dot of its low nibbles (elements 0-15) with their quants; hi16, that of its high
+// nibbles dotted in place (16 times elements 16-31's dot); sum_lo and sum_hi, the activation
+// quants' sums over each half; and the two record words the mat-vec loads for sub-block pair j:
+// r0, the pair's bytes (Q2_K: scale in the low nibble, minimum in the high one; Q3_K: int8
+// scales) with, for Q3_K, d above them; r1, Q2_K's d and dmin.
+GGRAPH_HD float half_scaled_piece_dot(DType t, int lo, int hi16, int sum_lo, int sum_hi,
+                                      uint32_t r0, uint32_t r1, float d8) {
+  const float d16 = d8 * 0.0625f;
+  if (t == DType::Q3_K) {
+    // Stored offset by 4: 16 (sc0 (q_lo - 4) a_lo + sc1 (q_hi - 4) a_hi).
+    const int sc0 = static_cast<int8_t>(r0 & 0xFF), sc1 = static_cast<int8_t>((r0 >> 8) & 0xFF);
+    const int isum = sc0 * (16 * lo - 64 * sum_lo) + sc1 * (hi16 - 64 * sum_hi);
+    return split_f16_bits(static_cast<uint16_t>(r0 >> 16)) * d16 * static_cast<float>(isum);
+  }
+  const int isum = 16 * static_cast<int>(r0 & 15) * lo + static_cast<int>((r0 >> 8) & 15) * hi16;
+  const int msum =
+      static_cast<int>((r0 >> 4) & 15) * sum_lo + static_cast<int>((r0 >> 12) & 15) * sum_hi;
+  return split_f16_bits(static_cast<uint16_t>(r1 & 0xFFFF)) * d16 * static_cast<float>(isum) -
+         split_f16_bits(static_cast<uint16_t>(r1 >> 16)) * d8 * static_cast<float>(msum);
 }
 
 // Element i of a row in the split layout, q, h and s pointing at the row's quants, high bits and

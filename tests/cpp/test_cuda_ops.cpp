@@ -1423,5 +1423,51 @@ TEST(CudaLaunchPlan, WeightSplitDecodesToTheCpusValues) {
   }
 }
 
+// What the mat-vec does with a Q2_K or Q3_K piece (its integer dots with the activation quants and
+// the record words it loads), on the host: against float64 products of the CPU's dequantized
+// values with 8-bit activations, for every sub-block position of several blocks.
+TEST(CudaLaunchPlan, HalfScaledPiecesDotAsTheCpusValues) {
+  std::mt19937 rng(27);
+  std::uniform_int_distribution<int> q8(-127, 127);
+  auto u16 = [](const uint8_t* p) { return uint32_t(p[0]) | uint32_t(p[1]) << 8; };
+  for (DType t : {DType::Q2_K, DType::Q3_K}) {
+    const cuda::SplitFormat f = cuda::split_format(t);
+    const int64_t n_blocks = 5;
+    const std::vector<uint8_t> src = random_blocks(t, 256, n_blocks, rng);
+    std::vector<uint8_t> dst(cuda::split_bytes(f, size_t(n_blocks)));
+    for (int64_t i = 0; i < n_blocks; ++i)
+      cuda::split_block(t, src.data() + i * f.block_bytes, size_t(i), size_t(n_blocks), dst.data());
+    std::vector<float> w(size_t(256 * n_blocks));
+    dequantize_row(t, src.data(), w.data(), int64_t(w.size()));
+    const uint8_t* scales = dst.data() + cuda::split_scales_offset(f, size_t(n_blocks));
+    for (int64_t piece = 0; piece < 8 * n_blocks; ++piece) {
+      const int j = int(piece % 8);
+      const uint8_t* q = dst.data() + piece * 16;
+      const uint8_t* rec = scales + piece / 8 * f.scale_bytes;
+      int a[32];
+      for (int& v : a) v = q8(rng);
+      const float d8 = 0.01f * float(1 + piece % 7);
+      int lo = 0, hi16 = 0, sum_lo = 0, sum_hi = 0;
+      for (int i = 0; i < 16; ++i) {
+        lo += (q[i] & 15) * a[i];
+        hi16 += (q[i] & 0xF0) * a[i + 16];
+        sum_lo += a[i];
+        sum_hi += a[i + 16];
+      }
+      // The words load_piece takes: the pair's scale bytes (Q3_K: with d above them); Q2_K's d
+      // and dmin.
+      const uint32_t r0 = u16(rec + 2 * j) | (t == DType::Q3_K ? u16(rec + 16) << 16 : 0u);
+      const uint32_t r1 = t == DType::Q2_K ? u16(rec + 16) | u16(rec + 18) << 16 : 0u;
+      const float got = cuda::half_scaled_piece_dot(t, lo, hi16, sum_lo, sum_hi, r0, r1, d8);
+      double want = 0, scale = 0;
+      for (int i = 0; i < 32; ++i) {
+        want += double(w[size_t(piece * 32 + i)]) * a[i] * d8;
+        scale += std::fabs(double(w[size_t(piece * 32 + i)]) * a[i] * d8);
+      }
+      ASSERT_NEAR(got, want, 1e-5 * scale + 1e-7) << type_name(t) << " piece " << piece;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ggraph
