@@ -1052,9 +1052,12 @@ __device__ __forceinline__ void load_weight_regs(WeightRegs& r, const uint8_t* r
     } else if constexpr (f.scale_bytes == 8) {
       const uint2 v = __ldg(reinterpret_cast<const uint2*>(rec));
       r.s[0] = v.x, r.s[1] = v.y;
-    } else if constexpr (TYPE == kTypeQ6_K || TYPE == kTypeQ3_K) {
+    } else if constexpr (TYPE == kTypeQ6_K) {
       r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
       r.s[1] = __ldg(reinterpret_cast<const uint16_t*>(rec + 16));
+    } else if constexpr (TYPE == kTypeQ3_K) {  // the mat-vec's words (half_scales)
+      r.s[0] = static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8)) |
+               static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(rec + 16))) << 16;
     } else if constexpr (TYPE == kTypeQ2_K) {
       r.s[0] = __ldg(reinterpret_cast<const uint16_t*>(rec) + blk % 8);
       r.s[1] = __ldg(reinterpret_cast<const uint32_t*>(rec + 16));
@@ -1140,17 +1143,13 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
       const float2 dm = k_scale_min_dev(r.s, r.sub);
       d0 = d1 = dm.x;
       m = -dm.y;
-    } else if constexpr (TYPE == kTypeQ6_K || TYPE == kTypeQ3_K) {
+    } else if constexpr (TYPE == kTypeQ6_K) {
       const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1]));
       d0 = d * static_cast<float>(static_cast<int8_t>(r.s[0] & 0xFF));
       d1 = d * static_cast<float>(static_cast<int8_t>(r.s[0] >> 8));
-    } else if constexpr (TYPE == kTypeQ2_K) {
-      const float d = f16_bits_to_float(static_cast<uint16_t>(r.s[1] & 0xFFFF));
-      const float dmin = f16_bits_to_float(static_cast<uint16_t>(r.s[1] >> 16));
-      d0 = d * static_cast<float>(r.s[0] & 15);
-      m = -dmin * static_cast<float>((r.s[0] >> 4) & 15);
-      d1 = d * static_cast<float>((r.s[0] >> 8) & 15);
-      m1 = -dmin * static_cast<float>((r.s[0] >> 12) & 15);
+    } else if constexpr (TYPE == kTypeQ2_K || TYPE == kTypeQ3_K) {
+      const HalfScales hs = half_scales(static_cast<DType>(TYPE), r.s[0], r.s[1]);
+      d0 = hs.d[0], d1 = hs.d[1], m = hs.m[0], m1 = hs.m[1];
     } else if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
       d0 = f16_bits_to_float(static_cast<uint16_t>(r.s[0] & 0xFFFF));
       if constexpr (TYPE == kTypeIQ4_XS) d0 *= static_cast<float>(iq4_xs_scale_dev(r.s, r.sub));
@@ -1166,8 +1165,7 @@ __device__ __forceinline__ void store_weight_regs(const WeightRegs& r, __half* d
         q |= static_cast<int>((r.h[hb.word] >> hb.shift) & (HB == 4 ? 1u : 3u)) << 4;
       }
       if constexpr (TYPE == kTypeQ6_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 32);
-      if constexpr (TYPE == kTypeQ3_K) return (t < 16 ? d0 : d1) * static_cast<float>(q - 4);
-      if constexpr (TYPE == kTypeQ2_K)
+      if constexpr (TYPE == kTypeQ2_K || TYPE == kTypeQ3_K)
         return t < 16 ? static_cast<float>(q) * d0 + m : static_cast<float>(q) * d1 + m1;
       if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS)
         return d0 * static_cast<float>(iq4_level(q));

@@ -237,6 +237,27 @@ GGRAPH_HD float split_f16(const uint8_t* p) {
   return split_f16_bits(static_cast<uint16_t>(p[0] | (p[1] << 8)));
 }
 
+// What a Q2_K or Q3_K piece's halves dequantize with, value = q * d[h] + m[h] for half h (the
+// prompt tiles), from the record words the mat-vec loads (half_scaled_piece_dot).
+struct HalfScales {
+  float d[2], m[2];
+};
+GGRAPH_HD HalfScales half_scales(DType t, uint32_t r0, uint32_t r1) {
+  HalfScales s{};
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t b = (r0 >> (8 * h)) & 0xFF;
+    if (t == DType::Q3_K) {
+      s.d[h] = split_f16_bits(static_cast<uint16_t>(r0 >> 16)) *
+               static_cast<float>(static_cast<int8_t>(b));
+      s.m[h] = -4.0f * s.d[h];
+    } else {
+      s.d[h] = split_f16_bits(static_cast<uint16_t>(r1 & 0xFFFF)) * static_cast<float>(b & 15);
+      s.m[h] = -split_f16_bits(static_cast<uint16_t>(r1 >> 16)) * static_cast<float>(b >> 4);
+    }
+  }
+  return s;
+}
+
 // A Q2_K or Q3_K piece's dot product with 32 activation quants of scale d8, from its integer
 // parts: lo, the dot of its low nibbles (elements 0-15) with their quants; hi16, that of its high
 // nibbles dotted in place (16 times elements 16-31's dot); sum_lo and sum_hi, the activation

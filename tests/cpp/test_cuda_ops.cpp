@@ -1465,6 +1465,14 @@ TEST(CudaLaunchPlan, HalfScaledPiecesDotAsTheCpusValues) {
         scale += std::fabs(double(w[size_t(piece * 32 + i)]) * a[i] * d8);
       }
       ASSERT_NEAR(got, want, 1e-5 * scale + 1e-7) << type_name(t) << " piece " << piece;
+      // The prompt tiles' dequantization from the same words.
+      const cuda::HalfScales hs = cuda::half_scales(t, r0, r1);
+      for (int i = 0; i < 32; ++i) {
+        const int qi = i < 16 ? q[i] & 15 : q[i - 16] >> 4;
+        const float v = float(qi) * hs.d[i / 16] + hs.m[i / 16];
+        const float ref = w[size_t(piece * 32 + i)];
+        ASSERT_NEAR(v, ref, 1e-6 * (std::fabs(ref) + 1e-3f)) << type_name(t) << " element " << i;
+      }
     }
   }
 }
