@@ -1069,7 +1069,8 @@ void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, co
     }
   }
   // Softmax per row; weights outside the row's keys become 0, so rows of different ranges can
-  // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a).
+  // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a, for the finite
+  // values a cache holds).
   for (int r = 0; r < R; ++r) softmax_row(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
   for (int r0 = 0; r0 < R; r0 += 3) {
     const int nr = std::min(3, R - r0);

@@ -99,10 +99,19 @@ class Engine:
                     logprobs=job.logprobs,
                     **job.sampling,
                 )
+                if job.cancelled.is_set():  # a cancel the generation's start cleared
+                    self.model.cancel()
                 for step in steps:
                     if job.cancelled.is_set():
                         break
                     job.emit(("token", step))
+                if job.cancelled.is_set():
+                    print(
+                        f"ggraph serve: a request was cancelled after "
+                        f"{self.model.n_generated} tokens",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 job.emit(("done", (self.model.stop_reason, self.model.n_generated)))
             except Exception as e:  # the request's failure, not the server's
                 job.emit(("error", e))
@@ -137,7 +146,9 @@ def _sampling(body) -> dict:
         "top_p": float(
             _get(body, "top_p", number, _DEFAULTS["top_p"], lambda v: 0 < v <= 1, "in (0, 1]")
         ),
-        "top_k": _get(body, "top_k", int, _DEFAULTS["top_k"], lambda v: v >= 0, "an int >= 0"),
+        "top_k": _get(
+            body, "top_k", int, _DEFAULTS["top_k"], lambda v: 0 <= v < 2**31, "an int >= 0"
+        ),
         "min_p": float(
             _get(body, "min_p", number, _DEFAULTS["min_p"], lambda v: 0 <= v <= 1, "in [0, 1]")
         ),
@@ -148,7 +159,7 @@ def _sampling(body) -> dict:
             _get(body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]")
         ),
     }
-    seed = _get(body, "seed", int, None, lambda v: 0 <= v < 2**64 - 1, "an int >= 0")
+    seed = _get(body, "seed", int, None, lambda v: 0 <= v < 2**63, "an int in [0, 2^63)")
     if seed is not None:
         s["seed"] = seed
     return s
@@ -176,9 +187,9 @@ def _common(body, model, ids, default_max):
             "messages" if "messages" in body else "prompt",
             "context_length_exceeded",
         )
-    max_tokens = _get(
-        body, "max_completion_tokens", int, None, lambda v: v >= 0, "an int >= 0"
-    ) or _get(body, "max_tokens", int, None, lambda v: v >= 0, "an int >= 0")
+    max_tokens = _get(body, "max_completion_tokens", int, None, lambda v: v >= 0, "an int >= 0")
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None, lambda v: v >= 0, "an int >= 0")
     max_tokens = min(room, default_max if max_tokens is None else max_tokens)
     return max_tokens, _stop(body), _sampling(body)
 
@@ -253,9 +264,12 @@ class _Collected:
 def create_app(model, model_name: str):
     """The starlette application serving `model` (a ggraph.Model) as `model_name`."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
+
+    from ggraph import _core
 
     engine = Engine(model)
     created = int(time.time())
@@ -309,24 +323,19 @@ def create_app(model, model_name: str):
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object")
         try:
-            ids, logprobs, (max_tokens, stop, sampling) = (
-                _chat_request if chat else _completion_request
-            )(body, model)
+            # Tokenizing and template rendering may take a while: off the event loop.
+            ids, logprobs, (max_tokens, stop, sampling) = await run_in_threadpool(
+                _chat_request if chat else _completion_request, body, model
+            )
+            _core.validate_sampling(**sampling)
             stream = _get(body, "stream", bool, False, what="a boolean")
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         except RequestError as e:
             return error(400, str(e), param=e.param, code=e.code)
-        except ValueError as e:  # a chat template's failure, a tokenizer's
+        except (ValueError, TypeError, OverflowError) as e:  # a template's, the sampler's
             return error(400, str(e))
-        job = _Job(
-            asyncio.get_running_loop(),
-            ids,
-            max_tokens,
-            stop,
-            logprobs if logprobs is not None else None,
-            sampling,
-        )
+        job = _Job(asyncio.get_running_loop(), ids, max_tokens, stop, logprobs, sampling)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
@@ -334,6 +343,13 @@ def create_app(model, model_name: str):
         if not stream:
             out = _Collected()
             n_completion = 0
+
+            async def watch():  # a client that leaves cancels its generation
+                while not await request.is_disconnected():
+                    await asyncio.sleep(0.25)
+                engine.cancel(job)
+
+            watcher = asyncio.create_task(watch())
             try:
                 async for kind, value in events(job):
                     if kind == "token":
@@ -346,8 +362,12 @@ def create_app(model, model_name: str):
                     else:
                         reason, n_completion = value
                         out.finish = _FINISH.get(reason, "stop")
-            except ValueError as e:  # refused by the core (sampling options, the context)
+            except ValueError as e:  # refused by the core (the context)
                 return error(400, str(e))
+            except Exception as e:
+                return error(500, f"{type(e).__name__}: {e}", kind="server_error")
+            finally:
+                watcher.cancel()
             text = "".join(out.text)
             if chat:
                 choice = {
@@ -392,6 +412,7 @@ def create_app(model, model_name: str):
             return f"data: {json.dumps(c)}\n\n"
 
         async def sse():
+            offset = 0  # the completion's text so far, for logprobs' text_offset
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})
             try:
@@ -404,8 +425,10 @@ def create_app(model, model_name: str):
                             lp = (
                                 {"content": [_chat_logprob(model, step)]}
                                 if chat
-                                else _completion_logprobs(model, [step])
+                                else _completion_logprobs(model, [step], offset)
                             )
+                        if lp is not None and not chat:
+                            offset += len(lp["tokens"][0])
                         if not text and lp is None:
                             continue
                         if chat:
@@ -432,6 +455,9 @@ def create_app(model, model_name: str):
                             yield chunk(None, usage=usage(job, n_completion))
             except ValueError as e:
                 yield f"data: {json.dumps(_error_body(str(e)))}\n\n"
+            except Exception as e:  # the stream has begun: the error goes in it
+                body = _error_body(f"{type(e).__name__}: {e}", kind="server_error")
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
@@ -471,10 +497,11 @@ def create_app(model, model_name: str):
     return app
 
 
-def _completion_logprobs(model, steps) -> dict:
-    """The legacy completions' logprobs object for the generated tokens."""
+def _completion_logprobs(model, steps, at: int = 0) -> dict:
+    """The legacy completions' logprobs object for the generated tokens, the first at offset
+    `at` of the completion's text."""
     tokens = [_token_text(model, s.token) for s in steps]
-    offsets, at = [], 0
+    offsets = []
     for t in tokens:
         offsets.append(at)
         at += len(t)

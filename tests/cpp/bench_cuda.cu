@@ -111,7 +111,7 @@ std::vector<uint8_t> random_weights(DType t, int64_t k, int64_t n, std::mt19937&
                          t == DType::Q5_K || t == DType::Q2_K;
     for (size_t off = 0; off < bytes; off += bb) {
       std::memcpy(&w[off + at], &scale, 2);
-      if (has_min) std::memcpy(&w[off + 2], &scale, 2);
+      if (has_min) std::memcpy(&w[off + at + 2], &scale, 2);
     }
   }
   return w;

@@ -194,6 +194,8 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         {"messages": []},
         {"messages": [{"role": "user", "content": "hi"}], "n": 2},
         {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+        {"messages": [{"role": "user", "content": "hi"}], "seed": 2**63 + 5},
+        {"messages": [{"role": "user", "content": "hi"}], "extra_body": {"top_k": 2**40}},
         {"messages": [{"role": "user", "content": "word " * (N_CTX + 10)}]},
     ]
     for body in bad:
@@ -210,16 +212,25 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
     assert e.value.code == 400 and "error" in json.load(e.value)
     r = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
-
-
-def test_a_dropped_stream_leaves_the_server_serving(client, local):
-    stream = client.completions.create(
-        model="smollm2", prompt="Write a long story.", max_tokens=400, temperature=0, stream=True
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=0
     )
+    assert r.usage.completion_tokens == 0 and r.choices[0].message.content == ""
+
+
+def test_a_dropped_stream_is_cancelled_and_the_server_goes_on(client, local, server):
+    stream = client.completions.create(
+        model="smollm2", prompt="Once upon a time", max_tokens=400, temperature=1, seed=5,
+        stream=True,
+    )  # fmt: skip
     next(iter(stream))
     stream.close()
     want, _ = _chat_reference(local, "Say yes.", 8)
     assert _ask(client, "Say yes.", 8).choices[0].message.content == want
+    # The dropped generation stopped early instead of running to its 400 tokens.
+    server[0].log.seek(0)
+    cancelled = [ln for ln in server[0].log.read().splitlines() if "was cancelled after" in ln]
+    assert cancelled and int(cancelled[-1].split()[-2]) < 400
 
 
 def test_sigterm_stops_the_server_cleanly(server):
