@@ -376,13 +376,13 @@ class CpuBackend final : public Backend {
         std::copy(qr, qr + size_t(group) * hd, qs.begin() + size_t(j - j0) * group * hd);
         for (int g = 0; g < group; ++g) bs[(j - j0) * group + g] = b, es[(j - j0) * group + g] = e;
       }
+      // The kernel sets every row's max, sum and values, rows without keys (n = 0) included.
       sc.resize(size_t(R) * std::max(n, 1));
-      ac.assign(size_t(R) * hd, 0.0f);
-      m.assign(R, -INFINITY);
-      sm.assign(R, 0.0f);
-      if (n > 0)
-        attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
-                       m.data(), sm.data(), ac.data());
+      ac.resize(size_t(R) * hd);
+      m.resize(R);
+      sm.resize(R);
+      attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
+                     m.data(), sm.data(), ac.data());
       for (int j = j0; j < j1; ++j)
         for (int g = 0; g < group; ++g) {
           const int r = (j - j0) * group + g;

@@ -795,11 +795,12 @@ AttnOut run_attention_rows(const AttnCase& c, float scale) {
 }
 
 // Softmax-weighted values of every row against a float64 evaluation, for head sizes with and
-// without a vector kernel (a multiple of 8 or not), chunks of whole and partial key blocks.
+// without a vector kernel (a multiple of 8 or not), chunks of whole and partial key blocks, and
+// an empty chunk (every row without keys).
 TEST_P(AttentionRows, MatchesFloat64Reference) {
   std::mt19937 rng(41);
   for (int hd : {64, 96, 128, 256, 36}) {
-    for (int n : {1, 7, 8, 9, 61, 256}) {
+    for (int n : {0, 1, 7, 8, 9, 61, 256}) {
       const AttnCase c = random_attn_case(7, hd, n, rng);
       const float scale = 1.0f / std::sqrt(float(hd));
       const AttnOut o = run_attention_rows(c, scale);
