@@ -53,7 +53,8 @@ class _Job:
 
 class Engine:
     """The thread that owns the model: takes jobs in order and runs each generation, sending
-    ("token", GeneratedToken or text), then ("done", (stop_reason, n_generated)) or ("error",
+    ("token", (text, step)), step the GeneratedToken of a sampled token when the job asked for
+    logprobs (else None), then ("done", (stop_reason, n_generated)) or ("error",
     exception). What a job reports comes with its events: the model's own fields belong to the
     job running next by the time the event loop reads them."""
 
@@ -104,7 +105,10 @@ class Engine:
                 for step in steps:
                     if job.cancelled.is_set():
                         break
-                    job.emit(("token", step))
+                    if job.logprobs is None:
+                        job.emit(("token", (step, None)))
+                    else:
+                        job.emit(("token", (step.text, step if step.token >= 0 else None)))
                 if job.cancelled.is_set():
                     print(
                         f"ggraph serve: a request was cancelled after "
@@ -254,13 +258,6 @@ def _chat_logprob(model, step):
     return item
 
 
-class _Collected:
-    """What a request's events add up to: text, token count, logprobs, finish reason."""
-
-    def __init__(self):
-        self.text, self.steps, self.finish = [], [], None
-
-
 def create_app(model, model_name: str):
     """The starlette application serving `model` (a ggraph.Model) as `model_name`."""
     from starlette.applications import Starlette
@@ -341,8 +338,7 @@ def create_app(model, model_name: str):
         obj = "chat.completion" if chat else "text_completion"
 
         if not stream:
-            out = _Collected()
-            n_completion = 0
+            texts, steps, finish, n_completion = [], [], None, 0
 
             async def watch():  # a client that leaves cancels its generation
                 while not await request.is_disconnected():
@@ -353,39 +349,36 @@ def create_app(model, model_name: str):
             try:
                 async for kind, value in events(job):
                     if kind == "token":
-                        if logprobs is not None:
-                            out.text.append(value.text)
-                            if value.token >= 0:
-                                out.steps.append(value)
-                        else:
-                            out.text.append(value)
+                        texts.append(value[0])
+                        if value[1] is not None:
+                            steps.append(value[1])
                     else:
                         reason, n_completion = value
-                        out.finish = _FINISH.get(reason, "stop")
+                        finish = _FINISH.get(reason, "stop")
             except ValueError as e:  # refused by the core (the context)
                 return error(400, str(e))
             except Exception as e:
                 return error(500, f"{type(e).__name__}: {e}", kind="server_error")
             finally:
                 watcher.cancel()
-            text = "".join(out.text)
+            text = "".join(texts)
             if chat:
                 choice = {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": {"content": [_chat_logprob(model, s) for s in out.steps]}
+                    "logprobs": {"content": [_chat_logprob(model, s) for s in steps]}
                     if logprobs is not None
                     else None,
-                    "finish_reason": out.finish,
+                    "finish_reason": finish,
                 }
             else:
                 choice = {
                     "index": 0,
                     "text": text,
-                    "logprobs": _completion_logprobs(model, out.steps)
+                    "logprobs": _completion_logprobs(model, steps)
                     if logprobs is not None
                     else None,
-                    "finish_reason": out.finish,
+                    "finish_reason": finish,
                 }
             return JSONResponse(
                 {
@@ -418,16 +411,12 @@ def create_app(model, model_name: str):
             try:
                 async for kind, value in events(job):
                     if kind == "token":
-                        step = value
-                        text = step.text if logprobs is not None else step
+                        text, step = value
                         lp = None
-                        if logprobs is not None and step.token >= 0:
-                            lp = (
-                                {"content": [_chat_logprob(model, step)]}
-                                if chat
-                                else _completion_logprobs(model, [step], offset)
-                            )
-                        if lp is not None and not chat:
+                        if step is not None and chat:
+                            lp = {"content": [_chat_logprob(model, step)]}
+                        elif step is not None:
+                            lp = _completion_logprobs(model, [step], offset)
                             offset += len(lp["tokens"][0])
                         if not text and lp is None:
                             continue
@@ -438,7 +427,7 @@ def create_app(model, model_name: str):
                                     "delta": {"content": text},
                                     "logprobs": lp,
                                     "finish_reason": None,
-                                }  # fmt: skip
+                                }
                             )
                         else:
                             yield chunk(
