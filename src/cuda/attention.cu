@@ -1,5 +1,5 @@
 // Causal attention over the F16 KV cache: flash-decoding (KV split over blocks, then a reduce)
-// for a few queries, and a tiled kernel for prompts.
+// for a few queries, and flash attention on tensor cores for prompts.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -350,129 +350,189 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d);
 }
 
-// ---- Prompt attention ---------------------------------------------------------------------
+// ---- Prompt attention on tensor cores -------------------------------------------------------
 //
-// Block (query tile, head): 4 warps of QW queries each. K and V tiles of 32 keys are staged in
-// shared memory as half; lane j scores key j against the warp's queries, then lanes own head
-// dimensions for P*V. Key tiles stop at the tile's last causal position.
+// Flash attention for prompt batches. Block (tile of 64 queries, head): 4 warps of 16 queries.
+// Q, times scale * log2(e) and rounded to half, sits in shared memory with head_dim padded with
+// zeros to D; K and V tiles of BK keys stream through a two-stage cp.async pipeline (rows past the
+// causal limit or n_kv and dims past head_dim arrive as zeros). Each warp takes its 16 x BK scores
+// with mma.sync m16n8k16 (float accumulation), runs the online softmax in base 2 on the
+// accumulator fragments (a row lies in the four lanes of a quad), and multiplies the
+// probabilities, rounded to half as the A operand, by V. Tiles are masked only where a key may
+// lie past a query's position, n_kv or its window.
 
-template <int DI, int QW>
-__global__ void __launch_bounds__(kAttnWarps * 32)
-    attn_prompt_kernel(const float* q, const __half* kc, const __half* vc, float* out, int n_head,
-                       int n_head_kv, int head_dim, float scale, int n_kv_value,
-                       int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_tokens, int window) {
+constexpr int kFlashWarps = 4;
+constexpr int kFlashRows = 16 * kFlashWarps;
+
+template <int D>
+struct FlashShape {
+  static constexpr int kKeys = D > 128 ? 32 : 64;  // keys a tile (the registers of D = 256)
+  static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
+  static constexpr size_t smem_bytes() {
+    return static_cast<size_t>(kFlashRows + 4 * kKeys) * kPitch * sizeof(__half);
+  }
+};
+
+template <int D>
+__global__ void __launch_bounds__(kFlashWarps * 32)
+    attn_flash_kernel(const float* q, const __half* kc, const __half* vc, float* out, int n_head,
+                      int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,
+                      const int32_t* n_kv_at, const int32_t* first_pos_at, int n_tokens,
+                      int window) {
+  constexpr int BK = FlashShape<D>::kKeys, P = FlashShape<D>::kPitch;
+  constexpr int NT = BK / 8;  // score fragments of 8 keys
+  constexpr int DT = D / 8;   // output fragments of 8 dims
   pdl_begin();
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
-  constexpr int BQ = kAttnWarps * QW;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const int kpitch = head_dim + 4;                 // halves; 8-byte row reads spread over all banks
-  float* qs = reinterpret_cast<float*>(smem_raw);  // [BQ][head_dim]
-  __half* ks = reinterpret_cast<__half*>(qs + BQ * head_dim);  // [32][kpitch]
-  __half* vs = ks + 32 * kpitch;                               // [32][head_dim]
+  __half* qs = reinterpret_cast<__half*>(smem_raw);  // [kFlashRows][P]
+  __half* ks = qs + kFlashRows * P;                  // [2][BK][P]
+  __half* vs = ks + 2 * BK * P;                      // [2][BK][P]
 
   const int h = blockIdx.y;
   const int hkv = h / (n_head / n_head_kv);
-  const int t0 = blockIdx.x * BQ;
+  const int t0 = (gridDim.x - 1 - blockIdx.x) * kFlashRows;  // the longest rows start first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
-
-  for (int i = threadIdx.x; i < BQ * head_dim; i += blockDim.x) {
-    const int r = i / head_dim, d = i % head_dim;
-    const int t = t0 + r;
-    qs[i] = t < n_tokens ? q[t * q_stride + static_cast<int64_t>(h) * head_dim + d] * scale : 0.f;
-  }
-
-  const int t_last = min(n_tokens - 1, t0 + BQ - 1);
+  const int t_last = min(n_tokens - 1, t0 + kFlashRows - 1);
   const int k_limit = min(n_kv, first_pos + t_last + 1);
+  // With a window, tiles before the first query's first key are skipped unread.
+  const int k_first = window > 0 ? max(0, first_pos + t0 + 1 - window) / BK * BK : 0;
 
-  float m[QW], l[QW], acc[QW][DI][2];
-#pragma unroll
-  for (int qi = 0; qi < QW; ++qi) {
-    m[qi] = kNegInf;
-    l[qi] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < DI; ++i) acc[qi][i][0] = acc[qi][i][1] = 0.0f;
+  auto load_tile = [&](int tile, int stage) {
+    constexpr int kVecs = D / 8;
+    for (int i = threadIdx.x; i < BK * kVecs; i += blockDim.x) {
+      const int r = i / kVecs, c = i % kVecs;
+      const int j = tile + r;
+      const bool ok = j < k_limit && c * 8 < head_dim;
+      const int64_t at = ok ? j * kv_stride + static_cast<int64_t>(hkv) * head_dim + c * 8 : 0;
+      cp_async16(ks + (stage * BK + r) * P + c * 8, kc + at, ok ? 16 : 0);
+      cp_async16(vs + (stage * BK + r) * P + c * 8, vc + at, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (k_first < k_limit) load_tile(k_first, 0);
+
+  const float q_scale = scale * 1.4426950408889634f;  // scores in base 2
+  for (int i = threadIdx.x; i < kFlashRows * (D / 2); i += blockDim.x) {
+    const int r = i / (D / 2), d = i % (D / 2) * 2;
+    const int t = t0 + r;
+    float2 v = make_float2(0.0f, 0.0f);
+    if (t < n_tokens && d < head_dim)
+      v = *reinterpret_cast<const float2*>(q + t * q_stride + static_cast<int64_t>(h) * head_dim +
+                                           d);
+    *reinterpret_cast<__half2*>(qs + r * P + d) = __floats2half2_rn(v.x * q_scale, v.y * q_scale);
   }
 
-  const int vec_per_row = head_dim / 8;
-  // With a window, tiles before the first query's first key are skipped unread.
-  const int k_first = window > 0 ? max(0, first_pos + t0 + 1 - window) / 32 * 32 : 0;
-  for (int tile = k_first; tile < k_limit; tile += 32) {
-    __syncthreads();  // previous tile fully consumed (and qs written, first time)
-    for (int i = threadIdx.x; i < 32 * vec_per_row; i += blockDim.x) {
-      const int r = i / vec_per_row, c = i % vec_per_row;
-      const int j = tile + r;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (j < k_limit) {
-        kv = __ldg(reinterpret_cast<const uint4*>(kc + j * kv_stride + hkv * head_dim) + c);
-        vv = __ldg(reinterpret_cast<const uint4*>(vc + j * kv_stride + hkv * head_dim) + c);
-      }
-      // K rows have a 4-half pad, so only 8-byte alignment holds: store as two halves.
-      uint2* kd = reinterpret_cast<uint2*>(ks + r * kpitch + c * 8);
-      kd[0] = make_uint2(kv.x, kv.y);
-      kd[1] = make_uint2(kv.z, kv.w);
-      *reinterpret_cast<uint4*>(vs + r * head_dim + c * 8) = vv;
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp's 16
+  const int g = lane / 4, tig = lane % 4;
+  const int pos0 = first_pos + t0 + warp * 16 + g;  // row g's position
+  // Lane offsets of the ldmatrix row addresses: Q (A: rows, then k halves), K (B: keys, then k
+  // halves), V (B transposed: keys, then dims).
+  const __half* q_frag = qs + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * P + lane / 16 * 8;
+  const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
+  const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
+
+  int stage = 0;
+  for (int tile = k_first; tile < k_limit; tile += BK, stage ^= 1) {
+    // The other stage was released by the barrier that ended the last tile.
+    if (tile + BK < k_limit) {
+      load_tile(tile + BK, stage ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
     __syncthreads();
+    const __half* kt = ks + stage * BK * P;
+    const __half* vt = vs + stage * BK * P;
 
-    const int j = tile + lane;
-    float s[QW];
+    float s[NT][4];
 #pragma unroll
-    for (int qi = 0; qi < QW; ++qi) s[qi] = 0.0f;
-    const __half* krow = ks + lane * kpitch;
-    for (int d = 0; d < head_dim; d += 4) {
-      const uint2 kr = *reinterpret_cast<const uint2*>(krow + d);
-      const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&kr.x));
-      const float2 k23 = __half22float2(*reinterpret_cast<const __half2*>(&kr.y));
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
-      for (int qi = 0; qi < QW; ++qi) {
-        const float4 qv = *reinterpret_cast<const float4*>(qs + (warp * QW + qi) * head_dim + d);
-        s[qi] += qv.x * k01.x + qv.y * k01.y + qv.z * k23.x + qv.w * k23.y;
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, q_frag + kk * 16);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, kt + np * 16 * P + k_off + kk * 16);
+        mma_16816(s[2 * np], a, b[0], b[1]);
+        mma_16816(s[2 * np + 1], a, b[2], b[3]);
       }
     }
-    float p[QW];
+
+    const bool edge = tile + BK > first_pos + t0 + 1 || tile + BK > n_kv ||
+                      (window > 0 && tile <= first_pos + t0 + kFlashRows - 1 - window);
+    if (edge) {
 #pragma unroll
-    for (int qi = 0; qi < QW; ++qi) {
-      const int t = t0 + warp * QW + qi;
-      const bool valid = t < n_tokens && j < n_kv && j <= first_pos + t &&
-                         (window <= 0 || j > first_pos + t - window);
-      const float alpha = softmax_step(s[qi], valid, m[qi], l[qi], p[qi]);
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int i = 0; i < DI; ++i) acc[qi][i][0] *= alpha, acc[qi][i][1] *= alpha;
-    }
-    const int n_valid = min(32, k_limit - tile);
-#pragma unroll 4
-    for (int jj = 0; jj < n_valid; ++jj) {
-      float2 v[DI];
-#pragma unroll
-      for (int i = 0; i < DI; ++i) {
-        const int d = 64 * i + 2 * lane;
-        v[i] = d < head_dim
-                   ? __half22float2(*reinterpret_cast<const __half2*>(vs + jj * head_dim + d))
-                   : make_float2(0.f, 0.f);
-      }
-#pragma unroll
-      for (int qi = 0; qi < QW; ++qi) {
-        const float pj = __shfl_sync(0xffffffffu, p[qi], jj);
-#pragma unroll
-        for (int i = 0; i < DI; ++i) acc[qi][i][0] += pj * v[i].x, acc[qi][i][1] += pj * v[i].y;
+        for (int e = 0; e < 4; ++e) {
+          const int j = tile + nt * 8 + 2 * tig + (e & 1);
+          const int p = pos0 + (e >> 1) * 8;
+          if (j >= n_kv || j > p || (window > 0 && j <= p - window)) s[nt][e] = kNegInf;
+        }
       }
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == kNegInf ? 0.0f : mx;  // a row with nothing valid yet
+      const float alpha = exp2f(m[r] - base);
+      m[r] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;  // this lane's share; the quad's sum at the end
+#pragma unroll
+      for (int i = 0; i < DT; ++i) o[i][2 * r] *= alpha, o[i][2 * r + 1] *= alpha;
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      // Two score fragments side by side are the A fragment of 16 keys.
+      const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
+                             pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vt + kk * 16 * P + v_off + dp * 16);
+        mma_16816(o[2 * dp], a, b[0], b[1]);
+        mma_16816(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // this stage fully read before the next load into it
   }
 
 #pragma unroll
-  for (int qi = 0; qi < QW; ++qi) {
-    const int t = t0 + warp * QW + qi;
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int t = t0 + warp * 16 + g + 8 * r;
     if (t >= n_tokens) continue;
-    float* o = out + t * q_stride + static_cast<int64_t>(h) * head_dim;
-    const float inv = l[qi] > 0.0f ? 1.0f / l[qi] : 0.0f;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    float* row = out + t * q_stride + static_cast<int64_t>(h) * head_dim;
 #pragma unroll
-    for (int i = 0; i < DI; ++i) {
-      const int d = 64 * i + 2 * lane;
-      if (d < head_dim) o[d] = acc[qi][i][0] * inv, o[d + 1] = acc[qi][i][1] * inv;
+    for (int i = 0; i < DT; ++i) {
+      const int d = i * 8 + 2 * tig;
+      if (d < head_dim)
+        *reinterpret_cast<float2*>(row + d) = make_float2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
     }
   }
 }
@@ -526,16 +586,18 @@ void prepare_decode_dpl() {
   }
 }
 
-template <int DI>
+template <int D>
 void prompt_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
                       int32_t n_kv, int32_t first_pos) {
-  constexpr int QW = DI <= 2 ? 4 : 2;
-  constexpr int BQ = kAttnWarps * QW;
-  const size_t smem =
-      BQ * a.head_dim * sizeof(float) + (32 * (a.head_dim + 4) + 32 * a.head_dim) * sizeof(__half);
-  l(attn_prompt_kernel<DI, QW>, dim3((a.n_tokens + BQ - 1) / BQ, a.n_head), dim3(kAttnWarps * 32),
-    smem, a.q, kc, vc, a.out, a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos,
-    a.n_kv_at, a.first_pos_at, a.n_tokens, a.window);
+  l(attn_flash_kernel<D>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
+    dim3(kFlashWarps * 32), FlashShape<D>::smem_bytes(), a.q, kc, vc, a.out, a.n_head, a.n_head_kv,
+    a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens, a.window);
+}
+
+template <int D>
+void prepare_prompt() {
+  cudaFuncSetAttribute(attn_flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(FlashShape<D>::smem_bytes()));
 }
 
 }  // namespace
@@ -544,6 +606,9 @@ void prepare_attention_kernels() {
   prepare_decode_dpl<2>();
   prepare_decode_dpl<4>();
   prepare_decode_dpl<8>();
+  prepare_prompt<64>();
+  prepare_prompt<128>();
+  prepare_prompt<256>();
 }
 
 int attention_group(int n_head, int n_head_kv, int head_dim) {
@@ -580,16 +645,9 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
     if (a.head_dim <= 128) return decode_attention_dpl<4>(l, a, kc, vc, n_kv, first_pos);
     return decode_attention_dpl<8>(l, a, kc, vc, n_kv, first_pos);
   }
-  switch ((a.head_dim + 63) / 64) {
-    case 1:
-      return prompt_attention<1>(l, a, kc, vc, n_kv, first_pos);
-    case 2:
-      return prompt_attention<2>(l, a, kc, vc, n_kv, first_pos);
-    case 3:
-      return prompt_attention<3>(l, a, kc, vc, n_kv, first_pos);
-    default:
-      return prompt_attention<4>(l, a, kc, vc, n_kv, first_pos);
-  }
+  if (a.head_dim <= 64) return prompt_attention<64>(l, a, kc, vc, n_kv, first_pos);
+  if (a.head_dim <= 128) return prompt_attention<128>(l, a, kc, vc, n_kv, first_pos);
+  return prompt_attention<256>(l, a, kc, vc, n_kv, first_pos);
 }
 
 }  // namespace ggraph::cuda

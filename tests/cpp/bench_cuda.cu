@@ -270,11 +270,12 @@ int main() {
 
   // ---- attention --------------------------------------------------------------------------
   std::printf(
-      "\n| attention | heads | head_dim | tokens | n_kv | us |\n|---|---|---|---|---|---|\n");
+      "\n| attention | heads | head_dim | tokens | n_kv | us | TFLOP/s |\n"
+      "|---|---|---|---|---|---|---|\n");
   struct A {
     int n_head, n_head_kv, hd;
   };
-  for (A a : {A{32, 32, 128}, A{9, 3, 64}}) {
+  for (A a : {A{32, 32, 128}, A{32, 8, 128}, A{9, 3, 64}, A{4, 1, 256}}) {
     const int n_ctx = 4096;
     const size_t kv_elems = size_t(n_ctx) * a.n_head_kv * a.hd;
     std::vector<uint16_t> kv_host(kv_elems);
@@ -290,12 +291,12 @@ int main() {
     CHECK(cudaMalloc(&part, gc::attn_partials_bytes(a.n_head, a.hd, 1)));
     CHECK(cudaMalloc(&counters, gc::attn_counters_bytes(a.n_head, 1)));
     CHECK(cudaMemset(counters, 0, gc::attn_counters_bytes(a.n_head, 1)));
-    for (int tokens : {1, 512}) {
+    for (int tokens : {1, 512, 4096}) {
       float* q = device_randn(size_t(a.n_head) * a.hd * tokens, rng);
       float* out = nullptr;
       CHECK(cudaMalloc(&out, size_t(a.n_head) * a.hd * tokens * sizeof(float)));
       for (int n_kv : {128, 512, 1024, 4096}) {
-        if (tokens > 1 && n_kv != 512) continue;
+        if (tokens > 1 && n_kv < tokens) continue;
         gc::AttentionArgs args;
         args.q = q;
         args.k_cache = kc;
@@ -312,8 +313,11 @@ int main() {
         args.partials = part;
         args.counters = counters;
         const double ms = ev.time_ms(s, 50, [&](int) { gc::launch_attention(l, args); });
-        std::printf("| %s | %d/%d | %d | %d | %d | %.1f |\n", tokens == 1 ? "decode" : "prompt",
-                    a.n_head, a.n_head_kv, a.hd, tokens, n_kv, ms * 1e3);
+        // Two products of head_dim multiply-adds per visible (query, key) pair.
+        const double pairs = double(tokens) * (n_kv - tokens) + double(tokens) * (tokens + 1) / 2;
+        std::printf("| %s | %d/%d | %d | %d | %d | %.1f | %.1f |\n",
+                    tokens == 1 ? "decode" : "prompt", a.n_head, a.n_head_kv, a.hd, tokens, n_kv,
+                    ms * 1e3, 4.0 * a.hd * a.n_head * pairs / (ms * 1e9));
       }
       cudaFree(q);
       cudaFree(out);
