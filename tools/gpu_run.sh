@@ -23,7 +23,10 @@ export PYTHONUNBUFFERED=1
 BUILD=/tmp/ggraph-gpu-build
 JOBS=$(nproc)
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # One at a time: a wheel built for another Python (pyyaml) must not stop the others.
+  for w in .whl/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null
+  done
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=/tmp/ggraph-py${PYTHONPATH:+:$PYTHONPATH}
@@ -47,7 +50,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 make_shape_files() {
   local spec name shape type
   for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
-    llama2-7b-q4km:llama2-7b:Q4_K_M; do
+    llama2-7b-q4km:llama2-7b:Q4_K_M llama3-1b-f16:llama3-1b:F16; do
     IFS=: read -r name shape type <<<"$spec"
     case " $* " in *" /tmp/$name.gguf "*)
       [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \
@@ -93,7 +96,7 @@ for stage in "$@"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD"/ggraph_cuda_tests \
-          --gtest_filter='-CudaOps.OutOfMemory*' >"$OUT/sanitizer-$tool.log" 2>&1
+          --gtest_filter="${SANITIZE_FILTER:--CudaOps.OutOfMemory*}" >"$OUT/sanitizer-$tool.log" 2>&1
         echo "compute-sanitizer $tool: exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
           "$OUT/sanitizer-$tool.log" | tail -1)"
       done
@@ -107,7 +110,8 @@ for stage in "$@"; do
       done
       ;;
     kernels)
-      "$BUILD"/ggraph_bench_cuda 2>&1 | tee "$OUT/kernels.log" | tail -30
+      # KERNELS names the sections (matvec, matmul, gemm, attention, launch); all by default.
+      "$BUILD"/ggraph_bench_cuda ${KERNELS:-} 2>&1 | tee "$OUT/kernels.log" | tail -${KERNELS_TAIL:-30}
       ;;
     profile)
       # Nsight Compute's view of one launch of each kernel named in PROFILE (';'-separated

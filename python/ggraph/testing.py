@@ -561,6 +561,20 @@ SHAPES = {
         embd_type="Q8_0",
         pre="smollm",
     ),
+    # Llama 3.2 1B's dimensions (its 128,256-token vocabulary, tied output), in F16.
+    "llama3-1b": ModelShape(
+        n_embd=2048,
+        n_ff=8192,
+        n_layer=16,
+        n_head=32,
+        n_head_kv=8,
+        n_vocab=128256,
+        n_ctx=8192,
+        rope_base=500000.0,
+        tied=True,
+        weight_type="F16",
+        add_bos=True,
+    ),
     "llama2-7b": ModelShape(
         n_embd=4096,
         n_ff=11008,

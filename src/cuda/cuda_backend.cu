@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "cuda/blas.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/graph_executor.h"
 #include "cuda/kernels.cuh"
@@ -382,8 +383,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   };
 
   // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
+  // Its form: 8-bit blocks (mat-vecs of quantized weights), half or bfloat16 (prompt products).
+  enum class Form { Q8, Half, BF16 };
   const Tensor* prepared = nullptr;
-  bool prepared_half = false;
+  Form prepared_form = Form::Q8;
 
   // Nodes already launched as part of an earlier node's kernel.
   std::vector<char> done(n, 0);
@@ -404,7 +407,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     if (!can || p < 0 || !q8_read[p] || x->ne[0] % 32 != 0 || x->ne[1] > kMatVecMaxCols)
       return nullptr;
     prepared = x;
-    prepared_half = false;
+    prepared_form = Form::Q8;
     return buf.act;
   };
 
@@ -587,18 +590,26 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const int64_t k = w->ne[0];
         const int cols = static_cast<int>(x->ne[1]);
         if (cols > kMatVecMaxCols) {
-          if (prepared != x || !prepared_half) {
-            launch_act_to_half(l, fptr(x), k, cols, buf.act);
+          // cuBLAS takes products of F16 and BF16 weights where it is loaded (blas.h).
+          const bool blas = buf.blas && gemm_wants_blas(w->type);
+          const Form form = blas && w->type == DType::BF16 ? Form::BF16 : Form::Half;
+          if (prepared != x || prepared_form != form) {
+            launch_act_to_half(l, fptr(x), k, cols, buf.act, form == Form::BF16);
             prepared = x;
-            prepared_half = true;
+            prepared_form = form;
           }
-          launch_mat_mul_tc(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t));
+          if (blas) {
+            buf.blas->gemm(l, w->type, ptr(w), w->ne[1], k, buf.act, act_half_pitch(k), cols,
+                           fptr(t));
+          } else {
+            launch_mat_mul_tc(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t));
+          }
           break;
         }
-        if (is_quantized(w->type) && (prepared != x || prepared_half)) {
+        if (is_quantized(w->type) && (prepared != x || prepared_form != Form::Q8)) {
           launch_quantize_act(l, fptr(x), k, cols, buf.act);
           prepared = x;
-          prepared_half = false;
+          prepared_form = Form::Q8;
         }
         // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
         // go out as one launch at the first of them, where that moves no write over memory
@@ -812,6 +823,7 @@ class CudaBackend : public Backend {
     cudaFreeHost(input_staging_);
     cudaFreeHost(output_staging_);
     executor_.reset();
+    blas_.reset();
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -936,6 +948,7 @@ class CudaBackend : public Backend {
                  "attention counters"))
         GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
       plan_reuse(graph, &reuse_);
+      prepare_blas(graph);
     }
 
     for (int i : reuse_.inputs) {
@@ -958,6 +971,7 @@ class CudaBackend : public Backend {
     buf.attn_bytes = attn_bytes_;
     buf.attn_counters = static_cast<unsigned*>(attn_counters_);
     buf.kv_record = kv_record_;
+    buf.blas = blas_.get();
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
@@ -1048,6 +1062,23 @@ class CudaBackend : public Backend {
   }
 
  private:
+  // Loads cuBLAS the first time a graph has a product it would take (blas.h); without it the
+  // tiled kernel takes them, unless GGRAPH_CUDA_GEMM=cublas asked for cuBLAS by name.
+  void prepare_blas(const Graph& graph) {
+    if (blas_) return;
+    bool wanted = false;
+    for (const Tensor* t : graph.nodes())
+      wanted = wanted || (t->op == Op::MulMat && t->src[1]->ne[1] > kMatVecMaxCols &&
+                          gemm_wants_blas(t->src[0]->type));
+    if (!wanted) return;
+    if (!blas_tried_) {
+      blas_tried_ = true;
+      blas_ = Blas::create(stream_, &blas_missing_);
+    }
+    if (!blas_ && gemm_path() == GemmPath::Cublas)
+      throw DeviceError("GGRAPH_CUDA_GEMM=cublas, but cuBLAS is not usable: " + blas_missing_);
+  }
+
   // cudaMalloc that turns out-of-memory into a DeviceError naming the sizes and leaves no error.
   void* device_alloc(size_t bytes, const std::string& what) {
     void* p = nullptr;
@@ -1086,6 +1117,9 @@ class CudaBackend : public Backend {
   std::string name_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<GraphExecutor> executor_;
+  std::unique_ptr<Blas> blas_;  // loaded on first need (prepare_blas)
+  bool blas_tried_ = false;
+  std::string blas_missing_;  // why it did not load
   // What the last step ran: its graph and the buffers' generation (see compute).
   uint64_t last_graph_serial_ = 0;
   uint64_t buffers_version_ = 0, last_version_ = 0;

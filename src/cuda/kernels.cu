@@ -447,12 +447,18 @@ __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs
   quantize_warp_block(x[i], i, qs, ds);
 }
 
-__global__ void act_to_half_kernel(const float* x, int64_t k, int64_t kp, int64_t n, __half* h) {
+template <bool BF16>
+__global__ void act_to_16_kernel(const float* x, int64_t k, int64_t kp, int64_t n, uint16_t* h) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int64_t col = i / kp, kk = i % kp;
-  h[i] = __float2half_rn(kk < k ? x[col * k + kk] : 0.0f);
+  const float v = kk < k ? x[col * k + kk] : 0.0f;
+  if constexpr (BF16) {
+    h[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    h[i] = __half_as_ushort(__float2half_rn(v));
+  }
 }
 
 }  // namespace
@@ -613,11 +619,16 @@ size_t act_half_bytes(int64_t k, int64_t cols) {
   return static_cast<size_t>(kp * cols) * sizeof(__half);
 }
 
-void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
+void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws,
+                        bool bf16) {
   const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
   const int64_t n = kp * cols;
-  l(act_to_half_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, x, k, kp, n,
-    reinterpret_cast<__half*>(ws));
+  auto* h = reinterpret_cast<uint16_t*>(ws);
+  if (bf16) {
+    l(act_to_16_kernel<true>, dim3(ceil_div(n, 256)), dim3(256), 0, x, k, kp, n, h);
+  } else {
+    l(act_to_16_kernel<false>, dim3(ceil_div(n, 256)), dim3(256), 0, x, k, kp, n, h);
+  }
 }
 
 }  // namespace ggraph::cuda

@@ -122,6 +122,8 @@ void kv_layout(const Graph& graph, KvLayout* layout);
 // its launches are not those of the last step and must be walked again.
 bool refresh_kv_values(const Graph& graph, KvLayout* layout);
 
+class Blas;
+
 // ---- Buffers a graph's kernels address --------------------------------------------------------
 
 struct DeviceBuffers {
@@ -133,6 +135,7 @@ struct DeviceBuffers {
   size_t attn_bytes = 0;
   unsigned* attn_counters = nullptr;  // flash-decoding tickets (attn_counters_bytes)
   int32_t* kv_record = nullptr;       // kMaxKvSlots values
+  const Blas* blas = nullptr;         // cuBLAS for the prompt products it takes (blas.h), or none
 };
 
 // Device address of a tensor's data.
@@ -256,11 +259,13 @@ struct ActQ8 {
 };
 ActQ8 act_q8(uint8_t* ws, int64_t k, int64_t cols);
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
-// Activation preparation for the tensor-core path: half, columns padded to
-// kp = round_up(k, kActPad) with zeros.
+// Activation preparation for the tensor-core path: half (or bfloat16, for cuBLAS's products of
+// BF16 weights), columns padded to kp = round_up(k, kActPad) with zeros.
 constexpr int kActPad = 64;
+inline int64_t act_half_pitch(int64_t k) { return (k + kActPad - 1) / kActPad * kActPad; }
 size_t act_half_bytes(int64_t k, int64_t cols);
-void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
+void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws,
+                        bool bf16 = false);
 
 // One weight matrix of a (possibly grouped) mat-vec: weights [k, n] and its output [n, cols].
 struct MatVecPart {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/blas.h"
 #include "cuda/kernels.cuh"
 #include "quant.h"
 
@@ -141,9 +142,20 @@ double copy_tb_s(cudaStream_t s) {
   return 2.0 * bytes / (ms * 1e-3) / 1e12;  // bytes read plus bytes written
 }
 
+struct KN {
+  int64_t k, n;
+};
+
 }  // namespace
 
-int main() {
+// Sections to run: matvec, matmul, gemm, attention, launch; all of them by default.
+int main(int argc, char** argv) {
+  auto want = [&](const char* section) {
+    if (argc < 2) return true;
+    for (int i = 1; i < argc; ++i)
+      if (std::strcmp(argv[i], section) == 0) return true;
+    return false;
+  };
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   gc::prepare_kernels();
@@ -163,173 +175,224 @@ int main() {
   std::printf("device-to-device copy: %.2f TB/s (read + write)\n\n", copy);
 
   // ---- mat-vec -----------------------------------------------------------------------------
-  std::printf(
-      "| mat-vec | k x n | cols | weight MB | us | GB/s | %% of copy | us (graph) | %% of copy "
-      "(graph) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
-  struct KN {
-    int64_t k, n;
-  };
-  const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
-  const DType types[] = {DType::Q4_0,   DType::Q4_1,   DType::Q8_0, DType::Q4_K, DType::Q5_K,
-                         DType::Q6_K,   DType::Q5_0,   DType::Q5_1, DType::Q2_K, DType::Q3_K,
-                         DType::IQ4_NL, DType::IQ4_XS, DType::F16,  DType::BF16};
-  for (DType t : types) {
-    for (KN sh : shapes) {
-      if (sh.k % gc::block_elems(t) != 0) continue;  // 576 is no multiple of a K-quant block
-      const auto host = random_weights(t, sh.k, sh.n, rng);
-      const double mb = host.size() / 1e6;
-      const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
-      std::vector<void*> w(copies);
-      for (auto& p : w) p = device_copy_of(host, t);
-      for (int cols : {1, 2, 4, 8}) {
-        const bool q = gc::is_quantized(t);
-        // One column of a quantized type: every kernel shape (rows per warp, pieces in
-        // flight), the automatic choice first.
-        // Each with every way of overlapping the launch before it (MatVecConfig::overlap).
-        std::vector<gc::MatVecConfig> configs = {{0, 0}};
-        if (q && cols == 1) {
-          const gc::MatVecConfig shapes_[] = {{0, 0},    {1, 4, 1}, {2, 4, 1}, {4, 2, 1},
-                                              {4, 2, 2}, {4, 2, 4}, {2, 4, 2}, {2, 2, 4}};
-          for (gc::MatVecConfig c : shapes_) {
-            for (int o = 0; o < 4; ++o) {
-              c.overlap = o;
-              configs.push_back(c);
+  if (want("matvec")) {
+    std::printf(
+        "| mat-vec | k x n | cols | weight MB | us | GB/s | %% of copy | us (graph) | %% of copy "
+        "(graph) |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+    const KN shapes[] = {{4096, 11008}, {11008, 4096}, {4096, 4096}, {576, 1536}};
+    const DType types[] = {DType::Q4_0,   DType::Q4_1,   DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                           DType::Q6_K,   DType::Q5_0,   DType::Q5_1, DType::Q2_K, DType::Q3_K,
+                           DType::IQ4_NL, DType::IQ4_XS, DType::F16,  DType::BF16};
+    for (DType t : types) {
+      for (KN sh : shapes) {
+        if (sh.k % gc::block_elems(t) != 0) continue;  // 576 is no multiple of a K-quant block
+        const auto host = random_weights(t, sh.k, sh.n, rng);
+        const double mb = host.size() / 1e6;
+        const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
+        std::vector<void*> w(copies);
+        for (auto& p : w) p = device_copy_of(host, t);
+        for (int cols : {1, 2, 4, 8}) {
+          const bool q = gc::is_quantized(t);
+          // One column of a quantized type: every kernel shape (rows per warp, pieces in
+          // flight), the automatic choice first.
+          // Each with every way of overlapping the launch before it (MatVecConfig::overlap).
+          std::vector<gc::MatVecConfig> configs = {{0, 0}};
+          if (q && cols == 1) {
+            const gc::MatVecConfig shapes_[] = {{0, 0},    {1, 4, 1}, {2, 4, 1}, {4, 2, 1},
+                                                {4, 2, 2}, {4, 2, 4}, {2, 4, 2}, {2, 2, 4}};
+            for (gc::MatVecConfig c : shapes_) {
+              for (int o = 0; o < 4; ++o) {
+                c.overlap = o;
+                configs.push_back(c);
+              }
             }
           }
+          for (const gc::MatVecConfig& c : configs) {
+            gc::set_mat_vec_config(c);
+            float* x = device_randn(size_t(sh.k) * cols, rng);
+            float* dst = nullptr;
+            CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+            uint8_t* ws = nullptr;
+            CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
+            if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
+            auto mv = [&](int i) {
+              gc::MatVecPart part{w[i % copies], sh.n, dst, /*fixed=*/true};
+              gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
+            };
+            const double ms = ev.time_ms(s, 200, mv);
+            const double gms = ev.graph_ms(s, 200, mv);
+            std::string shape = c.rows ? std::to_string(c.rows) + "x" + std::to_string(c.unroll) +
+                                             "/" + std::to_string(c.ksplit)
+                                       : "";
+            if (c.overlap >= 0) shape += (c.rows ? " o" : "o") + std::to_string(c.overlap);
+            if (!shape.empty()) shape = " (" + shape + ")";
+            std::printf("| %s%s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f | %.2f | %.0f |\n",
+                        gc::dtype_name(t), shape.c_str(), (long long)sh.k, (long long)sh.n, cols,
+                        mb, ms * 1e3, host.size() / (ms * 1e-3) / 1e9,
+                        100.0 * host.size() / (ms * 1e-3) / (copy * 1e12), gms * 1e3,
+                        100.0 * host.size() / (gms * 1e-3) / (copy * 1e12));
+            cudaFree(x);
+            cudaFree(dst);
+            cudaFree(ws);
+          }
+          gc::set_mat_vec_config({0, 0});
         }
-        for (const gc::MatVecConfig& c : configs) {
-          gc::set_mat_vec_config(c);
-          float* x = device_randn(size_t(sh.k) * cols, rng);
-          float* dst = nullptr;
-          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
-          uint8_t* ws = nullptr;
-          CHECK(cudaMalloc(&ws, gc::act_q8_bytes(sh.k, cols)));
-          if (q) gc::launch_quantize_act(l, x, sh.k, cols, ws);
-          auto mv = [&](int i) {
-            gc::MatVecPart part{w[i % copies], sh.n, dst, /*fixed=*/true};
-            gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
-          };
-          const double ms = ev.time_ms(s, 200, mv);
-          const double gms = ev.graph_ms(s, 200, mv);
-          std::string shape = c.rows ? std::to_string(c.rows) + "x" + std::to_string(c.unroll) +
-                                           "/" + std::to_string(c.ksplit)
-                                     : "";
-          if (c.overlap >= 0) shape += (c.rows ? " o" : "o") + std::to_string(c.overlap);
-          if (!shape.empty()) shape = " (" + shape + ")";
-          std::printf("| %s%s | %lldx%lld | %d | %.1f | %.2f | %.0f | %.0f | %.2f | %.0f |\n",
-                      gc::dtype_name(t), shape.c_str(), (long long)sh.k, (long long)sh.n, cols, mb,
-                      ms * 1e3, host.size() / (ms * 1e-3) / 1e9,
-                      100.0 * host.size() / (ms * 1e-3) / (copy * 1e12), gms * 1e3,
-                      100.0 * host.size() / (gms * 1e-3) / (copy * 1e12));
-          cudaFree(x);
-          cudaFree(dst);
-          cudaFree(ws);
-        }
-        gc::set_mat_vec_config({0, 0});
+        for (void* p : w) cudaFree(p);
       }
-      for (void* p : w) cudaFree(p);
     }
-  }
-  {
-    float* x = device_randn(4096, rng);
-    uint8_t* ws = nullptr;
-    CHECK(cudaMalloc(&ws, gc::act_q8_bytes(4096, 1)));
-    const double ms = ev.time_ms(s, 200, [&](int) { gc::launch_quantize_act(l, x, 4096, 1, ws); });
-    std::printf("\nactivation quantization, k 4096, 1 column: %.2f us per launch\n", ms * 1e3);
-    cudaFree(x);
-    cudaFree(ws);
-  }
-
-  // ---- tiled mat-mul ------------------------------------------------------------------------
-  std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
-  for (DType t :
-       {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q5_0,
-        DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16}) {
-    for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
-      if (sh.k % gc::block_elems(t) != 0) continue;
-      const int cols = 512;
-      const auto host = random_weights(t, sh.k, sh.n, rng);
-      void* w = device_copy_of(host, t);
-      float* x = device_randn(size_t(sh.k) * cols, rng);
-      float* dst = nullptr;
-      CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+    {
+      float* x = device_randn(4096, rng);
       uint8_t* ws = nullptr;
-      CHECK(cudaMalloc(&ws, gc::act_half_bytes(sh.k, cols)));
-      gc::launch_act_to_half(l, x, sh.k, cols, ws);
-      const double ms = ev.time_ms(
-          s, 20, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, ws, cols, dst); });
-      std::printf("| %s | %lldx%lld | %d | %.1f | %.1f |\n", gc::dtype_name(t), (long long)sh.k,
-                  (long long)sh.n, cols, ms * 1e3, 2.0 * sh.k * sh.n * cols / (ms * 1e-3) / 1e12);
-      cudaFree(w);
+      CHECK(cudaMalloc(&ws, gc::act_q8_bytes(4096, 1)));
+      const double ms =
+          ev.time_ms(s, 200, [&](int) { gc::launch_quantize_act(l, x, 4096, 1, ws); });
+      std::printf("\nactivation quantization, k 4096, 1 column: %.2f us per launch\n", ms * 1e3);
       cudaFree(x);
-      cudaFree(dst);
       cudaFree(ws);
     }
   }
 
-  // ---- attention --------------------------------------------------------------------------
-  std::printf(
-      "\n| attention | heads | head_dim | tokens | n_kv | us | TFLOP/s |\n"
-      "|---|---|---|---|---|---|---|\n");
-  struct A {
-    int n_head, n_head_kv, hd;
-  };
-  for (A a : {A{32, 32, 128}, A{32, 8, 128}, A{9, 3, 64}, A{4, 1, 256}}) {
-    const int n_ctx = 4096;
-    const size_t kv_elems = size_t(n_ctx) * a.n_head_kv * a.hd;
-    std::vector<uint16_t> kv_host(kv_elems);
-    std::normal_distribution<float> d(0.f, 1.f);
-    for (auto& h : kv_host) h = ggraph::f32_to_f16(d(rng));
-    void *kc = nullptr, *vc = nullptr;
-    CHECK(cudaMalloc(&kc, kv_elems * 2));
-    CHECK(cudaMalloc(&vc, kv_elems * 2));
-    CHECK(cudaMemcpy(kc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(vc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
-    float* part = nullptr;
-    unsigned* counters = nullptr;
-    CHECK(cudaMalloc(&part, gc::attn_partials_bytes(a.n_head, a.hd, 1)));
-    CHECK(cudaMalloc(&counters, gc::attn_counters_bytes(a.n_head, 1)));
-    CHECK(cudaMemset(counters, 0, gc::attn_counters_bytes(a.n_head, 1)));
-    for (int tokens : {1, 512, 4096}) {
-      float* q = device_randn(size_t(a.n_head) * a.hd * tokens, rng);
-      float* out = nullptr;
-      CHECK(cudaMalloc(&out, size_t(a.n_head) * a.hd * tokens * sizeof(float)));
-      for (int n_kv : {128, 512, 1024, 4096}) {
-        if (tokens > 1 && n_kv < tokens) continue;
-        gc::AttentionArgs args;
-        args.q = q;
-        args.k_cache = kc;
-        args.v_cache = vc;
-        args.out = out;
-        args.n_head = a.n_head;
-        args.n_head_kv = a.n_head_kv;
-        args.head_dim = a.hd;
-        args.scale = 0.1f;
-        args.n_tokens = tokens;
-        args.n_kv = n_kv;
-        args.first_pos = n_kv - tokens;
-        args.cache_rows = n_ctx;
-        args.partials = part;
-        args.counters = counters;
-        const double ms = ev.time_ms(s, 50, [&](int) { gc::launch_attention(l, args); });
-        // Two products of head_dim multiply-adds per visible (query, key) pair.
-        const double pairs = double(tokens) * (n_kv - tokens) + double(tokens) * (tokens + 1) / 2;
-        std::printf("| %s | %d/%d | %d | %d | %d | %.1f | %.1f |\n",
-                    tokens == 1 ? "decode" : "prompt", a.n_head, a.n_head_kv, a.hd, tokens, n_kv,
-                    ms * 1e3, 4.0 * a.hd * a.n_head * pairs / (ms * 1e9));
+  // ---- tiled mat-mul ------------------------------------------------------------------------
+  if (want("matmul")) {
+    std::printf("\n| mat-mul | k x n | cols | us | TFLOP/s |\n|---|---|---|---|---|\n");
+    for (DType t :
+         {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q5_0,
+          DType::Q2_K, DType::Q3_K, DType::IQ4_NL, DType::IQ4_XS, DType::F16}) {
+      for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{576, 1536}}) {
+        if (sh.k % gc::block_elems(t) != 0) continue;
+        const int cols = 512;
+        const auto host = random_weights(t, sh.k, sh.n, rng);
+        void* w = device_copy_of(host, t);
+        float* x = device_randn(size_t(sh.k) * cols, rng);
+        float* dst = nullptr;
+        CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+        uint8_t* ws = nullptr;
+        CHECK(cudaMalloc(&ws, gc::act_half_bytes(sh.k, cols)));
+        gc::launch_act_to_half(l, x, sh.k, cols, ws);
+        const double ms = ev.time_ms(
+            s, 20, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, ws, cols, dst); });
+        std::printf("| %s | %lldx%lld | %d | %.1f | %.1f |\n", gc::dtype_name(t), (long long)sh.k,
+                    (long long)sh.n, cols, ms * 1e3, 2.0 * sh.k * sh.n * cols / (ms * 1e-3) / 1e12);
+        cudaFree(w);
+        cudaFree(x);
+        cudaFree(dst);
+        cudaFree(ws);
       }
-      cudaFree(q);
-      cudaFree(out);
     }
-    cudaFree(kc);
-    cudaFree(vc);
-    cudaFree(part);
-    cudaFree(counters);
+  }
+
+  // ---- F16 and BF16 prompt products: the tiled kernel against cuBLAS -------------------------
+  if (want("gemm")) {
+    std::string why;
+    const auto blas = gc::Blas::create(s, &why);
+    if (!blas) std::printf("\ncuBLAS: not usable (%s)\n", why.c_str());
+    std::printf(
+        "\n| prompt product | k x n | cols | tiled us | cuBLAS us | tiled TFLOP/s | cuBLAS TFLOP/s "
+        "|\n|---|---|---|---|---|---|---|\n");
+    // The 1B F16 shape's products (q, kv, o, gate/up, down), the 7B shape's, SmolLM2's.
+    const KN kns[] = {{2048, 2048}, {2048, 512},   {2048, 8192},  {8192, 2048},
+                      {4096, 4096}, {4096, 11008}, {11008, 4096}, {576, 1536}};
+    for (DType t : {DType::F16, DType::BF16}) {
+      for (KN sh : kns) {
+        const auto host = random_weights(t, sh.k, sh.n, rng);
+        void* w = device_copy_of(host, t);
+        for (int cols : {16, 32, 64, 128, 512, 2048}) {
+          float* x = device_randn(size_t(sh.k) * cols, rng);
+          float* dst = nullptr;
+          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+          uint8_t *wh = nullptr, *wb = nullptr;
+          CHECK(cudaMalloc(&wh, gc::act_half_bytes(sh.k, cols)));
+          CHECK(cudaMalloc(&wb, gc::act_half_bytes(sh.k, cols)));
+          gc::launch_act_to_half(l, x, sh.k, cols, wh);
+          gc::launch_act_to_half(l, x, sh.k, cols, wb, t == DType::BF16);
+          const int reps = cols >= 512 ? 20 : 100;
+          const double tiled = ev.time_ms(
+              s, reps, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, wh, cols, dst); });
+          const double cub = blas ? ev.time_ms(s, reps,
+                                               [&](int) {
+                                                 blas->gemm(l, t, w, sh.n, sh.k, wb,
+                                                            gc::act_half_pitch(sh.k), cols, dst);
+                                               })
+                                  : 0.0;
+          const double flop = 2.0 * sh.k * sh.n * cols;
+          std::printf("| %s | %lldx%lld | %d | %.1f | %.1f | %.1f | %.1f |\n", gc::dtype_name(t),
+                      (long long)sh.k, (long long)sh.n, cols, tiled * 1e3, cub * 1e3,
+                      flop / (tiled * 1e-3) / 1e12, cub > 0 ? flop / (cub * 1e-3) / 1e12 : 0.0);
+          cudaFree(x);
+          cudaFree(dst);
+          cudaFree(wh);
+          cudaFree(wb);
+        }
+        cudaFree(w);
+      }
+    }
+  }
+
+  // ---- attention --------------------------------------------------------------------------
+  if (want("attention")) {
+    std::printf(
+        "\n| attention | heads | head_dim | tokens | n_kv | us | TFLOP/s |\n"
+        "|---|---|---|---|---|---|---|\n");
+    struct A {
+      int n_head, n_head_kv, hd;
+    };
+    for (A a : {A{32, 32, 128}, A{32, 8, 128}, A{9, 3, 64}, A{4, 1, 256}}) {
+      const int n_ctx = 4096;
+      const size_t kv_elems = size_t(n_ctx) * a.n_head_kv * a.hd;
+      std::vector<uint16_t> kv_host(kv_elems);
+      std::normal_distribution<float> d(0.f, 1.f);
+      for (auto& h : kv_host) h = ggraph::f32_to_f16(d(rng));
+      void *kc = nullptr, *vc = nullptr;
+      CHECK(cudaMalloc(&kc, kv_elems * 2));
+      CHECK(cudaMalloc(&vc, kv_elems * 2));
+      CHECK(cudaMemcpy(kc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(vc, kv_host.data(), kv_elems * 2, cudaMemcpyHostToDevice));
+      float* part = nullptr;
+      unsigned* counters = nullptr;
+      CHECK(cudaMalloc(&part, gc::attn_partials_bytes(a.n_head, a.hd, 1)));
+      CHECK(cudaMalloc(&counters, gc::attn_counters_bytes(a.n_head, 1)));
+      CHECK(cudaMemset(counters, 0, gc::attn_counters_bytes(a.n_head, 1)));
+      for (int tokens : {1, 512, 4096}) {
+        float* q = device_randn(size_t(a.n_head) * a.hd * tokens, rng);
+        float* out = nullptr;
+        CHECK(cudaMalloc(&out, size_t(a.n_head) * a.hd * tokens * sizeof(float)));
+        for (int n_kv : {128, 512, 1024, 4096}) {
+          if (tokens > 1 && n_kv < tokens) continue;
+          gc::AttentionArgs args;
+          args.q = q;
+          args.k_cache = kc;
+          args.v_cache = vc;
+          args.out = out;
+          args.n_head = a.n_head;
+          args.n_head_kv = a.n_head_kv;
+          args.head_dim = a.hd;
+          args.scale = 0.1f;
+          args.n_tokens = tokens;
+          args.n_kv = n_kv;
+          args.first_pos = n_kv - tokens;
+          args.cache_rows = n_ctx;
+          args.partials = part;
+          args.counters = counters;
+          const double ms = ev.time_ms(s, 50, [&](int) { gc::launch_attention(l, args); });
+          // Two products of head_dim multiply-adds per visible (query, key) pair.
+          const double pairs = double(tokens) * (n_kv - tokens) + double(tokens) * (tokens + 1) / 2;
+          std::printf("| %s | %d/%d | %d | %d | %d | %.1f | %.1f |\n",
+                      tokens == 1 ? "decode" : "prompt", a.n_head, a.n_head_kv, a.hd, tokens, n_kv,
+                      ms * 1e3, 4.0 * a.hd * a.n_head * pairs / (ms * 1e9));
+        }
+        cudaFree(q);
+        cudaFree(out);
+      }
+      cudaFree(kc);
+      cudaFree(vc);
+      cudaFree(part);
+      cudaFree(counters);
+    }
   }
 
   // ---- launch cost of a tiny kernel ----------------------------------------------------------
-  {
+  if (want("launch")) {
     float* x = device_randn(576, rng);
     gc::NormArgs a;
     a.src = x;

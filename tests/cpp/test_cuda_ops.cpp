@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "cuda/blas.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/kernels.cuh"
 #include "cuda/weight_layout.h"
@@ -510,6 +511,26 @@ TEST_F(CudaOps, MulMatPromptBatches) {
   for (DType t : kAllTypes) {
     check_mul_mat(t, 576, 257, 512, rng, chk);
     check_mul_mat(t, 256, 130, 100, rng, chk);
+  }
+}
+
+// Prompt products of F16 and BF16 weights on each path (blas.h): the tiled kernel and cuBLAS,
+// with k unaligned and a batch that is no multiple of any tile.
+TEST_F(CudaOps, MulMatPromptBatchesOfFloatWeightsOnTiledKernelAndCublas) {
+  std::mt19937 rng(23);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  struct Reset {
+    ~Reset() { cuda::set_gemm_path(cuda::GemmPath::Auto); }
+  } reset;
+  for (cuda::GemmPath p : {cuda::GemmPath::Mma, cuda::GemmPath::Cublas}) {
+    cuda::set_gemm_path(p);
+    SCOPED_TRACE(p == cuda::GemmPath::Mma ? "tiled kernel" : "cuBLAS");
+    for (DType t : {DType::F16, DType::BF16}) {
+      check_mul_mat(t, 576, 257, 512, rng, chk);
+      check_mul_mat(t, 1030, 67, 40, rng, chk);
+      check_mul_mat(t, 33, 5, 9, rng, chk);
+    }
   }
 }
 
