@@ -122,7 +122,7 @@ for stage in "$@"; do
           --launch-skip 10 --launch-count 1 --kill yes --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --section SchedulerStats --section WarpStateStats --section SourceCounters \
-          "$BUILD"/ggraph_bench_cuda >"$OUT/profile-$i.txt" 2>&1
+          "$BUILD"/ggraph_bench_cuda ${KERNELS:-} >"$OUT/profile-$i.txt" 2>&1
         grep -E "^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers|Achieved Occ|Issued Warp|No Eligible|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
           "$OUT/profile-$i.txt" | head -24
       done

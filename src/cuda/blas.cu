@@ -94,8 +94,9 @@ GemmPath& path_setting() {
 void set_gemm_path(GemmPath p) { path_setting() = p; }
 GemmPath gemm_path() { return path_setting(); }
 
-bool gemm_wants_blas(DType weight_type) {
-  return (weight_type == DType::F16 || weight_type == DType::BF16) && gemm_path() != GemmPath::Mma;
+bool gemm_wants_blas(DType weight_type, int64_t cols) {
+  if (gemm_path() == GemmPath::Mma || cols <= kMatVecMaxCols) return false;
+  return weight_type == DType::F16 || weight_type == DType::BF16 || is_quantized(weight_type);
 }
 
 std::unique_ptr<Blas> Blas::create(cudaStream_t stream, std::string* why) {
@@ -130,16 +131,16 @@ Blas::~Blas() {
   if (workspace_) cudaFree(workspace_);
 }
 
-void Blas::gemm(Launcher& l, DType type, const void* w, int64_t n, int64_t k, const void* x,
-                int64_t kp, int cols, float* dst) const {
+void Blas::gemm(Launcher& l, DType type, const void* w, int64_t lda, int64_t n, int64_t k,
+                const void* x, int64_t ldx, int cols, float* dst, int64_t ldc) const {
   if (!l.execute) return;
   const int dt = type == DType::BF16 ? kR16BF : kR16F;
   const float one = 1.0f, zero = 0.0f;
-  // Column-major view: W is k x n (lda k), X is kp x cols, C = W^T X is n x cols (ldc n).
+  // Column-major view: W is k x n, X is k x cols, C = W^T X is n x cols.
   const int status =
       api().gemm_ex(handle_, kOpT, kOpN, static_cast<int>(n), cols, static_cast<int>(k), &one, w,
-                    dt, static_cast<int>(k), x, dt, static_cast<int>(kp), &zero, dst, kR32F,
-                    static_cast<int>(n), kCompute32F, kGemmDefault);
+                    dt, static_cast<int>(lda), x, dt, static_cast<int>(ldx), &zero, dst, kR32F,
+                    static_cast<int>(ldc), kCompute32F, kGemmDefault);
   if (status != 0)
     throw DeviceError("cublasGemmEx failed with status " + std::to_string(status) + " for [" +
                       std::to_string(n) + " x " + std::to_string(k) + "] x " +

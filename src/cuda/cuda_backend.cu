@@ -590,17 +590,30 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const int64_t k = w->ne[0];
         const int cols = static_cast<int>(x->ne[1]);
         if (cols > kMatVecMaxCols) {
-          // cuBLAS takes products of F16 and BF16 weights where it is loaded (blas.h).
-          const bool blas = buf.blas && gemm_wants_blas(w->type);
+          // cuBLAS takes products of F16 and BF16 weights, and of quantized ones decoded to
+          // half a chunk of rows at a time, where it is loaded (blas.h).
+          const int64_t n_out = w->ne[1];
+          const bool quant = is_quantized(w->type);
+          const int64_t chunk = quant ? std::min(n_out, dequant_chunk_rows(k)) : n_out;
+          const bool blas =
+              buf.blas && gemm_wants_blas(w->type, cols) &&
+              (!quant || static_cast<size_t>(chunk * act_half_pitch(k) * 2) <= buf.wdeq_bytes);
           const Form form = blas && w->type == DType::BF16 ? Form::BF16 : Form::Half;
           if (prepared != x || prepared_form != form) {
             launch_act_to_half(l, fptr(x), k, cols, buf.act, form == Form::BF16);
             prepared = x;
             prepared_form = form;
           }
-          if (blas) {
-            buf.blas->gemm(l, w->type, ptr(w), w->ne[1], k, buf.act, act_half_pitch(k), cols,
-                           fptr(t));
+          const int64_t kp = act_half_pitch(k);
+          if (blas && quant) {
+            for (int64_t r0 = 0; r0 < n_out; r0 += chunk) {
+              const int64_t rows = std::min(chunk, n_out - r0);
+              launch_dequant_half(l, w->type, ptr(w), n_out, k, r0, rows, buf.wdeq);
+              buf.blas->gemm(l, DType::F16, buf.wdeq, kp, rows, k, buf.act, kp, cols, fptr(t) + r0,
+                             n_out);
+            }
+          } else if (blas) {
+            buf.blas->gemm(l, w->type, ptr(w), k, n_out, k, buf.act, kp, cols, fptr(t), n_out);
           } else {
             launch_mat_mul_tc(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t));
           }
@@ -817,6 +830,7 @@ class CudaBackend : public Backend {
     cudaFree(scratch_);
     cudaFree(input_);
     cudaFree(act_);
+    cudaFree(wdeq_);
     cudaFree(attn_);
     cudaFree(attn_counters_);
     cudaFree(kv_record_);
@@ -972,6 +986,8 @@ class CudaBackend : public Backend {
     buf.attn_counters = static_cast<unsigned*>(attn_counters_);
     buf.kv_record = kv_record_;
     buf.blas = blas_.get();
+    buf.wdeq = static_cast<uint8_t*>(wdeq_);
+    buf.wdeq_bytes = wdeq_bytes_;
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
@@ -1058,6 +1074,7 @@ class CudaBackend : public Backend {
       GGRAPH_CUDA_CHECK(cudaMemset(scratch_, byte, std::max<size_t>(scratch_bytes_, 256)));
     if (act_) GGRAPH_CUDA_CHECK(cudaMemset(act_, byte, act_bytes_));
     if (attn_) GGRAPH_CUDA_CHECK(cudaMemset(attn_, byte, attn_bytes_));
+    if (wdeq_) GGRAPH_CUDA_CHECK(cudaMemset(wdeq_, byte, wdeq_bytes_));
     GGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
@@ -1065,18 +1082,30 @@ class CudaBackend : public Backend {
   // Loads cuBLAS the first time a graph has a product it would take (blas.h); without it the
   // tiled kernel takes them, unless GGRAPH_CUDA_GEMM=cublas asked for cuBLAS by name.
   void prepare_blas(const Graph& graph) {
-    if (blas_) return;
-    bool wanted = false;
-    for (const Tensor* t : graph.nodes())
-      wanted = wanted || (t->op == Op::MulMat && t->src[1]->ne[1] > kMatVecMaxCols &&
-                          gemm_wants_blas(t->src[0]->type));
-    if (!wanted) return;
+    if (!blas_) {
+      bool wanted = false;
+      for (const Tensor* t : graph.nodes())
+        wanted =
+            wanted || (t->op == Op::MulMat && gemm_wants_blas(t->src[0]->type, t->src[1]->ne[1]));
+      if (!wanted) return;
+    }
     if (!blas_tried_) {
       blas_tried_ = true;
       blas_ = Blas::create(stream_, &blas_missing_);
     }
     if (!blas_ && gemm_path() == GemmPath::Cublas)
       throw DeviceError("GGRAPH_CUDA_GEMM=cublas, but cuBLAS is not usable: " + blas_missing_);
+    // Quantized weights it takes are decoded into a chunk buffer first.
+    size_t need = 0;
+    for (const Tensor* t : graph.nodes()) {
+      if (!blas_ || t->op != Op::MulMat || !is_quantized(t->src[0]->type) ||
+          !gemm_wants_blas(t->src[0]->type, t->src[1]->ne[1]))
+        continue;
+      const int64_t k = t->src[0]->ne[0];
+      const int64_t rows = std::min(t->src[0]->ne[1], dequant_chunk_rows(k));
+      need = std::max(need, static_cast<size_t>(rows * act_half_pitch(k) * 2));
+    }
+    ensure(wdeq_, wdeq_bytes_, need, "weights decoded for cuBLAS");
   }
 
   // cudaMalloc that turns out-of-memory into a DeviceError naming the sizes and leaves no error.
@@ -1136,6 +1165,8 @@ class CudaBackend : public Backend {
   size_t output_staging_bytes_ = 0;
   void* act_ = nullptr;
   size_t act_bytes_ = 0;
+  void* wdeq_ = nullptr;  // quantized weights decoded to half for cuBLAS, a chunk of rows
+  size_t wdeq_bytes_ = 0;
   void* attn_ = nullptr;
   size_t attn_bytes_ = 0;
   void* attn_counters_ = nullptr;  // flash-decoding tickets: zero between launches

@@ -136,6 +136,8 @@ struct DeviceBuffers {
   unsigned* attn_counters = nullptr;  // flash-decoding tickets (attn_counters_bytes)
   int32_t* kv_record = nullptr;       // kMaxKvSlots values
   const Blas* blas = nullptr;         // cuBLAS for the prompt products it takes (blas.h), or none
+  uint8_t* wdeq = nullptr;            // a chunk of a quantized weight decoded for it
+  size_t wdeq_bytes = 0;
 };
 
 // Device address of a tensor's data.
@@ -310,6 +312,16 @@ void prepare_kernels();
 // Whether to launch with programmatic dependent launch on this GPU: sm_90 or newer, kernels
 // built to begin with griddepcontrol.wait (sm_90 code), and not GGRAPH_CUDA_PDL=0 (to compare).
 bool use_programmatic_launch(const cudaDeviceProp& prop);
+// Rows [row0, row0 + rows) of a quantized weight [k, n] decoded to half at out, rows
+// act_half_pitch(k) apart (zeros past k): cuBLAS's operand for prompt products (blas.h).
+// dequant_chunk_rows(k) rows at a time fit kDequantChunkBytes.
+constexpr size_t kDequantChunkBytes = size_t(64) << 20;
+inline int64_t dequant_chunk_rows(int64_t k) {
+  const int64_t r = static_cast<int64_t>(kDequantChunkBytes / (act_half_pitch(k) * 2));
+  return r > 0 ? r : 1;
+}
+void launch_dequant_half(Launcher& l, DType type, const void* w, int64_t n, int64_t k, int64_t row0,
+                         int64_t rows, uint8_t* out);
 // Tensor-core tiled product for cols > kMatVecMaxCols; activations from launch_act_to_half.
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst);

@@ -1403,6 +1403,39 @@ void mat_mul_tc_prepare_type() {
   mat_mul_tc_prepare<TYPE, 64, 2, 4, 4>();
 }
 
+// Decodes rows [row0, row0 + rows) of a weight to half, rows kp apart, a thread for each 32
+// elements, through the tile kernel's own loads and conversion: cuBLAS then multiplies them as
+// it multiplies F16 weights, with the values the tiled product would have used. kp is a
+// multiple of 64, so piece i of the rows lands at out + 32 i: a block's pieces are one run of
+// memory, staged in shared memory and written with coalesced 16-byte stores.
+constexpr int kDequantThreads = 128;
+
+template <int TYPE>
+__global__ void __launch_bounds__(kDequantThreads)
+    dequant_half_kernel(const uint8_t* w, size_t rb, const uint8_t* high, size_t hb,
+                        const uint8_t* scales, size_t sb, int64_t row0, int64_t rows, int64_t k,
+                        int64_t kp, __half* out) {
+  __shared__ __align__(16) __half tile[kDequantThreads * 32];
+  pdl_begin();
+  const int64_t per_row = kp / 32, total = rows * per_row;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kDequantThreads;
+  const int64_t i = first + threadIdx.x;
+  if (i < total) {
+    const int64_t row = row0 + i / per_row;
+    const int piece = static_cast<int>(i % per_row), kt = piece / 2, hsel = piece % 2;
+    WeightRegs regs;
+    load_weight_regs<TYPE, true, 64>(regs, w + row * rb, high + row * hb, scales + row * sb, kt,
+                                     hsel, k);
+    // The thread's 32 halves at tile[32 t]: store_weight_regs puts them at column 32 hsel.
+    store_weight_regs<TYPE, 64>(regs, tile + (static_cast<int>(threadIdx.x) - hsel) * 32, hsel);
+  }
+  __syncthreads();
+  const int64_t n16 = (min(total - first, static_cast<int64_t>(kDequantThreads))) * 4;
+  const uint4* src = reinterpret_cast<const uint4*>(tile);
+  uint4* dst = reinterpret_cast<uint4*>(out) + first * 4;
+  for (int64_t j = threadIdx.x; j < n16; j += kDequantThreads) dst[j] = src[j];
+}
+
 __global__ void split_weight_kernel(DType t, const uint8_t* src, uint8_t* dst, int64_t first,
                                     int64_t n, int64_t n_blocks) {
   pdl_begin();
@@ -1491,6 +1524,30 @@ void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_part
       throw ArgumentError("mul_mat: the mat-vec path takes 1 to " + std::to_string(kMatVecMaxCols) +
                           " columns, got " + std::to_string(cols));
   }
+}
+
+void launch_dequant_half(Launcher& l, DType type, const void* w, int64_t n, int64_t k, int64_t row0,
+                         int64_t rows, uint8_t* out) {
+  if (!is_quantized(type))
+    throw ArgumentError(std::string("dequant_half: expected a quantized type, got ") +
+                        dtype_name(type));
+  with_weight_type(type, "dequant_half", [&](auto tc) {
+    constexpr int TYPE = decltype(tc)::value;
+    if constexpr (is_split_type(TYPE)) {
+      constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
+      const size_t nb = static_cast<size_t>(k / 32);
+      const size_t rb = nb * f.quant_bytes, hb = nb * f.high_bytes;
+      const size_t sb = static_cast<size_t>(k / f.block_elems) * f.scale_bytes;
+      const auto* wp = static_cast<const uint8_t*>(w);
+      const uint8_t* hp = wp + static_cast<size_t>(n) * rb;
+      const uint8_t* sp = hp + static_cast<size_t>(n) * hb;
+      const int64_t kp = act_half_pitch(k);
+      const int64_t threads = rows * (kp / 32);
+      l(dequant_half_kernel<TYPE>, dim3(static_cast<unsigned>(ceil_div(threads, kDequantThreads))),
+        dim3(kDequantThreads), 0, wp, rb, hp, hb, sp, sb, row0, rows, k, kp,
+        reinterpret_cast<__half*>(out));
+    }
+  });
 }
 
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,

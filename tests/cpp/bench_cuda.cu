@@ -4,6 +4,7 @@
 // figures are DRAM bandwidth. Prints one table; the command is the row's reproduction.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -309,12 +310,13 @@ int main(int argc, char** argv) {
           const int reps = cols >= 512 ? 20 : 100;
           const double tiled = ev.time_ms(
               s, reps, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, wh, cols, dst); });
-          const double cub = blas ? ev.time_ms(s, reps,
-                                               [&](int) {
-                                                 blas->gemm(l, t, w, sh.n, sh.k, wb,
-                                                            gc::act_half_pitch(sh.k), cols, dst);
-                                               })
-                                  : 0.0;
+          const double cub =
+              blas ? ev.time_ms(s, reps,
+                                [&](int) {
+                                  blas->gemm(l, t, w, sh.k, sh.n, sh.k, wb,
+                                             gc::act_half_pitch(sh.k), cols, dst, sh.n);
+                                })
+                   : 0.0;
           const double flop = 2.0 * sh.k * sh.n * cols;
           std::printf("| %s | %lldx%lld | %d | %.1f | %.1f | %.1f | %.1f |\n", gc::dtype_name(t),
                       (long long)sh.k, (long long)sh.n, cols, tiled * 1e3, cub * 1e3,
@@ -324,6 +326,58 @@ int main(int argc, char** argv) {
           cudaFree(wh);
           cudaFree(wb);
         }
+        cudaFree(w);
+      }
+    }
+    // Quantized weights: the tiled kernel against decoding to half a chunk of rows at a time
+    // (launch_dequant_half) and cuBLAS, as the backend runs them.
+    std::printf(
+        "\n| prompt product | k x n | cols | tiled us | decode + cuBLAS us | tiled TFLOP/s | "
+        "decode + cuBLAS TFLOP/s | decode alone us |\n|---|---|---|---|---|---|---|---|\n");
+    for (DType t : {DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
+      for (KN sh : {KN{4096, 4096}, KN{4096, 11008}, KN{11008, 4096}, KN{2048, 8192}}) {
+        if (sh.k % gc::block_elems(t) != 0) continue;
+        const auto host = random_weights(t, sh.k, sh.n, rng);
+        void* w = device_copy_of(host, t);
+        const int64_t kp = gc::act_half_pitch(sh.k), chunk = gc::dequant_chunk_rows(sh.k);
+        uint8_t* deq = nullptr;
+        CHECK(cudaMalloc(&deq, size_t(std::min<int64_t>(chunk, sh.n) * kp * 2)));
+        for (int cols : {16, 32, 64, 128, 512, 2048}) {
+          float* x = device_randn(size_t(sh.k) * cols, rng);
+          float* dst = nullptr;
+          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+          uint8_t* wh = nullptr;
+          CHECK(cudaMalloc(&wh, gc::act_half_bytes(sh.k, cols)));
+          gc::launch_act_to_half(l, x, sh.k, cols, wh);
+          const int reps = cols >= 512 ? 20 : 100;
+          const double tiled = ev.time_ms(
+              s, reps, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, wh, cols, dst); });
+          const double cub =
+              blas ? ev.time_ms(s, reps,
+                                [&](int) {
+                                  for (int64_t r0 = 0; r0 < sh.n; r0 += chunk) {
+                                    const int64_t rows = std::min<int64_t>(chunk, sh.n - r0);
+                                    gc::launch_dequant_half(l, t, w, sh.n, sh.k, r0, rows, deq);
+                                    blas->gemm(l, DType::F16, deq, kp, rows, sh.k, wh, kp, cols,
+                                               dst + r0, sh.n);
+                                  }
+                                })
+                   : 0.0;
+          const double dec = ev.time_ms(s, reps, [&](int) {
+            for (int64_t r0 = 0; r0 < sh.n; r0 += chunk)
+              gc::launch_dequant_half(l, t, w, sh.n, sh.k, r0, std::min<int64_t>(chunk, sh.n - r0),
+                                      deq);
+          });
+          const double flop = 2.0 * sh.k * sh.n * cols;
+          std::printf("| %s | %lldx%lld | %d | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+                      gc::dtype_name(t), (long long)sh.k, (long long)sh.n, cols, tiled * 1e3,
+                      cub * 1e3, flop / (tiled * 1e-3) / 1e12,
+                      cub > 0 ? flop / (cub * 1e-3) / 1e12 : 0.0, dec * 1e3);
+          cudaFree(x);
+          cudaFree(dst);
+          cudaFree(wh);
+        }
+        cudaFree(deq);
         cudaFree(w);
       }
     }

@@ -514,15 +514,17 @@ TEST_F(CudaOps, MulMatPromptBatches) {
   }
 }
 
-// Prompt products of F16 and BF16 weights on each path (blas.h): the tiled kernel and cuBLAS,
-// with k unaligned and a batch that is no multiple of any tile.
-TEST_F(CudaOps, MulMatPromptBatchesOfFloatWeightsOnTiledKernelAndCublas) {
+// Prompt products on each path (blas.h): the tiled kernel, and cuBLAS (F16 and BF16 weights as
+// they are, quantized ones decoded to half a chunk of rows at a time), with k unaligned, batches
+// that are no multiple of any tile, and a weight of more rows than one chunk holds.
+TEST_F(CudaOps, MulMatPromptBatchesOnTiledKernelAndCublas) {
   std::mt19937 rng(23);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   struct Reset {
     ~Reset() { cuda::set_gemm_path(cuda::GemmPath::Auto); }
   } reset;
+  ASSERT_LT(cuda::dequant_chunk_rows(11008), 3100);  // two chunks below
   for (cuda::GemmPath p : {cuda::GemmPath::Mma, cuda::GemmPath::Cublas}) {
     cuda::set_gemm_path(p);
     SCOPED_TRACE(p == cuda::GemmPath::Mma ? "tiled kernel" : "cuBLAS");
@@ -531,6 +533,12 @@ TEST_F(CudaOps, MulMatPromptBatchesOfFloatWeightsOnTiledKernelAndCublas) {
       check_mul_mat(t, 1030, 67, 40, rng, chk);
       check_mul_mat(t, 33, 5, 9, rng, chk);
     }
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+      check_mul_mat(t, 576, 257, 100, rng, chk);
+      check_mul_mat(t, 96, 33, 9, rng, chk);
+    }
+    check_mul_mat(DType::Q4_0, 11008, 3100, 16, rng, chk);
+    for (DType t : kKernelOnlyTypes) check_random_blocks(t, 768, 130, 70, rng, chk);
   }
 }
 
