@@ -98,7 +98,9 @@ def run_bench(
                 if depth:
                     model.eval(rng.integers(0, model.n_vocab, size=depth).tolist())
                 model._bench_depth = depth
-            fn(model, min(n, 16), rng, depth)  # warm-up: first use, capture of the graphs
+            # Warm-up, as llama-bench's: first use and capture of the graphs of the timed shape
+            # (a prompt's batch is its own shape; decode steps are one token each).
+            fn(model, n if fn is _time_pp else min(n, 16), rng, depth)
             model.reset_graph_stats()
             times = [fn(model, n, rng, depth) for _ in range(reps)]
             stats = model.graph_stats
