@@ -910,6 +910,24 @@ TEST_F(CudaOps, AttentionPrompt) {
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
+// The lengths a long conversation passes through, 1 to 16,384 keys: decode steps (split over
+// the cache) and prompt batches (the flash kernel), against float64.
+TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
+  std::mt19937 rng(24);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  std::vector<AttnCase> cases;
+  for (int len : {1, 7, 511, 4096, 16384}) {
+    cases.push_back({8, 2, 128, len - 1, 1});
+    cases.push_back({9, 3, 64, len - 1, 1});
+  }
+  for (int len : {7, 511}) cases.push_back({8, 2, 128, 0, len});
+  cases.push_back({4, 1, 128, 4096 - 511, 511});
+  cases.push_back({4, 1, 128, 16384 - 64, 64});
+  cases.push_back({4, 1, 256, 16384 - 40, 40, 512});
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
 // A window shorter than, equal to and longer than the context; decode batches (split over long
 // pasts, the split count following the window) and prompt batches; head_dim up to 256.
 TEST_F(CudaOps, AttentionWindowed) {
