@@ -98,9 +98,10 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   file_ = GGUFFile::open(path, o.use_mmap);
   backend_ = make_backend(o, &device_);
   const DType kv_type = kv_type_from_name(o.kv_type, backend_->is_cuda());
-  // The CUDA kernels read F16 caches only, so far.
-  if (backend_->is_cuda() && kv_type != DType::F16)
-    throw ArgumentError("kv_type '" + o.kv_type + "' is not supported on CUDA yet; use 'f16'");
+  // The CUDA kernels read F16 and Q8_0 caches.
+  if (backend_->is_cuda() && kv_type != DType::F16 && kv_type != DType::Q8_0)
+    throw ArgumentError("kv_type '" + o.kv_type +
+                        "' is not supported on CUDA; use 'f16' or 'q8_0'");
   model_ = load_model(*file_, *backend_);
   // The vocabulary is read and checked now: a broken one fails the load, not a later call. A
   // file without one (weights only) loads, and tokenizing with it says why it cannot.
@@ -115,6 +116,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
                         " values, and this model's attention heads are " +
                         std::to_string(model_->head_dim) + " wide (not a multiple of " +
                         std::to_string(block) + "); use 'f16' or 'f32'");
+  // CUDA stages a head's Q8_0 blocks with 4-byte copies: a head must be an even number of them.
+  if (backend_->is_cuda() && kv_type == DType::Q8_0 && model_->head_dim % 64 != 0)
+    throw ArgumentError(
+        "kv_type 'q8_0' on CUDA needs attention heads a multiple of 64 wide; "
+        "this model's are " +
+        std::to_string(model_->head_dim) + "; use 'f16'");
   if (o.n_ctx > model_->n_ctx_train && model_->n_ctx_train > 0 && !o.allow_longer_context)
     throw ArgumentError(
         "n_ctx " + std::to_string(o.n_ctx) + " is longer than the model's training context of " +

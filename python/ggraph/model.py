@@ -206,8 +206,9 @@ class Model:
     the model was trained with is refused unless allow_longer_context=True (then a
     RuntimeWarning says so: quality usually drops past the training length).
     kv_type: the KV cache's element type: "auto" (default: "f32" on the CPU, "f16" on CUDA),
-    "f16", "f32" or "q8_0" (8-bit blocks of 32 with a scale, a quarter of f32's memory; the CPU
-    only, so far). See BENCHMARKS.md for what each costs in quality and speed.
+    "f16", "f32" (the CPU only) or "q8_0" (8-bit blocks of 32 with a scale, a quarter of f32's
+    memory; on CUDA for heads a multiple of 64 wide). See BENCHMARKS.md for what each costs in
+    quality and speed.
     cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
     use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
     uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory

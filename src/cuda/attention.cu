@@ -1,5 +1,5 @@
-// Causal attention over the F16 KV cache: flash-decoding (KV split over blocks, then a reduce)
-// for a few queries, and flash attention on tensor cores for prompts.
+// Causal attention over the KV cache (F16, or ggml's Q8_0 blocks): flash-decoding (KV split over
+// blocks, then a reduce) for a few queries, and flash attention on tensor cores for prompts.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -117,6 +117,27 @@ __device__ __forceinline__ void unpack_lane(const LaneHalves<DPL>& r, float (&f)
   }
 }
 
+// A Q8_0 cache row: 34-byte blocks (an F16 scale, 32 int8 quants); a head of head_dim values
+// (a multiple of 64) is 17 * head_dim / 16 bytes, a whole number of 4-byte words, and starts on
+// one, so that it is staged with 4-byte asynchronous copies.
+__host__ __device__ constexpr int q8_head_bytes(int head_dim) { return head_dim / 32 * 34; }
+
+// A lane's DPL values of a staged Q8_0 head (its dims lie in one block); zeros for lanes past
+// head_dim, whose bytes are not the head's.
+template <int DPL>
+__device__ __forceinline__ void unpack_lane_q8(const uint8_t* head, int lane, bool lane_on,
+                                               float (&f)[DPL]) {
+  const int b = lane * DPL / 32, j = lane * DPL % 32;
+  const float d = lane_on ? __half2float(*reinterpret_cast<const __half*>(head + b * 34)) : 0.0f;
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(head + b * 34 + 2 + j);
+#pragma unroll
+  for (int e = 0; e < DPL / 2; ++e) {
+    const uint16_t w = lane_on ? qp[e] : 0;
+    f[2 * e] = static_cast<float>(static_cast<int8_t>(w & 0xFF)) * d;
+    f[2 * e + 1] = static_cast<float>(static_cast<int8_t>(w >> 8)) * d;
+  }
+}
+
 // Keys a warp stages at once (TILE rows of K and of V), and warps a block: 64 KiB of staging a
 // block at every head size. Heads wider than 128 take 8 keys a warp and 8 warps: a short context
 // is then split over twice the warps, each with half the dependent work.
@@ -166,9 +187,11 @@ __device__ __forceinline__ float warp_sum8_transposed(const float (&v)[8], int l
   return c + __shfl_xor_sync(0xffffffffu, c, 1);
 }
 
-template <int DPL, int G>
+// Q8: the caches hold Q8_0 blocks; a warp stages each row's head bytes as 4-byte words, at the
+// same row pitch as the F16 lanes' values (which is larger), and lanes decode their values.
+template <int DPL, int G, bool Q8>
 __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
-    attn_decode_kernel(const float* q, const __half* kc, const __half* vc, float* out, float* part,
+    attn_decode_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
@@ -228,23 +251,49 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
               warp * G * TILE;  // [G][TILE]: scores, then probabilities
   // Lanes past head_dim copy nothing (zero fill) from a valid address.
   const int64_t lane_col = static_cast<int64_t>(hkv) * head_dim + (lane_on ? lane * DPL : 0);
-  const __half* k_lane = kc + lane_col;
-  const __half* v_lane = vc + lane_col;
+  const __half* k_lane = static_cast<const __half*>(kc) + lane_col;
+  const __half* v_lane = static_cast<const __half*>(vc) + lane_col;
+  // Q8: the head's bytes in each row, and the words a lane copies of them.
+  constexpr int kRowPitch = 32 * static_cast<int>(sizeof(Lane));  // bytes a staged row takes
+  const int head_words = q8_head_bytes(head_dim) / 4;
+  const int64_t row_bytes = kv_stride / 32 * 34;
+  const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * q8_head_bytes(head_dim);
+  const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * q8_head_bytes(head_dim);
+  auto unpack = [&](const Lane* rows, int r, float(&f)[DPL]) {
+    if constexpr (Q8) {
+      unpack_lane_q8<DPL>(reinterpret_cast<const uint8_t*>(rows) + r * kRowPitch, lane, lane_on, f);
+    } else {
+      unpack_lane<DPL>(rows[r * 32 + lane], f);
+    }
+  };
 
   for (int tile = k_begin + warp * TILE; tile < k_end; tile += kWarps * TILE) {
     const int n_valid = min(TILE, k_end - tile);
-    auto stage = [&](Lane* dst, const __half* src) {
+    auto stage = [&](Lane* dst, const __half* src, const uint8_t* head) {
+      if constexpr (Q8) {
+        uint8_t* d = reinterpret_cast<uint8_t*>(dst);
 #pragma unroll 4
-      for (int r = 0; r < TILE; ++r) {
-        const bool ok = r < n_valid && lane_on;
-        cp_async_n<sizeof(Lane)>(dst + r * 32 + lane, src + (tile + (ok ? r : 0)) * kv_stride,
-                                 ok ? static_cast<int>(sizeof(Lane)) : 0);
+        for (int r = 0; r < TILE; ++r) {
+          const bool ok = r < n_valid;
+          const uint8_t* row = head + (tile + (ok ? r : 0)) * row_bytes;
+          for (int w = lane; w < head_words; w += 32)
+            cp_async_n<4>(d + r * kRowPitch + 4 * w, row + 4 * w, ok ? 4 : 0);
+        }
+      } else {
+#pragma unroll 4
+        for (int r = 0; r < TILE; ++r) {
+          const bool ok = r < n_valid && lane_on;
+          cp_async_n<sizeof(Lane)>(dst + r * 32 + lane, src + (tile + (ok ? r : 0)) * kv_stride,
+                                   ok ? static_cast<int>(sizeof(Lane)) : 0);
+        }
       }
       cp_async_commit();
     };
-    stage(ks, k_lane);
-    stage(vs, v_lane);
+    stage(ks, k_lane, k_head);
+    stage(vs, v_lane, v_head);
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
+    // Q8: a lane reads bytes other lanes copied, visible to it once they have all waited.
+    if constexpr (Q8) __syncwarp();
 
 #pragma unroll 1
     for (int c = 0; c < n_valid; c += 8) {
@@ -252,7 +301,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         float kf[DPL];
-        unpack_lane<DPL>(ks[(c + k) * 32 + lane], kf);
+        unpack(ks, c + k, kf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           float s = 0.0f;
@@ -279,10 +328,11 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
     __syncwarp();
     cp_async_wait<0>();
+    if constexpr (Q8) __syncwarp();
 #pragma unroll 4
     for (int j = 0; j < n_valid; ++j) {
       float vf[DPL];
-      unpack_lane<DPL>(vs[j * 32 + lane], vf);
+      unpack(vs, j, vf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float pj = ps[g * TILE + j];
@@ -364,31 +414,39 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 constexpr int kFlashWarps = 4;
 constexpr int kFlashRows = 16 * kFlashWarps;
 
-template <int D>
+// Q8: K and V tiles arrive as Q8_0 bytes in a raw area of their own (two stages), and each tile
+// is decoded to half in place of the F16 path's tile once it has landed.
+template <int D, bool Q8 = false>
 struct FlashShape {
-  static constexpr int kKeys = D > 128 ? 32 : 64;  // keys a tile (the registers of D = 256)
-  static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
+  static constexpr int kKeys = D > 128 ? 32 : 64;     // keys a tile (the registers of D = 256)
+  static constexpr int kPitch = D + 8;                // halves: ldmatrix rows in distinct banks
+  static constexpr int kRawPitch = q8_head_bytes(D);  // bytes of a raw Q8_0 row
+  static constexpr size_t raw_bytes() { return Q8 ? 2 * 2 * kKeys * kRawPitch : 0; }
   static constexpr size_t smem_bytes() {
-    return static_cast<size_t>(kFlashRows + 4 * kKeys) * kPitch * sizeof(__half);
+    return static_cast<size_t>(kFlashRows + 4 * kKeys) * kPitch * sizeof(__half) + raw_bytes();
   }
 };
 
-template <int D>
+template <int D, bool Q8>
 __global__ void __launch_bounds__(kFlashWarps * 32)
-    attn_flash_kernel(const float* q, const __half* kc, const __half* vc, float* out, int n_head,
+    attn_flash_kernel(const float* q, const void* kc_, const void* vc_, float* out, int n_head,
                       int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,
                       const int32_t* n_kv_at, const int32_t* first_pos_at, int n_tokens,
                       int window) {
-  constexpr int BK = FlashShape<D>::kKeys, P = FlashShape<D>::kPitch;
+  constexpr int BK = FlashShape<D, Q8>::kKeys, P = FlashShape<D, Q8>::kPitch;
+  constexpr int RP = FlashShape<D, Q8>::kRawPitch;
+  const auto* kc = static_cast<const __half*>(kc_);
+  const auto* vc = static_cast<const __half*>(vc_);
   constexpr int NT = BK / 8;  // score fragments of 8 keys
   constexpr int DT = D / 8;   // output fragments of 8 dims
   pdl_begin();
   const int n_kv = kv_value(n_kv_at, n_kv_value);
   const int first_pos = kv_value(first_pos_at, first_pos_value);
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  __half* qs = reinterpret_cast<__half*>(smem_raw);  // [kFlashRows][P]
-  __half* ks = qs + kFlashRows * P;                  // [2][BK][P]
-  __half* vs = ks + 2 * BK * P;                      // [2][BK][P]
+  __half* qs = reinterpret_cast<__half*>(smem_raw);            // [kFlashRows][P]
+  __half* ks = qs + kFlashRows * P;                            // [2][BK][P]
+  __half* vs = ks + 2 * BK * P;                                // [2][BK][P]
+  uint8_t* raw = reinterpret_cast<uint8_t*>(vs + 2 * BK * P);  // Q8: [2 stages][K, V][BK][RP]
 
   const int h = blockIdx.y;
   const int hkv = h / (n_head / n_head_kv);
@@ -401,7 +459,25 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
   // With a window, tiles before the first query's first key are skipped unread.
   const int k_first = window > 0 ? max(0, first_pos + t0 + 1 - window) / BK * BK : 0;
 
+  const int head_words = q8_head_bytes(head_dim) / 4;
+  const int64_t row_bytes = kv_stride / 32 * 34;
   auto load_tile = [&](int tile, int stage) {
+    if constexpr (Q8) {
+      const uint8_t* kh = static_cast<const uint8_t*>(kc_) + hkv * q8_head_bytes(head_dim);
+      const uint8_t* vh = static_cast<const uint8_t*>(vc_) + hkv * q8_head_bytes(head_dim);
+      uint8_t* rk = raw + (stage * 2) * BK * RP;
+      uint8_t* rv = rk + BK * RP;
+      for (int i = threadIdx.x; i < BK * head_words; i += blockDim.x) {
+        const int r = i / head_words, w = i % head_words;
+        const int j = tile + r;
+        const bool ok = j < k_limit;
+        const int64_t at = (ok ? j : 0) * row_bytes + 4 * w;
+        cp_async_n<4>(rk + r * RP + 4 * w, kh + at, ok ? 4 : 0);
+        cp_async_n<4>(rv + r * RP + 4 * w, vh + at, ok ? 4 : 0);
+      }
+      cp_async_commit();
+      return;
+    }
     constexpr int kVecs = D / 8;
     for (int i = threadIdx.x; i < BK * kVecs; i += blockDim.x) {
       const int r = i / kVecs, c = i % kVecs;
@@ -414,6 +490,35 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
     cp_async_commit();
   };
   if (k_first < k_limit) load_tile(k_first, 0);
+  if constexpr (Q8) {
+    // Dims past head_dim stay zero in both stages' tiles (the F16 path's copies zero-fill them).
+    for (int i = threadIdx.x; i < 4 * BK * (D - head_dim); i += blockDim.x) {
+      const int r = i / (D - head_dim), c = head_dim + i % (D - head_dim);
+      ks[r * P + c] = __float2half_rn(0.0f);  // ks and vs are adjacent: 4 * BK rows in all
+    }
+  }
+  // Q8: decodes a landed stage's raw rows into its half tiles, a block of 32 values a thread.
+  auto decode_stage = [&](int stage) {
+    const int nb = head_dim / 32;
+    for (int i = threadIdx.x; i < 2 * BK * nb; i += blockDim.x) {
+      const int kv = i / (BK * nb), r = i / nb % BK, b = i % nb;
+      const uint8_t* blk = raw + ((stage * 2 + kv) * BK + r) * RP + b * 34;
+      const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+      const uint16_t* qp = reinterpret_cast<const uint16_t*>(blk + 2);
+      uint32_t o[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const uint16_t w = qp[e];
+        o[e] = pack_half2(static_cast<float>(static_cast<int8_t>(w & 0xFF)) * d,
+                          static_cast<float>(static_cast<int8_t>(w >> 8)) * d);
+      }
+      __half* dst = (kv == 0 ? ks : vs) + (stage * BK + r) * P + b * 32;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        reinterpret_cast<uint4*>(dst)[c] =
+            make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+    }
+  };
 
   const float q_scale = scale * 1.4426950408889634f;  // scores in base 2
   for (int i = threadIdx.x; i < kFlashRows * (D / 2); i += blockDim.x) {
@@ -448,6 +553,10 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
       cp_async_wait<0>();
     }
     __syncthreads();
+    if constexpr (Q8) {
+      decode_stage(stage);
+      __syncthreads();
+    }
     const __half* kt = ks + stage * BK * P;
     const __half* vt = vs + stage * BK * P;
 
@@ -538,7 +647,7 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
 }
 
 template <int DPL, int G>
-void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
   const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
   const int n_splits =
@@ -547,13 +656,20 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const __half* kc, con
   // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
   const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
-  l(attn_decode_kernel<DPL, G>, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc,
-    a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at,
-    a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters);
+  auto launch = [&](auto kernel) {
+    l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
+      a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
+      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters);
+  };
+  if (a.kv_type == DType::Q8_0) {
+    launch(attn_decode_kernel<DPL, G, true>);
+  } else {
+    launch(attn_decode_kernel<DPL, G, false>);
+  }
 }
 
 template <int DPL>
-void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                           int32_t n_kv, int32_t first_pos) {
   if constexpr (DPL == 8) {  // wider heads go one to a block (attention_group)
     decode_attention<DPL, 1>(l, a, kc, vc, n_kv, first_pos);
@@ -578,26 +694,40 @@ void prepare_decode_dpl() {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(bytes));
   };
-  raise(attn_decode_kernel<DPL, 1>, decode_smem_bytes<DPL, 1>(32 * DPL));
+  for (auto k : {attn_decode_kernel<DPL, 1, false>, attn_decode_kernel<DPL, 1, true>})
+    raise(k, decode_smem_bytes<DPL, 1>(32 * DPL));
   if constexpr (DPL < 8) {  // wider heads go one to a block (attention_group)
-    raise(attn_decode_kernel<DPL, 2>, decode_smem_bytes<DPL, 2>(32 * DPL));
-    raise(attn_decode_kernel<DPL, 4>, decode_smem_bytes<DPL, 4>(32 * DPL));
-    raise(attn_decode_kernel<DPL, 8>, decode_smem_bytes<DPL, 8>(32 * DPL));
+    for (auto k : {attn_decode_kernel<DPL, 2, false>, attn_decode_kernel<DPL, 2, true>})
+      raise(k, decode_smem_bytes<DPL, 2>(32 * DPL));
+    for (auto k : {attn_decode_kernel<DPL, 4, false>, attn_decode_kernel<DPL, 4, true>})
+      raise(k, decode_smem_bytes<DPL, 4>(32 * DPL));
+    for (auto k : {attn_decode_kernel<DPL, 8, false>, attn_decode_kernel<DPL, 8, true>})
+      raise(k, decode_smem_bytes<DPL, 8>(32 * DPL));
   }
 }
 
+template <int D, bool Q8>
+void prompt_attention_as(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
+                         int32_t n_kv, int32_t first_pos) {
+  l(attn_flash_kernel<D, Q8>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
+    dim3(kFlashWarps * 32), FlashShape<D, Q8>::smem_bytes(), a.q, kc, vc, a.out, a.n_head,
+    a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens,
+    a.window);
+}
+
 template <int D>
-void prompt_attention(Launcher& l, const AttentionArgs& a, const __half* kc, const __half* vc,
+void prompt_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
-  l(attn_flash_kernel<D>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
-    dim3(kFlashWarps * 32), FlashShape<D>::smem_bytes(), a.q, kc, vc, a.out, a.n_head, a.n_head_kv,
-    a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens, a.window);
+  if (a.kv_type == DType::Q8_0) return prompt_attention_as<D, true>(l, a, kc, vc, n_kv, first_pos);
+  prompt_attention_as<D, false>(l, a, kc, vc, n_kv, first_pos);
 }
 
 template <int D>
 void prepare_prompt() {
-  cudaFuncSetAttribute(attn_flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(FlashShape<D>::smem_bytes()));
+  cudaFuncSetAttribute(attn_flash_kernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(FlashShape<D, false>::smem_bytes()));
+  cudaFuncSetAttribute(attn_flash_kernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(FlashShape<D, true>::smem_bytes()));
 }
 
 }  // namespace
@@ -636,8 +766,14 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
   if (a.head_dim > 256 || a.head_dim % 8 != 0)
     throw ArgumentError("attention: head_dim must be a multiple of 8 and at most 256, got " +
                         std::to_string(a.head_dim));
-  const auto* kc = static_cast<const __half*>(a.k_cache);
-  const auto* vc = static_cast<const __half*>(a.v_cache);
+  if (a.kv_type != DType::F16 && a.kv_type != DType::Q8_0)
+    throw ArgumentError(std::string("attention: the cache must be F16 or Q8_0, got ") +
+                        dtype_name(a.kv_type));
+  if (a.kv_type == DType::Q8_0 && a.head_dim % 64 != 0)
+    throw ArgumentError("attention: a Q8_0 cache needs head_dim a multiple of 64, got " +
+                        std::to_string(a.head_dim));
+  const void* kc = a.k_cache;
+  const void* vc = a.v_cache;
   // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
   const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
   if (a.n_tokens <= kDecodeAttnMaxTokens) {

@@ -224,8 +224,11 @@ void validate_node(const Tensor* t) {
       const Tensor* x = need_src(0, DType::F32);
       const Tensor* cache = kv_target(t);
       if (!cache) bad_node(t, "no KV cache tensor to write");
-      if (cache->type != DType::F16)
-        bad_node(t, std::string("cache must be F16, found ") + dtype_name(cache->type));
+      if (cache->type != DType::F16 && cache->type != DType::Q8_0)
+        bad_node(t, std::string("cache must be F16 or Q8_0, found ") + dtype_name(cache->type));
+      if (cache->type == DType::Q8_0 && x->ne[0] % 64 != 0)
+        bad_node(t, "a Q8_0 cache needs rows a multiple of 64 wide, found " +
+                        std::to_string(x->ne[0]));
       if (x->ne[0] != cache->ne[0])
         bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
                         std::to_string(cache->ne[0]));
@@ -249,7 +252,12 @@ void validate_node(const Tensor* t) {
         bad_node(t, "q " + shape_str(q) + " is not [n_head*head_dim, T]");
       for (int i = 1; i <= 2; ++i) {
         const Tensor* c = t->src[i] ? cache_of(t->src[i]) : nullptr;
-        if (!c || c->type != DType::F16) bad_node(t, "K/V cache must be an F16 tensor");
+        if (!c || (c->type != DType::F16 && c->type != DType::Q8_0))
+          bad_node(t, "K/V cache must be an F16 or Q8_0 tensor");
+        if (c->type != cache_of(t->src[1])->type) bad_node(t, "K and V caches differ in type");
+        if (c->type == DType::Q8_0 && head_dim % 64 != 0)
+          bad_node(t, "a Q8_0 cache needs head_dim a multiple of 64, found " +
+                          std::to_string(head_dim));
         if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
           bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
                           "head_dim = " + std::to_string(n_head_kv * head_dim));
@@ -708,6 +716,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             const Tensor* vs = nodes[jv];
             const int pv = vs->op == Op::KvStore ? pos(vs->src[0]) : -1;
             with_kv = ks->op == Op::KvStore && ks->src[0] == pair && vs->op == Op::KvStore &&
+                      kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
                       vs->kv[0] == ks->kv[0] && vs->src[0]->ne[0] == pair->ne[0] &&
                       vs->src[0]->ne[1] == pair->ne[1] && kv_target(vs) != kv_target(ks) &&
                       (pv < 0 || pv < i || done[pv]) &&
@@ -743,10 +752,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const Tensor* nx = xi < n ? nodes[xi] : nullptr;
         const bool pair = nx && nx->op == Op::KvStore && !done[xi] && nx->kv[0] == t->kv[0] &&
                           nx->src[0]->ne[0] == t->src[0]->ne[0] &&
-                          nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t);
-        launch_kv_store(l, fptr(t->src[0]), kv_target(t)->data, pair ? fptr(nx->src[0]) : nullptr,
-                        pair ? kv_target(nx)->data : nullptr, t->src[0]->ne[0],
-                        static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]));
+                          nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t) &&
+                          kv_target(nx)->type == kv_target(t)->type;
+        launch_kv_store(l, kv_target(t)->type, fptr(t->src[0]), kv_target(t)->data,
+                        pair ? fptr(nx->src[0]) : nullptr, pair ? kv_target(nx)->data : nullptr,
+                        t->src[0]->ne[0], static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]));
         if (pair) done[xi] = 1;
         break;
       }
@@ -761,6 +771,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.q = fptr(t->src[0]);
         a.k_cache = cache_of(t->src[1])->data;
         a.v_cache = cache_of(t->src[2])->data;
+        a.kv_type = cache_of(t->src[1])->type;
         a.out = fptr(t);
         a.n_head = t->params[kAttnNHead];
         a.n_head_kv = t->params[kAttnNHeadKv];

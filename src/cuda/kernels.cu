@@ -430,6 +430,32 @@ __global__ void kv_store_kernel(const float* src0, const float* src1, __half* ca
   cache[static_cast<int64_t>(first_row) * n_embd_kv + i] = __float2half_rn(src[i]);
 }
 
+// Q8_0 rows: a warp a block of 32 values, quantized as quantize_q8_0 (quant.cpp) does: d =
+// amax / 127 rounded to F16, q = round(x / d) with the float reciprocal, halves away from zero.
+__global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t* cache0,
+                                   uint8_t* cache1, int64_t n_embd_kv, int64_t n_blocks,
+                                   const int32_t* first_row_at) {
+  pdl_begin();
+  const int32_t first_row = *first_row_at;
+  const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (b >= n_blocks) return;
+  const float* src = blockIdx.y == 0 ? src0 : src1;
+  uint8_t* cache = blockIdx.y == 0 ? cache0 : cache1;
+  const float x = src[b * 32 + lane];
+  float amax = fabsf(x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float v = roundf(x * id);
+  const int q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0;
+  const int64_t per_row = n_embd_kv / 32;
+  uint8_t* blk = cache + (static_cast<int64_t>(first_row) * per_row + b) * 34;
+  if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
+  blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
+}
+
 // ---- The step's KV record ----------------------------------------------------------------------
 
 __global__ void kv_params_kernel(KvSlots values, int32_t* record) {
@@ -570,10 +596,20 @@ bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
   return n_tokens == 1 && slots <= 1024 * kRopeTokenSlots && head_dim / 2 <= kRopeMaxHalfDim;
 }
 
-void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
-                     int64_t n_embd_kv, int n_tokens, const int32_t* first_row) {
+void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
+                     const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
+                     const int32_t* first_row) {
   const int64_t n = n_embd_kv * n_tokens;
   const bool pair = src1 != nullptr;
+  if (cache_type == DType::Q8_0) {
+    if (n_embd_kv % 32 != 0)
+      throw ArgumentError("kv_store: Q8_0 rows must be a multiple of 32 wide, got " +
+                          std::to_string(n_embd_kv));
+    l(kv_store_q8_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0,
+      pair ? src1 : src0, static_cast<uint8_t*>(cache0),
+      static_cast<uint8_t*>(pair ? cache1 : cache0), n_embd_kv, n / 32, first_row);
+    return;
+  }
   l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
     first_row);

@@ -248,8 +248,11 @@ constexpr int kRopeMaxHalfDim = 256;
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows *first_row...
 // (first_row points into the KV record).
-void launch_kv_store(Launcher& l, const float* src0, void* cache0, const float* src1, void* cache1,
-                     int64_t n_embd_kv, int n_tokens, const int32_t* first_row);
+// Rows of n_embd_kv values into an F16 or Q8_0 cache (Q8_0: ggml's blocks, quantized as the
+// CPU quantizes them, bit for bit).
+void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
+                     const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
+                     const int32_t* first_row);
 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
@@ -350,6 +353,7 @@ struct AttentionArgs {
   unsigned* counters = nullptr;
   uint8_t* quant_ws = nullptr;
   int window = 0;  // sliding window (0: none)
+  DType kv_type = DType::F16;  // F16, or Q8_0 blocks (head_dim a multiple of 64)
 };
 void launch_attention(Launcher& l, const AttentionArgs& args);
 // Raises the decode kernels' shared memory limit (part of prepare_kernels).

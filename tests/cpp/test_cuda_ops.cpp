@@ -824,8 +824,17 @@ TEST_F(CudaOps, TwoRopesOfTheSamePositions) {
 
 struct AttnCase {
   int n_head, n_head_kv, hd, n_past, n_tok;
-  int window = 0;  // > 0: each query sees its last `window` positions
+  int window = 0;         // > 0: each query sees its last `window` positions
+  DType kv = DType::F16;  // the caches' type: F16 or Q8_0
 };
+
+// A KV cache [w, n_ctx] of type t holding the given row bytes, made as a context makes one.
+Tensor* kv_cache_with(Graph& g, Backend& be, DType t, const std::vector<uint8_t>& bytes, int64_t w,
+                      int64_t n_ctx, const std::string& name) {
+  void* p = be.alloc_kv(bytes.size());
+  be.kv_from_host(p, bytes.data(), bytes.size());
+  return g.kv_cache(t, w, n_ctx, p, name);
+}
 
 // Cache rows 0..n_past-1 already hold values; kv_store writes the new rows; attention reads all.
 void check_attention(const AttnCase& c, std::mt19937& rng,
@@ -835,17 +844,27 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
   auto v_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
-  std::vector<uint16_t> k16(size_t(kv_w) * n_ctx, 0), v16(size_t(kv_w) * n_ctx, 0);
-  for (int64_t i = 0; i < kv_w * c.n_past; ++i)
-    k16[i] = f32_to_f16(k_all[i]), v16[i] = f32_to_f16(v_all[i]);
+  // The caches' bytes (rows past n_past zero) and the values they hold: every row, the new
+  // ones too, as the backends store them (Q8_0 quantized as the CPU quantizes, bit for bit).
+  const size_t rb = row_size(c.kv, kv_w);
+  std::vector<uint8_t> kb(rb * n_ctx, 0), vb(rb * n_ctx, 0);
+  std::vector<double> kr(k_all.size()), vr(v_all.size());
+  std::vector<uint8_t> row(rb);
+  std::vector<float> back(kv_w);
+  for (int p = 0; p < c.n_past + c.n_tok; ++p) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float* src = (kv ? v_all : k_all).data() + size_t(p) * kv_w;
+      quantize_row(c.kv, src, row.data(), kv_w);
+      dequantize_row(c.kv, row.data(), back.data(), kv_w);
+      if (p < c.n_past) std::copy(row.begin(), row.end(), (kv ? vb : kb).begin() + rb * p);
+      for (int64_t i = 0; i < kv_w; ++i) (kv ? vr : kr)[size_t(p) * kv_w + i] = back[i];
+    }
+  }
   std::vector<float> k_new(k_all.begin() + kv_w * c.n_past, k_all.end());
   std::vector<float> v_new(v_all.begin() + kv_w * c.n_past, v_all.end());
   auto q = randn(size_t(c.n_head) * c.hd * c.n_tok, rng);
   const float scale = 1.0f / std::sqrt(float(c.hd));
-  // Reference on the values as the F16 cache holds them.
-  std::vector<double> kr(k_all.size()), vr(v_all.size());
-  for (size_t i = 0; i < k_all.size(); ++i) kr[i] = f16_to_f32(f32_to_f16(k_all[i]));
-  for (size_t i = 0; i < v_all.size(); ++i) vr[i] = f16_to_f32(f32_to_f16(v_all[i]));
+  // Reference on the values as the cache holds them.
   std::vector<double> ref(q.size());
   for (int t = 0; t < c.n_tok; ++t)
     for (int h = 0; h < c.n_head; ++h) {
@@ -873,8 +892,8 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   std::vector<int32_t> iq, ik, iv;
   check(
       [&](Graph& g, Backend& be) {
-        Tensor* kt = f16_cache(g, be, k16, kv_w, n_ctx, "k");
-        Tensor* vt = f16_cache(g, be, v16, kv_w, n_ctx, "v");
+        Tensor* kt = kv_cache_with(g, be, c.kv, kb, kv_w, n_ctx, "k");
+        Tensor* vt = kv_cache_with(g, be, c.kv, vb, kv_w, n_ctx, "v");
         g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
         g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
         return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
@@ -882,9 +901,10 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
                            c.window);
       },
       ref, bound, bound,
-      "window " + std::to_string(c.window) + " heads " + std::to_string(c.n_head) + "/" +
-          std::to_string(c.n_head_kv) + " hd " + std::to_string(c.hd) + " past " +
-          std::to_string(c.n_past) + " tokens " + std::to_string(c.n_tok),
+      std::string(type_name(c.kv)) + " window " + std::to_string(c.window) + " heads " +
+          std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " hd " +
+          std::to_string(c.hd) + " past " + std::to_string(c.n_past) + " tokens " +
+          std::to_string(c.n_tok),
       0);
 }
 
@@ -925,6 +945,23 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
   cases.push_back({4, 1, 128, 4096 - 511, 511});
   cases.push_back({4, 1, 128, 16384 - 64, 64});
   cases.push_back({4, 1, 256, 16384 - 40, 40, 512});
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// Q8_0 caches: decode batches (staged as 4-byte words, decoded by each lane) and prompt batches
+// (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows.
+TEST_F(CudaOps, AttentionOverQ8Caches) {
+  std::mt19937 rng(25);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const DType q8 = DType::Q8_0;
+  const AttnCase cases[] = {{9, 3, 64, 0, 1, 0, q8},           {9, 3, 64, 1000, 1, 0, q8},
+                            {8, 2, 128, 37, 3, 0, q8},         {32, 32, 128, 300, 1, 0, q8},
+                            {4, 1, 256, 600, 1, 512, q8},      {8, 1, 192, 20, 1, 0, q8},
+                            {4, 2, 64, 4095, 1, 0, q8},        {9, 3, 64, 0, 512, 0, q8},
+                            {8, 2, 128, 300, 200, 0, q8},      {4, 1, 256, 70, 130, 0, q8},
+                            {2, 1, 256, 100, 600, 512, q8},    {4, 2, 192, 5, 70, 0, q8},
+                            {4, 1, 128, 16384 - 64, 64, 0, q8}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 

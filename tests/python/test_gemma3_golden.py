@@ -41,11 +41,11 @@ def _agrees(got, recorded, exact):
     return got == recorded or (recorded != exact and got == exact)
 
 
-# Every KV cache type meets the bars on the CPU, the 985-token prompt past the window included;
-# CUDA has F16 caches only, so far.
+# Every KV cache type meets the bars, the 985-token prompt past the window included, on the CPU
+# and (F16 and Q8_0) on CUDA.
 @pytest.fixture(
     scope="module",
-    params=[("cpu", "f32"), ("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "f16")],
+    params=[("cpu", "f32"), ("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "f16"), ("cuda", "q8_0")],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def model(request, gemma3):

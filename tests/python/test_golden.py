@@ -23,10 +23,10 @@ def golden():
     return greedy, np.load(os.path.join(DATA, "smollm2_logits.npz"))
 
 
-# Every KV cache type meets the same bars on the CPU; CUDA has F16 caches only, so far.
+# Every KV cache type meets the same bars, on the CPU and (F16 and Q8_0) on CUDA.
 @pytest.fixture(
     scope="module",
-    params=[("cpu", "f32"), ("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "f16")],
+    params=[("cpu", "f32"), ("cpu", "f16"), ("cpu", "q8_0"), ("cuda", "f16"), ("cuda", "q8_0")],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def model(request, smollm2):

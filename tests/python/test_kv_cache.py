@@ -97,11 +97,55 @@ def test_q8_0_needs_heads_of_whole_blocks(tiny_model):
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
-def test_cuda_takes_f16_caches_only_so_far(heads32, kv_type):
-    with pytest.raises(ValueError, match=f"kv_type '{kv_type}' is not supported on CUDA yet"):
-        ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type=kv_type)
+def test_cuda_takes_f16_and_q8_0_caches(heads32):
+    with pytest.raises(ValueError, match="kv_type 'f32' is not supported on CUDA; use 'f16' or"):
+        ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type="f32")
+    # Heads of 32 are one Q8_0 block: CUDA stages heads of whole pairs of blocks.
+    with pytest.raises(ValueError, match="q8_0' on CUDA needs attention heads a multiple of 64"):
+        ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type="q8_0")
     assert ggraph.Model(heads32, device="cuda", n_ctx=64, kv_type="f16").kv_type == "f16"
+
+
+@pytest.fixture(scope="module")
+def heads64(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("kv") / "heads64.gguf")
+    write_random_gguf(
+        path, shape="tiny", weight_type="Q8_0", seed=4, n_embd=256, n_head=4, n_head_kv=2
+    )
+    return path
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_cuda_q8_0_cache_agrees_with_the_cpus_and_keeps_its_state(heads64):
+    """CUDA's logits with an 8-bit cache follow the CPU's with one, over a prompt (flash kernel)
+    and single steps (split decode), as closely as the two backends' products allow (the CPU
+    rounds activations to 8 bits, CUDA's prompt products to half); a saved state reloads into
+    a fresh CUDA context bit for bit, and into a CPU context."""
+
+    def cos(a, b):
+        return float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    cpu = ggraph.Model(heads64, device="cpu", n_ctx=128, kv_type="q8_0")
+    gpu = ggraph.Model(heads64, device="cuda", n_ctx=128, kv_type="q8_0")
+    f16 = ggraph.Model(heads64, device="cuda", n_ctx=128, kv_type="f16")
+    assert gpu.kv_type == "q8_0"
+    prompt = [(7 * i + 3) % 300 + 5 for i in range(70)]
+    a, b = cpu.eval(prompt, all_logits=True), gpu.eval(prompt, all_logits=True)
+    c = f16.eval(prompt, all_logits=True)
+    assert cos(a, b) > 0.999
+    # An 8-bit cache moves CUDA's logits about as far as the CPU's (test above: 3e-2).
+    assert np.linalg.norm(b - c) / np.linalg.norm(c) < 3e-2
+    for t in [11, 42, 99, 7]:
+        assert cos(cpu.eval([t]), gpu.eval([t])) > 0.999
+    state = gpu.save_state()
+    again = ggraph.Model(heads64, device="cuda", n_ctx=128, kv_type="q8_0")
+    again.load_state(state)
+    next_gpu = again.eval([13])
+    np.testing.assert_array_equal(next_gpu, gpu.eval([13]))
+    other = ggraph.Model(heads64, device="cpu", n_ctx=128, kv_type="q8_0")
+    other.load_state(state)
+    assert other.n_past == len(prompt) + 4
+    assert cos(other.eval([13]), next_gpu) > 0.999
 
 
 # ---------------------------------------------------------------------------------------------
