@@ -227,8 +227,8 @@ void validate_node(const Tensor* t) {
       if (cache->type != DType::F16 && cache->type != DType::Q8_0)
         bad_node(t, std::string("cache must be F16 or Q8_0, found ") + dtype_name(cache->type));
       if (cache->type == DType::Q8_0 && x->ne[0] % 64 != 0)
-        bad_node(t, "a Q8_0 cache needs rows a multiple of 64 wide, found " +
-                        std::to_string(x->ne[0]));
+        bad_node(
+            t, "a Q8_0 cache needs rows a multiple of 64 wide, found " + std::to_string(x->ne[0]));
       if (x->ne[0] != cache->ne[0])
         bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
                         std::to_string(cache->ne[0]));
@@ -256,8 +256,8 @@ void validate_node(const Tensor* t) {
           bad_node(t, "K/V cache must be an F16 or Q8_0 tensor");
         if (c->type != cache_of(t->src[1])->type) bad_node(t, "K and V caches differ in type");
         if (c->type == DType::Q8_0 && head_dim % 64 != 0)
-          bad_node(t, "a Q8_0 cache needs head_dim a multiple of 64, found " +
-                          std::to_string(head_dim));
+          bad_node(
+              t, "a Q8_0 cache needs head_dim a multiple of 64, found " + std::to_string(head_dim));
         if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
           bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
                           "head_dim = " + std::to_string(n_head_kv * head_dim));

@@ -352,7 +352,7 @@ struct AttentionArgs {
   float* partials = nullptr;
   unsigned* counters = nullptr;
   uint8_t* quant_ws = nullptr;
-  int window = 0;  // sliding window (0: none)
+  int window = 0;              // sliding window (0: none)
   DType kv_type = DType::F16;  // F16, or Q8_0 blocks (head_dim a multiple of 64)
 };
 void launch_attention(Launcher& l, const AttentionArgs& args);
