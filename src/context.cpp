@@ -151,7 +151,14 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   else
     n_ctx_ = kDefaultContextTokens;
   n_batch_ = std::min(o.n_batch, n_ctx_);
-  kv_.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
+  if (o.n_seq_max < 1 || o.n_seq_max > kMaxSequences)
+    throw ArgumentError("n_seq_max must be 1 to " + std::to_string(kMaxSequences) + ", got " +
+                        std::to_string(o.n_seq_max));
+  seqs_.resize(size_t(o.n_seq_max));
+  for (Sequence& s : seqs_)
+    s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
+  seqs_[0].open = true;
+  kv_ = seqs_[0].kv;
 
   // Size the buffers once, from the largest graph: a full batch with every logit.
   Graph worst;
@@ -162,6 +169,51 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 }
 
 Context::~Context() = default;
+
+int Context::open_sequence() {
+  for (size_t i = 0; i < seqs_.size(); ++i) {
+    if (seqs_[i].open) continue;
+    seqs_[i].open = true;
+    seqs_[i].n_past = 0;
+    seqs_[i].tokens.clear();
+    return static_cast<int>(i);
+  }
+  throw ArgumentError(
+      "all " + std::to_string(seqs_.size()) + " sequences of this context are in use (n_seq_max=" +
+      std::to_string(seqs_.size()) + "); close one, or load the model with a larger n_seq_max");
+}
+
+void Context::close_sequence(int id) {
+  if (id <= 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
+    throw ArgumentError("close_sequence: " + std::to_string(id) +
+                        " is not an open sequence other than 0");
+  if (id == cur_) select_sequence(0);
+  seqs_[size_t(id)].open = false;
+  seqs_[size_t(id)].n_past = 0;
+  seqs_[size_t(id)].tokens.clear();
+}
+
+void Context::select_sequence(int id) {
+  if (id < 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
+    throw ArgumentError("select_sequence: " + std::to_string(id) + " is not an open sequence");
+  if (id == cur_) return;
+  Sequence& from = seqs_[size_t(cur_)];
+  from.n_past = n_past_;
+  from.tokens.swap(tokens_);
+  Sequence& to = seqs_[size_t(id)];
+  kv_ = to.kv;
+  n_past_ = to.n_past;
+  tokens_.swap(to.tokens);
+  to.tokens.clear();
+  cur_ = id;
+  step_graph_.reset();  // planned over the other sequence's cache
+}
+
+int Context::n_seq_open() const {
+  int n = 0;
+  for (const Sequence& s : seqs_) n += s.open ? 1 : 0;
+  return n;
+}
 
 std::string Context::kv_type() const {
   for (const auto& t : kKvTypes)

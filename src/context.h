@@ -38,7 +38,13 @@ struct ContextOptions {
   std::string cuda_graphs = "patch";
   bool cuda_graph_debug = false;
   bool use_mmap = true;  // false: read the file into memory (see GGUFFile::open)
+  // Sequences the context holds at once, each with its own KV cache of n_ctx rows, all
+  // allocated at load: sequence 0 is always open; open_sequence hands out the others.
+  int n_seq_max = 1;
 };
+
+// The most sequences a context holds.
+constexpr int kMaxSequences = 256;
 
 // Why ggraph cannot run the model file at `path` (an unsupported architecture, tensor format or
 // key, a malformed file, a vocabulary it cannot read), or "" when it can. Reads the metadata and
@@ -90,6 +96,17 @@ class Context {
   // The tokens the KV cache holds, in order (n_past of them).
   const std::vector<int32_t>& tokens() const { return tokens_; }
 
+  // Sequences: independent token histories and KV caches over the same weights. Every call
+  // above works on the selected one. open_sequence takes a free one (empty) and returns its id,
+  // throwing ArgumentError when all n_seq_max are open; close_sequence frees one (not 0);
+  // select_sequence makes an open one current.
+  int open_sequence();
+  void close_sequence(int id);
+  void select_sequence(int id);
+  int sequence() const { return cur_; }
+  int n_seq_max() const { return static_cast<int>(seqs_.size()); }
+  int n_seq_open() const;
+
   int n_past() const { return n_past_; }
   int n_ctx() const { return n_ctx_; }
   int n_ctx_train() const { return model_->n_ctx_train; }
@@ -128,6 +145,16 @@ class Context {
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
   std::atomic<bool> cancel_{false};
   std::vector<int32_t> tokens_;
+  // Every sequence's cache and history; the selected one's live in kv_, n_past_ and tokens_
+  // (its entry here is stale until it is parked by select_sequence).
+  struct Sequence {
+    KvCache kv;
+    int n_past = 0;
+    std::vector<int32_t> tokens;
+    bool open = false;
+  };
+  std::vector<Sequence> seqs_;
+  int cur_ = 0;
   uint64_t fingerprint_ = 0;  // of the model file, for saved states
 };
 

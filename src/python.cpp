@@ -400,7 +400,8 @@ PYBIND11_MODULE(_core, m) {
   context
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
                        int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug,
-                       bool use_mmap, const std::string& kv_type, bool allow_longer_context) {
+                       bool use_mmap, const std::string& kv_type, bool allow_longer_context,
+                       int n_seq_max) {
              ContextOptions o;
              o.device = device;
              o.n_ctx = n_ctx;
@@ -411,13 +412,21 @@ PYBIND11_MODULE(_core, m) {
              o.use_mmap = use_mmap;
              o.kv_type = kv_type;
              o.allow_longer_context = allow_longer_context;
+             o.n_seq_max = n_seq_max;
              py::gil_scoped_release release;
              return std::make_unique<Context>(path, o);
            }),
            py::arg("path"), py::arg("device") = "auto", py::arg("n_ctx") = kDefaultContext,
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
            py::arg("cuda_graph_debug") = false, py::arg("use_mmap") = true,
-           py::arg("kv_type") = ContextOptions().kv_type, py::arg("allow_longer_context") = false)
+           py::arg("kv_type") = ContextOptions().kv_type, py::arg("allow_longer_context") = false,
+           py::arg("n_seq_max") = 1)
+      .def("open_sequence", &Context::open_sequence)
+      .def("close_sequence", &Context::close_sequence, py::arg("id"))
+      .def("select_sequence", &Context::select_sequence, py::arg("id"))
+      .def_property_readonly("sequence", &Context::sequence)
+      .def_property_readonly("n_seq_max", &Context::n_seq_max)
+      .def_property_readonly("n_seq_open", &Context::n_seq_open)
       .def(
           "eval",
           [](Context& c, const py::handle& tokens, bool all_logits) {

@@ -7,7 +7,14 @@
 
 from ggraph._core import Cancelled, DeviceError, GGUFError, Tokenizer, build_info, devices
 from ggraph._core import read_metadata as _read_metadata
-from ggraph.model import GeneratedToken, Model, default_model_path, make_sampler, sample
+from ggraph.model import (
+    GeneratedToken,
+    Model,
+    Session,
+    default_model_path,
+    make_sampler,
+    sample,
+)
 
 __version__ = build_info()["version"]
 
@@ -17,6 +24,7 @@ __all__ = [
     "GGUFError",
     "GeneratedToken",
     "Model",
+    "Session",
     "make_sampler",
     "Tokenizer",
     "build_info",

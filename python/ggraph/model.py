@@ -197,6 +197,31 @@ class GeneratedToken:
     top: list  # [(token id, logprob), ...], most likely first
 
 
+class _SequenceLock:
+    """The model's lock, taken for one sequence of its context: entering selects the sequence,
+    so that every call made under it reads and changes that sequence alone."""
+
+    def __init__(self, base, ctx, seq: int | None):
+        self.base = base
+        self._ctx = ctx
+        self.seq = seq
+
+    def __enter__(self):
+        self.base.acquire()
+        try:
+            if self.seq is None:
+                raise ValueError("this session is closed")
+            self._ctx.select_sequence(self.seq)
+        except BaseException:
+            self.base.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.base.release()
+        return False
+
+
 class Model:
     """A GGUF model loaded with its KV cache on a device.
 
@@ -210,6 +235,9 @@ class Model:
     memory; on CUDA for heads a multiple of 64 wide). See BENCHMARKS.md for what each costs in
     quality and speed.
     cuda_graphs: "off", "recapture", "update" or "patch" (default; also $GGRAPH_CUDA_GRAPHS).
+    n_seq_max: how many sequences the model holds at once: itself and up to n_seq_max - 1
+    sessions (Model.session()), each with its own KV cache of n_ctx tokens, all allocated
+    at load.
     use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
     uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory
     instead, for applications whose model file may change.
@@ -226,6 +254,7 @@ class Model:
         use_mmap: bool = True,
         kv_type: str = "auto",
         allow_longer_context: bool = False,
+        n_seq_max: int = 1,
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
@@ -243,6 +272,7 @@ class Model:
             use_mmap=use_mmap,
             kv_type=kv_type,
             allow_longer_context=allow_longer_context,
+            n_seq_max=n_seq_max,
         )
         if self._ctx.n_ctx > self._ctx.n_ctx_train:
             warnings.warn(
@@ -256,7 +286,7 @@ class Model:
         # changes the context (C++ work runs without the GIL, so other threads may call in).
         # _epoch counts changes of the context made outside a generator; a generator that finds
         # it moved since it started stops with an error instead of continuing from foreign state.
-        self._lock = threading.RLock()
+        self._lock = _SequenceLock(threading.RLock(), self._ctx, 0)
         self._epoch = 0
         self.stop_reason: str | None = None
         self.n_generated = 0  # tokens sampled by the last generate/chat
@@ -264,7 +294,8 @@ class Model:
     # -- state -------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:
-        return self._ctx.n_past
+        with self._lock:
+            return self._ctx.n_past
 
     @property
     def n_ctx(self) -> int:
@@ -370,6 +401,13 @@ class Model:
             self._ctx.reset()
             self._last_logits = None
 
+    def session(self) -> Session:
+        """A new conversation over this model's weights: its own KV cache, tokens, eval,
+        generate, chat, rewind and states, beside the model's own. Sessions take the
+        sequences Model(..., n_seq_max=N) set aside; ValueError when all are in use. Calls on
+        the model and its sessions run one at a time (they share the context's buffers)."""
+        return Session(self)
+
     def __repr__(self) -> str:
         return (
             f"ggraph.Model({os.path.basename(self.path)!r}, device={self.device!r}, "
@@ -423,7 +461,8 @@ class Model:
     @property
     def _tokens(self) -> list[int]:
         """The tokens the KV cache holds, in order."""
-        return self._ctx.tokens
+        with self._lock:
+            return self._ctx.tokens
 
     def generate(
         self,
@@ -449,19 +488,18 @@ class Model:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt
         # The generation checks its prompt and options before anything changes (the prefill
-        # waits for the first step).
-        gen = _core.Generation(
-            self._ctx,
-            ids,
-            max_tokens=max_tokens,
-            stop=stops,
-            logprobs=logprobs is not None,  # the plain text form skips the softmax a step
-            top_logprobs=logprobs or 0,
-            ignore_eos=ignore_eos,
-            **sampling,
-        )
-        # Starting a generation invalidates the generators before it.
+        # waits for the first step). Starting one invalidates the generators before it.
         with self._lock:
+            gen = _core.Generation(
+                self._ctx,
+                ids,
+                max_tokens=max_tokens,
+                stop=stops,
+                logprobs=logprobs is not None,  # the plain text form skips the softmax a step
+                top_logprobs=logprobs or 0,
+                ignore_eos=ignore_eos,
+                **sampling,
+            )
             self._epoch += 1
             epoch = self._epoch
         return self._generate(gen, epoch, logprobs is not None)
@@ -569,3 +607,58 @@ class Model:
         model's chat template."""
         ids = self.apply_chat_template(messages, tokenize=True)
         return self.generate(ids, max_tokens=max_tokens, **kw)
+
+
+class Session(Model):
+    """One sequence of a model's context: every Model method works on it alone. Close it (or
+    use it as a context manager) to give its sequence back; it is closed when collected."""
+
+    def __init__(self, model: Model):  # made by Model.session()
+        self.path = model.path
+        self._model = model  # keeps the context alive
+        self._ctx = model._ctx
+        base = model._lock.base
+        with base:
+            seq = self._ctx.open_sequence()
+        self._lock = _SequenceLock(base, self._ctx, seq)
+        self._last_logits = None
+        self._epoch = 0
+        self.stop_reason = None
+        self.n_generated = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._lock.seq is None
+
+    def close(self) -> None:
+        """Gives the session's sequence (and its KV cache) back to the model; later calls on
+        the session raise ValueError. Closing twice does nothing."""
+        lock = getattr(self, "_lock", None)
+        if lock is None or lock.seq is None:
+            return
+        with lock.base:
+            seq, lock.seq = lock.seq, None
+            self._epoch += 1  # its generators stop
+            self._ctx.close_sequence(seq)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def session(self) -> Session:
+        return self._model.session()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"ggraph.Session({os.path.basename(self.path)!r}, closed)"
+        return (
+            f"ggraph.Session({os.path.basename(self.path)!r}, device={self.device!r}, "
+            f"n_ctx={self.n_ctx}, n_past={self.n_past})"
+        )

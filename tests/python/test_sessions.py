@@ -1,0 +1,154 @@
+"""Sessions: independent sequences over one model's weights. Each must behave exactly as a model
+of its own would, whatever the others do between its calls, on every device."""
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import cuda_available
+
+import ggraph
+
+A = [5, 17, 42, 8, 99, 3, 61, 27, 14, 7]
+B = [200, 11, 150, 33, 2, 90, 45]
+
+
+def _devices():
+    return ["cpu", "cuda"] if cuda_available() else ["cpu"]
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return request.param
+
+
+def _alone(path, device, tokens, steps):
+    """Logits of a single-sequence model: the prompt's, then each step's."""
+    m = ggraph.Model(path, device=device, n_ctx=64, n_threads=1)
+    out = [m.eval(tokens)]
+    out += [m.eval([t]) for t in steps]
+    return out
+
+
+def test_sessions_interleaved_equal_models_of_their_own(tiny_model, device):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=3)
+    s1, s2 = m.session(), m.session()
+    want_m = _alone(tiny_model, device, A, [1, 2, 3])
+    want_1 = _alone(tiny_model, device, B, [4, 5, 6])
+    want_2 = _alone(tiny_model, device, A[:3], [7, 8, 9])
+    got_m, got_1, got_2 = [m.eval(A)], [s1.eval(B)], [s2.eval(A[:3])]
+    for a, b, c in zip([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        got_2.append(s2.eval([c]))
+        got_m.append(m.eval([a]))
+        got_1.append(s1.eval([b]))
+    for got, want in [(got_m, want_m), (got_1, want_1), (got_2, want_2)]:
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert (m.n_past, s1.n_past, s2.n_past) == (len(A) + 3, len(B) + 3, 6)
+    assert s1._tokens == B + [4, 5, 6] and m._tokens == A + [1, 2, 3]
+
+
+def test_a_full_pool_is_a_clear_error_and_closing_frees_a_sequence(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=32, n_seq_max=2)
+    s = m.session()
+    with pytest.raises(ValueError, match=r"all 2 sequences .* in use \(n_seq_max=2\)"):
+        m.session()
+    s.eval(A)
+    s.close()
+    s.close()  # twice: nothing
+    assert s.closed
+    with pytest.raises(ValueError, match="this session is closed"):
+        s.eval(A)
+    with m.session() as again:  # the freed sequence, empty
+        assert again.n_past == 0
+        again.eval(B)
+    assert again.closed
+    ggraph.Model(tiny_model, device="cpu", n_ctx=32).eval(A)  # n_seq_max 1: no sessions
+    with pytest.raises(ValueError, match=r"all 1 sequences"):
+        ggraph.Model(tiny_model, device="cpu", n_ctx=32).session()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 257])
+def test_n_seq_max_is_checked(tiny_model, bad):
+    with pytest.raises(ValueError, match=f"n_seq_max must be 1 to 256, got {bad}"):
+        ggraph.Model(tiny_model, device="cpu", n_ctx=32, n_seq_max=bad)
+
+
+def test_generators_of_two_sessions_step_in_turns(tiny_model, device):
+    def alone(prompt):
+        m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1)
+        return list(m.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True))
+
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=2)
+    s = m.session()
+    g1, g2 = (
+        m.generate(A, max_tokens=12, temperature=0, ignore_eos=True),
+        s.generate(B, max_tokens=12, temperature=0, ignore_eos=True),
+    )
+    outs, gens = ([], []), [g1, g2]
+    while any(gens):
+        for i, g in enumerate(gens):
+            piece = next(g, None) if g else None
+            if piece is None:
+                gens[i] = None
+            else:
+                outs[i].append(piece)
+    assert outs[0] == alone(A) and outs[1] == alone(B)
+    # A change to one session leaves the other's generator valid, and stops its own.
+    g2 = s.generate(B, max_tokens=4, temperature=0)
+    next(g2)
+    m.reset()
+    next(g2)
+    g1 = m.generate(A, max_tokens=4, temperature=0)
+    next(g1)
+    s.reset()
+    next(g1)
+    m.eval([1])
+    with pytest.raises(RuntimeError, match="no longer valid"):
+        next(g1)
+
+
+def test_rewind_and_states_stay_within_a_session(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
+    s = m.session()
+    m.eval(A)
+    s.eval(B)
+    state = s.save_state()
+    s.rewind(2)
+    assert (m.n_past, s.n_past) == (len(A), 2)
+    expected = m.eval([4])
+    m.rewind(len(A))
+    m.load_state(state)  # the session's sequence, into the model's own
+    assert m._tokens == B
+    np.testing.assert_array_equal(m.eval([6]), _alone(tiny_model, "cpu", B, [6])[1])
+    assert s._tokens == B[:2]
+    # And the model's sequence was the model's before the load.
+    other = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    other.eval(A)
+    np.testing.assert_array_equal(other.eval([4]), expected)
+
+
+def test_sessions_on_threads(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1, n_seq_max=4)
+    prompts = [A, B, A[:5], B[2:]]
+    sessions = [m] + [m.session() for _ in range(3)]
+    want = [_alone(tiny_model, "cpu", p, [9, 8, 7, 6]) for p in prompts]
+    got = [None] * 4
+    errors = []
+
+    def run(i):
+        try:
+            s = sessions[i]
+            got[i] = [s.eval(prompts[i])] + [s.eval([t]) for t in [9, 8, 7, 6]]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            np.testing.assert_array_equal(a, b)
