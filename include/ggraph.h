@@ -47,6 +47,10 @@ typedef struct {
   /* 1: accept an n_ctx past the model's training context (quality usually drops there);
    * 0 (default): refuse it */
   int allow_longer_context;
+  /* sequences the model holds at once: itself and up to n_seq_max - 1 sessions
+   * (ggraph_session_open), each with its own KV cache of n_ctx tokens, allocated at load;
+   * 0 or 1 (default): the model alone; at most 256 */
+  int64_t n_seq_max;
 } ggraph_params;
 
 typedef struct {
@@ -64,7 +68,15 @@ GGRAPH_API ggraph_sampling ggraph_default_sampling(void);
 /* Loads a model; returns NULL on failure with the reason in err (when err_size > 0). */
 GGRAPH_API ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* err,
                                      size_t err_size);
+/* Frees a model or closes a session. The weights and context stay until the model and every
+ * session of it are freed, in any order. */
 GGRAPH_API void ggraph_free(ggraph_model* model);
+/* A session: an independent conversation (its own KV cache, tokens and position) over the
+ * model's loaded weights, taken from the n_seq_max the model was loaded with. It is a
+ * ggraph_model handle: every call works on the handle it is given, and calls on a model and its
+ * sessions are serialized. NULL, with the reason in ggraph_last_error, when all are in use;
+ * ggraph_free closes it. */
+GGRAPH_API ggraph_model* ggraph_session_open(ggraph_model* model);
 /* The calling thread's last error message ("" after a call that succeeded); model is not
  * used. */
 GGRAPH_API const char* ggraph_last_error(const ggraph_model* model);

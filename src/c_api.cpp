@@ -15,10 +15,31 @@
 #include "ggraph.h"
 #include "sampling.h"
 
-struct ggraph_model {
+// What a model and its sessions share: the context and the mutex every call holds.
+struct ggraph_shared {
   std::unique_ptr<ggraph::Context> ctx;
+  std::mutex mutex;
+};
+
+// A model, or one of its sessions: a sequence of the shared context, which every call selects
+// once it holds the mutex.
+struct ggraph_model {
+  std::shared_ptr<ggraph_shared> shared;
+  ggraph::Context* ctx;
+  std::mutex& mutex;
+  int seq;
   std::vector<float> logits;
-  mutable std::mutex mutex;  // held by every call on the model
+
+  ggraph_model(std::shared_ptr<ggraph_shared> s, int sequence)
+      : shared(std::move(s)), ctx(shared->ctx.get()), mutex(shared->mutex), seq(sequence) {}
+  ~ggraph_model() {
+    if (seq == 0) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    try {
+      ctx->close_sequence(seq);
+    } catch (const std::exception&) {
+    }
+  }
 };
 
 namespace {
@@ -35,6 +56,7 @@ int guarded(ggraph_model* m, F&& fn) {
   }
   try {
     std::lock_guard<std::mutex> lock(m->mutex);
+    m->ctx->select_sequence(m->seq);
     return fn();
   } catch (const ggraph::GGUFError& e) {
     t_error = e.what();
@@ -63,6 +85,7 @@ int32_t locked_read(const ggraph_model* m, int32_t fallback, F&& fn) {
   if (!m) return fallback;
   std::lock_guard<std::mutex> lock(m->mutex);
   try {
+    m->ctx->select_sequence(m->seq);
     return fn();
   } catch (const std::exception&) {
     return fallback;
@@ -93,6 +116,7 @@ ggraph_params ggraph_default_params(void) {
   p.cuda_graphs = "patch";
   p.kv_type = "auto";
   p.allow_longer_context = 0;
+  p.n_seq_max = 1;
   return p;
 }
 
@@ -128,9 +152,14 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
     o.cuda_graphs = p.cuda_graphs ? p.cuda_graphs : "patch";
     if (p.kv_type) o.kv_type = p.kv_type;
     o.allow_longer_context = p.allow_longer_context != 0;
-    auto m = std::make_unique<ggraph_model>();
-    m->ctx = std::make_unique<ggraph::Context>(path, o);
-    return m.release();
+    if (p.n_seq_max < 0 || p.n_seq_max > ggraph::kMaxSequences)
+      throw ggraph::ArgumentError("ggraph_load: n_seq_max must be 0 to " +
+                                  std::to_string(ggraph::kMaxSequences) + ", got " +
+                                  std::to_string(p.n_seq_max));
+    o.n_seq_max = p.n_seq_max > 0 ? static_cast<int>(p.n_seq_max) : 1;
+    auto shared = std::make_shared<ggraph_shared>();
+    shared->ctx = std::make_unique<ggraph::Context>(path, o);
+    return new ggraph_model(std::move(shared), 0);
   } catch (const std::exception& e) {
     t_error = e.what();
     copy_error(t_error, err, err_size);
@@ -139,6 +168,15 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
 }
 
 void ggraph_free(ggraph_model* model) { delete model; }
+
+ggraph_model* ggraph_session_open(ggraph_model* m) {
+  ggraph_model* out = nullptr;
+  const int rc = guarded(m, [&] {
+    out = new ggraph_model(m->shared, m->ctx->open_sequence());
+    return GGRAPH_OK;
+  });
+  return rc == GGRAPH_OK ? out : nullptr;
+}
 
 const char* ggraph_last_error(const ggraph_model* model) {
   (void)model;  // the message is the calling thread's, whichever model failed
@@ -186,6 +224,7 @@ void ggraph_cancel(ggraph_model* m) {
 void ggraph_reset(ggraph_model* m) {
   if (!m) return;
   std::lock_guard<std::mutex> lock(m->mutex);
+  m->ctx->select_sequence(m->seq);
   m->ctx->reset();
   m->logits.clear();
 }

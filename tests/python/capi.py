@@ -15,6 +15,7 @@ class Params(ctypes.Structure):
         ("cuda_graphs", ctypes.c_char_p),
         ("kv_type", ctypes.c_char_p),
         ("allow_longer_context", ctypes.c_int),
+        ("n_seq_max", ctypes.c_int64),
     ]
 
 
@@ -73,6 +74,7 @@ _SIGNATURES = {
         [ctypes.c_char_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t],
     ),
     "ggraph_free": (None, [_M]),
+    "ggraph_session_open": (_M, [_M]),
     "ggraph_last_error": (ctypes.c_char_p, [_M]),
     "ggraph_n_vocab": (ctypes.c_int32, [_M]),
     "ggraph_n_ctx": (ctypes.c_int32, [_M]),

@@ -160,3 +160,40 @@ def test_c_api_cancel_stops_a_long_input_from_another_thread(lib, smollm2):
         assert lib.ggraph_n_past(m) == 3
     finally:
         lib.ggraph_free(m)
+
+
+def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
+    p = params(lib, n_ctx=64, n_threads=1, n_seq_max=3)
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    assert m, err.value
+    n_vocab = lib.ggraph_n_vocab(m)
+
+    def ev(h, ids):
+        out = (ctypes.c_float * n_vocab)()
+        assert lib.ggraph_eval(h, (ctypes.c_int32 * len(ids))(*ids), len(ids), out) == 0
+        return np.array(out)
+
+    s1 = lib.ggraph_session_open(m)
+    s2 = lib.ggraph_session_open(m)
+    assert s1 and s2
+    assert not lib.ggraph_session_open(m)
+    assert b"all 3 sequences" in lib.ggraph_last_error(m)
+    alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+    want = [alone.eval([5, 6, 7]), alone.eval([8])]
+    got_m = ev(m, [9, 10])
+    got = [ev(s1, [5, 6, 7])]
+    ev(s2, [1])
+    got.append(ev(s1, [8]))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert (lib.ggraph_n_past(m), lib.ggraph_n_past(s1), lib.ggraph_n_past(s2)) == (2, 4, 1)
+    lib.ggraph_free(m)  # the sessions keep the weights
+    np.testing.assert_array_equal(ev(s1, [3]), alone.eval([3]))
+    lib.ggraph_free(s2)
+    s3 = lib.ggraph_session_open(s1)  # s2's sequence, free again
+    assert s3 and lib.ggraph_n_past(s3) == 0
+    lib.ggraph_free(s3)
+    lib.ggraph_free(s1)
+    other = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+    np.testing.assert_array_equal(got_m, other.eval([9, 10]))
