@@ -218,7 +218,7 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
 }
 
 void ggraph_cancel(ggraph_model* m) {
-  if (m) m->ctx->cancel();  // lock-free: the eval in progress holds the mutex
+  if (m) m->ctx->cancel(m->seq);  // lock-free: the eval in progress holds the mutex
 }
 
 void ggraph_reset(ggraph_model* m) {

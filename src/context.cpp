@@ -155,6 +155,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     throw ArgumentError("n_seq_max must be 1 to " + std::to_string(kMaxSequences) + ", got " +
                         std::to_string(o.n_seq_max));
   seqs_.resize(size_t(o.n_seq_max));
+  cancels_.reset(new std::atomic<bool>[seqs_.size()]());
   for (Sequence& s : seqs_)
     s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
   seqs_[0].open = true;

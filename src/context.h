@@ -72,9 +72,13 @@ class Context {
   // Asks the operation in progress (an eval: at its next chunk; a Generation: at its next
   // step) to stop; any thread may call it at any time (lock-free). Callers clear a stale
   // request when an operation starts (clear_cancel); take_cancel consumes a pending one.
-  void cancel() { cancel_.store(true, std::memory_order_relaxed); }
-  void clear_cancel() { cancel_.store(false, std::memory_order_relaxed); }
-  bool take_cancel() { return cancel_.exchange(false, std::memory_order_relaxed); }
+  // Each sequence has its own request: cancel(seq) stops that sequence's operation only
+  // (ignored for a sequence the context does not have); the others act on the selected one.
+  void cancel(int seq = 0) {
+    if (seq >= 0 && seq < n_seq_max()) cancels_[size_t(seq)].store(true, std::memory_order_relaxed);
+  }
+  void clear_cancel() { cancels_[size_t(cur_)].store(false, std::memory_order_relaxed); }
+  bool take_cancel() { return cancels_[size_t(cur_)].exchange(false, std::memory_order_relaxed); }
   void reset() {
     n_past_ = 0;
     tokens_.clear();
@@ -143,7 +147,7 @@ class Context {
   // new position, instead of building and planning again.
   std::unique_ptr<Graph> step_graph_;
   int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
-  std::atomic<bool> cancel_{false};
+  std::unique_ptr<std::atomic<bool>[]> cancels_;  // a request per sequence (cancel)
   std::vector<int32_t> tokens_;
   // Every sequence's cache and history; the selected one's live in kv_, n_past_ and tokens_
   // (its entry here is stale until it is parked by select_sequence).

@@ -487,7 +487,7 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              c.load_state(static_cast<const uint8_t*>(b.ptr), size_t(b.size));
            })
-      .def("cancel", &Context::cancel)
+      .def("cancel", &Context::cancel, py::arg("seq") = 0)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)
       .def_property_readonly("n_ctx_train", &Context::n_ctx_train)

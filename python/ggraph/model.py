@@ -393,7 +393,9 @@ class Model:
         ggraph.Cancelled and changes nothing (Ctrl-C stops it the same way, raising
         KeyboardInterrupt). A generation checks between tokens: break out of
         it instead, or press Ctrl-C, which stops either."""
-        self._ctx.cancel()
+        seq = self._lock.seq
+        if seq is not None:
+            self._ctx.cancel(seq)  # this sequence's call alone, not another session's
 
     def reset(self) -> None:
         """Empties the context."""

@@ -152,3 +152,39 @@ def test_sessions_on_threads(tiny_model):
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             np.testing.assert_array_equal(a, b)
+
+
+def test_cancel_stops_its_own_session_only(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=256, n_threads=1, n_batch=8, n_seq_max=2)
+    s = m.session()
+    prompt = [(3 * i + 1) % 300 + 3 for i in range(200)]  # 25 chunks of 8
+    done = threading.Event()
+
+    def spam():
+        while not done.is_set():
+            s.cancel()
+
+    t = threading.Thread(target=spam)
+    t.start()
+    try:
+        m.eval(prompt)  # the other session's requests never stop it
+    finally:
+        done.set()
+        t.join()
+    assert m.n_past == 200
+    done.clear()
+
+    def cancel_model():
+        while not done.is_set():
+            m.cancel()
+
+    t = threading.Thread(target=cancel_model)
+    t.start()
+    try:
+        with pytest.raises(ggraph.Cancelled):
+            for _ in range(50):  # the canceller may start late: it lands within a few evals
+                m.reset()
+                m.eval(prompt)
+    finally:
+        done.set()
+        t.join()
