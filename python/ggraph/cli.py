@@ -8,7 +8,7 @@ import sys
 import time
 
 
-def _load(args):
+def _load(args, n_seq_max: int = 1):
     from ggraph.model import Model
 
     return Model(
@@ -18,6 +18,7 @@ def _load(args):
         n_threads=args.threads,
         kv_type=args.kv_type,
         allow_longer_context=args.allow_longer_context,
+        n_seq_max=n_seq_max,
     )
 
 
@@ -105,13 +106,11 @@ def cmd_chat(args):
 def cmd_serve(args):
     from ggraph.server import serve
 
-    if args.parallel != 1:
-        raise ValueError(
-            f"--parallel {args.parallel}: this version serves one request at a time (--parallel 1)"
-        )
-    model = _load(args)
+    if not 1 <= args.parallel <= 256:
+        raise ValueError(f"--parallel: expected 1 to 256 requests at once, got {args.parallel}")
+    model = _load(args, n_seq_max=args.parallel)
     name = args.model or "smollm2"
-    serve(model, os.path.basename(name), host=args.host, port=args.port)
+    serve(model, os.path.basename(name), host=args.host, port=args.port, parallel=args.parallel)
     return 0
 
 
@@ -238,7 +237,12 @@ def build_parser():
     _add_model_args(s, sampling=False)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--parallel", type=int, default=1, help="requests served at once (1)")
+    s.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="requests served at once, each with a KV cache of its own (1)",
+    )
     s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="describe a GGUF file")
     i.add_argument("file")

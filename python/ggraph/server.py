@@ -1,12 +1,14 @@
 """`ggraph serve`: an OpenAI-compatible HTTP server over one model (starlette + uvicorn).
 
     ggraph serve [-m MODEL] [--host 127.0.0.1] [--port 8080] [--device auto] [-c N_CTX]
+                 [--parallel N]
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions (with
 "stream": true as server-sent events). The HTTP layer parses, streams and formats; the engine
-thread owns the model and runs one generation at a time, in arrival order, so a request waits
-for those before it. A stream whose client goes away is cancelled at its next token. Malformed
-requests get a 400 in OpenAI's error shape, and the server goes on serving.
+thread owns the model and runs up to N generations at once, each on a session of its own (a KV
+cache of n_ctx tokens each), a step of each in turn; more requests wait in arrival order for a
+free one. A stream whose client goes away is cancelled at its next token. Malformed requests
+get a 400 in OpenAI's error shape, and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -52,17 +54,20 @@ class _Job:
 
 
 class Engine:
-    """The thread that owns the model: takes jobs in order and runs each generation, sending
+    """The thread that owns the model: up to `parallel` generations at once, each on a sequence
+    of its own (the model, then its sessions), advanced a step each in turn, so that a request
+    starts as soon as a sequence is free instead of waiting for the ones before it. A job gets
     ("token", (text, step)), step the GeneratedToken of a sampled token when the job asked for
-    logprobs (else None), then ("done", (stop_reason, n_generated)) or ("error",
-    exception). What a job reports comes with its events: the model's own fields belong to the
-    job running next by the time the event loop reads them."""
+    logprobs (else None), then ("done", (stop_reason, n_generated)) or ("error", exception).
+    What a job reports comes with its events: a sequence's own fields belong to its next job by
+    the time the event loop reads them."""
 
-    def __init__(self, model):
+    def __init__(self, model, parallel: int = 1):
         self.model = model
+        self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._current = None
+        self._running: dict = {}  # job -> its sequence, while it runs
         self._thread = threading.Thread(target=self._run, name="ggraph-engine", daemon=True)
         self._thread.start()
 
@@ -72,56 +77,88 @@ class Engine:
     def cancel(self, job: _Job) -> None:
         job.cancelled.set()
         with self._lock:
-            if self._current is job:
-                self.model.cancel()  # also stops a long prompt between its chunks
+            seq = self._running.get(job)
+            if seq is not None:
+                seq.cancel()  # also stops a long prompt between its chunks
 
     def close(self) -> None:
         with self._lock:
-            if self._current is not None:
-                self._current.cancelled.set()
-                self.model.cancel()
+            for job, seq in self._running.items():
+                job.cancelled.set()
+                seq.cancel()
         self._jobs.put(None)
         self._thread.join()
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+    def _start(self, job: _Job, seq):
+        with self._lock:
+            self._running[job] = seq
+        steps = seq.generate(
+            job.ids,
+            max_tokens=job.max_tokens,
+            stop=job.stop,
+            logprobs=job.logprobs,
+            **job.sampling,
+        )
+        if job.cancelled.is_set():  # a cancel the generation's start cleared
+            seq.cancel()
+        return steps
+
+    def _step(self, job: _Job, seq, steps) -> bool:
+        """Advances a job by one piece of text; whether it has finished."""
+        try:
             if job.cancelled.is_set():
-                continue
-            with self._lock:
-                self._current = job
-            try:
-                steps = self.model.generate(
-                    job.ids,
-                    max_tokens=job.max_tokens,
-                    stop=job.stop,
-                    logprobs=job.logprobs,
-                    **job.sampling,
+                print(
+                    f"ggraph serve: a request was cancelled after {seq.n_generated} tokens",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                if job.cancelled.is_set():  # a cancel the generation's start cleared
-                    self.model.cancel()
-                for step in steps:
-                    if job.cancelled.is_set():
-                        break
-                    if job.logprobs is None:
-                        job.emit(("token", (step, None)))
-                    else:
-                        job.emit(("token", (step.text, step if step.token >= 0 else None)))
+                job.emit(("done", (seq.stop_reason, seq.n_generated)))
+                return True
+            step = next(steps, None)
+            if step is None:
+                job.emit(("done", (seq.stop_reason, seq.n_generated)))
+                return True
+            if job.logprobs is None:
+                job.emit(("token", (step, None)))
+            else:
+                job.emit(("token", (step.text, step if step.token >= 0 else None)))
+            return False
+        except Exception as e:  # the request's failure, not the server's
+            job.emit(("error", e))
+            return True
+
+    def _run(self) -> None:
+        active = []  # [job, its sequence, its generator]
+        closing = False
+        while True:
+            # New jobs while a sequence is free; wait for one only when nothing runs.
+            while self._free and not closing:
+                try:
+                    job = self._jobs.get(block=not active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
                 if job.cancelled.is_set():
-                    print(
-                        f"ggraph serve: a request was cancelled after "
-                        f"{self.model.n_generated} tokens",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                job.emit(("done", (self.model.stop_reason, self.model.n_generated)))
-            except Exception as e:  # the request's failure, not the server's
-                job.emit(("error", e))
-            finally:
-                with self._lock:
-                    self._current = None
+                    continue
+                seq = self._free.pop()
+                try:
+                    active.append([job, seq, self._start(job, seq)])
+                except Exception as e:
+                    job.emit(("error", e))
+                    self._finish(job, seq)
+            if closing and not active:
+                return
+            for entry in list(active):
+                if self._step(*entry):
+                    active.remove(entry)
+                    self._finish(entry[0], entry[1])
+
+    def _finish(self, job: _Job, seq) -> None:
+        with self._lock:
+            self._running.pop(job, None)
+        self._free.append(seq)
 
 
 # ---- Requests ----------------------------------------------------------------------------------
@@ -258,8 +295,9 @@ def _chat_logprob(model, step):
     return item
 
 
-def create_app(model, model_name: str):
-    """The starlette application serving `model` (a ggraph.Model) as `model_name`."""
+def create_app(model, model_name: str, parallel: int = 1):
+    """The starlette application serving `model` (a ggraph.Model) as `model_name`, running up to
+    `parallel` requests at once (the model must hold that many sequences: n_seq_max)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
@@ -268,7 +306,7 @@ def create_app(model, model_name: str):
 
     from ggraph import _core
 
-    engine = Engine(model)
+    engine = Engine(model, parallel)
     created = int(time.time())
 
     def error(status, message, kind="invalid_request_error", param=None, code=None):
@@ -502,7 +540,9 @@ def _completion_logprobs(model, steps, at: int = 0) -> dict:
     }
 
 
-def serve(model, model_name: str, host: str = "127.0.0.1", port: int = 8080) -> None:
+def serve(
+    model, model_name: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1
+) -> None:
     """Serves until SIGINT or SIGTERM; a request in flight is cancelled at its next token."""
     try:
         import uvicorn
@@ -510,5 +550,5 @@ def serve(model, model_name: str, host: str = "127.0.0.1", port: int = 8080) -> 
         raise ImportError(
             'ggraph serve needs starlette and uvicorn: pip install "ggraph-llm[serve]"'
         ) from None
-    app = create_app(model, model_name)
+    app = create_app(model, model_name, parallel)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -49,6 +49,8 @@ def server(smollm2, tmp_path_factory):
             str(N_CTX),
             "-t",
             "2",
+            "--parallel",
+            "4",
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=log,
@@ -240,3 +242,55 @@ def test_sigterm_stops_the_server_cleanly(server):
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     proc.log.seek(0)
     assert "ggraph serve: stopped" in proc.log.read()
+
+
+def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
+    """Five jobs on three sequences: the first three start at once and advance a step each in
+    turn, the others take the sequences that free up, and every job's text is the one a model of
+    its own generates."""
+    import asyncio
+
+    from ggraph.server import Engine, _Job
+
+    prompts = [[5, 17, 42], [200, 11], [7, 8, 9, 10], [99], [3, 61, 27, 14]]
+    want = []
+    for p in prompts:
+        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+        want.append("".join(alone.generate(p, max_tokens=12, temperature=0, ignore_eos=True)))
+    order = []
+
+    class Recorded(_Job):
+        def emit(self, event):
+            order.append((self.index, event[0]))
+            super().emit(event)
+
+    async def run():
+        model = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1, n_seq_max=3)
+        engine = Engine(model, parallel=3)
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for i, p in enumerate(prompts):
+            job = Recorded(loop, p, 12, [], None, {"temperature": 0.0, "ignore_eos": True})
+            job.index = i
+            jobs.append(job)
+            engine.submit(job)
+        texts = []
+        for job in jobs:
+            pieces = []
+            while True:
+                kind, value = await job.events.get()
+                if kind == "token":
+                    pieces.append(value[0])
+                elif kind == "done":
+                    assert value[1] == 12
+                    break
+                else:
+                    raise value
+            texts.append("".join(pieces))
+        engine.close()
+        return texts
+
+    assert asyncio.run(run()) == want
+    first_done = order.index((0, "done"))
+    assert (1, "token") in order[:first_done] and (2, "token") in order[:first_done]
+    assert order.index((3, "token")) > min(order.index((i, "done")) for i in range(3))
