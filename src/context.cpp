@@ -192,6 +192,7 @@ void Context::close_sequence(int id) {
   seqs_[size_t(id)].open = false;
   seqs_[size_t(id)].n_past = 0;
   seqs_[size_t(id)].tokens.clear();
+  seqs_[size_t(id)].step_graph.reset();
 }
 
 void Context::select_sequence(int id) {
@@ -201,13 +202,24 @@ void Context::select_sequence(int id) {
   Sequence& from = seqs_[size_t(cur_)];
   from.n_past = n_past_;
   from.tokens.swap(tokens_);
+  from.step_graph = std::move(step_graph_);
+  from.step_tokens = step_tokens_, from.step_outputs = step_outputs_;
+  from.step_n_past = step_n_past_;
+  from.in_tokens.swap(in_tokens_);  // swaps keep the buffers the graph's inputs point at
+  from.in_positions.swap(in_positions_);
+  from.in_out_ids.swap(in_out_ids_);
   Sequence& to = seqs_[size_t(id)];
   kv_ = to.kv;
   n_past_ = to.n_past;
   tokens_.swap(to.tokens);
   to.tokens.clear();
+  // Its own last step graph, planned over its own cache: a decode step reuses it.
+  step_graph_ = std::move(to.step_graph);
+  step_tokens_ = to.step_tokens, step_outputs_ = to.step_outputs, step_n_past_ = to.step_n_past;
+  in_tokens_.swap(to.in_tokens);
+  in_positions_.swap(to.in_positions);
+  in_out_ids_.swap(to.in_out_ids);
   cur_ = id;
-  step_graph_.reset();  // planned over the other sequence's cache
 }
 
 int Context::n_seq_open() const {

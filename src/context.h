@@ -156,6 +156,11 @@ class Context {
     int n_past = 0;
     std::vector<int32_t> tokens;
     bool open = false;
+    // Its last step's graph (over its own cache) and the host inputs that graph's input
+    // tensors point at, kept while another sequence runs.
+    std::unique_ptr<Graph> step_graph;
+    int step_tokens = 0, step_outputs = 0, step_n_past = 0;
+    std::vector<int32_t> in_tokens, in_positions, in_out_ids;
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;

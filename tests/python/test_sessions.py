@@ -22,9 +22,10 @@ def device(request):
     return request.param
 
 
-def _alone(path, device, tokens, steps):
-    """Logits of a single-sequence model: the prompt's, then each step's."""
-    m = ggraph.Model(path, device=device, n_ctx=64, n_threads=1)
+def _alone(path, device, tokens, steps, n_ctx=64):
+    """Logits of a single-sequence model of the same n_ctx (CUDA's attention splits follow it):
+    the prompt's, then each step's."""
+    m = ggraph.Model(path, device=device, n_ctx=n_ctx, n_threads=1)
     out = [m.eval(tokens)]
     out += [m.eval([t]) for t in steps]
     return out
@@ -188,3 +189,25 @@ def test_cancel_stops_its_own_session_only(tiny_model):
     finally:
         done.set()
         t.join()
+
+
+def test_a_session_keeps_its_step_graph_while_another_runs_other_shapes(tiny_model, device):
+    """Each sequence keeps its last step's graph and the host inputs it reads: a long prompt of
+    another session between two decode steps neither disturbs nor invalidates it."""
+    m = ggraph.Model(tiny_model, device=device, n_ctx=128, n_threads=1, n_seq_max=2)
+    s = m.session()
+    long = [(5 * i + 2) % 300 + 3 for i in range(60)]
+    want = _alone(tiny_model, device, A, [1, 2, 3], n_ctx=128)
+    got = [m.eval(A), m.eval([1])]
+    s.eval(long)
+    got.append(m.eval([2]))
+    s.eval([4])
+    s.eval(long[:7], all_logits=True)
+    got.append(m.eval([3]))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    ref = ggraph.Model(tiny_model, device=device, n_ctx=128, n_threads=1)
+    ref.eval(long)
+    ref.eval([4])
+    ref.eval(long[:7], all_logits=True)
+    np.testing.assert_array_equal(s.eval([9]), ref.eval([9]))
