@@ -945,6 +945,7 @@ class CudaBackend : public Backend {
     GGRAPH_CUDA_CHECK(cudaMallocHost(&input_staging_, std::max<size_t>(input_bytes, 256)));
     // Mat-mul activations are scratch tensors; their prepared forms are at most half their size.
     ensure(act_, act_bytes_, scratch_bytes / 2 + (1 << 20), "mat-mul activations");
+    forget_blas_graphs();  // the scratch that cuBLAS's products write has moved
   }
 
   void compute(const Graph& graph, float* out) override {
@@ -967,7 +968,8 @@ class CudaBackend : public Backend {
                             " of inputs; reserved " + std::to_string(scratch_bytes_) + " and " +
                             std::to_string(input_bytes_));
       // Workspaces only grow, and before any launch: never inside the launches themselves.
-      ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations");
+      if (ensure(act_, act_bytes_, act_workspace_bytes(graph), "mat-mul activations"))
+        forget_blas_graphs();
       ensure(attn_, attn_bytes_, attn_workspace_bytes(graph, false), "attention partials");
       if (ensure(attn_counters_, attn_counters_bytes_, attn_workspace_bytes(graph, true),
                  "attention counters"))
@@ -1116,7 +1118,14 @@ class CudaBackend : public Backend {
       const int64_t rows = std::min(t->src[0]->ne[1], dequant_chunk_rows(k));
       need = std::max(need, static_cast<size_t>(rows * act_half_pitch(k) * 2));
     }
-    ensure(wdeq_, wdeq_bytes_, need, "weights decoded for cuBLAS");
+    if (ensure(wdeq_, wdeq_bytes_, need, "weights decoded for cuBLAS")) forget_blas_graphs();
+  }
+
+  // cuBLAS's nodes in a captured graph keep the addresses they were captured with, and the
+  // executor neither records nor patches them: when a buffer they read or write moves, every
+  // executable is dropped (this happens on the first steps of a context, not in its run).
+  void forget_blas_graphs() {
+    if (blas_) executor_->forget_all();
   }
 
   // cudaMalloc that turns out-of-memory into a DeviceError naming the sizes and leaves no error.

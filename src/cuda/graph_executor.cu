@@ -25,6 +25,12 @@ GraphExecutor::~GraphExecutor() {
   for (auto& kv : cache_) release(kv.second);
 }
 
+void GraphExecutor::forget_all() {
+  for (auto& kv : cache_) release(kv.second);
+  cache_.clear();
+  current_ = nullptr;
+}
+
 void GraphExecutor::release(Entry& e) {
   if (e.exec) cudaGraphExecDestroy(e.exec);
   if (e.graph) cudaGraphDestroy(e.graph);

@@ -55,6 +55,9 @@ class GraphExecutor {
   void reset_stats() { stats_ = GraphStats(); }
   GraphStats& mutable_stats() { return stats_; }
   size_t cached_graphs() const { return cache_.size(); }
+  // Drops every executable: the next step of each shape captures again. For buffers that nodes
+  // the executor does not record (cuBLAS's) read: patching would leave those at old addresses.
+  void forget_all();
   // The graph behind the executable that ran last (nullptr before any capture), brought in
   // step with every patch applied to the executable.
   cudaGraph_t current_graph();

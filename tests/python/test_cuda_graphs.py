@@ -96,6 +96,22 @@ def test_patch_mode_never_captures_again_as_the_context_grows(smol_shape):
     assert s["kernel_nodes_patched"] == n, s
 
 
+def test_a_grown_cublas_buffer_is_never_read_at_its_old_address(smol_shape):
+    """Prompt products run on cuBLAS, whose nodes the executor neither records nor patches: when
+    a buffer they use moves (an all_logits prompt sends the output head through cuBLAS, and the
+    buffer its decoded rows go to grows), no cached executable may replay them at the freed
+    address."""
+    rng = np.random.default_rng(5)
+    p, q = (rng.integers(0, 49152, size=40).tolist() for _ in range(2))
+    for mode in MODES:
+        m = ggraph.Model(smol_shape, device="cuda", n_ctx=256, cuda_graphs=mode)
+        first = m.eval(p)
+        m.reset()
+        m.eval(q, all_logits=True)
+        m.reset()
+        assert np.array_equal(m.eval(p), first), mode
+
+
 def _kernel_nodes(drv, handle):
     """{node: (function, grid, argument bytes)} for every kernel node of a graph, read through
     the CUDA driver API (shared by every runtime in the process)."""
