@@ -159,7 +159,9 @@ enum {
 GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
 /* Generates a continuation of the n prompt tokens. Returns a GGRAPH_STOP_* reason (> 0) or a
  * negative error code; a refused call (bad ids or parameters, a prompt that does not fit) leaves
- * the model as it was. ggraph_cancel from another thread stops it at the next token. */
+ * the model as it was. ggraph_cancel from another thread stops it at the next token. on_step
+ * runs while the model is held: it must not call ggraph_* functions on this model or any of its
+ * sessions (ggraph_cancel excepted). */
 GGRAPH_API int ggraph_generate(ggraph_model* model, const int32_t* prompt, size_t n,
                                const ggraph_generate_params* params, ggraph_step_fn on_step,
                                void* user);

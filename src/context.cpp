@@ -199,6 +199,7 @@ void Context::select_sequence(int id) {
   if (id < 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
     throw ArgumentError("select_sequence: " + std::to_string(id) + " is not an open sequence");
   if (id == cur_) return;
+  kv_ = seqs_[size_t(id)].kv;  // the one step that may allocate, before anything has moved
   Sequence& from = seqs_[size_t(cur_)];
   from.n_past = n_past_;
   from.tokens.swap(tokens_);
@@ -209,7 +210,6 @@ void Context::select_sequence(int id) {
   from.in_positions.swap(in_positions_);
   from.in_out_ids.swap(in_out_ids_);
   Sequence& to = seqs_[size_t(id)];
-  kv_ = to.kv;
   n_past_ = to.n_past;
   tokens_.swap(to.tokens);
   to.tokens.clear();

@@ -92,6 +92,7 @@ class Engine:
     def _start(self, job: _Job, seq):
         with self._lock:
             self._running[job] = seq
+        seq.stop_reason, seq.n_generated = None, 0  # not the sequence's last job's
         steps = seq.generate(
             job.ids,
             max_tokens=job.max_tokens,
@@ -140,7 +141,8 @@ class Engine:
                 if job is None:
                     closing = True
                     break
-                if job.cancelled.is_set():
+                if job.cancelled.is_set():  # its client left while it waited
+                    job.emit(("done", ("cancelled", 0)))
                     continue
                 seq = self._free.pop()
                 try:
