@@ -211,6 +211,7 @@ GraphContext::GraphContext(Graph& graph, const Batch& b, const KvCache& cache, c
   tokens = g.input_i32(b.n_tokens, b.tokens, "tokens");
   positions = g.input_i32(b.n_tokens, b.positions, "positions");
   out_ids = g.input_i32(b.n_outputs, b.out_ids, "out_ids");
+  for (int i = 0; i < b.n_seqs; ++i) cols.push_back(g.input_i32(1, b.cols + i, "col"));
   g.n_tokens = b.n_tokens;
 }
 
@@ -234,9 +235,6 @@ Tensor* GraphContext::head_norm(Tensor* x, const Weight& w) {
 
 Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const AttnWeights& w,
                                 const AttnOptions& o) {
-  Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.k[il], "k_cache");
-  Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.v[il], "v_cache");
-  const int n_kv = batch.n_past + batch.n_tokens;
   // The three products of h first, then their ropes: a backend may run products of one input
   // together, and the two ropes together.
   Tensor* q = g.mul_mat(weight(w.wq), h);
@@ -253,10 +251,30 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
              o.rope_scale);
   k = g.rope(k, positions, hp.n_head_kv, hp.head_dim, hp.n_rot, o.rope_mode, o.rope_base, freqs,
              o.rope_scale);
+  Tensor* attn = nullptr;
+  if (batch.n_seqs > 0) {
+    // A token of each sequence: its q, k and v columns, its own cache, its own position.
+    for (int i = 0; i < batch.n_seqs; ++i) {
+      const KvCache& c = *batch.seqs[i].kv;
+      const int np = batch.seqs[i].n_past;
+      Tensor* kc = g.kv_cache(c.type, c.width, c.n_ctx, c.k[il], "k_cache");
+      Tensor* vc = g.kv_cache(c.type, c.width, c.n_ctx, c.v[il], "v_cache");
+      Tensor* col = cols[size_t(i)];
+      g.kv_store(kc, g.get_rows(k, col), np);
+      g.kv_store(vc, g.get_rows(v, col), np);
+      Tensor* a = g.attention(g.get_rows(q, col), kc, vc, hp.n_head, hp.n_head_kv, hp.head_dim,
+                              o.scale, np + 1, np, o.window);
+      attn = attn ? g.concat(attn, a) : a;
+    }
+    return g.mul_mat(weight(w.wo), attn);
+  }
+  Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.k[il], "k_cache");
+  Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.v[il], "v_cache");
+  const int n_kv = batch.n_past + batch.n_tokens;
   g.kv_store(k_cache, k, batch.n_past);
   g.kv_store(v_cache, v, batch.n_past);
-  Tensor* attn = g.attention(q, k_cache, v_cache, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale,
-                             n_kv, batch.n_past, o.window);
+  attn = g.attention(q, k_cache, v_cache, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale, n_kv,
+                     batch.n_past, o.window);
   if (il == hp.n_layer - 1 && batch.n_outputs < batch.n_tokens) {
     // Only the positions that produce logits go through the last layer's remainder.
     attn = g.get_rows(attn, out_ids);

@@ -166,10 +166,107 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   Batch b;
   build(worst, b, n_batch_, n_batch_, 0);
   plan(worst);
-  backend_->reserve(worst.scratch_size, worst.input_size);
+  size_t scratch = worst.scratch_size, inputs = worst.input_size;
+  if (seqs_.size() > 1 && !backend_->is_cuda()) {
+    // And a decode batch of as many sequences as a step takes, each at its cache's end.
+    std::vector<Batch::Seq> slots(std::min(seqs_.size(), size_t(n_batch_)));
+    for (size_t i = 0; i < slots.size(); ++i) {
+      slots[i].kv = &seqs_[i].kv;
+      slots[i].n_past = n_ctx_ - 1;
+    }
+    std::vector<int32_t> zeros(slots.size(), 0);
+    Graph batch;
+    DecodeInputs in;
+    build_decode_batch(batch, slots, zeros.data(), in);
+    scratch = std::max(scratch, batch.scratch_size);
+    inputs = std::max(inputs, batch.input_size);
+  }
+  backend_->reserve(scratch, inputs);
 }
 
 Context::~Context() = default;
+
+void Context::build_decode_batch(Graph& graph, const std::vector<Batch::Seq>& slots,
+                                 const int32_t* tokens, DecodeInputs& in) const {
+  const size_t m = slots.size();
+  in.tokens.assign(tokens, tokens + m);
+  in.positions.resize(m);
+  in.cols.resize(m);
+  for (size_t i = 0; i < m; ++i) {
+    in.positions[i] = slots[i].n_past;
+    in.cols[i] = static_cast<int32_t>(i);
+  }
+  Batch b;
+  b.tokens = in.tokens.data();
+  b.positions = in.positions.data();
+  b.out_ids = in.cols.data();  // every token gives logits
+  b.n_tokens = b.n_outputs = static_cast<int>(m);
+  b.seqs = slots.data();
+  b.cols = in.cols.data();
+  b.n_seqs = static_cast<int>(m);
+  model_->build(graph, b, kv_);
+  plan(graph);
+}
+
+std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n) {
+  if (n == 0) throw ArgumentError("decode_batch: the batch is empty");
+  const int n_vocab = model_->n_vocab;
+  check_token_ids(tokens, n, n_vocab, "decode_batch");
+  std::vector<char> seen(seqs_.size(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int s = seqs[i];
+    if (s < 0 || s >= n_seq_max() || !seqs_[size_t(s)].open)
+      throw ArgumentError("decode_batch: " + std::to_string(s) + " is not an open sequence");
+    if (seen[size_t(s)]++)
+      throw ArgumentError("decode_batch: sequence " + std::to_string(s) +
+                          " appears twice; a batch takes one token of each");
+    const int past = s == cur_ ? n_past_ : seqs_[size_t(s)].n_past;
+    if (past + 1 > n_ctx_)
+      throw ArgumentError("decode_batch: sequence " + std::to_string(s) + " is full: all " +
+                          std::to_string(n_ctx_) + " positions are used");
+  }
+  const int before = cur_;
+  std::vector<float> logits(size_t(n_vocab) * n);
+  if (backend_->is_cuda() || n == 1) {
+    // One sequence at a time: each its own decode step (and CUDA graph).
+    for (size_t i = 0; i < n; ++i) {
+      select_sequence(seqs[i]);
+      const std::vector<float> l = eval(tokens + i, 1, false);
+      std::copy(l.begin(), l.end(), logits.begin() + i * n_vocab);
+    }
+    select_sequence(before);
+    return logits;
+  }
+  // Batches of at most n_batch tokens (the buffers were sized for that many).
+  for (size_t start = 0; start < n; start += size_t(n_batch_)) {
+    const size_t m = std::min(n - start, size_t(n_batch_));
+    const int* sq = seqs + start;
+    std::vector<Batch::Seq> slots(m);
+    for (size_t i = 0; i < m; ++i) {
+      // The selected sequence's position is in the live fields; the others' in seqs_.
+      slots[i].kv = &seqs_[size_t(sq[i])].kv;
+      slots[i].n_past = sq[i] == cur_ ? n_past_ : seqs_[size_t(sq[i])].n_past;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    Graph graph;
+    DecodeInputs in;
+    build_decode_batch(graph, slots, tokens + start, in);
+    backend_->add_host_time(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    backend_->compute(graph, logits.data() + start * n_vocab);
+    for (size_t i = 0; i < m; ++i) {
+      if (sq[i] == cur_) {
+        ++n_past_;
+        tokens_.push_back(tokens[start + i]);
+      } else {
+        Sequence& s = seqs_[size_t(sq[i])];
+        ++s.n_past;
+        s.tokens.push_back(tokens[start + i]);
+      }
+    }
+  }
+  return logits;
+}
 
 int Context::open_sequence() {
   for (size_t i = 0; i < seqs_.size(); ++i) {

@@ -105,6 +105,11 @@ class Context {
   // throwing ArgumentError when all n_seq_max are open; close_sequence frees one (not 0);
   // select_sequence makes an open one current.
   int open_sequence();
+  // The next token of each of n open, distinct sequences (seqs[i] takes tokens[i]), in one
+  // step: the weights are read once for all of them. Returns each one's logits, [n][n_vocab],
+  // and leaves the sequence selected before. Checks every id, sequence and remaining context
+  // before anything changes. On CUDA the tokens go one sequence at a time, so far.
+  std::vector<float> decode_batch(const int* seqs, const int32_t* tokens, size_t n);
   void close_sequence(int id);
   void select_sequence(int id);
   int sequence() const { return cur_; }
@@ -126,6 +131,12 @@ class Context {
  private:
   void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past,
              bool embeddings = false);
+  // The graph of one token of each of slots' sequences, planned; its host inputs in `in`.
+  struct DecodeInputs {
+    std::vector<int32_t> tokens, positions, cols;
+  };
+  void build_decode_batch(Graph& graph, const std::vector<Batch::Seq>& slots, const int32_t* tokens,
+                          DecodeInputs& in) const;
   // Copies the KV rows of positions [0, n_rows) of every layer, K then V, to or from `host`
   // (2 * n_layer * n_rows rows).
   size_t kv_rows_bytes(size_t n_rows) const;

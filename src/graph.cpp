@@ -32,6 +32,8 @@ const char* op_name(Op op) {
       return "glu";
     case Op::Softcap:
       return "softcap";
+    case Op::Concat:
+      return "concat";
     case Op::Count:
       break;
   }
@@ -213,6 +215,15 @@ Tensor* Graph::glu(Tensor* gate, Tensor* up, int32_t act) {
 
 Tensor* Graph::swiglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluSilu); }
 Tensor* Graph::geglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluGelu); }
+
+Tensor* Graph::concat(Tensor* a, Tensor* b) {
+  require(a->type == DType::F32 && b->type == DType::F32, "concat", "inputs must be F32");
+  require(a->ne[0] == b->ne[0], "concat", "inputs must have rows of one length");
+  Tensor* t = new_tensor(Op::Concat, DType::F32, a->ne[0], a->ne[1] + b->ne[1], "concat");
+  t->src[0] = a;
+  t->src[1] = b;
+  return t;
+}
 
 Tensor* Graph::softcap(Tensor* x, float cap) {
   require(x->type == DType::F32, "softcap", "input must be F32");

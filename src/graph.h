@@ -26,6 +26,7 @@ enum class Op : uint8_t {
   Attention,  // causal attention of q=src0 over K=src1, V=src2 caches; GQA; optional window
   Glu,        // dst = act(src0) * src1, act = silu (SwiGLU) or tanh-approximated gelu (GeGLU)
   Softcap,    // dst = cap * tanh(src0 / cap)
+  Concat,     // dst = [src0 | src1]: the columns of src0, then those of src1 (same rows)
   Count,
 };
 const char* op_name(Op op);
@@ -103,6 +104,7 @@ class Graph {
   Tensor* swiglu(Tensor* gate, Tensor* up);
   Tensor* geglu(Tensor* gate, Tensor* up);
   Tensor* softcap(Tensor* x, float cap);
+  Tensor* concat(Tensor* a, Tensor* b);
 
   // Moves every KV-position parameter by delta: the graph of one step, shifted, is the graph of
   // the step `delta` positions later with the same batch shape (what Tensor::kv means).

@@ -428,6 +428,26 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_seq_max", &Context::n_seq_max)
       .def_property_readonly("n_seq_open", &Context::n_seq_open)
       .def(
+          "decode_batch",
+          [](Context& c, const py::handle& seqs, const py::handle& tokens) {
+            std::vector<int32_t> ids = to_ids(tokens, "decode_batch");
+            std::vector<int32_t> sq32 = to_ids(seqs, "decode_batch");
+            if (sq32.size() != ids.size())
+              throw ArgumentError("decode_batch: " + std::to_string(sq32.size()) +
+                                  " sequences for " + std::to_string(ids.size()) + " tokens");
+            std::vector<int> sq(sq32.begin(), sq32.end());
+            std::vector<float> logits;
+            {
+              py::gil_scoped_release release;
+              logits = c.decode_batch(sq.data(), ids.data(), ids.size());
+            }
+            auto* heap = new std::vector<float>(std::move(logits));
+            py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+            return py::array_t<float>({py::ssize_t(ids.size()), py::ssize_t(c.n_vocab())},
+                                      heap->data(), owner);
+          },
+          py::arg("seqs"), py::arg("tokens"))
+      .def(
           "eval",
           [](Context& c, const py::handle& tokens, bool all_logits) {
             std::vector<int32_t> ids = to_ids(tokens, "eval");

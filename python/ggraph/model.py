@@ -403,6 +403,26 @@ class Model:
             self._ctx.reset()
             self._last_logits = None
 
+    def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
+        """The next token of several of this model's sequences (the model itself and its
+        sessions, each at most once) in one step: `steps` pairs each with its token. Returns
+        their logits, (len(steps), n_vocab), row i for steps[i]. On the CPU the weights are read
+        once for the whole batch; on CUDA the sequences go one after another, so far. Each one's
+        generators are invalidated, as eval() does."""
+        pairs = list(steps)
+        for who, _ in pairs:
+            if not isinstance(who, Model) or who._ctx is not self._ctx:
+                raise ValueError("decode_batch: every sequence must be this model or its session")
+        with self._lock.base:
+            seqs = [who._lock.seq for who, _ in pairs]
+            if None in seqs:
+                raise ValueError("this session is closed")
+            logits = self._ctx.decode_batch(seqs, [t for _, t in pairs])
+            for i, (who, _) in enumerate(pairs):
+                who._epoch += 1
+                who._last_logits = logits[i]
+        return logits
+
     def session(self) -> Session:
         """A new conversation over this model's weights: its own KV cache, tokens, eval,
         generate, chat, rewind and states, beside the model's own. Sessions take the

@@ -131,6 +131,13 @@ class CpuBackend final : public Backend {
         return glu(t);
       case Op::Softcap:
         return softcap(t);
+      case Op::Concat: {
+        const size_t a = static_cast<size_t>(t->src[0]->n_elements()) * sizeof(float);
+        std::memcpy(f32(t), f32(t->src[0]), a);
+        std::memcpy(reinterpret_cast<uint8_t*>(f32(t)) + a, f32(t->src[1]),
+                    static_cast<size_t>(t->src[1]->n_elements()) * sizeof(float));
+        return;
+      }
       case Op::Count:
         break;
     }

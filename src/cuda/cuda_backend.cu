@@ -183,6 +183,9 @@ void validate_node(const Tensor* t) {
       if (t->params[0] != kGluSilu && t->params[0] != kGluGelu)
         bad_node(t, "unknown gate activation " + std::to_string(t->params[0]));
       break;
+    case Op::Concat:
+      bad_node(t, "concat (batches of several sequences) runs on the CPU only, so far");
+      break;
     case Op::Softcap:
       need_src(0, DType::F32);
       if (!(t->param_f(0) > 0.0f && t->param_f(0) < INFINITY))

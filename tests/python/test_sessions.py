@@ -211,3 +211,55 @@ def test_a_session_keeps_its_step_graph_while_another_runs_other_shapes(tiny_mod
     ref.eval([4])
     ref.eval(long[:7], all_logits=True)
     np.testing.assert_array_equal(s.eval([9]), ref.eval([9]))
+
+
+def test_decode_batch_equals_each_sessions_own_steps(tiny_model, device):
+    """A step of several sequences at once (one read of the weights on the CPU) gives each the
+    logits, cache rows and history its own decode step gives."""
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=4)
+    s1, s2, s3 = m.session(), m.session(), m.session()
+    seqs = [m, s1, s2, s3]
+    prompts = [A, B, A[:4], [77]]
+    for who, p in zip(seqs, prompts):
+        who.eval(p)
+    want = [_alone(tiny_model, device, p, [11, 12, 13]) for p in prompts]
+    got = [[] for _ in seqs]
+    for step, t in enumerate([11, 12, 13]):
+        order = [2, 0, 3, 1] if step % 2 else [0, 1, 2, 3]  # any order, any selected one
+        batch = m.decode_batch([(seqs[i], t) for i in order])
+        for row, i in enumerate(order):
+            got[i].append(batch[row])
+    for g, w in zip(got, want):
+        for a, b in zip(g, w[1:]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert [x.n_past for x in seqs] == [len(p) + 3 for p in prompts]
+    assert s2._tokens == A[:4] + [11, 12, 13]
+    # A step after the batch continues each sequence as its own model would.
+    for who, p in zip(seqs, prompts):
+        ref = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1)
+        ref.eval(p)
+        for t in [11, 12, 13]:
+            ref.eval([t])
+        np.testing.assert_allclose(who.eval([5]), ref.eval([5]), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_batch_refuses_bad_batches_and_changes_nothing(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=16, n_seq_max=3)
+    s = m.session()
+    m.eval(A)
+    s.eval([1] * 16)  # every position used
+    before = (m.n_past, s.n_past)
+    with pytest.raises(ValueError, match="appears twice"):
+        m.decode_batch([(m, 1), (m, 2)])
+    with pytest.raises(ValueError, match="sequence 1 is full"):
+        m.decode_batch([(m, 1), (s, 2)])
+    assert (m.n_past, s.n_past) == before
+    with pytest.raises(ValueError, match="token id"):
+        m.decode_batch([(m, 10**6)])
+    other = ggraph.Model(tiny_model, device="cpu", n_ctx=16)
+    with pytest.raises(ValueError, match="this model or its session"):
+        m.decode_batch([(other, 1)])
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        m.decode_batch([(s, 1)])
+    assert m.n_past == before[0]
