@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
 
 namespace ggraph {
 
@@ -94,6 +95,8 @@ bool Generation::next(std::string* text, GeneratedToken* token,
                       const std::function<bool()>& interrupted) {
   text->clear();
   if (token) token->id = -1;
+  if (pending_tok_ >= 0)
+    throw std::logic_error("generate: the pending token's logits were not fed");
   if (over_) return false;
   if (!started_) {
     // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
@@ -150,8 +153,21 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     *text += tail;
     return true;
   }
-  logits_ = ctx_.eval(&tok, 1, false);
+  if (defer_) {
+    pending_tok_ = tok;
+  } else {
+    logits_ = ctx_.eval(&tok, 1, false);
+  }
   return true;
+}
+
+void Generation::feed(const float* logits, size_t n) {
+  if (pending_tok_ < 0) throw std::logic_error("generate: no token waits for its logits");
+  if (n != size_t(ctx_.n_vocab()))
+    throw ArgumentError("generate: fed " + std::to_string(n) + " logits, expected " +
+                        std::to_string(ctx_.n_vocab()));
+  logits_.assign(logits, logits + n);
+  pending_tok_ = -1;
 }
 
 }  // namespace ggraph

@@ -60,6 +60,15 @@ class Generation {
   bool next(std::string* text, GeneratedToken* token = nullptr,
             const std::function<bool()>& interrupted = nullptr);
 
+  // Deferred evaluation, for a caller that steps several generations together: after a step
+  // that sampled a token to continue with, next() leaves it unevaluated (pending_token()); the
+  // caller evaluates it (Context::decode_batch, beside other sequences' tokens) and hands its
+  // logits to feed() before the next next().
+  void set_defer(bool defer) { defer_ = defer; }
+  // The token waiting for its evaluation, or -1.
+  int32_t pending_token() const { return pending_tok_; }
+  void feed(const float* logits, size_t n);
+
   StopReason stop_reason() const { return reason_; }
   int n_generated() const { return n_generated_; }
 
@@ -75,6 +84,8 @@ class Generation {
   std::string pending_;  // decoded text held back while it could begin a stop string
   size_t hold_ = 0;      // bytes held back: the longest stop string's, less one
   bool started_ = false, over_ = false;
+  bool defer_ = false;
+  int32_t pending_tok_ = -1;
   StopReason reason_ = StopReason::kNone;
   int n_generated_ = 0;
 };

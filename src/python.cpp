@@ -394,7 +394,16 @@ PYBIND11_MODULE(_core, m) {
                                if (*r == 0) return py::none();
                                return py::str(r);
                              })
-      .def_property_readonly("n_generated", &Generation::n_generated);
+      .def_property_readonly("n_generated", &Generation::n_generated)
+      .def("set_defer", &Generation::set_defer, py::arg("defer"))
+      .def_property_readonly("pending_token", &Generation::pending_token)
+      .def(
+          "feed",
+          [](Generation& g, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
+            if (logits.ndim() != 1) throw ArgumentError("feed: expected a 1-D array of logits");
+            g.feed(logits.data(), size_t(logits.shape(0)));
+          },
+          py::arg("logits"));
 
   py::class_<Context> context(m, "Context");
   context

@@ -403,6 +403,47 @@ class Model:
             self._ctx.reset()
             self._last_logits = None
 
+    # -- deferred generations: the server's batched steps ------------------------------------
+    def _begin(self, ids, max_tokens, stop, logprobs, ignore_eos=False, **sampling):
+        """A generation on this sequence that leaves each sampled token for _decode_pending to
+        evaluate with other sequences' tokens; (generation, epoch) for _advance."""
+        _check_keys(sampling)
+        with self._lock:
+            gen = _core.Generation(
+                self._ctx,
+                ids,
+                max_tokens=max_tokens,
+                stop=list(stop or []),
+                logprobs=logprobs is not None,
+                top_logprobs=logprobs or 0,
+                ignore_eos=ignore_eos,
+                **sampling,
+            )
+            gen.set_defer(True)
+            self._epoch += 1
+            self.stop_reason, self.n_generated = None, 0
+            return gen, self._epoch
+
+    def _advance(self, gen, epoch: int):
+        """A step of a deferred generation: (text, token, logprob, top), or None at its end."""
+        with self._step(epoch):
+            step = gen.next()
+            self.n_generated = gen.n_generated
+            self.stop_reason = gen.stop_reason
+        return step
+
+    def _decode_pending(self, entries) -> None:
+        """Evaluates the tokens that deferred generations of this model's sequences left, in one
+        decode_batch step; entries are (sequence, generation) pairs."""
+        with self._lock.base:
+            pending = [(who, g) for who, g in entries if g.pending_token >= 0]
+            if not pending:
+                return
+            seqs = [who._lock.seq for who, _ in pending]
+            logits = self._ctx.decode_batch(seqs, [g.pending_token for _, g in pending])
+            for i, (_, g) in enumerate(pending):
+                g.feed(logits[i])
+
     def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
         """The next token of several of this model's sequences (the model itself and its
         sessions, each at most once) in one step: `steps` pairs each with its token. Returns

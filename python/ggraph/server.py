@@ -22,6 +22,8 @@ import threading
 import time
 import uuid
 
+from ggraph.model import GeneratedToken
+
 # The sampling defaults of a request that names none (OpenAI's, but for top_k and min_p, which
 # its API lacks: off).
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -55,8 +57,9 @@ class _Job:
 
 class Engine:
     """The thread that owns the model: up to `parallel` generations at once, each on a sequence
-    of its own (the model, then its sessions), advanced a step each in turn, so that a request
-    starts as soon as a sequence is free instead of waiting for the ones before it. A job gets
+    of its own (the model, then its sessions): each samples its next token, then every one's
+    token is evaluated in one batched step (Model.decode_batch), so that a request starts as
+    soon as a sequence is free and the weights are read once a step for all of them. A job gets
     ("token", (text, step)), step the GeneratedToken of a sampled token when the job asked for
     logprobs (else None), then ("done", (stop_reason, n_generated)) or ("error", exception).
     What a job reports comes with its events: a sequence's own fields belong to its next job by
@@ -92,20 +95,14 @@ class Engine:
     def _start(self, job: _Job, seq):
         with self._lock:
             self._running[job] = seq
-        seq.stop_reason, seq.n_generated = None, 0  # not the sequence's last job's
-        steps = seq.generate(
-            job.ids,
-            max_tokens=job.max_tokens,
-            stop=job.stop,
-            logprobs=job.logprobs,
-            **job.sampling,
-        )
+        gen, epoch = seq._begin(job.ids, job.max_tokens, job.stop, job.logprobs, **job.sampling)
         if job.cancelled.is_set():  # a cancel the generation's start cleared
             seq.cancel()
-        return steps
+        return gen, epoch
 
-    def _step(self, job: _Job, seq, steps) -> bool:
-        """Advances a job by one piece of text; whether it has finished."""
+    def _step(self, job: _Job, seq, gen, epoch) -> bool:
+        """Advances a job by one sampled token (its text may be held back); whether it has
+        finished. The token it leaves is evaluated with the others' by _decode_pending."""
         try:
             if job.cancelled.is_set():
                 print(
@@ -115,14 +112,17 @@ class Engine:
                 )
                 job.emit(("done", (seq.stop_reason, seq.n_generated)))
                 return True
-            step = next(steps, None)
+            step = seq._advance(gen, epoch)
             if step is None:
                 job.emit(("done", (seq.stop_reason, seq.n_generated)))
                 return True
+            text, token, logprob, top = step
             if job.logprobs is None:
-                job.emit(("token", (step, None)))
-            else:
-                job.emit(("token", (step.text, step if step.token >= 0 else None)))
+                if text:
+                    job.emit(("token", (text, None)))
+            elif token >= 0 or text:
+                detail = GeneratedToken(token, text, logprob if token >= 0 else None, top)
+                job.emit(("token", (text, detail if token >= 0 else None)))
             return False
         except Exception as e:  # the request's failure, not the server's
             job.emit(("error", e))
@@ -146,7 +146,7 @@ class Engine:
                     continue
                 seq = self._free.pop()
                 try:
-                    active.append([job, seq, self._start(job, seq)])
+                    active.append([job, seq, *self._start(job, seq)])
                 except Exception as e:
                     job.emit(("error", e))
                     self._finish(job, seq)
@@ -156,6 +156,14 @@ class Engine:
                 if self._step(*entry):
                     active.remove(entry)
                     self._finish(entry[0], entry[1])
+            # The tokens the steps sampled, every sequence's in one decode step.
+            try:
+                self.model._decode_pending([(seq, gen) for _, seq, gen, _ in active])
+            except Exception as e:
+                for job, seq, _, _ in active:
+                    job.emit(("error", e))
+                    self._finish(job, seq)
+                active.clear()
 
     def _finish(self, job: _Job, seq) -> None:
         with self._lock:
