@@ -104,7 +104,9 @@ def test_ctrl_c_stops_generation_without_a_traceback(smollm2):
     import time
 
     p = subprocess.Popen(
-        [sys.executable, "-m", "ggraph", "generate", "-n", "1900", "--device", "cpu", "Once"],
+        # Past the end-of-generation token: the run lasts seconds, so the signal lands in it.
+        [sys.executable, "-m", "ggraph", "generate", "-n", "1900", "--ignore-eos"]
+        + ["--device", "cpu", "Once"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
