@@ -248,12 +248,39 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
       slots[i].n_past = sq[i] == cur_ ? n_past_ : seqs_[size_t(sq[i])].n_past;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    Graph graph;
-    DecodeInputs in;
-    build_decode_batch(graph, slots, tokens + start, in);
+    // The last batch's graph serves again, shifted, when it held the same sequences in the same
+    // order and each has moved by the same number of positions since (a step of every one).
+    // Only a batch's first n_batch tokens are kept (more is rare: n_seq_max > n_batch).
+    std::unique_ptr<Graph> local;
+    DecodeInputs local_in;
+    const Graph* graph = nullptr;
+    if (start == 0) {
+      BatchStep& last = batch_step_;
+      bool reuse = last.graph && last.seqs.size() == m && std::equal(sq, sq + m, last.seqs.begin());
+      const int32_t delta = reuse ? slots[0].n_past - last.n_past[0] : 0;
+      for (size_t i = 0; reuse && i < m; ++i) reuse = slots[i].n_past - last.n_past[i] == delta;
+      if (reuse) {
+        last.graph->shift_kv(delta);
+        for (size_t i = 0; i < m; ++i) last.in.positions[i] = slots[i].n_past;
+        std::copy(tokens, tokens + m, last.in.tokens.begin());
+      } else {
+        last.graph.reset();  // a failed build must not leave a half-made graph behind
+        auto g = std::make_unique<Graph>();
+        build_decode_batch(*g, slots, tokens, last.in);
+        last.graph = std::move(g);
+        last.seqs.assign(sq, sq + m);
+      }
+      last.n_past.resize(m);
+      for (size_t i = 0; i < m; ++i) last.n_past[i] = slots[i].n_past;
+      graph = last.graph.get();
+    } else {
+      local = std::make_unique<Graph>();
+      build_decode_batch(*local, slots, tokens + start, local_in);
+      graph = local.get();
+    }
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    backend_->compute(graph, logits.data() + start * n_vocab);
+    backend_->compute(*graph, logits.data() + start * n_vocab);
     for (size_t i = 0; i < m; ++i) {
       if (sq[i] == cur_) {
         ++n_past_;

@@ -175,6 +175,16 @@ class Context {
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;
+  // The last decode_batch's graph, the sequences it ran (in order) and their positions then,
+  // and the host inputs its input tensors point at: the next step of the same sequences
+  // shifts it instead of building it again.
+  struct BatchStep {
+    std::unique_ptr<Graph> graph;
+    std::vector<int> seqs;
+    std::vector<int32_t> n_past;
+    DecodeInputs in;
+  };
+  BatchStep batch_step_;
   uint64_t fingerprint_ = 0;  // of the model file, for saved states
 };
 

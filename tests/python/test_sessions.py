@@ -263,3 +263,31 @@ def test_decode_batch_refuses_bad_batches_and_changes_nothing(tiny_model):
     with pytest.raises(ValueError, match="closed"):
         m.decode_batch([(s, 1)])
     assert m.n_past == before[0]
+
+
+def test_decode_batch_steps_of_the_same_sessions_reuse_the_graph_exactly(tiny_model, device):
+    """Steps of the same sessions in the same order shift the last batch's graph; a session
+    moved otherwise in between (a rewind, an eval) makes the next batch build anew. Every
+    step's logits equal each session's own."""
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=3)
+    s1, s2 = m.session(), m.session()
+    seqs, prompts = [m, s1, s2], [A, B, A[:2]]
+    refs = [ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1) for _ in seqs]
+    for who, ref, p in zip(seqs, refs, prompts):
+        who.eval(p)
+        ref.eval(p)
+
+    def step(tokens):
+        got = m.decode_batch(list(zip(seqs, tokens)))
+        for row, (ref, t) in enumerate(zip(refs, tokens)):
+            np.testing.assert_allclose(got[row], ref.eval([t]), rtol=1e-5, atol=1e-5)
+
+    for t in range(4):
+        step([10 + t, 20 + t, 30 + t])
+    s1.rewind(s1.n_past - 2)
+    refs[1].rewind(refs[1].n_past - 2)
+    step([1, 2, 3])
+    s2.eval([9])
+    refs[2].eval([9])
+    for t in range(3):
+        step([40 + t, 50 + t, 60 + t])
