@@ -99,14 +99,23 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     throw std::logic_error("generate: the pending token's logits were not fed");
   if (over_) return false;
   if (!started_) {
-    // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
-    const std::vector<int32_t>& cached = ctx_.tokens();
-    size_t common = 0;
-    while (common < cached.size() && common < prompt_.size() && cached[common] == prompt_[common])
-      ++common;
-    if (common == prompt_.size()) --common;
-    if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
-    logits_ = ctx_.eval(prompt_.data() + common, prompt_.size() - common, false, interrupted);
+    if (prefilled_ == 0) {
+      // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
+      const std::vector<int32_t>& cached = ctx_.tokens();
+      size_t common = 0;
+      while (common < cached.size() && common < prompt_.size() && cached[common] == prompt_[common])
+        ++common;
+      if (common == prompt_.size()) --common;
+      if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
+      prefilled_ = common;
+    } else if (ctx_.n_past() != int(prefilled_)) {
+      throw ArgumentError("generate: the context moved while the prompt went in");
+    }
+    const size_t rest = prompt_.size() - prefilled_;
+    const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
+    logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
+    prefilled_ += n;
+    if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
     started_ = true;
   }
   if (ctx_.take_cancel()) {

@@ -65,6 +65,10 @@ class Generation {
   // caller evaluates it (Context::decode_batch, beside other sequences' tokens) and hands its
   // logits to feed() before the next next().
   void set_defer(bool defer) { defer_ = defer; }
+  // Chunked prefill: each next() evaluates at most `tokens` of the prompt (0, the default: all
+  // of it at the first), giving no text until the prompt is in; a caller stepping several
+  // generations keeps the others going while a long prompt goes in.
+  void set_prefill_chunk(int tokens) { prefill_chunk_ = tokens > 0 ? tokens : 0; }
   // The token waiting for its evaluation, or -1.
   int32_t pending_token() const { return pending_tok_; }
   void feed(const float* logits, size_t n);
@@ -85,6 +89,8 @@ class Generation {
   size_t hold_ = 0;      // bytes held back: the longest stop string's, less one
   bool started_ = false, over_ = false;
   bool defer_ = false;
+  int prefill_chunk_ = 0;
+  size_t prefilled_ = 0;  // prompt tokens in the cache so far (once the prefix is settled)
   int32_t pending_tok_ = -1;
   StopReason reason_ = StopReason::kNone;
   int n_generated_ = 0;

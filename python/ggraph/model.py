@@ -404,9 +404,12 @@ class Model:
             self._last_logits = None
 
     # -- deferred generations: the server's batched steps ------------------------------------
-    def _begin(self, ids, max_tokens, stop, logprobs, ignore_eos=False, **sampling):
+    def _begin(
+        self, ids, max_tokens, stop, logprobs, ignore_eos=False, prefill_chunk=0, **sampling
+    ):
         """A generation on this sequence that leaves each sampled token for _decode_pending to
-        evaluate with other sequences' tokens; (generation, epoch) for _advance."""
+        evaluate with other sequences' tokens, and takes its prompt prefill_chunk tokens a step
+        (0: all at once); (generation, epoch) for _advance."""
         _check_keys(sampling)
         with self._lock:
             gen = _core.Generation(
@@ -420,6 +423,7 @@ class Model:
                 **sampling,
             )
             gen.set_defer(True)
+            gen.set_prefill_chunk(prefill_chunk)
             self._epoch += 1
             self.stop_reason, self.n_generated = None, 0
             return gen, self._epoch

@@ -65,8 +65,11 @@ class Engine:
     What a job reports comes with its events: a sequence's own fields belong to its next job by
     the time the event loop reads them."""
 
-    def __init__(self, model, parallel: int = 1):
+    def __init__(self, model, parallel: int = 1, prefill_chunk: int = 32):
         self.model = model
+        # A new request's prompt goes in this many tokens a step, between the others' tokens
+        # (chunked prefill), when others may be running.
+        self.prefill_chunk = prefill_chunk if parallel > 1 else 0
         self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -95,7 +98,14 @@ class Engine:
     def _start(self, job: _Job, seq):
         with self._lock:
             self._running[job] = seq
-        gen, epoch = seq._begin(job.ids, job.max_tokens, job.stop, job.logprobs, **job.sampling)
+        gen, epoch = seq._begin(
+            job.ids,
+            job.max_tokens,
+            job.stop,
+            job.logprobs,
+            prefill_chunk=self.prefill_chunk,
+            **job.sampling,
+        )
         if job.cancelled.is_set():  # a cancel the generation's start cleared
             seq.cancel()
         return gen, epoch

@@ -294,3 +294,54 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
     first_done = order.index((0, "done"))
     assert (1, "token") in order[:first_done] and (2, "token") in order[:first_done]
     assert order.index((3, "token")) > min(order.index((i, "done")) for i in range(3))
+
+
+def test_a_long_prompt_goes_in_by_chunks_while_another_job_streams(tiny_model):
+    """Chunked prefill: a job whose prompt takes several steps to go in does not hold back the
+    job already running, and both texts are those of models of their own."""
+    import asyncio
+
+    from ggraph.server import Engine, _Job
+
+    short, long = [5, 17, 42], [(7 * i + 3) % 300 + 5 for i in range(100)]
+    want = []
+    for p in (short, long):
+        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=160, n_threads=1)
+        want.append("".join(alone.generate(p, max_tokens=24, temperature=0, ignore_eos=True)))
+    order = []
+
+    class Recorded(_Job):
+        def emit(self, event):
+            order.append((self.index, event[0]))
+            super().emit(event)
+
+    async def run():
+        model = ggraph.Model(tiny_model, device="cpu", n_ctx=160, n_threads=1, n_seq_max=2)
+        engine = Engine(model, parallel=2, prefill_chunk=8)  # the long prompt: 13 steps
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for i, p in enumerate((short, long)):
+            job = Recorded(loop, p, 24, [], None, {"temperature": 0.0, "ignore_eos": True})
+            job.index = i
+            jobs.append(job)
+            engine.submit(job)
+        texts = []
+        for job in jobs:
+            pieces = []
+            while True:
+                kind, value = await job.events.get()
+                if kind == "token":
+                    pieces.append(value[0])
+                elif kind == "done":
+                    break
+                else:
+                    raise value
+            texts.append("".join(pieces))
+        engine.close()
+        return texts
+
+    assert asyncio.run(run()) == want
+    # The short job streamed on while the long prompt went in: several of its tokens came
+    # before the long job's first.
+    first_long = order.index((1, "token"))
+    assert order[:first_long].count((0, "token")) >= 8
