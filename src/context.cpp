@@ -220,8 +220,7 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     if (seen[size_t(s)]++)
       throw ArgumentError("decode_batch: sequence " + std::to_string(s) +
                           " appears twice; a batch takes one token of each");
-    const int past = s == cur_ ? n_past_ : seqs_[size_t(s)].n_past;
-    if (past + 1 > n_ctx_)
+    if (past_of(s) + 1 > n_ctx_)
       throw ArgumentError("decode_batch: sequence " + std::to_string(s) + " is full: all " +
                           std::to_string(n_ctx_) + " positions are used");
   }
@@ -243,9 +242,8 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     const int* sq = seqs + start;
     std::vector<Batch::Seq> slots(m);
     for (size_t i = 0; i < m; ++i) {
-      // The selected sequence's position is in the live fields; the others' in seqs_.
       slots[i].kv = &seqs_[size_t(sq[i])].kv;
-      slots[i].n_past = sq[i] == cur_ ? n_past_ : seqs_[size_t(sq[i])].n_past;
+      slots[i].n_past = past_of(sq[i]);
     }
     const auto t0 = std::chrono::steady_clock::now();
     // The last batch's graph serves again, shifted, when it held the same sequences in the same
@@ -281,18 +279,19 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     backend_->compute(*graph, logits.data() + start * n_vocab);
-    for (size_t i = 0; i < m; ++i) {
-      if (sq[i] == cur_) {
-        ++n_past_;
-        tokens_.push_back(tokens[start + i]);
-      } else {
-        Sequence& s = seqs_[size_t(sq[i])];
-        ++s.n_past;
-        s.tokens.push_back(tokens[start + i]);
-      }
-    }
+    for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
   return logits;
+}
+
+void Context::append_token(int seq, int32_t token) {
+  if (seq == cur_) {
+    ++n_past_;
+    tokens_.push_back(token);
+  } else {
+    ++seqs_[size_t(seq)].n_past;
+    seqs_[size_t(seq)].tokens.push_back(token);
+  }
 }
 
 int Context::open_sequence() {

@@ -175,6 +175,9 @@ class Context {
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;
+  // A sequence's position, and a token appended to it: the live fields for the selected one.
+  int past_of(int seq) const { return seq == cur_ ? n_past_ : seqs_[size_t(seq)].n_past; }
+  void append_token(int seq, int32_t token);
   // The last decode_batch's graph, the sequences it ran (in order) and their positions then,
   // and the host inputs its input tensors point at: the next step of the same sequences
   // shifts it instead of building it again.

@@ -244,19 +244,14 @@ def test_sigterm_stops_the_server_cleanly(server):
     assert "ggraph serve: stopped" in proc.log.read()
 
 
-def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
-    """Five jobs on three sequences: the first three start at once and advance a step each in
-    turn, the others take the sequences that free up, and every job's text is the one a model of
-    its own generates."""
+def _run_engine(path, prompts, max_tokens, n_ctx, **engine):
+    """Runs greedy jobs of `prompts` through an Engine over a model of engine['parallel']
+    sequences; returns each job's (text, done event), and every event's (job, kind) in the
+    order the engine sent them."""
     import asyncio
 
     from ggraph.server import Engine, _Job
 
-    prompts = [[5, 17, 42], [200, 11], [7, 8, 9, 10], [99], [3, 61, 27, 14]]
-    want = []
-    for p in prompts:
-        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
-        want.append("".join(alone.generate(p, max_tokens=12, temperature=0, ignore_eos=True)))
     order = []
 
     class Recorded(_Job):
@@ -265,16 +260,18 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
             super().emit(event)
 
     async def run():
-        model = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1, n_seq_max=3)
-        engine = Engine(model, parallel=3)
+        model = ggraph.Model(
+            path, device="cpu", n_ctx=n_ctx, n_threads=1, n_seq_max=engine["parallel"]
+        )
+        eng = Engine(model, **engine)
         loop = asyncio.get_running_loop()
         jobs = []
         for i, p in enumerate(prompts):
-            job = Recorded(loop, p, 12, [], None, {"temperature": 0.0, "ignore_eos": True})
+            job = Recorded(loop, p, max_tokens, [], None, {"temperature": 0.0, "ignore_eos": True})
             job.index = i
             jobs.append(job)
-            engine.submit(job)
-        texts = []
+            eng.submit(job)
+        out = []
         for job in jobs:
             pieces = []
             while True:
@@ -282,15 +279,33 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
                 if kind == "token":
                     pieces.append(value[0])
                 elif kind == "done":
-                    assert value[1] == 12
+                    out.append(("".join(pieces), value))
                     break
                 else:
                     raise value
-            texts.append("".join(pieces))
-        engine.close()
-        return texts
+        eng.close()
+        return out
 
-    assert asyncio.run(run()) == want
+    return asyncio.run(run()), order
+
+
+def _alone_texts(path, prompts, max_tokens, n_ctx):
+    out = []
+    for p in prompts:
+        alone = ggraph.Model(path, device="cpu", n_ctx=n_ctx, n_threads=1)
+        steps = alone.generate(p, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        out.append("".join(steps))
+    return out
+
+
+def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
+    """Five jobs on three sequences: the first three start at once and advance a step each in
+    turn, the others take the sequences that free up, and every job's text is the one a model of
+    its own generates."""
+    prompts = [[5, 17, 42], [200, 11], [7, 8, 9, 10], [99], [3, 61, 27, 14]]
+    results, order = _run_engine(tiny_model, prompts, 12, 64, parallel=3)
+    assert [text for text, _ in results] == _alone_texts(tiny_model, prompts, 12, 64)
+    assert all(done[1] == 12 for _, done in results)
     first_done = order.index((0, "done"))
     assert (1, "token") in order[:first_done] and (2, "token") in order[:first_done]
     assert order.index((3, "token")) > min(order.index((i, "done")) for i in range(3))
@@ -299,48 +314,10 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
 def test_a_long_prompt_goes_in_by_chunks_while_another_job_streams(tiny_model):
     """Chunked prefill: a job whose prompt takes several steps to go in does not hold back the
     job already running, and both texts are those of models of their own."""
-    import asyncio
-
-    from ggraph.server import Engine, _Job
-
-    short, long = [5, 17, 42], [(7 * i + 3) % 300 + 5 for i in range(100)]
-    want = []
-    for p in (short, long):
-        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=160, n_threads=1)
-        want.append("".join(alone.generate(p, max_tokens=24, temperature=0, ignore_eos=True)))
-    order = []
-
-    class Recorded(_Job):
-        def emit(self, event):
-            order.append((self.index, event[0]))
-            super().emit(event)
-
-    async def run():
-        model = ggraph.Model(tiny_model, device="cpu", n_ctx=160, n_threads=1, n_seq_max=2)
-        engine = Engine(model, parallel=2, prefill_chunk=8)  # the long prompt: 13 steps
-        loop = asyncio.get_running_loop()
-        jobs = []
-        for i, p in enumerate((short, long)):
-            job = Recorded(loop, p, 24, [], None, {"temperature": 0.0, "ignore_eos": True})
-            job.index = i
-            jobs.append(job)
-            engine.submit(job)
-        texts = []
-        for job in jobs:
-            pieces = []
-            while True:
-                kind, value = await job.events.get()
-                if kind == "token":
-                    pieces.append(value[0])
-                elif kind == "done":
-                    break
-                else:
-                    raise value
-            texts.append("".join(pieces))
-        engine.close()
-        return texts
-
-    assert asyncio.run(run()) == want
+    prompts = [[5, 17, 42], [(7 * i + 3) % 300 + 5 for i in range(100)]]
+    # The long prompt goes in 8 tokens a step: 13 steps.
+    results, order = _run_engine(tiny_model, prompts, 24, 160, parallel=2, prefill_chunk=8)
+    assert [text for text, _ in results] == _alone_texts(tiny_model, prompts, 24, 160)
     # The short job streamed on while the long prompt went in: several of its tokens came
     # before the long job's first.
     first_long = order.index((1, "token"))

@@ -1,6 +1,7 @@
 """Sessions: independent sequences over one model's weights. Each must behave exactly as a model
 of its own would, whatever the others do between its calls, on every device."""
 
+import contextlib
 import threading
 
 import numpy as np
@@ -155,40 +156,35 @@ def test_sessions_on_threads(tiny_model):
             np.testing.assert_array_equal(a, b)
 
 
-def test_cancel_stops_its_own_session_only(tiny_model):
-    m = ggraph.Model(tiny_model, device="cpu", n_ctx=256, n_threads=1, n_batch=8, n_seq_max=2)
-    s = m.session()
-    prompt = [(3 * i + 1) % 300 + 3 for i in range(200)]  # 25 chunks of 8
+@contextlib.contextmanager
+def _cancelling(who):
+    """Calls who.cancel() over and over from another thread while the block runs."""
     done = threading.Event()
 
     def spam():
         while not done.is_set():
-            s.cancel()
+            who.cancel()
 
     t = threading.Thread(target=spam)
     t.start()
     try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
+def test_cancel_stops_its_own_session_only(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=256, n_threads=1, n_batch=8, n_seq_max=2)
+    s = m.session()
+    prompt = [(3 * i + 1) % 300 + 3 for i in range(200)]  # 25 chunks of 8
+    with _cancelling(s):
         m.eval(prompt)  # the other session's requests never stop it
-    finally:
-        done.set()
-        t.join()
     assert m.n_past == 200
-    done.clear()
-
-    def cancel_model():
-        while not done.is_set():
-            m.cancel()
-
-    t = threading.Thread(target=cancel_model)
-    t.start()
-    try:
-        with pytest.raises(ggraph.Cancelled):
-            for _ in range(50):  # the canceller may start late: it lands within a few evals
-                m.reset()
-                m.eval(prompt)
-    finally:
-        done.set()
-        t.join()
+    with _cancelling(m), pytest.raises(ggraph.Cancelled):
+        for _ in range(50):  # the canceller may start late: it lands within a few evals
+            m.reset()
+            m.eval(prompt)
 
 
 def test_a_session_keeps_its_step_graph_while_another_runs_other_shapes(tiny_model, device):
