@@ -8,6 +8,8 @@ largest total first. ncu runs kernels one at a time, so launches do not overlap:
 bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on PYTHONPATH
 (tools/gpu_run.sh build). --stalls adds, per kernel, the instructions a launch issues and
 the cycles an issued instruction waited on average for an instruction fetch and for memory.
+--warm keeps the caches between kernels (ncu flushes them by default), as a replayed step does:
+the small kernels then take about what they take in a real step, less the launch gaps.
 """
 
 import argparse
@@ -45,10 +47,12 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--past", type=int, default=64)
     ap.add_argument("--stalls", action="store_true")
+    ap.add_argument("--warm", action="store_true", help="keep the caches between kernels")
     args = ap.parse_args()
     metrics = [TIME] + (list(STALLS) if args.stalls else [])
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
+        *(["--cache-control", "none"] if args.warm else []),
         sys.executable, "-c", STEP.format(model=args.model, past=args.past),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

@@ -236,45 +236,44 @@ struct RopeArgs {
   __half* v_cache;
 };
 
-// Pair slot idx of token t: what it reads (x[i0], x[i1]) and where it writes. copy: a V pair.
+// Pair p of head h of token t: what it reads (x[i0], x[i1]) and where it writes. Heads count the
+// first tensor's, then the second's, then (with k_cache) V's rows cut into heads of the second's
+// width, whose pairs are copied (copy). 32-bit index arithmetic and no division: the one-token
+// kernel spends most of its time here.
 struct RopeSlot {
   const float* x;
   float* y;
   __half* c;
   int i0, i1, freq_i;
-  int head;  // among the first tensor's heads, then the second's
+  int head;
   bool rotate, copy, valid;
 };
 
-__device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int64_t idx, int64_t t,
+__device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, int t,
                                               int32_t first_row) {
   RopeSlot r{};
   const int half_dim = a.head_dim / 2;
-  const int64_t pairs0 = static_cast<int64_t>(a.n_head0) * half_dim;
-  const int64_t pairs1 = static_cast<int64_t>(a.n_head1) * half_dim;
+  const int n01 = a.n_head0 + a.n_head1;
   const int64_t width1 = static_cast<int64_t>(a.n_head1) * a.head_dim;
   const int64_t row = static_cast<int64_t>(first_row) + t;
-  if (idx >= pairs0 + pairs1) {
-    idx -= pairs0 + pairs1;
-    r.valid = a.k_cache && idx < pairs1;
+  r.head = h;
+  if (h >= n01) {
+    r.valid = a.k_cache && h - n01 < a.n_head1;
     r.copy = true;
     r.x = a.v_src + t * width1;
     r.c = a.v_cache + row * width1;
-    r.i0 = static_cast<int>(2 * idx);
+    r.i0 = 2 * ((h - n01) * half_dim + p);
     r.i1 = r.i0 + 1;
     return r;
   }
   r.valid = true;
-  const bool second = idx >= pairs0;
+  const bool second = h >= a.n_head0;
+  const int hh = second ? h - a.n_head0 : h;
   const int n_head = second ? a.n_head1 : a.n_head0;
-  if (second) idx -= pairs0;
-  const int h = static_cast<int>(idx / half_dim);
-  const int p = static_cast<int>(idx % half_dim);
-  r.head = second ? a.n_head0 + h : h;
-  const int64_t base = t * n_head * a.head_dim + static_cast<int64_t>(h) * a.head_dim;
+  const int64_t base = (static_cast<int64_t>(t) * n_head + hh) * a.head_dim;
   r.x = (second ? a.src1 : a.src0) + base;
   r.y = (second ? a.dst1 : a.dst0) + base;
-  r.c = second && a.k_cache ? a.k_cache + row * width1 + static_cast<int64_t>(h) * a.head_dim
+  r.c = second && a.k_cache ? a.k_cache + row * width1 + static_cast<int64_t>(hh) * a.head_dim
                             : nullptr;
   if (a.mode == kRopeNeox) {
     const int rot_half = a.n_dims / 2;
@@ -337,26 +336,27 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
   const int32_t first_row = k_cache ? *first_row_at : 0;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t t = blockIdx.y;
-  const RopeSlot r = rope_slot(a, idx, t, first_row);
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  const int half_dim = head_dim / 2;
+  const RopeSlot r = rope_slot(a, idx / half_dim, idx % half_dim, blockIdx.y, first_row);
   if (!r.valid) return;
   const float x0 = r.x[r.i0], x1 = r.x[r.i1];
   float sf = 0.0f, cf = 1.0f;
   if (!r.copy && r.rotate)
-    rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+    rope_angle(pos[blockIdx.y], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
   rope_write(r, x0, x1, sf, cf);
 }
 
 // One token in one block: every read (and each frequency's angle, in shared memory) before any
 // write, so that an output may take the memory of an input, as the planner hands out k's rope
-// output where q's product was. NORM: each head is first RMS-normalized over its head_dim
-// elements and multiplied by norm_w0 (the first tensor's heads) or norm_w1 (the second's): the
-// per-head q/k norms of Qwen 3 and Gemma 3 in the same launch. A head's sum of squares is
-// reduced in a fixed order, so results do not depend on scheduling.
+// output where q's product was. A thread keeps one pair p of a head and takes the heads p's
+// threads stride over (rope_token_threads). NORM: each head is first RMS-normalized over its
+// head_dim elements and multiplied by norm_w0 (the first tensor's heads) or norm_w1 (the
+// second's): the per-head q/k norms of Qwen 3 and Gemma 3 in the same launch. A head's sum of
+// squares is reduced in a fixed order, so results do not depend on scheduling.
 template <bool NORM>
 __global__ void __launch_bounds__(1024)
-    rope_token_kernel(GGRAPH_ROPE_PARAMS, int64_t slots, const float* norm_w0, const float* norm_w1,
+    rope_token_kernel(GGRAPH_ROPE_PARAMS, int n_heads, const float* norm_w0, const float* norm_w1,
                       float norm_eps) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
@@ -364,21 +364,23 @@ __global__ void __launch_bounds__(1024)
   __shared__ float2 angle[kRopeMaxHalfDim];
   __shared__ float squares[NORM ? kRopeNormMaxPairs : 1];
   __shared__ float head_scale[NORM ? kRopeNormMaxHeads : 1];
+  const int half_dim = a.head_dim / 2;
+  const int p = threadIdx.x % half_dim;
+  const int h0 = threadIdx.x / half_dim, stride = blockDim.x / half_dim;
   float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
   // The loads first: their latency overlaps the angles' computation.
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
-    const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
-    if (idx >= slots) break;
-    const RopeSlot r = rope_slot(a, idx, 0, first_row);
+    const int h = h0 + s * stride;
+    if (h >= n_heads) break;
+    const RopeSlot r = rope_slot(a, h, p, 0, first_row);
     x0[s] = r.x[r.i0];
     x1[s] = r.x[r.i1];
     if constexpr (NORM) {
-      if (!r.copy) squares[idx] = x0[s] * x0[s] + x1[s] * x1[s];
+      if (!r.copy) squares[h * half_dim + p] = x0[s] * x0[s] + x1[s] * x1[s];
     }
   }
-  const int half_dim = a.head_dim / 2;
-  for (int p = threadIdx.x; p < half_dim; p += blockDim.x) {
+  if (static_cast<int>(threadIdx.x) < half_dim) {
     float sf, cf;
     rope_angle(pos[0], p, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
     angle[p] = make_float2(sf, cf);
@@ -386,11 +388,11 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   if constexpr (NORM) {
     // A warp a head: lanes sum strided pairs in order, then the warp's butterfly.
-    const int n_heads = a.n_head0 + a.n_head1;
+    const int n_norm = a.n_head0 + a.n_head1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int h = warp; h < n_heads; h += blockDim.x / 32) {
+    for (int h = warp; h < n_norm; h += blockDim.x / 32) {
       float sum = 0.0f;
-      for (int p = lane; p < half_dim; p += 32) sum += squares[h * half_dim + p];
+      for (int q = lane; q < half_dim; q += 32) sum += squares[h * half_dim + q];
       sum = warp_sum(sum);
       if (lane == 0) head_scale[h] = rsqrtf(sum / static_cast<float>(a.head_dim) + norm_eps);
     }
@@ -398,9 +400,9 @@ __global__ void __launch_bounds__(1024)
   }
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
-    const int64_t idx = threadIdx.x + static_cast<int64_t>(s) * blockDim.x;
-    if (idx >= slots) break;
-    const RopeSlot r = rope_slot(a, idx, 0, first_row);
+    const int h = h0 + s * stride;
+    if (h >= n_heads) break;
+    const RopeSlot r = rope_slot(a, h, p, 0, first_row);
     if constexpr (NORM) {
       const float* w = r.head < a.n_head0 ? norm_w0 : norm_w1;
       if (!r.copy && w) {
@@ -573,11 +575,12 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
   if (norm && !rope_norm_fits(n_tokens, n_head, n_head1, head_dim))
     throw std::logic_error("launch_rope: head norms of this size do not fit one block");
   if (norm || (src1 && rope_reads_first(n_tokens, slots, head_dim))) {
-    const int threads = static_cast<int>(std::min<int64_t>(1024, ceil_div(slots, 32) * 32));
-    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(1), dim3(threads), 0, a.src0,
-      a.dst0, a.n_head0, a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache,
-      a.v_src, a.v_cache, pos, freq_base, first_row, freq_factors, freq_scale, slots,
-      norm ? norm->w0 : nullptr, norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
+    const int n_heads = static_cast<int>(slots / (head_dim / 2));
+    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(1),
+      dim3(rope_token_threads(n_heads, head_dim)), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
+      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
+      first_row, freq_factors, freq_scale, n_heads, norm ? norm->w0 : nullptr,
+      norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
@@ -592,8 +595,16 @@ bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim) {
          static_cast<int64_t>(n_head + n_head1) * (head_dim / 2) <= kRopeNormMaxPairs;
 }
 
+int rope_token_threads(int n_heads, int head_dim) {
+  const int half_dim = head_dim / 2;
+  return std::min(n_heads, 1024 / half_dim) * half_dim;
+}
+
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
-  return n_tokens == 1 && slots <= 1024 * kRopeTokenSlots && head_dim / 2 <= kRopeMaxHalfDim;
+  const int half_dim = head_dim / 2;
+  if (n_tokens != 1 || half_dim < 1 || half_dim > kRopeMaxHalfDim) return false;
+  // Each thread takes one pair of up to kRopeTokenSlots heads.
+  return slots <= static_cast<int64_t>(1024 / half_dim) * half_dim * kRopeTokenSlots;
 }
 
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,

@@ -242,10 +242,13 @@ bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim);
 // along.
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);
 // Whether a two-tensor rope launch of this size does every read before any write (one token in
-// one block): then its outputs may overlap its inputs.
+// one block): then its outputs may overlap its inputs. Each of its threads keeps one pair of up
+// to kRopeTokenSlots heads; rope_token_threads is its block size for n_heads heads (q's, k's and
+// V's rows cut into heads).
 constexpr int kRopeTokenSlots = 8;
 constexpr int kRopeMaxHalfDim = 256;
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
+int rope_token_threads(int n_heads, int head_dim);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows *first_row...
 // (first_row points into the KV record).
 // Rows of n_embd_kv values into an F16 or Q8_0 cache (Q8_0: ggml's blocks, quantized as the
