@@ -50,7 +50,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 make_shape_files() {
   local spec name shape type
   for spec in smollm2-shape:smollm2-135m:Q4_1 llama2-7b-shape:llama2-7b:Q4_0 \
-    llama2-7b-q4km:llama2-7b:Q4_K_M llama3-1b-f16:llama3-1b:F16; do
+    llama2-7b-q4km:llama2-7b:Q4_K_M llama3-1b-f16:llama3-1b:F16 llama3-8b-shape:llama3-8b:Q4_0; do
     IFS=: read -r name shape type <<<"$spec"
     case " $* " in *" /tmp/$name.gguf "*)
       [ -f "/tmp/$name.gguf" ] || python3 -m ggraph.testing "/tmp/$name.gguf" \

@@ -575,6 +575,20 @@ SHAPES = {
         weight_type="F16",
         add_bos=True,
     ),
+    # Llama 3 8B's dimensions (grouped-query attention, 128,256-token vocabulary).
+    "llama3-8b": ModelShape(
+        n_embd=4096,
+        n_ff=14336,
+        n_layer=32,
+        n_head=32,
+        n_head_kv=8,
+        n_vocab=128256,
+        n_ctx=8192,
+        rope_base=500000.0,
+        weight_type="Q4_0",
+        output_type="Q8_0",
+        add_bos=True,
+    ),
     "llama2-7b": ModelShape(
         n_embd=4096,
         n_ff=11008,

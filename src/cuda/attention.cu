@@ -75,30 +75,54 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // So the launch is the same at every depth, and there is no second kernel.
 
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
-// out (and its 8-bit form). Partials are read through L2: other blocks wrote them.
+// out (and its 8-bit form). Partials are read through L2: other blocks wrote them. Three steps,
+// each issuing its loads together rather than one split after another: every split's (m, l)
+// into shared memory (smem: 2 * n_g * kMaxAttnSplits floats); a warp a head then turns them
+// into the splits' weights exp(m - max) / sum(l exp(m - max)); and each output element sums its
+// splits' values with those weights. Called by the whole block.
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
-                                  float2* out_d) {
+                                  float2* out_d, float* smem) {
+  static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
   const int rec = head_dim + 2;
-  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
-    const int h = h_first + idx / head_dim, d = idx % head_dim;
-    const float* base = part + (static_cast<int64_t>(t) * n_head + h) * n_splits * rec;
-    float mm = kNegInf;
-    for (int s = 0; s < n_used; ++s) mm = fmaxf(mm, __ldcg(base + s * rec));
-    float ll = 0.0f, a = 0.0f;
+  const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
+  float* wts = smem;                        // [n_g][kMaxAttnSplits]: m, then the weights
+  float* ls = smem + n_g * kMaxAttnSplits;  // [n_g][kMaxAttnSplits]: l
+  for (int i = threadIdx.x; i < n_g * n_used; i += blockDim.x) {
+    const int g = i / n_used, s = i % n_used;
+    const float* r = head0 + (static_cast<int64_t>(g) * n_splits + s) * rec;
+    wts[g * kMaxAttnSplits + s] = __ldcg(r);
+    ls[g * kMaxAttnSplits + s] = __ldcg(r + 1);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < n_g; g += blockDim.x / 32) {
+    float* w = wts + g * kMaxAttnSplits;
+    const float* l = ls + g * kMaxAttnSplits;
+    const bool on0 = lane < n_used, on1 = lane + 32 < n_used;
+    const float m0 = on0 ? w[lane] : kNegInf, m1 = on1 ? w[lane + 32] : kNegInf;
+    const float mm = warp_max(fmaxf(m0, m1));
+    float e0 = 0.0f, e1 = 0.0f;
     if (mm != kNegInf) {
-      for (int s = 0; s < n_used; ++s) {
-        const float* r = base + s * rec;
-        const float m_s = __ldcg(r);
-        const float e = m_s == kNegInf ? 0.0f : expf(m_s - mm);
-        ll += __ldcg(r + 1) * e;
-        a += __ldcg(r + 2 + d) * e;
-      }
+      e0 = m0 == kNegInf ? 0.0f : expf(m0 - mm);
+      e1 = m1 == kNegInf ? 0.0f : expf(m1 - mm);
     }
-    const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
-    const float v = ll > 0.0f ? a / ll : 0.0f;
-    out[i] = v;
-    if (out_q) quantize_warp_block(v, i, out_q, out_d);
+    const float ll = warp_sum((on0 ? l[lane] * e0 : 0.0f) + (on1 ? l[lane + 32] * e1 : 0.0f));
+    const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+    if (on0) w[lane] = e0 * inv;
+    if (on1) w[lane + 32] = e1 * inv;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
+    const int g = idx / head_dim, d = idx % head_dim;
+    const float* r = head0 + static_cast<int64_t>(g) * n_splits * rec + 2 + d;
+    const float* w = wts + g * kMaxAttnSplits;
+    float a = 0.0f;
+#pragma unroll 16
+    for (int s = 0; s < n_used; ++s) a += __ldcg(r + s * rec) * w[s];
+    const int64_t i = (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d;
+    out[i] = a;
+    if (out_q) quantize_warp_block(a, i, out_q, out_d);
   }
 }
 
@@ -164,7 +188,8 @@ constexpr size_t decode_smem_bytes(int head_dim) {
       decode_warps<DPL>() * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
                              G * decode_tile<DPL>() * sizeof(float));
   const size_t merge = decode_warps<DPL>() * G * (head_dim + 2) * sizeof(float);
-  return staging > merge ? staging : merge;
+  const size_t splits = 2 * G * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
+  return std::max({staging, merge, splits});
 }
 
 // v[k] summed over the warp, for k = lane / 4: three exchanges halve the keys a lane holds, two
@@ -397,7 +422,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d);
+  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
+                    reinterpret_cast<float*>(smem_raw));
 }
 
 // ---- Prompt attention on tensor cores -------------------------------------------------------

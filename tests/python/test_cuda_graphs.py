@@ -54,6 +54,23 @@ def test_every_mode_gives_bitwise_the_logits_of_plain_launches(smol_shape):
             assert np.array_equal(a, b), f"{mode}: prompt {i} differs from off mode"
 
 
+def test_every_mode_stays_bitwise_equal_over_a_4096_token_conversation(smol_shape):
+    # One model per mode, stepped together with off mode's greedy tokens: over 4096 decode steps
+    # the attention uses from one split to most of the cache's (the split count follows n_ctx;
+    # the splits in use follow the depth), and every step must give off mode's bits.
+    models = {m: ggraph.Model(smol_shape, device="cuda", n_ctx=4608, cuda_graphs=m) for m in MODES}
+    prompt = np.random.default_rng(1).integers(0, 49152, size=5).tolist()
+    tokens = prompt
+    for step in range(4097):
+        ref = models["off"].eval(tokens)
+        for mode in MODES[1:]:
+            got = models[mode].eval(tokens)
+            assert np.array_equal(ref, got), f"{mode} differs from off mode at step {step}"
+        tokens = [int(np.argmax(ref))]
+    assert models["off"].n_past == len(prompt) + 4096
+    assert models["patch"].graph_stats["captures"] <= 2
+
+
 def test_counters_follow_each_mode(smol_shape):
     n = 64
     for mode in ("recapture", "update", "patch"):
