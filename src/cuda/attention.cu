@@ -75,44 +75,39 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // So the launch is the same at every depth, and there is no second kernel.
 
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
-// out (and its 8-bit form). Partials are read through L2: other blocks wrote them. Three steps,
-// each issuing its loads together rather than one split after another: every split's (m, l)
-// into shared memory (smem: 2 * n_g * kMaxAttnSplits floats); a warp a head then turns them
-// into the splits' weights exp(m - max) / sum(l exp(m - max)); and each output element sums its
-// splits' values with those weights. Called by the whole block.
+// out (and its 8-bit form). Partials are read through L2: other blocks wrote them. Two steps,
+// each issuing its loads together rather than one split after another: a warp a head reads its
+// splits' (m, l), two a lane, and leaves their weights exp(m - max) / sum(l exp(m - max)) in
+// shared memory (smem: n_g * kMaxAttnSplits floats); then each output element sums its splits'
+// values with those weights. Called by the whole block.
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
                                   float2* out_d, float* smem) {
   static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
   const int rec = head_dim + 2;
   const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
-  float* wts = smem;                        // [n_g][kMaxAttnSplits]: m, then the weights
-  float* ls = smem + n_g * kMaxAttnSplits;  // [n_g][kMaxAttnSplits]: l
-  for (int i = threadIdx.x; i < n_g * n_used; i += blockDim.x) {
-    const int g = i / n_used, s = i % n_used;
-    const float* r = head0 + (static_cast<int64_t>(g) * n_splits + s) * rec;
-    wts[g * kMaxAttnSplits + s] = __ldcg(r);
-    ls[g * kMaxAttnSplits + s] = __ldcg(r + 1);
-  }
-  __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int g = warp; g < n_g; g += blockDim.x / 32) {
-    float* w = wts + g * kMaxAttnSplits;
-    const float* l = ls + g * kMaxAttnSplits;
+    const float* r = head0 + static_cast<int64_t>(g) * n_splits * rec;
     const bool on0 = lane < n_used, on1 = lane + 32 < n_used;
-    const float m0 = on0 ? w[lane] : kNegInf, m1 = on1 ? w[lane + 32] : kNegInf;
+    const float m0 = on0 ? __ldcg(r + lane * rec) : kNegInf;
+    const float m1 = on1 ? __ldcg(r + (lane + 32) * rec) : kNegInf;
+    const float l0 = on0 ? __ldcg(r + lane * rec + 1) : 0.0f;
+    const float l1 = on1 ? __ldcg(r + (lane + 32) * rec + 1) : 0.0f;
     const float mm = warp_max(fmaxf(m0, m1));
     float e0 = 0.0f, e1 = 0.0f;
     if (mm != kNegInf) {
       e0 = m0 == kNegInf ? 0.0f : expf(m0 - mm);
       e1 = m1 == kNegInf ? 0.0f : expf(m1 - mm);
     }
-    const float ll = warp_sum((on0 ? l[lane] * e0 : 0.0f) + (on1 ? l[lane + 32] * e1 : 0.0f));
+    const float ll = warp_sum(l0 * e0 + l1 * e1);
     const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+    float* w = smem + g * kMaxAttnSplits;
     if (on0) w[lane] = e0 * inv;
     if (on1) w[lane + 32] = e1 * inv;
   }
   __syncthreads();
+  const float* wts = smem;
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     const float* r = head0 + static_cast<int64_t>(g) * n_splits * rec + 2 + d;
@@ -188,7 +183,7 @@ constexpr size_t decode_smem_bytes(int head_dim) {
       decode_warps<DPL>() * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
                              G * decode_tile<DPL>() * sizeof(float));
   const size_t merge = decode_warps<DPL>() * G * (head_dim + 2) * sizeof(float);
-  const size_t splits = 2 * G * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
+  const size_t splits = G * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
   return std::max({staging, merge, splits});
 }
 
