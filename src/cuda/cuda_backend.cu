@@ -630,8 +630,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
           break;
         }
-        const bool quantized = is_quantized(w->type);
-        const bool q8_ready = prepared == x && prepared_form == Form::Q8;
+        if (is_quantized(w->type) && (prepared != x || prepared_form != Form::Q8)) {
+          launch_quantize_act(l, fptr(x), k, cols, buf.act);
+          prepared = x;
+          prepared_form = Form::Q8;
+        }
         // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
         // go out as one launch at the first of them, where that moves no write over memory
         // that the nodes in between still use.
@@ -667,42 +670,6 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
         }
         for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
-        // An activation no launch has quantized yet (a gated unit's output, below): each block
-        // of a one-column launch quantizes it for itself rather than a launch of its own.
-        MatVecFusion fusion;
-        const bool stage = quantized && !q8_ready && cols == 1 && other < 0 &&
-                           reinterpret_cast<uintptr_t>(fptr(x)) % 16 == 0 &&
-                           mat_vec_fuses(w->type, k, true, false);
-        if (stage) fusion.x = fptr(x);
-        // Gate and up with the gated unit right after them, which alone reads them: the unit
-        // goes out in their launch's epilogue (the products themselves are never written).
-        const int gi = n_parts == 2 && other < 0 && cols == 1 ? next_op(same[1]) : n;
-        if (quantized && gi < n && !done[gi] && mat_vec_fuses(w->type, k, stage, true)) {
-          const Tensor* g = nodes[gi];
-          const Tensor *a = nodes[same[0]], *b = nodes[same[1]];
-          bool fits = g->op == Op::Glu && g->ne[1] == 1 && uses[same[0]] == 1 &&
-                      uses[same[1]] == 1 && a != graph.output() && b != graph.output() &&
-                      ((g->src[0] == a && g->src[1] == b) || (g->src[0] == b && g->src[1] == a)) &&
-                      !(stage && scratch_overlap(g, x));
-          // Nothing launched later between the products and the unit may meet its output.
-          for (int m = i + 1; m < gi && fits; ++m) {
-            const Tensor* between = nodes[m];
-            if (done[m] || between->op == Op::Leaf) continue;
-            fits = !scratch_overlap(g, between);
-            for (const Tensor* src : between->src) fits = fits && !(src && scratch_overlap(g, src));
-          }
-          if (fits) {
-            if (g->src[0] != a) std::swap(parts[0], parts[1]);
-            fusion.glu = static_cast<int>(g->params[0]);
-            fusion.glu_dst = fptr(g);
-            done[gi] = 1;
-          }
-        }
-        if (quantized && !q8_ready && !stage) {
-          launch_quantize_act(l, fptr(x), k, cols, buf.act);
-          prepared = x;
-          prepared_form = Form::Q8;
-        }
         if (other >= 0 && n_parts < 3) {
           parts[n_parts] = part_of(nodes[other]);
           if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
@@ -711,7 +678,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             break;
           }
         }
-        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols, fusion);
+        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
         break;
       }
       case Op::Rope: {

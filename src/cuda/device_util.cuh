@@ -92,15 +92,6 @@ __device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* 
   quantize_warp_blocks<1>(ys, is, ok, qs, ds);
 }
 
-// A gated unit's value: act(g) * u, act kGluSilu (g * sigmoid(g)) or kGluGelu (the tanh
-// approximation, as the CPU backend computes it).
-__device__ __forceinline__ float glu_value(int act, float g, float u) {
-  const float a =
-      act == 1 ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)))
-               : g / (1.0f + expf(-g));
-  return a * u;
-}
-
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
   return __half2float(__ushort_as_half(h));
 }

@@ -189,14 +189,21 @@ __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, fl
 }
 
 // qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range).
-static_assert(kGluSilu == 0 && kGluGelu == 1, "glu_value's activation codes");
 template <int ACT>
 __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
                            float2* ds) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float v = glu_value(ACT, gate[i], up[i]);
+  const float g = gate[i];
+  float a;
+  if constexpr (ACT == kGluGelu) {
+    // The tanh approximation, as the CPU backend computes it.
+    a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+  } else {
+    a = g / (1.0f + expf(-g));
+  }
+  const float v = a * up[i];
   dst[i] = v;
   if (qs) quantize_warp_block(v, i, qs, ds);
 }

@@ -284,26 +284,11 @@ struct MatVecPart {
   // for the kernel before it (programmatic dependent launch), which may be what writes others.
   bool fixed = false;
 };
-// What a one-column quantized mat-vec launch may take on beside its products (both optional):
-// x, its activation as floats, quantized in each block instead of read from ws (16-byte
-// aligned, k a multiple of 32 and at most kMatVecStageMaxK); glu (kGluSilu or kGluGelu), the
-// gated unit act(gate) * up of parts[0] (gate) and parts[1] (up, as many rows) into glu_dst,
-// instead of the two products.
-constexpr int64_t kMatVecStageMaxK = 16384;
-struct MatVecFusion {
-  const float* x = nullptr;
-  int glu = -1;
-  float* glu_dst = nullptr;
-};
-// Whether launch_mat_vec takes those fusions for weights of this type and k (no kernel shape
-// forced by set_mat_vec_config, MatVecConfig::fuse, and GGRAPH_CUDA_FUSE not 0).
-bool mat_vec_fuses(DType type, int64_t k, bool stage, bool glu);
 // Up to 3 weights of the same type and k that share one activation (q, k, v) in one launch.
-// Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act) unless
-// fusion.x is given; float types read x directly.
+// Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act); float
+// types read x directly.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                    const float* x, const uint8_t* ws, int cols,
-                    const MatVecFusion& fusion = MatVecFusion{});
+                    const float* x, const uint8_t* ws, int cols);
 // One column of parts[0, n_a) (one or two) in format type_a and parts[n_a] in type_b, sharing
 // the 8-bit activation in ws (q and k in one format, v in another, as K-quant mixes make them),
 // in one launch. False, with nothing launched, where that pair of formats or that row length
@@ -321,8 +306,6 @@ struct MatVecConfig {
   // bit 0, the first weights are loaded before waiting for it; bit 1, the next grid may launch
   // as soon as this one starts (otherwise once every block has streamed its rows).
   int overlap = -1;
-  // Whether launches may take the fusions of MatVecFusion (false: tests compare with them off).
-  bool fuse = true;
 };
 void set_mat_vec_config(MatVecConfig c);
 // Quantized weights live in the split layout of cuda/weight_layout.h: converts n GGUF blocks at

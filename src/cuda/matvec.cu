@@ -144,17 +144,15 @@ struct PieceAct {
   int sum_lo, sum_hi;
 };
 
-// SMEM: the activation was staged in shared memory (stage_act) rather than left in global.
-template <int TYPE, bool SMEM = false>
+template <int TYPE>
 __device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, PieceAct& x) {
-  auto ld = [](const auto* p) { return SMEM ? *p : __ldg(p); };
-  const int4 lo = ld(reinterpret_cast<const int4*>(ap));
+  const int4 lo = __ldg(reinterpret_cast<const int4*>(ap));
   x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
   if constexpr (PieceInfo<TYPE>::kPer32 == 1) {
-    const int4 hi = ld(reinterpret_cast<const int4*>(ap) + 1);
+    const int4 hi = __ldg(reinterpret_cast<const int4*>(ap) + 1);
     x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
   }
-  x.ad = ld(dp);
+  x.ad = __ldg(dp);
   if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
 #pragma unroll
     for (int& a : x.a) a = static_cast<int>(__byte_perm(static_cast<uint32_t>(a), 0, kIQ4ActOrder));
@@ -177,75 +175,13 @@ __device__ __forceinline__ void zero_piece_act(PieceAct& x) {
 }
 
 // Piece `piece` of column t of the activation.
-template <int TYPE, bool SMEM = false>
+template <int TYPE>
 __device__ __forceinline__ void load_piece_act(const int8_t* aq, const float2* ads, int64_t k,
                                                int nb, int t, int piece, PieceAct& x) {
   using P = PieceInfo<TYPE>;
-  load_piece_act<TYPE, SMEM>(aq + t * k + static_cast<int64_t>(piece) * P::kActBytes,
-                             ads + static_cast<int64_t>(t) * nb + piece / P::kPer32, x);
+  load_piece_act<TYPE>(aq + t * k + static_cast<int64_t>(piece) * P::kActBytes,
+                       ads + static_cast<int64_t>(t) * nb + piece / P::kPer32, x);
 }
-
-// ---- Fusions: an activation quantized in the block, a gated unit in the epilogue -------------
-//
-// A mat-vec whose activation is a float column (the output of a gated unit computed in the
-// epilogue of the gate and up products, below) quantizes it in each block into shared memory,
-// the blocks of 32 as quantize_act_kernel makes them, bit for bit: a thread a block, its eight
-// 16-byte loads issued together, while the first weights (loaded before the wait) are in flight.
-// That costs each block a read of the column through L2 and spares a launch and the wait for it.
-// The staged bytes: nb blocks of 32 quants, then their (d, d * sum(q)) pairs.
-__host__ __device__ constexpr int stage_act_bytes(int nb) { return nb * 32 + nb * 8; }
-
-__device__ __forceinline__ void stage_act(const float* x, int nb, int8_t* qs, float2* ds) {
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    float v[32];
-    const float4* p = reinterpret_cast<const float4*>(x) + b * 8;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 f = __ldcg(p + i);
-      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    const float d = amax / 127.0f;
-    int sum = 0;
-    int w[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int q = amax == 0.0f ? 0 : max(-127, min(127, __float2int_rn(v[4 * i + j] / d)));
-        sum += q;
-        word |= static_cast<uint32_t>(q & 0xFF) << (8 * j);
-      }
-      w[i] = static_cast<int>(word);
-    }
-    int4* out = reinterpret_cast<int4*>(qs + b * 32);
-    out[0] = make_int4(w[0], w[1], w[2], w[3]);
-    out[1] = make_int4(w[4], w[5], w[6], w[7]);
-    ds[b] = make_float2(d, d * static_cast<float>(sum));
-  }
-  __syncthreads();
-}
-
-// The staged activation of a block, in its dynamic shared memory.
-struct StagedAct {
-  int8_t* qs;
-  float2* ds;
-};
-__device__ __forceinline__ StagedAct staged_act(int nb) {
-  extern __shared__ __align__(16) uint8_t mv_smem[];
-  return {reinterpret_cast<int8_t*>(mv_smem), reinterpret_cast<float2*>(mv_smem + nb * 32)};
-}
-
-// The gated unit's outputs: pairs of gate and up rows are computed side by side (row 2i of the
-// virtual matrix is gate row i, 2i + 1 up row i), and act(gate) * up goes to dst[i].
-struct GluOut {
-  const uint8_t* w_up = nullptr;  // null: no gated unit
-  float* dst = nullptr;
-  int act = 0;
-};
 
 // The high bits of word i of the first (second) half of a piece, as bits 4.. of each byte
 // (cuda/weight_layout.h lays them out so that this is a shift and a mask; i is a constant once
@@ -396,13 +332,9 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
 
 // Block part.local_block of a part's mat-vec: the body of mat_vec_q_kernel and of the mixed
 // kernel below.
-// SMEM: the activation is staged from the float column xs into shared memory at aq/ads once the
-// grid before has finished. glu.w_up: gate (part.w) and up rows in pairs, the gated unit out.
-template <int TYPE, int NCOLS, int R, int U, int KS, bool SMEM = false>
+template <int TYPE, int NCOLS, int R, int U, int KS>
 __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, const int8_t* aq,
-                                               const float2* ads, int64_t k, int overlap,
-                                               const float* xs = nullptr,
-                                               const GluOut& glu = GluOut{}) {
+                                               const float2* ads, int64_t k, int overlap) {
   using P = PieceInfo<TYPE>;
   static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
   // KS warps share rows, each taking every KS-th run of pieces; their sums meet in shared memory.
@@ -416,18 +348,16 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   // Pointers to this lane's pieces of the round (pieces base + lane + 32 u), moved on each round,
   // so that every load takes a constant offset from one of them.
   int base = ks * 32 * U;
-  const int n_rows = glu.w_up ? 2 * part.n : part.n;
+  const uint8_t* high = part.w + static_cast<size_t>(part.n) * n_pieces * 16;
+  const uint8_t* scales = high + static_cast<size_t>(part.n) * n_pieces * P::kHighBytes;
   const uint4* qp[R];
   const uint8_t* hp[R];
   const uint8_t* sp[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    const int vr = min(row0 + j, n_rows - 1);
-    const uint8_t* w = glu.w_up && (vr & 1) ? glu.w_up : part.w;
-    const uint8_t* high = w + static_cast<size_t>(part.n) * n_pieces * 16;
-    const uint8_t* scales = high + static_cast<size_t>(part.n) * n_pieces * P::kHighBytes;
-    const size_t piece = static_cast<size_t>(glu.w_up ? vr >> 1 : vr) * n_pieces + base + lane;
-    qp[j] = reinterpret_cast<const uint4*>(w) + piece;
+    const size_t row = static_cast<size_t>(min(row0 + j, part.n - 1));
+    const size_t piece = row * n_pieces + base + lane;
+    qp[j] = reinterpret_cast<const uint4*>(part.w) + piece;
     hp[j] = high + piece * P::kHighBytes;
     sp[j] = scales + piece / P::kPerScale * P::kScaleBytes;
   }
@@ -480,7 +410,6 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   if (prefetch && base < n_pieces) load();
   pdl_wait();
   if (early) pdl_trigger();
-  if constexpr (SMEM) stage_act(xs, nb, const_cast<int8_t*>(aq), const_cast<float2*>(ads));
   if (!prefetch && base < n_pieces) load();
   const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
   const float2* dp = ads + (base + lane) / P::kPer32;
@@ -495,8 +424,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
       for (int t = 0; t < NCOLS; ++t) {
         PieceAct x;
         if (ok)
-          load_piece_act<TYPE, SMEM>(ap + t * k + u * 32 * P::kActBytes,
-                                     dp + static_cast<int64_t>(t) * nb + u * 32 / P::kPer32, x);
+          load_piece_act<TYPE>(ap + t * k + u * 32 * P::kActBytes,
+                               dp + static_cast<int64_t>(t) * nb + u * 32 / P::kPer32, x);
         else
           zero_piece_act<TYPE>(x);
 #pragma unroll
@@ -516,69 +445,38 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   }
 
   if (!early) pdl_trigger();
-  // A gated unit takes pairs of rows of one column.
-  constexpr bool kPairs = NCOLS == 1 && R % 2 == 0;
   __shared__ float partial[KS > 1 ? kMvqWarps : 1][R * NCOLS];
-  float v[kPairs && KS == 1 ? R : 1];  // the rows' sums, for the gated unit
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) {
-      const float sum = warp_sum(acc[j][t]);
+      const float v = warp_sum(acc[j][t]);
       if constexpr (KS == 1) {
-        if constexpr (kPairs) v[j] = sum;
-        if (!glu.w_up && lane == 0 && row0 + j < part.n)
-          part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = sum;
+        if (lane == 0 && row0 + j < part.n)
+          part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
       } else {
-        if (lane == 0) partial[warp][j * NCOLS + t] = sum;
-      }
-    }
-  }
-  if constexpr (KS == 1 && kPairs) {
-    if (glu.w_up && lane == 0) {
-#pragma unroll
-      for (int j = 0; j < R; j += 2) {
-        if (row0 + j < n_rows) glu.dst[(row0 + j) / 2] = glu_value(glu.act, v[j], v[j + 1]);
+        if (lane == 0) partial[warp][j * NCOLS + t] = v;
       }
     }
   }
   if constexpr (KS > 1) {
     static_assert(R * NCOLS <= 32, "a lane per sum");
     __syncthreads();
-    if (ks == 0) {
-      const bool on = lane < R * NCOLS;
-      float sum = 0.0f;
-      if (on) {
-        for (int i = 0; i < KS; ++i) sum += partial[warp + i][lane];
-      }
-      if (!glu.w_up) {
-        const int j = lane / NCOLS, t = lane % NCOLS;
-        if (on && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = sum;
-      } else if constexpr (kPairs) {
-        const float up = __shfl_down_sync(0xffffffffu, sum, 1);
-        if (on && lane % 2 == 0 && row0 + lane < n_rows)
-          glu.dst[(row0 + lane) / 2] = glu_value(glu.act, sum, up);
-      }
+    if (ks == 0 && lane < R * NCOLS) {
+      const int j = lane / NCOLS, t = lane % NCOLS;
+      float v = 0.0f;
+      for (int i = 0; i < KS; ++i) v += partial[warp + i][lane];
+      if (row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
     }
   }
 }
-// STAGED: the activation comes as the float column xs and is quantized in shared memory.
-// w_up (one column): parts 0 and 1 are the gate and up rows of a gated unit (act, kGluSilu or
-// kGluGelu), whose output goes to glu_dst.
-template <int TYPE, int NCOLS, int R, int U, int KS, bool STAGED = false>
+template <int TYPE, int NCOLS, int R, int U, int KS>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                      int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
-                     const int8_t* aq, const float2* ads, int64_t k, int overlap, const float* xs,
-                     const uint8_t* w_up, float* glu_dst, int glu_act) {
+                     const int8_t* aq, const float2* ads, int64_t k, int overlap) {
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
-  const GluOut glu{w_up, glu_dst, glu_act};
-  if constexpr (STAGED) {
-    const StagedAct sa = staged_act(nb);
-    mat_vec_q_body<TYPE, NCOLS, R, U, KS, true>(part, nb, sa.qs, sa.ds, k, overlap, xs, glu);
-  } else {
-    mat_vec_q_body<TYPE, NCOLS, R, U, KS>(part, nb, aq, ads, k, overlap, nullptr, glu);
-  }
+  mat_vec_q_body<TYPE, NCOLS, R, U, KS>(part, nb, aq, ads, k, overlap);
 }
 
 // Products of one activation in two formats (q and k in one, v in another, as K-quant mixes
@@ -604,18 +502,17 @@ __global__ void __launch_bounds__(kMvqThreads)
 // once. The activation crosses L1 once per warp instead of once per row, and a small matrix
 // needs few blocks: the SmolLM2-sized mat-vecs measured faster this way.
 
-// Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below). SMEM and
-// glu as for mat_vec_q_body; with glu.w_up, w0 is the gate (n0 rows, in pairs with up's).
-template <int TYPE, int PL, int R, bool SMEM = false>
-__device__ __forceinline__ void mat_vec_q_rows_body(
-    const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1, int n2, float* d0,
-    float* d1, float* d2, int n_warps, int gw, int nb, const int8_t* aq, const float2* ads,
-    int64_t k, int prefetch, const float* xs = nullptr, const GluOut& glu = GluOut{}) {
+// Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below).
+template <int TYPE, int PL, int R>
+__device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uint8_t* w1,
+                                                    const uint8_t* w2, int n0, int n1, int n2,
+                                                    float* d0, float* d1, float* d2, int n_warps,
+                                                    int gw, int nb, const int8_t* aq,
+                                                    const float2* ads, int64_t k, int prefetch) {
   using P = PieceInfo<TYPE>;
-  static_assert(R % 2 == 0, "a gated unit's rows go in pairs");
   const int lane = threadIdx.x % 32;
   const int sub = lane % 8;  // pieces lane + 32 i: a fixed sub-block of a K-quant block
-  const int n_rows = glu.w_up ? 2 * n0 : n0 + n1 + n2;
+  const int n_rows = n0 + n1 + n2;
   const int n_pieces = nb * P::kPer32;
   PieceRegs<TYPE> v[R][PL];
   float* dst[R];
@@ -625,9 +522,9 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int g = min(g0 + j, n_rows - 1);
-      const uint8_t* w = glu.w_up ? (g & 1 ? glu.w_up : w0) : g < n0 ? w0 : g < n0 + n1 ? w1 : w2;
-      const int n = glu.w_up ? n0 : g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
-      row[j] = glu.w_up ? g >> 1 : g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
+      const uint8_t* w = g < n0 ? w0 : g < n0 + n1 ? w1 : w2;
+      const int n = g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
+      row[j] = g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
       dst[j] = g < n0 ? d0 : g < n0 + n1 ? d1 : d2;
       const size_t first = static_cast<size_t>(row[j]) * n_pieces;
       const uint4* q = reinterpret_cast<const uint4*>(w) + first;
@@ -651,54 +548,38 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
   int g0 = gw * R;
   if (prefetch && g0 < n_rows) load_rows(g0);
   pdl_begin();
-  if constexpr (SMEM) stage_act(xs, nb, const_cast<int8_t*>(aq), const_cast<float2*>(ads));
   if (!prefetch && g0 < n_rows) load_rows(g0);
   PieceAct x[PL];
 #pragma unroll
   for (int i = 0; i < PL; ++i) {
     const int p = lane + 32 * i;
     if (p < n_pieces)
-      load_piece_act<TYPE, SMEM>(aq, ads, k, nb, 0, p, x[i]);
+      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
     else
       zero_piece_act<TYPE>(x[i]);
   }
   while (g0 < n_rows) {
-    float acc[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      acc[j] = 0.0f;
+      float acc = 0.0f;
 #pragma unroll
-      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sub, x[i], acc[j]);
-      acc[j] = warp_sum(acc[j]);
-      if (!glu.w_up && lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc[j];
-    }
-    if (glu.w_up && lane == 0) {
-#pragma unroll
-      for (int j = 0; j < R; j += 2) {
-        if (g0 + j < n_rows) glu.dst[row[j]] = glu_value(glu.act, acc[j], acc[j + 1]);
-      }
+      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sub, x[i], acc);
+      acc = warp_sum(acc);
+      if (lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
     }
     g0 += n_warps * R;
     if (g0 < n_rows) load_rows(g0);
   }
 }
 
-template <int TYPE, int PL, int R, bool STAGED = false>
+template <int TYPE, int PL, int R>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                           int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
-                          const int8_t* aq, const float2* ads, int64_t k, int prefetch,
-                          const float* xs, const uint8_t* w_up, float* glu_dst, int glu_act) {
+                          const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
-  const GluOut glu{w_up, glu_dst, glu_act};
-  if constexpr (STAGED) {
-    const StagedAct sa = staged_act(nb);
-    mat_vec_q_rows_body<TYPE, PL, R, true>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb,
-                                           sa.qs, sa.ds, k, prefetch, xs, glu);
-  } else {
-    mat_vec_q_rows_body<TYPE, PL, R>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq, ads,
-                                     k, prefetch, nullptr, glu);
-  }
+  mat_vec_q_rows_body<TYPE, PL, R>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq, ads, k,
+                                   prefetch);
 }
 
 // Two formats in one launch, as mat_vec_q_mixed_kernel: format A's warps take parts 0 and 1
@@ -721,29 +602,21 @@ __global__ void __launch_bounds__(kMvqThreads)
 
 // Warps of one instantiation resident on the whole device at once (measured in prepare_kernels,
 // outside any capture); 0 until then.
-template <int TYPE, int PL, int R, bool STAGED = false>
+template <int TYPE, int PL, int R>
 int& rows_kernel_slots() {
   static int slots = 0;
   return slots;
 }
 
-template <int TYPE, int PL, int R, bool STAGED>
-void measure_rows_kernel_variant(int sms) {
-  // A staged activation takes shared memory: at most PL pieces a lane.
-  const size_t smem = STAGED ? stage_act_bytes(32 * PL / PieceInfo<TYPE>::kPer32) : 0;
+template <int TYPE, int PL, int R>
+void measure_rows_kernel(int sms) {
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, mat_vec_q_rows_kernel<TYPE, PL, R, STAGED>, kMvqThreads, smem) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mat_vec_q_rows_kernel<TYPE, PL, R>,
+                                                    kMvqThreads, 0) != cudaSuccess) {
     cudaGetLastError();
     blocks = 0;
   }
-  rows_kernel_slots<TYPE, PL, R, STAGED>() = blocks * sms * kMvqWarps;
-}
-
-template <int TYPE, int PL, int R>
-void measure_rows_kernel(int sms) {
-  measure_rows_kernel_variant<TYPE, PL, R, false>(sms);
-  measure_rows_kernel_variant<TYPE, PL, R, true>(sms);
+  rows_kernel_slots<TYPE, PL, R>() = blocks * sms * kMvqWarps;
 }
 
 template <int TYPE>
@@ -901,34 +774,13 @@ GroupArgs group_args(const MatVecPart* parts, int n_parts, int rows_per_block) {
   return g;
 }
 
-// The gated unit's arguments of a launch (parts[0] gate, parts[1] up) or none.
-struct GluArgs {
-  const uint8_t* w_up = nullptr;
-  float* dst = nullptr;
-  int act = 0;
-};
-GluArgs glu_args(const MatVecPart* parts, const MatVecFusion& f) {
-  if (f.glu < 0) return {};
-  return {static_cast<const uint8_t*>(parts[1].w), f.glu_dst, f.glu};
-}
-
-template <int TYPE, int NCOLS, int R, int U, int KS = 1, bool STAGED = false>
+template <int TYPE, int NCOLS, int R, int U, int KS = 1>
 void mat_vec_q_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
-                      const int8_t* aq, const float2* ads, int overlap,
-                      const MatVecFusion& f = MatVecFusion{}) {
-  static_assert(!STAGED || NCOLS == 1, "a staged activation is one column");
-  constexpr int kRows = kMvqWarps / KS * R;  // a block's
-  const GluArgs glu = glu_args(parts, f);
-  GroupArgs g = group_args(parts, glu.w_up ? 1 : n_parts, kRows);
-  if (glu.w_up) g.blk1 = g.blk2 = g.total = static_cast<int>(ceil_div(2 * parts[0].n, kRows));
-  const int nb = static_cast<int>(k / 32);
-  auto go = [&](auto kernel, size_t smem) {
-    l(kernel, dim3(g.total), dim3(kMvqThreads), smem, g.w[0], g.w[1], g.w[2], g.n[0], g.n[1],
-      g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb, aq, ads, k, overlap, f.x, glu.w_up,
-      glu.dst, glu.act);
-  };
-  if (STAGED != (f.x != nullptr)) throw std::logic_error("mat_vec_q_launch: staging mismatch");
-  go(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS, STAGED>, STAGED ? stage_act_bytes(nb) : 0);
+                      const int8_t* aq, const float2* ads, int overlap) {
+  const GroupArgs g = group_args(parts, n_parts, kMvqWarps / KS * R);
+  l(mat_vec_q_kernel<TYPE, NCOLS, R, U, KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0], g.w[1],
+    g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2,
+    static_cast<int>(k / 32), aq, ads, k, overlap);
 }
 
 // MatVecConfig::overlap's default: the first weights loaded before the wait and the next grid
@@ -943,35 +795,27 @@ MatVecConfig& mat_vec_override() {
 // False when the device's capacity is unknown (prepare_kernels not run): take another kernel.
 template <int TYPE, int PL, int R>
 bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
-                           const int8_t* aq, const float2* ads, const MatVecFusion& f) {
-  const int slots = f.x ? rows_kernel_slots<TYPE, PL, R, true>() : rows_kernel_slots<TYPE, PL, R>();
+                           const int8_t* aq, const float2* ads) {
+  const int slots = rows_kernel_slots<TYPE, PL, R>();
   if (slots == 0) return false;
-  const GluArgs glu = glu_args(parts, f);
   const GroupArgs g = group_args(parts, n_parts, 1);
   int n[3];
-  for (int i = 0; i < 3; ++i) n[i] = i < n_parts && (!glu.w_up || i == 0) ? g.n[i] : 0;
-  const int64_t n_rows = glu.w_up ? 2 * int64_t(n[0]) : int64_t(n[0]) + n[1] + n[2];
+  for (int i = 0; i < 3; ++i) n[i] = i < n_parts ? g.n[i] : 0;
+  const int64_t n_rows = int64_t(n[0]) + n[1] + n[2];
   const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
-  const int nb = static_cast<int>(k / 32);
-  auto go = [&](auto kernel, size_t smem) {
-    l(kernel, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))), dim3(kMvqThreads), smem,
-      g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads,
-      k, all_fixed(parts, n_parts) ? 1 : 0, f.x, glu.w_up, glu.dst, glu.act);
-  };
-  if (f.x)
-    go(mat_vec_q_rows_kernel<TYPE, PL, R, true>, stage_act_bytes(nb));
-  else
-    go(mat_vec_q_rows_kernel<TYPE, PL, R>, 0);
+  l(mat_vec_q_rows_kernel<TYPE, PL, R>, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))),
+    dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2],
+    n_warps, static_cast<int>(k / 32), aq, ads, k, all_fixed(parts, n_parts) ? 1 : 0);
   return true;
 }
 
 // The register-resident kernel for rows of up to 64 pieces; false past that.
 template <int TYPE>
 bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const int8_t* aq,
-                    const float2* ads, const MatVecFusion& f) {
+                    const float2* ads) {
   const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPer32, 32);
-  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads, f);
-  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads, f);
+  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads);
+  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads);
   return false;
 }
 
@@ -1061,8 +905,7 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
 }
 
 template <int TYPE, int NCOLS>
-void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws,
-               const MatVecFusion& f) {
+void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, NCOLS);
   const int8_t* aq = act.qs;
   const float2* ads = act.ds;
@@ -1070,21 +913,12 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   const int overlap = mat_vec_overlap(parts, n_parts);
   if constexpr (NCOLS == 1) {
     MatVecConfig c = mat_vec_override();
-    const bool fused = f.x || f.glu >= 0;
-    if (fused && c.rows != 0) throw std::logic_error("mat-vec: fusions with a forced kernel shape");
     // Measured on an H200 (BENCHMARKS.md): short rows run fastest with the activation in
     // registers; longer rows take MatVecShape's.
     if (c.rows == 0 && n_pieces <= kRowsKernelPieces &&
-        mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads, f))
+        mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
       return;
     using S = MatVecShape<TYPE>;
-    static_assert(S::R % 2 == 0, "the default shapes take a gated unit's pairs of rows");
-    if (f.x)
-      return mat_vec_q_launch<TYPE, 1, S::R, S::U, S::KS, true>(l, parts, n_parts, k, aq, ads,
-                                                                overlap, f);
-    if (fused)
-      return mat_vec_q_launch<TYPE, 1, S::R, S::U, S::KS>(l, parts, n_parts, k, aq, ads, overlap,
-                                                          f);
     if (c.rows == 0) c = MatVecConfig{S::R, S::U, S::KS};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
@@ -1131,11 +965,11 @@ void mat_vec_f(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
 
 template <int NCOLS>
 void mat_vec_cols(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                  const float* x, const uint8_t* ws, const MatVecFusion& f) {
+                  const float* x, const uint8_t* ws) {
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (is_split_type(TYPE))
-      mat_vec_q<TYPE, NCOLS>(l, parts, n_parts, k, ws, f);
+      mat_vec_q<TYPE, NCOLS>(l, parts, n_parts, k, ws);
     else
       mat_vec_f<TYPE, NCOLS>(l, parts, n_parts, k, x);
   });
@@ -1667,43 +1501,25 @@ bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecP
   return false;
 }
 
-bool mat_vec_fuses(DType type, int64_t k, bool stage, bool glu) {
-  // GGRAPH_CUDA_FUSE=0 turns the fusions off (to compare, or to rule them out).
-  static const bool enabled = [] {
-    const char* env = std::getenv("GGRAPH_CUDA_FUSE");
-    return !(env && std::strcmp(env, "0") == 0);
-  }();
-  if (!enabled || !mat_vec_override().fuse || mat_vec_override().rows != 0 || !is_quantized(type))
-    return false;
-  if (stage && (k % 32 != 0 || k > kMatVecStageMaxK)) return false;
-  return stage || glu;
-}
-
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                    const float* x, const uint8_t* ws, int cols, const MatVecFusion& f) {
-  if (f.x || f.glu >= 0) {
-    if (cols != 1 || !mat_vec_fuses(type, k, f.x != nullptr, f.glu >= 0) ||
-        (f.glu >= 0 && (n_parts != 2 || parts[0].n != parts[1].n || !f.glu_dst)) ||
-        (f.x && reinterpret_cast<uintptr_t>(f.x) % 16 != 0))
-      throw std::logic_error("launch_mat_vec: a fusion this launch cannot take");
-  }
+                    const float* x, const uint8_t* ws, int cols) {
   switch (cols) {
     case 1:
-      return mat_vec_cols<1>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<1>(l, type, parts, n_parts, k, x, ws);
     case 2:
-      return mat_vec_cols<2>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<2>(l, type, parts, n_parts, k, x, ws);
     case 3:
-      return mat_vec_cols<3>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<3>(l, type, parts, n_parts, k, x, ws);
     case 4:
-      return mat_vec_cols<4>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<4>(l, type, parts, n_parts, k, x, ws);
     case 5:
-      return mat_vec_cols<5>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<5>(l, type, parts, n_parts, k, x, ws);
     case 6:
-      return mat_vec_cols<6>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<6>(l, type, parts, n_parts, k, x, ws);
     case 7:
-      return mat_vec_cols<7>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<7>(l, type, parts, n_parts, k, x, ws);
     case 8:
-      return mat_vec_cols<8>(l, type, parts, n_parts, k, x, ws, f);
+      return mat_vec_cols<8>(l, type, parts, n_parts, k, x, ws);
     default:
       throw ArgumentError("mul_mat: the mat-vec path takes 1 to " + std::to_string(kMatVecMaxCols) +
                           " columns, got " + std::to_string(cols));

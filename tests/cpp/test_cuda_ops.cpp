@@ -1049,65 +1049,6 @@ TEST_F(CudaOps, GegluSoftcapAndScaledRows) {
   }
 }
 
-// A gated feed-forward block of one token: the gated unit goes out in the epilogue of the gate
-// and up products, and the down product (and gate/up, when no norm hands them 8-bit blocks)
-// quantizes its float activation in each block. The result must be bit for bit that of the
-// same kernels with the fusions off, and near the CPU's, for every quantized format, both
-// units, rows short enough to sit in registers and longer ones.
-TEST_F(CudaOps, GatedFeedForwardFusedGivesTheUnfusedBits) {
-  std::mt19937 rng(31);
-  struct Reset {
-    ~Reset() { cuda::set_mat_vec_config({}); }
-  } reset;
-  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0,   DType::Q5_0,
-                         DType::Q5_1, DType::Q2_K, DType::Q3_K,   DType::Q4_K,
-                         DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
-  const struct { int64_t n_embd, n_ff; } sizes[] = {{512, 1024}, {4096, 2816}};
-  for (DType t : types) {
-    for (const auto& sz : sizes) {
-      const auto wg = random_blocks(t, sz.n_embd, sz.n_ff, rng);
-      const auto wu = random_blocks(t, sz.n_embd, sz.n_ff, rng);
-      const auto wd = random_blocks(t, sz.n_ff, sz.n_embd, rng);
-      const auto x = randn(size_t(sz.n_embd), rng);
-      const auto norm_w = randn(size_t(sz.n_embd), rng, 0.3f);
-      for (int act : {kGluSilu, kGluGelu}) {
-        for (bool norm : {false, true}) {
-          std::vector<int32_t> ids;
-          const Build build = [&](Graph& g, Backend& be) {
-            Tensor* h = activations(g, be, x, sz.n_embd, 1, ids);
-            if (norm)
-              h = g.mul(g.rms_norm(h, 1e-5f),
-                        upload(g, be, DType::F32, sz.n_embd, 1, norm_w.data(), "norm"));
-            auto w = [&](const std::vector<uint8_t>& b, int64_t k, int64_t n, const char* name) {
-              return g.weight(t, k, n, be.upload_weight(b.data(), b.size(), t, k, n, name), name);
-            };
-            Tensor* gate = g.mul_mat(w(wg, sz.n_embd, sz.n_ff, "gate"), h);
-            Tensor* up = g.mul_mat(w(wu, sz.n_embd, sz.n_ff, "up"), h);
-            Tensor* unit = act == kGluSilu ? g.swiglu(gate, up) : g.geglu(gate, up);
-            return g.mul_mat(w(wd, sz.n_ff, sz.n_embd, "down"), unit);
-          };
-          const std::string what = std::string(type_name(t)) + " " + std::to_string(sz.n_embd) +
-                                   "x" + std::to_string(sz.n_ff) +
-                                   (act == kGluSilu ? " swiglu" : " geglu") +
-                                   (norm ? " after a norm" : "");
-          cuda::set_mat_vec_config({});
-          const auto fused = run_on(*cuda_, build);
-          cuda::MatVecConfig off;
-          off.fuse = false;
-          cuda::set_mat_vec_config(off);
-          const auto unfused = run_on(*cuda_, build);
-          cuda::set_mat_vec_config({});
-          ASSERT_EQ(fused.size(), unfused.size());
-          EXPECT_EQ(std::memcmp(fused.data(), unfused.data(), fused.size() * sizeof(float)), 0)
-              << what << ": fused and unfused launches differ";
-          const auto cpu = run_on(*cpu_, build);
-          EXPECT_LT(rel_err(fused, cpu), 5e-2) << what << ": CUDA against the CPU";
-        }
-      }
-    }
-  }
-}
-
 // The formats with kernels of their own beside Q4_0/Q4_1/Q8_0 (no quantizer here: random
 // blocks): every mat-vec path (short rows in registers, long rows, several columns) and the tiles.
 TEST_F(CudaOps, MulMatFiveBitSixBitKAndIQ4Quants) {
@@ -1347,50 +1288,6 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.wq), 2);
     EXPECT_EQ(launches_of(rec, lg.wk), 1);
     EXPECT_EQ(launches_of(rec, lg.wv), 1);
-  }
-}
-
-TEST(CudaLaunchPlan, TheGatedUnitGoesOutWithGateAndUpAndDownQuantizesItsOwnInput) {
-  {
-    // Decode: gate and up in one launch with the unit in its epilogue; the unit's node launches
-    // nothing, and down quantizes the unit's output itself (its one launch is the product).
-    LayerGraph lg(1, 20);
-    const auto rec = lg.launches();
-    const Tensor* unit = nullptr;
-    const Tensor* down = nullptr;
-    for (const Tensor* t : lg.g.nodes()) {
-      if (t->op == Op::Glu && t->src[0] == lg.gate) unit = t;
-      if (unit && t->op == Op::MulMat && t->src[1] == unit) down = t;
-    }
-    ASSERT_TRUE(unit && down);
-    EXPECT_EQ(launches_of(rec, lg.gate), 1);
-    EXPECT_EQ(launches_of(rec, lg.up), 0);
-    EXPECT_EQ(launches_of(rec, unit), 0);
-    EXPECT_EQ(launches_of(rec, down), 1);
-  }
-  {
-    // With the fusions off: the unit is a launch of its own, which writes down's 8-bit input.
-    cuda::MatVecConfig off;
-    off.fuse = false;
-    cuda::set_mat_vec_config(off);
-    LayerGraph lg(1, 20);
-    const auto rec = lg.launches();
-    cuda::set_mat_vec_config({});
-    for (const Tensor* t : lg.g.nodes()) {
-      if (t->op == Op::Glu && t->src[0] == lg.gate) {
-        EXPECT_EQ(launches_of(rec, t), 1);
-      }
-    }
-  }
-  {
-    // A prompt keeps the unit apart (the products go to the tiled path).
-    LayerGraph lg(16, 0);
-    const auto rec = lg.launches();
-    for (const Tensor* t : lg.g.nodes()) {
-      if (t->op == Op::Glu && t->src[0] == lg.gate) {
-        EXPECT_EQ(launches_of(rec, t), 1);
-      }
-    }
   }
 }
 
