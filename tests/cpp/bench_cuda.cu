@@ -147,6 +147,27 @@ struct KN {
   int64_t k, n;
 };
 
+// A prompt product's buffers, k x n weights against `cols` columns: random activations, their
+// half form (what the tiled kernel and cuBLAS read) and the output.
+struct PromptBuffers {
+  float* x = nullptr;
+  float* dst = nullptr;
+  uint8_t* half = nullptr;
+  PromptBuffers(gc::Launcher& l, KN sh, int cols, std::mt19937& rng) {
+    x = device_randn(size_t(sh.k) * cols, rng);
+    CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+    CHECK(cudaMalloc(&half, gc::act_half_bytes(sh.k, cols)));
+    gc::launch_act_to_half(l, x, sh.k, cols, half);
+  }
+  PromptBuffers(const PromptBuffers&) = delete;
+  PromptBuffers& operator=(const PromptBuffers&) = delete;
+  ~PromptBuffers() {
+    cudaFree(x);
+    cudaFree(dst);
+    cudaFree(half);
+  }
+};
+
 }  // namespace
 
 // Sections to run: matvec, matmul, gemm, attention, launch; all of them by default.
@@ -265,20 +286,12 @@ int main(int argc, char** argv) {
         const int cols = 512;
         const auto host = random_weights(t, sh.k, sh.n, rng);
         void* w = device_copy_of(host, t);
-        float* x = device_randn(size_t(sh.k) * cols, rng);
-        float* dst = nullptr;
-        CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
-        uint8_t* ws = nullptr;
-        CHECK(cudaMalloc(&ws, gc::act_half_bytes(sh.k, cols)));
-        gc::launch_act_to_half(l, x, sh.k, cols, ws);
+        const PromptBuffers b(l, sh, cols, rng);
         const double ms = ev.time_ms(
-            s, 20, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, ws, cols, dst); });
+            s, 20, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, b.half, cols, b.dst); });
         std::printf("| %s | %lldx%lld | %d | %.1f | %.1f |\n", gc::dtype_name(t), (long long)sh.k,
                     (long long)sh.n, cols, ms * 1e3, 2.0 * sh.k * sh.n * cols / (ms * 1e-3) / 1e12);
         cudaFree(w);
-        cudaFree(x);
-        cudaFree(dst);
-        cudaFree(ws);
       }
     }
   }
@@ -299,31 +312,26 @@ int main(int argc, char** argv) {
         const auto host = random_weights(t, sh.k, sh.n, rng);
         void* w = device_copy_of(host, t);
         for (int cols : {16, 32, 64, 128, 512, 2048}) {
-          float* x = device_randn(size_t(sh.k) * cols, rng);
-          float* dst = nullptr;
-          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
-          uint8_t *wh = nullptr, *wb = nullptr;
-          CHECK(cudaMalloc(&wh, gc::act_half_bytes(sh.k, cols)));
+          const PromptBuffers b(l, sh, cols, rng);
+          // cuBLAS reads BF16 weights against bfloat16 activations.
+          uint8_t* wb = nullptr;
           CHECK(cudaMalloc(&wb, gc::act_half_bytes(sh.k, cols)));
-          gc::launch_act_to_half(l, x, sh.k, cols, wh);
-          gc::launch_act_to_half(l, x, sh.k, cols, wb, t == DType::BF16);
+          gc::launch_act_to_half(l, b.x, sh.k, cols, wb, t == DType::BF16);
           const int reps = cols >= 512 ? 20 : 100;
-          const double tiled = ev.time_ms(
-              s, reps, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, wh, cols, dst); });
+          const double tiled = ev.time_ms(s, reps, [&](int) {
+            gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, b.half, cols, b.dst);
+          });
           const double cub =
               blas ? ev.time_ms(s, reps,
                                 [&](int) {
                                   blas->gemm(l, t, w, sh.k, sh.n, sh.k, wb,
-                                             gc::act_half_pitch(sh.k), cols, dst, sh.n);
+                                             gc::act_half_pitch(sh.k), cols, b.dst, sh.n);
                                 })
                    : 0.0;
           const double flop = 2.0 * sh.k * sh.n * cols;
           std::printf("| %s | %lldx%lld | %d | %.1f | %.1f | %.1f | %.1f |\n", gc::dtype_name(t),
                       (long long)sh.k, (long long)sh.n, cols, tiled * 1e3, cub * 1e3,
                       flop / (tiled * 1e-3) / 1e12, cub > 0 ? flop / (cub * 1e-3) / 1e12 : 0.0);
-          cudaFree(x);
-          cudaFree(dst);
-          cudaFree(wh);
           cudaFree(wb);
         }
         cudaFree(w);
@@ -343,23 +351,19 @@ int main(int argc, char** argv) {
         uint8_t* deq = nullptr;
         CHECK(cudaMalloc(&deq, size_t(std::min<int64_t>(chunk, sh.n) * kp * 2)));
         for (int cols : {16, 32, 64, 128, 512, 2048}) {
-          float* x = device_randn(size_t(sh.k) * cols, rng);
-          float* dst = nullptr;
-          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
-          uint8_t* wh = nullptr;
-          CHECK(cudaMalloc(&wh, gc::act_half_bytes(sh.k, cols)));
-          gc::launch_act_to_half(l, x, sh.k, cols, wh);
+          const PromptBuffers b(l, sh, cols, rng);
           const int reps = cols >= 512 ? 20 : 100;
-          const double tiled = ev.time_ms(
-              s, reps, [&](int) { gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, wh, cols, dst); });
+          const double tiled = ev.time_ms(s, reps, [&](int) {
+            gc::launch_mat_mul_tc(l, t, w, sh.n, sh.k, b.half, cols, b.dst);
+          });
           const double cub =
               blas ? ev.time_ms(s, reps,
                                 [&](int) {
                                   for (int64_t r0 = 0; r0 < sh.n; r0 += chunk) {
                                     const int64_t rows = std::min<int64_t>(chunk, sh.n - r0);
                                     gc::launch_dequant_half(l, t, w, sh.n, sh.k, r0, rows, deq);
-                                    blas->gemm(l, DType::F16, deq, kp, rows, sh.k, wh, kp, cols,
-                                               dst + r0, sh.n);
+                                    blas->gemm(l, DType::F16, deq, kp, rows, sh.k, b.half, kp, cols,
+                                               b.dst + r0, sh.n);
                                   }
                                 })
                    : 0.0;
@@ -373,9 +377,6 @@ int main(int argc, char** argv) {
                       gc::dtype_name(t), (long long)sh.k, (long long)sh.n, cols, tiled * 1e3,
                       cub * 1e3, flop / (tiled * 1e-3) / 1e12,
                       cub > 0 ? flop / (cub * 1e-3) / 1e12 : 0.0, dec * 1e3);
-          cudaFree(x);
-          cudaFree(dst);
-          cudaFree(wh);
         }
         cudaFree(deq);
         cudaFree(w);
