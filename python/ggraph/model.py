@@ -412,21 +412,13 @@ class Model:
         (0: all at once); (generation, epoch) for _advance."""
         _check_keys(sampling)
         with self._lock:
-            gen = _core.Generation(
-                self._ctx,
-                ids,
-                max_tokens=max_tokens,
-                stop=list(stop or []),
-                logprobs=logprobs is not None,
-                top_logprobs=logprobs or 0,
-                ignore_eos=ignore_eos,
-                **sampling,
+            gen, epoch = self._new_generation(
+                ids, max_tokens, list(stop or []), logprobs, ignore_eos, sampling
             )
             gen.set_defer(True)
             gen.set_prefill_chunk(prefill_chunk)
-            self._epoch += 1
             self.stop_reason, self.n_generated = None, 0
-            return gen, self._epoch
+            return gen, epoch
 
     def _advance(self, gen, epoch: int):
         """A step of a deferred generation: (text, token, logprob, top), or None at its end."""
@@ -557,19 +549,26 @@ class Model:
         # The generation checks its prompt and options before anything changes (the prefill
         # waits for the first step). Starting one invalidates the generators before it.
         with self._lock:
-            gen = _core.Generation(
-                self._ctx,
-                ids,
-                max_tokens=max_tokens,
-                stop=stops,
-                logprobs=logprobs is not None,  # the plain text form skips the softmax a step
-                top_logprobs=logprobs or 0,
-                ignore_eos=ignore_eos,
-                **sampling,
+            gen, epoch = self._new_generation(
+                ids, max_tokens, stops, logprobs, ignore_eos, sampling
             )
-            self._epoch += 1
-            epoch = self._epoch
         return self._generate(gen, epoch, logprobs is not None)
+
+    def _new_generation(self, ids, max_tokens, stops, logprobs, ignore_eos, sampling):
+        """A generation of ids on this sequence, and the epoch it runs in: starting one
+        invalidates the generators before it. Called under the lock."""
+        gen = _core.Generation(
+            self._ctx,
+            ids,
+            max_tokens=max_tokens,
+            stop=stops,
+            logprobs=logprobs is not None,  # the plain text form skips the softmax a step
+            top_logprobs=logprobs or 0,
+            ignore_eos=ignore_eos,
+            **sampling,
+        )
+        self._epoch += 1
+        return gen, self._epoch
 
     @contextlib.contextmanager
     def _changing(self):
