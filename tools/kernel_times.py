@@ -1,6 +1,6 @@
 """GPU time of each kernel of one decode step, as Nsight Compute measures it.
 
-    python3 tools/kernel_times.py MODEL.gguf [--past N]
+    python3 tools/kernel_times.py MODEL.gguf [--past N] [--kv-type f16|q8_0]
 
 Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
 (cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
@@ -21,7 +21,8 @@ import sys
 
 STEP = """
 import ggraph
-m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off")
+m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off", n_ctx={n_ctx},
+                 kv_type={kv_type!r}, allow_longer_context=True)
 m.eval([1 + i % 100 for i in range({past})])
 m.eval([7])
 m.eval([8])
@@ -48,12 +49,16 @@ def main() -> int:
     ap.add_argument("--past", type=int, default=64)
     ap.add_argument("--stalls", action="store_true")
     ap.add_argument("--warm", action="store_true", help="keep the caches between kernels")
+    ap.add_argument("--kv-type", default="f16", help="the KV cache's type (f16 or q8_0)")
     args = ap.parse_args()
     metrics = [TIME] + (list(STALLS) if args.stalls else [])
+    step = STEP.format(
+        model=args.model, past=args.past, n_ctx=args.past + 128, kv_type=args.kv_type
+    )
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
         *(["--cache-control", "none"] if args.warm else []),
-        sys.executable, "-c", STEP.format(model=args.model, past=args.past),
+        sys.executable, "-c", step,
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = [r for r in csv.DictReader(io.StringIO(out[out.index('"ID"') :]))]
