@@ -51,6 +51,10 @@ typedef struct {
    * (ggraph_session_open), each with its own KV cache of n_ctx tokens, allocated at load;
    * 0 or 1 (default): the model alone; at most 256 */
   int64_t n_seq_max;
+  /* 1: sliding-window layers keep every position's KV rows; 0 (default): only their window and
+   * one batch's (a ring; a rewind past what it kept makes the next eval re-evaluate the tokens
+   * kept) */
+  int swa_full;
 } ggraph_params;
 
 typedef struct {

@@ -182,6 +182,7 @@ void describe(Model& m, const Hparams& hp, const ModelLoader& ld) {
   m.head_dim = hp.head_dim;
   m.n_ctx_train = hp.n_ctx_train;
   m.weight_bytes = ld.weight_bytes;
+  m.layer_window.assign(size_t(hp.n_layer), hp.window);  // gemma3 sets its global layers' to 0
 }
 
 AttnWeights load_attention(ModelLoader& ld, const std::string& p, const Hparams& hp) {
@@ -257,8 +258,8 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
     for (int i = 0; i < batch.n_seqs; ++i) {
       const KvCache& c = *batch.seqs[i].kv;
       const int np = batch.seqs[i].n_past;
-      Tensor* kc = g.kv_cache(c.type, c.width, c.n_ctx, c.k[il], "k_cache");
-      Tensor* vc = g.kv_cache(c.type, c.width, c.n_ctx, c.v[il], "v_cache");
+      Tensor* kc = g.kv_cache(c.type, c.width, c.rows[il], c.k[il], "k_cache", c.ring(il));
+      Tensor* vc = g.kv_cache(c.type, c.width, c.rows[il], c.v[il], "v_cache", c.ring(il));
       Tensor* col = cols[size_t(i)];
       g.kv_store(kc, g.get_rows(k, col), np);
       g.kv_store(vc, g.get_rows(v, col), np);
@@ -268,8 +269,8 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
     }
     return g.mul_mat(weight(w.wo), attn);
   }
-  Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.k[il], "k_cache");
-  Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.n_ctx, kv.v[il], "v_cache");
+  Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.rows[il], kv.k[il], "k_cache", kv.ring(il));
+  Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.rows[il], kv.v[il], "v_cache", kv.ring(il));
   const int n_kv = batch.n_past + batch.n_tokens;
   g.kv_store(k_cache, k, batch.n_past);
   g.kv_store(v_cache, v, batch.n_past);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 #include "gguf.h"
@@ -49,6 +50,9 @@ class Model {
   int head_dim = 0;      // one attention head's width (of keys and of values)
   int n_ctx_train = 0;
   size_t weight_bytes = 0;
+  // Each layer's attention window (0: every earlier position). A windowed layer's KV cache may
+  // be a ring of fewer rows than the context (KvCache).
+  std::vector<int> layer_window;
 };
 
 // Reads the architecture from general.architecture and loads its weights through the backend.

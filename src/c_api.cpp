@@ -117,6 +117,7 @@ ggraph_params ggraph_default_params(void) {
   p.kv_type = "auto";
   p.allow_longer_context = 0;
   p.n_seq_max = 1;
+  p.swa_full = 0;
   return p;
 }
 
@@ -157,6 +158,7 @@ ggraph_model* ggraph_load(const char* path, const ggraph_params* params, char* e
                                   std::to_string(ggraph::kMaxSequences) + ", got " +
                                   std::to_string(p.n_seq_max));
     o.n_seq_max = p.n_seq_max > 0 ? static_cast<int>(p.n_seq_max) : 1;
+    o.swa_full = p.swa_full != 0;
     auto shared = std::make_shared<ggraph_shared>();
     shared->ctx = std::make_unique<ggraph::Context>(path, o);
     return new ggraph_model(std::move(shared), 0);

@@ -156,8 +156,21 @@ Context::Context(const std::string& path, const ContextOptions& o) {
                         std::to_string(o.n_seq_max));
   seqs_.resize(size_t(o.n_seq_max));
   cancels_.reset(new std::atomic<bool>[seqs_.size()]());
+  // A windowed layer reads at most its window's rows and writes one batch's: a ring of
+  // window + n_batch - 1 rows holds both, where that is shorter than the context.
+  std::vector<int> rows(size_t(model_->n_layer), n_ctx_);
+  for (int l = 0; l < model_->n_layer; ++l) {
+    const int w = l < int(model_->layer_window.size()) ? model_->layer_window[size_t(l)] : 0;
+    if (w <= 0) continue;
+    swa_window_ = std::max(swa_window_, w);
+    const int64_t ring = int64_t(w) + n_batch_ - 1;
+    if (!o.swa_full && ring < n_ctx_) {
+      rows[size_t(l)] = int(ring);
+      ring_rows_ = ring_rows_ > 0 ? std::min(ring_rows_, int(ring)) : int(ring);
+    }
+  }
   for (Sequence& s : seqs_)
-    s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_);
+    s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_, rows);
   seqs_[0].open = true;
   kv_ = seqs_[0].kv;
 
@@ -225,6 +238,15 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
                           std::to_string(n_ctx_) + " positions are used");
   }
   const int before = cur_;
+  if (swa_window_ > 0) {
+    // A sequence whose windowed rows were overwritten (a rewind, a cancelled eval) first
+    // re-evaluates its tokens, as its own eval would.
+    for (size_t i = 0; i < n; ++i) {
+      select_sequence(seqs[i]);
+      if (needs_repair()) repair();
+    }
+    select_sequence(before);
+  }
   std::vector<float> logits(size_t(n_vocab) * n);
   if (backend_->is_cuda() || n == 1) {
     // One sequence at a time: each its own decode step (and CUDA graph).
@@ -278,6 +300,9 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     }
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    for (size_t i = 0; i < m; ++i)
+      note_written(sq[i] == cur_ ? kv_lost_ : seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1,
+                   ring_rows_);
     backend_->compute(*graph, logits.data() + start * n_vocab);
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
@@ -299,6 +324,7 @@ int Context::open_sequence() {
     if (seqs_[i].open) continue;
     seqs_[i].open = true;
     seqs_[i].n_past = 0;
+    seqs_[i].kv_lost = 0;
     seqs_[i].tokens.clear();
     return static_cast<int>(i);
   }
@@ -314,6 +340,7 @@ void Context::close_sequence(int id) {
   if (id == cur_) select_sequence(0);
   seqs_[size_t(id)].open = false;
   seqs_[size_t(id)].n_past = 0;
+  seqs_[size_t(id)].kv_lost = 0;
   seqs_[size_t(id)].tokens.clear();
   seqs_[size_t(id)].step_graph.reset();
 }
@@ -325,6 +352,7 @@ void Context::select_sequence(int id) {
   kv_ = seqs_[size_t(id)].kv;  // the one step that may allocate, before anything has moved
   Sequence& from = seqs_[size_t(cur_)];
   from.n_past = n_past_;
+  from.kv_lost = kv_lost_;
   from.tokens.swap(tokens_);
   from.step_graph = std::move(step_graph_);
   from.step_tokens = step_tokens_, from.step_outputs = step_outputs_;
@@ -334,6 +362,7 @@ void Context::select_sequence(int id) {
   from.in_out_ids.swap(in_out_ids_);
   Sequence& to = seqs_[size_t(id)];
   n_past_ = to.n_past;
+  kv_lost_ = to.kv_lost;
   tokens_.swap(to.tokens);
   to.tokens.clear();
   // Its own last step graph, planned over its own cache: a decode step reuses it.
@@ -388,6 +417,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     throw ArgumentError("eval: " + std::to_string(n) +
                         " tokens do not fit the context: " + std::to_string(n_past_) + " of " +
                         std::to_string(n_ctx_) + " positions are used");
+  if (needs_repair()) repair(interrupted);
 
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
   int n_past = n_past_;
@@ -418,7 +448,9 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     const Graph& graph = *step_graph_;
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    // Earlier chunks only fill the KV cache; their logit row is overwritten by the last.
+    // Earlier chunks only fill the KV cache; their logit row is overwritten by the last. A
+    // ring's rows of earlier positions are overwritten even where the eval stops after this.
+    note_written(kv_lost_, n_past + chunk, ring_rows_);
     backend_->compute(graph, all_logits ? logits.data() + start * n_vocab : logits.data());
     n_past += chunk;
   }
@@ -427,10 +459,29 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   return logits;
 }
 
+void Context::repair(const std::function<bool()>& interrupted) {
+  std::vector<int32_t> kept;
+  kept.swap(tokens_);
+  const int n = n_past_;
+  n_past_ = 0;
+  kv_lost_ = 0;
+  try {
+    if (n > 0) eval(kept.data(), size_t(n), false, interrupted);
+  } catch (...) {
+    // Stopped half-way: the same tokens, with every windowed row still to be rebuilt.
+    tokens_.swap(kept);
+    n_past_ = n;
+    kv_lost_ = n;
+    throw;
+  }
+}
+
 namespace {
 
 constexpr char kStateMagic[4] = {'G', 'G', 'R', 'S'};
-constexpr uint32_t kStateVersion = 1;
+// Version 2 adds, after the tokens, the first position each layer's saved rows start at (a
+// ring keeps the last rows only); version 1 states (every layer from position 0) still load.
+constexpr uint32_t kStateVersion = 2;
 
 struct StateHeader {
   char magic[4];
@@ -440,17 +491,17 @@ struct StateHeader {
   uint32_t n_layer;
   uint64_t width;
   uint32_t n_past;
-  uint32_t reserved;
+  uint32_t kv_lost;  // version 2 (0 in version 1): windowed rows before it may be missing
 };
 
 }  // namespace
 
 size_t Context::kv_rows_bytes(size_t n_rows) const {
-  return 2 * size_t(kv_.n_layer) * n_rows * row_size(kv_.type, kv_.width);
+  return 2 * size_t(kv_.n_layer) * n_rows * kv_.row_bytes();
 }
 
 void Context::kv_rows_to_host(uint8_t* host, size_t n_rows) const {
-  const size_t rows = n_rows * row_size(kv_.type, kv_.width);
+  const size_t rows = n_rows * kv_.row_bytes();
   for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
     backend_->kv_to_host(host, kv_.k[size_t(l)], rows);
     backend_->kv_to_host(host + rows, kv_.v[size_t(l)], rows);
@@ -458,16 +509,43 @@ void Context::kv_rows_to_host(uint8_t* host, size_t n_rows) const {
 }
 
 void Context::kv_rows_from_host(const uint8_t* host, size_t n_rows) {
-  const size_t rows = n_rows * row_size(kv_.type, kv_.width);
+  const size_t rows = n_rows * kv_.row_bytes();
   for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
     backend_->kv_from_host(kv_.k[size_t(l)], host, rows);
     backend_->kv_from_host(kv_.v[size_t(l)], host + rows, rows);
   }
 }
 
+void Context::kv_runs(
+    int l, int first, int end,
+    const std::function<void(void* cache, size_t offset, size_t bytes)>& fn) const {
+  const size_t rb = kv_.row_bytes();
+  const int rows = kv_.rows[size_t(l)];
+  size_t offset = 0;
+  for (void* cache : {kv_.k[size_t(l)], kv_.v[size_t(l)]}) {
+    // A ring's positions lie in at most two runs of rows.
+    for (int p = first; p < end;) {
+      const int r = int(kv_row(p, rows)), n = std::min(end - p, rows - r);
+      fn(static_cast<uint8_t*>(cache) + size_t(r) * rb, offset, size_t(n) * rb);
+      offset += size_t(n) * rb;
+      p += n;
+    }
+  }
+}
+
 std::vector<uint8_t> Context::save_state() const {
-  std::vector<uint8_t> out(sizeof(StateHeader) + size_t(n_past_) * sizeof(int32_t) +
-                           kv_rows_bytes(size_t(n_past_)));
+  // Each layer's rows from its first kept position: 0, or for a ring the oldest it still holds.
+  std::vector<uint32_t> firsts(size_t(kv_.n_layer), 0);
+  size_t kv_bytes = 0;
+  for (int l = 0; l < kv_.n_layer; ++l) {
+    if (kv_.ring(l))
+      firsts[size_t(l)] =
+          uint32_t(std::min(n_past_, std::max({0, kv_lost_, n_past_ - kv_.rows[size_t(l)]})));
+    kv_bytes += 2 * size_t(n_past_ - int(firsts[size_t(l)])) * kv_.row_bytes();
+  }
+  const size_t tokens_bytes = size_t(n_past_) * sizeof(int32_t);
+  const size_t firsts_bytes = firsts.size() * sizeof(uint32_t);
+  std::vector<uint8_t> out(sizeof(StateHeader) + tokens_bytes + firsts_bytes + kv_bytes);
   StateHeader h{};
   std::memcpy(h.magic, kStateMagic, 4);
   h.version = kStateVersion;
@@ -476,11 +554,20 @@ std::vector<uint8_t> Context::save_state() const {
   h.n_layer = uint32_t(kv_.n_layer);
   h.width = uint64_t(kv_.width);
   h.n_past = uint32_t(n_past_);
+  h.kv_lost = uint32_t(std::min(kv_lost_, n_past_));
   uint8_t* p = out.data();
   std::memcpy(p, &h, sizeof h);
   p += sizeof h;
-  std::memcpy(p, tokens_.data(), size_t(n_past_) * sizeof(int32_t));
-  kv_rows_to_host(p + size_t(n_past_) * sizeof(int32_t), size_t(n_past_));
+  std::memcpy(p, tokens_.data(), tokens_bytes);
+  p += tokens_bytes;
+  std::memcpy(p, firsts.data(), firsts_bytes);
+  p += firsts_bytes;
+  for (int l = 0; l < kv_.n_layer; ++l) {
+    kv_runs(l, int(firsts[size_t(l)]), n_past_, [&](void* cache, size_t at, size_t bytes) {
+      backend_->kv_to_host(p + at, cache, bytes);
+    });
+    p += 2 * size_t(n_past_ - int(firsts[size_t(l)])) * kv_.row_bytes();
+  }
   return out;
 }
 
@@ -492,9 +579,9 @@ void Context::load_state(const uint8_t* data, size_t size) {
   std::memcpy(&h, data, sizeof h);
   if (std::memcmp(h.magic, kStateMagic, 4) != 0)
     throw ArgumentError("load_state: not a ggraph state (its first bytes are not 'GGRS')");
-  if (h.version != kStateVersion)
+  if (h.version != 1 && h.version != kStateVersion)
     throw ArgumentError("load_state: state format version " + std::to_string(h.version) +
-                        "; this ggraph reads version " + std::to_string(kStateVersion));
+                        "; this ggraph reads versions 1 to " + std::to_string(kStateVersion));
   if (h.fingerprint != fingerprint_)
     throw ArgumentError("load_state: the state was saved with another model file");
   if (h.kv_type != static_cast<uint32_t>(kv_.type) || h.n_layer != uint32_t(kv_.n_layer) ||
@@ -510,21 +597,56 @@ void Context::load_state(const uint8_t* data, size_t size) {
   if (h.n_past > uint32_t(n_ctx_))
     throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
                         " tokens; this context holds " + std::to_string(n_ctx_));
-  const size_t expected = sizeof h + size_t(h.n_past) * sizeof(int32_t) + kv_rows_bytes(h.n_past);
+  const int n_past = int(h.n_past);
+  const size_t tokens_bytes = size_t(n_past) * sizeof(int32_t);
+  const size_t firsts_bytes = h.version >= 2 ? size_t(kv_.n_layer) * sizeof(uint32_t) : 0;
+  if (size < sizeof h + tokens_bytes + firsts_bytes)
+    throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
+                        std::to_string(n_past) + " tokens takes at least " +
+                        std::to_string(sizeof h + tokens_bytes + firsts_bytes));
+  std::vector<uint32_t> firsts(size_t(kv_.n_layer), 0);
+  if (firsts_bytes) std::memcpy(firsts.data(), data + sizeof h + tokens_bytes, firsts_bytes);
+  size_t expected = sizeof h + tokens_bytes + firsts_bytes;
+  for (int l = 0; l < kv_.n_layer; ++l) {
+    const uint32_t f = firsts[size_t(l)];
+    const bool windowed = model_->layer_window[size_t(l)] > 0;
+    // Only a windowed layer may start past position 0.
+    if (f > h.n_past || (f > 0 && !windowed))
+      throw ArgumentError("load_state: layer " + std::to_string(l) + "'s rows start at position " +
+                          std::to_string(f) + "; expected " +
+                          (windowed ? "at most " + std::to_string(n_past) : std::string("0")));
+    expected += 2 * size_t(n_past - int(f)) * kv_.row_bytes();
+  }
   if (size != expected)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
-                        std::to_string(h.n_past) + " tokens takes " + std::to_string(expected));
+                        std::to_string(n_past) + " tokens takes " + std::to_string(expected));
   std::vector<int32_t> tokens(h.n_past);
-  std::memcpy(tokens.data(), data + sizeof h, size_t(h.n_past) * sizeof(int32_t));
+  std::memcpy(tokens.data(), data + sizeof h, tokens_bytes);
   check_token_ids(tokens.data(), tokens.size(), model_->n_vocab, "load_state");
+  int lost = int(std::min(h.kv_lost, h.n_past));
   try {
-    kv_rows_from_host(data + sizeof h + size_t(h.n_past) * sizeof(int32_t), h.n_past);
+    const uint8_t* p = data + sizeof h + tokens_bytes + firsts_bytes;
+    for (int l = 0; l < kv_.n_layer; ++l) {
+      // This context's ring may be shorter than the saving one's: its last rows only.
+      const int count = n_past - int(firsts[size_t(l)]);
+      const int keep = std::min(count, kv_.rows[size_t(l)]);
+      const size_t skip = size_t(count - keep) * kv_.row_bytes();
+      const size_t half = size_t(keep) * kv_.row_bytes();  // K's rows, then V's
+      kv_runs(l, n_past - keep, n_past, [&](void* cache, size_t at, size_t bytes) {
+        const size_t from =
+            at < half ? skip + at : size_t(count) * kv_.row_bytes() + skip + at - half;
+        backend_->kv_from_host(cache, p + from, bytes);
+      });
+      if (model_->layer_window[size_t(l)] > 0) lost = std::max(lost, n_past - keep);
+      p += 2 * size_t(count) * kv_.row_bytes();
+    }
   } catch (...) {
     reset();  // a device failure half-way: the old rows are gone, so the context is emptied
     throw;
   }
   tokens_ = std::move(tokens);
-  n_past_ = int(h.n_past);
+  n_past_ = n_past;
+  kv_lost_ = lost;
 }
 
 std::vector<float> Context::embed(const int32_t* tokens, size_t n) {

@@ -1,6 +1,7 @@
 // A loaded model with its KV cache and backend: what Model in Python and ggraph_model in C wrap.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -41,6 +42,11 @@ struct ContextOptions {
   // Sequences the context holds at once, each with its own KV cache of n_ctx rows, all
   // allocated at load: sequence 0 is always open; open_sequence hands out the others.
   int n_seq_max = 1;
+  // Sliding-window layers keep only their window and one batch (window + n_batch - 1 rows, a
+  // ring) unless swa_full: then every position's rows, as the global layers do. A ring costs a
+  // re-evaluation of the kept tokens where a rewind, a cancelled eval or a loaded state needs
+  // rows it has overwritten.
+  bool swa_full = false;
 };
 
 // The most sequences a context holds.
@@ -81,9 +87,12 @@ class Context {
   bool take_cancel() { return cancels_[size_t(cur_)].exchange(false, std::memory_order_relaxed); }
   void reset() {
     n_past_ = 0;
+    kv_lost_ = 0;
     tokens_.clear();
   }
-  // Forgets every position from n on (keeps the first n tokens of the cache).
+  // Forgets every position from n on (keeps the first n tokens of the cache). Where sliding-
+  // window rings have overwritten rows the next step needs, that step first re-evaluates the n
+  // tokens kept.
   void rewind(int n) {
     if (n < 0 || n > n_past_)
       throw ArgumentError("rewind: expected a position in [0, " + std::to_string(n_past_) +
@@ -118,6 +127,8 @@ class Context {
 
   int n_past() const { return n_past_; }
   int n_ctx() const { return n_ctx_; }
+  // Bytes of one sequence's KV cache (every layer's K and V; rings are smaller).
+  size_t kv_bytes() const { return kv_.bytes(); }
   int n_ctx_train() const { return model_->n_ctx_train; }
   // The KV cache's element type as ContextOptions::kv_type names it ("f16").
   std::string kv_type() const;
@@ -142,6 +153,10 @@ class Context {
   size_t kv_rows_bytes(size_t n_rows) const;
   void kv_rows_to_host(uint8_t* host, size_t n_rows) const;
   void kv_rows_from_host(const uint8_t* host, size_t n_rows);
+  // Layer l's rows of positions [first, end), K's then V's, as runs of consecutive rows (a
+  // ring's wrap around): fn(run's first row, its offset in the positions' bytes, its bytes).
+  void kv_runs(int l, int first, int end,
+               const std::function<void(void* cache, size_t offset, size_t bytes)>& fn) const;
 
   std::unique_ptr<GGUFFile> file_;
   std::unique_ptr<Backend> backend_;
@@ -154,6 +169,21 @@ class Context {
   int n_past_ = 0;
   std::string device_;
   std::vector<int32_t> in_tokens_, in_positions_, in_out_ids_;
+  // Sliding-window rings: the largest window of a windowed layer (0: none), the rows of the
+  // smallest ring (0: no ring), and for the selected sequence the position below which a
+  // windowed layer may lack rows (written over by later positions, or absent from a loaded
+  // state). A step at position p needs every windowed layer's rows from p - window + 1 on.
+  int swa_window_ = 0, ring_rows_ = 0;
+  int kv_lost_ = 0;
+  // Positions [.., end) are about to be written: ring rows of positions before end - ring_rows_
+  // are overwritten.
+  static void note_written(int& lost, int end, int ring_rows) {
+    if (ring_rows > 0) lost = std::max(lost, end - ring_rows);
+  }
+  bool needs_repair() const { return kv_lost_ > std::max(0, n_past_ - swa_window_ + 1); }
+  // Re-evaluates the selected sequence's tokens from position 0 (needs_repair); stopped or
+  // failed, it leaves them to be re-evaluated again.
+  void repair(const std::function<bool()>& interrupted = nullptr);
   // The last step's planned graph: a step of the same batch shape reuses it, shifted to the
   // new position, instead of building and planning again.
   std::unique_ptr<Graph> step_graph_;
@@ -165,6 +195,7 @@ class Context {
   struct Sequence {
     KvCache kv;
     int n_past = 0;
+    int kv_lost = 0;
     std::vector<int32_t> tokens;
     bool open = false;
     // Its last step's graph (over its own cache) and the host inputs that graph's input

@@ -1,5 +1,6 @@
 #include "graph.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
@@ -80,10 +81,12 @@ Tensor* Graph::weight(DType type, int64_t ne0, int64_t ne1, void* data, const st
   return t;
 }
 
-Tensor* Graph::kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name) {
+Tensor* Graph::kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name,
+                        bool ring) {
   Tensor* t = new_tensor(Op::Leaf, type, ne0, ne1, name);
   t->storage = Storage::Kv;
   t->data = data;
+  t->params[kKvRing] = ring ? 1 : 0;
   return t;
 }
 
@@ -163,9 +166,11 @@ Tensor* Graph::rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims
 Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
   require(cache->storage == Storage::Kv, "kv_store", "destination must be a KV cache");
   require(x->ne[0] == cache->ne[0], "kv_store", "row width differs from the cache's");
-  require(first_row >= 0 && first_row + x->ne[1] <= cache->ne[1], "kv_store",
+  const bool ring = cache->params[kKvRing] != 0;
+  require(first_row >= 0 && (ring ? x->ne[1] : first_row + x->ne[1]) <= cache->ne[1], "kv_store",
           "rows past the end of the cache");
   Tensor* t = new_tensor(Op::KvStore, cache->type, cache->ne[0], cache->ne[1], "kv_store");
+  t->params[kKvRing] = cache->params[kKvRing];
   t->storage = Storage::Kv;
   t->data = cache->data;
   t->src[0] = x;
@@ -180,9 +185,14 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   require(n_head % n_head_kv == 0, "attention", "n_head must be a multiple of n_head_kv");
   require(k_cache->ne[0] == int64_t(n_head_kv) * head_dim && v_cache->ne[0] == k_cache->ne[0],
           "attention", "cache width must be n_head_kv*head_dim");
-  require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",
-          "attention length outside the cache");
   require(window >= 0, "attention", "window must be >= 0");
+  if (k_cache->params[kKvRing] || v_cache->params[kKvRing])
+    require(n_kv >= first_pos + q->ne[1] && window > 0 &&
+                window + q->ne[1] - 1 <= std::min(k_cache->ne[1], v_cache->ne[1]),
+            "attention", "a ring cache holds fewer rows than the window and the queries");
+  else
+    require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",
+            "attention length outside the cache");
   Tensor* t = new_tensor(Op::Attention, DType::F32, q->ne[0], q->ne[1], "attention");
   t->src[0] = q;
   t->src[1] = k_cache;

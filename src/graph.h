@@ -22,7 +22,7 @@ enum class Op : uint8_t {
   Add,        // dst = src0 + src1, same broadcast
   MulMat,     // dst[n, t] = sum_k src0[k, n] * src1[k, t]   src0 weights, src1 F32
   Rope,       // rotate pairs of src0 [n_head*head_dim, T] by positions src1 (I32 [T])
-  KvStore,    // write src0 [n_embd_kv, T] (F32) into cache dst at rows kv[0]..kv[0]+T-1
+  KvStore,    // write src0 [n_embd_kv, T] (F32) into cache dst, positions kv[0]..kv[0]+T-1
   Attention,  // causal attention of q=src0 over K=src1, V=src2 caches; GQA; optional window
   Glu,        // dst = act(src0) * src1, act = silu (SwiGLU) or tanh-approximated gelu (GeGLU)
   Softcap,    // dst = cap * tanh(src0 / cap)
@@ -80,7 +80,10 @@ class Graph {
 
   // Leaves
   Tensor* weight(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name);
-  Tensor* kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name);
+  // ring: the cache's ne1 rows hold position p in row p % ne1 (a sliding-window layer's ring);
+  // otherwise position p is row p.
+  Tensor* kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name,
+                   bool ring = false);
   Tensor* input_i32(int64_t n, const int32_t* host, const std::string& name);
 
   // Ops (no work is done here)
@@ -97,8 +100,10 @@ class Graph {
   // linear rope scaling.
   Tensor* rope(Tensor* x, Tensor* pos, int n_head, int head_dim, int n_dims, int mode,
                float freq_base, Tensor* freq_factors = nullptr, float freq_scale = 1.0f);
+  // Writes x's columns as the rows of positions first_row.. (of a ring: rows modulo its size).
   Tensor* kv_store(Tensor* cache, Tensor* x, int32_t first_row);
-  // window > 0: a query at position p sees only keys at positions p - window + 1 .. p.
+  // window > 0: a query at position p sees only keys at positions p - window + 1 .. p. Over a
+  // ring cache the window must be set, and the window plus the queries must fit its rows.
   Tensor* attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
                     int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window = 0);
   Tensor* swiglu(Tensor* gate, Tensor* up);
@@ -145,6 +150,10 @@ enum NormParam { kNormEps = 0, kNormGroup = 1 };
 constexpr int32_t kGluSilu = 0;
 constexpr int32_t kGluGelu = 1;
 enum AttnKv { kAttnNKv = 0, kAttnFirstPos = 1 };
+// KV cache leaves and KvStore nodes: params[kKvRing] is 1 for a ring cache (Graph::kv_cache).
+constexpr int kKvRing = 0;
+// The cache row that holds position pos, in a cache of `rows` rows (ring or not).
+inline int64_t kv_row(int64_t pos, int64_t rows) { return pos < rows ? pos : pos % rows; }
 // Rope op parameter slots.
 enum RopeParam {
   kRopeNHead = 0,

@@ -9,16 +9,24 @@
 
 namespace ggraph {
 
+// A layer holds rows[l] rows: n_ctx, or fewer for a sliding-window layer whose rows form a ring
+// (position p in row p % rows[l]), which keeps the window and one batch's new rows, as llama.cpp's
+// iSWA cache does.
 struct KvCache {
   DType type = DType::F16;
   int n_layer = 0;
   int64_t width = 0;  // n_head_kv * head_dim
   int n_ctx = 0;
-  std::vector<void*> k, v;  // per layer, [width, n_ctx], row per position
+  std::vector<int> rows;    // per layer
+  std::vector<void*> k, v;  // per layer, [width, rows[l]], row per position
 
-  size_t layer_bytes() const { return row_size(type, width) * size_t(n_ctx); }
+  bool ring(int l) const { return rows[size_t(l)] < n_ctx; }
+  size_t row_bytes() const { return row_size(type, width); }
+  size_t layer_bytes(int l) const { return row_bytes() * size_t(rows[size_t(l)]); }
+  size_t bytes() const;  // K and V of every layer
   // Allocates every layer's K and V through the backend (one block).
-  void allocate(Backend& backend, DType type, int n_layer, int64_t width, int n_ctx);
+  void allocate(Backend& backend, DType type, int n_layer, int64_t width, int n_ctx,
+                const std::vector<int>& layer_rows);
 };
 
 }  // namespace ggraph

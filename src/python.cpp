@@ -411,7 +411,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& path, const std::string& device, int n_ctx, int n_threads,
                        int n_batch, const std::string& cuda_graphs, bool cuda_graph_debug,
                        bool use_mmap, const std::string& kv_type, bool allow_longer_context,
-                       int n_seq_max) {
+                       int n_seq_max, bool swa_full) {
              ContextOptions o;
              o.device = device;
              o.n_ctx = n_ctx;
@@ -423,6 +423,7 @@ PYBIND11_MODULE(_core, m) {
              o.kv_type = kv_type;
              o.allow_longer_context = allow_longer_context;
              o.n_seq_max = n_seq_max;
+             o.swa_full = swa_full;
              py::gil_scoped_release release;
              return std::make_unique<Context>(path, o);
            }),
@@ -430,12 +431,13 @@ PYBIND11_MODULE(_core, m) {
            py::arg("n_threads") = 0, py::arg("n_batch") = 512, py::arg("cuda_graphs") = "patch",
            py::arg("cuda_graph_debug") = false, py::arg("use_mmap") = true,
            py::arg("kv_type") = ContextOptions().kv_type, py::arg("allow_longer_context") = false,
-           py::arg("n_seq_max") = 1)
+           py::arg("n_seq_max") = 1, py::arg("swa_full") = false)
       .def("open_sequence", &Context::open_sequence)
       .def("close_sequence", &Context::close_sequence, py::arg("id"))
       .def("select_sequence", &Context::select_sequence, py::arg("id"))
       .def_property_readonly("sequence", &Context::sequence)
       .def_property_readonly("n_seq_max", &Context::n_seq_max)
+      .def_property_readonly("kv_bytes", &Context::kv_bytes)
       .def_property_readonly("n_seq_open", &Context::n_seq_open)
       .def(
           "decode_batch",

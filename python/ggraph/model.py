@@ -238,6 +238,10 @@ class Model:
     n_seq_max: how many sequences the model holds at once: itself and up to n_seq_max - 1
     sessions (Model.session()), each with its own KV cache of n_ctx tokens, all allocated
     at load.
+    swa_full: sliding-window layers (Gemma 3's, for example) keep only their window and one
+    batch of rows (window + n_batch - 1, a ring) unless swa_full=True: then every position's,
+    as global layers do. With a ring, a rewind further back than the rows it kept makes the
+    next eval re-evaluate the tokens kept (as llama.cpp reprocesses the prompt).
     use_mmap: map the file (default). With a mapping, a file truncated on disk while the model
     uses it can end the process (SIGBUS), as with llama.cpp; use_mmap=False reads it into memory
     instead, for applications whose model file may change.
@@ -255,6 +259,7 @@ class Model:
         kv_type: str = "auto",
         allow_longer_context: bool = False,
         n_seq_max: int = 1,
+        swa_full: bool = False,
     ):
         path = resolve_model(path)
         if cuda_graphs is None:
@@ -273,6 +278,7 @@ class Model:
             kv_type=kv_type,
             allow_longer_context=allow_longer_context,
             n_seq_max=n_seq_max,
+            swa_full=swa_full,
         )
         if self._ctx.n_ctx > self._ctx.n_ctx_train:
             warnings.warn(
@@ -310,6 +316,12 @@ class Model:
     def kv_type(self) -> str:
         """The KV cache's element type: "f32", "f16" or "q8_0"."""
         return self._ctx.kv_type
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one sequence's KV cache (K and V of every layer; sliding-window rings are
+        smaller, see swa_full)."""
+        return self._ctx.kv_bytes
 
     @property
     def n_vocab(self) -> int:

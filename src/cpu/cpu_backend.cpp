@@ -309,10 +309,10 @@ class CpuBackend final : public Backend {
     const Tensor* src = t->src[0];
     const float* x = f32(src);
     const int64_t n = src->ne[0];
-    uint8_t* cache = ptr(t) + size_t(t->kv[0]) * t->nb[1];
     // F32 rows are copied; F16 rounded to nearest even; Q8_0 quantized as ggml's reference.
     for (int64_t j = 0; j < src->ne[1]; ++j)
-      quantize_row(t->type, x + j * n, cache + j * t->nb[1], n);
+      quantize_row(t->type, x + j * n, ptr(t) + size_t(kv_row(t->kv[0] + j, t->ne[1])) * t->nb[1],
+                   n);
   }
 
   // A task is up to kAttnTokens tokens, one KV head and one chunk of kAttnChunk keys: the query
@@ -414,29 +414,30 @@ class CpuBackend final : public Backend {
       int64_t ks = 0, vs = 0;
       if (hi > lo) {
         // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
-        // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks).
+        // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks). Positions
+        // that wrap around a ring cache's end are gathered like decoded rows.
         const int n = hi - lo;
         const size_t at = row_size(kc->type, int64_t(hk) * hd);
-        kb = reinterpret_cast<const float*>(ptr(kc) + size_t(lo) * kc->nb[1] + at);
-        vb = reinterpret_cast<const float*>(ptr(vc) + size_t(lo) * vc->nb[1] + at);
+        const int64_t rows = kc->ne[1];
+        kb = reinterpret_cast<const float*>(ptr(kc) + size_t(kv_row(lo, rows)) * kc->nb[1] + at);
+        vb = reinterpret_cast<const float*>(ptr(vc) + size_t(kv_row(lo, rows)) * vc->nb[1] + at);
         ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
-        if (!f32_cache) {
+        if (!f32_cache || kv_row(lo, rows) + n > rows) {
           kbuf.resize(size_t(n) * hd);
           vbuf.resize(size_t(n) * hd);
           const size_t head_bytes = row_size(kc->type, hd);
           const RowDecoder decode = row_decoder(kc->type);
           const int64_t head_blocks = hd / type_traits(kc->type).block_size;
           for (int p = lo; p < hi; ++p) {
+            const size_t r = size_t(kv_row(p, rows)), ahead = size_t(kv_row(p + 8, rows));
             // Each head's slice is a cache row apart from the next: fetched ahead by hand.
             if (p + 8 < hi)
               for (size_t b = 0; b < head_bytes; b += 64) {
-                __builtin_prefetch(ptr(kc) + size_t(p + 8) * kc->nb[1] + at + b);
-                __builtin_prefetch(ptr(vc) + size_t(p + 8) * vc->nb[1] + at + b);
+                __builtin_prefetch(ptr(kc) + ahead * kc->nb[1] + at + b);
+                __builtin_prefetch(ptr(vc) + ahead * vc->nb[1] + at + b);
               }
-            decode(ptr(kc) + size_t(p) * kc->nb[1] + at, kbuf.data() + size_t(p - lo) * hd,
-                   head_blocks);
-            decode(ptr(vc) + size_t(p) * vc->nb[1] + at, vbuf.data() + size_t(p - lo) * hd,
-                   head_blocks);
+            decode(ptr(kc) + r * kc->nb[1] + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
+            decode(ptr(vc) + r * vc->nb[1] + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
           }
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }

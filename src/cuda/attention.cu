@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
-                       unsigned* counters) {
+                       unsigned* counters, int cache_rows) {
   constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
   using Lane = LaneHalves<DPL>;
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 #pragma unroll 4
         for (int r = 0; r < TILE; ++r) {
           const bool ok = r < n_valid;
-          const uint8_t* row = head + (tile + (ok ? r : 0)) * row_bytes;
+          const uint8_t* row = head + ring_row(tile + (ok ? r : 0), cache_rows) * row_bytes;
           for (int w = lane; w < head_words; w += 32)
             cp_async_n<4>(d + r * kRowPitch + 4 * w, row + 4 * w, ok ? 4 : 0);
         }
@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 #pragma unroll 4
         for (int r = 0; r < TILE; ++r) {
           const bool ok = r < n_valid && lane_on;
-          cp_async_n<sizeof(Lane)>(dst + r * 32 + lane, src + (tile + (ok ? r : 0)) * kv_stride,
+          cp_async_n<sizeof(Lane)>(dst + r * 32 + lane,
+                                   src + ring_row(tile + (ok ? r : 0), cache_rows) * kv_stride,
                                    ok ? static_cast<int>(sizeof(Lane)) : 0);
         }
       }
@@ -452,8 +453,8 @@ template <int D, bool Q8>
 __global__ void __launch_bounds__(kFlashWarps * 32)
     attn_flash_kernel(const float* q, const void* kc_, const void* vc_, float* out, int n_head,
                       int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,
-                      const int32_t* n_kv_at, const int32_t* first_pos_at, int n_tokens,
-                      int window) {
+                      const int32_t* n_kv_at, const int32_t* first_pos_at, int n_tokens, int window,
+                      int cache_rows) {
   constexpr int BK = FlashShape<D, Q8>::kKeys, P = FlashShape<D, Q8>::kPitch;
   constexpr int RP = FlashShape<D, Q8>::kRawPitch;
   const auto* kc = static_cast<const __half*>(kc_);
@@ -492,7 +493,8 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
         const int r = i / head_words, w = i % head_words;
         const int j = tile + r;
         const bool ok = j < k_limit;
-        const int64_t at = (ok ? j : 0) * row_bytes + 4 * w;
+        const int64_t at =
+            static_cast<int64_t>(ok ? ring_row(j, cache_rows) : 0) * row_bytes + 4 * w;
         cp_async_n<4>(rk + r * RP + 4 * w, kh + at, ok ? 4 : 0);
         cp_async_n<4>(rv + r * RP + 4 * w, vh + at, ok ? 4 : 0);
       }
@@ -504,7 +506,9 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
       const int r = i / kVecs, c = i % kVecs;
       const int j = tile + r;
       const bool ok = j < k_limit && c * 8 < head_dim;
-      const int64_t at = ok ? j * kv_stride + static_cast<int64_t>(hkv) * head_dim + c * 8 : 0;
+      const int64_t at =
+          ok ? ring_row(j, cache_rows) * kv_stride + static_cast<int64_t>(hkv) * head_dim + c * 8
+             : 0;
       cp_async16(ks + (stage * BK + r) * P + c * 8, kc + at, ok ? 16 : 0);
       cp_async16(vs + (stage * BK + r) * P + c * 8, vc + at, ok ? 16 : 0);
     }
@@ -680,7 +684,7 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   auto launch = [&](auto kernel) {
     l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
       a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters);
+      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters, a.cache_rows);
   };
   if (a.kv_type == DType::Q8_0) {
     launch(attn_decode_kernel<DPL, G, true>);
@@ -733,7 +737,7 @@ void prompt_attention_as(Launcher& l, const AttentionArgs& a, const void* kc, co
   l(attn_flash_kernel<D, Q8>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
     dim3(kFlashWarps * 32), FlashShape<D, Q8>::smem_bytes(), a.q, kc, vc, a.out, a.n_head,
     a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens,
-    a.window);
+    a.window, a.cache_rows);
 }
 
 template <int D>
@@ -783,7 +787,8 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
     throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
   if (a.n_tokens <= kDecodeAttnMaxTokens && (!a.partials || !a.counters))
     throw std::logic_error("attention: a decode batch needs partials and counters");
-  if (a.n_kv > a.cache_rows) throw std::logic_error("attention: n_kv beyond the cache rows");
+  if (a.ring ? a.window <= 0 || a.window + a.n_tokens - 1 > a.cache_rows : a.n_kv > a.cache_rows)
+    throw std::logic_error("attention: keys beyond the cache rows");
   if (a.head_dim > 256 || a.head_dim % 8 != 0)
     throw ArgumentError("attention: head_dim must be a multiple of 8 and at most 256, got " +
                         std::to_string(a.head_dim));

@@ -235,7 +235,7 @@ void validate_node(const Tensor* t) {
       if (x->ne[0] != cache->ne[0])
         bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
                         std::to_string(cache->ne[0]));
-      if (t->kv[0] < 0 || t->kv[0] + x->ne[1] > cache->ne[1])
+      if (t->kv[0] < 0 || (cache->params[kKvRing] ? x->ne[1] : t->kv[0] + x->ne[1]) > cache->ne[1])
         bad_node(t, "rows " + std::to_string(t->kv[0]) + ".." +
                         std::to_string(t->kv[0] + x->ne[1]) + " outside a cache of " +
                         std::to_string(cache->ne[1]));
@@ -264,9 +264,13 @@ void validate_node(const Tensor* t) {
         if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
           bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
                           "head_dim = " + std::to_string(n_head_kv * head_dim));
-        if (t->kv[kAttnNKv] < 0 || t->kv[kAttnNKv] > c->ne[1])
+        if (t->kv[kAttnNKv] < 0 || (!c->params[kKvRing] && t->kv[kAttnNKv] > c->ne[1]))
           bad_node(t, "n_kv " + std::to_string(t->kv[kAttnNKv]) + " outside a cache of " +
                           std::to_string(c->ne[1]));
+        if (c->params[kKvRing] &&
+            (t->params[kAttnWindow] <= 0 || t->params[kAttnWindow] + q->ne[1] - 1 > c->ne[1]))
+          bad_node(t, "a ring cache of " + std::to_string(c->ne[1]) +
+                          " rows holds fewer than the window and the queries");
       }
       if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
       if (t->params[kAttnWindow] < 0) bad_node(t, "negative window");
@@ -720,9 +724,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             const int pv = vs->op == Op::KvStore ? pos(vs->src[0]) : -1;
             with_kv = ks->op == Op::KvStore && ks->src[0] == pair && vs->op == Op::KvStore &&
                       kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
-                      vs->kv[0] == ks->kv[0] && vs->src[0]->ne[0] == pair->ne[0] &&
-                      vs->src[0]->ne[1] == pair->ne[1] && kv_target(vs) != kv_target(ks) &&
-                      (pv < 0 || pv < i || done[pv]) &&
+                      vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
+                      vs->src[0]->ne[0] == pair->ne[0] && vs->src[0]->ne[1] == pair->ne[1] &&
+                      kv_target(vs) != kv_target(ks) && (pv < 0 || pv < i || done[pv]) &&
                       (reads_first ||
                        (!scratch_overlap(vs->src[0], t) && !scratch_overlap(vs->src[0], pair)));
             if (with_kv) {
@@ -730,6 +734,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
               kv.v = fptr(vs->src[0]);
               kv.v_cache = kv_target(vs)->data;
               kv.first_row = kv_at(ks->kv[0]);
+              kv.rows = static_cast<int>(kv_target(ks)->ne[1]);
               done[js] = done[jv] = 1;
             }
           }
@@ -756,10 +761,12 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const bool pair = nx && nx->op == Op::KvStore && !done[xi] && nx->kv[0] == t->kv[0] &&
                           nx->src[0]->ne[0] == t->src[0]->ne[0] &&
                           nx->src[0]->ne[1] == t->src[0]->ne[1] && kv_target(nx) != kv_target(t) &&
-                          kv_target(nx)->type == kv_target(t)->type;
+                          kv_target(nx)->type == kv_target(t)->type &&
+                          kv_target(nx)->ne[1] == kv_target(t)->ne[1];
         launch_kv_store(l, kv_target(t)->type, fptr(t->src[0]), kv_target(t)->data,
                         pair ? fptr(nx->src[0]) : nullptr, pair ? kv_target(nx)->data : nullptr,
-                        t->src[0]->ne[0], static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]));
+                        t->src[0]->ne[0], static_cast<int>(t->src[0]->ne[1]), kv_at(t->kv[0]),
+                        static_cast<int>(kv_target(t)->ne[1]));
         if (pair) done[xi] = 1;
         break;
       }
@@ -784,6 +791,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.n_kv = t->kv[kAttnNKv];
         a.first_pos = t->kv[kAttnFirstPos];
         a.cache_rows = static_cast<int>(cache_of(t->src[1])->ne[1]);
+        a.ring = cache_of(t->src[1])->params[kKvRing] != 0;
         a.n_kv_at = kv_at(t->kv[kAttnNKv]);
         a.first_pos_at = kv_at(t->kv[kAttnFirstPos]);
         a.partials = buf.attn;

@@ -124,6 +124,12 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// The KV cache row of position pos in a cache of `rows` rows: pos itself, or for a sliding-window
+// ring (graph.h's kv_row) pos modulo its size. rows <= 0: no cache.
+__device__ __forceinline__ int ring_row(int pos, int rows) {
+  return rows > 0 && pos >= rows ? pos % rows : pos;
+}
+
 // Element i of a row of a float type, as float.
 template <int TYPE>
 __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {

@@ -220,9 +220,10 @@ __global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap)
 // double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
 // Rotates the heads of one tensor (n_head1 0) or of two with the same positions (q and k): the
 // first n_head0 * head_dim / 2 pairs of a token belong to the first.
-// With k_cache set, the second tensor's rows (k) also go to the F16 cache at row first_row +
-// token, and v's rows (pairs after the ropes' pairs) to v_cache: the K/V stores in the same
-// launch. first_row comes from the step's KV record, as in kv_store_kernel.
+// With k_cache set, the second tensor's rows (k) also go to the F16 cache at position first_row
+// + token (its row in a cache of kv_rows rows), and v's rows (pairs after the ropes' pairs) to
+// v_cache: the K/V stores in the same launch. first_row comes from the step's KV record, as in
+// kv_store_kernel.
 struct RopeArgs {
   const float* src0;
   float* dst0;
@@ -234,6 +235,7 @@ struct RopeArgs {
   __half* k_cache;
   const float* v_src;
   __half* v_cache;
+  int kv_rows;
 };
 
 // Pair p of head h of token t: what it reads (x[i0], x[i1]) and where it writes. Heads count the
@@ -255,7 +257,7 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, i
   const int half_dim = a.head_dim / 2;
   const int n01 = a.n_head0 + a.n_head1;
   const int64_t width1 = static_cast<int64_t>(a.n_head1) * a.head_dim;
-  const int64_t row = static_cast<int64_t>(first_row) + t;
+  const int64_t row = ring_row(first_row + t, a.kv_rows);
   r.head = h;
   if (h >= n01) {
     r.valid = a.k_cache && h - n01 < a.n_head1;
@@ -322,14 +324,15 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
 }
 
 // The arguments one by one (a struct's padding would differ between otherwise equal launches).
-#define GGRAPH_ROPE_PARAMS                                                                         \
-  const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,        \
-      int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache,    \
-      const int32_t *pos, float freq_base, const int32_t *first_row_at, const float *freq_factors, \
-      float freq_scale
-#define GGRAPH_ROPE_ARGS                                                                      \
-  const RopeArgs a {                                                                          \
-    src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache \
+#define GGRAPH_ROPE_PARAMS                                                                      \
+  const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
+      int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
+      const int32_t *pos, float freq_base, const int32_t *first_row_at, int kv_rows,            \
+      const float *freq_factors, float freq_scale
+#define GGRAPH_ROPE_ARGS                                                                       \
+  const RopeArgs a {                                                                           \
+    src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache, \
+        kv_rows                                                                                \
   }
 
 __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
@@ -418,25 +421,29 @@ __global__ void __launch_bounds__(1024)
 
 // ---- KV store ------------------------------------------------------------------------------
 
-// first_row is read from the step's KV record, so that the arguments stay the same from step to
-// step. blockIdx.y picks one of two stores of the same rows (K and V).
+// first_row (the first token's position) is read from the step's KV record, so that the
+// arguments stay the same from step to step; token t goes to the row of position first_row + t
+// in a cache of `rows` rows (ring_row). blockIdx.y picks one of two stores of the same rows (K
+// and V).
 __global__ void kv_store_kernel(const float* src0, const float* src1, __half* cache0,
                                 __half* cache1, int64_t n_embd_kv, int64_t n,
-                                const int32_t* first_row_at) {
+                                const int32_t* first_row_at, int rows) {
   pdl_begin();
   const int32_t first_row = *first_row_at;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float* src = blockIdx.y == 0 ? src0 : src1;
   __half* cache = blockIdx.y == 0 ? cache0 : cache1;
-  cache[static_cast<int64_t>(first_row) * n_embd_kv + i] = __float2half_rn(src[i]);
+  const int t = static_cast<int>(i / n_embd_kv);
+  const int64_t row = ring_row(first_row + t, rows);
+  cache[row * n_embd_kv + (i - t * n_embd_kv)] = __float2half_rn(src[i]);
 }
 
 // Q8_0 rows: a warp a block of 32 values, quantized as quantize_q8_0 (quant.cpp) does: d =
 // amax / 127 rounded to F16, q = round(x / d) with the float reciprocal, halves away from zero.
 __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t* cache0,
                                    uint8_t* cache1, int64_t n_embd_kv, int64_t n_blocks,
-                                   const int32_t* first_row_at) {
+                                   const int32_t* first_row_at, int rows) {
   pdl_begin();
   const int32_t first_row = *first_row_at;
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -453,7 +460,9 @@ __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t
   const float v = roundf(x * id);
   const int q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0;
   const int64_t per_row = n_embd_kv / 32;
-  uint8_t* blk = cache + (static_cast<int64_t>(first_row) * per_row + b) * 34;
+  const int t = static_cast<int>(b / per_row);
+  const int64_t row = ring_row(first_row + t, rows);
+  uint8_t* blk = cache + (row * per_row + (b - t * per_row)) * 34;
   if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
   blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
 }
@@ -560,15 +569,26 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
                  const float* src1, float* dst1, int n_head1, const RopeKvStore* kv,
                  const float* freq_factors, float freq_scale, const RopeHeadNorm* norm) {
   if (!src1) n_head1 = 0;
-  RopeArgs a{
-      src,     dst, n_head, src1 ? src1 : src, dst1 ? dst1 : dst, n_head1, head_dim, n_dims, mode,
-      nullptr, src, nullptr};
+  RopeArgs a{src,
+             dst,
+             n_head,
+             src1 ? src1 : src,
+             dst1 ? dst1 : dst,
+             n_head1,
+             head_dim,
+             n_dims,
+             mode,
+             nullptr,
+             src,
+             nullptr,
+             0};
   const int32_t* first_row = nullptr;
   const bool with_kv = kv && src1;
   if (with_kv) {
     a.k_cache = static_cast<__half*>(kv->k_cache);
     a.v_cache = static_cast<__half*>(kv->v_cache);
     a.v_src = kv->v;
+    a.kv_rows = kv->rows;
     first_row = kv->first_row;
   }
   const int64_t slots = rope_slots(n_head, head_dim, n_head1, with_kv);
@@ -579,13 +599,13 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(1),
       dim3(rope_token_threads(n_heads, head_dim)), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
       a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, freq_factors, freq_scale, n_heads, norm ? norm->w0 : nullptr,
+      first_row, a.kv_rows, freq_factors, freq_scale, n_heads, norm ? norm->w0 : nullptr,
       norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
     a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
-    freq_base, first_row, freq_factors, freq_scale);
+    freq_base, first_row, a.kv_rows, freq_factors, freq_scale);
 }
 
 bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim) {
@@ -609,7 +629,7 @@ bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
 
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
                      const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
-                     const int32_t* first_row) {
+                     const int32_t* first_row, int rows) {
   const int64_t n = n_embd_kv * n_tokens;
   const bool pair = src1 != nullptr;
   if (cache_type == DType::Q8_0) {
@@ -618,12 +638,12 @@ void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cac
                           std::to_string(n_embd_kv));
     l(kv_store_q8_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0,
       pair ? src1 : src0, static_cast<uint8_t*>(cache0),
-      static_cast<uint8_t*>(pair ? cache1 : cache0), n_embd_kv, n / 32, first_row);
+      static_cast<uint8_t*>(pair ? cache1 : cache0), n_embd_kv, n / 32, first_row, rows);
     return;
   }
   l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
-    first_row);
+    first_row, rows);
 }
 
 bool use_programmatic_launch(const cudaDeviceProp& prop) {

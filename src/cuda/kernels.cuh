@@ -211,12 +211,14 @@ void launch_glu(Launcher& l, int act, const float* gate, const float* up, float*
 // dst = cap * tanh(x / cap) over n elements.
 void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap);
 // The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
-// as k's) go to F16 caches at rows *first_row... (first_row points into the KV record).
+// as k's) go to F16 caches at positions *first_row... (first_row points into the KV record), in
+// caches of `rows` rows (a sliding-window ring wraps: ring_row).
 struct RopeKvStore {
   void* k_cache = nullptr;
   const float* v = nullptr;
   void* v_cache = nullptr;
   const int32_t* first_row = nullptr;
+  int rows = 0;
 };
 // Per-head RMS norms applied before the rotation (Qwen 3's and Gemma 3's q/k norms): each head
 // of src (src1) is normalized over head_dim and multiplied by w0 (w1), head_dim values.
@@ -249,13 +251,13 @@ constexpr int kRopeTokenSlots = 8;
 constexpr int kRopeMaxHalfDim = 256;
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
 int rope_token_threads(int n_heads, int head_dim);
-// Writes src0 into cache0 (and src1 into cache1 when src1 is given) at rows *first_row...
-// (first_row points into the KV record).
+// Writes src0 into cache0 (and src1 into cache1 when src1 is given) at positions *first_row...
+// (first_row points into the KV record) of caches of `rows` rows (ring_row).
 // Rows of n_embd_kv values into an F16 or Q8_0 cache (Q8_0: ggml's blocks, quantized as the
 // CPU quantizes them, bit for bit).
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
                      const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
-                     const int32_t* first_row);
+                     const int32_t* first_row, int rows);
 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
@@ -349,7 +351,8 @@ struct AttentionArgs {
   float scale = 1.0f;
   int n_tokens = 0;
   int32_t n_kv = 0, first_pos = 0;
-  int cache_rows = 0;  // rows the caches hold (n_ctx)
+  int cache_rows = 0;  // rows the caches hold (n_ctx, or a sliding-window ring's)
+  bool ring = false;   // position p in row p % cache_rows (Graph::kv_cache)
   const int32_t* n_kv_at = nullptr;
   const int32_t* first_pos_at = nullptr;
   float* partials = nullptr;

@@ -826,21 +826,23 @@ struct AttnCase {
   int n_head, n_head_kv, hd, n_past, n_tok;
   int window = 0;         // > 0: each query sees its last `window` positions
   DType kv = DType::F16;  // the caches' type: F16 or Q8_0
+  int ring = 0;           // > 0: the caches are rings of this many rows (position p in p % ring)
 };
 
-// A KV cache [w, n_ctx] of type t holding the given row bytes, made as a context makes one.
+// A KV cache [w, rows] of type t holding the given row bytes, made as a context makes one.
 Tensor* kv_cache_with(Graph& g, Backend& be, DType t, const std::vector<uint8_t>& bytes, int64_t w,
-                      int64_t n_ctx, const std::string& name) {
+                      int64_t rows, const std::string& name, bool ring = false) {
   void* p = be.alloc_kv(bytes.size());
   be.kv_from_host(p, bytes.data(), bytes.size());
-  return g.kv_cache(t, w, n_ctx, p, name);
+  return g.kv_cache(t, w, rows, p, name, ring);
 }
 
-// Cache rows 0..n_past-1 already hold values; kv_store writes the new rows; attention reads all.
+// Cache rows of positions 0..n_past-1 already hold values (in a ring, the later positions over
+// the earlier ones); kv_store writes the new rows; attention reads all.
 void check_attention(const AttnCase& c, std::mt19937& rng,
                      const std::function<void(const Build&, const std::vector<double>&, double,
                                               double, const std::string&, double)>& check) {
-  const int n_ctx = c.n_past + c.n_tok + 7;
+  const int n_ctx = c.ring > 0 ? c.ring : c.n_past + c.n_tok + 7;
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
   auto v_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
@@ -856,7 +858,8 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
       const float* src = (kv ? v_all : k_all).data() + size_t(p) * kv_w;
       quantize_row(c.kv, src, row.data(), kv_w);
       dequantize_row(c.kv, row.data(), back.data(), kv_w);
-      if (p < c.n_past) std::copy(row.begin(), row.end(), (kv ? vb : kb).begin() + rb * p);
+      if (p < c.n_past)
+        std::copy(row.begin(), row.end(), (kv ? vb : kb).begin() + rb * (p % n_ctx));
       for (int64_t i = 0; i < kv_w; ++i) (kv ? vr : kr)[size_t(p) * kv_w + i] = back[i];
     }
   }
@@ -892,8 +895,8 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
   std::vector<int32_t> iq, ik, iv;
   check(
       [&](Graph& g, Backend& be) {
-        Tensor* kt = kv_cache_with(g, be, c.kv, kb, kv_w, n_ctx, "k");
-        Tensor* vt = kv_cache_with(g, be, c.kv, vb, kv_w, n_ctx, "v");
+        Tensor* kt = kv_cache_with(g, be, c.kv, kb, kv_w, n_ctx, "k", c.ring > 0);
+        Tensor* vt = kv_cache_with(g, be, c.kv, vb, kv_w, n_ctx, "v", c.ring > 0);
         g.kv_store(kt, activations(g, be, k_new, kv_w, c.n_tok, ik), c.n_past);
         g.kv_store(vt, activations(g, be, v_new, kv_w, c.n_tok, iv), c.n_past);
         return g.attention(activations(g, be, q, int64_t(c.n_head) * c.hd, c.n_tok, iq), kt, vt,
@@ -901,10 +904,10 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
                            c.window);
       },
       ref, bound, bound,
-      std::string(type_name(c.kv)) + " window " + std::to_string(c.window) + " heads " +
-          std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " hd " +
-          std::to_string(c.hd) + " past " + std::to_string(c.n_past) + " tokens " +
-          std::to_string(c.n_tok),
+      std::string(type_name(c.kv)) + " window " + std::to_string(c.window) + " ring " +
+          std::to_string(c.ring) + " heads " + std::to_string(c.n_head) + "/" +
+          std::to_string(c.n_head_kv) + " hd " + std::to_string(c.hd) + " past " +
+          std::to_string(c.n_past) + " tokens " + std::to_string(c.n_tok),
       0);
 }
 
@@ -976,6 +979,23 @@ TEST_F(CudaOps, AttentionWindowed) {
       {8, 2, 128, 40, 1, 64},   {8, 8, 64, 10, 1, 512},     {4, 1, 256, 700, 40, 512},
       {6, 1, 16, 100, 33, 7},   {12, 4, 80, 5, 33, 16},     {4, 2, 128, 4500, 3, 1},
       {8, 1, 192, 300, 1, 300}, {2, 1, 256, 100, 600, 512}, {4, 2, 64, 0, 300, 40}};
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// Sliding-window rings (window + batch - 1 rows, as a context allocates them): decode and prompt
+// batches whose keys and new rows wrap around the ring's end, F16 and Q8_0, rings shorter than
+// a decode tile.
+TEST_F(CudaOps, AttentionOverRings) {
+  std::mt19937 rng(26);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const DType f16 = DType::F16, q8 = DType::Q8_0;
+  const AttnCase cases[] = {
+      {4, 1, 256, 3000, 1, 512, f16, 1023}, {9, 3, 64, 1000, 8, 100, f16, 107},
+      {4, 1, 256, 700, 40, 512, f16, 551},  {6, 1, 16, 100, 33, 7, f16, 39},
+      {4, 2, 64, 50, 1, 5, f16, 8},         {8, 2, 128, 4500, 3, 64, f16, 70},
+      {4, 1, 256, 600, 1, 512, q8, 515},    {2, 1, 256, 1000, 600, 512, q8, 1111},
+      {4, 2, 64, 77, 2, 5, q8, 6}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 

@@ -16,6 +16,7 @@ class Params(ctypes.Structure):
         ("kv_type", ctypes.c_char_p),
         ("allow_longer_context", ctypes.c_int),
         ("n_seq_max", ctypes.c_int64),
+        ("swa_full", ctypes.c_int),
     ]
 
 

@@ -197,3 +197,34 @@ def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
     lib.ggraph_free(s1)
     other = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
     np.testing.assert_array_equal(got_m, other.eval([9, 10]))
+
+
+def test_c_api_swa_full_keeps_the_same_logits(lib, tmp_path):
+    # A windowed model (window 5) through the C API, with its windowed layers as rings of
+    # 5 + 512 - 1 rows (the default) and with every row (swa_full = 1): the same logits after a
+    # prompt that wraps the rings, and after steps past it.
+    from test_archs import write_arch
+
+    path = tmp_path / "gemma3.gguf"
+    write_arch(path, "gemma3", "F32", seed=3)
+    tokens = [(11 * i + 2) % 96 for i in range(580)]
+    out = []
+    for swa_full in (0, 1):
+        p = params(lib, device=b"cpu", n_ctx=600, n_threads=1, kv_type=b"f32")
+        p.allow_longer_context, p.swa_full = 1, swa_full
+        err = ctypes.create_string_buffer(256)
+        m = lib.ggraph_load(str(path).encode(), ctypes.byref(p), err, 256)
+        assert m, err.value
+        try:
+            logits = (ctypes.c_float * lib.ggraph_n_vocab(m))()
+            assert lib.ggraph_eval(m, _ids(tokens[:570]), 570, logits) == 0
+            for t in tokens[570:]:
+                assert lib.ggraph_eval(m, _ids([t]), 1, logits) == 0
+            out.append(np.frombuffer(logits, dtype=np.float32).copy())
+        finally:
+            lib.ggraph_free(m)
+    np.testing.assert_array_equal(out[0], out[1])
+    kw = dict(device="cpu", n_ctx=600, kv_type="f32", allow_longer_context=True)
+    with pytest.warns(RuntimeWarning):
+        ring, full = ggraph.Model(str(path), **kw), ggraph.Model(str(path), swa_full=True, **kw)
+    assert ring.kv_bytes < full.kv_bytes

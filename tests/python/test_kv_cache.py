@@ -158,7 +158,8 @@ def test_a_state_round_trips_in_its_own_type(heads32, kv_type):
     m.eval(TOKENS[:9])
     state = m.save_state()
     row = {"f32": 64 * 4, "f16": 64 * 2, "q8_0": 2 * 34}[kv_type]  # rows of 64 (2 heads of 32)
-    assert len(state) == STATE_HEADER + 9 * 4 + 2 * 2 * 9 * row  # 2 layers, K and V
+    # The tokens, each layer's first position (2 layers), then each layer's K and V rows.
+    assert len(state) == STATE_HEADER + 9 * 4 + 2 * 4 + 2 * 2 * 9 * row
     expected = m.eval(TOKENS[9:])
     other = ggraph.Model(heads32, device="cpu", n_ctx=64, kv_type=kv_type)
     other.eval([5, 5, 5])
