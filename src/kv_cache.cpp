@@ -14,7 +14,7 @@ void KvCache::allocate(Backend& backend, DType cache_type, int layers, int64_t r
   n_layer = layers;
   width = row_width;
   n_ctx = context;
-  rows = layer_rows;
+  rows = layer_rows.empty() ? std::vector<int>(size_t(layers), context) : layer_rows;
   uint8_t* base = static_cast<uint8_t*>(backend.alloc_kv(bytes()));
   k.resize(n_layer);
   v.resize(n_layer);

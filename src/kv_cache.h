@@ -24,9 +24,10 @@ struct KvCache {
   size_t row_bytes() const { return row_size(type, width); }
   size_t layer_bytes(int l) const { return row_bytes() * size_t(rows[size_t(l)]); }
   size_t bytes() const;  // K and V of every layer
-  // Allocates every layer's K and V through the backend (one block).
+  // Allocates every layer's K and V through the backend (one block); layer_rows empty: n_ctx
+  // rows each.
   void allocate(Backend& backend, DType type, int n_layer, int64_t width, int n_ctx,
-                const std::vector<int>& layer_rows);
+                const std::vector<int>& layer_rows = {});
 };
 
 }  // namespace ggraph
