@@ -289,13 +289,15 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 
   for (int tile = k_begin + warp * TILE; tile < k_end; tile += kWarps * TILE) {
     const int n_valid = min(TILE, k_end - tile);
+    const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
     auto stage = [&](Lane* dst, const __half* src, const uint8_t* head) {
       if constexpr (Q8) {
         uint8_t* d = reinterpret_cast<uint8_t*>(dst);
 #pragma unroll 4
         for (int r = 0; r < TILE; ++r) {
           const bool ok = r < n_valid;
-          const uint8_t* row = head + ring_row(tile + (ok ? r : 0), cache_rows) * row_bytes;
+          const uint8_t* row =
+              head + ring_row_after<TILE>(row0, tile, ok ? r : 0, cache_rows) * row_bytes;
           for (int w = lane; w < head_words; w += 32)
             cp_async_n<4>(d + r * kRowPitch + 4 * w, row + 4 * w, ok ? 4 : 0);
         }
@@ -303,9 +305,10 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 #pragma unroll 4
         for (int r = 0; r < TILE; ++r) {
           const bool ok = r < n_valid && lane_on;
-          cp_async_n<sizeof(Lane)>(dst + r * 32 + lane,
-                                   src + ring_row(tile + (ok ? r : 0), cache_rows) * kv_stride,
-                                   ok ? static_cast<int>(sizeof(Lane)) : 0);
+          cp_async_n<sizeof(Lane)>(
+              dst + r * 32 + lane,
+              src + ring_row_after<TILE>(row0, tile, ok ? r : 0, cache_rows) * kv_stride,
+              ok ? static_cast<int>(sizeof(Lane)) : 0);
         }
       }
       cp_async_commit();
@@ -484,6 +487,7 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
   const int head_words = q8_head_bytes(head_dim) / 4;
   const int64_t row_bytes = kv_stride / 32 * 34;
   auto load_tile = [&](int tile, int stage) {
+    const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
     if constexpr (Q8) {
       const uint8_t* kh = static_cast<const uint8_t*>(kc_) + hkv * q8_head_bytes(head_dim);
       const uint8_t* vh = static_cast<const uint8_t*>(vc_) + hkv * q8_head_bytes(head_dim);
@@ -494,7 +498,9 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
         const int j = tile + r;
         const bool ok = j < k_limit;
         const int64_t at =
-            static_cast<int64_t>(ok ? ring_row(j, cache_rows) : 0) * row_bytes + 4 * w;
+            static_cast<int64_t>(ok ? ring_row_after<BK>(row0, tile, r, cache_rows) : 0) *
+                row_bytes +
+            4 * w;
         cp_async_n<4>(rk + r * RP + 4 * w, kh + at, ok ? 4 : 0);
         cp_async_n<4>(rv + r * RP + 4 * w, vh + at, ok ? 4 : 0);
       }
@@ -506,9 +512,9 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
       const int r = i / kVecs, c = i % kVecs;
       const int j = tile + r;
       const bool ok = j < k_limit && c * 8 < head_dim;
-      const int64_t at =
-          ok ? ring_row(j, cache_rows) * kv_stride + static_cast<int64_t>(hkv) * head_dim + c * 8
-             : 0;
+      const int64_t at = ok ? ring_row_after<BK>(row0, tile, r, cache_rows) * kv_stride +
+                                  static_cast<int64_t>(hkv) * head_dim + c * 8
+                            : 0;
       cp_async16(ks + (stage * BK + r) * P + c * 8, kc + at, ok ? 16 : 0);
       cp_async16(vs + (stage * BK + r) * P + c * 8, vc + at, ok ? 16 : 0);
     }

@@ -129,6 +129,16 @@ __device__ __forceinline__ void pdl_begin() {
 __device__ __forceinline__ int ring_row(int pos, int rows) {
   return rows > 0 && pos >= rows ? pos % rows : pos;
 }
+// The row of position first + r (0 <= r < N) given row0, the row of position first: one
+// compare where the cache holds at least N rows, the division otherwise.
+template <int N>
+__device__ __forceinline__ int ring_row_after(int row0, int first, int r, int rows) {
+  if (rows >= N) {
+    const int row = row0 + r;
+    return row >= rows ? row - rows : row;
+  }
+  return ring_row(first + r, rows);
+}
 
 // Element i of a row of a float type, as float.
 template <int TYPE>
