@@ -172,7 +172,6 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   for (Sequence& s : seqs_)
     s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_, rows);
   seqs_[0].open = true;
-  kv_ = seqs_[0].kv;
 
   // Size the buffers once, from the largest graph: a full batch with every logit.
   Graph worst;
@@ -217,7 +216,7 @@ void Context::build_decode_batch(Graph& graph, const std::vector<Batch::Seq>& sl
   b.seqs = slots.data();
   b.cols = in.cols.data();
   b.n_seqs = static_cast<int>(m);
-  model_->build(graph, b, kv_);
+  model_->build(graph, b, live().kv);
   plan(graph);
 }
 
@@ -301,8 +300,7 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)
-      note_written(sq[i] == cur_ ? kv_lost_ : seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1,
-                   ring_rows_);
+      note_written(seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1, ring_rows_);
     backend_->compute(*graph, logits.data() + start * n_vocab);
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
@@ -310,13 +308,8 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
 }
 
 void Context::append_token(int seq, int32_t token) {
-  if (seq == cur_) {
-    ++n_past_;
-    tokens_.push_back(token);
-  } else {
-    ++seqs_[size_t(seq)].n_past;
-    seqs_[size_t(seq)].tokens.push_back(token);
-  }
+  ++seqs_[size_t(seq)].n_past;
+  seqs_[size_t(seq)].tokens.push_back(token);
 }
 
 int Context::open_sequence() {
@@ -348,29 +341,6 @@ void Context::close_sequence(int id) {
 void Context::select_sequence(int id) {
   if (id < 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
     throw ArgumentError("select_sequence: " + std::to_string(id) + " is not an open sequence");
-  if (id == cur_) return;
-  kv_ = seqs_[size_t(id)].kv;  // the one step that may allocate, before anything has moved
-  Sequence& from = seqs_[size_t(cur_)];
-  from.n_past = n_past_;
-  from.kv_lost = kv_lost_;
-  from.tokens.swap(tokens_);
-  from.step_graph = std::move(step_graph_);
-  from.step_tokens = step_tokens_, from.step_outputs = step_outputs_;
-  from.step_n_past = step_n_past_;
-  from.in_tokens.swap(in_tokens_);  // swaps keep the buffers the graph's inputs point at
-  from.in_positions.swap(in_positions_);
-  from.in_out_ids.swap(in_out_ids_);
-  Sequence& to = seqs_[size_t(id)];
-  n_past_ = to.n_past;
-  kv_lost_ = to.kv_lost;
-  tokens_.swap(to.tokens);
-  to.tokens.clear();
-  // Its own last step graph, planned over its own cache: a decode step reuses it.
-  step_graph_ = std::move(to.step_graph);
-  step_tokens_ = to.step_tokens, step_outputs_ = to.step_outputs, step_n_past_ = to.step_n_past;
-  in_tokens_.swap(to.in_tokens);
-  in_positions_.swap(to.in_positions);
-  in_out_ids_.swap(to.in_out_ids);
   cur_ = id;
 }
 
@@ -382,8 +352,8 @@ int Context::n_seq_open() const {
 
 std::string Context::kv_type() const {
   for (const auto& t : kKvTypes)
-    if (kv_.type == t.type) return t.name;
-  return type_name(kv_.type);
+    if (live().kv.type == t.type) return t.name;
+  return type_name(live().kv.type);
 }
 
 const Tokenizer& Context::tokenizer() const {
@@ -393,19 +363,19 @@ const Tokenizer& Context::tokenizer() const {
 
 void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_past,
                     bool embeddings) {
-  in_tokens_.resize(n_tokens);
-  in_positions_.resize(n_tokens);
-  std::iota(in_positions_.begin(), in_positions_.end(), n_past);
-  in_out_ids_.resize(n_outputs);
-  std::iota(in_out_ids_.begin(), in_out_ids_.end(), n_tokens - n_outputs);
-  b.tokens = in_tokens_.data();
-  b.positions = in_positions_.data();
-  b.out_ids = in_out_ids_.data();
+  live().in_tokens.resize(n_tokens);
+  live().in_positions.resize(n_tokens);
+  std::iota(live().in_positions.begin(), live().in_positions.end(), n_past);
+  live().in_out_ids.resize(n_outputs);
+  std::iota(live().in_out_ids.begin(), live().in_out_ids.end(), n_tokens - n_outputs);
+  b.tokens = live().in_tokens.data();
+  b.positions = live().in_positions.data();
+  b.out_ids = live().in_out_ids.data();
   b.n_tokens = n_tokens;
   b.n_outputs = n_outputs;
   b.n_past = n_past;
   b.embeddings = embeddings;
-  model_->build(graph, b, kv_);
+  model_->build(graph, b, live().kv);
 }
 
 std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logits,
@@ -413,16 +383,16 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   if (n == 0) throw ArgumentError("eval: the token list is empty");
   const int n_vocab = model_->n_vocab;
   check_token_ids(tokens, n, n_vocab, "eval");
-  if (size_t(n_past_) + n > size_t(n_ctx_))
+  if (size_t(live().n_past) + n > size_t(n_ctx_))
     throw ArgumentError("eval: " + std::to_string(n) +
-                        " tokens do not fit the context: " + std::to_string(n_past_) + " of " +
-                        std::to_string(n_ctx_) + " positions are used");
+                        " tokens do not fit the context: " + std::to_string(live().n_past) +
+                        " of " + std::to_string(n_ctx_) + " positions are used");
   if (needs_repair()) repair(interrupted);
 
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
-  int n_past = n_past_;
+  int n_past = live().n_past;
   for (size_t start = 0; start < n; start += n_batch_) {
-    // The cache rows the earlier chunks wrote lie past n_past_, which has not moved: stopping
+    // The cache rows the earlier chunks wrote lie past live().n_past, which has not moved: stopping
     // here leaves the context as it was.
     if (start > 0 && (take_cancel() || (interrupted && interrupted())))
       throw Cancelled("eval: cancelled after " + std::to_string(start) + " of " +
@@ -430,48 +400,48 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();
-    if (step_graph_ && step_tokens_ == chunk && step_outputs_ == n_out) {
-      step_graph_->shift_kv(n_past - step_n_past_);
-      std::iota(in_positions_.begin(), in_positions_.end(), n_past);
+    if (live().step_graph && live().step_tokens == chunk && live().step_outputs == n_out) {
+      live().step_graph->shift_kv(n_past - live().step_n_past);
+      std::iota(live().in_positions.begin(), live().in_positions.end(), n_past);
     } else {
-      step_graph_.reset();  // a failed build must not leave a half-made graph behind
+      live().step_graph.reset();  // a failed build must not leave a half-made graph behind
       auto graph = std::make_unique<Graph>();
       Batch b;
       build(*graph, b, chunk, n_out, n_past);
       plan(*graph);
-      step_graph_ = std::move(graph);
-      step_tokens_ = chunk;
-      step_outputs_ = n_out;
+      live().step_graph = std::move(graph);
+      live().step_tokens = chunk;
+      live().step_outputs = n_out;
     }
-    step_n_past_ = n_past;
-    std::copy(tokens + start, tokens + start + chunk, in_tokens_.begin());
-    const Graph& graph = *step_graph_;
+    live().step_n_past = n_past;
+    std::copy(tokens + start, tokens + start + chunk, live().in_tokens.begin());
+    const Graph& graph = *live().step_graph;
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     // Earlier chunks only fill the KV cache; their logit row is overwritten by the last. A
     // ring's rows of earlier positions are overwritten even where the eval stops after this.
-    note_written(kv_lost_, n_past + chunk, ring_rows_);
+    note_written(live().kv_lost, n_past + chunk, ring_rows_);
     backend_->compute(graph, all_logits ? logits.data() + start * n_vocab : logits.data());
     n_past += chunk;
   }
-  n_past_ = n_past;  // only once every chunk has run: a failure leaves the context as it was
-  tokens_.insert(tokens_.end(), tokens, tokens + n);
+  live().n_past = n_past;  // only once every chunk has run: a failure leaves the context as it was
+  live().tokens.insert(live().tokens.end(), tokens, tokens + n);
   return logits;
 }
 
 void Context::repair(const std::function<bool()>& interrupted) {
   std::vector<int32_t> kept;
-  kept.swap(tokens_);
-  const int n = n_past_;
-  n_past_ = 0;
-  kv_lost_ = 0;
+  kept.swap(live().tokens);
+  const int n = live().n_past;
+  live().n_past = 0;
+  live().kv_lost = 0;
   try {
     if (n > 0) eval(kept.data(), size_t(n), false, interrupted);
   } catch (...) {
     // Stopped half-way: the same tokens, with every windowed row still to be rebuilt.
-    tokens_.swap(kept);
-    n_past_ = n;
-    kv_lost_ = n;
+    live().tokens.swap(kept);
+    live().n_past = n;
+    live().kv_lost = n;
     throw;
   }
 }
@@ -497,32 +467,32 @@ struct StateHeader {
 }  // namespace
 
 size_t Context::kv_rows_bytes(size_t n_rows) const {
-  return 2 * size_t(kv_.n_layer) * n_rows * kv_.row_bytes();
+  return 2 * size_t(live().kv.n_layer) * n_rows * live().kv.row_bytes();
 }
 
 void Context::kv_rows_to_host(uint8_t* host, size_t n_rows) const {
-  const size_t rows = n_rows * kv_.row_bytes();
-  for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
-    backend_->kv_to_host(host, kv_.k[size_t(l)], rows);
-    backend_->kv_to_host(host + rows, kv_.v[size_t(l)], rows);
+  const size_t rows = n_rows * live().kv.row_bytes();
+  for (int l = 0; l < live().kv.n_layer; ++l, host += 2 * rows) {
+    backend_->kv_to_host(host, live().kv.k[size_t(l)], rows);
+    backend_->kv_to_host(host + rows, live().kv.v[size_t(l)], rows);
   }
 }
 
 void Context::kv_rows_from_host(const uint8_t* host, size_t n_rows) {
-  const size_t rows = n_rows * kv_.row_bytes();
-  for (int l = 0; l < kv_.n_layer; ++l, host += 2 * rows) {
-    backend_->kv_from_host(kv_.k[size_t(l)], host, rows);
-    backend_->kv_from_host(kv_.v[size_t(l)], host + rows, rows);
+  const size_t rows = n_rows * live().kv.row_bytes();
+  for (int l = 0; l < live().kv.n_layer; ++l, host += 2 * rows) {
+    backend_->kv_from_host(live().kv.k[size_t(l)], host, rows);
+    backend_->kv_from_host(live().kv.v[size_t(l)], host + rows, rows);
   }
 }
 
 void Context::kv_runs(
     int l, int first, int end,
     const std::function<void(void* cache, size_t offset, size_t bytes)>& fn) const {
-  const size_t rb = kv_.row_bytes();
-  const int rows = kv_.rows[size_t(l)];
+  const size_t rb = live().kv.row_bytes();
+  const int rows = live().kv.rows[size_t(l)];
   size_t offset = 0;
-  for (void* cache : {kv_.k[size_t(l)], kv_.v[size_t(l)]}) {
+  for (void* cache : {live().kv.k[size_t(l)], live().kv.v[size_t(l)]}) {
     // A ring's positions lie in at most two runs of rows.
     for (int p = first; p < end;) {
       const int r = int(kv_row(p, rows)), n = std::min(end - p, rows - r);
@@ -535,38 +505,38 @@ void Context::kv_runs(
 
 std::vector<uint8_t> Context::save_state() const {
   // Each layer's rows from its first kept position: 0, or for a ring the oldest it still holds.
-  std::vector<uint32_t> firsts(size_t(kv_.n_layer), 0);
+  std::vector<uint32_t> firsts(size_t(live().kv.n_layer), 0);
   size_t kv_bytes = 0;
-  for (int l = 0; l < kv_.n_layer; ++l) {
-    if (kv_.ring(l))
-      firsts[size_t(l)] =
-          uint32_t(std::min(n_past_, std::max({0, kv_lost_, n_past_ - kv_.rows[size_t(l)]})));
-    kv_bytes += 2 * size_t(n_past_ - int(firsts[size_t(l)])) * kv_.row_bytes();
+  for (int l = 0; l < live().kv.n_layer; ++l) {
+    if (live().kv.ring(l))
+      firsts[size_t(l)] = uint32_t(std::min(
+          live().n_past, std::max({0, live().kv_lost, live().n_past - live().kv.rows[size_t(l)]})));
+    kv_bytes += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * live().kv.row_bytes();
   }
-  const size_t tokens_bytes = size_t(n_past_) * sizeof(int32_t);
+  const size_t tokens_bytes = size_t(live().n_past) * sizeof(int32_t);
   const size_t firsts_bytes = firsts.size() * sizeof(uint32_t);
   std::vector<uint8_t> out(sizeof(StateHeader) + tokens_bytes + firsts_bytes + kv_bytes);
   StateHeader h{};
   std::memcpy(h.magic, kStateMagic, 4);
   h.version = kStateVersion;
   h.fingerprint = fingerprint_;
-  h.kv_type = static_cast<uint32_t>(kv_.type);
-  h.n_layer = uint32_t(kv_.n_layer);
-  h.width = uint64_t(kv_.width);
-  h.n_past = uint32_t(n_past_);
-  h.kv_lost = uint32_t(std::min(kv_lost_, n_past_));
+  h.kv_type = static_cast<uint32_t>(live().kv.type);
+  h.n_layer = uint32_t(live().kv.n_layer);
+  h.width = uint64_t(live().kv.width);
+  h.n_past = uint32_t(live().n_past);
+  h.kv_lost = uint32_t(std::min(live().kv_lost, live().n_past));
   uint8_t* p = out.data();
   std::memcpy(p, &h, sizeof h);
   p += sizeof h;
-  std::memcpy(p, tokens_.data(), tokens_bytes);
+  std::memcpy(p, live().tokens.data(), tokens_bytes);
   p += tokens_bytes;
   std::memcpy(p, firsts.data(), firsts_bytes);
   p += firsts_bytes;
-  for (int l = 0; l < kv_.n_layer; ++l) {
-    kv_runs(l, int(firsts[size_t(l)]), n_past_, [&](void* cache, size_t at, size_t bytes) {
+  for (int l = 0; l < live().kv.n_layer; ++l) {
+    kv_runs(l, int(firsts[size_t(l)]), live().n_past, [&](void* cache, size_t at, size_t bytes) {
       backend_->kv_to_host(p + at, cache, bytes);
     });
-    p += 2 * size_t(n_past_ - int(firsts[size_t(l)])) * kv_.row_bytes();
+    p += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * live().kv.row_bytes();
   }
   return out;
 }
@@ -584,30 +554,30 @@ void Context::load_state(const uint8_t* data, size_t size) {
                         "; this ggraph reads versions 1 to " + std::to_string(kStateVersion));
   if (h.fingerprint != fingerprint_)
     throw ArgumentError("load_state: the state was saved with another model file");
-  if (h.kv_type != static_cast<uint32_t>(kv_.type) || h.n_layer != uint32_t(kv_.n_layer) ||
-      h.width != uint64_t(kv_.width)) {
+  if (h.kv_type != static_cast<uint32_t>(live().kv.type) ||
+      h.n_layer != uint32_t(live().kv.n_layer) || h.width != uint64_t(live().kv.width)) {
     const TypeTraits* saved = type_traits_or_null(h.kv_type);
-    throw ArgumentError(std::string("load_state: the state's KV cache is ") +
-                        (saved ? saved->name : "of type id " + std::to_string(h.kv_type)) + " (" +
-                        std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) +
-                        "), this context's " + type_name(kv_.type) + " (" +
-                        std::to_string(kv_.n_layer) + " layers of " + std::to_string(kv_.width) +
-                        "): a state loads into a context of the same kv_type");
+    throw ArgumentError(
+        std::string("load_state: the state's KV cache is ") +
+        (saved ? saved->name : "of type id " + std::to_string(h.kv_type)) + " (" +
+        std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) + "), this context's " +
+        type_name(live().kv.type) + " (" + std::to_string(live().kv.n_layer) + " layers of " +
+        std::to_string(live().kv.width) + "): a state loads into a context of the same kv_type");
   }
   if (h.n_past > uint32_t(n_ctx_))
     throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
                         " tokens; this context holds " + std::to_string(n_ctx_));
   const int n_past = int(h.n_past);
   const size_t tokens_bytes = size_t(n_past) * sizeof(int32_t);
-  const size_t firsts_bytes = h.version >= 2 ? size_t(kv_.n_layer) * sizeof(uint32_t) : 0;
+  const size_t firsts_bytes = h.version >= 2 ? size_t(live().kv.n_layer) * sizeof(uint32_t) : 0;
   if (size < sizeof h + tokens_bytes + firsts_bytes)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
                         std::to_string(n_past) + " tokens takes at least " +
                         std::to_string(sizeof h + tokens_bytes + firsts_bytes));
-  std::vector<uint32_t> firsts(size_t(kv_.n_layer), 0);
+  std::vector<uint32_t> firsts(size_t(live().kv.n_layer), 0);
   if (firsts_bytes) std::memcpy(firsts.data(), data + sizeof h + tokens_bytes, firsts_bytes);
   size_t expected = sizeof h + tokens_bytes + firsts_bytes;
-  for (int l = 0; l < kv_.n_layer; ++l) {
+  for (int l = 0; l < live().kv.n_layer; ++l) {
     const uint32_t f = firsts[size_t(l)];
     const bool windowed = model_->layer_window[size_t(l)] > 0;
     // Only a windowed layer may start past position 0.
@@ -615,7 +585,7 @@ void Context::load_state(const uint8_t* data, size_t size) {
       throw ArgumentError("load_state: layer " + std::to_string(l) + "'s rows start at position " +
                           std::to_string(f) + "; expected " +
                           (windowed ? "at most " + std::to_string(n_past) : std::string("0")));
-    expected += 2 * size_t(n_past - int(f)) * kv_.row_bytes();
+    expected += 2 * size_t(n_past - int(f)) * live().kv.row_bytes();
   }
   if (size != expected)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
@@ -626,27 +596,27 @@ void Context::load_state(const uint8_t* data, size_t size) {
   int lost = int(std::min(h.kv_lost, h.n_past));
   try {
     const uint8_t* p = data + sizeof h + tokens_bytes + firsts_bytes;
-    for (int l = 0; l < kv_.n_layer; ++l) {
+    for (int l = 0; l < live().kv.n_layer; ++l) {
       // This context's ring may be shorter than the saving one's: its last rows only.
       const int count = n_past - int(firsts[size_t(l)]);
-      const int keep = std::min(count, kv_.rows[size_t(l)]);
-      const size_t skip = size_t(count - keep) * kv_.row_bytes();
-      const size_t half = size_t(keep) * kv_.row_bytes();  // K's rows, then V's
+      const int keep = std::min(count, live().kv.rows[size_t(l)]);
+      const size_t skip = size_t(count - keep) * live().kv.row_bytes();
+      const size_t half = size_t(keep) * live().kv.row_bytes();  // K's rows, then V's
       kv_runs(l, n_past - keep, n_past, [&](void* cache, size_t at, size_t bytes) {
         const size_t from =
-            at < half ? skip + at : size_t(count) * kv_.row_bytes() + skip + at - half;
+            at < half ? skip + at : size_t(count) * live().kv.row_bytes() + skip + at - half;
         backend_->kv_from_host(cache, p + from, bytes);
       });
       if (model_->layer_window[size_t(l)] > 0) lost = std::max(lost, n_past - keep);
-      p += 2 * size_t(count) * kv_.row_bytes();
+      p += 2 * size_t(count) * live().kv.row_bytes();
     }
   } catch (...) {
     reset();  // a device failure half-way: the old rows are gone, so the context is emptied
     throw;
   }
-  tokens_ = std::move(tokens);
-  n_past_ = n_past;
-  kv_lost_ = lost;
+  live().tokens = std::move(tokens);
+  live().n_past = n_past;
+  live().kv_lost = lost;
 }
 
 std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
@@ -657,18 +627,18 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
                         std::to_string(n_batch_) + " (n_batch)");
   // The graph writes cache rows [0, n): the conversation's rows there are kept aside and put
   // back, so that its tokens and cache are as they were.
-  const size_t kept = std::min(n, size_t(n_past_));
+  const size_t kept = std::min(n, size_t(live().n_past));
   std::vector<uint8_t> saved(kv_rows_bytes(kept));
   kv_rows_to_host(saved.data(), kept);
   const int n_tok = int(n);
   std::vector<float> out(size_t(model_->n_embd) * n);
   try {
-    step_graph_.reset();  // its own graph shape: the decode graph is rebuilt after
+    live().step_graph.reset();  // its own graph shape: the decode graph is rebuilt after
     Graph graph;
     Batch b;
     build(graph, b, n_tok, n_tok, 0, /*embeddings=*/true);
     plan(graph);
-    std::copy(tokens, tokens + n, in_tokens_.begin());
+    std::copy(tokens, tokens + n, live().in_tokens.begin());
     backend_->compute(graph, out.data());
   } catch (...) {
     kv_rows_from_host(saved.data(), kept);

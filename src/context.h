@@ -86,19 +86,19 @@ class Context {
   void clear_cancel() { cancels_[size_t(cur_)].store(false, std::memory_order_relaxed); }
   bool take_cancel() { return cancels_[size_t(cur_)].exchange(false, std::memory_order_relaxed); }
   void reset() {
-    n_past_ = 0;
-    kv_lost_ = 0;
-    tokens_.clear();
+    live().n_past = 0;
+    live().kv_lost = 0;
+    live().tokens.clear();
   }
   // Forgets every position from n on (keeps the first n tokens of the cache). Where sliding-
   // window rings have overwritten rows the next step needs, that step first re-evaluates the n
   // tokens kept.
   void rewind(int n) {
-    if (n < 0 || n > n_past_)
-      throw ArgumentError("rewind: expected a position in [0, " + std::to_string(n_past_) +
+    if (n < 0 || n > live().n_past)
+      throw ArgumentError("rewind: expected a position in [0, " + std::to_string(live().n_past) +
                           "], got " + std::to_string(n));
-    n_past_ = n;
-    tokens_.resize(size_t(n));
+    live().n_past = n;
+    live().tokens.resize(size_t(n));
   }
   // The context's state: its tokens and their KV cache rows, in a versioned binary format that
   // names the model it belongs to (a fingerprint of its file's tensor table and size) and the
@@ -107,7 +107,7 @@ class Context {
   std::vector<uint8_t> save_state() const;
   void load_state(const uint8_t* data, size_t size);
   // The tokens the KV cache holds, in order (n_past of them).
-  const std::vector<int32_t>& tokens() const { return tokens_; }
+  const std::vector<int32_t>& tokens() const { return live().tokens; }
 
   // Sequences: independent token histories and KV caches over the same weights. Every call
   // above works on the selected one. open_sequence takes a free one (empty) and returns its id,
@@ -125,10 +125,10 @@ class Context {
   int n_seq_max() const { return static_cast<int>(seqs_.size()); }
   int n_seq_open() const;
 
-  int n_past() const { return n_past_; }
+  int n_past() const { return live().n_past; }
   int n_ctx() const { return n_ctx_; }
   // Bytes of one sequence's KV cache (every layer's K and V; rings are smaller).
-  size_t kv_bytes() const { return kv_.bytes(); }
+  size_t kv_bytes() const { return live().kv.bytes(); }
   int n_ctx_train() const { return model_->n_ctx_train; }
   // The KV cache's element type as ContextOptions::kv_type names it ("f16").
   std::string kv_type() const;
@@ -163,51 +163,47 @@ class Context {
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tokenizer_;  // read at load; null when the file has none
   std::string tokenizer_error_;           // why tokenizer() cannot give one
-  KvCache kv_;
   int n_ctx_ = 0;
   int n_batch_ = 0;
-  int n_past_ = 0;
   std::string device_;
-  std::vector<int32_t> in_tokens_, in_positions_, in_out_ids_;
-  // Sliding-window rings: the largest window of a windowed layer (0: none), the rows of the
-  // smallest ring (0: no ring), and for the selected sequence the position below which a
-  // windowed layer may lack rows (written over by later positions, or absent from a loaded
-  // state). A step at position p needs every windowed layer's rows from p - window + 1 on.
+  // Sliding-window rings: the largest window of a windowed layer (0: none) and the rows of the
+  // smallest ring (0: no ring). A step at position p needs every windowed layer's rows from
+  // p - window + 1 on (Sequence::kv_lost).
   int swa_window_ = 0, ring_rows_ = 0;
-  int kv_lost_ = 0;
   // Positions [.., end) are about to be written: ring rows of positions before end - ring_rows_
   // are overwritten.
   static void note_written(int& lost, int end, int ring_rows) {
     if (ring_rows > 0) lost = std::max(lost, end - ring_rows);
   }
-  bool needs_repair() const { return kv_lost_ > std::max(0, n_past_ - swa_window_ + 1); }
+  bool needs_repair() const {
+    return live().kv_lost > std::max(0, live().n_past - swa_window_ + 1);
+  }
   // Re-evaluates the selected sequence's tokens from position 0 (needs_repair); stopped or
   // failed, it leaves them to be re-evaluated again.
   void repair(const std::function<bool()>& interrupted = nullptr);
-  // The last step's planned graph: a step of the same batch shape reuses it, shifted to the
-  // new position, instead of building and planning again.
-  std::unique_ptr<Graph> step_graph_;
-  int step_tokens_ = 0, step_outputs_ = 0, step_n_past_ = 0;
   std::unique_ptr<std::atomic<bool>[]> cancels_;  // a request per sequence (cancel)
-  std::vector<int32_t> tokens_;
-  // Every sequence's cache and history; the selected one's live in kv_, n_past_ and tokens_
-  // (its entry here is stale until it is parked by select_sequence).
+  // Every sequence's cache and history; every call works on the selected one, live().
   struct Sequence {
     KvCache kv;
     int n_past = 0;
+    // The position below which a windowed layer may lack rows (written over by later
+    // positions, or absent from a loaded state).
     int kv_lost = 0;
     std::vector<int32_t> tokens;
     bool open = false;
-    // Its last step's graph (over its own cache) and the host inputs that graph's input
-    // tensors point at, kept while another sequence runs.
+    // Its last step's planned graph (over its own cache): a step of the same batch shape
+    // reuses it, shifted to the new position, instead of building and planning again; and the
+    // host inputs that graph's input tensors point at.
     std::unique_ptr<Graph> step_graph;
     int step_tokens = 0, step_outputs = 0, step_n_past = 0;
     std::vector<int32_t> in_tokens, in_positions, in_out_ids;
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;
-  // A sequence's position, and a token appended to it: the live fields for the selected one.
-  int past_of(int seq) const { return seq == cur_ ? n_past_ : seqs_[size_t(seq)].n_past; }
+  Sequence& live() { return seqs_[size_t(cur_)]; }
+  const Sequence& live() const { return seqs_[size_t(cur_)]; }
+  // A sequence's position, and a token appended to it.
+  int past_of(int seq) const { return seqs_[size_t(seq)].n_past; }
   void append_token(int seq, int32_t token);
   // The last decode_batch's graph, the sequences it ran (in order) and their positions then,
   // and the host inputs its input tensors point at: the next step of the same sequences
