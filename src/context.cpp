@@ -157,18 +157,15 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   seqs_.resize(size_t(o.n_seq_max));
   cancels_.reset(new std::atomic<bool>[seqs_.size()]());
   // A windowed layer reads at most its window's rows and writes one batch's: a ring of
-  // window + n_batch - 1 rows holds both, where that is shorter than the context.
+  // window + n_batch - 1 rows holds both, where that is shorter than the context. Every
+  // windowed layer takes the largest window's ring, so that one position per sequence
+  // (kv_lost) tells what every ring still holds.
+  for (int w : model_->layer_window) swa_window_ = std::max(swa_window_, w);
+  const int64_t ring = int64_t(swa_window_) + n_batch_ - 1;
+  if (swa_window_ > 0 && !o.swa_full && ring < n_ctx_) ring_rows_ = int(ring);
   std::vector<int> rows(size_t(model_->n_layer), n_ctx_);
-  for (int l = 0; l < model_->n_layer; ++l) {
-    const int w = l < int(model_->layer_window.size()) ? model_->layer_window[size_t(l)] : 0;
-    if (w <= 0) continue;
-    swa_window_ = std::max(swa_window_, w);
-    const int64_t ring = int64_t(w) + n_batch_ - 1;
-    if (!o.swa_full && ring < n_ctx_) {
-      rows[size_t(l)] = int(ring);
-      ring_rows_ = ring_rows_ > 0 ? std::min(ring_rows_, int(ring)) : int(ring);
-    }
-  }
+  for (int l = 0; l < model_->n_layer; ++l)
+    if (ring_rows_ > 0 && model_->layer_window[size_t(l)] > 0) rows[size_t(l)] = ring_rows_;
   for (Sequence& s : seqs_)
     s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_, rows);
   seqs_[0].open = true;
@@ -236,13 +233,21 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
       throw ArgumentError("decode_batch: sequence " + std::to_string(s) + " is full: all " +
                           std::to_string(n_ctx_) + " positions are used");
   }
+  // Whatever happens below, the caller's sequence is selected again after.
+  struct Reselect {
+    Context* c;
+    int id;
+    ~Reselect() { c->cur_ = id; }
+  } reselect{this, cur_};
   const int before = cur_;
   if (swa_window_ > 0) {
     // A sequence whose windowed rows were overwritten (a rewind, a cancelled eval) first
-    // re-evaluates its tokens, as its own eval would.
+    // re-evaluates its tokens, as its own eval would; a stale cancel request does not stop it.
     for (size_t i = 0; i < n; ++i) {
       select_sequence(seqs[i]);
-      if (needs_repair()) repair();
+      if (!needs_repair()) continue;
+      clear_cancel();
+      repair();
     }
     select_sequence(before);
   }

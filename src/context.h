@@ -166,9 +166,9 @@ class Context {
   int n_ctx_ = 0;
   int n_batch_ = 0;
   std::string device_;
-  // Sliding-window rings: the largest window of a windowed layer (0: none) and the rows of the
-  // smallest ring (0: no ring). A step at position p needs every windowed layer's rows from
-  // p - window + 1 on (Sequence::kv_lost).
+  // Sliding-window rings: the largest window of a windowed layer (0: none) and the rows of
+  // every windowed layer's ring (0: no rings). A step at position p needs every windowed
+  // layer's rows from p - window + 1 on (Sequence::kv_lost).
   int swa_window_ = 0, ring_rows_ = 0;
   // Positions [.., end) are about to be written: ring rows of positions before end - ring_rows_
   // are overwritten.

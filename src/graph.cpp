@@ -186,9 +186,10 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   require(k_cache->ne[0] == int64_t(n_head_kv) * head_dim && v_cache->ne[0] == k_cache->ne[0],
           "attention", "cache width must be n_head_kv*head_dim");
   require(window >= 0, "attention", "window must be >= 0");
-  if (k_cache->params[kKvRing] || v_cache->params[kKvRing])
-    require(n_kv >= first_pos + q->ne[1] && window > 0 &&
-                window + q->ne[1] - 1 <= std::min(k_cache->ne[1], v_cache->ne[1]),
+  require(k_cache->ne[1] == v_cache->ne[1] && k_cache->params[kKvRing] == v_cache->params[kKvRing],
+          "attention", "K and V caches must hold the same rows");
+  if (k_cache->params[kKvRing])
+    require(n_kv >= first_pos + q->ne[1] && window > 0 && window + q->ne[1] - 1 <= k_cache->ne[1],
             "attention", "a ring cache holds fewer rows than the window and the queries");
   else
     require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",

@@ -131,3 +131,20 @@ def test_sessions_decode_together_over_rings(arch_file, device):
         for k in range(3):
             one = alone[k].eval([toks[k]])
             assert _rel(batch[k], one) < 1e-5, f"{arch} sequence {k} step {step}"
+
+
+def test_a_batch_repairs_a_rewound_session_despite_a_stale_cancel(arch_file):
+    # A session rewound past its ring, with a cancel request left over from an earlier
+    # operation: the batch re-evaluates its tokens and decodes.
+    arch, path, _ = arch_file
+    m = _model(path, "cpu", 4, n_seq_max=2)
+    s = m.session()
+    m.eval(TOKENS[:10])
+    s.eval(TOKENS[:60])
+    s.rewind(20)
+    s.cancel()
+    got = m.decode_batch([(m, TOKENS[10]), (s, TOKENS[20])])
+    assert m.n_past == 11 and s.n_past == 21
+    alone = _model(path, "cpu", 4)
+    alone.eval(TOKENS[:20])
+    np.testing.assert_array_equal(got[1], alone.eval([TOKENS[20]]))
