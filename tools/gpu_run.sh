@@ -2,10 +2,10 @@
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
 # Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench.
 # Logs land in $OUT (default build/gpu-logs).
-# GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 file
-# may arrive in two halves (.carry/smol.part1, .carry/smol.part2) over two calls, the Gemma 3
-# 270M file in pieces (.gemma3/gemma3.partNN, one or more a call; .gemma3/gemma3.sha256 names the
-# whole). llama.cpp's source for the reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
+# GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
+# Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
+# .pieces/NAME.partNN and .pieces/NAME.sha256; see assemble below). llama.cpp's source for the
+# reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
 # REFBENCH_MODELS may name /tmp/gemma3-shape.gguf: Gemma 3 270M's shape and formats, random
 # weights (tools/gemma3_shape.py), made there.
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
@@ -30,18 +30,22 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=/tmp/ggraph-py${PYTHONPATH:+:$PYTHONPATH}
-for part in 1 2; do [ -f .carry/smol.part$part ] && cp .carry/smol.part$part /tmp/; done
-if [ -f /tmp/smol.part1 ] && [ -f /tmp/smol.part2 ] && [ ! -f /tmp/smol.gguf ]; then
-  cat /tmp/smol.part1 /tmp/smol.part2 >/tmp/smol.gguf
-fi
-[ -f /tmp/smol.gguf ] && export GGRAPH_SMOLLM2=/tmp/smol.gguf
-for part in .gemma3/gemma3.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
-if [ -f .gemma3/gemma3.sha256 ] && [ ! -f /tmp/gemma3.gguf ]; then
-  cat /tmp/gemma3.part* >/tmp/gemma3-assembling 2>/dev/null
-  if [ "$(sha256sum </tmp/gemma3-assembling | cut -d' ' -f1)" = "$(cat .gemma3/gemma3.sha256)" ]; then
-    mv /tmp/gemma3-assembling /tmp/gemma3.gguf
+# A real model file too large for one call arrives as pieces, one or more a call on a warm
+# machine: .pieces/NAME.partNN, with .pieces/NAME.sha256 naming the whole; the pieces collect in
+# /tmp until they make /tmp/NAME.gguf.
+assemble() {
+  local name=$1 part
+  for part in .pieces/"$name".part*; do [ -f "$part" ] && cp "$part" /tmp/; done
+  if [ -f ".pieces/$name.sha256" ] && [ ! -f "/tmp/$name.gguf" ]; then
+    cat /tmp/"$name".part* >"/tmp/$name-assembling" 2>/dev/null
+    if [ "$(sha256sum <"/tmp/$name-assembling" | cut -d' ' -f1)" = "$(cat ".pieces/$name.sha256")" ]; then
+      mv "/tmp/$name-assembling" "/tmp/$name.gguf"
+    fi
   fi
-fi
+}
+assemble smol
+assemble gemma3
+[ -f /tmp/smol.gguf ] && export GGRAPH_SMOLLM2=/tmp/smol.gguf
 [ -f /tmp/gemma3.gguf ] && export GGRAPH_GEMMA3=/tmp/gemma3.gguf
 LLAMA_CPP=/tmp/llama.cpp-build
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
