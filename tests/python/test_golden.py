@@ -85,3 +85,31 @@ def test_first_four_greedy_tokens_equal(model, golden):
             out.append(tok)
             logits = model.eval([tok])
         assert out == g["greedy_ids"][:4], g["prompt"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_golden_prompts_decoded_as_one_batch_keep_their_greedy_tokens(smollm2, golden, device):
+    # The four prompts as four sequences of one model, every greedy step one decode_batch: each
+    # sequence's tokens are those it gets alone, and its first four are llama.cpp's.
+    if device == "cuda" and not cuda_available():
+        pytest.skip("no CUDA device (or a build without CUDA): the CUDA batch run is skipped")
+    greedy, _ = golden
+    m = ggraph.Model(smollm2, device=device, n_ctx=512, n_seq_max=len(greedy))
+    seqs = [m] + [m.session() for _ in greedy[1:]]
+    logits = [s.eval(g["prompt_ids"]) for s, g in zip(seqs, greedy, strict=True)]
+    batched = [[] for _ in greedy]
+    for _ in range(len(greedy[0]["greedy_ids"])):
+        step = [int(np.argmax(lg)) for lg in logits]
+        for out, tok in zip(batched, step, strict=True):
+            out.append(tok)
+        logits = list(m.decode_batch(list(zip(seqs, step, strict=True))))
+    alone = ggraph.Model(smollm2, device=device, n_ctx=512)
+    for g, out in zip(greedy, batched, strict=True):
+        alone.reset()
+        lg = alone.eval(g["prompt_ids"])
+        own = []
+        for _ in range(len(out)):
+            own.append(int(np.argmax(lg)))
+            lg = alone.eval([own[-1]])
+        assert out == own, g["prompt"]
+        assert out[:4] == g["greedy_ids"][:4], g["prompt"]
