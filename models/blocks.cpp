@@ -212,7 +212,7 @@ GraphContext::GraphContext(Graph& graph, const Batch& b, const KvCache& cache, c
   tokens = g.input_i32(b.n_tokens, b.tokens, "tokens");
   positions = g.input_i32(b.n_tokens, b.positions, "positions");
   out_ids = g.input_i32(b.n_outputs, b.out_ids, "out_ids");
-  for (int i = 0; i < b.n_seqs; ++i) cols.push_back(g.input_i32(1, b.cols + i, "col"));
+  if (b.n_seqs > 0) slots = g.input_i32(2 * b.n_seqs, b.slots, "slots");
   g.n_tokens = b.n_tokens;
 }
 
@@ -254,19 +254,17 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
              o.rope_scale);
   Tensor* attn = nullptr;
   if (batch.n_seqs > 0) {
-    // A token of each sequence: its q, k and v columns, its own cache, its own position.
-    for (int i = 0; i < batch.n_seqs; ++i) {
-      const KvCache& c = *batch.seqs[i].kv;
-      const int np = batch.seqs[i].n_past;
-      Tensor* kc = g.kv_cache(c.type, c.width, c.rows[il], c.k[il], "k_cache", c.ring(il));
-      Tensor* vc = g.kv_cache(c.type, c.width, c.rows[il], c.v[il], "v_cache", c.ring(il));
-      Tensor* col = cols[size_t(i)];
-      g.kv_store(kc, g.get_rows(k, col), np);
-      g.kv_store(vc, g.get_rows(v, col), np);
-      Tensor* a = g.attention(g.get_rows(q, col), kc, vc, hp.n_head, hp.n_head_kv, hp.head_dim,
-                              o.scale, np + 1, np, o.window);
-      attn = attn ? g.concat(attn, a) : a;
-    }
+    // A token of each sequence: column i goes to sequence slots[i]'s cache in the pool, and
+    // attends over it.
+    const KvCache& c = *batch.pool;
+    Tensor* kp =
+        g.kv_pool(c.type, c.width, c.rows[il], c.n_seq, c.k_pool[il], "k_pool", c.ring(il));
+    Tensor* vp =
+        g.kv_pool(c.type, c.width, c.rows[il], c.n_seq, c.v_pool[il], "v_pool", c.ring(il));
+    g.kv_store_seqs(kp, k, slots);
+    g.kv_store_seqs(vp, v, slots);
+    attn =
+        g.attention_seqs(q, kp, vp, slots, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale, o.window);
     return g.mul_mat(weight(w.wo), attn);
   }
   Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.rows[il], kv.k[il], "k_cache", kv.ring(il));

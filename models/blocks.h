@@ -141,7 +141,7 @@ class GraphContext {
   Tensor* tokens;
   Tensor* positions;
   Tensor* out_ids;
-  std::vector<Tensor*> cols;  // a decode batch of several sequences: each token's column id
+  Tensor* slots = nullptr;  // a decode batch of several sequences: Batch::slots
 };
 
 // The pre-norm decoder that Llama, Qwen 2/3 and Phi 3 share: per layer norm, attention,

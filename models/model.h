@@ -23,16 +23,12 @@ struct Batch {
   int n_past = 0;  // tokens already in the KV cache
   // Output the final normalized hidden state, F32 [n_embd, n_outputs], instead of the logits.
   bool embeddings = false;
-  // A decode batch of several sequences (n_seqs > 0): token i is the next one of sequence i,
-  // whose own cache is seqs[i].kv, holding seqs[i].n_past tokens (positions[i] is that too);
-  // cols[i] == i, the column ids the graph picks each token's q, k and v with. kv and n_past
-  // of the build call are then unused.
-  struct Seq {
-    const KvCache* kv = nullptr;
-    int n_past = 0;
-  };
-  const Seq* seqs = nullptr;
-  const int32_t* cols = nullptr;
+  // A decode batch of several sequences (n_seqs > 0): token i is the next one of sequence
+  // slots[i], at position slots[n_seqs + i] (positions[i] is that too); every sequence's cache
+  // lies in the pool of `pool` (any one sequence's cache). kv and n_past of the build call are
+  // then unused.
+  const KvCache* pool = nullptr;
+  const int32_t* slots = nullptr;  // [2 * n_seqs]
   int n_seqs = 0;
 };
 

@@ -166,8 +166,9 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   std::vector<int> rows(size_t(model_->n_layer), n_ctx_);
   for (int l = 0; l < model_->n_layer; ++l)
     if (ring_rows_ > 0 && model_->layer_window[size_t(l)] > 0) rows[size_t(l)] = ring_rows_;
-  for (Sequence& s : seqs_)
-    s.kv.allocate(*backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_, rows);
+  std::vector<KvCache> caches = KvCache::allocate_pool(
+      *backend_, kv_type, model_->n_layer, model_->kv_width, n_ctx_, rows, int(seqs_.size()));
+  for (size_t s = 0; s < seqs_.size(); ++s) seqs_[s].kv = std::move(caches[s]);
   seqs_[0].open = true;
 
   // Size the buffers once, from the largest graph: a full batch with every logit.
@@ -177,16 +178,10 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   plan(worst);
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
   if (seqs_.size() > 1 && !backend_->is_cuda()) {
-    // And a decode batch of as many sequences as a step takes, each at its cache's end.
-    std::vector<Batch::Seq> slots(std::min(seqs_.size(), size_t(n_batch_)));
-    for (size_t i = 0; i < slots.size(); ++i) {
-      slots[i].kv = &seqs_[i].kv;
-      slots[i].n_past = n_ctx_ - 1;
-    }
-    std::vector<int32_t> zeros(slots.size(), 0);
+    // And a decode batch of as many sequences as a step takes.
     Graph batch;
     DecodeInputs in;
-    build_decode_batch(batch, slots, zeros.data(), in);
+    build_decode_batch(batch, std::min(seqs_.size(), size_t(n_batch_)), in);
     scratch = std::max(scratch, batch.scratch_size);
     inputs = std::max(inputs, batch.input_size);
   }
@@ -195,26 +190,31 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 
 Context::~Context() = default;
 
-void Context::build_decode_batch(Graph& graph, const std::vector<Batch::Seq>& slots,
-                                 const int32_t* tokens, DecodeInputs& in) const {
-  const size_t m = slots.size();
-  in.tokens.assign(tokens, tokens + m);
-  in.positions.resize(m);
-  in.cols.resize(m);
-  for (size_t i = 0; i < m; ++i) {
-    in.positions[i] = slots[i].n_past;
-    in.cols[i] = static_cast<int32_t>(i);
-  }
+void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const {
+  in.tokens.assign(m, 0);
+  in.positions.assign(m, 0);
+  in.out_ids.resize(m);
+  std::iota(in.out_ids.begin(), in.out_ids.end(), 0);  // every token gives logits
+  in.slots.assign(2 * m, 0);
   Batch b;
   b.tokens = in.tokens.data();
   b.positions = in.positions.data();
-  b.out_ids = in.cols.data();  // every token gives logits
+  b.out_ids = in.out_ids.data();
   b.n_tokens = b.n_outputs = static_cast<int>(m);
-  b.seqs = slots.data();
-  b.cols = in.cols.data();
+  b.pool = &live().kv;
+  b.slots = in.slots.data();
   b.n_seqs = static_cast<int>(m);
   model_->build(graph, b, live().kv);
   plan(graph);
+}
+
+void Context::set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens,
+                                size_t m) const {
+  for (size_t i = 0; i < m; ++i) {
+    in.tokens[i] = tokens[i];
+    in.positions[i] = in.slots[m + i] = past_of(seqs[i]);
+    in.slots[i] = seqs[i];
+  }
 }
 
 std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n) {
@@ -266,42 +266,30 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
   for (size_t start = 0; start < n; start += size_t(n_batch_)) {
     const size_t m = std::min(n - start, size_t(n_batch_));
     const int* sq = seqs + start;
-    std::vector<Batch::Seq> slots(m);
-    for (size_t i = 0; i < m; ++i) {
-      slots[i].kv = &seqs_[size_t(sq[i])].kv;
-      slots[i].n_past = past_of(sq[i]);
-    }
     const auto t0 = std::chrono::steady_clock::now();
-    // The last batch's graph serves again, shifted, when it held the same sequences in the same
-    // order and each has moved by the same number of positions since (a step of every one).
-    // Only a batch's first n_batch tokens are kept (more is rare: n_seq_max > n_batch).
+    // The last batch's graph serves again for any m sequences at any positions: only its
+    // inputs change. Only a batch's first n_batch tokens are kept (more is rare: n_seq_max >
+    // n_batch).
     std::unique_ptr<Graph> local;
     DecodeInputs local_in;
+    DecodeInputs* in = &local_in;
     const Graph* graph = nullptr;
     if (start == 0) {
       BatchStep& last = batch_step_;
-      bool reuse = last.graph && last.seqs.size() == m && std::equal(sq, sq + m, last.seqs.begin());
-      const int32_t delta = reuse ? slots[0].n_past - last.n_past[0] : 0;
-      for (size_t i = 0; reuse && i < m; ++i) reuse = slots[i].n_past - last.n_past[i] == delta;
-      if (reuse) {
-        last.graph->shift_kv(delta);
-        for (size_t i = 0; i < m; ++i) last.in.positions[i] = slots[i].n_past;
-        std::copy(tokens, tokens + m, last.in.tokens.begin());
-      } else {
+      if (!last.graph || last.in.tokens.size() != m) {
         last.graph.reset();  // a failed build must not leave a half-made graph behind
         auto g = std::make_unique<Graph>();
-        build_decode_batch(*g, slots, tokens, last.in);
+        build_decode_batch(*g, m, last.in);
         last.graph = std::move(g);
-        last.seqs.assign(sq, sq + m);
       }
-      last.n_past.resize(m);
-      for (size_t i = 0; i < m; ++i) last.n_past[i] = slots[i].n_past;
       graph = last.graph.get();
+      in = &last.in;
     } else {
       local = std::make_unique<Graph>();
-      build_decode_batch(*local, slots, tokens + start, local_in);
+      build_decode_batch(*local, m, local_in);
       graph = local.get();
     }
+    set_decode_inputs(*in, sq, tokens + start, m);
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)

@@ -142,12 +142,14 @@ class Context {
  private:
   void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past,
              bool embeddings = false);
-  // The graph of one token of each of slots' sequences, planned; its host inputs in `in`.
+  // The graph of one token of each of m sequences, planned, and its host inputs: it depends on
+  // m alone, so that a step of any m sequences at any positions runs it after set_decode_inputs.
   struct DecodeInputs {
-    std::vector<int32_t> tokens, positions, cols;
+    std::vector<int32_t> tokens, positions, out_ids, slots;
   };
-  void build_decode_batch(Graph& graph, const std::vector<Batch::Seq>& slots, const int32_t* tokens,
-                          DecodeInputs& in) const;
+  void build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const;
+  // Token i of `tokens` goes to sequence seqs[i] at its position (the inputs of m tokens).
+  void set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens, size_t m) const;
   // Copies the KV rows of positions [0, n_rows) of every layer, K then V, to or from `host`
   // (2 * n_layer * n_rows rows).
   size_t kv_rows_bytes(size_t n_rows) const;
@@ -205,13 +207,10 @@ class Context {
   // A sequence's position, and a token appended to it.
   int past_of(int seq) const { return seqs_[size_t(seq)].n_past; }
   void append_token(int seq, int32_t token);
-  // The last decode_batch's graph, the sequences it ran (in order) and their positions then,
-  // and the host inputs its input tensors point at: the next step of the same sequences
-  // shifts it instead of building it again.
+  // The last decode_batch's graph and the host inputs its input tensors point at: the next
+  // batch of as many tokens runs it again with new inputs.
   struct BatchStep {
     std::unique_ptr<Graph> graph;
-    std::vector<int> seqs;
-    std::vector<int32_t> n_past;
     DecodeInputs in;
   };
   BatchStep batch_step_;

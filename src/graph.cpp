@@ -33,6 +33,10 @@ const char* op_name(Op op) {
       return "glu";
     case Op::Softcap:
       return "softcap";
+    case Op::KvStoreSeqs:
+      return "kv_store_seqs";
+    case Op::AttentionSeqs:
+      return "attention_seqs";
     case Op::Concat:
       return "concat";
     case Op::Count:
@@ -205,6 +209,64 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   t->params[kAttnWindow] = window;
   t->kv[kAttnNKv] = n_kv;
   t->kv[kAttnFirstPos] = first_pos;
+  return t;
+}
+
+Tensor* Graph::kv_pool(DType type, int64_t ne0, int rows, int n_seq, void* data,
+                       const std::string& name, bool ring) {
+  require(rows > 0 && n_seq > 0, "kv_pool", "rows and sequences must be positive");
+  Tensor* t = kv_cache(type, ne0, int64_t(rows) * n_seq, data, name, ring);
+  t->params[kKvSeqRows] = rows;
+  return t;
+}
+
+// The slots of B tokens: I32 [2B], sequences then positions.
+static void require_slots(const Tensor* slots, int64_t b, const char* what) {
+  require(slots->type == DType::I32 && slots->ne[0] == 2 * b && slots->ne[1] == 1, what,
+          "slots must be I32 [2 * tokens]: each token's sequence, then its position");
+}
+
+Tensor* Graph::kv_store_seqs(Tensor* pool, Tensor* x, Tensor* slots) {
+  require(pool->storage == Storage::Kv && pool->params[kKvSeqRows] > 0, "kv_store_seqs",
+          "destination must be a KV pool");
+  require(x->ne[0] == pool->ne[0], "kv_store_seqs", "row width differs from the pool's");
+  require_slots(slots, x->ne[1], "kv_store_seqs");
+  Tensor* t = new_tensor(Op::KvStoreSeqs, pool->type, pool->ne[0], pool->ne[1], "kv_store_seqs");
+  t->params[kKvRing] = pool->params[kKvRing];
+  t->params[kKvSeqRows] = pool->params[kKvSeqRows];
+  t->storage = Storage::Kv;
+  t->data = pool->data;
+  t->src[0] = x;
+  t->src[1] = pool;
+  t->src[2] = slots;
+  return t;
+}
+
+Tensor* Graph::attention_seqs(Tensor* q, Tensor* k_pool, Tensor* v_pool, Tensor* slots, int n_head,
+                              int n_head_kv, int head_dim, float scale, int window) {
+  require(q->ne[0] == int64_t(n_head) * head_dim, "attention_seqs",
+          "q width must be n_head*head_dim");
+  require(n_head % n_head_kv == 0, "attention_seqs", "n_head must be a multiple of n_head_kv");
+  require(k_pool->ne[0] == int64_t(n_head_kv) * head_dim && v_pool->ne[0] == k_pool->ne[0],
+          "attention_seqs", "pool width must be n_head_kv*head_dim");
+  require(k_pool->params[kKvSeqRows] > 0 && k_pool->ne[1] == v_pool->ne[1] &&
+              k_pool->params[kKvSeqRows] == v_pool->params[kKvSeqRows] &&
+              k_pool->params[kKvRing] == v_pool->params[kKvRing],
+          "attention_seqs", "K and V must be pools of the same rows");
+  require(window >= 0, "attention_seqs", "window must be >= 0");
+  require(!k_pool->params[kKvRing] || (window > 0 && window <= k_pool->params[kKvSeqRows]),
+          "attention_seqs", "a ring holds fewer rows than the window");
+  require_slots(slots, q->ne[1], "attention_seqs");
+  Tensor* t = new_tensor(Op::AttentionSeqs, DType::F32, q->ne[0], q->ne[1], "attention_seqs");
+  t->src[0] = q;
+  t->src[1] = k_pool;
+  t->src[2] = v_pool;
+  t->src[3] = slots;
+  t->params[kAttnNHead] = n_head;
+  t->params[kAttnNHeadKv] = n_head_kv;
+  t->params[kAttnHeadDim] = head_dim;
+  t->set_param_f(kAttnScale, scale);
+  t->params[kAttnWindow] = window;
   return t;
 }
 

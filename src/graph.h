@@ -27,6 +27,13 @@ enum class Op : uint8_t {
   Glu,        // dst = act(src0) * src1, act = silu (SwiGLU) or tanh-approximated gelu (GeGLU)
   Softcap,    // dst = cap * tanh(src0 / cap)
   Concat,     // dst = [src0 | src1]: the columns of src0, then those of src1 (same rows)
+  // One token of each of B sequences whose caches lie in one pool (src1 [width, n_seq * rows],
+  // sequence s's rows from s * rows on); src2 (I32 [2B]) holds each token's sequence, then its
+  // position. KvStoreSeqs writes src0 [width, B]'s column b into its sequence's row;
+  // AttentionSeqs is each token's Attention over its own sequence (K = src1, V = src2, slots =
+  // src3).
+  KvStoreSeqs,
+  AttentionSeqs,
   Count,
 };
 const char* op_name(Op op);
@@ -48,7 +55,7 @@ struct Tensor {
   Storage storage = Storage::Scratch;
   int64_t ne[4] = {1, 1, 1, 1};  // ne[0] innermost
   size_t nb[4] = {0, 0, 0, 0};   // strides in bytes (contiguous rows)
-  Tensor* src[3] = {nullptr, nullptr, nullptr};
+  Tensor* src[4] = {nullptr, nullptr, nullptr, nullptr};
   // Op parameters that define the topology (shapes, modes, constants).
   int32_t params[8] = {};
   // Op parameters that follow the KV-cache position (cache row written, attention length,
@@ -106,6 +113,14 @@ class Graph {
   // ring cache the window must be set, and the window plus the queries must fit its rows.
   Tensor* attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
                     int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window = 0);
+  // A pool of n_seq caches of `rows` rows each (ring: each sequence's rows a ring); the ops on
+  // one token of each of several sequences take it with their slots (I32 [2B]: each token's
+  // sequence, then its position).
+  Tensor* kv_pool(DType type, int64_t ne0, int rows, int n_seq, void* data, const std::string& name,
+                  bool ring = false);
+  Tensor* kv_store_seqs(Tensor* pool, Tensor* x, Tensor* slots);
+  Tensor* attention_seqs(Tensor* q, Tensor* k_pool, Tensor* v_pool, Tensor* slots, int n_head,
+                         int n_head_kv, int head_dim, float scale, int window = 0);
   Tensor* swiglu(Tensor* gate, Tensor* up);
   Tensor* geglu(Tensor* gate, Tensor* up);
   Tensor* softcap(Tensor* x, float cap);
@@ -150,8 +165,10 @@ enum NormParam { kNormEps = 0, kNormGroup = 1 };
 constexpr int32_t kGluSilu = 0;
 constexpr int32_t kGluGelu = 1;
 enum AttnKv { kAttnNKv = 0, kAttnFirstPos = 1 };
-// KV cache leaves and KvStore nodes: params[kKvRing] is 1 for a ring cache (Graph::kv_cache).
+// KV cache leaves and KvStore nodes: params[kKvRing] is 1 for a ring cache (Graph::kv_cache);
+// pools (Graph::kv_pool) and the ops on them keep each sequence's rows in params[kKvSeqRows].
 constexpr int kKvRing = 0;
+constexpr int kKvSeqRows = 1;
 // The cache row that holds position pos, in a cache of `rows` rows (ring or not).
 inline int64_t kv_row(int64_t pos, int64_t rows) { return pos < rows ? pos : pos % rows; }
 // Rope op parameter slots.

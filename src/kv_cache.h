@@ -19,6 +19,10 @@ struct KvCache {
   int n_ctx = 0;
   std::vector<int> rows;    // per layer
   std::vector<void*> k, v;  // per layer, [width, rows[l]], row per position
+  // The pool these rows lie in: per layer, every sequence's K rows one after another (sequence
+  // s's from s * rows[l] on), and the same for V. A cache allocated alone is a pool of one.
+  int seq = 0, n_seq = 1;
+  std::vector<void*> k_pool, v_pool;  // per layer, [width, n_seq * rows[l]]
 
   bool ring(int l) const { return rows[size_t(l)] < n_ctx; }
   size_t row_bytes() const { return row_size(type, width); }
@@ -28,6 +32,10 @@ struct KvCache {
   // rows each.
   void allocate(Backend& backend, DType type, int n_layer, int64_t width, int n_ctx,
                 const std::vector<int>& layer_rows = {});
+  // The caches of n_seq sequences in one block (a pool): each sequence's.
+  static std::vector<KvCache> allocate_pool(Backend& backend, DType type, int n_layer,
+                                            int64_t width, int n_ctx,
+                                            const std::vector<int>& layer_rows, int n_seq);
 };
 
 }  // namespace ggraph

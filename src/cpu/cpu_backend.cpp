@@ -127,6 +127,10 @@ class CpuBackend final : public Backend {
         return kv_store(t);
       case Op::Attention:
         return attention(t);
+      case Op::AttentionSeqs:
+        return attention_seqs(t);
+      case Op::KvStoreSeqs:
+        return kv_store_seqs(t);
       case Op::Glu:
         return glu(t);
       case Op::Softcap:
@@ -325,48 +329,101 @@ class CpuBackend final : public Backend {
   static constexpr int kAttnChunk = 256;
   static constexpr int kAttnTokens = 16;
 
+  // Keys for a run of query tokens: a cache's K and V rows (a ring of `rows` rows when ring),
+  // the attention length, the first query's position, and the run's tokens [j0, j0 + n_tok).
+  struct AttnSource {
+    const uint8_t* k;
+    const uint8_t* v;
+    int64_t rows;
+    int n_kv, first_pos;
+    int j0, n_tok;
+    int n_chunks() const { return std::max(1, (n_kv + kAttnChunk - 1) / kAttnChunk); }
+    int n_blocks() const { return (n_tok + kAttnTokens - 1) / kAttnTokens; }
+  };
+
   void attention(const Tensor* t) {
+    const Tensor* kc = t->src[1];
+    const AttnSource s{ptr(kc), ptr(t->src[2]), kc->ne[1], t->kv[kAttnNKv], t->kv[kAttnFirstPos],
+                       0,       int(t->ne[1])};
+    attend(t, &s, 1);
+  }
+
+  // Each token over its own sequence's rows in the pools: sources of one token each.
+  void attention_seqs(const Tensor* t) {
+    const Tensor* kp = t->src[1];
+    const Tensor* vp = t->src[2];
+    const int32_t* slots = i32(t->src[3]);
+    const int n = int(t->ne[1]);
+    const int64_t rows = kp->params[kKvSeqRows];
+    attn_sources_.resize(size_t(n));
+    for (int b = 0; b < n; ++b) {
+      const size_t at = size_t(slots[b]) * size_t(rows);
+      attn_sources_[size_t(b)] = {ptr(kp) + at * kp->nb[1],
+                                  ptr(vp) + at * vp->nb[1],
+                                  rows,
+                                  slots[n + b] + 1,
+                                  slots[n + b],
+                                  b,
+                                  1};
+    }
+    attend(t, attn_sources_.data(), n);
+  }
+
+  // Attention of every source's tokens, as tasks of up to kAttnTokens tokens of one source, one
+  // KV head and one chunk of its keys, all in one parallel_for.
+  void attend(const Tensor* t, const AttnSource* srcs, int n_src) {
     const Tensor* q = t->src[0];
     const Tensor* kc = t->src[1];
-    const Tensor* vc = t->src[2];
     const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
     const int hd = t->params[kAttnHeadDim];
     const float scale = t->param_f(kAttnScale);
-    const int n_kv = t->kv[kAttnNKv], first_pos = t->kv[kAttnFirstPos];
     const int window = t->params[kAttnWindow];
     const int n_tok = int(q->ne[1]);
     const int group = n_head / n_head_kv;
     const float* qd = f32(q);
     float* out = f32(t);
     const bool f32_cache = kc->type == DType::F32;
-    const int n_chunks = std::max(1, (n_kv + kAttnChunk - 1) / kAttnChunk);
+    const size_t row_bytes = kc->nb[1];
+    // Tasks of each source, from task_start[i] on; each token's source.
+    int max_chunks = 1;
+    attn_task_start_.resize(size_t(n_src) + 1);
+    attn_token_src_.resize(size_t(n_tok));
+    attn_task_start_[0] = 0;
+    for (int i = 0; i < n_src; ++i) {
+      const AttnSource& s = srcs[i];
+      max_chunks = std::max(max_chunks, s.n_chunks());
+      attn_task_start_[size_t(i) + 1] =
+          attn_task_start_[size_t(i)] + s.n_blocks() * n_head_kv * s.n_chunks();
+      for (int j = s.j0; j < s.j0 + s.n_tok; ++j) attn_token_src_[size_t(j)] = i;
+    }
     // Per (token, head, chunk): max, sum, then hd weighted values (only with several chunks).
     const size_t part = size_t(hd) + 2;
-    if (n_chunks > 1) attn_parts_.resize(size_t(n_tok) * n_head * n_chunks * part);
-    auto keys = [&](int j, int* start, int* len) {
-      *len = std::min(n_kv, first_pos + j + 1);
+    if (max_chunks > 1) attn_parts_.resize(size_t(n_tok) * n_head * max_chunks * part);
+    auto keys = [&](const AttnSource& s, int j, int* start, int* len) {
+      *len = std::min(s.n_kv, s.first_pos + (j - s.j0) + 1);
       // Keys before `start` are outside the window: never read.
-      *start = window > 0 ? std::max(0, first_pos + j + 1 - window) : 0;
+      *start = window > 0 ? std::max(0, s.first_pos + (j - s.j0) + 1 - window) : 0;
     };
-    // A (token, head, chunk)'s result: the output itself when there is one chunk, else its part.
-    auto emit = [&](int j, int h, int c, float m, float s, const float* a) {
-      if (n_chunks == 1) {
+    // A (token, head, chunk)'s result: the output itself when its source has one chunk, else its
+    // part.
+    auto emit = [&](const AttnSource& s, int j, int h, int c, float m, float sum, const float* a) {
+      if (s.n_chunks() == 1) {
         float* o = out + int64_t(j) * t->ne[0] + int64_t(h) * hd;
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int d = 0; d < hd; ++d) o[d] = a[d] * inv;
       } else {
-        float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * n_chunks + c) * part;
+        float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * max_chunks + c) * part;
         pp[0] = m;
-        pp[1] = s;
+        pp[1] = sum;
         std::copy(a, a + hd, pp + 2);
       }
     };
-    // Tokens [j0, j1) against keys [lo, hi) of chunk c of KV head hk (rows kb and vb, ks and vs
-    // floats apart): one call for all the tokens' query heads. A row's sums run in the same order
-    // whichever tokens share its task, so a prompt and the same tokens one at a time give the
-    // same bits.
-    auto token_rows = [&](int j0, int j1, int hk, int c, int lo, int hi, const float* kb,
-                          int64_t ks, const float* vb, int64_t vs) {
+    // Tokens [j0, j1) of source s against keys [lo, hi) of chunk c of KV head hk (rows kb and
+    // vb, ks and vs floats apart): one call for all the tokens' query heads. A row's sums run in
+    // the same order whichever tokens share its task, so a prompt and the same tokens one at a
+    // time give the same bits.
+    auto token_rows = [&](const AttnSource& s, int j0, int j1, int hk, int c, int lo, int hi,
+                          const float* kb, int64_t ks, const float* vb, int64_t vs) {
       thread_local std::vector<float> qs, sc, ac, m, sm;
       thread_local std::vector<int> bs, es;
       const int n = std::max(0, hi - lo);
@@ -376,7 +433,7 @@ class CpuBackend final : public Backend {
       es.resize(R);
       for (int j = j0; j < j1; ++j) {
         int start, len;
-        keys(j, &start, &len);
+        keys(s, j, &start, &len);
         const int b = std::max(start, c * kAttnChunk) - lo;
         const int e = std::max(b, std::min(len, (c + 1) * kAttnChunk) - lo);
         const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
@@ -393,20 +450,24 @@ class CpuBackend final : public Backend {
       for (int j = j0; j < j1; ++j)
         for (int g = 0; g < group; ++g) {
           const int r = (j - j0) * group + g;
-          emit(j, hk * group + g, c, m[r], sm[r], ac.data() + size_t(r) * hd);
+          emit(s, j, hk * group + g, c, m[r], sm[r], ac.data() + size_t(r) * hd);
         }
     };
-    const int n_blocks = (n_tok + kAttnTokens - 1) / kAttnTokens;
     std::function<void(int)> body = [&](int task) {
-      const int c = task % n_chunks;
-      const int hk = task / n_chunks % n_head_kv;
-      const int j0 = task / n_chunks / n_head_kv * kAttnTokens;
-      const int j1 = std::min(n_tok, j0 + kAttnTokens);
+      const int i = int(std::upper_bound(attn_task_start_.begin(), attn_task_start_.end(), task) -
+                        attn_task_start_.begin()) -
+                    1;
+      const AttnSource& s = srcs[i];
+      const int local = task - attn_task_start_[size_t(i)], n_chunks = s.n_chunks();
+      const int c = local % n_chunks;
+      const int hk = local / n_chunks % n_head_kv;
+      const int j0 = s.j0 + local / n_chunks / n_head_kv * kAttnTokens;
+      const int j1 = std::min(s.j0 + s.n_tok, j0 + kAttnTokens);
       // The keys any of the tokens reads in this chunk: from the first token's start (starts
       // and ends grow with the position) to the last token's end.
       int start0, len0, start1, len1;
-      keys(j0, &start0, &len0);
-      keys(j1 - 1, &start1, &len1);
+      keys(s, j0, &start0, &len0);
+      keys(s, j1 - 1, &start1, &len1);
       const int lo = std::max(start0, c * kAttnChunk), hi = std::min(len1, (c + 1) * kAttnChunk);
       thread_local std::vector<float> kbuf, vbuf;
       const float* kb = nullptr;
@@ -418,10 +479,10 @@ class CpuBackend final : public Backend {
         // that wrap around a ring cache's end are gathered like decoded rows.
         const int n = hi - lo;
         const size_t at = row_size(kc->type, int64_t(hk) * hd);
-        const int64_t rows = kc->ne[1];
-        kb = reinterpret_cast<const float*>(ptr(kc) + size_t(kv_row(lo, rows)) * kc->nb[1] + at);
-        vb = reinterpret_cast<const float*>(ptr(vc) + size_t(kv_row(lo, rows)) * vc->nb[1] + at);
-        ks = kc->nb[1] / 4, vs = vc->nb[1] / 4;
+        const int64_t rows = s.rows;
+        kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
+        vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
+        ks = vs = int64_t(row_bytes / 4);
         if (!f32_cache || kv_row(lo, rows) + n > rows) {
           kbuf.resize(size_t(n) * hd);
           vbuf.resize(size_t(n) * hd);
@@ -433,23 +494,25 @@ class CpuBackend final : public Backend {
             // Each head's slice is a cache row apart from the next: fetched ahead by hand.
             if (p + 8 < hi)
               for (size_t b = 0; b < head_bytes; b += 64) {
-                __builtin_prefetch(ptr(kc) + ahead * kc->nb[1] + at + b);
-                __builtin_prefetch(ptr(vc) + ahead * vc->nb[1] + at + b);
+                __builtin_prefetch(s.k + ahead * row_bytes + at + b);
+                __builtin_prefetch(s.v + ahead * row_bytes + at + b);
               }
-            decode(ptr(kc) + r * kc->nb[1] + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
-            decode(ptr(vc) + r * vc->nb[1] + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
+            decode(s.k + r * row_bytes + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
+            decode(s.v + r * row_bytes + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
           }
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
       }
-      token_rows(j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
+      token_rows(s, j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
     };
-    pool_.parallel_for(n_blocks * n_head_kv * n_chunks, body);
-    if (n_chunks == 1) return;
+    pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
+    if (max_chunks == 1) return;
     // Merge each head's chunks: weights exp(max_c - max), empty chunks (sum 0) add nothing.
     std::function<void(int)> merge = [&](int task) {
       const int j = task / n_head, h = task % n_head;
-      const float* pp = attn_parts_.data() + (size_t(j) * n_head + h) * n_chunks * part;
+      const int n_chunks = srcs[attn_token_src_[size_t(j)]].n_chunks();
+      if (n_chunks == 1) return;  // written directly
+      const float* pp = attn_parts_.data() + (size_t(j) * n_head + h) * max_chunks * part;
       float m = -INFINITY;
       for (int c = 0; c < n_chunks; ++c)
         if (pp[c * part + 1] > 0.0f) m = std::max(m, pp[c * part]);
@@ -469,7 +532,21 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(n_tok * n_head, merge);
   }
 
+  // Writes column b of src0 into the row of its sequence's position in the pool.
+  void kv_store_seqs(const Tensor* t) {
+    const Tensor* src = t->src[0];
+    const float* x = f32(src);
+    const int32_t* slots = i32(t->src[2]);
+    const int64_t n = src->ne[0], m = src->ne[1], rows = t->params[kKvSeqRows];
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t row = slots[j] * rows + kv_row(slots[m + j], rows);
+      quantize_row(t->type, x + j * n, ptr(t) + size_t(row) * t->nb[1], n);
+    }
+  }
+
   ThreadPool pool_;
+  std::vector<AttnSource> attn_sources_;
+  std::vector<int> attn_task_start_, attn_token_src_;
   Buffer scratch_, input_;
   size_t scratch_size_ = 0, input_size_ = 0;
   std::vector<Buffer> kv_;

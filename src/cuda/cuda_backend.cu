@@ -184,7 +184,10 @@ void validate_node(const Tensor* t) {
         bad_node(t, "unknown gate activation " + std::to_string(t->params[0]));
       break;
     case Op::Concat:
-      bad_node(t, "concat (batches of several sequences) runs on the CPU only, so far");
+    case Op::KvStoreSeqs:
+    case Op::AttentionSeqs:
+      bad_node(t, std::string(op_name(t->op)) +
+                      " (batches of several sequences) runs on the CPU only, so far");
       break;
     case Op::Softcap:
       need_src(0, DType::F32);
