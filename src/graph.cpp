@@ -183,6 +183,20 @@ Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
   return t;
 }
 
+Tensor* Graph::attention_node(Op op, Tensor* q, Tensor* k, Tensor* v, int n_head, int n_head_kv,
+                              int head_dim, float scale, int window) {
+  Tensor* t = new_tensor(op, DType::F32, q->ne[0], q->ne[1], op_name(op));
+  t->src[0] = q;
+  t->src[1] = k;
+  t->src[2] = v;
+  t->params[kAttnNHead] = n_head;
+  t->params[kAttnNHeadKv] = n_head_kv;
+  t->params[kAttnHeadDim] = head_dim;
+  t->set_param_f(kAttnScale, scale);
+  t->params[kAttnWindow] = window;
+  return t;
+}
+
 Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
                          int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window) {
   require(q->ne[0] == int64_t(n_head) * head_dim, "attention", "q width must be n_head*head_dim");
@@ -198,15 +212,8 @@ Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head
   else
     require(n_kv >= first_pos + q->ne[1] && n_kv <= k_cache->ne[1], "attention",
             "attention length outside the cache");
-  Tensor* t = new_tensor(Op::Attention, DType::F32, q->ne[0], q->ne[1], "attention");
-  t->src[0] = q;
-  t->src[1] = k_cache;
-  t->src[2] = v_cache;
-  t->params[kAttnNHead] = n_head;
-  t->params[kAttnNHeadKv] = n_head_kv;
-  t->params[kAttnHeadDim] = head_dim;
-  t->set_param_f(kAttnScale, scale);
-  t->params[kAttnWindow] = window;
+  Tensor* t = attention_node(Op::Attention, q, k_cache, v_cache, n_head, n_head_kv, head_dim, scale,
+                             window);
   t->kv[kAttnNKv] = n_kv;
   t->kv[kAttnFirstPos] = first_pos;
   return t;
@@ -257,16 +264,9 @@ Tensor* Graph::attention_seqs(Tensor* q, Tensor* k_pool, Tensor* v_pool, Tensor*
   require(!k_pool->params[kKvRing] || (window > 0 && window <= k_pool->params[kKvSeqRows]),
           "attention_seqs", "a ring holds fewer rows than the window");
   require_slots(slots, q->ne[1], "attention_seqs");
-  Tensor* t = new_tensor(Op::AttentionSeqs, DType::F32, q->ne[0], q->ne[1], "attention_seqs");
-  t->src[0] = q;
-  t->src[1] = k_pool;
-  t->src[2] = v_pool;
+  Tensor* t = attention_node(Op::AttentionSeqs, q, k_pool, v_pool, n_head, n_head_kv, head_dim,
+                             scale, window);
   t->src[3] = slots;
-  t->params[kAttnNHead] = n_head;
-  t->params[kAttnNHeadKv] = n_head_kv;
-  t->params[kAttnHeadDim] = head_dim;
-  t->set_param_f(kAttnScale, scale);
-  t->params[kAttnWindow] = window;
   return t;
 }
 
