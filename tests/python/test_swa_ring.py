@@ -160,3 +160,31 @@ def test_a_batch_repairs_a_rewound_session_despite_a_stale_cancel(arch_file):
     alone = _model(path, "cpu", 4)
     alone.eval(TOKENS[:20])
     np.testing.assert_array_equal(got[1], alone.eval([TOKENS[20]]))
+
+
+def test_a_ring_state_with_bad_first_positions_is_refused(arch_file):
+    # The layers' first kept positions follow the tokens: a first past the state's tokens, or a
+    # global layer's (gemma3's sixth) past 0, is a clear error that changes nothing.
+    arch, path, _ = arch_file
+    m = _model(path, "cpu", 4)
+    m.eval(TOKENS[:30])
+    state = m.save_state()
+    header, n_layer = 40, 6 if arch == "gemma3" else 2
+    firsts = header + 30 * 4
+    target = _model(path, "cpu", 4)
+    target.eval(TOKENS[:3])
+
+    def with_first(layer, value):
+        at = firsts + 4 * layer
+        return state[:at] + value.to_bytes(4, "little") + state[at + 4 :]
+
+    bad = [(with_first(0, 31), "rows start at position 31; expected at most 30")]
+    if arch == "gemma3":
+        bad.append((with_first(5, 1), "layer 5's rows start at position 1; expected 0"))
+    bad.append((state[: firsts + 4 * n_layer], "bytes"))
+    for data, match in bad:
+        with pytest.raises(ValueError, match=match):
+            target.load_state(data)
+        assert target.n_past == 3
+    target.load_state(state)
+    np.testing.assert_array_equal(target.eval([TOKENS[30]]), m.eval([TOKENS[30]]))
