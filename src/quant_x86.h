@@ -70,6 +70,7 @@ inline __m128i load128(const uint8_t* p) {
 // Both give, per 32-bit lane l, the exact sum of the 8 products u*s at bytes 4l..4l+3 of the
 // first and of the second pair of operands (u unsigned, s signed).
 struct DotAvx2 {
+  static constexpr bool kWideSums = false;  // 16-bit pair sums: unsigned bytes up to 128 only
   // u <= 31: each 16-bit sum of two products is at most 2*31*127, so two of them still fit.
   static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     const __m256i p16 =
@@ -86,11 +87,17 @@ struct DotAvx2 {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 struct DotVnni {
+  // 32-bit sums of any unsigned bytes: signed weights may ride as w + 128 (pair_step).
+  static constexpr bool kWideSums = true;
   static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ulo, slo), uhi, shi);
   }
   static __m256i bytes(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     return nibbles(ulo, slo, uhi, shi);
+  }
+  // The sums added to `start`.
+  static __m256i biased(__m256i start, __m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, ulo, slo), uhi, shi);
   }
 };
 #endif
@@ -282,23 +289,32 @@ struct QuantTile {
     __m256i lo[NR], hi[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
+    // Signed weights: with 32-bit sums, as unsigned w + 128 once a row, and each column's sums
+    // start at -128 * (its 4-byte group sums), so that every sum is w * a exactly; with 16-bit
+    // sums, |w| against a * sign(w).
+    constexpr bool kBiased = !Format<F>::kNibbles && Dot::kWideSums;
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
     __m256i ulo[NR], uhi[NR];
     if (!Format<F>::kNibbles) {
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
-        ulo[r] = _mm256_abs_epi8(lo[r]);
-        uhi[r] = _mm256_abs_epi8(hi[r]);
+        ulo[r] = kBiased ? _mm256_xor_si256(lo[r], bias) : _mm256_abs_epi8(lo[r]);
+        uhi[r] = kBiased ? _mm256_xor_si256(hi[r], bias) : _mm256_abs_epi8(hi[r]);
       }
     }
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
       const __m256i alo = load256(cols[c] + 32 * b);
       const __m256i ahi = load256(cols[c] + 32 * b + 32);
+      __m256i start = _mm256_setzero_si256();
+      if constexpr (kBiased) start = _mm256_sub_epi32(start, Dot::nibbles(bias, alo, bias, ahi));
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         __m256i isum;
         if (Format<F>::kNibbles) {
           isum = Dot::nibbles(lo[r], alo, hi[r], ahi);
+        } else if constexpr (kBiased) {
+          isum = Dot::biased(start, ulo[r], alo, uhi[r], ahi);
         } else {
           // |w| * (a * sign(w)) = w * a puts the sign on the signed operand.
           isum = Dot::bytes(ulo[r], _mm256_sign_epi8(alo, lo[r]), uhi[r],
