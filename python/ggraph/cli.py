@@ -148,9 +148,10 @@ def cmd_info(args):
         "attention.head_count_kv",
         "feed_forward_length",
         "rope.freq_base",
+        "attention.sliding_window",
     ):
         if f"{arch}.{key}" in md:
-            print(f"{key + ':':<16}{md[f'{arch}.{key}']}")
+            print(f"{key + ':':<26}{md[f'{arch}.{key}']}")
     tok = md.get("tokenizer.ggml.model", "none")
     print(f"tokenizer:      {tok} (pre: {md.get('tokenizer.ggml.pre', '-')})")
     builtin = "built-in" if md.get("general.architecture") in BUILTIN_CHAT_TEMPLATES else "no"
