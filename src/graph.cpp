@@ -185,6 +185,7 @@ Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
 
 Tensor* Graph::attention_node(Op op, Tensor* q, Tensor* k, Tensor* v, int n_head, int n_head_kv,
                               int head_dim, float scale, int window) {
+  require(k->type == v->type, op_name(op), "K and V must be of one type");
   Tensor* t = new_tensor(op, DType::F32, q->ne[0], q->ne[1], op_name(op));
   t->src[0] = q;
   t->src[1] = k;

@@ -355,6 +355,7 @@ class CpuBackend final : public Backend {
     const int32_t* slots = i32(t->src[3]);
     const int n = int(t->ne[1]);
     const int64_t rows = kp->params[kKvSeqRows];
+    check_slots(slots, n, rows, kp->ne[1] / rows, kp->params[kKvRing] != 0);
     attn_sources_.resize(size_t(n));
     for (int b = 0; b < n; ++b) {
       const size_t at = size_t(slots[b]) * size_t(rows);
@@ -384,21 +385,33 @@ class CpuBackend final : public Backend {
     float* out = f32(t);
     const bool f32_cache = kc->type == DType::F32;
     const size_t row_bytes = kc->nb[1];
+    // Per (token, head, chunk) of a source with several chunks: max, sum, then hd weighted
+    // values, each source's from part_start[i] on.
+    const size_t part = size_t(hd) + 2;
     // Tasks of each source, from task_start[i] on; each token's source.
-    int max_chunks = 1;
     attn_task_start_.resize(size_t(n_src) + 1);
+    attn_part_start_.resize(size_t(n_src) + 1);
     attn_token_src_.resize(size_t(n_tok));
     attn_task_start_[0] = 0;
+    attn_part_start_[0] = 0;
     for (int i = 0; i < n_src; ++i) {
       const AttnSource& s = srcs[i];
-      max_chunks = std::max(max_chunks, s.n_chunks());
       attn_task_start_[size_t(i) + 1] =
           attn_task_start_[size_t(i)] + s.n_blocks() * n_head_kv * s.n_chunks();
+      attn_part_start_[size_t(i) + 1] =
+          attn_part_start_[size_t(i)] +
+          (s.n_chunks() > 1 ? size_t(s.n_tok) * n_head * s.n_chunks() * part : 0);
       for (int j = s.j0; j < s.j0 + s.n_tok; ++j) attn_token_src_[size_t(j)] = i;
     }
-    // Per (token, head, chunk): max, sum, then hd weighted values (only with several chunks).
-    const size_t part = size_t(hd) + 2;
-    if (max_chunks > 1) attn_parts_.resize(size_t(n_tok) * n_head * max_chunks * part);
+    if (attn_part_start_[size_t(n_src)] > attn_parts_.size())
+      attn_parts_.resize(attn_part_start_[size_t(n_src)]);
+    // Token j's part of head h's chunk c.
+    auto part_of = [&](int j, int h, int c) {
+      const int i = attn_token_src_[size_t(j)];
+      const AttnSource& s = srcs[i];
+      return attn_parts_.data() + attn_part_start_[size_t(i)] +
+             ((size_t(j - s.j0) * n_head + h) * s.n_chunks() + c) * part;
+    };
     auto keys = [&](const AttnSource& s, int j, int* start, int* len) {
       *len = std::min(s.n_kv, s.first_pos + (j - s.j0) + 1);
       // Keys before `start` are outside the window: never read.
@@ -412,7 +425,7 @@ class CpuBackend final : public Backend {
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int d = 0; d < hd; ++d) o[d] = a[d] * inv;
       } else {
-        float* pp = attn_parts_.data() + ((size_t(j) * n_head + h) * max_chunks + c) * part;
+        float* pp = part_of(j, h, c);
         pp[0] = m;
         pp[1] = sum;
         std::copy(a, a + hd, pp + 2);
@@ -482,6 +495,7 @@ class CpuBackend final : public Backend {
         const int64_t rows = s.rows;
         kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
         vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
+        // (K and V are of one type and width: Graph::attention_node.)
         ks = vs = int64_t(row_bytes / 4);
         if (!f32_cache || kv_row(lo, rows) + n > rows) {
           kbuf.resize(size_t(n) * hd);
@@ -506,13 +520,13 @@ class CpuBackend final : public Backend {
       token_rows(s, j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
     };
     pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
-    if (max_chunks == 1) return;
+    if (attn_part_start_[size_t(n_src)] == 0) return;  // no source has several chunks
     // Merge each head's chunks: weights exp(max_c - max), empty chunks (sum 0) add nothing.
     std::function<void(int)> merge = [&](int task) {
       const int j = task / n_head, h = task % n_head;
       const int n_chunks = srcs[attn_token_src_[size_t(j)]].n_chunks();
       if (n_chunks == 1) return;  // written directly
-      const float* pp = attn_parts_.data() + (size_t(j) * n_head + h) * max_chunks * part;
+      const float* pp = part_of(j, h, 0);
       float m = -INFINITY;
       for (int c = 0; c < n_chunks; ++c)
         if (pp[c * part + 1] > 0.0f) m = std::max(m, pp[c * part]);
@@ -532,12 +546,23 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(n_tok * n_head, merge);
   }
 
+  // Each token's sequence must lie in the pool, and its position in the sequence's rows unless
+  // they are a ring (Context checks as much before it builds a batch).
+  static void check_slots(const int32_t* slots, int n, int64_t rows, int64_t n_seq, bool ring) {
+    for (int b = 0; b < n; ++b)
+      if (slots[b] < 0 || slots[b] >= n_seq || slots[n + b] < 0 || (!ring && slots[n + b] >= rows))
+        throw std::logic_error("cpu backend: token " + std::to_string(b) + "'s slot (sequence " +
+                               std::to_string(slots[b]) + ", position " +
+                               std::to_string(slots[n + b]) + ") lies outside the KV pool");
+  }
+
   // Writes column b of src0 into the row of its sequence's position in the pool.
   void kv_store_seqs(const Tensor* t) {
     const Tensor* src = t->src[0];
     const float* x = f32(src);
     const int32_t* slots = i32(t->src[2]);
     const int64_t n = src->ne[0], m = src->ne[1], rows = t->params[kKvSeqRows];
+    check_slots(slots, int(m), rows, t->ne[1] / rows, t->params[kKvRing] != 0);
     for (int64_t j = 0; j < m; ++j) {
       const int64_t row = slots[j] * rows + kv_row(slots[m + j], rows);
       quantize_row(t->type, x + j * n, ptr(t) + size_t(row) * t->nb[1], n);
@@ -547,6 +572,7 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::vector<AttnSource> attn_sources_;
   std::vector<int> attn_task_start_, attn_token_src_;
+  std::vector<size_t> attn_part_start_;
   Buffer scratch_, input_;
   size_t scratch_size_ = 0, input_size_ = 0;
   std::vector<Buffer> kv_;

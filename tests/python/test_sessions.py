@@ -290,3 +290,32 @@ def test_decode_batch_steps_of_the_same_sessions_reuse_the_graph_exactly(tiny_mo
     refs[2].eval([9])
     for t in range(3):
         step([40 + t, 50 + t, 60 + t])
+
+
+def test_decode_batch_of_sequences_of_very_different_lengths(tmp_path):
+    """One token each of sequences from 1 to 700 positions long (one key chunk of 256 for
+    some, three for others), in changing order and membership: each row is bit for bit its
+    sequence's own step on the CPU."""
+    from test_archs import N_VOCAB, write_arch
+
+    path = tmp_path / "llama.gguf"
+    write_arch(path, "llama", "F32", seed=3, meta={"context_length": ("uint32", 1024)})
+    lens = [1, 300, 7, 700, 257]
+    kw = dict(device="cpu", n_ctx=1024, n_batch=64, kv_type="f32")
+    m = ggraph.Model(str(path), n_seq_max=len(lens), **kw)
+    seqs = [m] + [m.session() for _ in lens[1:]]
+    refs = [ggraph.Model(str(path), **kw) for _ in lens]
+    for i, (s, r, n) in enumerate(zip(seqs, refs, lens, strict=True)):
+        toks = [(13 * k + 7 * i + 3) % N_VOCAB for k in range(n)]
+        s.eval(toks)
+        r.eval(toks)
+    for step in range(5):
+        order = list(range(len(lens)))[:: -1 if step % 2 else 1]
+        if step == 3:
+            order = order[:-2]
+        toks = [(10 + 7 * step + i) % N_VOCAB for i in order]
+        got = m.decode_batch([(seqs[i], t) for i, t in zip(order, toks, strict=True)])
+        for row, (i, t) in enumerate(zip(order, toks, strict=True)):
+            np.testing.assert_array_equal(
+                got[row], refs[i].eval([t]), err_msg=f"step {step} seq {i}"
+            )
