@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench.
+# Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench, batchbench,
+# ab.
 # Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
 # Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
@@ -167,6 +168,25 @@ for stage in "$@"; do
         done
       else
         tail -20 /tmp/llama.cpp-build.log
+      fi
+      ;;
+    batchbench)
+      # Aggregate decode of B sequences stepped together (tools/batch_bench.py), then
+      # llama-batched-bench on the same files (after llama.cpp's build; stage llamacpp starts
+      # it): BATCH_MODELS (default the 7B Q4_0 and SmolLM2 shapes), BATCH_SIZES (1,8,32,64).
+      bmodels=${BATCH_MODELS:-/tmp/llama2-7b-shape.gguf /tmp/smollm2-shape.gguf}
+      make_shape_files $bmodels
+      for m in $bmodels; do
+        python3 tools/batch_bench.py -m "$m" -b "${BATCH_SIZES:-1,8,32,64}" --device cuda 2>&1 |
+          tee -a "$OUT/batchbench.md"
+      done
+      for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      if [ -f $LLAMA_CPP/done ]; then
+        for m in $bmodels; do
+          $LLAMA_CPP/bin/llama-batched-bench -m "$m" -c 17000 -b 2048 -ub 512 -ngl 99 -fa 1 \
+            -npp 128 -ntg 128 -npl "${BATCH_SIZES:-1,8,32,64}" 2>&1 | grep -E "^\|" |
+            tee -a "$OUT/batchbench.md"
+        done
       fi
       ;;
     ab)
