@@ -239,7 +239,6 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     int id;
     ~Reselect() { c->cur_ = id; }
   } reselect{this, cur_};
-  const int before = cur_;
   if (swa_window_ > 0) {
     // A sequence whose windowed rows were overwritten (a rewind, a cancelled eval) first
     // re-evaluates its tokens, as its own eval would; a stale cancel request does not stop it.
@@ -249,7 +248,6 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
       clear_cancel();
       repair();
     }
-    select_sequence(before);
   }
   std::vector<float> logits(size_t(n_vocab) * n);
   if (backend_->is_cuda() || n == 1) {
@@ -259,7 +257,6 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
       const std::vector<float> l = eval(tokens + i, 1, false);
       std::copy(l.begin(), l.end(), logits.begin() + i * n_vocab);
     }
-    select_sequence(before);
     return logits;
   }
   // Batches of at most n_batch tokens (the buffers were sized for that many).
@@ -385,8 +382,8 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
   std::vector<float> logits(size_t(n_vocab) * (all_logits ? n : 1));
   int n_past = live().n_past;
   for (size_t start = 0; start < n; start += n_batch_) {
-    // The cache rows the earlier chunks wrote lie past live().n_past, which has not moved: stopping
-    // here leaves the context as it was.
+    // The cache rows the earlier chunks wrote lie past the sequence's n_past, which has not
+    // moved: stopping here leaves the context as it was.
     if (start > 0 && (take_cancel() || (interrupted && interrupted())))
       throw Cancelled("eval: cancelled after " + std::to_string(start) + " of " +
                       std::to_string(n) + " tokens; the context is unchanged");
@@ -464,28 +461,29 @@ size_t Context::kv_rows_bytes(size_t n_rows) const {
 }
 
 void Context::kv_rows_to_host(uint8_t* host, size_t n_rows) const {
-  const size_t rows = n_rows * live().kv.row_bytes();
-  for (int l = 0; l < live().kv.n_layer; ++l, host += 2 * rows) {
-    backend_->kv_to_host(host, live().kv.k[size_t(l)], rows);
-    backend_->kv_to_host(host + rows, live().kv.v[size_t(l)], rows);
-  }
+  const size_t layer = 2 * n_rows * live().kv.row_bytes();
+  for (int l = 0; l < live().kv.n_layer; ++l, host += layer)
+    kv_runs(l, 0, int(n_rows), [&](void* cache, size_t at, size_t bytes) {
+      backend_->kv_to_host(host + at, cache, bytes);
+    });
 }
 
 void Context::kv_rows_from_host(const uint8_t* host, size_t n_rows) {
-  const size_t rows = n_rows * live().kv.row_bytes();
-  for (int l = 0; l < live().kv.n_layer; ++l, host += 2 * rows) {
-    backend_->kv_from_host(live().kv.k[size_t(l)], host, rows);
-    backend_->kv_from_host(live().kv.v[size_t(l)], host + rows, rows);
-  }
+  const size_t layer = 2 * n_rows * live().kv.row_bytes();
+  for (int l = 0; l < live().kv.n_layer; ++l, host += layer)
+    kv_runs(l, 0, int(n_rows), [&](void* cache, size_t at, size_t bytes) {
+      backend_->kv_from_host(cache, host + at, bytes);
+    });
 }
 
 void Context::kv_runs(
     int l, int first, int end,
     const std::function<void(void* cache, size_t offset, size_t bytes)>& fn) const {
-  const size_t rb = live().kv.row_bytes();
-  const int rows = live().kv.rows[size_t(l)];
+  const KvCache& kv = live().kv;
+  const size_t rb = kv.row_bytes();
+  const int rows = kv.rows[size_t(l)];
   size_t offset = 0;
-  for (void* cache : {live().kv.k[size_t(l)], live().kv.v[size_t(l)]}) {
+  for (void* cache : {kv.k[size_t(l)], kv.v[size_t(l)]}) {
     // A ring's positions lie in at most two runs of rows.
     for (int p = first; p < end;) {
       const int r = int(kv_row(p, rows)), n = std::min(end - p, rows - r);
@@ -497,14 +495,15 @@ void Context::kv_runs(
 }
 
 std::vector<uint8_t> Context::save_state() const {
+  const KvCache& kv = live().kv;
   // Each layer's rows from its first kept position: 0, or for a ring the oldest it still holds.
-  std::vector<uint32_t> firsts(size_t(live().kv.n_layer), 0);
+  std::vector<uint32_t> firsts(size_t(kv.n_layer), 0);
   size_t kv_bytes = 0;
-  for (int l = 0; l < live().kv.n_layer; ++l) {
-    if (live().kv.ring(l))
+  for (int l = 0; l < kv.n_layer; ++l) {
+    if (kv.ring(l))
       firsts[size_t(l)] = uint32_t(std::min(
-          live().n_past, std::max({0, live().kv_lost, live().n_past - live().kv.rows[size_t(l)]})));
-    kv_bytes += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * live().kv.row_bytes();
+          live().n_past, std::max({0, live().kv_lost, live().n_past - kv.rows[size_t(l)]})));
+    kv_bytes += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * kv.row_bytes();
   }
   const size_t tokens_bytes = size_t(live().n_past) * sizeof(int32_t);
   const size_t firsts_bytes = firsts.size() * sizeof(uint32_t);
@@ -513,9 +512,9 @@ std::vector<uint8_t> Context::save_state() const {
   std::memcpy(h.magic, kStateMagic, 4);
   h.version = kStateVersion;
   h.fingerprint = fingerprint_;
-  h.kv_type = static_cast<uint32_t>(live().kv.type);
-  h.n_layer = uint32_t(live().kv.n_layer);
-  h.width = uint64_t(live().kv.width);
+  h.kv_type = static_cast<uint32_t>(kv.type);
+  h.n_layer = uint32_t(kv.n_layer);
+  h.width = uint64_t(kv.width);
   h.n_past = uint32_t(live().n_past);
   h.kv_lost = uint32_t(std::min(live().kv_lost, live().n_past));
   uint8_t* p = out.data();
@@ -525,16 +524,17 @@ std::vector<uint8_t> Context::save_state() const {
   p += tokens_bytes;
   std::memcpy(p, firsts.data(), firsts_bytes);
   p += firsts_bytes;
-  for (int l = 0; l < live().kv.n_layer; ++l) {
+  for (int l = 0; l < kv.n_layer; ++l) {
     kv_runs(l, int(firsts[size_t(l)]), live().n_past, [&](void* cache, size_t at, size_t bytes) {
       backend_->kv_to_host(p + at, cache, bytes);
     });
-    p += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * live().kv.row_bytes();
+    p += 2 * size_t(live().n_past - int(firsts[size_t(l)])) * kv.row_bytes();
   }
   return out;
 }
 
 void Context::load_state(const uint8_t* data, size_t size) {
+  const KvCache& kv = live().kv;
   StateHeader h{};
   if (!data || size < sizeof h)
     throw ArgumentError("load_state: " + std::to_string(size) +
@@ -547,30 +547,30 @@ void Context::load_state(const uint8_t* data, size_t size) {
                         "; this ggraph reads versions 1 to " + std::to_string(kStateVersion));
   if (h.fingerprint != fingerprint_)
     throw ArgumentError("load_state: the state was saved with another model file");
-  if (h.kv_type != static_cast<uint32_t>(live().kv.type) ||
-      h.n_layer != uint32_t(live().kv.n_layer) || h.width != uint64_t(live().kv.width)) {
+  if (h.kv_type != static_cast<uint32_t>(kv.type) || h.n_layer != uint32_t(kv.n_layer) ||
+      h.width != uint64_t(kv.width)) {
     const TypeTraits* saved = type_traits_or_null(h.kv_type);
-    throw ArgumentError(
-        std::string("load_state: the state's KV cache is ") +
-        (saved ? saved->name : "of type id " + std::to_string(h.kv_type)) + " (" +
-        std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) + "), this context's " +
-        type_name(live().kv.type) + " (" + std::to_string(live().kv.n_layer) + " layers of " +
-        std::to_string(live().kv.width) + "): a state loads into a context of the same kv_type");
+    throw ArgumentError(std::string("load_state: the state's KV cache is ") +
+                        (saved ? saved->name : "of type id " + std::to_string(h.kv_type)) + " (" +
+                        std::to_string(h.n_layer) + " layers of " + std::to_string(h.width) +
+                        "), this context's " + type_name(kv.type) + " (" +
+                        std::to_string(kv.n_layer) + " layers of " + std::to_string(kv.width) +
+                        "): a state loads into a context of the same kv_type");
   }
   if (h.n_past > uint32_t(n_ctx_))
     throw ArgumentError("load_state: the state holds " + std::to_string(h.n_past) +
                         " tokens; this context holds " + std::to_string(n_ctx_));
   const int n_past = int(h.n_past);
   const size_t tokens_bytes = size_t(n_past) * sizeof(int32_t);
-  const size_t firsts_bytes = h.version >= 2 ? size_t(live().kv.n_layer) * sizeof(uint32_t) : 0;
+  const size_t firsts_bytes = h.version >= 2 ? size_t(kv.n_layer) * sizeof(uint32_t) : 0;
   if (size < sizeof h + tokens_bytes + firsts_bytes)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
                         std::to_string(n_past) + " tokens takes at least " +
                         std::to_string(sizeof h + tokens_bytes + firsts_bytes));
-  std::vector<uint32_t> firsts(size_t(live().kv.n_layer), 0);
+  std::vector<uint32_t> firsts(size_t(kv.n_layer), 0);
   if (firsts_bytes) std::memcpy(firsts.data(), data + sizeof h + tokens_bytes, firsts_bytes);
   size_t expected = sizeof h + tokens_bytes + firsts_bytes;
-  for (int l = 0; l < live().kv.n_layer; ++l) {
+  for (int l = 0; l < kv.n_layer; ++l) {
     const uint32_t f = firsts[size_t(l)];
     const bool windowed = model_->layer_window[size_t(l)] > 0;
     // Only a windowed layer may start past position 0.
@@ -578,7 +578,7 @@ void Context::load_state(const uint8_t* data, size_t size) {
       throw ArgumentError("load_state: layer " + std::to_string(l) + "'s rows start at position " +
                           std::to_string(f) + "; expected " +
                           (windowed ? "at most " + std::to_string(n_past) : std::string("0")));
-    expected += 2 * size_t(n_past - int(f)) * live().kv.row_bytes();
+    expected += 2 * size_t(n_past - int(f)) * kv.row_bytes();
   }
   if (size != expected)
     throw ArgumentError("load_state: " + std::to_string(size) + " bytes; a state of " +
@@ -589,19 +589,19 @@ void Context::load_state(const uint8_t* data, size_t size) {
   int lost = int(std::min(h.kv_lost, h.n_past));
   try {
     const uint8_t* p = data + sizeof h + tokens_bytes + firsts_bytes;
-    for (int l = 0; l < live().kv.n_layer; ++l) {
+    for (int l = 0; l < kv.n_layer; ++l) {
       // This context's ring may be shorter than the saving one's: its last rows only.
       const int count = n_past - int(firsts[size_t(l)]);
-      const int keep = std::min(count, live().kv.rows[size_t(l)]);
-      const size_t skip = size_t(count - keep) * live().kv.row_bytes();
-      const size_t half = size_t(keep) * live().kv.row_bytes();  // K's rows, then V's
+      const int keep = std::min(count, kv.rows[size_t(l)]);
+      const size_t skip = size_t(count - keep) * kv.row_bytes();
+      const size_t half = size_t(keep) * kv.row_bytes();  // K's rows, then V's
       kv_runs(l, n_past - keep, n_past, [&](void* cache, size_t at, size_t bytes) {
         const size_t from =
-            at < half ? skip + at : size_t(count) * live().kv.row_bytes() + skip + at - half;
+            at < half ? skip + at : size_t(count) * kv.row_bytes() + skip + at - half;
         backend_->kv_from_host(cache, p + from, bytes);
       });
       if (model_->layer_window[size_t(l)] > 0) lost = std::max(lost, n_past - keep);
-      p += 2 * size_t(count) * live().kv.row_bytes();
+      p += 2 * size_t(count) * kv.row_bytes();
     }
   } catch (...) {
     reset();  // a device failure half-way: the old rows are gone, so the context is emptied

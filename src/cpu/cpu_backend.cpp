@@ -329,8 +329,9 @@ class CpuBackend final : public Backend {
   static constexpr int kAttnChunk = 256;
   static constexpr int kAttnTokens = 16;
 
-  // Keys for a run of query tokens: a cache's K and V rows (a ring of `rows` rows when ring),
-  // the attention length, the first query's position, and the run's tokens [j0, j0 + n_tok).
+  // Keys for a run of query tokens: a cache's K and V rows (`rows` of them, position p in row
+  // kv_row(p, rows)), the attention length, the first query's position, and the run's tokens
+  // [j0, j0 + n_tok).
   struct AttnSource {
     const uint8_t* k;
     const uint8_t* v;
