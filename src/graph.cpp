@@ -183,9 +183,24 @@ Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
   return t;
 }
 
+// What attention over caches k and v needs of its shapes, whichever op: heads, widths, one type
+// and one layout of rows for K and V.
+static void require_attention(Op op, const Tensor* q, const Tensor* k, const Tensor* v, int n_head,
+                              int n_head_kv, int head_dim, int window) {
+  const char* what = op_name(op);
+  require(q->ne[0] == int64_t(n_head) * head_dim, what, "q width must be n_head*head_dim");
+  require(n_head % n_head_kv == 0, what, "n_head must be a multiple of n_head_kv");
+  require(k->ne[0] == int64_t(n_head_kv) * head_dim && v->ne[0] == k->ne[0], what,
+          "cache width must be n_head_kv*head_dim");
+  require(window >= 0, what, "window must be >= 0");
+  require(k->type == v->type, what, "K and V must be of one type");
+  require(k->ne[1] == v->ne[1] && k->params[kKvRing] == v->params[kKvRing] &&
+              k->params[kKvSeqRows] == v->params[kKvSeqRows],
+          what, "K and V caches must hold the same rows");
+}
+
 Tensor* Graph::attention_node(Op op, Tensor* q, Tensor* k, Tensor* v, int n_head, int n_head_kv,
                               int head_dim, float scale, int window) {
-  require(k->type == v->type, op_name(op), "K and V must be of one type");
   Tensor* t = new_tensor(op, DType::F32, q->ne[0], q->ne[1], op_name(op));
   t->src[0] = q;
   t->src[1] = k;
@@ -200,13 +215,7 @@ Tensor* Graph::attention_node(Op op, Tensor* q, Tensor* k, Tensor* v, int n_head
 
 Tensor* Graph::attention(Tensor* q, Tensor* k_cache, Tensor* v_cache, int n_head, int n_head_kv,
                          int head_dim, float scale, int32_t n_kv, int32_t first_pos, int window) {
-  require(q->ne[0] == int64_t(n_head) * head_dim, "attention", "q width must be n_head*head_dim");
-  require(n_head % n_head_kv == 0, "attention", "n_head must be a multiple of n_head_kv");
-  require(k_cache->ne[0] == int64_t(n_head_kv) * head_dim && v_cache->ne[0] == k_cache->ne[0],
-          "attention", "cache width must be n_head_kv*head_dim");
-  require(window >= 0, "attention", "window must be >= 0");
-  require(k_cache->ne[1] == v_cache->ne[1] && k_cache->params[kKvRing] == v_cache->params[kKvRing],
-          "attention", "K and V caches must hold the same rows");
+  require_attention(Op::Attention, q, k_cache, v_cache, n_head, n_head_kv, head_dim, window);
   if (k_cache->params[kKvRing])
     require(n_kv >= first_pos + q->ne[1] && window > 0 && window + q->ne[1] - 1 <= k_cache->ne[1],
             "attention", "a ring cache holds fewer rows than the window and the queries");
@@ -252,16 +261,8 @@ Tensor* Graph::kv_store_seqs(Tensor* pool, Tensor* x, Tensor* slots) {
 
 Tensor* Graph::attention_seqs(Tensor* q, Tensor* k_pool, Tensor* v_pool, Tensor* slots, int n_head,
                               int n_head_kv, int head_dim, float scale, int window) {
-  require(q->ne[0] == int64_t(n_head) * head_dim, "attention_seqs",
-          "q width must be n_head*head_dim");
-  require(n_head % n_head_kv == 0, "attention_seqs", "n_head must be a multiple of n_head_kv");
-  require(k_pool->ne[0] == int64_t(n_head_kv) * head_dim && v_pool->ne[0] == k_pool->ne[0],
-          "attention_seqs", "pool width must be n_head_kv*head_dim");
-  require(k_pool->params[kKvSeqRows] > 0 && k_pool->ne[1] == v_pool->ne[1] &&
-              k_pool->params[kKvSeqRows] == v_pool->params[kKvSeqRows] &&
-              k_pool->params[kKvRing] == v_pool->params[kKvRing],
-          "attention_seqs", "K and V must be pools of the same rows");
-  require(window >= 0, "attention_seqs", "window must be >= 0");
+  require_attention(Op::AttentionSeqs, q, k_pool, v_pool, n_head, n_head_kv, head_dim, window);
+  require(k_pool->params[kKvSeqRows] > 0, "attention_seqs", "K and V must be pools");
   require(!k_pool->params[kKvRing] || (window > 0 && window <= k_pool->params[kKvSeqRows]),
           "attention_seqs", "a ring holds fewer rows than the window");
   require_slots(slots, q->ne[1], "attention_seqs");
