@@ -17,13 +17,13 @@ int attention_splits(int max_keys, int kv_blocks, int split_keys) {
   return std::max(1, std::min({kMaxAttnSplits, fill, most}));
 }
 
-size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens) {
-  if (n_tokens > kDecodeAttnMaxTokens) return 0;
+size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs) {
+  if (n_tokens > kDecodeAttnMaxTokens && !seqs) return 0;
   return static_cast<size_t>(n_head) * n_tokens * kMaxAttnSplits * (head_dim + 2) * sizeof(float);
 }
 
-size_t attn_counters_bytes(int n_head, int n_tokens) {
-  if (n_tokens > kDecodeAttnMaxTokens) return 0;
+size_t attn_counters_bytes(int n_head, int n_tokens, bool seqs) {
+  if (n_tokens > kDecodeAttnMaxTokens && !seqs) return 0;
   return static_cast<size_t>(n_head) * n_tokens * sizeof(unsigned);
 }
 
@@ -215,14 +215,29 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
-                       unsigned* counters, int cache_rows) {
+                       unsigned* counters, int cache_rows, const int32_t* slots) {
   constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
   using Lane = LaneHalves<DPL>;
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const int n_kv = kv_value(n_kv_at, n_kv_value);
-  const int first_pos = kv_value(first_pos_at, first_pos_value);
+  const int t = blockIdx.z;
+  int n_kv = kv_value(n_kv_at, n_kv_value);
+  int first_pos = kv_value(first_pos_at, first_pos_value);
+  // The query's offset from first_pos: t, or 0 when each token is a sequence of its own (slots:
+  // its sequence's rows in the pools, its position as the only query's).
+  int t_pos = t;
+  if (slots) {
+    const int pos = slots[gridDim.z + t];
+    n_kv = pos + 1;
+    first_pos = pos;
+    t_pos = 0;
+    const int64_t rows_before = static_cast<int64_t>(slots[t]) * cache_rows;
+    const int64_t row_size = Q8 ? static_cast<int64_t>(n_head_kv) * q8_head_bytes(head_dim)
+                                : static_cast<int64_t>(n_head_kv) * head_dim * 2;
+    kc = static_cast<const uint8_t*>(kc) + rows_before * row_size;
+    vc = static_cast<const uint8_t*>(vc) + rows_before * row_size;
+  }
   // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
   // batch reads, from range_begin on, and rows before lo are never read.
   const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
@@ -235,7 +250,6 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   const int hkv = blockIdx.x / n_gchunks;
   const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
   const int n_g = min(G, hkv * group + group - h_first);
-  const int t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
@@ -250,8 +264,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     for (int e = 0; e < DPL; ++e) qv[g][e] = g < n_g && lane_on ? qh[e] * scale : 0.0f;
   }
 
-  const int lim = min(n_kv, first_pos + t + 1);
-  const int lo = window > 0 ? max(0, first_pos + t + 1 - window) : 0;
+  const int lim = min(n_kv, first_pos + t_pos + 1);
+  const int lo = window > 0 ? max(0, first_pos + t_pos + 1 - window) : 0;
   const int split_len = ((range + n_used - 1) / n_used + 31) / 32 * 32;  // whole tiles
   const int k_begin = max(lo, range_begin + split * split_len);
   const int k_end = min(range_begin + (split + 1) * split_len, lim);
@@ -690,7 +704,7 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   auto launch = [&](auto kernel) {
     l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
       a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters, a.cache_rows);
+      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters, a.cache_rows, a.slots);
   };
   if (a.kv_type == DType::Q8_0) {
     launch(attn_decode_kernel<DPL, G, true>);
@@ -791,9 +805,11 @@ int attention_max_keys(const AttentionArgs& a) {
 void launch_attention(Launcher& l, const AttentionArgs& a) {
   if (a.quant_ws && (a.head_dim % 32 != 0 || a.n_tokens > kDecodeAttnMaxTokens))
     throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
-  if (a.n_tokens <= kDecodeAttnMaxTokens && (!a.partials || !a.counters))
+  if ((a.n_tokens <= kDecodeAttnMaxTokens || a.slots) && (!a.partials || !a.counters))
     throw std::logic_error("attention: a decode batch needs partials and counters");
-  if (a.ring ? a.window <= 0 || a.window + a.n_tokens - 1 > a.cache_rows : a.n_kv > a.cache_rows)
+  if (a.slots  ? a.ring && (a.window <= 0 || a.window > a.cache_rows)
+      : a.ring ? a.window <= 0 || a.window + a.n_tokens - 1 > a.cache_rows
+               : a.n_kv > a.cache_rows)
     throw std::logic_error("attention: keys beyond the cache rows");
   if (a.head_dim > 256 || a.head_dim % 8 != 0)
     throw ArgumentError("attention: head_dim must be a multiple of 8 and at most 256, got " +
@@ -808,7 +824,8 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
   const void* vc = a.v_cache;
   // Values the kernels read from the KV record go as zeros, so that the arguments do not move.
   const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
-  if (a.n_tokens <= kDecodeAttnMaxTokens) {
+  // Tokens of sequences of their own are each one query: the decode kernels, at any count.
+  if (a.n_tokens <= kDecodeAttnMaxTokens || a.slots) {
     if (a.head_dim <= 64) return decode_attention_dpl<2>(l, a, kc, vc, n_kv, first_pos);
     if (a.head_dim <= 128) return decode_attention_dpl<4>(l, a, kc, vc, n_kv, first_pos);
     return decode_attention_dpl<8>(l, a, kc, vc, n_kv, first_pos);

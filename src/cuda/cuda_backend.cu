@@ -112,11 +112,12 @@ size_t act_workspace_bytes(const Graph& graph) {
 size_t attn_workspace_bytes(const Graph& graph, bool counters) {
   size_t need = 0;
   for (const Tensor* t : graph.nodes()) {
-    if (t->op != Op::Attention) continue;
+    if (t->op != Op::Attention && t->op != Op::AttentionSeqs) continue;
     const int n_head = t->params[kAttnNHead], n_tokens = static_cast<int>(t->src[0]->ne[1]);
-    need =
-        std::max(need, counters ? attn_counters_bytes(n_head, n_tokens)
-                                : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens));
+    const bool seqs = t->op == Op::AttentionSeqs;
+    need = std::max(
+        need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
+                       : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
   }
   return need;
 }
@@ -184,10 +185,7 @@ void validate_node(const Tensor* t) {
         bad_node(t, "unknown gate activation " + std::to_string(t->params[0]));
       break;
     case Op::Concat:
-    case Op::KvStoreSeqs:
-    case Op::AttentionSeqs:
-      bad_node(t, std::string(op_name(t->op)) +
-                      " (batches of several sequences) runs on the CPU only, so far");
+      bad_node(t, "concat (batches of several sequences) runs on the CPU only, so far");
       break;
     case Op::Softcap:
       need_src(0, DType::F32);
@@ -226,6 +224,7 @@ void validate_node(const Tensor* t) {
       if (!(t->param_f(kRopeScale) > 0.0f)) bad_node(t, "frequency scale must be positive");
       break;
     }
+    case Op::KvStoreSeqs:
     case Op::KvStore: {
       const Tensor* x = need_src(0, DType::F32);
       const Tensor* cache = kv_target(t);
@@ -238,12 +237,19 @@ void validate_node(const Tensor* t) {
       if (x->ne[0] != cache->ne[0])
         bad_node(t, "rows of " + std::to_string(x->ne[0]) + " into a cache of rows of " +
                         std::to_string(cache->ne[0]));
+      if (t->op == Op::KvStoreSeqs) {
+        const Tensor* slots = need_src(2, DType::I32);
+        if (slots->ne[0] != 2 * x->ne[1] || t->params[kKvSeqRows] <= 0)
+          bad_node(t, "slots must hold each token's sequence and position in a pool");
+        break;
+      }
       if (t->kv[0] < 0 || (cache->params[kKvRing] ? x->ne[1] : t->kv[0] + x->ne[1]) > cache->ne[1])
         bad_node(t, "rows " + std::to_string(t->kv[0]) + ".." +
                         std::to_string(t->kv[0] + x->ne[1]) + " outside a cache of " +
                         std::to_string(cache->ne[1]));
       break;
     }
+    case Op::AttentionSeqs:
     case Op::Attention: {
       const Tensor* q = need_src(0, DType::F32);
       const int n_head = t->params[kAttnNHead], n_head_kv = t->params[kAttnNHeadKv];
@@ -267,6 +273,7 @@ void validate_node(const Tensor* t) {
         if (c->ne[0] != static_cast<int64_t>(n_head_kv) * head_dim)
           bad_node(t, "cache rows of " + std::to_string(c->ne[0]) + ", expected n_head_kv*" +
                           "head_dim = " + std::to_string(n_head_kv * head_dim));
+        if (t->op == Op::AttentionSeqs) continue;  // lengths from the slots, on the device
         if (t->kv[kAttnNKv] < 0 || (!c->params[kKvRing] && t->kv[kAttnNKv] > c->ne[1]))
           bad_node(t, "n_kv " + std::to_string(t->kv[kAttnNKv]) + " outside a cache of " +
                           std::to_string(c->ne[1]));
@@ -277,6 +284,9 @@ void validate_node(const Tensor* t) {
       }
       if (t->kv[kAttnFirstPos] < 0) bad_node(t, "negative first position");
       if (t->params[kAttnWindow] < 0) bad_node(t, "negative window");
+      if (t->op == Op::AttentionSeqs && (need_src(3, DType::I32)->ne[0] != 2 * q->ne[1] ||
+                                         cache_of(t->src[1])->params[kKvSeqRows] <= 0))
+        bad_node(t, "slots must hold each token's sequence and position in a pool");
       break;
     }
     default:
@@ -773,6 +783,22 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         if (pair) done[xi] = 1;
         break;
       }
+      case Op::KvStoreSeqs: {
+        // K and V stores of the same slots, one after the other: one launch.
+        const int xi = next_op(i);
+        const Tensor* nx = xi < n ? nodes[xi] : nullptr;
+        const bool pair = nx && nx->op == Op::KvStoreSeqs && !done[xi] && nx->src[2] == t->src[2] &&
+                          nx->src[0]->ne[0] == t->src[0]->ne[0] &&
+                          nx->src[0]->ne[1] == t->src[0]->ne[1] && nx->data != t->data &&
+                          nx->type == t->type && nx->params[kKvSeqRows] == t->params[kKvSeqRows];
+        launch_kv_store(l, t->type, fptr(t->src[0]), t->data, pair ? fptr(nx->src[0]) : nullptr,
+                        pair ? nx->data : nullptr, t->src[0]->ne[0],
+                        static_cast<int>(t->src[0]->ne[1]), nullptr, t->params[kKvSeqRows],
+                        static_cast<const int32_t*>(ptr(t->src[2])));
+        if (pair) done[xi] = 1;
+        break;
+      }
+      case Op::AttentionSeqs:
       case Op::Attention: {
         float scale;
         std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
@@ -791,12 +817,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.head_dim = t->params[kAttnHeadDim];
         a.scale = scale;
         a.n_tokens = n_tokens;
-        a.n_kv = t->kv[kAttnNKv];
-        a.first_pos = t->kv[kAttnFirstPos];
-        a.cache_rows = static_cast<int>(cache_of(t->src[1])->ne[1]);
         a.ring = cache_of(t->src[1])->params[kKvRing] != 0;
-        a.n_kv_at = kv_at(t->kv[kAttnNKv]);
-        a.first_pos_at = kv_at(t->kv[kAttnFirstPos]);
+        if (t->op == Op::AttentionSeqs) {
+          a.cache_rows = cache_of(t->src[1])->params[kKvSeqRows];
+          a.slots = static_cast<const int32_t*>(ptr(t->src[3]));
+        } else {
+          a.n_kv = t->kv[kAttnNKv];
+          a.first_pos = t->kv[kAttnFirstPos];
+          a.cache_rows = static_cast<int>(cache_of(t->src[1])->ne[1]);
+          a.n_kv_at = kv_at(t->kv[kAttnNKv]);
+          a.first_pos_at = kv_at(t->kv[kAttnFirstPos]);
+        }
         a.partials = buf.attn;
         a.counters = buf.attn_counters;
         a.quant_ws = q;

@@ -421,21 +421,28 @@ __global__ void __launch_bounds__(1024)
 
 // ---- KV store ------------------------------------------------------------------------------
 
+// The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
+// slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
+// the position; otherwise the row of position *first_row_at + t (ring_row).
+__device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
+                                                int t, int n_tokens, int rows) {
+  if (slots) return static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
+  return ring_row(*first_row_at + t, rows);
+}
+
 // first_row (the first token's position) is read from the step's KV record, so that the
-// arguments stay the same from step to step; token t goes to the row of position first_row + t
-// in a cache of `rows` rows (ring_row). blockIdx.y picks one of two stores of the same rows (K
-// and V).
+// arguments stay the same from step to step; token t goes to kv_store_row. blockIdx.y picks one
+// of two stores of the same rows (K and V).
 __global__ void kv_store_kernel(const float* src0, const float* src1, __half* cache0,
                                 __half* cache1, int64_t n_embd_kv, int64_t n,
-                                const int32_t* first_row_at, int rows) {
+                                const int32_t* first_row_at, int rows, const int32_t* slots) {
   pdl_begin();
-  const int32_t first_row = *first_row_at;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float* src = blockIdx.y == 0 ? src0 : src1;
   __half* cache = blockIdx.y == 0 ? cache0 : cache1;
   const int t = static_cast<int>(i / n_embd_kv);
-  const int64_t row = ring_row(first_row + t, rows);
+  const int64_t row = kv_store_row(first_row_at, slots, t, static_cast<int>(n / n_embd_kv), rows);
   cache[row * n_embd_kv + (i - t * n_embd_kv)] = __float2half_rn(src[i]);
 }
 
@@ -443,9 +450,8 @@ __global__ void kv_store_kernel(const float* src0, const float* src1, __half* ca
 // amax / 127 rounded to F16, q = round(x / d) with the float reciprocal, halves away from zero.
 __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t* cache0,
                                    uint8_t* cache1, int64_t n_embd_kv, int64_t n_blocks,
-                                   const int32_t* first_row_at, int rows) {
+                                   const int32_t* first_row_at, int rows, const int32_t* slots) {
   pdl_begin();
-  const int32_t first_row = *first_row_at;
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (b >= n_blocks) return;
@@ -461,7 +467,8 @@ __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t
   const int q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0;
   const int64_t per_row = n_embd_kv / 32;
   const int t = static_cast<int>(b / per_row);
-  const int64_t row = ring_row(first_row + t, rows);
+  const int64_t row =
+      kv_store_row(first_row_at, slots, t, static_cast<int>(n_blocks / per_row), rows);
   uint8_t* blk = cache + (row * per_row + (b - t * per_row)) * 34;
   if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
   blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
@@ -629,7 +636,7 @@ bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
 
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
                      const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
-                     const int32_t* first_row, int rows) {
+                     const int32_t* first_row, int rows, const int32_t* slots) {
   const int64_t n = n_embd_kv * n_tokens;
   const bool pair = src1 != nullptr;
   if (cache_type == DType::Q8_0) {
@@ -638,12 +645,12 @@ void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cac
                           std::to_string(n_embd_kv));
     l(kv_store_q8_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0,
       pair ? src1 : src0, static_cast<uint8_t*>(cache0),
-      static_cast<uint8_t*>(pair ? cache1 : cache0), n_embd_kv, n / 32, first_row, rows);
+      static_cast<uint8_t*>(pair ? cache1 : cache0), n_embd_kv, n / 32, first_row, rows, slots);
     return;
   }
   l(kv_store_kernel, dim3(ceil_div(n, 256), pair ? 2 : 1), dim3(256), 0, src0, pair ? src1 : src0,
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
-    first_row, rows);
+    first_row, rows, slots);
 }
 
 bool use_programmatic_launch(const cudaDeviceProp& prop) {

@@ -252,12 +252,14 @@ constexpr int kRopeMaxHalfDim = 256;
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
 int rope_token_threads(int n_heads, int head_dim);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at positions *first_row...
-// (first_row points into the KV record) of caches of `rows` rows (ring_row).
+// (first_row points into the KV record) of caches of `rows` rows (ring_row); or, with slots
+// (I32 [2 * n_tokens] on the device: each token's sequence, then its position), token t into
+// its sequence's row of a pool of sequences of `rows` rows (first_row then unused).
 // Rows of n_embd_kv values into an F16 or Q8_0 cache (Q8_0: ggml's blocks, quantized as the
 // CPU quantizes them, bit for bit).
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,
                      const float* src1, void* cache1, int64_t n_embd_kv, int n_tokens,
-                     const int32_t* first_row, int rows);
+                     const int32_t* first_row, int rows, const int32_t* slots = nullptr);
 
 // Activation preparation for quantized mat-vec: 8-bit blocks of 32 (qs, then per block d and
 // d*sum(q) as float2), one column after another. Needs k % 32 == 0.
@@ -353,6 +355,10 @@ struct AttentionArgs {
   int32_t n_kv = 0, first_pos = 0;
   int cache_rows = 0;  // rows the caches hold (n_ctx, or a sliding-window ring's)
   bool ring = false;   // position p in row p % cache_rows (Graph::kv_cache)
+  // Each token over its own sequence (Graph::attention_seqs): I32 [2 * n_tokens] on the device,
+  // each token's sequence, then its position; the caches are pools of sequences of cache_rows
+  // rows. n_kv and first_pos are then unused.
+  const int32_t* slots = nullptr;
   const int32_t* n_kv_at = nullptr;
   const int32_t* first_pos_at = nullptr;
   float* partials = nullptr;
@@ -367,7 +373,9 @@ void prepare_attention_kernels();
 // Query heads per flash-decoding block, and the most keys a launch reads.
 int attention_group(int n_head, int n_head_kv, int head_dim);
 int attention_max_keys(const AttentionArgs& args);
-size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens);
-size_t attn_counters_bytes(int n_head, int n_tokens);
+// seqs: tokens of sequences of their own (AttentionArgs::slots), which take the decode kernels
+// at any count.
+size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs = false);
+size_t attn_counters_bytes(int n_head, int n_tokens, bool seqs = false);
 
 }  // namespace ggraph::cuda

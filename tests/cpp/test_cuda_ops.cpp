@@ -999,6 +999,127 @@ TEST_F(CudaOps, AttentionOverRings) {
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
+// One token of each of several sequences whose caches lie in one pool (kv_store_seqs and
+// attention_seqs, a decode batch's ops): each token writes and attends over its own sequence's
+// rows, at its own position; pools of rings too.
+struct PoolCase {
+  int n_head, n_head_kv, hd, n_seq, rows;
+  std::vector<int> seqs, positions;  // each token's sequence and position
+  int window = 0;
+  bool ring = false;
+  DType kv = DType::F16;
+};
+
+void check_attention_seqs(const PoolCase& c, std::mt19937& rng,
+                          const std::function<void(const Build&, const std::vector<double>&, double,
+                                                   double, const std::string&, double)>& check) {
+  const int n_tok = int(c.seqs.size());
+  const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
+  const size_t rb = row_size(c.kv, kv_w);
+  // Every position up to each token's, per sequence (rows of later positions over earlier ones
+  // in a ring): the values as the cache holds them, by (sequence, position).
+  int max_pos = 0;
+  for (int p : c.positions) max_pos = std::max(max_pos, p);
+  const size_t per_seq = size_t(max_pos + 1) * kv_w;
+  auto k_all = randn(per_seq * c.n_seq, rng);
+  auto v_all = randn(per_seq * c.n_seq, rng);
+  std::vector<uint8_t> kb(rb * c.rows * c.n_seq, 0), vb(rb * c.rows * c.n_seq, 0);
+  std::vector<double> kr(k_all.size()), vr(v_all.size());
+  std::vector<uint8_t> row(rb);
+  std::vector<float> back(kv_w);
+  std::vector<float> k_new(size_t(n_tok) * kv_w), v_new(size_t(n_tok) * kv_w);
+  for (int s = 0; s < c.n_seq; ++s) {
+    int pos_s = -1;  // this sequence's token position, if it has one
+    for (int i = 0; i < n_tok; ++i)
+      if (c.seqs[i] == s) pos_s = c.positions[i];
+    for (int p = 0; p <= max_pos; ++p)
+      for (int kv = 0; kv < 2; ++kv) {
+        const float* src = (kv ? v_all : k_all).data() + (size_t(s) * (max_pos + 1) + p) * kv_w;
+        quantize_row(c.kv, src, row.data(), kv_w);
+        dequantize_row(c.kv, row.data(), back.data(), kv_w);
+        for (int64_t i = 0; i < kv_w; ++i)
+          (kv ? vr : kr)[(size_t(s) * (max_pos + 1) + p) * kv_w + i] = back[i];
+        if (p < pos_s || (pos_s < 0 && p < c.rows)) {
+          const size_t r = size_t(s) * c.rows + size_t(c.ring ? p % c.rows : p);
+          std::copy(row.begin(), row.end(), (kv ? vb : kb).begin() + rb * r);
+        }
+      }
+  }
+  for (int i = 0; i < n_tok; ++i) {
+    const size_t at = (size_t(c.seqs[i]) * (max_pos + 1) + c.positions[i]) * kv_w;
+    std::copy(k_all.begin() + at, k_all.begin() + at + kv_w, k_new.begin() + size_t(i) * kv_w);
+    std::copy(v_all.begin() + at, v_all.begin() + at + kv_w, v_new.begin() + size_t(i) * kv_w);
+  }
+  auto q = randn(size_t(c.n_head) * c.hd * n_tok, rng);
+  const float scale = 1.0f / std::sqrt(float(c.hd));
+  std::vector<double> ref(q.size());
+  for (int t = 0; t < n_tok; ++t)
+    for (int h = 0; h < c.n_head; ++h) {
+      const int hk = h / (c.n_head / c.n_head_kv), len = c.positions[t] + 1;
+      const int first = c.window > 0 ? std::max(0, len - c.window) : 0;
+      const size_t base = size_t(c.seqs[t]) * (max_pos + 1) * kv_w;
+      std::vector<double> sc(len, -INFINITY);
+      double mx = -INFINITY, sum = 0;
+      for (int p = first; p < len; ++p) {
+        double d = 0;
+        for (int i = 0; i < c.hd; ++i)
+          d += double(q[(size_t(t) * c.n_head + h) * c.hd + i]) *
+               kr[base + size_t(p) * kv_w + hk * c.hd + i];
+        sc[p] = d * scale;
+        mx = std::max(mx, sc[p]);
+      }
+      for (auto& v : sc) sum += (v = std::exp(v - mx));
+      for (int i = 0; i < c.hd; ++i) {
+        double acc = 0;
+        for (int p = first; p < len; ++p)
+          acc += sc[p] * vr[base + size_t(p) * kv_w + hk * c.hd + i];
+        ref[(size_t(t) * c.n_head + h) * c.hd + i] = acc / sum;
+      }
+    }
+  std::vector<int32_t> slots(2 * size_t(n_tok)), iq, ik, iv;
+  for (int i = 0; i < n_tok; ++i) slots[i] = c.seqs[i], slots[n_tok + i] = c.positions[i];
+  check(
+      [&](Graph& g, Backend& be) {
+        auto pool = [&](const std::vector<uint8_t>& bytes, const char* name) {
+          void* p = be.alloc_kv(bytes.size());
+          be.kv_from_host(p, bytes.data(), bytes.size());
+          return g.kv_pool(c.kv, kv_w, c.rows, c.n_seq, p, name, c.ring);
+        };
+        Tensor* kp = pool(kb, "k_pool");
+        Tensor* vp = pool(vb, "v_pool");
+        Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
+        g.kv_store_seqs(kp, activations(g, be, k_new, kv_w, n_tok, ik), sl);
+        g.kv_store_seqs(vp, activations(g, be, v_new, kv_w, n_tok, iv), sl);
+        return g.attention_seqs(activations(g, be, q, int64_t(c.n_head) * c.hd, n_tok, iq), kp, vp,
+                                sl, c.n_head, c.n_head_kv, c.hd, scale, c.window);
+      },
+      ref, 2e-5, 2e-5,
+      std::string(type_name(c.kv)) + " pool of " + std::to_string(c.n_seq) + " x " +
+          std::to_string(c.rows) + (c.ring ? " (rings)" : "") + ", " + std::to_string(n_tok) +
+          " tokens, heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) +
+          " hd " + std::to_string(c.hd),
+      0);
+}
+
+TEST_F(CudaOps, AttentionOverSequencePools) {
+  std::mt19937 rng(27);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const DType f16 = DType::F16, q8 = DType::Q8_0;
+  const PoolCase cases[] = {{9, 3, 64, 4, 64, {2, 0, 3}, {5, 0, 40}, 0, false, f16},
+                            {8, 2, 128, 3, 600, {1, 2, 0}, {300, 7, 599}, 0, false, q8},
+                            {4,
+                             4,
+                             64,
+                             12,
+                             40,
+                             {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11},
+                             {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 39}},
+                            {4, 1, 256, 2, 530, {1, 0}, {2000, 4}, 512, true},
+                            {4, 2, 64, 3, 8, {0, 2}, {50, 3}, 8, true, q8}};
+  for (const PoolCase& c : cases) check_attention_seqs(c, rng, chk);
+}
+
 // ---- the ops Gemma, Qwen and Phi add --------------------------------------------------------
 
 TEST_F(CudaOps, PerHeadNormWithItsWeightAndRepeatedBroadcast) {
