@@ -214,6 +214,7 @@ GraphContext::GraphContext(Graph& graph, const Batch& b, const KvCache& cache, c
   out_ids = g.input_i32(b.n_outputs, b.out_ids, "out_ids");
   if (b.n_seqs > 0) slots = g.input_i32(2 * b.n_seqs, b.slots, "slots");
   g.n_tokens = b.n_tokens;
+  g.seqs = b.n_seqs > 0;
 }
 
 Tensor* GraphContext::weight(const Weight& w) {

@@ -177,7 +177,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   build(worst, b, n_batch_, n_batch_, 0);
   plan(worst);
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
-  if (seqs_.size() > 1 && !backend_->is_cuda()) {
+  if (seqs_.size() > 1) {
     // And a decode batch of as many sequences as a step takes.
     Graph batch;
     DecodeInputs in;
@@ -250,13 +250,10 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     }
   }
   std::vector<float> logits(size_t(n_vocab) * n);
-  if (backend_->is_cuda() || n == 1) {
-    // One sequence at a time: each its own decode step (and CUDA graph).
-    for (size_t i = 0; i < n; ++i) {
-      select_sequence(seqs[i]);
-      const std::vector<float> l = eval(tokens + i, 1, false);
-      std::copy(l.begin(), l.end(), logits.begin() + i * n_vocab);
-    }
+  if (n == 1) {
+    // A batch of one is its sequence's own decode step (its step graph, its CUDA graph).
+    select_sequence(seqs[0]);
+    logits = eval(tokens, 1, false);
     return logits;
   }
   // Batches of at most n_batch tokens (the buffers were sized for that many).

@@ -117,7 +117,7 @@ class Context {
   // The next token of each of n open, distinct sequences (seqs[i] takes tokens[i]), in one
   // step: the weights are read once for all of them. Returns each one's logits, [n][n_vocab],
   // and leaves the sequence selected before. Checks every id, sequence and remaining context
-  // before anything changes. On CUDA the tokens go one sequence at a time, so far.
+  // before anything changes. One graph serves every batch of n tokens (on CUDA, one executable).
   std::vector<float> decode_batch(const int* seqs, const int32_t* tokens, size_t n);
   void close_sequence(int id);
   void select_sequence(int id);

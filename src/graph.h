@@ -133,7 +133,8 @@ class Graph {
   void set_output(Tensor* t) { output_ = t; }
   Tensor* output() const { return output_; }
   const std::vector<Tensor*>& nodes() const { return nodes_; }  // every tensor, in build order
-  int n_tokens = 0;  // batch size the graph was built for
+  int n_tokens = 0;   // batch size the graph was built for
+  bool seqs = false;  // a decode batch: one token of each of n_tokens sequences
   // Unique per graph object in the process: a backend can tell a graph it ran last step (shifted
   // in place since) from a new one that happens to share its address.
   const uint64_t serial;

@@ -455,9 +455,10 @@ class Model:
     def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
         """The next token of several of this model's sequences (the model itself and its
         sessions, each at most once) in one step: `steps` pairs each with its token. Returns
-        their logits, (len(steps), n_vocab), row i for steps[i]. On the CPU the weights are read
-        once for the whole batch; on CUDA the sequences go one after another, so far. Each one's
-        generators are invalidated, as eval() does."""
+        their logits, (len(steps), n_vocab), row i for steps[i]. The weights are read once for
+        the whole batch, and a batch of as many tokens runs the same graph (on CUDA, the same
+        executable) whatever sequences it holds. Each one's generators are invalidated, as
+        eval() does."""
         pairs = list(steps)
         for who, _ in pairs:
             if not isinstance(who, Model) or who._ctx is not self._ctx:

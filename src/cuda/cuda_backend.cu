@@ -1051,7 +1051,9 @@ class CudaBackend : public Backend {
             .count();
     // One executable per batch shape; a changed topology within it
     // crossed) is applied to that executable with cudaGraphExecUpdate.
-    const uint64_t batch_key = (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
+    // (A decode batch of several sequences is a class of its own.)
+    const uint64_t batch_key = (uint64_t(graph.seqs) << 63) | (uint64_t(graph.n_tokens) << 32) |
+                               uint64_t(graph.output()->ne[1]);
     // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
     GraphExecutor::LaunchAll launch_kv;
     if (kv_only && executor_->mode() == GraphMode::Patch)
