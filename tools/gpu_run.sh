@@ -67,6 +67,12 @@ make_shape_files() {
   esac
 }
 
+# Waits (at most 450 s) for the llama.cpp build that stage llamacpp started, if it did.
+wait_llama_cpp() {
+  [ -f /tmp/llama.cpp-build.log ] || return 0
+  for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+}
+
 for stage in "$@"; do
   s=$(date +%s)
   case $stage in
@@ -155,7 +161,7 @@ for stage in "$@"; do
       # neither competes with the compiler for the host.
       models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
       make_shape_files $models
-      for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      wait_llama_cpp
       for m in $models; do
         python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
           --allow-longer-context --cuda-graphs "${MODES:-off,patch}" 2>&1 | tee -a "$OUT/refbench.md"
@@ -180,7 +186,7 @@ for stage in "$@"; do
         python3 tools/batch_bench.py -m "$m" -b "${BATCH_SIZES:-1,8,32,64}" --device cuda 2>&1 |
           tee -a "$OUT/batchbench.md"
       done
-      for _ in $(seq 90); do [ -f $LLAMA_CPP/done ] && break; sleep 5; done
+      wait_llama_cpp
       if [ -f $LLAMA_CPP/done ]; then
         for m in $bmodels; do
           $LLAMA_CPP/bin/llama-batched-bench -m "$m" -c 17000 -b 2048 -ub 512 -ngl 99 -fa 1 \

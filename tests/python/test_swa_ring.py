@@ -137,12 +137,15 @@ def test_sessions_decode_together_over_rings(arch_file, device):
     alone[0].eval(TOKENS[:9])
     alone[1].eval(TOKENS[20:23])
     alone[2].eval(TOKENS[40:53])
+    # CUDA's batch runs its products over three columns, a step alone over one: other kernels,
+    # other orders of the sums.
+    bound = 1e-5 if device == "cpu" else 1e-4
     for step in range(30):
         toks = [TOKENS[(step * 3 + k) % len(TOKENS)] for k in range(3)]
         batch = m.decode_batch([(m, toks[0]), (s1, toks[1]), (s2, toks[2])])
         for k in range(3):
             one = alone[k].eval([toks[k]])
-            assert _rel(batch[k], one) < 1e-5, f"{arch} sequence {k} step {step}"
+            assert _rel(batch[k], one) < bound, f"{arch} sequence {k} step {step}"
 
 
 def test_a_batch_repairs_a_rewound_session_despite_a_stale_cancel(arch_file):
