@@ -100,7 +100,9 @@ size_t act_workspace_bytes(const Graph& graph) {
   for (const Tensor* t : graph.nodes()) {
     if (t->op != Op::MulMat) continue;
     const int64_t k = t->src[0]->ne[0], cols = t->src[1]->ne[1];
-    if (cols > kMatVecMaxCols) {
+    if (mat_mul_q8_takes(t->src[0]->type, k, cols)) {
+      need = std::max(need, act_q8_bytes(k, cols));
+    } else if (cols > kMatVecMaxCols) {
       need = std::max(need, act_half_bytes(k, cols));
     } else if (is_quantized(t->src[0]->type)) {
       need = std::max(need, act_q8_bytes(k, cols));
@@ -118,6 +120,15 @@ size_t attn_workspace_bytes(const Graph& graph, bool counters) {
     need = std::max(
         need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
                        : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
+  }
+  // Split-k int8 products use the same memory (never at the same time as an attention).
+  for (const Tensor* t : graph.nodes()) {
+    if (t->op != Op::MulMat) continue;
+    const Tensor* w = t->src[0];
+    const int64_t k = w->ne[0], cols = t->src[1]->ne[1];
+    if (!mat_mul_q8_takes(w->type, k, cols)) continue;
+    need = std::max(need, counters ? mat_mul_q8_counters_bytes(w->type, w->ne[1], k, cols)
+                                   : mat_mul_q8_partials_bytes(w->type, w->ne[1], k, cols));
   }
   return need;
 }
@@ -617,6 +628,16 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const Tensor* x = t->src[1];
         const int64_t k = w->ne[0];
         const int cols = static_cast<int>(x->ne[1]);
+        if (mat_mul_q8_takes(w->type, k, cols)) {
+          if (prepared != x || prepared_form != Form::Q8) {
+            launch_quantize_act(l, fptr(x), k, cols, buf.act);
+            prepared = x;
+            prepared_form = Form::Q8;
+          }
+          launch_mat_mul_q8(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t), buf.attn,
+                            buf.attn_counters);
+          break;
+        }
         if (cols > kMatVecMaxCols) {
           // cuBLAS takes products of F16 and BF16 weights, and of quantized ones decoded to
           // half a chunk of rows at a time, where it is loaded (blas.h).

@@ -153,6 +153,19 @@ __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {
   }
 }
 
+// A K-quant sub-block's scale d * sc and minimum dmin * m, from its block's record (d | dmin,
+// then the 12 bytes of packed 6-bit values: quant.h's k_scale_min, four bytes a word).
+__device__ __forceinline__ float2 k_scale_min_dev(const uint32_t (&s)[4], int j) {
+  const int sh = 8 * (j & 3);
+  const uint32_t b0 = s[1] >> sh, b1 = s[2] >> sh, b2 = s[3] >> sh;
+  const bool low = j < 4;
+  const uint32_t sc = low ? b0 & 63 : (b2 & 15) | (((b0 >> 6) & 3) << 4);
+  const uint32_t m = low ? b1 & 63 : ((b2 >> 4) & 15) | (((b1 >> 6) & 3) << 4);
+  return make_float2(
+      f16_bits_to_float(static_cast<uint16_t>(s[0] & 0xFFFF)) * static_cast<float>(sc),
+      f16_bits_to_float(static_cast<uint16_t>(s[0] >> 16)) * static_cast<float>(m));
+}
+
 // Asynchronous 16-byte global-to-shared copies (sm_80+). src_bytes < 16 zero-fills the rest.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
   uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

@@ -15,8 +15,6 @@ namespace ggraph::cuda {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // ---- get_rows --------------------------------------------------------------------------------
 
 template <int TYPE>

@@ -14,8 +14,6 @@ namespace ggraph::cuda {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 constexpr int kMvThreads = 256;  // 8 warps
 
 // Up to three weight matrices launched together: block b of the grid belongs to part 0 below
@@ -197,19 +195,6 @@ template <int HB>
 __device__ __forceinline__ uint32_t high_hi(const uint32_t* h, int i) {
   if constexpr (HB == 4) return (h[0] << (4 - i)) & 0x10101010u;
   return high_lo<HB>(h + 1, i);
-}
-
-// A K-quant sub-block's scale d * sc and minimum dmin * m, from its block's record (d | dmin,
-// then the 12 bytes of packed 6-bit values: quant.h's k_scale_min, four bytes a word).
-__device__ __forceinline__ float2 k_scale_min_dev(const uint32_t (&s)[4], int j) {
-  const int sh = 8 * (j & 3);
-  const uint32_t b0 = s[1] >> sh, b1 = s[2] >> sh, b2 = s[3] >> sh;
-  const bool low = j < 4;
-  const uint32_t sc = low ? b0 & 63 : (b2 & 15) | (((b0 >> 6) & 3) << 4);
-  const uint32_t m = low ? b1 & 63 : ((b2 >> 4) & 15) | (((b1 >> 6) & 3) << 4);
-  return make_float2(
-      f16_bits_to_float(static_cast<uint16_t>(s[0] & 0xFFFF)) * static_cast<float>(sc),
-      f16_bits_to_float(static_cast<uint16_t>(s[0] >> 16)) * static_cast<float>(m));
 }
 
 // The signed IQ4 levels of four indices, one in the low nibble of each byte of q (the high
@@ -1483,6 +1468,7 @@ void prepare_kernels() {
     });
   }
   prepare_attention_kernels();
+  prepare_mat_mul_q8_kernels();
   cudaGetLastError();
 }
 

@@ -328,9 +328,11 @@ TEST_F(CudaOps, AddMulSwigluWithBroadcast) {
 // Error bounds (relative, whole output) per path. Mat-vec (<= 8 columns): float weights in
 // float32; quantized weights against activations quantized to 8 bits (as the CPU does).
 // Tiled (> 8 columns): activations and dequantized weights rounded to half, fp32 accumulation.
-double mul_mat_bound(DType t, int64_t cols) {
+// The 8-bit activations of the mat-vec and int8 tensor-core paths carry more error than the half
+// ones of the tiled kernel and cuBLAS.
+double mul_mat_bound(DType t, int64_t k, int64_t cols) {
   const bool quantized = type_traits(t).block_size > 1;
-  if (cols <= 8) return quantized ? 2e-2 : 1e-5;
+  if (cols <= 8 || cuda::mat_mul_q8_takes(t, k, cols)) return quantized ? 2e-2 : 1e-5;
   return 3e-3;
 }
 
@@ -363,7 +365,7 @@ void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rn
   auto x = randn(size_t(k) * cols, rng);
   double scale = 0;
   const auto ref = mul_mat_ref(deq, x, k, n, cols, &scale);
-  const double bound = mul_mat_bound(t, cols);
+  const double bound = mul_mat_bound(t, k, cols);
   const bool quantized = type_traits(t).block_size > 1;
   std::vector<int32_t> ids;
   check(
@@ -472,6 +474,36 @@ TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
         check_random_blocks(t, s.ne0, s.ne1, 1, rng, chk);
     }
   }
+}
+
+// Decode batches of 2 to 64 columns on the int8 tensor-core kernel (cuda/matmul_q.cu), every
+// tile shape (1, 2, 4 and 8 column tiles): rows that end mid-block, k whose last stage is partial
+// (576, 4160) or whole, column counts that fill no tile, and few row blocks (37 rows), whose k
+// splits over several blocks that meet through the attention's workspace.
+TEST_F(CudaOps, MulMatDecodeBatchesOnInt8TensorCores) {
+  std::mt19937 rng(29);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  struct Reset {
+    ~Reset() { cuda::set_mat_mul_q8_everywhere(false); }
+  } reset;
+  EXPECT_TRUE(cuda::mat_mul_q8_takes(DType::Q4_0, 4096, 8));  // the default's range
+  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 576, 2));
+  cuda::set_mat_mul_q8_everywhere(true);
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    ASSERT_TRUE(cuda::mat_mul_q8_takes(t, 576, 2));
+    for (Shape s : {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}}) {
+      for (int64_t cols : {2, 5, 8, 9, 16, 17, 33, 64})
+        check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+    }
+  }
+  for (Shape s : {Shape{256, 37}, Shape{4352, 70}}) {
+    for (int64_t cols : {2, 8, 13, 32, 64})
+      check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
+  }
+  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 576, cuda::kMatMulQ8MaxCols + 1));
+  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 96, 8));  // k not whole 64s
+  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q6_K, 4096, 8));
 }
 
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
