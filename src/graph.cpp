@@ -173,13 +173,18 @@ Tensor* Graph::kv_store(Tensor* cache, Tensor* x, int32_t first_row) {
   const bool ring = cache->params[kKvRing] != 0;
   require(first_row >= 0 && (ring ? x->ne[1] : first_row + x->ne[1]) <= cache->ne[1], "kv_store",
           "rows past the end of the cache");
-  Tensor* t = new_tensor(Op::KvStore, cache->type, cache->ne[0], cache->ne[1], "kv_store");
+  Tensor* t = kv_store_node(Op::KvStore, cache, x);
+  t->kv[0] = first_row;
+  return t;
+}
+
+Tensor* Graph::kv_store_node(Op op, Tensor* cache, Tensor* x) {
+  Tensor* t = new_tensor(op, cache->type, cache->ne[0], cache->ne[1], op_name(op));
   t->params[kKvRing] = cache->params[kKvRing];
   t->storage = Storage::Kv;
   t->data = cache->data;
   t->src[0] = x;
   t->src[1] = cache;
-  t->kv[0] = first_row;
   return t;
 }
 
@@ -248,13 +253,8 @@ Tensor* Graph::kv_store_seqs(Tensor* pool, Tensor* x, Tensor* slots) {
           "destination must be a KV pool");
   require(x->ne[0] == pool->ne[0], "kv_store_seqs", "row width differs from the pool's");
   require_slots(slots, x->ne[1], "kv_store_seqs");
-  Tensor* t = new_tensor(Op::KvStoreSeqs, pool->type, pool->ne[0], pool->ne[1], "kv_store_seqs");
-  t->params[kKvRing] = pool->params[kKvRing];
+  Tensor* t = kv_store_node(Op::KvStoreSeqs, pool, x);
   t->params[kKvSeqRows] = pool->params[kKvSeqRows];
-  t->storage = Storage::Kv;
-  t->data = pool->data;
-  t->src[0] = x;
-  t->src[1] = pool;
   t->src[2] = slots;
   return t;
 }

@@ -147,6 +147,8 @@ class Graph {
   Tensor* new_tensor(Op op, DType type, int64_t ne0, int64_t ne1, const std::string& name);
   Tensor* elementwise(Op op, Tensor* a, Tensor* b);
   Tensor* glu(Tensor* gate, Tensor* up, int32_t act);
+  // The node of kv_store and kv_store_seqs: x's rows into cache (a KV cache or pool).
+  Tensor* kv_store_node(Op op, Tensor* cache, Tensor* x);
   Tensor* attention_node(Op op, Tensor* q, Tensor* k, Tensor* v, int n_head, int n_head_kv,
                          int head_dim, float scale, int window);
   std::deque<Tensor> storage_;  // stable addresses

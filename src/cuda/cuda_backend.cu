@@ -114,21 +114,20 @@ size_t act_workspace_bytes(const Graph& graph) {
 size_t attn_workspace_bytes(const Graph& graph, bool counters) {
   size_t need = 0;
   for (const Tensor* t : graph.nodes()) {
-    if (t->op != Op::Attention && t->op != Op::AttentionSeqs) continue;
-    const int n_head = t->params[kAttnNHead], n_tokens = static_cast<int>(t->src[0]->ne[1]);
-    const bool seqs = t->op == Op::AttentionSeqs;
-    need = std::max(
-        need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
-                       : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
-  }
-  // Split-k int8 products use the same memory (never at the same time as an attention).
-  for (const Tensor* t : graph.nodes()) {
-    if (t->op != Op::MulMat) continue;
-    const Tensor* w = t->src[0];
-    const int64_t k = w->ne[0], cols = t->src[1]->ne[1];
-    if (!mat_mul_q8_takes(w->type, k, cols)) continue;
-    need = std::max(need, counters ? mat_mul_q8_counters_bytes(w->type, w->ne[1], k, cols)
-                                   : mat_mul_q8_partials_bytes(w->type, w->ne[1], k, cols));
+    if (t->op == Op::Attention || t->op == Op::AttentionSeqs) {
+      const int n_head = t->params[kAttnNHead], n_tokens = static_cast<int>(t->src[0]->ne[1]);
+      const bool seqs = t->op == Op::AttentionSeqs;
+      need = std::max(
+          need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
+                         : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
+    } else if (t->op == Op::MulMat) {
+      // Split-k int8 products use the same memory (never at the same time as an attention).
+      const Tensor* w = t->src[0];
+      const int64_t k = w->ne[0], cols = t->src[1]->ne[1];
+      if (!mat_mul_q8_takes(w->type, k, cols)) continue;
+      need = std::max(need, counters ? mat_mul_q8_counters_bytes(w->type, w->ne[1], k, cols)
+                                     : mat_mul_q8_partials_bytes(w->type, w->ne[1], k, cols));
+    }
   }
   return need;
 }
@@ -628,12 +627,15 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const Tensor* x = t->src[1];
         const int64_t k = w->ne[0];
         const int cols = static_cast<int>(x->ne[1]);
+        // The 8-bit form of x in the workspace, unless it is there already.
+        auto prepare_q8 = [&]() {
+          if (prepared == x && prepared_form == Form::Q8) return;
+          launch_quantize_act(l, fptr(x), k, cols, buf.act);
+          prepared = x;
+          prepared_form = Form::Q8;
+        };
         if (mat_mul_q8_takes(w->type, k, cols)) {
-          if (prepared != x || prepared_form != Form::Q8) {
-            launch_quantize_act(l, fptr(x), k, cols, buf.act);
-            prepared = x;
-            prepared_form = Form::Q8;
-          }
+          prepare_q8();
           launch_mat_mul_q8(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t), buf.attn,
                             buf.attn_counters);
           break;
@@ -668,11 +670,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
           break;
         }
-        if (is_quantized(w->type) && (prepared != x || prepared_form != Form::Q8)) {
-          launch_quantize_act(l, fptr(x), k, cols, buf.act);
-          prepared = x;
-          prepared_form = Form::Q8;
-        }
+        if (is_quantized(w->type)) prepare_q8();
         // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
         // go out as one launch at the first of them, where that moves no write over memory
         // that the nodes in between still use.
