@@ -2,11 +2,12 @@
 // int8 tensor cores: mma.sync m16n8k32 of the weights' 4- or 8-bit quants against the 8-bit
 // activation (launch_quantize_act), each 32-element block's integer sums scaled in float.
 //
-// A block of four warps owns 16 * WM rows and every column; its k is staged 256 elements at a
-// time (8 blocks of 32) through a three-stage cp.async pipeline: the rows' quants and scale
-// records (the split layout, cuda/weight_layout.h) and the columns' 8-bit values and (d, d *
-// sum) pairs. Warps split the rows (WM of them, 16 rows each) and a stage's blocks (4 / WM of
-// them); the k-split warps' sums meet in shared memory at the end, always in the same order.
+// A block of four warps owns 16 * WM rows and every column; its k is staged SB blocks of 32 at
+// a time through a cp.async pipeline (Q8Shape: both by the number of column tiles): the rows'
+// quants and scale records (the split layout, cuda/weight_layout.h) and the columns' 8-bit
+// values and (d, d * sum) pairs. Warps split the rows (WM of them, 16 rows each) and a stage's
+// blocks (4 / WM of them); the k-split warps' sums meet in shared memory at the end, always in
+// the same order. Few row blocks also split k over the grid (Q8Plan).
 //
 // Fragments come from shared memory by ldmatrix, which hands lane 4g + t word t of row g: of a
 // 4-bit piece (byte j: element j in the low nibble, j + 16 in the high) that word's low nibbles
@@ -14,8 +15,8 @@
 // activation's words t and 4 + t are the B fragment's. Unsigned nibbles dot as they are; the
 // formats' offsets and minimums enter through the activation's block sums:
 //   sum((s q + m) a d8) = s * d8 * sum(q a) + m * (d8 * sum(a)).
-// Rows are 128 (Q8_0: 256) bytes a stage in shared memory, 16-byte chunks swizzled by the row's
-// low three bits, so that the eight row addresses of an ldmatrix fall in distinct banks.
+// In shared memory, 16-byte chunks of a row (or column) are swizzled by its low three bits, so
+// that the eight row addresses of an ldmatrix fall in distinct banks.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -116,7 +117,7 @@ __device__ __forceinline__ float2 block_scale(const uint8_t* rec, int j) {
 
 // Rows of a block, and k splits, of a product (a function of the shape alone).
 struct Q8Plan {
-  int rows, splits, stages;
+  int rows, splits;
 };
 template <int TYPE, int NT>
 Q8Plan q8_plan(int64_t n, int64_t k) {
@@ -125,7 +126,7 @@ Q8Plan q8_plan(int64_t n, int64_t k) {
   const int64_t row_blocks = ceil_div(n, T::kRows);
   int splits = static_cast<int>(ceil_div(kQ8TargetBlocks, row_blocks));
   splits = std::max(1, std::min({splits, kQ8MaxSplits, stages / 2}));
-  return {T::kRows, splits, stages};
+  return {T::kRows, splits};
 }
 
 // Split-k (gridDim.y > 1): each split leaves its sums in partials [split][col][row]; the last
@@ -401,7 +402,7 @@ Q8Plan plan_of(DType type, int64_t n, int64_t k, int64_t cols) {
       return with_col_tiles(cols,
                             [&](auto nt) { return q8_plan<TYPE, decltype(nt)::value>(n, k); });
     } else {
-      return Q8Plan{16, 1, 1};
+      return Q8Plan{16, 1};
     }
   });
 }
