@@ -35,15 +35,6 @@ template <typename T>
                       format_value(static_cast<Wide>(value)));
 }
 
-uint64_t splitmix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
 uint64_t fresh_seed() {
   uint64_t seed =
       static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
@@ -57,48 +48,8 @@ uint64_t fresh_seed() {
   return seed == kRandomSeed ? 0 : seed;
 }
 
-uint32_t bits_of(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
-
-float float_of(uint32_t bits) {
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-// e^x for x <= 0 (0 below -87, where it would leave the normal floats). A fixed polynomial
-// rather than std::exp, so the weights, and so the drawn tokens, do not depend on the platform's
-// C library. Relative error about 1e-7. The range test compares bits, not floats: a float
-// comparison may trap on NaN, which keeps the compiler from vectorizing the loops that call it.
-inline float exp_nonpositive(float x) {
-  constexpr uint32_t kFloorBits = 0xC2AE0000u;  // -87.0f; larger bits are more negative
-  const uint32_t x_bits = bits_of(x);
-  const uint32_t in_range = x_bits < kFloorBits ? 0xFFFFFFFFu : 0u;
-  const float xc = float_of((x_bits & in_range) | (kFloorBits & ~in_range));
-  // k = round(xc / ln 2); truncation of a negative value minus one half rounds to nearest.
-  const int32_t k = static_cast<int32_t>(xc * 1.44269504f - 0.5f);
-  const float kf = static_cast<float>(k);
-  // r = xc - k ln 2, with ln 2 split so that k * hi is exact.
-  const float r = (xc - kf * 0.693359375f) + kf * 2.12194440e-4f;
-  // Taylor series to degree 7: |r| <= 0.35, so the remainder is below 1e-8.
-  float p = 1.98412698e-4f;
-  p = p * r + 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float y = p * float_of(static_cast<uint32_t>(k + 127) << 23);  // 2^k, k in [-126, 0]
-  return float_of(bits_of(y) & in_range);
-}
-
 constexpr int kBuckets = 1024;
 constexpr size_t kSortDirectly = 256;
-constexpr size_t kBlock = 256;
 
 // Eight running maxima: independent chains, where one would wait on each comparison.
 float max_of(const float* values, size_t n) {
@@ -110,17 +61,6 @@ float max_of(const float* values, size_t n) {
   }
   for (; i < n; ++i) m[0] = std::max(m[0], values[i]);
   return *std::max_element(m, m + 8);
-}
-
-// Four running sums in a fixed order: faster than one chain, and the same result everywhere.
-double sum_of(const float* values, size_t n) {
-  double s[4] = {0.0, 0.0, 0.0, 0.0};
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (int j = 0; j < 4; ++j) s[j] += values[i + j];
-  }
-  for (; i < n; ++i) s[0] += values[i];
-  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 // Larger logit first, lower id first among equal logits: a strict total order, so every
@@ -176,51 +116,23 @@ int32_t argmax(const float* values, int32_t n) {
   return best;
 }
 
-Rng::Rng(uint64_t seed) {
-  uint64_t state = seed;
-  for (uint64_t& word : s_) word = splitmix64(&state);
-}
-
-Rng Rng::from_state(const uint64_t state[4]) {
-  Rng rng;
-  std::copy(state, state + 4, rng.s_);
-  return rng;
-}
-
-uint64_t Rng::next() {
-  const uint64_t result = rotl(s_[1] * 5, 7) * 9;
-  const uint64_t t = s_[1] << 17;
-  s_[2] ^= s_[0];
-  s_[3] ^= s_[1];
-  s_[1] ^= s_[2];
-  s_[0] ^= s_[3];
-  s_[2] ^= t;
-  s_[3] = rotl(s_[3], 45);
-  return result;
-}
-
-double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-
-Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(0) {
+Sampler::Sampler(const SamplingParams& params) : params_(params) {
   validate(params_);
   reseed(params_.seed);
 }
 
 void Sampler::reseed(uint64_t seed) {
   seed_ = seed == kRandomSeed ? fresh_seed() : seed;
-  rng_ = Rng(seed_);
+  draws_ = 0;
 }
 
 void Sampler::reserve(int32_t n_vocab) {
   const size_t n = static_cast<size_t>(n_vocab);
   if (logits_.size() >= n) return;
   logits_.resize(n);
-  weights_.resize(n);
-  draw_weights_.resize(n);
+  mass_.resize(n);
   candidates_.resize(n);
   scratch_.resize(n);
-  bucket_mass_.resize(kBuckets);
-  block_sums_.resize((n + kBlock - 1) / kBlock);
   counts_.resize(n, 0);
 }
 
@@ -289,21 +201,77 @@ size_t Sampler::select_top_k(int32_t n_vocab, size_t k) {
   return k;
 }
 
-// Top-p over candidates_[0, n), in id order: keeps those that precede, in ByLogitDescending
-// order, the first token at which the running sum of weights_ reaches target (that token
-// included), still in id order. Rather than sorting, it narrows down to the token where the sum
-// crosses: a histogram of weight by logit finds the bucket it crosses in, then that bucket alone
-// is examined, the same way, until few tokens are left to sort.
-size_t Sampler::cut_top_p(size_t n, double target) {
+namespace {
+
+// min-p's floor: p_i >= min_p * p_max <=> logit_i >= max + ln(min_p). The lowest float also
+// drops -inf.
+float log_min_p(float min_p) { return static_cast<float>(std::log(static_cast<double>(min_p))); }
+
+float min_p_floor(const SamplingParams& p, float max_logit) {
+  float floor = -std::numeric_limits<float>::max();
+  if (p.min_p > 0.0f) floor = std::max(floor, max_logit + log_min_p(p.min_p));
+  return floor;
+}
+
+uint64_t top_p_target(float top_p, uint64_t total) {
+  return static_cast<uint64_t>(std::ceil(static_cast<double>(top_p) * static_cast<double>(total)));
+}
+
+int32_t float_word(float f) {
+  int32_t w;
+  std::memcpy(&w, &f, sizeof w);
+  return w;
+}
+
+}  // namespace
+
+void fill_sample_config(const SamplingParams& p, uint64_t seed, uint64_t draw,
+                        const int32_t* history, size_t n_history, int window, int32_t* words) {
+  namespace w = sample_word;
+  std::fill(words, words + w::kHeader, 0);
+  words[w::kTemperature] = float_word(p.temperature);
+  words[w::kTopK] = p.top_k;
+  words[w::kTopP] = float_word(p.top_p);
+  words[w::kMinP] = float_word(p.min_p);
+  words[w::kLogMinP] = float_word(p.min_p > 0.0f ? log_min_p(p.min_p) : 0.0f);
+  words[w::kRepeatPenalty] = float_word(p.repeat_penalty);
+  words[w::kFrequencyPenalty] = float_word(p.frequency_penalty);
+  words[w::kPresencePenalty] = float_word(p.presence_penalty);
+  words[w::kPenaltyLastN] = p.penalty_last_n;
+  words[w::kSeedLo] = static_cast<int32_t>(static_cast<uint32_t>(seed));
+  words[w::kSeedHi] = static_cast<int32_t>(static_cast<uint32_t>(seed >> 32));
+  words[w::kDrawLo] = static_cast<int32_t>(static_cast<uint32_t>(draw));
+  words[w::kDrawHi] = static_cast<int32_t>(static_cast<uint32_t>(draw >> 32));
+  const size_t n = std::min(n_history, static_cast<size_t>(std::max(window, 0)));
+  words[w::kNHistory] = static_cast<int32_t>(n);
+  if (n > 0) std::copy(history + (n_history - n), history + n_history, words + w::kHeader);
+}
+
+int sample_history_window(const SamplingParams& p, int n_ctx) {
+  if (p.penalty_last_n == 0 ||
+      (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f))
+    return 0;
+  return p.penalty_last_n < 0 ? n_ctx : std::min(p.penalty_last_n, n_ctx);
+}
+
+// Top-p over candidates_[0, n), in id order, whose masses are in mass_ by id: keeps those that
+// precede, in the sampling order, the first token at which the running mass from the top of the
+// order reaches target (that token included), still in id order. The candidates must include
+// every token of the order up to that one, and target must be reached among them (else all are
+// kept). Rather than sorting, it narrows down to the token where the sum crosses: a histogram of
+// mass by logit finds the bucket it crosses in, then that bucket alone is examined, the same
+// way, until few tokens are left to sort. Masses are integers, so the sums are exact in any
+// order.
+size_t Sampler::cut_top_p(size_t n, uint64_t target) {
   const float* work = logits_.data();
-  const float* weights = weights_.data();
+  const uint64_t* mass = mass_.data();
   const ByLogitDescending order{work};
   int32_t* candidates = candidates_.data();
   int32_t* subset = scratch_.data();
-  double* mass = bucket_mass_.data();
+  uint64_t bucket_mass[kBuckets];
   std::copy(candidates, candidates + n, subset);
   size_t m = n;
-  double cumulative = 0.0;  // weight of the tokens ahead of the subset
+  uint64_t cumulative = 0;  // mass of the tokens ahead of the subset
   int32_t last = -1;        // the last token kept
   while (last < 0) {
     float lo = kInf;
@@ -315,9 +283,9 @@ size_t Sampler::cut_top_p(size_t n, double target) {
     if (m <= kSortDirectly || lo == hi) {
       // Equal logits are already in order: the subset keeps id order.
       if (lo != hi) std::sort(subset, subset + m, order);
-      last = subset[m - 1];  // short of the target by rounding only: keep the whole subset
+      last = subset[m - 1];  // the target lies past the subset: keep all of it
       for (size_t j = 0; j < m; ++j) {
-        cumulative += weights[subset[j]];
+        cumulative += mass[subset[j]];
         if (cumulative >= target) {
           last = subset[j];
           break;
@@ -332,13 +300,13 @@ size_t Sampler::cut_top_p(size_t n, double target) {
       const double b = (static_cast<double>(hi) - static_cast<double>(work[id])) * scale;
       return std::min(static_cast<int>(b), kBuckets - 1);
     };
-    std::fill(mass, mass + kBuckets, 0.0);
-    for (size_t j = 0; j < m; ++j) mass[bucket_of(subset[j])] += weights[subset[j]];
+    std::fill(bucket_mass, bucket_mass + kBuckets, uint64_t(0));
+    for (size_t j = 0; j < m; ++j) bucket_mass[bucket_of(subset[j])] += mass[subset[j]];
     int crossing = 0;
-    while (crossing < kBuckets && cumulative + mass[crossing] < target) {
-      cumulative += mass[crossing++];
+    while (crossing < kBuckets && cumulative + bucket_mass[crossing] < target) {
+      cumulative += bucket_mass[crossing++];
     }
-    if (crossing == kBuckets) return n;  // short of the target by rounding only: keep all
+    if (crossing == kBuckets) return n;  // the target lies past every candidate: keep all
     // Branch-free compaction: which tokens stay is as good as random in id order.
     size_t kept = 0;
     for (size_t j = 0; j < m; ++j) {
@@ -347,7 +315,7 @@ size_t Sampler::cut_top_p(size_t n, double target) {
     }
     m = kept;
   }
-  // Keep what comes no later than `last` in ByLogitDescending order.
+  // Keep what comes no later than `last` in the order.
   const float cut = work[last];
   size_t kept = 0;
   for (size_t j = 0; j < n; ++j) {
@@ -358,115 +326,33 @@ size_t Sampler::cut_top_p(size_t n, double target) {
   return kept;
 }
 
-float Sampler::min_p_floor(float max_logit) const {
-  // p_i >= min_p * p_max  <=>  logit_i >= max + ln(min_p). The lowest float also drops -inf.
-  float floor = -std::numeric_limits<float>::max();
-  if (params_.min_p > 0.0f) {
-    const double log_min_p = std::log(static_cast<double>(params_.min_p));
-    floor = std::max(floor, max_logit + static_cast<float>(log_min_p));
-  }
-  return floor;
-}
-
-size_t Sampler::keep_top_k(int32_t n_vocab, float max_logit) {
-  const SamplingParams& p = params_;
-  const float* work = logits_.data();
-  float* weights = weights_.data();
-  int32_t* candidates = candidates_.data();
-  size_t n = select_top_k(n_vocab, static_cast<size_t>(p.top_k));
-  // Sorted by logit, so min-p and top-p each keep a prefix; top-p's mass counts every token
-  // top-k kept.
-  double total = 0.0;
-  if (p.top_p < 1.0f) {
-    for (size_t j = 0; j < n; ++j) {
-      weights[candidates[j]] = exp_nonpositive(work[candidates[j]] - max_logit);
-      total += weights[candidates[j]];
-    }
-  }
-  const float floor = min_p_floor(max_logit);
-  size_t keep = 0;
-  while (keep < n && work[candidates[keep]] >= floor) ++keep;
-  if (p.top_p < 1.0f) {
-    const double target = static_cast<double>(p.top_p) * total;
-    double cumulative = 0.0;
-    for (size_t j = 0; j < keep; ++j) {
-      cumulative += weights[candidates[j]];
-      if (cumulative >= target) {
-        keep = j + 1;
-        break;
-      }
-    }
-  }
-  std::sort(candidates, candidates + keep);
-  return keep;
-}
-
-size_t Sampler::keep_top_p_min_p(int32_t n_vocab, float max_logit) {
-  const SamplingParams& p = params_;
-  const size_t n_all = static_cast<size_t>(n_vocab);
-  const float* work = logits_.data();
-  float* weights = weights_.data();
-  int32_t* candidates = candidates_.data();
-  const float floor = min_p_floor(max_logit);
-  size_t n = 0;
-  if (p.top_p == 1.0f) {
-    for (size_t i = 0; i < n_all; ++i) {
-      candidates[n] = static_cast<int32_t>(i);
-      n += work[i] >= floor;
-    }
-    return n;
-  }
-  for (size_t i = 0; i < n_all; ++i) weights[i] = exp_nonpositive(work[i] - max_logit);
-  const double total = sum_of(weights, n_all);
-  // Tokens lighter than (1 - top_p) * total / n_vocab weigh less than (1 - top_p) * total all
-  // together, so the heavier ones reach the target first: top-p drops every light one.
-  const float light = static_cast<float>((1.0 - p.top_p) * total / static_cast<double>(n_all));
-  for (size_t i = 0; i < n_all; ++i) {
-    candidates[n] = static_cast<int32_t>(i);
-    n += (work[i] >= floor) & (weights[i] >= light);
-  }
-  // min-p keeps a prefix of the sorted order too, so top-p within it, with the mass of all
-  // tokens as the target, keeps the intersection that the chain's order asks for.
-  return cut_top_p(n, static_cast<double>(p.top_p) * total);
-}
-
+// The draw over ids[0, n) (ascending; null: every token 0..n-1), as sampling.h describes it.
 int32_t Sampler::draw(const int32_t* ids, size_t n, float max_logit) {
   const float* work = logits_.data();
-  float* weights = draw_weights_.data();
-  if (ids == nullptr) {
-    std::copy(work, work + n, weights);
-  } else {
-    for (size_t j = 0; j < n; ++j) weights[j] = work[ids[j]];
-  }
-  // A pass of its own over contiguous logits, so that it vectorizes.
   const float temperature = params_.temperature;
-  for (size_t j = 0; j < n; ++j)
-    weights[j] = exp_nonpositive((weights[j] - max_logit) / temperature);
-  // Block sums let the walk below skip to the block where the running sum crosses the target.
-  double* blocks = block_sums_.data();
-  const size_t n_blocks = (n + kBlock - 1) / kBlock;
-  double total = 0.0;
-  for (size_t b = 0; b < n_blocks; ++b) {
-    blocks[b] = sum_of(weights + b * kBlock, std::min(kBlock, n - b * kBlock));
-    total += blocks[b];
+  uint64_t* d = mass_.data();  // by position among the kept tokens
+  uint64_t total = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const float w = work[ids ? ids[j] : static_cast<int32_t>(j)];
+    d[j] = sample_mass(exp_nonpositive((w - max_logit) / temperature));
+    total += d[j];
   }
-  const double target = rng_.uniform() * total;
-  double cumulative = 0.0;
-  size_t b = 0;
-  while (b + 1 < n_blocks && cumulative + blocks[b] <= target) cumulative += blocks[b++];
-  for (size_t j = b * kBlock; j < n; ++j) {
-    cumulative += weights[j];
-    if (cumulative > target) return ids == nullptr ? static_cast<int32_t>(j) : ids[j];
+  const double u = philox_uniform(seed_, draws_++);
+  const uint64_t r = std::min(total - 1, static_cast<uint64_t>(u * static_cast<double>(total)));
+  uint64_t cumulative = 0;
+  size_t j = 0;
+  for (; j + 1 < n; ++j) {
+    cumulative += d[j];
+    if (cumulative > r) break;
   }
-  // Rounding left the target at the very end of the sum: the last token with weight takes it.
-  size_t j = n - 1;
-  while (j > 0 && weights[j] == 0.0f) --j;
-  return ids == nullptr ? static_cast<int32_t>(j) : ids[j];
+  return ids ? ids[j] : static_cast<int32_t>(j);
 }
 
 int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* history,
                         size_t n_history) {
   if (logits == nullptr || n_vocab <= 0) invalid("n_vocab", "> 0 with non-null logits", n_vocab);
+  if (n_vocab > kMaxSampleVocab)
+    invalid("n_vocab", "at most 2^23", static_cast<long long>(n_vocab));
   reserve(n_vocab);
   const size_t n_all = static_cast<size_t>(n_vocab);
   float* work = logits_.data();
@@ -486,15 +372,62 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
     for (size_t i = 0; i < n_all; ++i) work[i] = work[i] == kInf ? 0.0f : -kInf;
     max_logit = 0.0f;
   }
+  const float floor = min_p_floor(p, max_logit);
+  int32_t* candidates = candidates_.data();
+  uint64_t* mass = mass_.data();
+  auto mass_of = [&](int32_t id) { return sample_mass(exp_nonpositive(work[id] - max_logit)); };
   if (p.top_k > 0 && static_cast<size_t>(p.top_k) < n_all) {
-    const size_t n = keep_top_k(n_vocab, max_logit);
-    return draw(candidates_.data(), n, max_logit);
+    // Sorted by the order, so min-p and top-p each keep a prefix; top-p's mass counts every
+    // token top-k kept.
+    const size_t n = select_top_k(n_vocab, static_cast<size_t>(p.top_k));
+    size_t keep = 0;
+    while (keep < n && work[candidates[keep]] >= floor) ++keep;
+    if (p.top_p < 1.0f) {
+      uint64_t total = 0;
+      for (size_t j = 0; j < n; ++j) total += mass_of(candidates[j]);
+      const uint64_t target = top_p_target(p.top_p, total);
+      uint64_t cumulative = 0;
+      for (size_t j = 0; j < keep; ++j) {
+        cumulative += mass_of(candidates[j]);
+        if (cumulative >= target) {
+          keep = j + 1;
+          break;
+        }
+      }
+    }
+    std::sort(candidates, candidates + keep);
+    return draw(candidates, keep, max_logit);
   }
-  if (p.top_p < 1.0f || p.min_p > 0.0f) {
-    const size_t n = keep_top_p_min_p(n_vocab, max_logit);
-    return draw(candidates_.data(), n, max_logit);
+  if (p.top_p < 1.0f) {
+    uint64_t total = 0;
+    for (size_t i = 0; i < n_all; ++i) {
+      mass[i] = mass_of(static_cast<int32_t>(i));
+      total += mass[i];
+    }
+    const uint64_t target = top_p_target(p.top_p, total);
+    // Masses grow with the logit, so every token of at least `light` precedes every lighter
+    // one; the lighter ones weigh less than total - target all together, so the heavier ones
+    // reach the target first: top-p drops every light one.
+    const uint64_t light = (total - target) / n_all;
+    size_t n = 0;
+    for (size_t i = 0; i < n_all; ++i) {
+      candidates[n] = static_cast<int32_t>(i);
+      n += (work[i] >= floor) & (mass[i] >= light);
+    }
+    // min-p keeps a prefix of the order too, so top-p within it, with the mass of all tokens
+    // as the target, keeps the intersection that the chain asks for.
+    n = cut_top_p(n, target);
+    return draw(candidates, n, max_logit);
   }
-  // Nothing to filter: every token is a candidate, the -inf ones with weight 0.
+  if (p.min_p > 0.0f) {
+    size_t n = 0;
+    for (size_t i = 0; i < n_all; ++i) {
+      candidates[n] = static_cast<int32_t>(i);
+      n += work[i] >= floor;
+    }
+    return draw(candidates, n, max_logit);
+  }
+  // Nothing to filter: every token is a candidate, the -inf ones with mass 0.
   return draw(nullptr, n_all, max_logit);
 }
 

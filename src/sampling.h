@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common.h"
+#include "sampling_math.h"
 
 namespace ggraph {
 
@@ -15,15 +16,34 @@ constexpr uint64_t kRandomSeed = 0xFFFFFFFFFFFFFFFFull;
 // Settings of the sampling chain. The chain runs in llama.cpp's default order:
 //   1. penalties, over the last penalty_last_n tokens of the history: each token seen there
 //      `count` times gets logit > 0 ? logit / repeat_penalty : logit * repeat_penalty, then
-//      logit -= count * frequency_penalty + presence_penalty
+//      logit -= count * frequency_penalty + presence_penalty (NaN results become -inf)
 //   2. top-k: keep the first k tokens in descending order
-//   3. top-p: keep the shortest prefix of that order whose probabilities (softmax over what
-//      top-k kept, at temperature 1) sum to at least top_p
+//   3. top-p: keep the shortest prefix of that order whose probability mass (softmax over what
+//      top-k kept, at temperature 1) reaches top_p of the mass top-k kept
 //   4. min-p: keep the tokens whose probability is at least min_p times the largest one
 //   5. temperature: divide the kept logits by it and draw from their softmax
 // Descending order: larger logit first, lower token id first among equal logits. top-p and
 // min-p measure probabilities before temperature, as llama.cpp does. Temperature 0 or top_k 1
 // is greedy: the argmax of the penalized logits, which no filter removes.
+//
+// Exactly, so that the CPU and the CUDA sample kernel (cuda/sample.cu) pick the same token from
+// the same logits (the arithmetic is sampling_math.h's):
+//   - work = the logits with NaN as -inf, penalized. max = the largest; none above -inf is an
+//     error. Greedy: the lowest id whose work equals max.
+//   - If max is +inf: work = 0 for the +inf tokens and -inf for the others, max = 0.
+//   - The order: sample_key(work) descending, then id ascending.
+//   - top-k (0 < top_k < n_vocab): the first top_k tokens of the order, less those at -inf.
+//     Otherwise every token.
+//   - top-p (top_p < 1): mass_i = sample_mass(exp_nonpositive(work_i - max)); T = the sum over
+//     the top-k set; target = ceil(double(top_p) * double(T)). The top-p set is the order's
+//     prefix of the top-k set through the first token at which the running mass reaches target.
+//   - min-p (min_p > 0): the tokens with work >= max(-FLT_MAX, max + (float)log(double(min_p))).
+//     (The lowest float also drops -inf tokens.)
+//   - The draw, over the tokens in all three sets, in ascending id order: d_i =
+//     sample_mass(exp_nonpositive((work_i - max) / temperature)), D = sum d_i, u = the sampler's
+//     next philox_uniform(seed, draw), r = min(D - 1, uint64(u * double(D))); the token is the
+//     first whose running sum of d exceeds r. Each draw advances the draw counter by one; greedy
+//     samples draw nothing.
 struct SamplingParams {
   float temperature = 0.8f;        // >= 0; 0 = greedy
   int32_t top_k = 40;              // >= 0; 0 = off
@@ -39,36 +59,23 @@ struct SamplingParams {
 // Throws ArgumentError naming the first invalid parameter, its valid range and the value given.
 void validate(const SamplingParams& params);
 
+// The configuration words of a Sample op (sampling_math.h's sample_word): the parameters, seed
+// and first draw index, then the last `window` ids of the history (fewer when it is shorter),
+// into words[0, sample_word::kHeader + window).
+void fill_sample_config(const SamplingParams& params, uint64_t seed, uint64_t draw,
+                        const int32_t* history, size_t n_history, int window, int32_t* words);
+// The history a Sample op needs of a chain: the penalty window (all of it for -1), or 0 when
+// the parameters apply no penalty.
+int sample_history_window(const SamplingParams& params, int n_ctx);
+
 // Index of the largest value, the lowest index among ties; NaN counts as -inf.
 // Throws ArgumentError if n <= 0 or every value is NaN.
 int32_t argmax(const float* values, int32_t n);
 
-// xoshiro256** with its state filled by four successive outputs of splitmix64(seed): integer
-// arithmetic only, so a seed gives the same stream on every platform and compiler.
-class Rng {
- public:
-  explicit Rng(uint64_t seed);
-  static Rng from_state(const uint64_t state[4]);  // the raw generator, for known-answer tests
-
-  uint64_t next();
-  double uniform();  // in [0, 1): the top 53 bits of next() times 2^-53
-
- private:
-  Rng() = default;
-  uint64_t s_[4] = {0, 0, 0, 0};
-};
-
-// Runs the chain of SamplingParams over one row of logits. Reproducible: for the same logits,
-// history, parameters and seed it returns the same tokens on every platform, because
-//   - greedy calls consume no random number; every other call consumes exactly one, u = uniform();
-//   - the weights are exp((logit - max) / temperature) from a fixed polynomial (not the C
-//     library's exp), and the token is the first kept token, in ascending id order, whose
-//     running sum of weights exceeds u times their total.
-// (A compiler that fuses the polynomial's multiply-adds, as -march=native may, can move a weight
-// by one float ulp: then only a u within about 1e-7 of a boundary could pick the neighbour.)
-// NaN logits count as -inf; +inf logits take all the probability, shared equally. A row with
-// no logit above -inf is an ArgumentError. Buffers grow to the largest n_vocab seen and are
-// reused: sample() does not allocate after the first call. Not thread-safe.
+// Runs the chain of SamplingParams over one row of logits (above). Reproducible: for the same
+// logits, history, parameters, seed and draw counter it returns the same token on every
+// platform and on both backends. Buffers grow to the largest n_vocab seen and are reused:
+// sample() does not allocate after the first call. Not thread-safe.
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);  // validates params
@@ -77,8 +84,11 @@ class Sampler {
   // may be null when n_history is 0. History ids inside the penalty window must be in range.
   int32_t sample(const float* logits, int32_t n_vocab, const int32_t* history, size_t n_history);
 
-  // Restarts the random stream; kRandomSeed draws a fresh seed.
+  // Restarts the random stream (the draw counter at 0); kRandomSeed draws a fresh seed.
   void reseed(uint64_t seed);
+  // The stream's position: the draws made since the seed was set.
+  uint64_t draws() const { return draws_; }
+  void set_draws(uint64_t n) { draws_ = n; }
   // The seed of the current stream (the drawn one when a random seed was asked for).
   uint64_t seed() const { return seed_; }
   const SamplingParams& params() const { return params_; }
@@ -88,23 +98,17 @@ class Sampler {
 
  private:
   void reserve(int32_t n_vocab);
-  float min_p_floor(float max_logit) const;
   size_t select_top_k(int32_t n_vocab, size_t k);
-  size_t keep_top_k(int32_t n_vocab, float max_logit);
-  size_t cut_top_p(size_t n, double target);
-  size_t keep_top_p_min_p(int32_t n_vocab, float max_logit);
+  size_t cut_top_p(size_t n, uint64_t target);
   int32_t draw(const int32_t* ids, size_t n, float max_logit);
 
   SamplingParams params_;
   uint64_t seed_ = 0;
-  Rng rng_;
+  uint64_t draws_ = 0;
   std::vector<float> logits_;        // the penalized working copy
-  std::vector<float> weights_;       // exp(logit - max) by token id, for top-p
-  std::vector<float> draw_weights_;  // by position among the kept candidates
+  std::vector<uint64_t> mass_;       // top-p's masses by token id
   std::vector<int32_t> candidates_;  // token ids still in the running
   std::vector<int32_t> scratch_;     // top-p's narrowing subsets
-  std::vector<double> bucket_mass_;  // top-p's histogram of probability by logit
-  std::vector<double> block_sums_;   // the draw's sums of consecutive weights
   std::vector<int32_t> counts_;      // by token id; all zero between calls
 };
 

@@ -149,38 +149,55 @@ TEST(SamplingArgmax, NaNCountsAsMinusInfinity) {
 // ---------------------------------------------------------------------------------------------
 // Random numbers
 
-TEST(SamplingRng, Xoshiro256StarStarKnownAnswer) {
-  // Outputs of the reference xoshiro256** from the state {0, 0, 0, 1}.
-  const uint64_t state[4] = {0, 0, 0, 1};
-  Rng rng = Rng::from_state(state);
-  const uint64_t expected[] = {0x0000000000000000ull, 0x0000000000000000ull, 0x0000000000001680ull,
-                               0x02D0000000001680ull, 0x02D0005A2D001680ull, 0x0000005A2D0B4120ull,
-                               0x68B45A5A2D0B57A0ull, 0x68B48716AD000120ull, 0x1CB48716B2A00288ull,
-                               0x11B10070BDEB59BCull};
-  for (uint64_t e : expected) EXPECT_EQ(rng.next(), e);
+TEST(SamplingRng, PhiloxKnownAnswers) {
+  // The known-answer vectors published with Random123 for philox4x32_10.
+  auto check = [](Philox4 ctr, uint32_t k0, uint32_t k1, Philox4 expected) {
+    const Philox4 got = philox4x32_10(ctr, k0, k1);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(got.v[i], expected.v[i]) << "word " << i;
+  };
+  check({{0, 0, 0, 0}}, 0, 0, {{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}});
+  check({{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu, 0xffffffffu,
+        {{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}});
+  check({{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u,
+        {{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}});
 }
 
-TEST(SamplingRng, SeedFillsStateWithSplitMix64) {
-  // splitmix64 from 0: its first four outputs are published test values.
-  const uint64_t state[4] = {0xE220A8397B1DCDAFull, 0x6E789E6AA1B965F4ull, 0x06C45D188009454Full,
-                             0xF88BB8A8724C81ECull};
-  Rng from_seed(0);
-  Rng from_state = Rng::from_state(state);
-  for (int i = 0; i < 16; ++i) EXPECT_EQ(from_seed.next(), from_state.next());
-}
-
-TEST(SamplingRng, UniformUsesTheTop53Bits) {
-  const uint64_t state[4] = {0, 0, 0, 1};
-  Rng rng = Rng::from_state(state);
-  EXPECT_EQ(rng.uniform(), 0.0);
-  EXPECT_EQ(rng.uniform(), 0.0);
-  EXPECT_EQ(rng.uniform(), std::ldexp(0x1680 >> 11, -53));
-  Rng seeded(42);
-  for (int i = 0; i < 10000; ++i) {
-    const double u = seeded.uniform();
+TEST(SamplingRng, UniformIsTheTop53BitsOfTheDrawsCounter) {
+  // Draw n of seed s: Philox of the counter (n, 0) under the key s, words 0 and 1 as 64 bits.
+  const uint64_t seed = 0x0123456789abcdefull;
+  for (uint64_t draw : {uint64_t(0), uint64_t(1), uint64_t(0x100000000ull) + 7}) {
+    const Philox4 r =
+        philox4x32_10({{uint32_t(draw), uint32_t(draw >> 32), 0, 0}}, 0x89abcdefu, 0x01234567u);
+    const uint64_t bits = (uint64_t(r.v[1]) << 32) | r.v[0];
+    EXPECT_EQ(philox_uniform(seed, draw), std::ldexp(double(bits >> 11), -53));
+  }
+  for (uint64_t i = 0; i < 10000; ++i) {
+    const double u = philox_uniform(42, i);
     ASSERT_GE(u, 0.0);
     ASSERT_LT(u, 1.0);
   }
+}
+
+TEST(SamplingRng, EachDrawAdvancesTheCounterAndGreedyDrawsNothing) {
+  SamplingParams p;
+  p.seed = 7;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  p.temperature = 1.0f;
+  const std::vector<float> logits(1000, 0.0f);  // uniform: token = floor(u * 1000)
+  Sampler s(p);
+  for (uint64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(s.draws(), i);
+    EXPECT_EQ(s.sample(logits.data(), 1000, nullptr, 0), int32_t(philox_uniform(7, i) * 1000));
+  }
+  s.set_draws(3);
+  EXPECT_EQ(s.sample(logits.data(), 1000, nullptr, 0), int32_t(philox_uniform(7, 3) * 1000));
+  SamplingParams g = p;
+  g.temperature = 0.0f;
+  Sampler greedy(g);
+  greedy.sample(logits.data(), 1000, nullptr, 0);
+  EXPECT_EQ(greedy.draws(), 0u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -420,7 +437,7 @@ void check_against_reference(const ChainCase& c, int n_seeds, int* compared, int
     p.seed = 12345 + s;
     Sampler sampler(p);
     const int32_t token = sampler.sample(logits.data(), c.n_vocab, history.data(), history.size());
-    const ReferencePick expected = reference_sample(logits, history, p, Rng(p.seed).uniform());
+    const ReferencePick expected = reference_sample(logits, history, p, philox_uniform(p.seed, 0));
     if (expected.ambiguous) {
       ++*skipped;
       continue;

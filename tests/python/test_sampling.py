@@ -265,26 +265,28 @@ def test_a_seed_reproduces_its_token():
     assert len(set(first)) > 10  # and different seeds draw different tokens
 
 
-M64 = (1 << 64) - 1
+M32 = (1 << 32) - 1
 
 
-def splitmix64(state):
-    state = (state + 0x9E3779B97F4A7C15) & M64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return state, z ^ (z >> 31)
+def philox4x32_10(ctr, key):
+    """Philox4x32-10 (Salmon et al., SC 2011) on four 32-bit words under two."""
+    c, k = list(ctr), list(key)
+    for r in range(10):
+        if r:
+            k = [(k[0] + 0x9E3779B9) & M32, (k[1] + 0xBB67AE85) & M32]
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & M32, (p0 >> 32) ^ c[3] ^ k[1], p0 & M32]
+    return c
 
 
 def first_uniform(seed):
-    """The first number of the documented stream: xoshiro256** seeded by splitmix64."""
-    s = []
-    for _ in range(4):
-        seed, word = splitmix64(seed)
-        s.append(word)
-    x = (s[1] * 5) & M64
-    result = ((((x << 7) | (x >> 57)) & M64) * 9) & M64
-    return (result >> 11) * 2.0**-53
+    """The first number of the documented stream: Philox of the counter 0 under the seed."""
+    w = philox4x32_10([0, 0, 0, 0], [seed & M32, seed >> 32])
+    return (((w[1] << 32) | w[0]) >> 11) * 2.0**-53
+
+
+def test_philox_matches_the_published_known_answer():
+    assert philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
 
 
 def test_the_token_follows_the_documented_stream():
