@@ -30,6 +30,9 @@ struct Batch {
   const KvCache* pool = nullptr;
   const int32_t* slots = nullptr;  // [2 * n_seqs]
   int n_seqs = 0;
+  // When set, the token ids are this tensor of the graph being built (a token a Sample op wrote,
+  // Graph::token_at) instead of the input `tokens`.
+  Tensor* token_ids = nullptr;
 };
 
 class Model {

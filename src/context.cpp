@@ -186,9 +186,93 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     inputs = std::max(inputs, batch.input_size);
   }
   backend_->reserve(scratch, inputs);
+  reserved_scratch_ = scratch;
+  reserved_inputs_ = inputs;
 }
 
 Context::~Context() = default;
+
+void Context::decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                             uint64_t draw, int32_t* tokens, float* logprobs) {
+  check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
+  if (k < 1 || k > kMaxChain)
+    throw ArgumentError("decode_sampled: k must be 1 to " + std::to_string(kMaxChain) + ", got " +
+                        std::to_string(k));
+  if (live().n_past + k > n_ctx_)
+    throw ArgumentError("decode_sampled: " + std::to_string(k) +
+                        " tokens do not fit the context: " + std::to_string(live().n_past) +
+                        " of " + std::to_string(n_ctx_) + " positions are used");
+  if (seed == kRandomSeed) throw ArgumentError("decode_sampled: the seed must be resolved");
+  validate(params);
+  if (needs_repair()) repair();
+  const auto t0 = std::chrono::steady_clock::now();
+  Sequence& s = live();
+  const int n_past = s.n_past;
+  const int window = sample_history_window(params, n_ctx_);
+  if (!chain_tokens_) chain_tokens_ = backend_->alloc_kv(2 * kMaxChain * sizeof(int32_t));
+  if (s.chain_graph && s.chain_k == k && s.chain_window == window) {
+    s.chain_graph->shift_kv(n_past - s.chain_n_past);
+  } else {
+    s.chain_graph.reset();  // a failed build must not leave a half-made graph behind
+    s.chain_first.assign(1, first);
+    s.chain_positions.assign(size_t(k), 0);
+    s.chain_out_ids.assign(1, 0);
+    s.chain_config.assign(size_t(sample_word::kHeader + window), 0);
+    auto graph = std::make_unique<Graph>();
+    Tensor* buffer = graph->token_buffer(chain_tokens_, kMaxChain);
+    Tensor* config =
+        graph->input_i32(int64_t(s.chain_config.size()), s.chain_config.data(), "sample_config");
+    for (int j = 0; j < k; ++j) {
+      Batch b;
+      b.tokens = s.chain_first.data();
+      if (j > 0) b.token_ids = graph->token_at(buffer, j - 1);
+      b.positions = &s.chain_positions[size_t(j)];
+      b.out_ids = s.chain_out_ids.data();
+      b.n_tokens = 1;
+      b.n_outputs = 1;
+      b.n_past = n_past + j;
+      model_->build(*graph, b, s.kv);
+      graph->set_output(graph->sample(graph->output(), config, buffer, j));
+    }
+    graph->chain = k;
+    plan(*graph);
+    if (graph->scratch_size > reserved_scratch_ || graph->input_size > reserved_inputs_) {
+      reserved_scratch_ = std::max(reserved_scratch_, graph->scratch_size);
+      reserved_inputs_ = std::max(reserved_inputs_, graph->input_size);
+      backend_->reserve(reserved_scratch_, reserved_inputs_);
+    }
+    s.chain_graph = std::move(graph);
+    s.chain_k = k;
+    s.chain_window = window;
+  }
+  s.chain_n_past = n_past;
+  s.chain_first[0] = first;
+  std::iota(s.chain_positions.begin(), s.chain_positions.end(), n_past);
+  std::vector<int32_t> history(s.tokens);
+  history.push_back(first);
+  fill_sample_config(params, seed, draw, history.data(), history.size(), window,
+                     s.chain_config.data());
+  backend_->add_host_time(
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  note_written(s.kv_lost, n_past + k, ring_rows_);
+  std::vector<float> out(2 * size_t(kMaxChain));
+  backend_->compute(*s.chain_graph, out.data());
+  const int32_t* words = reinterpret_cast<const int32_t*>(out.data());
+  int done = k;  // steps whose sample succeeded
+  for (int j = 0; j < k && done == k; ++j)
+    if (words[j] < 0) done = j;
+  // The cache now holds first and the samples before the last, or through the step whose
+  // sample failed: the tokens that step and the ones before it evaluated.
+  const int evaluated = done == k ? k : done + 1;
+  s.tokens.push_back(first);
+  s.tokens.insert(s.tokens.end(), words, words + (evaluated - 1));
+  s.n_past = n_past + evaluated;
+  if (done < k)
+    throw ArgumentError("decode_sampled: step " + std::to_string(done) +
+                        " found no logit above -inf to sample from");
+  std::copy(words, words + k, tokens);
+  std::memcpy(logprobs, out.data() + kMaxChain, size_t(k) * sizeof(float));
+}
 
 void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const {
   in.tokens.assign(m, 0);

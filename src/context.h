@@ -13,6 +13,7 @@
 #include "gguf.h"
 #include "kv_cache.h"
 #include "model.h"
+#include "sampling.h"
 #include "tokenizer.h"
 
 namespace ggraph {
@@ -70,6 +71,18 @@ class Context {
   // cleared) or `interrupted` (when given) returns true.
   std::vector<float> eval(const int32_t* tokens, size_t n_tokens, bool all_logits,
                           const std::function<bool()>& interrupted = nullptr);
+  // The most decode steps one sampled chain runs (decode_sampled).
+  static constexpr int kMaxChain = 16;
+  // Decodes `first` (the token after the context's last) and k - 1 tokens more in one graph
+  // (one CUDA graph launch), each step sampling the next step's token on the backend by
+  // `params` with `seed` (not kRandomSeed) from draw index `draw` on (the Sample op); only the
+  // sampled tokens and their log-probabilities (under the raw logits) come back, into
+  // tokens[k] and logprobs[k]. The context then holds `first` and the first k - 1 samples; the
+  // last sample is not evaluated yet. Throws ArgumentError, leaving the context unchanged, for
+  // a bad id, k outside [1, kMaxChain], or k tokens that do not fit; and when a step finds no
+  // logit above -inf (then the context holds the tokens that step and those before evaluated).
+  void decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                      uint64_t draw, int32_t* tokens, float* logprobs);
   // The final normalized hidden state of every one of n tokens, [n][n_embd], as llama.cpp's
   // embedding mode computes it: the tokens are evaluated as a sequence of their own, from
   // position 0. The context's own tokens and cache are kept (saved and restored around it).
@@ -199,6 +212,11 @@ class Context {
     std::unique_ptr<Graph> step_graph;
     int step_tokens = 0, step_outputs = 0, step_n_past = 0;
     std::vector<int32_t> in_tokens, in_positions, in_out_ids;
+    // Its last sampled chain's graph (decode_sampled), reused as the step graph is, and the
+    // host inputs it points at: the first token, each step's position, the sampling config.
+    std::unique_ptr<Graph> chain_graph;
+    int chain_k = 0, chain_window = 0, chain_n_past = 0;
+    std::vector<int32_t> chain_first, chain_positions, chain_out_ids, chain_config;
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;
@@ -214,7 +232,9 @@ class Context {
     DecodeInputs in;
   };
   BatchStep batch_step_;
-  uint64_t fingerprint_ = 0;  // of the model file, for saved states
+  uint64_t fingerprint_ = 0;                           // of the model file, for saved states
+  size_t reserved_scratch_ = 0, reserved_inputs_ = 0;  // what the backend's buffers hold
+  void* chain_tokens_ = nullptr;  // backend memory of the chains' sampled tokens (2 kMaxChain)
 };
 
 }  // namespace ggraph

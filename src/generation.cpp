@@ -80,10 +80,45 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
     hold_ = std::max(hold_, s.size() - 1);
   }
+  // (CUDA takes chains once its backend runs the Sample op.)
+  chain_ = opt_.chain == kAutoChain ? 1 : std::max(1, opt_.chain);
+  chain_ = std::min(chain_, Context::kMaxChain);
+  if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();
 }
 
+int32_t Generation::next_chained(float* logprob) {
+  if (chain_next_ == chain_tokens_.size()) {
+    chain_base_ = ctx_.n_past();
+    const int k = std::min({chain_, ctx_.n_ctx() - chain_base_, opt_.max_tokens - n_generated_});
+    chain_tokens_.resize(size_t(k));
+    chain_logprobs_.resize(size_t(k));
+    const SamplingParams& p = sampler_.params();
+    ctx_.decode_sampled(chain_first_, k, p, sampler_.seed(), sampler_.draws(), chain_tokens_.data(),
+                        chain_logprobs_.data());
+    if (!(p.temperature == 0.0f || p.top_k == 1)) sampler_.set_draws(sampler_.draws() + k);
+    chain_first_ = chain_tokens_.back();
+    chain_next_ = 0;
+  }
+  *logprob = chain_logprobs_[chain_next_];
+  return chain_tokens_[chain_next_++];
+}
+
 void Generation::finish(StopReason reason, std::string* text) {
+  if (!chain_tokens_.empty()) {
+    // The last launch evaluated tokens past what a step at a time would have: keep those the
+    // caller was given, less one that stopped the generation.
+    const int given = static_cast<int>(chain_next_);
+    const bool stopped = reason == StopReason::kEos || reason == StopReason::kStop;
+    const int k = static_cast<int>(chain_tokens_.size());
+    const int keep = chain_base_ + std::min(given + (stopped ? 0 : 1), k);
+    if (ctx_.n_past() > keep) ctx_.rewind(keep);
+    // A step at a time evaluates each token it gives before it looks for a length limit or a
+    // cancel: so does the last launch's last sample.
+    if ((reason == StopReason::kLength || reason == StopReason::kCancelled) && given == k &&
+        ctx_.n_past() < ctx_.n_ctx())
+      ctx_.eval(&chain_first_, 1, false);
+  }
   reason_ = reason;
   over_ = true;
   *text += pending_;
@@ -111,12 +146,22 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     } else if (ctx_.n_past() != int(prefilled_)) {
       throw ArgumentError("generate: the context moved while the prompt went in");
     }
-    const size_t rest = prompt_.size() - prefilled_;
-    const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
-    logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
-    prefilled_ += n;
-    if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
-    started_ = true;
+    if (chain_ > 1 && !defer_ && prefill_chunk_ == 0) {
+      // The prompt's last token starts the first chain, which samples after it.
+      if (prefilled_ + 1 < prompt_.size())
+        ctx_.eval(prompt_.data() + prefilled_, prompt_.size() - prefilled_ - 1, false, interrupted);
+      chain_first_ = prompt_.back();
+      prefilled_ = prompt_.size();
+      started_ = true;
+    } else {
+      chain_ = 1;
+      const size_t rest = prompt_.size() - prefilled_;
+      const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
+      logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
+      prefilled_ += n;
+      if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
+      started_ = true;
+    }
   }
   if (ctx_.take_cancel()) {
     finish(StopReason::kCancelled, text);
@@ -126,13 +171,21 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     finish(StopReason::kLength, text);
     return true;
   }
-  const std::vector<int32_t>& history = ctx_.tokens();
-  const int32_t tok =
-      sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+  int32_t tok;
+  float chained_logprob = NAN;
+  if (chain_ > 1) {
+    tok = next_chained(&chained_logprob);
+  } else {
+    const std::vector<int32_t>& history = ctx_.tokens();
+    tok = sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+  }
   ++n_generated_;
   if (token) {
     token->id = tok;
-    if (opt_.logprobs) {
+    if (opt_.logprobs && chain_ > 1) {
+      token->logprob = chained_logprob;
+      token->top.clear();
+    } else if (opt_.logprobs) {
       logprobs(logits_, tok, opt_.top_logprobs, token);
     } else {
       token->logprob = NAN;
@@ -156,7 +209,9 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     *text = pending_.substr(0, cut);
     pending_.erase(0, cut);
   }
-  if (ctx_.n_past() >= ctx_.n_ctx()) {
+  // (A chain has evaluated ahead: the position a step at a time would be at.)
+  const int n_past = chain_ > 1 ? chain_base_ + static_cast<int>(chain_next_) : ctx_.n_past();
+  if (n_past >= ctx_.n_ctx()) {
     std::string tail;
     finish(StopReason::kContextFull, &tail);
     *text += tail;
@@ -164,7 +219,7 @@ bool Generation::next(std::string* text, GeneratedToken* token,
   }
   if (defer_) {
     pending_tok_ = tok;
-  } else {
+  } else if (chain_ == 1) {
     logits_ = ctx_.eval(&tok, 1, false);
   }
   return true;

@@ -18,6 +18,7 @@ namespace ggraph {
 
 // The most alternatives a step reports with their log-probabilities.
 constexpr int kMaxTopLogprobs = 20;
+constexpr int kAutoChain = -1;
 
 struct GenerateOptions {
   int max_tokens = 128;           // >= 0
@@ -30,6 +31,12 @@ struct GenerateOptions {
   // An end-of-generation token is generated as any other (its text, if any, is given) instead
   // of ending the generation: for benchmarks that need exactly max_tokens tokens.
   bool ignore_eos = false;
+  // Decode steps a backend launch runs, each sampling the next step's token on the backend
+  // (Context::decode_sampled), so that only token ids come back; 1 (what kAutoChain takes on
+  // every backend so far) evaluates and samples a token at a time on the host. A chain needs
+  // top_logprobs 0 and is not used in deferred (batched) generation; what a stop leaves unused is
+  // rewound.
+  int chain = kAutoChain;
 };
 
 enum class StopReason { kNone, kEos, kStop, kLength, kContextFull, kCancelled };
@@ -78,6 +85,8 @@ class Generation {
 
  private:
   void finish(StopReason reason, std::string* text);
+  // The next sampled token of a chain, launching one when none is left; -1 when chains are off.
+  int32_t next_chained(float* logprob);
 
   Context& ctx_;
   std::vector<int32_t> prompt_;
@@ -92,6 +101,14 @@ class Generation {
   int prefill_chunk_ = 0;
   size_t prefilled_ = 0;  // prompt tokens in the cache so far (once the prefix is settled)
   int32_t pending_tok_ = -1;
+  // Chains: the steps a launch runs (1: none); the last launch's samples not handed out yet
+  // (chain_tokens_[chain_next_..]); the token that starts the next launch once they are.
+  int chain_ = 1;
+  std::vector<int32_t> chain_tokens_;
+  std::vector<float> chain_logprobs_;
+  size_t chain_next_ = 0;
+  int32_t chain_first_ = -1;
+  int chain_base_ = 0;  // the context's n_past before the last launch
   StopReason reason_ = StopReason::kNone;
   int n_generated_ = 0;
 };

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "common.h"
+#include "sampling_math.h"
 
 namespace ggraph {
 
@@ -39,6 +40,8 @@ const char* op_name(Op op) {
       return "attention_seqs";
     case Op::Concat:
       return "concat";
+    case Op::Sample:
+      return "sample";
     case Op::Count:
       break;
   }
@@ -98,6 +101,24 @@ Tensor* Graph::input_i32(int64_t n, const int32_t* host, const std::string& name
   Tensor* t = new_tensor(Op::Leaf, DType::I32, n, 1, name);
   t->storage = Storage::Input;
   t->data = const_cast<int32_t*>(host);
+  return t;
+}
+
+Tensor* Graph::token_buffer(void* data, int k) {
+  require(k > 0 && data, "token_buffer", "needs memory for at least one step");
+  Tensor* t = new_tensor(Op::Leaf, DType::I32, 2 * int64_t(k), 1, "sampled_tokens");
+  t->storage = Storage::Kv;
+  t->data = data;
+  return t;
+}
+
+Tensor* Graph::token_at(Tensor* buffer, int j) {
+  require(buffer->op == Op::Leaf && buffer->storage == Storage::Kv && buffer->type == DType::I32 &&
+              j >= 0 && 2 * int64_t(j) < buffer->ne[0],
+          "token_at", "expected an entry of a token buffer");
+  Tensor* t = new_tensor(Op::Leaf, DType::I32, 1, 1, "sampled_token");
+  t->storage = Storage::Kv;
+  t->data = static_cast<int32_t*>(buffer->data) + j;
   return t;
 }
 
@@ -290,6 +311,25 @@ Tensor* Graph::glu(Tensor* gate, Tensor* up, int32_t act) {
 
 Tensor* Graph::swiglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluSilu); }
 Tensor* Graph::geglu(Tensor* gate, Tensor* up) { return glu(gate, up, kGluGelu); }
+
+Tensor* Graph::sample(Tensor* logits, Tensor* config, Tensor* tokens, int step) {
+  require(logits->type == DType::F32 && logits->ne[1] == 1, "sample",
+          "logits must be one F32 column, got " + shape(logits));
+  require(config->type == DType::I32 && config->ne[1] == 1 && config->ne[0] >= sample_word::kHeader,
+          "sample", "config must be an I32 vector of at least the header's words");
+  require(tokens->op == Op::Leaf && tokens->storage == Storage::Kv && tokens->type == DType::I32 &&
+              step >= 0 && 2 * int64_t(step) < tokens->ne[0],
+          "sample", "expected a token buffer with room for this step");
+  Tensor* t = new_tensor(Op::Sample, DType::I32, tokens->ne[0], 1, "sample");
+  t->storage = Storage::Kv;
+  t->data = tokens->data;
+  t->src[0] = logits;
+  t->src[1] = config;
+  t->src[2] = tokens;
+  t->params[0] = step;
+  t->params[1] = static_cast<int32_t>(tokens->ne[0] / 2);
+  return t;
+}
 
 Tensor* Graph::concat(Tensor* a, Tensor* b) {
   require(a->type == DType::F32 && b->type == DType::F32, "concat", "inputs must be F32");

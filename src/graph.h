@@ -34,6 +34,12 @@ enum class Op : uint8_t {
   // src3).
   KvStoreSeqs,
   AttentionSeqs,
+  // The next token from src0's logits (F32 [n_vocab, 1]) by the sampling chain (sampling.h),
+  // configured by src1 (I32 [sample_word::kHeader + window], sampling_math.h). The node writes
+  // the token buffer src2 (I32 [2K], Storage::Kv) in place: entry j = params[0] gets the token,
+  // entry K + j the bits of its log-probability under the raw logits. Step j's penalty history
+  // is src1's ids followed by entries 0..j-1, its draw index the config's first plus j.
+  Sample,
   Count,
 };
 const char* op_name(Op op);
@@ -92,6 +98,10 @@ class Graph {
   Tensor* kv_cache(DType type, int64_t ne0, int64_t ne1, void* data, const std::string& name,
                    bool ring = false);
   Tensor* input_i32(int64_t n, const int32_t* host, const std::string& name);
+  // The token buffer of a chain of k Sample ops (backend memory of 2k I32, see Op::Sample), and
+  // the view of its entry j: the token a step feeds the next one.
+  Tensor* token_buffer(void* data, int k);
+  Tensor* token_at(Tensor* buffer, int j);
 
   // Ops (no work is done here)
   // scale multiplies every gathered value (Gemma scales its embeddings by sqrt(n_embd)).
@@ -125,6 +135,8 @@ class Graph {
   Tensor* geglu(Tensor* gate, Tensor* up);
   Tensor* softcap(Tensor* x, float cap);
   Tensor* concat(Tensor* a, Tensor* b);
+  // Step `step` of a chain sampling into `tokens` (Op::Sample).
+  Tensor* sample(Tensor* logits, Tensor* config, Tensor* tokens, int step);
 
   // Moves every KV-position parameter by delta: the graph of one step, shifted, is the graph of
   // the step `delta` positions later with the same batch shape (what Tensor::kv means).
@@ -135,6 +147,7 @@ class Graph {
   const std::vector<Tensor*>& nodes() const { return nodes_; }  // every tensor, in build order
   int n_tokens = 0;   // batch size the graph was built for
   bool seqs = false;  // a decode batch: one token of each of n_tokens sequences
+  int chain = 0;      // a chain of that many decode steps, each sampling the next one's token
   // Unique per graph object in the process: a backend can tell a graph it ran last step (shifted
   // in place since) from a new one that happens to share its address.
   const uint64_t serial;

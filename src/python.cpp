@@ -352,8 +352,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
                        std::vector<std::string> stop, bool logprobs, int top_logprobs,
-                       bool ignore_eos, const py::kwargs& kw) {
+                       bool ignore_eos, int chain, const py::kwargs& kw) {
              GenerateOptions o;
+             o.chain = chain;
              o.max_tokens = max_tokens;
              o.stop = std::move(stop);
              o.logprobs = logprobs;
@@ -364,7 +365,8 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::keep_alive<1, 2>(), py::arg("context"), py::arg("prompt"),
            py::arg("max_tokens") = 128, py::arg("stop") = std::vector<std::string>{},
-           py::arg("logprobs") = true, py::arg("top_logprobs") = 0, py::arg("ignore_eos") = false)
+           py::arg("logprobs") = true, py::arg("top_logprobs") = 0, py::arg("ignore_eos") = false,
+           py::arg("chain") = kAutoChain)
       .def("next",
            [](Generation& g) -> py::object {
              std::string text;

@@ -121,6 +121,11 @@ Sampler::Sampler(const SamplingParams& params) : params_(params) {
   reseed(params_.seed);
 }
 
+void Sampler::set_params(const SamplingParams& params) {
+  validate(params);
+  params_ = params;
+}
+
 void Sampler::reseed(uint64_t seed) {
   seed_ = seed == kRandomSeed ? fresh_seed() : seed;
   draws_ = 0;
@@ -245,6 +250,54 @@ void fill_sample_config(const SamplingParams& p, uint64_t seed, uint64_t draw,
   const size_t n = std::min(n_history, static_cast<size_t>(std::max(window, 0)));
   words[w::kNHistory] = static_cast<int32_t>(n);
   if (n > 0) std::copy(history + (n_history - n), history + n_history, words + w::kHeader);
+}
+
+float token_logprob(const float* logits, int32_t n, int32_t id) {
+  float max = -kInf;
+  for (int32_t i = 0; i < n; ++i) max = std::max(max, std::isnan(logits[i]) ? -kInf : logits[i]);
+  if (!(max > -kInf) || max == kInf) return logits[id] == max ? 0.0f : -kInf;
+  double sum = 0.0;
+  for (int32_t i = 0; i < n; ++i)
+    if (!std::isnan(logits[i])) sum += std::exp(double(logits[i]) - max);
+  return static_cast<float>(double(logits[id]) - (double(max) + std::log(sum)));
+}
+
+void run_sample_op(const float* logits, int32_t n_vocab, const int32_t* config, int32_t* tokens,
+                   int step, int k, Sampler& sampler) {
+  namespace w = sample_word;
+  auto f = [&](int word) {
+    float v;
+    std::memcpy(&v, &config[word], sizeof v);
+    return v;
+  };
+  auto u64 = [&](int lo, int hi) {
+    return uint64_t(uint32_t(config[lo])) | (uint64_t(uint32_t(config[hi])) << 32);
+  };
+  SamplingParams p;
+  p.temperature = f(w::kTemperature);
+  p.top_k = config[w::kTopK];
+  p.top_p = f(w::kTopP);
+  p.min_p = f(w::kMinP);
+  p.repeat_penalty = f(w::kRepeatPenalty);
+  p.frequency_penalty = f(w::kFrequencyPenalty);
+  p.presence_penalty = f(w::kPresencePenalty);
+  p.penalty_last_n = config[w::kPenaltyLastN];
+  p.seed = u64(w::kSeedLo, w::kSeedHi);
+  sampler.set_params(p);
+  if (sampler.seed() != p.seed) sampler.reseed(p.seed);
+  sampler.set_draws(u64(w::kDrawLo, w::kDrawHi) + uint64_t(step));
+  const int n_history = config[w::kNHistory];
+  std::vector<int32_t> history(config + w::kHeader, config + w::kHeader + n_history);
+  history.insert(history.end(), tokens, tokens + step);
+  int32_t token = -1;
+  try {
+    token = sampler.sample(logits, n_vocab, history.data(), history.size());
+  } catch (const ArgumentError&) {
+    token = -1;  // no logit above -inf: the caller reports it
+  }
+  tokens[step] = token;
+  const float lp = token >= 0 ? token_logprob(logits, n_vocab, token) : NAN;
+  std::memcpy(&tokens[k + step], &lp, sizeof lp);
 }
 
 int sample_history_window(const SamplingParams& p, int n_ctx) {

@@ -68,6 +68,9 @@ void fill_sample_config(const SamplingParams& params, uint64_t seed, uint64_t dr
 // the parameters apply no penalty.
 int sample_history_window(const SamplingParams& params, int n_ctx);
 
+// log-softmax of n logits at id, NaN counting as -inf (in double).
+float token_logprob(const float* logits, int32_t n, int32_t id);
+
 // Index of the largest value, the lowest index among ties; NaN counts as -inf.
 // Throws ArgumentError if n <= 0 or every value is NaN.
 int32_t argmax(const float* values, int32_t n);
@@ -76,9 +79,20 @@ int32_t argmax(const float* values, int32_t n);
 // logits, history, parameters, seed and draw counter it returns the same token on every
 // platform and on both backends. Buffers grow to the largest n_vocab seen and are reused:
 // sample() does not allocate after the first call. Not thread-safe.
+class Sampler;
+
+// A Sample op (graph.h) on the host, with `sampler`'s buffers: config holds its parameters,
+// seed, first draw and history (sampling_math.h's sample_word); entry `step` of tokens (2k
+// words) gets the token (-1 when no logit is above -inf) and entry k + step the bits of its
+// log-probability. The penalty history is config's ids, then tokens[0, step).
+void run_sample_op(const float* logits, int32_t n_vocab, const int32_t* config, int32_t* tokens,
+                   int step, int k, Sampler& sampler);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);  // validates params
+  // New parameters (validated), keeping the buffers; the seed and draw counter stay.
+  void set_params(const SamplingParams& params);
 
   // Picks one token from n_vocab logits; history holds the previous tokens (for penalties) and
   // may be null when n_history is 0. History ids inside the penalty window must be in range.

@@ -545,6 +545,7 @@ class Model:
         special: bool = False,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        chain: int | None = None,
         **sampling,
     ) -> Iterator:
         """Yields text pieces of the continuation of `prompt` (text or token ids). Stops at an
@@ -555,7 +556,11 @@ class Model:
         token id, the text that became final with it (held-back text arrives with a later
         token; the last item may carry text and no token), its log-probability under the
         model's logits, and the N most likely tokens with theirs. ignore_eos=True generates an
-        end-of-generation token as any other instead of stopping there (benchmarks)."""
+        end-of-generation token as any other instead of stopping there (benchmarks).
+
+        chain=N runs N decode steps a backend launch, sampling on the backend so that only
+        token ids come back; the default is 1 (a token at a time, sampled on the host). Both
+        give the same tokens."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt
@@ -563,11 +568,11 @@ class Model:
         # waits for the first step). Starting one invalidates the generators before it.
         with self._lock:
             gen, epoch = self._new_generation(
-                ids, max_tokens, stops, logprobs, ignore_eos, sampling
+                ids, max_tokens, stops, logprobs, ignore_eos, sampling, chain
             )
         return self._generate(gen, epoch, logprobs is not None)
 
-    def _new_generation(self, ids, max_tokens, stops, logprobs, ignore_eos, sampling):
+    def _new_generation(self, ids, max_tokens, stops, logprobs, ignore_eos, sampling, chain=None):
         """A generation of ids on this sequence, and the epoch it runs in: starting one
         invalidates the generators before it. Called under the lock."""
         gen = _core.Generation(
@@ -578,6 +583,7 @@ class Model:
             logprobs=logprobs is not None,  # the plain text form skips the softmax a step
             top_logprobs=logprobs or 0,
             ignore_eos=ignore_eos,
+            chain=-1 if chain is None else chain,
             **sampling,
         )
         self._epoch += 1

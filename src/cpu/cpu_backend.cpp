@@ -13,6 +13,7 @@
 #include "common.h"
 #include "cpu/thread_pool.h"
 #include "quant.h"
+#include "sampling.h"
 
 namespace ggraph {
 namespace {
@@ -142,6 +143,11 @@ class CpuBackend final : public Backend {
                     static_cast<size_t>(t->src[1]->n_elements()) * sizeof(float));
         return;
       }
+      case Op::Sample:
+        if (!sampler_) sampler_ = std::make_unique<Sampler>(SamplingParams{});
+        run_sample_op(f32(t->src[0]), static_cast<int32_t>(t->src[0]->ne[0]), i32(t->src[1]),
+                      reinterpret_cast<int32_t*>(ptr(t)), t->params[0], t->params[1], *sampler_);
+        return;
       case Op::Count:
         break;
     }
@@ -157,6 +163,11 @@ class CpuBackend final : public Backend {
     parallel(t->ne[1], 8, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         float* row = dst + i * n;
+        // Inputs were checked; an id a Sample op computed (-1 after a failed sample) reads zeros.
+        if (ids[i] < 0 || ids[i] >= table->ne[1]) {
+          std::fill(row, row + n, 0.0f);
+          continue;
+        }
         dequantize_row(table->type, ptr(table) + size_t(ids[i]) * table->nb[1], row, n);
         if (scale != 1.0f)
           for (int64_t j = 0; j < n; ++j) row[j] *= scale;
@@ -571,6 +582,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  std::unique_ptr<Sampler> sampler_;  // Sample ops' buffers
   std::vector<AttnSource> attn_sources_;
   std::vector<int> attn_task_start_, attn_token_src_;
   std::vector<size_t> attn_part_start_;

@@ -197,6 +197,9 @@ void validate_node(const Tensor* t) {
     case Op::Concat:
       bad_node(t, "concat (batches of several sequences) runs on the CPU only, so far");
       break;
+    case Op::Sample:
+      bad_node(t, "sample runs on the CPU only, so far");
+      break;
     case Op::Softcap:
       need_src(0, DType::F32);
       if (!(t->param_f(0) > 0.0f && t->param_f(0) < INFINITY))
@@ -1070,9 +1073,9 @@ class CudaBackend : public Backend {
             .count();
     // One executable per batch shape; a changed topology within it
     // crossed) is applied to that executable with cudaGraphExecUpdate.
-    // (A decode batch of several sequences is a class of its own.)
-    const uint64_t batch_key = (uint64_t(graph.seqs) << 63) | (uint64_t(graph.n_tokens) << 32) |
-                               uint64_t(graph.output()->ne[1]);
+    // (A decode batch of several sequences is a class of its own, as is a chain of steps.)
+    const uint64_t batch_key = (uint64_t(graph.seqs) << 63) | (uint64_t(graph.chain) << 48) |
+                               (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
     // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
     GraphExecutor::LaunchAll launch_kv;
     if (kv_only && executor_->mode() == GraphMode::Patch)

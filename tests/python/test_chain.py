@@ -1,0 +1,87 @@
+"""Sampled chains (Context::decode_sampled, the Sample op): several decode steps a launch, each
+sampling the next step's token on the backend, give the tokens that evaluating and sampling a
+token at a time on the host gives."""
+
+import pytest
+from conftest import cuda_available, smollm2_path
+
+import ggraph
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3),
+    dict(temperature=1.5, top_k=0, top_p=0.9, min_p=0.0, seed=4),
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1, seed=5),
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=6),
+    dict(temperature=0.7, repeat_penalty=1.3, frequency_penalty=0.2, penalty_last_n=16, seed=7),
+    dict(temperature=0.7, presence_penalty=0.5, penalty_last_n=-1, seed=8),
+]
+
+
+def tokens_of(model, prompt, chain, max_tokens=40, **sampling):
+    model.reset()
+    out = [
+        (t.token, t.logprob)
+        for t in model.generate(
+            prompt, max_tokens=max_tokens, logprobs=0, ignore_eos=True, chain=chain, **sampling
+        )
+        if t.token >= 0
+    ]
+    # What the context holds: its length, and the logits of one more token after it.
+    return out, (model.n_past, model.eval([3]).tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("chain", [2, 5, 16])
+def test_a_chain_gives_the_tokens_of_one_step_at_a_time(tiny_model, device, settings, chain):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [1, 17, 42, 99, 7]
+    one, ctx_one = tokens_of(m, prompt, 1, **settings)
+    chained, ctx_chained = tokens_of(m, prompt, chain, **settings)
+    assert [t for t, _ in chained] == [t for t, _ in one]
+    for (_, a), (_, b) in zip(chained, one):
+        assert a == pytest.approx(b, abs=2e-4)
+    # The context holds what a step at a time leaves: the prompt and every generated token.
+    assert ctx_chained[0] == ctx_one[0]
+    assert ctx_chained[1] == pytest.approx(ctx_one[1], abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stops_rewind_what_a_chain_evaluated_past_them(tiny_model, device):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [1, 5, 6]
+    full, _ = tokens_of(m, prompt, 1, max_tokens=12, temperature=0.0)
+    m.reset()
+    m.eval(prompt[:-1])
+    # A length limit inside a chain, and a context that fills inside one.
+    for chain in (4, 16):
+        got, ctx = tokens_of(m, prompt, chain, max_tokens=6, temperature=0.0)
+        assert [t for t, _ in got] == [t for t, _ in full[:6]]
+        assert ctx[0] == len(prompt) + 6
+    small = ggraph.Model(tiny_model, device=device, n_ctx=10)
+    small.reset()
+    out = list(small.generate(prompt, max_tokens=50, temperature=0.0, chain=16, ignore_eos=True))
+    assert small.stop_reason == "context_full"
+    assert small.n_past <= 10
+    assert "".join(out) == "".join(
+        ggraph.Model(tiny_model, device=device, n_ctx=10).generate(
+            prompt, max_tokens=50, temperature=0.0, chain=1, ignore_eos=True
+        )
+    )
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the real SmolLM2 file")
+def test_cuda_chains_on_the_real_model_equal_the_cpu_reference_greedy():
+    path = smollm2_path()
+    prompt = "The capital of France is"
+    ref = ggraph.Model(path, device="cpu")
+    gpu = ggraph.Model(path, device="cuda")
+    want = "".join(ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1))
+    one = "".join(gpu.generate(prompt, max_tokens=24, temperature=0.0, chain=1))
+    got = "".join(gpu.generate(prompt, max_tokens=24, temperature=0.0, chain=8))
+    assert got == one
+    assert got == want
