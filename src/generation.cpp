@@ -80,8 +80,8 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
     hold_ = std::max(hold_, s.size() - 1);
   }
-  // (CUDA takes chains once its backend runs the Sample op.)
-  chain_ = opt_.chain == kAutoChain ? 1 : std::max(1, opt_.chain);
+  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1)
+                                    : std::max(1, opt_.chain);
   chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();

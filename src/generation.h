@@ -19,6 +19,7 @@ namespace ggraph {
 // The most alternatives a step reports with their log-probabilities.
 constexpr int kMaxTopLogprobs = 20;
 constexpr int kAutoChain = -1;
+constexpr int kDefaultChain = 8;
 
 struct GenerateOptions {
   int max_tokens = 128;           // >= 0
@@ -32,8 +33,9 @@ struct GenerateOptions {
   // of ending the generation: for benchmarks that need exactly max_tokens tokens.
   bool ignore_eos = false;
   // Decode steps a backend launch runs, each sampling the next step's token on the backend
-  // (Context::decode_sampled), so that only token ids come back; 1 (what kAutoChain takes on
-  // every backend so far) evaluates and samples a token at a time on the host. A chain needs
+  // (Context::decode_sampled), so that only token ids come back: kAutoChain takes
+  // kDefaultChain on CUDA and 1 on the CPU; 1 evaluates and samples a token at a time on the
+  // host. A chain needs
   // top_logprobs 0 and is not used in deferred (batched) generation; what a stop leaves unused is
   // rewound.
   int chain = kAutoChain;

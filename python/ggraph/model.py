@@ -559,8 +559,8 @@ class Model:
         end-of-generation token as any other instead of stopping there (benchmarks).
 
         chain=N runs N decode steps a backend launch, sampling on the backend so that only
-        token ids come back; the default is 1 (a token at a time, sampled on the host). Both
-        give the same tokens."""
+        token ids come back (on CUDA one CUDA graph launch); the default is 8 on CUDA and 1 (a
+        token at a time, sampled on the host) on the CPU. Both give the same tokens."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt

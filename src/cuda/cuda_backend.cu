@@ -21,6 +21,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/graph_executor.h"
 #include "cuda/kernels.cuh"
+#include "sampling_math.h"
 
 namespace ggraph {
 namespace cuda {
@@ -111,6 +112,14 @@ size_t act_workspace_bytes(const Graph& graph) {
   return need;
 }
 
+size_t sample_workspace_bytes(const Graph& graph) {
+  size_t need = 0;
+  for (const Tensor* t : graph.nodes())
+    if (t->op == Op::Sample)
+      need = std::max(need, sample_work_bytes(static_cast<int>(t->src[0]->ne[0])));
+  return need;
+}
+
 size_t attn_workspace_bytes(const Graph& graph, bool counters) {
   size_t need = 0;
   for (const Tensor* t : graph.nodes()) {
@@ -135,7 +144,8 @@ size_t attn_workspace_bytes(const Graph& graph, bool counters) {
 void validate_graph(const Graph& graph) {
   const Tensor* out = graph.output();
   if (!out) throw ArgumentError("cuda: the graph has no output tensor");
-  if (out->type != DType::F32)
+  // (A sampled chain's output is its token buffer: 4-byte words too.)
+  if (out->type != DType::F32 && out->op != Op::Sample)
     throw ArgumentError(std::string("cuda: the graph output must be F32, found ") +
                         dtype_name(out->type));
   for (const Tensor* t : graph.nodes()) validate_node(t);
@@ -197,9 +207,16 @@ void validate_node(const Tensor* t) {
     case Op::Concat:
       bad_node(t, "concat (batches of several sequences) runs on the CPU only, so far");
       break;
-    case Op::Sample:
-      bad_node(t, "sample runs on the CPU only, so far");
+    case Op::Sample: {
+      const Tensor* logits = need_src(0, DType::F32);
+      if (logits->ne[1] != 1 || logits->ne[0] > kMaxSampleVocab)
+        bad_node(t, "logits must be one column of at most 2^23, found " + shape_str(logits));
+      if (need_src(1, DType::I32)->ne[0] < sample_word::kHeader)
+        bad_node(t, "the config is shorter than its header");
+      if (!t->data || t->params[0] < 0 || t->params[0] >= t->params[1])
+        bad_node(t, "expected a token buffer with room for this step");
       break;
+    }
     case Op::Softcap:
       need_src(0, DType::F32);
       if (!(t->param_f(0) > 0.0f && t->param_f(0) < INFINITY))
@@ -625,6 +642,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       case Op::Softcap:
         launch_softcap(l, fptr(t->src[0]), fptr(t), t->n_elements(), t->param_f(0));
         break;
+      case Op::Sample:
+        launch_sample(l, fptr(t->src[0]), static_cast<int>(t->src[0]->ne[0]),
+                      static_cast<const int32_t*>(ptr(t->src[1])), static_cast<int32_t*>(t->data),
+                      t->params[0], t->params[1], buf.sample_work);
+        break;
       case Op::MulMat: {
         const Tensor* w = t->src[0];
         const Tensor* x = t->src[1];
@@ -911,6 +933,7 @@ class CudaBackend : public Backend {
     cudaFree(wdeq_);
     cudaFree(attn_);
     cudaFree(attn_counters_);
+    cudaFree(sample_work_);
     cudaFree(kv_record_);
     cudaFreeHost(input_staging_);
     cudaFreeHost(output_staging_);
@@ -1041,6 +1064,7 @@ class CudaBackend : public Backend {
       if (ensure(attn_counters_, attn_counters_bytes_, attn_workspace_bytes(graph, true),
                  "attention counters"))
         GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
+      ensure(sample_work_, sample_work_bytes_, sample_workspace_bytes(graph), "sampling");
       plan_reuse(graph, &reuse_);
       prepare_blas(graph);
     }
@@ -1064,6 +1088,7 @@ class CudaBackend : public Backend {
     buf.attn = static_cast<float*>(attn_);
     buf.attn_bytes = attn_bytes_;
     buf.attn_counters = static_cast<unsigned*>(attn_counters_);
+    buf.sample_work = sample_work_;
     buf.kv_record = kv_record_;
     buf.blas = blas_.get();
     buf.wdeq = static_cast<uint8_t*>(wdeq_);
@@ -1091,6 +1116,7 @@ class CudaBackend : public Backend {
         launch_kv);
     last_graph_serial_ = graph.serial;
     last_version_ = buffers_version_;
+    executor_->mutable_stats().tokens += graph.chain > 0 ? graph.chain : graph.n_tokens;
 
     const Tensor* o = graph.output();
     const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
@@ -1123,6 +1149,11 @@ class CudaBackend : public Backend {
             {"build_us_total", s.build_us_total},
             {"record_us_total", s.record_us_total},
             {"patch_us_total", s.patch_us_total},
+            {"tokens", s.tokens},
+            {"kernels", s.kernels},
+            {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
+            {"tokens_per_launch",
+             s.replays + s.eager_evals > 0 ? s.tokens / (s.replays + s.eager_evals) : 0.0},
             {"cached_graphs", double(executor_->cached_graphs())},
             {"graph_pool_bytes", double(graph_pool_bytes())}};
   }
@@ -1260,6 +1291,8 @@ class CudaBackend : public Backend {
   size_t attn_bytes_ = 0;
   void* attn_counters_ = nullptr;  // flash-decoding tickets: zero between launches
   size_t attn_counters_bytes_ = 0;
+  void* sample_work_ = nullptr;  // the sample kernel's workspace
+  size_t sample_work_bytes_ = 0;
 };
 
 }  // namespace

@@ -205,6 +205,7 @@ void GraphExecutor::launch(Entry& e) {
   current_ = &e;
   GGRAPH_CUDA_CHECK(cudaGraphLaunch(e.exec, stream_));
   stats_.replays += 1;
+  stats_.kernels += double(e.launches.size());
 }
 
 void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
@@ -241,6 +242,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     L.pdl = pdl_;
     launch_all(L);
     stats_.eager_evals += 1;
+    stats_.kernels += L.launches;
     return;
   }
   if (mode_ == GraphMode::Recapture) {

@@ -29,6 +29,8 @@ struct GraphStats {
   // Where patch mode's host time goes: graph build and planning (reported by the caller),
   // the record pass over the step's launches, and the node patches.
   double build_us_total = 0, record_us_total = 0, patch_us_total = 0;
+  // Tokens the steps computed (a sampled chain's steps, a batch's tokens) and kernels they ran.
+  double tokens = 0, kernels = 0;
 };
 
 class GraphExecutor {

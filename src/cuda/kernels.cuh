@@ -137,6 +137,7 @@ struct DeviceBuffers {
   size_t attn_bytes = 0;
   unsigned* attn_counters = nullptr;  // flash-decoding tickets (attn_counters_bytes)
   int32_t* kv_record = nullptr;       // kMaxKvSlots values
+  void* sample_work = nullptr;        // the sample kernel's workspace (sample_work_bytes)
   const Blas* blas = nullptr;         // cuBLAS for the prompt products it takes (blas.h), or none
   uint8_t* wdeq = nullptr;            // a chunk of a quantized weight decoded for it
   size_t wdeq_bytes = 0;
@@ -212,6 +213,25 @@ void launch_glu(Launcher& l, int act, const float* gate, const float* up, float*
                 int64_t cols, uint8_t* quant_ws);
 // dst = cap * tanh(x / cap) over n elements.
 void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap);
+// Global workspace launch_sample needs for a vocabulary of n_vocab (bytes; 16-byte aligned).
+size_t sample_work_bytes(int n_vocab);
+// The sampling chain (sampling.h) on logits [n_vocab] (device F32, read only), configured by
+// config (device I32 words: sampling_math.h's sample_word layout; words kHeader.. hold
+// config[kNHistory] history ids, oldest first). Writes tokens[step] = the token, the CPU
+// Sampler's for the same inputs (-1 where it fails: no logit above -inf after penalties, or an
+// id of the penalty window out of range), and tokens[k_total + step] = the bits of its
+// log-probability under the raw logits (NaN as -inf): (raw[tok] - max) - log(sum exp(raw - max));
+// where raw logits are +inf, 0 for those and -inf for the others; NaN without a token. The
+// penalty history of this step is the config's ids followed by tokens[0, step) (tokens that
+// earlier launches of a chain wrote); the draw index is config's draw (kDrawLo/Hi) + step. Two
+// kernels, one block per 1024 ids.
+void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t* config,
+                   int32_t* tokens, int step, int k_total, void* work);
+// Test hook: for i < n, philox4x32_10 (sampling_math.h) of the counter first + i under seed into
+// ours[4 i, 4 i + 4), and the (i + 1)-th curand4() of curand's Philox4_32_10 state initialized
+// with (seed, 0, 4 first) into theirs (host arrays), both computed on the device. False, with
+// nothing written, where the build had no curand headers.
+bool philox_against_curand(uint64_t seed, uint64_t first, int n, uint32_t* ours, uint32_t* theirs);
 // The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
 // as k's) go to F16 caches at positions *first_row... (first_row points into the KV record), in
 // caches of `rows` rows (a sliding-window ring wraps: ring_row).

@@ -21,6 +21,7 @@
 #include "graph.h"
 #include "planner.h"
 #include "quant.h"
+#include "sampling.h"
 
 namespace ggraph {
 namespace {
@@ -1736,6 +1737,238 @@ TEST(CudaLaunchPlan, HalfScaledPiecesDotAsTheCpusValues) {
       }
     }
   }
+}
+
+// ---- Sampling (cuda/sample.cu) ----------------------------------------------------------------
+
+// Random123's published known answer for Philox4x32-10 on the host; on the device, the same
+// function against curand's Philox4_32_10, whose (n + 1)-th curand4() from a state initialized
+// with (seed, subsequence 0, offset 4 first) is Philox of the counter first + n under the key seed.
+TEST(CudaSample, PhiloxMatchesCurand) {
+  const Philox4 zero = philox4x32_10({{0u, 0u, 0u, 0u}}, 0u, 0u);
+  EXPECT_EQ(zero.v[0], 0x6627e8d5u);
+  EXPECT_EQ(zero.v[1], 0xe169c58du);
+  EXPECT_EQ(zero.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(zero.v[3], 0x9b00dbd8u);
+  REQUIRE_GPU();
+  const int n = 1000;
+  std::vector<uint32_t> ours(4 * n), theirs(4 * n);
+  for (uint64_t seed : {uint64_t(0), uint64_t(42), uint64_t(0x0123456789ABCDEFull)}) {
+    // The second run's counters cross into their high word.
+    for (uint64_t first : {uint64_t(0), uint64_t(0xFFFFFE00ull)}) {
+      if (!cuda::philox_against_curand(seed, first, n, ours.data(), theirs.data())) {
+        GTEST_SKIP() << "this build has no curand headers";
+      }
+      for (int i = 0; i < n; ++i) {
+        const uint64_t c = first + uint64_t(i);
+        const Philox4 host = philox4x32_10({{uint32_t(c), uint32_t(c >> 32), 0u, 0u}},
+                                           uint32_t(seed), uint32_t(seed >> 32));
+        for (int w = 0; w < 4; ++w) {
+          ASSERT_EQ(ours[4 * i + w], theirs[4 * i + w])
+              << "seed " << seed << ", counter " << c << ", word " << w;
+          ASSERT_EQ(ours[4 * i + w], host.v[w])
+              << "host and device, seed " << seed << ", counter " << c << ", word " << w;
+        }
+      }
+    }
+  }
+}
+
+// launch_sample's buffers: a row of logits, a config and a chain's token words; the workspace
+// poisoned once (the kernels must not rely on what an earlier launch left there).
+class SampleBuffers {
+ public:
+  SampleBuffers(int max_vocab, size_t max_words, int k) : k_(k) {
+    GGRAPH_CUDA_CHECK(cudaMalloc(&logits_, sizeof(float) * size_t(max_vocab)));
+    GGRAPH_CUDA_CHECK(cudaMalloc(&config_, sizeof(int32_t) * max_words));
+    GGRAPH_CUDA_CHECK(cudaMalloc(&tokens_, sizeof(int32_t) * 2 * size_t(k)));
+    const size_t work = cuda::sample_work_bytes(max_vocab);
+    GGRAPH_CUDA_CHECK(cudaMalloc(&work_, work));
+    GGRAPH_CUDA_CHECK(cudaMemset(work_, 0xFF, work));
+  }
+  ~SampleBuffers() {
+    cudaFree(logits_);
+    cudaFree(config_);
+    cudaFree(tokens_);
+    cudaFree(work_);
+  }
+  SampleBuffers(const SampleBuffers&) = delete;
+  SampleBuffers& operator=(const SampleBuffers&) = delete;
+
+  void upload(const std::vector<float>& logits) {
+    GGRAPH_CUDA_CHECK(
+        cudaMemcpy(logits_, logits.data(), sizeof(float) * logits.size(), cudaMemcpyHostToDevice));
+  }
+  // Steps 0..k-1 of a chain, one launch each: the k tokens, then their log-probabilities' bits.
+  std::vector<int32_t> run(int n_vocab, const std::vector<int32_t>& config) {
+    GGRAPH_CUDA_CHECK(cudaMemcpy(config_, config.data(), sizeof(int32_t) * config.size(),
+                                 cudaMemcpyHostToDevice));
+    GGRAPH_CUDA_CHECK(cudaMemset(tokens_, 0xFF, sizeof(int32_t) * 2 * size_t(k_)));
+    cuda::Launcher l;
+    for (int step = 0; step < k_; ++step) {
+      cuda::launch_sample(l, logits_, n_vocab, config_, tokens_, step, k_, work_);
+    }
+    std::vector<int32_t> out(2 * size_t(k_));
+    GGRAPH_CUDA_CHECK(
+        cudaMemcpy(out.data(), tokens_, sizeof(int32_t) * out.size(), cudaMemcpyDeviceToHost));
+    return out;
+  }
+
+ private:
+  int k_;
+  float* logits_ = nullptr;
+  int32_t* config_ = nullptr;
+  int32_t* tokens_ = nullptr;
+  void* work_ = nullptr;
+};
+
+// Rows of logits of the kinds the chain treats apart: normal with sigma 1 and 8, rounded to 0.5
+// (many ties), with NaN and -inf among them, with one or two +inf, all -inf but one, all NaN.
+constexpr int kSampleRowKinds = 7;
+const char* const kSampleRowNames[kSampleRowKinds] = {
+    "normal(1)", "normal(8)", "rounded", "NaN and -inf", "+inf", "one finite", "all NaN"};
+
+std::vector<float> sample_row(int kind, int n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, kind == 1 ? 8.0f : kind == 2 ? 2.0f : 1.0f);
+  std::vector<float> row(static_cast<size_t>(n));
+  for (float& v : row) v = normal(rng);
+  if (kind == 2) {
+    for (float& v : row) v = std::round(v * 2.0f) / 2.0f;
+  } else if (kind == 3) {
+    for (int i = 0; i < n; i += 7) row[size_t(i)] = NAN;
+    for (int i = 3; i < n; i += 11) row[size_t(i)] = -INFINITY;
+  } else if (kind == 4) {
+    row[size_t(n / 2)] = INFINITY;
+    row[size_t(n / 3)] = INFINITY;
+  } else if (kind == 5) {
+    std::fill(row.begin(), row.end(), -INFINITY);
+    row[size_t(n * 2 / 3)] = 1.5f;
+  } else if (kind == 6) {
+    std::fill(row.begin(), row.end(), NAN);
+  }
+  return row;
+}
+
+// Greedy; a grid of top_k (-1 standing for n_vocab + 5), top_p, min_p and temperatures; and the
+// default chain, then top-p alone and greedy, under each penalty window.
+std::vector<SamplingParams> sample_param_sets() {
+  std::vector<SamplingParams> sets;
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  sets.push_back(greedy);
+  const float temperatures[] = {0.2f, 0.8f, 3.0f};
+  int t = 0;
+  for (int top_k : {1, 2, 40, 1000, 0, -1}) {
+    for (float top_p : {0.3f, 0.95f, 1.0f}) {
+      for (float min_p : {0.0f, 0.05f, 0.9f}) {
+        SamplingParams p;
+        p.top_k = top_k;
+        p.top_p = top_p;
+        p.min_p = min_p;
+        p.temperature = temperatures[t++ % 3];
+        sets.push_back(p);
+      }
+    }
+  }
+  for (int last_n : {0, 5, 64, -1}) {
+    SamplingParams p;
+    p.repeat_penalty = 1.3f;
+    p.frequency_penalty = 0.2f;
+    p.presence_penalty = 0.5f;
+    p.penalty_last_n = last_n;
+    sets.push_back(p);
+    p.top_k = 0;
+    p.min_p = 0.0f;
+    sets.push_back(p);
+    p.temperature = 0.0f;
+    sets.push_back(p);
+  }
+  return sets;
+}
+
+std::string describe(const SamplingParams& p) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf,
+                "temperature %g top_k %d top_p %g min_p %g penalties %g/%g/%g last_n %d",
+                p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.frequency_penalty,
+                p.presence_penalty, p.penalty_last_n);
+  return buf;
+}
+
+// Each step of a chain on the device against a CPU Sampler given the same logits, parameters,
+// seed, draw index and history (the config's, then the tokens of the steps before): the same
+// token every time, and the log-probability of a double-precision softmax of the raw logits.
+TEST(CudaSample, TokensEqualTheCpuSamplers) {
+  REQUIRE_GPU();
+  const int n_ctx = 4096, k = 3, largest = 262144;
+  const std::vector<SamplingParams> sets = sample_param_sets();
+  SampleBuffers device(largest, sample_word::kHeader + n_ctx, k);
+  std::mt19937 rng(2024);
+  int compared = 0;
+  for (int n_vocab : {1, 7, 1000, 49152, largest}) {
+    for (int kind = 0; kind < kSampleRowKinds; ++kind) {
+      const std::vector<float> row = sample_row(kind, n_vocab, rng);
+      device.upload(row);
+      // The raw logits' softmax in double (NaN as -inf), as token_logprob takes it.
+      double max = -INFINITY, sum = 0.0;
+      for (float v : row) max = std::isnan(v) ? max : std::max(max, double(v));
+      for (float v : row) sum += std::isnan(v) || max == INFINITY ? 0.0 : std::exp(v - max);
+      // The largest vocabulary takes every third parameter set, the large ones one seed.
+      const size_t stride = n_vocab == largest ? 3 : 1;
+      for (size_t si = 0; si < sets.size(); si += stride) {
+        SamplingParams p = sets[si];
+        if (p.top_k < 0) p.top_k = n_vocab + 5;
+        for (int run = 0; run < (n_vocab > 1000 ? 1 : 2); ++run) {
+          const uint64_t seed = run == 0 ? 42 : 0x0123456789ABCDEFull;
+          const uint64_t draw = run == 0 ? 0 : 0xFFFFFFFEull;  // the chain's draws cross 2^32
+          std::vector<int32_t> history(100);
+          std::uniform_int_distribution<int32_t> some_id(0, std::min(n_vocab, 50) - 1);
+          for (int32_t& id : history) id = some_id(rng);
+          std::vector<int32_t> config(sample_word::kHeader + n_ctx);
+          fill_sample_config(p, seed, draw, history.data(), history.size(),
+                             sample_history_window(p, n_ctx), config.data());
+          const std::vector<int32_t> got = device.run(n_vocab, config);
+          for (int step = 0; step < k; ++step) {
+            std::vector<int32_t> full = history;
+            full.insert(full.end(), got.begin(), got.begin() + step);
+            Sampler cpu(p);
+            cpu.reseed(seed);
+            cpu.set_draws(draw + uint64_t(step));
+            int32_t want = -1;
+            try {
+              want = cpu.sample(row.data(), n_vocab, full.data(), full.size());
+            } catch (const ArgumentError&) {
+              // no logit above -inf: the kernel gives -1
+            }
+            const std::string what = "n_vocab " + std::to_string(n_vocab) + ", " +
+                                     kSampleRowNames[kind] + ", " + describe(p) + ", run " +
+                                     std::to_string(run) + ", step " + std::to_string(step);
+            ++compared;
+            ASSERT_EQ(got[size_t(step)], want) << what;
+            float logprob;
+            std::memcpy(&logprob, &got[size_t(k + step)], sizeof logprob);
+            if (want < 0) {
+              EXPECT_TRUE(std::isnan(logprob)) << what;
+              continue;
+            }
+            const float raw = row[size_t(want)];
+            if (max == INFINITY) {
+              EXPECT_EQ(logprob, raw == INFINITY ? 0.0f : -INFINITY) << what;
+            } else {
+              EXPECT_NEAR(logprob, double(raw) - (max + std::log(sum)), 1e-4) << what;
+            }
+          }
+        }
+      }
+      if (kind == 6) {
+        SamplingParams p;
+        std::vector<int32_t> config(sample_word::kHeader + n_ctx);
+        fill_sample_config(p, 1, 0, nullptr, 0, 0, config.data());
+        EXPECT_EQ(device.run(n_vocab, config)[0], -1) << "every logit NaN, n_vocab " << n_vocab;
+      }
+    }
+  }
+  EXPECT_GT(compared, 10000);
 }
 
 }  // namespace

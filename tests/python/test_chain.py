@@ -85,3 +85,31 @@ def test_cuda_chains_on_the_real_model_equal_the_cpu_reference_greedy():
     got = "".join(gpu.generate(prompt, max_tokens=24, temperature=0.0, chain=8))
     assert got == one
     assert got == want
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the real SmolLM2 file")
+@pytest.mark.parametrize("settings", SETTINGS[1:])
+def test_cuda_sampling_over_a_real_vocabulary_equals_the_host_samplers(settings):
+    # 49,152 tokens: the device sampler's tiles and lists, against the host sampler over the same
+    # device logits (a chain of one).
+    gpu = ggraph.Model(smollm2_path(), device="cuda")
+    prompt = gpu.tokenize("Once upon a time")
+    one, _ = tokens_of(gpu, prompt, 1, max_tokens=48, **settings)
+    chained, _ = tokens_of(gpu, prompt, 8, max_tokens=48, **settings)
+    assert [t for t, _ in chained] == [t for t, _ in one]
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_graph_stats_count_the_tokens_of_each_launch(tiny_model):
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
+    m.eval([1, 2, 3])
+    m.reset_graph_stats()
+    gen = m.generate([1, 2, 3, 4], max_tokens=64, temperature=0.0, chain=8, ignore_eos=True)
+    assert len("".join(gen)) > 0
+    s = m.graph_stats
+    # Eight chains of eight steps, then the last token's own step (as a step at a time ends).
+    assert s["tokens"] == 65
+    assert s["replays"] == 9
+    assert s["tokens_per_launch"] == pytest.approx(65 / 9)
+    assert s["kernels_per_token"] > 0
