@@ -2,7 +2,8 @@
 optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096"). Beside tg, gen
 is the speed of the generation loop a user's `generate()` runs (greedy sampling and detokenizing
 each token, the end of generation ignored), after a short prompt: what `ggraph generate`
-prints.
+prints. On CUDA the "host us/step" column is the engine's host time an eval step for tg and a
+generated token for gen (where a chain's launch is shared by its tokens).
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
     [--cuda-graphs off,patch] [--kv-type auto] [--allow-longer-context]
@@ -116,6 +117,9 @@ def run_bench(
                 "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
             }
             steps = stats.get("steps", 0)
+            if name.startswith("gen") and stats.get("tokens", 0):
+                # The engine's host time a generated token (chains share a step's over its tokens).
+                row["host_us_per_step"] = stats.get("host_us_total", 0.0) / stats["tokens"]
             if name.startswith("tg") and steps:
                 row["host_us_per_step"] = stats.get("host_us_total", 0.0) / steps
                 for part in ("build", "record", "patch"):
