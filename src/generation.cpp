@@ -105,7 +105,11 @@ int32_t Generation::next_chained(float* logprob) {
 }
 
 void Generation::finish(StopReason reason, std::string* text) {
-  if (!chain_tokens_.empty()) {
+  if (chain_ > 1 && chain_tokens_.empty() && chain_first_ >= 0 && ctx_.n_past() < ctx_.n_ctx()) {
+    // Over before the first chain (no tokens asked for, or cancelled): the prompt's last token,
+    // which that chain would have started with, goes in as a step at a time puts it in.
+    ctx_.eval(&chain_first_, 1, false);
+  } else if (!chain_tokens_.empty()) {
     // The last launch evaluated tokens past what a step at a time would have: keep those the
     // caller was given, less one that stopped the generation.
     const int given = static_cast<int>(chain_next_);

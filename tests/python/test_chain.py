@@ -61,6 +61,11 @@ def test_stops_rewind_what_a_chain_evaluated_past_them(tiny_model, device):
         got, ctx = tokens_of(m, prompt, chain, max_tokens=6, temperature=0.0)
         assert [t for t, _ in got] == [t for t, _ in full[:6]]
         assert ctx[0] == len(prompt) + 6
+    # No token asked for: the prompt is all in, as a step at a time leaves it.
+    for chain in (1, 8):
+        m.reset()
+        assert list(m.generate(prompt, max_tokens=0, chain=chain)) == []
+        assert m.n_past == len(prompt)
     small = ggraph.Model(tiny_model, device=device, n_ctx=10)
     small.reset()
     out = list(small.generate(prompt, max_tokens=50, temperature=0.0, chain=16, ignore_eos=True))
