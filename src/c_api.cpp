@@ -344,8 +344,10 @@ int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
       top.clear();
       for (const auto& t : tok.top) top.push_back({t.first, t.second});
       if (on_step && on_step(text.data(), text.size(), tok.id, tok.logprob, top.data(),
-                             int32_t(top.size()), user) != 0)
+                             int32_t(top.size()), user) != 0) {
+        gen.close();  // the context as a step at a time leaves it
         return int(GGRAPH_STOP_CALLBACK);
+      }
     }
     m->logits.clear();  // the last eval's logits are the generation's own
     switch (gen.stop_reason()) {

@@ -89,14 +89,18 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
 
 int32_t Generation::next_chained(float* logprob) {
   if (chain_next_ == chain_tokens_.size()) {
-    chain_base_ = ctx_.n_past();
-    const int k = std::min({chain_, ctx_.n_ctx() - chain_base_, opt_.max_tokens - n_generated_});
-    chain_tokens_.resize(size_t(k));
-    chain_logprobs_.resize(size_t(k));
+    const int base = ctx_.n_past();
+    const int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
+    std::vector<int32_t> tokens(static_cast<size_t>(k));
+    std::vector<float> logprobs(static_cast<size_t>(k));
     const SamplingParams& p = sampler_.params();
-    ctx_.decode_sampled(chain_first_, k, p, sampler_.seed(), sampler_.draws(), chain_tokens_.data(),
-                        chain_logprobs_.data());
+    // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
+    ctx_.decode_sampled(chain_first_, k, p, sampler_.seed(), sampler_.draws(), tokens.data(),
+                        logprobs.data());
     if (!(p.temperature == 0.0f || p.top_k == 1)) sampler_.set_draws(sampler_.draws() + k);
+    chain_base_ = base;
+    chain_tokens_.swap(tokens);
+    chain_logprobs_.swap(logprobs);
     chain_first_ = chain_tokens_.back();
     chain_next_ = 0;
   }
@@ -104,25 +108,32 @@ int32_t Generation::next_chained(float* logprob) {
   return chain_tokens_[chain_next_++];
 }
 
-void Generation::finish(StopReason reason, std::string* text) {
-  if (chain_ > 1 && chain_tokens_.empty() && chain_first_ >= 0 && ctx_.n_past() < ctx_.n_ctx()) {
-    // Over before the first chain (no tokens asked for, or cancelled): the prompt's last token,
-    // which that chain would have started with, goes in as a step at a time puts it in.
+void Generation::settle_chain(bool stopped, bool evaluate_last) {
+  if (chain_tokens_.empty()) return;
+  // The last launch evaluated tokens past what a step at a time would have: keep those the
+  // caller was given, less one that stopped the generation.
+  const int given = static_cast<int>(chain_next_);
+  const int k = static_cast<int>(chain_tokens_.size());
+  const int keep = chain_base_ + std::min(given + (stopped ? 0 : 1), k);
+  if (ctx_.n_past() > keep) ctx_.rewind(keep);
+  // A step at a time evaluates each token it gives before it looks for a length limit or a
+  // cancel: so does the last launch's last sample.
+  if (evaluate_last && given == k && ctx_.n_past() < ctx_.n_ctx())
     ctx_.eval(&chain_first_, 1, false);
-  } else if (!chain_tokens_.empty()) {
-    // The last launch evaluated tokens past what a step at a time would have: keep those the
-    // caller was given, less one that stopped the generation.
-    const int given = static_cast<int>(chain_next_);
-    const bool stopped = reason == StopReason::kEos || reason == StopReason::kStop;
-    const int k = static_cast<int>(chain_tokens_.size());
-    const int keep = chain_base_ + std::min(given + (stopped ? 0 : 1), k);
-    if (ctx_.n_past() > keep) ctx_.rewind(keep);
-    // A step at a time evaluates each token it gives before it looks for a length limit or a
-    // cancel: so does the last launch's last sample.
-    if ((reason == StopReason::kLength || reason == StopReason::kCancelled) && given == k &&
-        ctx_.n_past() < ctx_.n_ctx())
-      ctx_.eval(&chain_first_, 1, false);
-  }
+  chain_tokens_.clear();
+  chain_next_ = 0;
+}
+
+void Generation::close() {
+  if (over_ || !started_) return;
+  // As a step at a time leaves it: every token given evaluated.
+  settle_chain(false, true);
+  over_ = true;
+}
+
+void Generation::finish(StopReason reason, std::string* text) {
+  settle_chain(reason == StopReason::kEos || reason == StopReason::kStop,
+               reason == StopReason::kLength || reason == StopReason::kCancelled);
   reason_ = reason;
   over_ = true;
   *text += pending_;
@@ -150,22 +161,13 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     } else if (ctx_.n_past() != int(prefilled_)) {
       throw ArgumentError("generate: the context moved while the prompt went in");
     }
-    if (chain_ > 1 && !defer_ && prefill_chunk_ == 0) {
-      // The prompt's last token starts the first chain, which samples after it.
-      if (prefilled_ + 1 < prompt_.size())
-        ctx_.eval(prompt_.data() + prefilled_, prompt_.size() - prefilled_ - 1, false, interrupted);
-      chain_first_ = prompt_.back();
-      prefilled_ = prompt_.size();
-      started_ = true;
-    } else {
-      chain_ = 1;
-      const size_t rest = prompt_.size() - prefilled_;
-      const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
-      logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
-      prefilled_ += n;
-      if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
-      started_ = true;
-    }
+    if (defer_ || prefill_chunk_ > 0) chain_ = 1;
+    const size_t rest = prompt_.size() - prefilled_;
+    const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
+    logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
+    prefilled_ += n;
+    if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
+    started_ = true;
   }
   if (ctx_.take_cancel()) {
     finish(StopReason::kCancelled, text);
@@ -177,11 +179,23 @@ bool Generation::next(std::string* text, GeneratedToken* token,
   }
   int32_t tok;
   float chained_logprob = NAN;
-  if (chain_ > 1) {
+  if (chain_ > 1 && chain_first_ >= 0) {
     tok = next_chained(&chained_logprob);
   } else {
+    // (With chains, the first token too: from the prompt's logits, on the host, so that the
+    // prompt goes in as a step at a time puts it in. The chains start with it.)
     const std::vector<int32_t>& history = ctx_.tokens();
     tok = sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+    if (chain_ > 1) {
+      if (opt_.logprobs)
+        chained_logprob = token_logprob(logits_.data(), int32_t(logits_.size()), tok);
+      // As if a chain of one had evaluated the prompt's last token and sampled tok.
+      chain_base_ = ctx_.n_past() - 1;
+      chain_tokens_.assign(1, tok);
+      chain_logprobs_.assign(1, chained_logprob);
+      chain_next_ = 1;
+      chain_first_ = tok;
+    }
   }
   ++n_generated_;
   if (token) {

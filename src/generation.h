@@ -82,13 +82,22 @@ class Generation {
   int32_t pending_token() const { return pending_tok_; }
   void feed(const float* logits, size_t n);
 
+  // Ends a generation whose caller stops stepping it before it is over (a loop left early):
+  // the context keeps what a step at a time would have left, every token given evaluated (a
+  // chain may have evaluated tokens past them). next() then returns false.
+  void close();
+
   StopReason stop_reason() const { return reason_; }
   int n_generated() const { return n_generated_; }
 
  private:
   void finish(StopReason reason, std::string* text);
-  // The next sampled token of a chain, launching one when none is left; -1 when chains are off.
+  // The next sampled token of a chain, launching one when none is left.
   int32_t next_chained(float* logprob);
+  // Rewinds what the last launch evaluated past the tokens given (and past the stopping one,
+  // when `stopped`); with evaluate_last, evaluates the last token given where the launch did
+  // not.
+  void settle_chain(bool stopped, bool evaluate_last);
 
   Context& ctx_;
   std::vector<int32_t> prompt_;
@@ -109,8 +118,10 @@ class Generation {
   std::vector<int32_t> chain_tokens_;
   std::vector<float> chain_logprobs_;
   size_t chain_next_ = 0;
-  int32_t chain_first_ = -1;
-  int chain_base_ = 0;  // the context's n_past before the last launch
+  int32_t chain_first_ = -1;  // -1 until the first token is sampled (on the host)
+  // The context's n_past before the last launch (for the first token, one less than after the
+  // prompt: as if a chain of one had evaluated the prompt's last token).
+  int chain_base_ = 0;
   StopReason reason_ = StopReason::kNone;
   int n_generated_ = 0;
 };

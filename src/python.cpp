@@ -397,6 +397,7 @@ PYBIND11_MODULE(_core, m) {
                                return py::str(r);
                              })
       .def_property_readonly("n_generated", &Generation::n_generated)
+      .def("close", &Generation::close)
       .def("set_defer", &Generation::set_defer, py::arg("defer"))
       .def("set_prefill_chunk", &Generation::set_prefill_chunk, py::arg("tokens"))
       .def_property_readonly("pending_token", &Generation::pending_token)

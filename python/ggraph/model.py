@@ -620,19 +620,26 @@ class Model:
         with self._step(epoch):
             self.stop_reason = None
             self.n_generated = 0
-        while True:
-            with self._step(epoch):
-                step = gen.next()
-                self.n_generated = gen.n_generated
-                self.stop_reason = gen.stop_reason
-            if step is None:
-                return
-            text, token, logprob, top = step
-            if detailed:
-                if token >= 0 or text:
-                    yield GeneratedToken(token, text, logprob if token >= 0 else None, top)
-            elif text:
-                yield text
+        try:
+            while True:
+                with self._step(epoch):
+                    step = gen.next()
+                    self.n_generated = gen.n_generated
+                    self.stop_reason = gen.stop_reason
+                if step is None:
+                    return
+                text, token, logprob, top = step
+                if detailed:
+                    if token >= 0 or text:
+                        yield GeneratedToken(token, text, logprob if token >= 0 else None, top)
+                elif text:
+                    yield text
+        finally:
+            # A loop left early (break, close, an error in the caller): the context keeps what a
+            # step at a time would have left, if it is still this generation's.
+            with self._lock:
+                if self._epoch == epoch:
+                    gen.close()
 
     def apply_chat_template(
         self, messages: Sequence[dict], add_generation_prompt=True, tokenize: bool = False

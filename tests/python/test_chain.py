@@ -118,3 +118,25 @@ def test_graph_stats_count_the_tokens_of_each_launch(tiny_model):
     assert s["replays"] == 9
     assert s["tokens_per_launch"] == pytest.approx(65 / 9)
     assert s["kernels_per_token"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stop_after", [1, 3, 8, 9])
+def test_a_loop_left_early_leaves_the_context_of_a_step_at_a_time(tiny_model, device, stop_after):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [1, 17, 42, 99, 7]
+    states = []
+    for chain in (1, 8):
+        m.reset()
+        got = []
+        for step in m.generate(
+            prompt, max_tokens=40, logprobs=0, ignore_eos=True, chain=chain, temperature=0.0
+        ):
+            got.append(step.token)
+            if len(got) == stop_after:
+                break
+        states.append((got, m.n_past, m.eval([3]).tolist()))
+    (one, past_one, next_one), (chained, past_chained, next_chained) = states
+    assert chained == one
+    assert past_chained == past_one == len(prompt) + stop_after
+    assert next_chained == pytest.approx(next_one, abs=1e-4)
