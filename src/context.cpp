@@ -210,24 +210,25 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
   const int n_past = s.n_past;
   const int window = sample_history_window(params, n_ctx_);
   if (!chain_tokens_) chain_tokens_ = backend_->alloc_kv(2 * kMaxChain * sizeof(int32_t));
-  if (s.chain_graph && s.chain_k == k && s.chain_window == window) {
-    s.chain_graph->shift_kv(n_past - s.chain_n_past);
+  // A generation's chains are mostly of one length, its last one shorter: a few graphs serve.
+  if (s.chains.size() >= 8 && !s.chains.count({k, window})) s.chains.clear();
+  ChainStep& c = s.chains[{k, window}];
+  if (c.graph) {
+    c.graph->shift_kv(n_past - c.n_past);
   } else {
-    s.chain_graph.reset();  // a failed build must not leave a half-made graph behind
-    s.chain_first.assign(1, first);
-    s.chain_positions.assign(size_t(k), 0);
-    s.chain_out_ids.assign(1, 0);
-    s.chain_config.assign(size_t(sample_word::kHeader + window), 0);
+    c.first.assign(1, first);
+    c.positions.assign(size_t(k), 0);
+    c.out_ids.assign(1, 0);
+    c.config.assign(size_t(sample_word::kHeader + window), 0);
     auto graph = std::make_unique<Graph>();
     Tensor* buffer = graph->token_buffer(chain_tokens_, kMaxChain);
-    Tensor* config =
-        graph->input_i32(int64_t(s.chain_config.size()), s.chain_config.data(), "sample_config");
+    Tensor* config = graph->input_i32(int64_t(c.config.size()), c.config.data(), "sample_config");
     for (int j = 0; j < k; ++j) {
       Batch b;
-      b.tokens = s.chain_first.data();
+      b.tokens = c.first.data();
       if (j > 0) b.token_ids = graph->token_at(buffer, j - 1);
-      b.positions = &s.chain_positions[size_t(j)];
-      b.out_ids = s.chain_out_ids.data();
+      b.positions = &c.positions[size_t(j)];
+      b.out_ids = c.out_ids.data();
       b.n_tokens = 1;
       b.n_outputs = 1;
       b.n_past = n_past + j;
@@ -241,22 +242,19 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
       reserved_inputs_ = std::max(reserved_inputs_, graph->input_size);
       backend_->reserve(reserved_scratch_, reserved_inputs_);
     }
-    s.chain_graph = std::move(graph);
-    s.chain_k = k;
-    s.chain_window = window;
+    c.graph = std::move(graph);  // only once built: a failed build leaves none behind
   }
-  s.chain_n_past = n_past;
-  s.chain_first[0] = first;
-  std::iota(s.chain_positions.begin(), s.chain_positions.end(), n_past);
+  c.n_past = n_past;
+  c.first[0] = first;
+  std::iota(c.positions.begin(), c.positions.end(), n_past);
   std::vector<int32_t> history(s.tokens);
   history.push_back(first);
-  fill_sample_config(params, seed, draw, history.data(), history.size(), window,
-                     s.chain_config.data());
+  fill_sample_config(params, seed, draw, history.data(), history.size(), window, c.config.data());
   backend_->add_host_time(
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   note_written(s.kv_lost, n_past + k, ring_rows_);
   std::vector<float> out(2 * size_t(kMaxChain));
-  backend_->compute(*s.chain_graph, out.data());
+  backend_->compute(*c.graph, out.data());
   const int32_t* words = reinterpret_cast<const int32_t*>(out.data());
   int done = k;  // steps whose sample succeeded
   for (int j = 0; j < k && done == k; ++j)
@@ -407,6 +405,7 @@ void Context::close_sequence(int id) {
   seqs_[size_t(id)].kv_lost = 0;
   seqs_[size_t(id)].tokens.clear();
   seqs_[size_t(id)].step_graph.reset();
+  seqs_[size_t(id)].chains.clear();
 }
 
 void Context::select_sequence(int id) {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -197,6 +198,14 @@ class Context {
   // failed, it leaves them to be re-evaluated again.
   void repair(const std::function<bool()>& interrupted = nullptr);
   std::unique_ptr<std::atomic<bool>[]> cancels_;  // a request per sequence (cancel)
+  // A sampled chain's graph (decode_sampled) and the host inputs its input tensors point at:
+  // the first token, each step's position, the sampling config; n_past, the position it was
+  // built or last shifted for.
+  struct ChainStep {
+    std::unique_ptr<Graph> graph;
+    int n_past = 0;
+    std::vector<int32_t> first, positions, out_ids, config;
+  };
   // Every sequence's cache and history; every call works on the selected one, live().
   struct Sequence {
     KvCache kv;
@@ -212,11 +221,9 @@ class Context {
     std::unique_ptr<Graph> step_graph;
     int step_tokens = 0, step_outputs = 0, step_n_past = 0;
     std::vector<int32_t> in_tokens, in_positions, in_out_ids;
-    // Its last sampled chain's graph (decode_sampled), reused as the step graph is, and the
-    // host inputs it points at: the first token, each step's position, the sampling config.
-    std::unique_ptr<Graph> chain_graph;
-    int chain_k = 0, chain_window = 0, chain_n_past = 0;
-    std::vector<int32_t> chain_first, chain_positions, chain_out_ids, chain_config;
+    // Its sampled chains' graphs (decode_sampled) by steps and penalty window, each reused as
+    // the step graph is, with the host inputs it points at.
+    std::map<std::pair<int, int>, ChainStep> chains;
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;

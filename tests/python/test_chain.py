@@ -140,3 +140,17 @@ def test_a_loop_left_early_leaves_the_context_of_a_step_at_a_time(tiny_model, de
     assert chained == one
     assert past_chained == past_one == len(prompt) + stop_after
     assert next_chained == pytest.approx(next_one, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_graphs_of_each_length_serve_again_at_other_positions(tiny_model, device):
+    # 13 tokens: chains of 8 and 4 (and the last token's own step); the next generations find
+    # those graphs built and shift them to their own positions.
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    ref = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    for prompt in ([1, 5, 9], [2, 4, 6, 8, 10, 12, 14], [3]):
+        settings = dict(max_tokens=13, temperature=0.9, top_k=20, seed=len(prompt))
+        want, ctx_want = tokens_of(ref, prompt, 1, **settings)
+        got, ctx_got = tokens_of(m, prompt, 8, **settings)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert ctx_got[0] == ctx_want[0]
