@@ -70,6 +70,7 @@ class CpuBackend final : public Backend {
   void compute(const Graph& graph, float* out) override {
     if (graph.scratch_size > scratch_size_ || graph.input_size > input_size_)
       throw std::logic_error("cpu backend: graph does not fit the reserved buffers");
+    act_x_ = nullptr;  // a graph run again holds other values at the same tensors
     for (const Tensor* t : graph.nodes())
       if (t->storage == Storage::Input) std::memcpy(ptr(t), t->data, t->nbytes());
     for (const Tensor* t : graph.nodes()) run(t);
@@ -253,9 +254,15 @@ class CpuBackend final : public Backend {
     if (act_.size() < act_row * n_cols) act_.resize(act_row * n_cols);
     uint8_t* act = act_.data();
     const float* xf = f32(x);
-    parallel(n_cols, 4, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) prepare_act(wt, xf + c * k, act + c * act_row, k);
-    });
+    // Products of one activation and weight format in a row (q, k, v; gate, up) prepare it once.
+    if (x != act_x_ || wt != act_type_) {
+      act_x_ = nullptr;  // (until prepared)
+      parallel(n_cols, 4, [&](int64_t b, int64_t e) {
+        for (int64_t c = b; c < e; ++c) prepare_act(wt, xf + c * k, act + c * act_row, k);
+      });
+      act_x_ = x;
+      act_type_ = wt;
+    }
     float* out = f32(t);
     const uint8_t* wd = ptr(w);
     const size_t w_stride = w->nb[1];
@@ -590,6 +597,9 @@ class CpuBackend final : public Backend {
   size_t scratch_size_ = 0, input_size_ = 0;
   std::vector<Buffer> kv_;
   std::vector<uint8_t> act_;
+  // The activation act_ holds, prepared for weights of act_type_ (this compute's), or none.
+  const Tensor* act_x_ = nullptr;
+  DType act_type_ = DType::F32;
   std::vector<float> attn_parts_;  // attention's per-chunk partial results
 };
 
