@@ -167,7 +167,8 @@ GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
  * runs while the model is held: it must not call ggraph_* functions on this model or any of its
  * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded 8 a launch and sampled on the
  * GPU (the same tokens). However the generation ends, the model then holds the prompt and the
- * generated tokens, less a final end-of-generation token or one that completed a stop string. */
+ * generated tokens, less a final one that ended it (an end-of-generation token, one completing a
+ * stop string, or one the full context had no room for). */
 GGRAPH_API int ggraph_generate(ggraph_model* model, const int32_t* prompt, size_t n,
                                const ggraph_generate_params* params, ggraph_step_fn on_step,
                                void* user);
