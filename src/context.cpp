@@ -247,7 +247,9 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
   c.n_past = n_past;
   c.first[0] = first;
   std::iota(c.positions.begin(), c.positions.end(), n_past);
-  std::vector<int32_t> history(s.tokens);
+  // The penalty window's ids: the last of the sequence's tokens, then first.
+  const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
+  std::vector<int32_t> history(s.tokens.begin() + long(from), s.tokens.end());
   history.push_back(first);
   fill_sample_config(params, seed, draw, history.data(), history.size(), window, c.config.data());
   backend_->add_host_time(

@@ -97,7 +97,7 @@ int32_t Generation::next_chained(float* logprob) {
     // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
     ctx_.decode_sampled(chain_first_, k, p, sampler_.seed(), sampler_.draws(), tokens.data(),
                         logprobs.data());
-    if (!(p.temperature == 0.0f || p.top_k == 1)) sampler_.set_draws(sampler_.draws() + k);
+    if (!sample_is_greedy(p.temperature, p.top_k)) sampler_.set_draws(sampler_.draws() + k);
     chain_base_ = base;
     chain_tokens_.swap(tokens);
     chain_logprobs_.swap(logprobs);
@@ -187,8 +187,12 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     const std::vector<int32_t>& history = ctx_.tokens();
     tok = sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
     if (chain_ > 1) {
-      if (opt_.logprobs)
-        chained_logprob = token_logprob(logits_.data(), int32_t(logits_.size()), tok);
+      if (opt_.logprobs) {
+        // As a token at a time computes it.
+        GeneratedToken first;
+        logprobs(logits_, tok, 0, &first);
+        chained_logprob = first.logprob;
+      }
       // As if a chain of one had evaluated the prompt's last token and sampled tok.
       chain_base_ = ctx_.n_past() - 1;
       chain_tokens_.assign(1, tok);

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -222,11 +221,7 @@ uint64_t top_p_target(float top_p, uint64_t total) {
   return static_cast<uint64_t>(std::ceil(static_cast<double>(top_p) * static_cast<double>(total)));
 }
 
-int32_t float_word(float f) {
-  int32_t w;
-  std::memcpy(&w, &f, sizeof w);
-  return w;
-}
+int32_t float_word(float f) { return static_cast<int32_t>(sample_bits_of(f)); }
 
 }  // namespace
 
@@ -265,11 +260,7 @@ float token_logprob(const float* logits, int32_t n, int32_t id) {
 void run_sample_op(const float* logits, int32_t n_vocab, const int32_t* config, int32_t* tokens,
                    int step, int k, Sampler& sampler) {
   namespace w = sample_word;
-  auto f = [&](int word) {
-    float v;
-    std::memcpy(&v, &config[word], sizeof v);
-    return v;
-  };
+  auto f = [&](int word) { return sample_float_of(static_cast<uint32_t>(config[word])); };
   auto u64 = [&](int lo, int hi) {
     return uint64_t(uint32_t(config[lo])) | (uint64_t(uint32_t(config[hi])) << 32);
   };
@@ -297,7 +288,7 @@ void run_sample_op(const float* logits, int32_t n_vocab, const int32_t* config, 
   }
   tokens[step] = token;
   const float lp = token >= 0 ? token_logprob(logits, n_vocab, token) : NAN;
-  std::memcpy(&tokens[k + step], &lp, sizeof lp);
+  tokens[k + step] = static_cast<int32_t>(sample_bits_of(lp));
 }
 
 int sample_history_window(const SamplingParams& p, int n_ctx) {
@@ -417,7 +408,7 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
                         " logits all NaN or -inf");
   }
   const SamplingParams& p = params_;
-  if (p.temperature == 0.0f || p.top_k == 1) {
+  if (sample_is_greedy(p.temperature, p.top_k)) {
     return static_cast<int32_t>(std::find(work, work + n_all, max_logit) - work);
   }
   if (max_logit == kInf) {

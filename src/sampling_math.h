@@ -113,6 +113,11 @@ GGRAPH_HD float exp_nonpositive(float x) {
   return sample_float_of(sample_bits_of(y) & in_range);
 }
 
+// Whether a sample is greedy (the argmax, no draw): temperature 0 or top_k 1.
+GGRAPH_HD bool sample_is_greedy(float temperature, int32_t top_k) {
+  return temperature == 0.0f || top_k == 1;
+}
+
 // A token's probability mass: its weight (an exp_nonpositive value, at most 1) in units of
 // 2^-40, rounded down. Masses add exactly in any order, so a sum over the vocabulary is the same
 // however it is split over threads. A vocabulary of up to 2^23 tokens sums below 2^63.

@@ -623,7 +623,7 @@ struct Config {
     seed = (uint64_t(uint32_t(c[sw::kSeedHi])) << 32) | uint32_t(c[sw::kSeedLo]);
     draw = ((uint64_t(uint32_t(c[sw::kDrawHi])) << 32) | uint32_t(c[sw::kDrawLo])) + step;
   }
-  __device__ bool greedy() const { return temperature == 0.0f || top_k == 1; }
+  __device__ bool greedy() const { return sample_is_greedy(temperature, top_k); }
 };
 
 // One warp: the statistics of all tiles, merged in a fixed order (every warp finds the same).
