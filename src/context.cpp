@@ -181,7 +181,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     // And a decode batch of as many sequences as a step takes.
     Graph batch;
     DecodeInputs in;
-    build_decode_batch(batch, std::min(seqs_.size(), size_t(n_batch_)), in);
+    build_decode_batch(batch, batch_class(std::min(seqs_.size(), size_t(n_batch_))), in);
     scratch = std::max(scratch, batch.scratch_size);
     inputs = std::max(inputs, batch.input_size);
   }
@@ -292,12 +292,21 @@ void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const
   plan(graph);
 }
 
+size_t Context::batch_class(size_t m) const {
+  if (!backend_->is_cuda() || m > 64) return m;
+  size_t c = 1;
+  while (c < m) c <<= 1;
+  return std::min(c, size_t(n_batch_));
+}
+
 void Context::set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens,
                                 size_t m) const {
-  for (size_t i = 0; i < m; ++i) {
-    in.tokens[i] = tokens[i];
-    in.positions[i] = in.slots[m + i] = past_of(seqs[i]);
-    in.slots[i] = seqs[i];
+  const size_t c = in.tokens.size();
+  for (size_t i = 0; i < c; ++i) {
+    const bool pad = i >= m;
+    in.tokens[i] = pad ? 0 : tokens[i];
+    in.positions[i] = in.slots[c + i] = pad ? 0 : past_of(seqs[i]);
+    in.slots[i] = pad ? -1 : seqs[i];
   }
 }
 
@@ -340,7 +349,12 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     logits = eval(tokens, 1, false);
     return logits;
   }
-  // Batches of at most n_batch tokens (the buffers were sized for that many).
+  // Batches of at most n_batch tokens (the buffers were sized for that many), each run in its
+  // size class: room for the padding tokens' logits too.
+  size_t rows = n;
+  for (size_t start = 0; start < n; start += size_t(n_batch_))
+    rows = std::max(rows, start + batch_class(std::min(n - start, size_t(n_batch_))));
+  logits.resize(rows * size_t(n_vocab));
   for (size_t start = 0; start < n; start += size_t(n_batch_)) {
     const size_t m = std::min(n - start, size_t(n_batch_));
     const int* sq = seqs + start;
@@ -348,23 +362,23 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
     // The last batch's graph serves again for any m sequences at any positions: only its
     // inputs change. Only a batch's first n_batch tokens are kept (more is rare: n_seq_max >
     // n_batch).
+    const size_t c = batch_class(m);
     std::unique_ptr<Graph> local;
     DecodeInputs local_in;
     DecodeInputs* in = &local_in;
     const Graph* graph = nullptr;
     if (start == 0) {
-      BatchStep& last = batch_step_;
-      if (!last.graph || last.in.tokens.size() != m) {
-        last.graph.reset();  // a failed build must not leave a half-made graph behind
+      BatchStep& step = batch_steps_[c];
+      if (!step.graph) {
         auto g = std::make_unique<Graph>();
-        build_decode_batch(*g, m, last.in);
-        last.graph = std::move(g);
+        build_decode_batch(*g, c, step.in);
+        step.graph = std::move(g);  // only once built: a failed build leaves none behind
       }
-      graph = last.graph.get();
-      in = &last.in;
+      graph = step.graph.get();
+      in = &step.in;
     } else {
       local = std::make_unique<Graph>();
-      build_decode_batch(*local, m, local_in);
+      build_decode_batch(*local, c, local_in);
       graph = local.get();
     }
     set_decode_inputs(*in, sq, tokens + start, m);
@@ -372,9 +386,11 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)
       note_written(seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1, ring_rows_);
+    // (The padding tokens' logits land past the batch's, and are dropped.)
     backend_->compute(*graph, logits.data() + start * n_vocab);
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
+  logits.resize(n * size_t(n_vocab));
   return logits;
 }
 

@@ -162,7 +162,8 @@ class Context {
     std::vector<int32_t> tokens, positions, out_ids, slots;
   };
   void build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const;
-  // Token i of `tokens` goes to sequence seqs[i] at its position (the inputs of m tokens).
+  // Token i of `tokens` goes to sequence seqs[i] at its position (the first m of the inputs;
+  // the rest pad).
   void set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens, size_t m) const;
   // Copies the KV rows of positions [0, n_rows) of every layer, K then V, to or from `host`
   // (2 * n_layer * n_rows rows).
@@ -232,13 +233,17 @@ class Context {
   // A sequence's position, and a token appended to it.
   int past_of(int seq) const { return seqs_[size_t(seq)].n_past; }
   void append_token(int seq, int32_t token);
-  // The last decode_batch's graph and the host inputs its input tensors point at: the next
-  // batch of as many tokens runs it again with new inputs.
+  // The size class a decode batch of m tokens runs in: on CUDA the next of 1, 2, 4, ..., 64
+  // (at most n_batch), so that one executable serves every batch of its class, the tokens past
+  // m padding (sequence -1); elsewhere m itself.
+  size_t batch_class(size_t m) const;
+  // decode_batch's graph of each size class and the host inputs its input tensors point at: the
+  // next batch of the class runs it again with new inputs.
   struct BatchStep {
     std::unique_ptr<Graph> graph;
     DecodeInputs in;
   };
-  BatchStep batch_step_;
+  std::map<size_t, BatchStep> batch_steps_;
   uint64_t fingerprint_ = 0;                           // of the model file, for saved states
   size_t reserved_scratch_ = 0, reserved_inputs_ = 0;  // what the backend's buffers hold
   void* chain_tokens_ = nullptr;  // backend memory of the chains' sampled tokens (2 kMaxChain)

@@ -31,7 +31,8 @@ enum class Op : uint8_t {
   // sequence s's rows from s * rows on); src2 (I32 [2B]) holds each token's sequence, then its
   // position. KvStoreSeqs writes src0 [width, B]'s column b into its sequence's row;
   // AttentionSeqs is each token's Attention over its own sequence (K = src1, V = src2, slots =
-  // src3).
+  // src3). Sequence -1 marks a padding token (a batch padded to its size class): nothing is
+  // stored for it and its attention output is unspecified.
   KvStoreSeqs,
   AttentionSeqs,
   // The next token from src0's logits (F32 [n_vocab, 1]) by the sampling chain (sampling.h),

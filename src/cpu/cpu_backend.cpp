@@ -377,14 +377,12 @@ class CpuBackend final : public Backend {
     check_slots(slots, n, rows, kp->ne[1] / rows, kp->params[kKvRing] != 0);
     attn_sources_.resize(size_t(n));
     for (int b = 0; b < n; ++b) {
-      const size_t at = size_t(slots[b]) * size_t(rows);
-      attn_sources_[size_t(b)] = {ptr(kp) + at * kp->nb[1],
-                                  ptr(vp) + at * vp->nb[1],
-                                  rows,
-                                  slots[n + b] + 1,
-                                  slots[n + b],
-                                  b,
-                                  1};
+      // A padding token (sequence -1) attends to the first row of sequence 0, unused.
+      const bool pad = slots[b] < 0;
+      const size_t at = pad ? 0 : size_t(slots[b]) * size_t(rows);
+      const int pos = pad ? 0 : slots[n + b];
+      attn_sources_[size_t(b)] = {
+          ptr(kp) + at * kp->nb[1], ptr(vp) + at * vp->nb[1], rows, pos + 1, pos, b, 1};
     }
     attend(t, attn_sources_.data(), n);
   }
@@ -569,7 +567,7 @@ class CpuBackend final : public Backend {
   // they are a ring (Context checks as much before it builds a batch).
   static void check_slots(const int32_t* slots, int n, int64_t rows, int64_t n_seq, bool ring) {
     for (int b = 0; b < n; ++b)
-      if (slots[b] < 0 || slots[b] >= n_seq || slots[n + b] < 0 || (!ring && slots[n + b] >= rows))
+      if (slots[b] < -1 || slots[b] >= n_seq || slots[n + b] < 0 || (!ring && slots[n + b] >= rows))
         throw std::logic_error("cpu backend: token " + std::to_string(b) + "'s slot (sequence " +
                                std::to_string(slots[b]) + ", position " +
                                std::to_string(slots[n + b]) + ") lies outside the KV pool");
@@ -583,6 +581,7 @@ class CpuBackend final : public Backend {
     const int64_t n = src->ne[0], m = src->ne[1], rows = t->params[kKvSeqRows];
     check_slots(slots, int(m), rows, t->ne[1] / rows, t->params[kKvRing] != 0);
     for (int64_t j = 0; j < m; ++j) {
+      if (slots[j] < 0) continue;  // a padding token
       const int64_t row = slots[j] * rows + kv_row(slots[m + j], rows);
       quantize_row(t->type, x + j * n, ptr(t) + size_t(row) * t->nb[1], n);
     }

@@ -228,11 +228,14 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   // its sequence's rows in the pools, its position as the only query's).
   int t_pos = t;
   if (slots) {
-    const int pos = slots[gridDim.z + t];
+    // A padding token (sequence -1) attends to the first row of sequence 0; its output goes
+    // unused.
+    const bool pad = slots[t] < 0;
+    const int pos = pad ? 0 : slots[gridDim.z + t];
     n_kv = pos + 1;
     first_pos = pos;
     t_pos = 0;
-    const int64_t rows_before = static_cast<int64_t>(slots[t]) * cache_rows;
+    const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
     const int64_t row_size = Q8 ? static_cast<int64_t>(n_head_kv) * q8_head_bytes(head_dim)
                                 : static_cast<int64_t>(n_head_kv) * head_dim * 2;
     kc = static_cast<const uint8_t*>(kc) + rows_before * row_size;

@@ -1136,26 +1136,40 @@ class CudaBackend : public Backend {
 
   std::map<std::string, double> stats() const override {
     const GraphStats& s = executor_->stats();
-    return {{"captures", s.captures},
-            {"instantiations", s.instantiations},
-            {"exec_updates", s.exec_updates},
-            {"update_failures", s.update_failures},
-            {"kernel_nodes_patched", s.kernel_nodes_patched},
-            {"replays", s.replays},
-            {"eager_evals", s.eager_evals},
-            {"capture_ms_total", s.capture_ms_total},
-            {"steps", s.steps},
-            {"host_us_total", s.host_us_total},
-            {"build_us_total", s.build_us_total},
-            {"record_us_total", s.record_us_total},
-            {"patch_us_total", s.patch_us_total},
-            {"tokens", s.tokens},
-            {"kernels", s.kernels},
-            {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
-            {"tokens_per_launch",
-             s.replays + s.eager_evals > 0 ? s.tokens / (s.replays + s.eager_evals) : 0.0},
-            {"cached_graphs", double(executor_->cached_graphs())},
-            {"graph_pool_bytes", double(graph_pool_bytes())}};
+    std::map<std::string, double> out = {
+        {"captures", s.captures},
+        {"instantiations", s.instantiations},
+        {"exec_updates", s.exec_updates},
+        {"update_failures", s.update_failures},
+        {"kernel_nodes_patched", s.kernel_nodes_patched},
+        {"replays", s.replays},
+        {"eager_evals", s.eager_evals},
+        {"capture_ms_total", s.capture_ms_total},
+        {"steps", s.steps},
+        {"host_us_total", s.host_us_total},
+        {"build_us_total", s.build_us_total},
+        {"record_us_total", s.record_us_total},
+        {"patch_us_total", s.patch_us_total},
+        {"tokens", s.tokens},
+        {"kernels", s.kernels},
+        {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
+        {"tokens_per_launch",
+         s.replays + s.eager_evals > 0 ? s.tokens / (s.replays + s.eager_evals) : 0.0},
+        {"cached_graphs", double(executor_->cached_graphs())},
+        {"graph_pool_bytes", double(graph_pool_bytes())}};
+    // Per topology class (the batch_key of compute): "batch8.replays" for decode batches of 8
+    // (their size class), "chain8.captures" for sampled chains of 8 steps, "tokens1.replays"
+    // for steps of one token.
+    for (const auto& [key, k] : executor_->key_stats()) {
+      const bool seqs = (key >> 63) != 0;
+      const uint64_t chain = (key >> 48) & 0x7FFF, n_tokens = (key >> 32) & 0xFFFF;
+      const std::string name = seqs    ? "batch" + std::to_string(n_tokens)
+                               : chain ? "chain" + std::to_string(chain)
+                                       : "tokens" + std::to_string(n_tokens);
+      out[name + ".captures"] += k.captures;
+      out[name + ".replays"] += k.replays;
+    }
+    return out;
   }
   uint64_t graph_handle() override {
     cudaGraph_t g = executor_->current_graph();

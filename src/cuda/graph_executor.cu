@@ -62,6 +62,7 @@ void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
   }
   GGRAPH_CUDA_CHECK(cudaStreamEndCapture(stream_, graph));
   stats_.captures += 1;
+  key_stats_[key_].captures += 1;
   stats_.capture_ms_total +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -205,6 +206,7 @@ void GraphExecutor::launch(Entry& e) {
   current_ = &e;
   GGRAPH_CUDA_CHECK(cudaGraphLaunch(e.exec, stream_));
   stats_.replays += 1;
+  key_stats_[key_].replays += 1;
   stats_.kernels += double(e.launches.size());
 }
 
@@ -212,6 +214,7 @@ void GraphExecutor::run(uint64_t key, const LaunchAll& launch_all,
                         const std::function<std::string(int)>& node_names,
                         const LaunchAll& launch_kv) {
   const auto start = std::chrono::steady_clock::now();
+  key_ = key;
   run_mode(key, launch_all, node_names, launch_kv);
   stats_.steps += 1;
   stats_.host_us_total +=

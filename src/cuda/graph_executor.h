@@ -54,7 +54,15 @@ class GraphExecutor {
 
   GraphMode mode() const { return mode_; }
   const GraphStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = GraphStats(); }
+  // Captures and replays by topology class (run's key).
+  struct KeyStats {
+    double captures = 0, replays = 0;
+  };
+  const std::map<uint64_t, KeyStats>& key_stats() const { return key_stats_; }
+  void reset_stats() {
+    stats_ = GraphStats();
+    key_stats_.clear();
+  }
   GraphStats& mutable_stats() { return stats_; }
   size_t cached_graphs() const { return cache_.size(); }
   // Drops every executable: the next step of each shape captures again. For buffers that nodes
@@ -106,6 +114,8 @@ class GraphExecutor {
   bool pdl_;
   bool corrupt_next_patch_ = false;
   GraphStats stats_;
+  std::map<uint64_t, KeyStats> key_stats_;
+  uint64_t key_ = 0;  // the class of the step being run
   std::unordered_map<uint64_t, Entry> cache_;
   Entry* current_ = nullptr;
   uint64_t clock_ = 0;

@@ -421,10 +421,14 @@ __global__ void __launch_bounds__(1024)
 
 // The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
 // slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
-// the position; otherwise the row of position *first_row_at + t (ring_row).
+// the position, or none (-1) for a padding token (sequence -1); otherwise the row of position
+// *first_row_at + t (ring_row).
 __device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
                                                 int t, int n_tokens, int rows) {
-  if (slots) return static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
+  if (slots)
+    return slots[t] < 0
+               ? -1
+               : static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
   return ring_row(*first_row_at + t, rows);
 }
 
@@ -441,6 +445,7 @@ __global__ void kv_store_kernel(const float* src0, const float* src1, __half* ca
   __half* cache = blockIdx.y == 0 ? cache0 : cache1;
   const int t = static_cast<int>(i / n_embd_kv);
   const int64_t row = kv_store_row(first_row_at, slots, t, static_cast<int>(n / n_embd_kv), rows);
+  if (row < 0) return;
   cache[row * n_embd_kv + (i - t * n_embd_kv)] = __float2half_rn(src[i]);
 }
 
@@ -467,6 +472,7 @@ __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t
   const int t = static_cast<int>(b / per_row);
   const int64_t row =
       kv_store_row(first_row_at, slots, t, static_cast<int>(n_blocks / per_row), rows);
+  if (row < 0) return;
   uint8_t* blk = cache + (row * per_row + (b - t * per_row)) * 34;
   if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
   blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));

@@ -502,6 +502,25 @@ TEST(CpuOps, ThreadCountDoesNotChangeResults) {
   EXPECT_EQ(results[0], results[1]);
 }
 
+TEST(CpuOps, PaddingTokensOfAPoolBatchStoreNothingAndLeaveTheOthersAlone) {
+  // Two sequences of 4 rows of 8 in a pool; a batch of three tokens, the middle one padding
+  // (sequence -1), as a batch padded to its size class carries.
+  const int64_t width = 8, rows = 4;
+  std::vector<float> pool(size_t(width * rows * 2), 7.0f);
+  std::vector<float> x = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  std::vector<int32_t> slots = {1, -1, 0, 2, 0, 3};  // sequences, then positions
+  std::vector<int32_t> ids;
+  Graph g;
+  Tensor* p = g.kv_pool(DType::F32, width, int(rows), 2, pool.data(), "pool");
+  Tensor* xs = activations(g, x, width, 3, ids);
+  g.set_output(g.kv_store_seqs(p, xs, g.input_i32(6, slots.data(), "slots")));
+  run(g);
+  for (int64_t r = 0; r < rows * 2; ++r) {
+    const float want = r == 1 * rows + 2 ? 1.0f : r == 0 * rows + 3 ? 3.0f : 7.0f;
+    for (int64_t i = 0; i < width; ++i) EXPECT_EQ(pool[size_t(r * width + i)], want) << r;
+  }
+}
+
 TEST(Planner, EqualTopologiesGetEqualOffsetsAndLiveTensorsNeverOverlap) {
   std::vector<float> w(64 * 64, 0.5f), table(64 * 10, 1.0f);
   std::vector<int32_t> ids = {1, 2, 3};

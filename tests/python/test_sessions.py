@@ -319,3 +319,26 @@ def test_decode_batch_of_sequences_of_very_different_lengths(tmp_path):
             np.testing.assert_array_equal(
                 got[row], refs[i].eval([t]), err_msg=f"step {step} seq {i}"
             )
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_cuda_batches_pad_to_their_size_class_and_keep_each_rows_logits(tiny_model):
+    """On CUDA a batch of 3, 5 or 6 sequences runs the graph of 4 or 8 tokens, the rest padding
+    (stored nowhere): each row still equals its sequence's own step, and batches of one class
+    share one executable."""
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=64, n_seq_max=6)
+    seqs = [m] + [m.session() for _ in range(5)]
+    refs = [ggraph.Model(tiny_model, device="cuda", n_ctx=64) for _ in seqs]
+    for i, (s, r) in enumerate(zip(seqs, refs, strict=True)):
+        s.eval(A[: 2 + i])
+        r.eval(A[: 2 + i])
+    m.reset_graph_stats()
+    for step, members in enumerate([[0, 1, 2], [0, 1, 2, 3, 4], [5, 3, 1], [0, 1, 2, 3, 4, 5]]):
+        toks = [(7 * step + i) % 300 + 1 for i in members]
+        got = m.decode_batch([(seqs[i], t) for i, t in zip(members, toks, strict=True)])
+        for row, (i, t) in enumerate(zip(members, toks, strict=True)):
+            np.testing.assert_allclose(got[row], refs[i].eval([t]), rtol=1e-4, atol=1e-4)
+    assert [s.n_past for s in seqs] == [2 + i + n for i, n in enumerate([3, 4, 3, 3, 2, 2])]
+    stats = m.graph_stats
+    assert (stats["batch4.captures"], stats["batch4.replays"]) == (1, 2)
+    assert (stats["batch8.captures"], stats["batch8.replays"]) == (1, 2)
