@@ -113,10 +113,14 @@ def test_graph_stats_count_the_tokens_of_each_launch(tiny_model):
     gen = m.generate([1, 2, 3, 4], max_tokens=64, temperature=0.0, chain=8, ignore_eos=True)
     assert len("".join(gen)) > 0
     s = m.graph_stats
-    # Eight chains of eight steps, then the last token's own step (as a step at a time ends).
+    # The prompt's new token (one step; the first token is sampled from its logits), seven chains
+    # of eight steps and one of seven for the other 63 tokens, then the last token's own step (as
+    # a step at a time ends): 1 + 63 + 1 tokens in 1 + 8 + 1 launches.
     assert s["tokens"] == 65
-    assert s["replays"] == 9
-    assert s["tokens_per_launch"] == pytest.approx(65 / 9)
+    assert s["replays"] == 10
+    assert s["chain8.replays"] == 7
+    assert s["chain7.replays"] == 1
+    assert s["tokens_per_launch"] == pytest.approx(65 / 10)
     assert s["kernels_per_token"] > 0
 
 
