@@ -3,9 +3,12 @@ concurrent streaming clients send a fixed number of chat requests between them; 
 aggregate generation speed and the time to first token and between tokens (p50 / p99).
 
     python tools/serve_load.py [--url http://127.0.0.1:8080/v1] [-c 8] [-n 32] [--max-tokens 64]
+                               [--completions]
 
 Each request asks for max_tokens at temperature 0.8 with its own seed; tokens are counted from
 the stream's chunks that carry text and checked against the usage the server reports.
+--completions sends text completions instead of chats, for a model without a chat template
+(the random-weight files of `python -m ggraph.testing`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> int:
     ap.add_argument("-n", "--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--completions", action="store_true", help="/v1/completions, not chats")
     args = ap.parse_args()
 
     from openai import OpenAI  # optional: only this tool and the tests need it
@@ -48,21 +52,29 @@ def main() -> int:
                 next_request[0] += 1
             t0 = time.perf_counter()
             last = None
-            stream = client.chat.completions.create(
+            request = dict(
                 model=args.model,
-                messages=[{"role": "user", "content": f"Tell me a short story, number {i}."}],
                 max_tokens=args.max_tokens,
                 temperature=0.8,
                 seed=i,
                 stream=True,
                 stream_options={"include_usage": True},
             )
+            text = f"Tell me a short story, number {i}."
+            if args.completions:
+                stream = client.completions.create(prompt=text, **request)
+            else:
+                messages = [{"role": "user", "content": text}]
+                stream = client.chat.completions.create(messages=messages, **request)
             n = 0
             for chunk in stream:
                 if chunk.usage is not None:
                     with lock:
                         usage[0] += chunk.usage.completion_tokens
-                if not chunk.choices or not chunk.choices[0].delta.content:
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                if not (choice.text if args.completions else choice.delta.content):
                     continue
                 now = time.perf_counter()
                 with lock:
