@@ -135,6 +135,7 @@ void Sampler::reserve(int32_t n_vocab) {
   if (logits_.size() >= n) return;
   logits_.resize(n);
   mass_.resize(n);
+  weights_.resize(n);
   candidates_.resize(n);
   scratch_.resize(n);
   counts_.resize(n, 0);
@@ -370,17 +371,32 @@ size_t Sampler::cut_top_p(size_t n, uint64_t target) {
   return kept;
 }
 
-// The draw over ids[0, n) (ascending; null: every token 0..n-1), as sampling.h describes it.
-int32_t Sampler::draw(const int32_t* ids, size_t n, float max_logit) {
+// out[j] = sample_mass(exp_nonpositive((work[id_j] - max_logit) / temperature)) for j < n (ids
+// null: id_j = j), and their sum. The weights go first, in a loop of their own that the compiler
+// vectorizes (the same operations, lane by lane: the same bits); the integer masses and their
+// sum after. A whole vocabulary's draw took 566 us at 49,152 tokens one element at a time.
+uint64_t Sampler::fill_masses(const int32_t* ids, size_t n, float max_logit, float temperature,
+                              uint64_t* out) {
   const float* work = logits_.data();
-  const float temperature = params_.temperature;
-  uint64_t* d = mass_.data();  // by position among the kept tokens
+  float* w = weights_.data();
+  const float* x = work;
+  if (ids) {
+    for (size_t j = 0; j < n; ++j) w[j] = work[ids[j]];
+    x = w;
+  }
+  for (size_t j = 0; j < n; ++j) w[j] = exp_nonpositive((x[j] - max_logit) / temperature);
   uint64_t total = 0;
   for (size_t j = 0; j < n; ++j) {
-    const float w = work[ids ? ids[j] : static_cast<int32_t>(j)];
-    d[j] = sample_mass(exp_nonpositive((w - max_logit) / temperature));
-    total += d[j];
+    out[j] = sample_mass(w[j]);
+    total += out[j];
   }
+  return total;
+}
+
+// The draw over ids[0, n) (ascending; null: every token 0..n-1), as sampling.h describes it.
+int32_t Sampler::draw(const int32_t* ids, size_t n, float max_logit) {
+  uint64_t* d = mass_.data();  // by position among the kept tokens
+  const uint64_t total = fill_masses(ids, n, max_logit, params_.temperature, d);
   const double u = philox_uniform(seed_, draws_++);
   const uint64_t r = std::min(total - 1, static_cast<uint64_t>(u * static_cast<double>(total)));
   uint64_t cumulative = 0;
@@ -443,11 +459,8 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
     return draw(candidates, keep, max_logit);
   }
   if (p.top_p < 1.0f) {
-    uint64_t total = 0;
-    for (size_t i = 0; i < n_all; ++i) {
-      mass[i] = mass_of(static_cast<int32_t>(i));
-      total += mass[i];
-    }
+    // (x / 1 is x: the masses of mass_of.)
+    const uint64_t total = fill_masses(nullptr, n_all, max_logit, 1.0f, mass);
     const uint64_t target = top_p_target(p.top_p, total);
     // Masses grow with the logit, so every token of at least `light` precedes every lighter
     // one; the lighter ones weigh less than total - target all together, so the heavier ones

@@ -114,6 +114,8 @@ class Sampler {
   void reserve(int32_t n_vocab);
   size_t select_top_k(int32_t n_vocab, size_t k);
   size_t cut_top_p(size_t n, uint64_t target);
+  uint64_t fill_masses(const int32_t* ids, size_t n, float max_logit, float temperature,
+                       uint64_t* out);
   int32_t draw(const int32_t* ids, size_t n, float max_logit);
 
   SamplingParams params_;
@@ -121,6 +123,7 @@ class Sampler {
   uint64_t draws_ = 0;
   std::vector<float> logits_;        // the penalized working copy
   std::vector<uint64_t> mass_;       // top-p's masses by token id
+  std::vector<float> weights_;       // fill_masses' exp_nonpositive values
   std::vector<int32_t> candidates_;  // token ids still in the running
   std::vector<int32_t> scratch_;     // top-p's narrowing subsets
   std::vector<int32_t> counts_;      // by token id; all zero between calls
