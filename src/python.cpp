@@ -405,7 +405,10 @@ PYBIND11_MODULE(_core, m) {
           "feed",
           [](Generation& g, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
             if (logits.ndim() != 1) throw ArgumentError("feed: expected a 1-D array of logits");
-            g.feed(logits.data(), size_t(logits.shape(0)));
+            const float* data = logits.data();
+            const size_t n = size_t(logits.shape(0));
+            py::gil_scoped_release release;  // the server's event loop runs meanwhile
+            g.feed(data, n);
           },
           py::arg("logits"));
 

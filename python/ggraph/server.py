@@ -52,7 +52,18 @@ class _Job:
         self.cancelled = threading.Event()
 
     def emit(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Sends an event from another thread."""
+        self.loop.call_soon_threadsafe(self.deliver, event)
+
+    def deliver(self, event) -> None:
+        """Queues an event, on the job's event loop."""
+        self.events.put_nowait(event)
+
+
+def _deliver(events) -> None:
+    """Delivers (job, event) pairs, in order, on the jobs' event loop."""
+    for job, event in events:
+        job.deliver(event)
 
 
 class Engine:
@@ -74,6 +85,8 @@ class Engine:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._running: dict = {}  # job -> its sequence, while it runs
+        # A step's events, handed to the event loop together (one wake-up a step, not a token).
+        self._outbox: list = []
         self._thread = threading.Thread(target=self._run, name="ggraph-engine", daemon=True)
         self._thread.start()
 
@@ -120,23 +133,35 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
-                job.emit(("done", (seq.stop_reason, seq.n_generated)))
+                self._post(job, ("done", (seq.stop_reason, seq.n_generated)))
                 return True
             step = seq._advance(gen, epoch)
             if step is None:
-                job.emit(("done", (seq.stop_reason, seq.n_generated)))
+                self._post(job, ("done", (seq.stop_reason, seq.n_generated)))
                 return True
             text, token, logprob, top = step
             if job.logprobs is None:
                 if text:
-                    job.emit(("token", (text, None)))
+                    self._post(job, ("token", (text, None)))
             elif token >= 0 or text:
                 detail = GeneratedToken(token, text, logprob if token >= 0 else None, top)
-                job.emit(("token", (text, detail if token >= 0 else None)))
+                self._post(job, ("token", (text, detail if token >= 0 else None)))
             return False
         except Exception as e:  # the request's failure, not the server's
-            job.emit(("error", e))
+            self._post(job, ("error", e))
             return True
+
+    def _post(self, job: _Job, event) -> None:
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Hands the posted events to their event loops, one call per loop."""
+        by_loop: dict = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
 
     def _run(self) -> None:
         active = []  # [job, its sequence, its generator]
@@ -166,6 +191,7 @@ class Engine:
                 if self._step(*entry):
                     active.remove(entry)
                     self._finish(entry[0], entry[1])
+            self._flush()
             # The tokens the steps sampled, every sequence's in one decode step.
             try:
                 self.model._decode_pending([(seq, gen) for _, seq, gen, _ in active])
@@ -507,7 +533,19 @@ def create_app(model, model_name: str, parallel: int = 1):
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        async def coalesced():
+            # Events that arrived together go out in one write: under load the event loop
+            # then does its per-write work once for several tokens, not once a token.
+            parts = []
+            async for part in sse():
+                parts.append(part)
+                if job.events.empty():
+                    yield "".join(parts)
+                    parts.clear()
+            if parts:
+                yield "".join(parts)
+
+        return StreamingResponse(coalesced(), media_type="text/event-stream")
 
     async def completions(request: Request):
         return await handle(request, chat=False)

@@ -255,9 +255,9 @@ def _run_engine(path, prompts, max_tokens, n_ctx, **engine):
     order = []
 
     class Recorded(_Job):
-        def emit(self, event):
+        def deliver(self, event):
             order.append((self.index, event[0]))
-            super().emit(event)
+            super().deliver(event)
 
     async def run():
         model = ggraph.Model(
