@@ -122,6 +122,8 @@ class Context {
   void load_state(const uint8_t* data, size_t size);
   // The tokens the KV cache holds, in order (n_past of them).
   const std::vector<int32_t>& tokens() const { return live().tokens; }
+  // Those of sequence seq, selected or not (an open one).
+  const std::vector<int32_t>& tokens_of(int seq) const { return seqs_[size_t(seq)].tokens; }
 
   // Sequences: independent token histories and KV caches over the same weights. Every call
   // above works on the selected one. open_sequence takes a free one (empty) and returns its id,

@@ -63,6 +63,7 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
       opt_(std::move(options)),
       sampler_(opt_.sampling),
       decoder_(ctx.tokenizer()) {
+  seq_ = ctx.sequence();
   if (prompt_.empty()) throw ArgumentError("generate: the prompt is empty");
   check_token_ids(prompt_.data(), prompt_.size(), ctx.n_vocab(), "generate");
   if (prompt_.size() >= size_t(ctx.n_ctx()))
@@ -185,7 +186,13 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     // (With chains, the first token too: from the prompt's logits, on the host, so that the
     // prompt goes in as a step at a time puts it in. The chains start with it.)
     const std::vector<int32_t>& history = ctx_.tokens();
-    tok = sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+    if (presampled_ >= 0) {
+      tok = presampled_;  // presample() drew it from these logits and this history
+      presampled_ = -1;
+    } else {
+      tok =
+          sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+    }
     if (chain_ > 1) {
       if (opt_.logprobs) {
         // As a token at a time computes it.
@@ -254,6 +261,18 @@ void Generation::feed(const float* logits, size_t n) {
                         std::to_string(ctx_.n_vocab()));
   logits_.assign(logits, logits + n);
   pending_tok_ = -1;
+  presampled_ = -1;
+}
+
+void Generation::presample() {
+  if (pending_tok_ >= 0 || over_ || !started_ || chain_ > 1 || presampled_ >= 0) return;
+  const std::vector<int32_t>& history = ctx_.tokens_of(seq_);
+  try {
+    presampled_ =
+        sampler_.sample(logits_.data(), int32_t(logits_.size()), history.data(), history.size());
+  } catch (const ArgumentError&) {
+    presampled_ = -1;  // (no draw was taken) next() samples again and reports it for this one
+  }
 }
 
 }  // namespace ggraph

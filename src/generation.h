@@ -81,6 +81,11 @@ class Generation {
   // The token waiting for its evaluation, or -1.
   int32_t pending_token() const { return pending_tok_; }
   void feed(const float* logits, size_t n);
+  // Samples the next token from the fed logits now, for next() to take: what next() would
+  // sample, the same token and draw. Touches only this generation's sampler and its sequence's
+  // history (the selected sequence need not be its own), so that a caller may presample several
+  // generations of one context on several threads at once, with nothing else using the context.
+  void presample();
 
   // Ends a generation whose caller stops stepping it before it is over (a loop left early):
   // the context keeps what a step at a time would have left, every token given evaluated (a
@@ -112,6 +117,8 @@ class Generation {
   int prefill_chunk_ = 0;
   size_t prefilled_ = 0;  // prompt tokens in the cache so far (once the prefix is settled)
   int32_t pending_tok_ = -1;
+  int seq_ = 0;              // the context's sequence this generation runs on
+  int32_t presampled_ = -1;  // presample()'s token, for the next next(); -1: none
   // Chains: the steps a launch runs (1: none); the last launch's samples not handed out yet
   // (chain_tokens_[chain_next_..]); the token that starts the next launch once they are.
   int chain_ = 1;

@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "context.h"
+#include "cpu/thread_pool.h"
 #include "generation.h"
 #include "quant.h"
 #include "sampling.h"
@@ -349,6 +350,25 @@ PYBIND11_MODULE(_core, m) {
 
   // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
   // for each step, None once the generation is over.
+  // Deferred generations of one context presample their next tokens on several threads
+  // (Generation::presample): a server's step samples every running request's token at once.
+  // The caller holds the context for the call.
+  m.def(
+      "presample",
+      [](const py::list& generations) {
+        std::vector<Generation*> gens;
+        for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
+        py::gil_scoped_release release;
+        static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
+        if (gens.size() == 1) {
+          gens[0]->presample();
+        } else if (!gens.empty()) {
+          pool.parallel_for(static_cast<int>(gens.size()),
+                            [&](int i) { gens[size_t(i)]->presample(); });
+        }
+      },
+      py::arg("generations"));
+
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
                        std::vector<std::string> stop, bool logprobs, int top_logprobs,

@@ -451,6 +451,9 @@ class Model:
             logits = self._ctx.decode_batch(seqs, [g.pending_token for _, g in pending])
             for i, (_, g) in enumerate(pending):
                 g.feed(logits[i])
+            # Their next tokens, sampled on several threads now rather than one by one as each
+            # generation steps: the same tokens.
+            _core.presample([g for _, g in pending])
 
     def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
         """The next token of several of this model's sequences (the model itself and its

@@ -244,7 +244,7 @@ def test_sigterm_stops_the_server_cleanly(server):
     assert "ggraph serve: stopped" in proc.log.read()
 
 
-def _run_engine(path, prompts, max_tokens, n_ctx, **engine):
+def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, **engine):
     """Runs greedy jobs of `prompts` through an Engine over a model of engine['parallel']
     sequences; returns each job's (text, done event), and every event's (job, kind) in the
     order the engine sent them."""
@@ -267,7 +267,10 @@ def _run_engine(path, prompts, max_tokens, n_ctx, **engine):
         loop = asyncio.get_running_loop()
         jobs = []
         for i, p in enumerate(prompts):
-            job = Recorded(loop, p, max_tokens, [], None, {"temperature": 0.0, "ignore_eos": True})
+            job_sampling = {"temperature": 0.0, "ignore_eos": True}
+            if sampling is not None:
+                job_sampling = {**sampling(i), "ignore_eos": True}
+            job = Recorded(loop, p, max_tokens, [], None, job_sampling)
             job.index = i
             jobs.append(job)
             eng.submit(job)
@@ -289,11 +292,12 @@ def _run_engine(path, prompts, max_tokens, n_ctx, **engine):
     return asyncio.run(run()), order
 
 
-def _alone_texts(path, prompts, max_tokens, n_ctx):
+def _alone_texts(path, prompts, max_tokens, n_ctx, sampling=None):
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         alone = ggraph.Model(path, device="cpu", n_ctx=n_ctx, n_threads=1)
-        steps = alone.generate(p, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        params = sampling(i) if sampling is not None else {"temperature": 0}
+        steps = alone.generate(p, max_tokens=max_tokens, ignore_eos=True, **params)
         out.append("".join(steps))
     return out
 
@@ -309,6 +313,28 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
     first_done = order.index((0, "done"))
     assert (1, "token") in order[:first_done] and (2, "token") in order[:first_done]
     assert order.index((3, "token")) > min(order.index((i, "done")) for i in range(3))
+
+
+def test_the_engines_jobs_sample_as_generations_of_their_own(tiny_model):
+    """Sampled jobs (each its seed and settings, and penalties over its own history), whose tokens
+    a batched step presamples on several threads: each text is the one a model of its own
+    generates with the same seed."""
+    prompts = [[5, 17, 42], [200, 11], [7, 8, 9, 10], [99], [3, 61, 27, 14]]
+
+    def sampling(i):
+        return {
+            "temperature": 0.7 + 0.1 * i,
+            "top_k": [0, 40, 0, 5, 0][i],
+            "top_p": [1.0, 0.9, 0.8, 1.0, 1.0][i],
+            "frequency_penalty": [0.8, 0.5, 1.0, 0.6, 0.9][i],
+            "presence_penalty": [0.5, 0.0, 0.3, 0.7, 0.0][i],
+            "seed": 1000 + i,
+        }
+
+    results, _ = _run_engine(tiny_model, prompts, 16, 64, sampling=sampling, parallel=3)
+    expected = _alone_texts(tiny_model, prompts, 16, 64, sampling=sampling)
+    assert [text for text, _ in results] == expected
+    assert len(set(expected)) == len(expected)
 
 
 def test_a_long_prompt_goes_in_by_chunks_while_another_job_streams(tiny_model):
