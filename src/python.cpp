@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "backend.h"
@@ -359,10 +360,13 @@ PYBIND11_MODULE(_core, m) {
         std::vector<Generation*> gens;
         for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
         py::gil_scoped_release release;
-        static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
         if (gens.size() == 1) {
           gens[0]->presample();
         } else if (!gens.empty()) {
+          // One pool for the process, one loop at a time (two models' engines may call at once).
+          static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
+          static std::mutex busy;
+          std::lock_guard<std::mutex> hold(busy);
           pool.parallel_for(static_cast<int>(gens.size()),
                             [&](int i) { gens[size_t(i)]->presample(); });
         }
