@@ -351,27 +351,37 @@ PYBIND11_MODULE(_core, m) {
 
   // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
   // for each step, None once the generation is over.
-  // Deferred generations of one context presample their next tokens on several threads
-  // (Generation::presample): a server's step samples every running request's token at once.
-  // The caller holds the context for the call.
+  // Deferred generations of one context take their rows of a decode_batch's logits (feed) and
+  // presample their next tokens (Generation::presample), on several threads and with the GIL
+  // released once for all: a server's step hands every running request its logits and samples
+  // them at once. The caller holds the context for the call.
   m.def(
-      "presample",
-      [](const py::list& generations) {
+      "feed_batch",
+      [](const py::list& generations,
+         py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
         std::vector<Generation*> gens;
         for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
+        if (logits.ndim() != 2 || size_t(logits.shape(0)) != gens.size())
+          throw ArgumentError("feed_batch: expected logits of " + std::to_string(gens.size()) +
+                              " rows, one a generation");
+        const float* data = logits.data();
+        const size_t n_vocab = size_t(logits.shape(1));
         py::gil_scoped_release release;
+        auto one = [&](int i) {
+          gens[size_t(i)]->feed(data + size_t(i) * n_vocab, n_vocab);
+          gens[size_t(i)]->presample();
+        };
         if (gens.size() == 1) {
-          gens[0]->presample();
+          one(0);
         } else if (!gens.empty()) {
           // One pool for the process, one loop at a time (two models' engines may call at once).
           static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
           static std::mutex busy;
           std::lock_guard<std::mutex> hold(busy);
-          pool.parallel_for(static_cast<int>(gens.size()),
-                            [&](int i) { gens[size_t(i)]->presample(); });
+          pool.parallel_for(static_cast<int>(gens.size()), one);
         }
       },
-      py::arg("generations"));
+      py::arg("generations"), py::arg("logits"));
 
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,

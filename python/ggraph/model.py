@@ -449,11 +449,9 @@ class Model:
                 return
             seqs = [who._lock.seq for who, _ in pending]
             logits = self._ctx.decode_batch(seqs, [g.pending_token for _, g in pending])
-            for i, (_, g) in enumerate(pending):
-                g.feed(logits[i])
-            # Their next tokens, sampled on several threads now rather than one by one as each
-            # generation steps: the same tokens.
-            _core.presample([g for _, g in pending])
+            # Each its row, and its next token sampled now, on several threads, rather than one
+            # by one as each generation steps: the same tokens.
+            _core.feed_batch([g for _, g in pending], logits)
 
     def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
         """The next token of several of this model's sequences (the model itself and its
