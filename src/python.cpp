@@ -349,8 +349,6 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("logits"), py::arg("history") = std::vector<int32_t>{});
 
-  // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
-  // for each step, None once the generation is over.
   // Deferred generations of one context take their rows of a decode_batch's logits (feed) and
   // presample their next tokens (Generation::presample), on several threads and with the GIL
   // released once for all: a server's step hands every running request its logits and samples
@@ -383,6 +381,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("generations"), py::arg("logits"));
 
+  // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
+  // for each step, None once the generation is over.
   py::class_<Generation>(m, "Generation")
       .def(py::init([](Context& c, const py::handle& prompt, int max_tokens,
                        std::vector<std::string> stop, bool logprobs, int top_logprobs,
@@ -434,17 +434,7 @@ PYBIND11_MODULE(_core, m) {
       .def("close", &Generation::close)
       .def("set_defer", &Generation::set_defer, py::arg("defer"))
       .def("set_prefill_chunk", &Generation::set_prefill_chunk, py::arg("tokens"))
-      .def_property_readonly("pending_token", &Generation::pending_token)
-      .def(
-          "feed",
-          [](Generation& g, py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
-            if (logits.ndim() != 1) throw ArgumentError("feed: expected a 1-D array of logits");
-            const float* data = logits.data();
-            const size_t n = size_t(logits.shape(0));
-            py::gil_scoped_release release;  // the server's event loop runs meanwhile
-            g.feed(data, n);
-          },
-          py::arg("logits"));
+      .def_property_readonly("pending_token", &Generation::pending_token);
 
   py::class_<Context> context(m, "Context");
   context

@@ -371,10 +371,6 @@ size_t Sampler::cut_top_p(size_t n, uint64_t target) {
   return kept;
 }
 
-// out[j] = sample_mass(exp_nonpositive((work[id_j] - max_logit) / temperature)) for j < n (ids
-// null: id_j = j), and their sum. The weights go first, in a loop of their own that the compiler
-// vectorizes (the same operations, lane by lane: the same bits); the integer masses and their
-// sum after. A whole vocabulary's draw took 566 us at 49,152 tokens one element at a time.
 namespace {
 
 // w[j] = exp_nonpositive((x[j] - max_logit) / temperature): one vectorized loop, sixteen or
@@ -390,6 +386,10 @@ void exp_weights(const float* x, float* w, size_t n, float max_logit, float temp
 
 }  // namespace
 
+// out[j] = sample_mass(exp_nonpositive((work[id_j] - max_logit) / temperature)) for j < n (ids
+// null: id_j = j), and their sum. The weights go first, in a loop of their own that the compiler
+// vectorizes (the same operations, lane by lane: the same bits); the integer masses and their
+// sum after. A whole vocabulary's draw took 566 us at 49,152 tokens one element at a time.
 uint64_t Sampler::fill_masses(const int32_t* ids, size_t n, float max_logit, float temperature,
                               uint64_t* out) {
   const float* work = logits_.data();
