@@ -887,6 +887,23 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
 namespace {
 
+// The executor's key for a graph's topology: a decode batch of several sequences (bit 63) and a
+// sampled chain (its steps, bits 48-62) are classes of their own; then the step's tokens (bits
+// 32-47) and its output's columns.
+uint64_t topology_key(const Graph& graph) {
+  return (uint64_t(graph.seqs) << 63) | (uint64_t(graph.chain) << 48) |
+         (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
+}
+
+// The name graph_stats gives a key's class: "batch8" for decode batches of 8 (their size
+// class), "chain8" for sampled chains of 8 steps, "tokens1" for steps of one token.
+std::string topology_name(uint64_t key) {
+  const uint64_t chain = (key >> 48) & 0x7FFF, n_tokens = (key >> 32) & 0xFFFF;
+  if (key >> 63) return "batch" + std::to_string(n_tokens);
+  if (chain) return "chain" + std::to_string(chain);
+  return "tokens" + std::to_string(n_tokens);
+}
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(const CudaOptions& options)
@@ -1096,11 +1113,9 @@ class CudaBackend : public Backend {
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
-    // One executable per batch shape; a changed topology within it
-    // crossed) is applied to that executable with cudaGraphExecUpdate.
-    // (A decode batch of several sequences is a class of its own, as is a chain of steps.)
-    const uint64_t batch_key = (uint64_t(graph.seqs) << 63) | (uint64_t(graph.chain) << 48) |
-                               (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
+    // One executable per batch shape (topology_key); a changed topology within it is applied
+    // to that executable with cudaGraphExecUpdate.
+    const uint64_t batch_key = topology_key(graph);
     // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
     GraphExecutor::LaunchAll launch_kv;
     if (kv_only && executor_->mode() == GraphMode::Patch)
@@ -1157,15 +1172,9 @@ class CudaBackend : public Backend {
          s.replays + s.eager_evals > 0 ? s.tokens / (s.replays + s.eager_evals) : 0.0},
         {"cached_graphs", double(executor_->cached_graphs())},
         {"graph_pool_bytes", double(graph_pool_bytes())}};
-    // Per topology class (the batch_key of compute): "batch8.replays" for decode batches of 8
-    // (their size class), "chain8.captures" for sampled chains of 8 steps, "tokens1.replays"
-    // for steps of one token.
+    // Per topology class: "batch8.replays", "chain8.captures", "tokens1.replays".
     for (const auto& [key, k] : executor_->key_stats()) {
-      const bool seqs = (key >> 63) != 0;
-      const uint64_t chain = (key >> 48) & 0x7FFF, n_tokens = (key >> 32) & 0xFFFF;
-      const std::string name = seqs    ? "batch" + std::to_string(n_tokens)
-                               : chain ? "chain" + std::to_string(chain)
-                                       : "tokens" + std::to_string(n_tokens);
+      const std::string name = topology_name(key);
       out[name + ".captures"] += k.captures;
       out[name + ".replays"] += k.replays;
     }
