@@ -1,10 +1,12 @@
 """GPU time of each kernel of one decode step, as Nsight Compute measures it.
 
-    python3 tools/kernel_times.py MODEL.gguf [--past N] [--kv-type f16|q8_0]
+    python3 tools/kernel_times.py MODEL.gguf [--past N] [--kv-type f16|q8_0] [--batch B]
 
 Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
 (cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
-largest total first. ncu runs kernels one at a time, so launches do not overlap: the total
+largest total first. --batch B has B sequences (the model and its sessions) take that prompt,
+then batched decode steps (`Model.decode_batch`), of which only the last two are profiled.
+ncu runs kernels one at a time, so launches do not overlap: the total
 bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on PYTHONPATH
 (tools/gpu_run.sh build). --stalls adds, per kernel, the instructions a launch issues and
 the cycles an issued instruction waited on average for an instruction fetch and for memory.
@@ -26,6 +28,20 @@ m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off", n_ctx={n_ctx},
 m.eval([1 + i % 100 for i in range({past})])
 m.eval([7])
 m.eval([8])
+"""
+
+BATCH_STEP = """
+import ctypes
+import ggraph
+m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off", n_ctx={n_ctx},
+                 kv_type={kv_type!r}, n_seq_max={batch}, allow_longer_context=True)
+seqs = [m] + [m.session() for _ in range({batch} - 1)]
+for i, s in enumerate(seqs):
+    s.eval([1 + (i + j) % 100 for j in range({past})])
+m.decode_batch([(s, 7) for s in seqs])
+ctypes.CDLL("libcuda.so.1").cuProfilerStart()
+m.decode_batch([(s, 8) for s in seqs])
+m.decode_batch([(s, 9) for s in seqs])
 """
 
 
@@ -50,13 +66,19 @@ def main() -> int:
     ap.add_argument("--stalls", action="store_true")
     ap.add_argument("--warm", action="store_true", help="keep the caches between kernels")
     ap.add_argument("--kv-type", default="f16", help="the KV cache's type (f16 or q8_0)")
+    ap.add_argument("--batch", type=int, default=0, help="sequences a batched decode step")
     args = ap.parse_args()
     metrics = [TIME] + (list(STALLS) if args.stalls else [])
-    step = STEP.format(
-        model=args.model, past=args.past, n_ctx=args.past + 128, kv_type=args.kv_type
+    step = (BATCH_STEP if args.batch else STEP).format(
+        model=args.model,
+        past=args.past,
+        n_ctx=args.past + 128,
+        kv_type=args.kv_type,
+        batch=args.batch,
     )
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
+        *(["--profile-from-start", "off"] if args.batch else []),
         *(["--cache-control", "none"] if args.warm else []),
         sys.executable, "-c", step,
     ]  # fmt: skip

@@ -101,9 +101,10 @@ size_t act_workspace_bytes(const Graph& graph) {
   for (const Tensor* t : graph.nodes()) {
     if (t->op != Op::MulMat) continue;
     const int64_t k = t->src[0]->ne[0], cols = t->src[1]->ne[1];
-    if (mat_mul_q8_takes(t->src[0]->type, k, cols)) {
+    const MatMulQ q = mat_mul_q_kind(t->src[0]->type, k, cols);
+    if (q == MatMulQ::Int8) {
       need = std::max(need, act_q8_bytes(k, cols));
-    } else if (cols > kMatVecMaxCols) {
+    } else if (q == MatMulQ::Half || cols > kMatVecMaxCols) {
       need = std::max(need, act_half_bytes(k, cols));
     } else if (is_quantized(t->src[0]->type)) {
       need = std::max(need, act_q8_bytes(k, cols));
@@ -130,12 +131,12 @@ size_t attn_workspace_bytes(const Graph& graph, bool counters) {
           need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
                          : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
     } else if (t->op == Op::MulMat) {
-      // Split-k int8 products use the same memory (never at the same time as an attention).
+      // Split-k tensor-core products use the same memory (never at the same time as an
+      // attention).
       const Tensor* w = t->src[0];
       const int64_t k = w->ne[0], cols = t->src[1]->ne[1];
-      if (!mat_mul_q8_takes(w->type, k, cols)) continue;
-      need = std::max(need, counters ? mat_mul_q8_counters_bytes(w->type, w->ne[1], k, cols)
-                                     : mat_mul_q8_partials_bytes(w->type, w->ne[1], k, cols));
+      need = std::max(need, counters ? mat_mul_q_counters_bytes(w->type, w->ne[1], k, cols)
+                                     : mat_mul_q_partials_bytes(w->type, w->ne[1], k, cols));
     }
   }
   return need;
@@ -421,7 +422,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       if (p >= 0) ++uses[p];
     }
     if (t->op == Op::MulMat && is_quantized(t->src[0]->type) &&
-        t->src[1]->ne[1] <= kMatVecMaxCols) {
+        t->src[1]->ne[1] <= kMatVecMaxCols &&
+        mat_mul_q_kind(t->src[0]->type, t->src[0]->ne[0], t->src[1]->ne[1]) != MatMulQ::Half) {
       const int p = pos(t->src[1]);
       if (p >= 0) q8_read[p] = 1;
     }
@@ -659,10 +661,21 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           prepared = x;
           prepared_form = Form::Q8;
         };
-        if (mat_mul_q8_takes(w->type, k, cols)) {
-          prepare_q8();
-          launch_mat_mul_q8(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t), buf.attn,
-                            buf.attn_counters);
+        // The activation's half form in the workspace, unless it is there already.
+        auto prepare_half = [&](Form form) {
+          if (prepared == x && prepared_form == form) return;
+          launch_act_to_half(l, fptr(x), k, cols, buf.act, form == Form::BF16);
+          prepared = x;
+          prepared_form = form;
+        };
+        if (const MatMulQ q = mat_mul_q_kind(w->type, k, cols); q != MatMulQ::None) {
+          if (q == MatMulQ::Int8) {
+            prepare_q8();
+          } else {
+            prepare_half(Form::Half);
+          }
+          launch_mat_mul_q(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t), buf.attn,
+                           buf.attn_counters);
           break;
         }
         if (cols > kMatVecMaxCols) {
@@ -674,12 +687,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           const bool blas =
               buf.blas && gemm_wants_blas(w->type, cols) &&
               (!quant || static_cast<size_t>(chunk * act_half_pitch(k) * 2) <= buf.wdeq_bytes);
-          const Form form = blas && w->type == DType::BF16 ? Form::BF16 : Form::Half;
-          if (prepared != x || prepared_form != form) {
-            launch_act_to_half(l, fptr(x), k, cols, buf.act, form == Form::BF16);
-            prepared = x;
-            prepared_form = form;
-          }
+          prepare_half(blas && w->type == DType::BF16 ? Form::BF16 : Form::Half);
           const int64_t kp = act_half_pitch(k);
           if (blas && quant) {
             for (int64_t r0 = 0; r0 < n_out; r0 += chunk) {

@@ -358,24 +358,27 @@ void launch_dequant_half(Launcher& l, DType type, const void* w, int64_t n, int6
 void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
                        const uint8_t* ws, int cols, float* dst);
 
-// Quantized products of a few columns (decode batches) on the int8 tensor cores
-// (cuda/matmul_q.cu): Q4_0, Q4_1, Q8_0 and Q4_K weights, k a multiple of 64, 2 to
-// kMatMulQ8MaxCols columns, by default only where it measured faster than the mat-vec and
-// cuBLAS paths (matmul_q.cu says where); the 8-bit activation from
-// launch_quantize_act in ws. Products of few row blocks split k: they need partials and counters
-// (zeroed once; the kernel leaves them at zero) of the sizes below, 0 where they do not split.
-// GGRAPH_CUDA_MMQ=0 turns the kernel off, GGRAPH_CUDA_MMQ=all takes every product it can.
+// Quantized products of a few columns (decode batches) on the tensor cores (cuda/matmul_q.cu),
+// for Q4_0, Q4_1, Q8_0 and Q4_K weights, k a multiple of 64, 2 to kMatMulQ8MaxCols columns, by
+// one of two kernels: Int8 (mma on the quants against the 8-bit activation of
+// launch_quantize_act in ws) or Half (the weights decoded to half in registers, against the
+// activation of launch_act_to_half in ws). mat_mul_q_kind says which takes a product, by default
+// where it measured faster than the mat-vec and cuBLAS paths (matmul_q.cu says where), None for
+// neither. Products of few row blocks split k: they need partials and counters (zeroed once; the
+// kernel leaves them at zero) of the sizes below, 0 where they do not split.
+// GGRAPH_CUDA_MMQ=0 turns both off; =int8 (or =all) and =half send every product they can take
+// to one of them.
 constexpr int kMatMulQ8MaxCols = 64;
-bool mat_mul_q8_takes(DType type, int64_t k, int64_t cols);
-size_t mat_mul_q8_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols);
-size_t mat_mul_q8_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols);
-void launch_mat_mul_q8(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
-                       const uint8_t* ws, int cols, float* dst, float* partials,
-                       unsigned* counters);
-// Test hook: every product it can take (true), or the default choice.
-void set_mat_mul_q8_everywhere(bool on);
+enum class MatMulQ { None, Int8, Half };
+MatMulQ mat_mul_q_kind(DType type, int64_t k, int64_t cols);
+size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols);
+size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols);
+void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
+                      const uint8_t* ws, int cols, float* dst, float* partials, unsigned* counters);
+// Test hook: one kernel for every product it can take, or (None) the default choice.
+void set_mat_mul_q_everywhere(MatMulQ kind);
 // Shared-memory limits of its kernels (prepare_kernels calls it).
-void prepare_mat_mul_q8_kernels();
+void prepare_mat_mul_q_kernels();
 
 // Attention: q [n_head*head_dim, T] F32; caches F16 rows of n_head_kv*head_dim; out like q.
 // The grid depends on n_tokens and the cache size only. With n_kv_at and first_pos_at (pointers

@@ -17,6 +17,15 @@
 //   sum((s q + m) a d8) = s * d8 * sum(q a) + m * (d8 * sum(a)).
 // In shared memory, 16-byte chunks of a row (or column) are swizzled by its low three bits, so
 // that the eight row addresses of an ldmatrix fall in distinct banks.
+//
+// The half kernel (mat_mul_qh_kernel) has the same tiles, loads and k-splits, but decodes the
+// weights to half in registers, scales and offsets applied there, and runs mma.sync m16n8k16 in
+// float against the activation in half (launch_act_to_half): no per-block float epilogue, whose
+// cost grew with the columns in the int8 kernel. Its k order within each 16 is permuted, the same
+// for both operands: lane (g, t)'s slots 2t, 2t + 1 take elements 4t, 4t + 1 and slots 2t + 8,
+// 2t + 9 elements 4t + 2, 4t + 3, so that the word ldmatrix hands it (4t .. 4t + 3, low nibbles
+// for the first 16 of a block, high for the second) is all its A fragment needs, and its B
+// fragment is one 8-byte load of four consecutive activation values.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,23 +72,63 @@ struct Q8Shape<8> {
   static constexpr int kWM = 4, kSB = 8, kStages = 3;
 };
 
-template <int TYPE, int NT>
-struct Q8Tile {
+// The half kernel's: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
+// blocks), since a product's few row blocks leave too few warps to hide its latencies with
+// four; its activation stage is twice the bytes, so the widest tile takes fewer stages.
+template <int NT>
+struct QhShape;
+template <>
+struct QhShape<1> {
+  static constexpr int kWM = 1, kSB = 32, kStages = 4;
+};
+template <>
+struct QhShape<2> {
+  static constexpr int kWM = 2, kSB = 16, kStages = 3;
+};
+template <>
+struct QhShape<4> {
+  static constexpr int kWM = 2, kSB = 8, kStages = 3;
+};
+template <>
+struct QhShape<8> {
+  static constexpr int kWM = 4, kSB = 8, kStages = 2;
+};
+constexpr int kQhWarps = 8;
+
+// The weight side of a tile: WM warps of 16 rows, SB blocks of 32 a stage.
+template <int TYPE, int WM, int SB>
+struct WeightTile {
   static constexpr SplitFormat kSplit = split_format(static_cast<DType>(TYPE));
-  static constexpr int kWM = Q8Shape<NT>::kWM, kSB = Q8Shape<NT>::kSB;
-  static constexpr int kStages = Q8Shape<NT>::kStages;
+  static constexpr int kWM = WM, kSB = SB;
   static constexpr int kStageK = 32 * kSB;                // elements of k a stage
   static constexpr int kQuantBytes = kSplit.quant_bytes;  // a row's bytes per 32 elements
   static constexpr int kRowBytes = kSB * kQuantBytes;     // a row's quants a stage
   // A row's scale bytes a stage (whole records: a K-quant stage is whole 256-blocks).
   static constexpr int kScaleBytes = kSplit.scale_bytes * kStageK / kSplit.block_elems;
   static constexpr int kRows = 16 * kWM;
-  static constexpr int kCols = 8 * NT;
   static constexpr int kW = kRows * kRowBytes;     // quants
   static constexpr int kWS = kRows * kScaleBytes;  // scale records
-  static constexpr int kA = kCols * kStageK;       // activation values
-  static constexpr int kAS = kCols * kSB * 8;      // activation (d, d * sum) pairs
-  static constexpr int kStage = kW + kWS + kA + kAS;
+};
+
+template <int TYPE, int NT>
+struct Q8Tile : WeightTile<TYPE, Q8Shape<NT>::kWM, Q8Shape<NT>::kSB> {
+  using W = WeightTile<TYPE, Q8Shape<NT>::kWM, Q8Shape<NT>::kSB>;
+  static constexpr int kStages = Q8Shape<NT>::kStages;
+  static constexpr int kCols = 8 * NT;
+  static constexpr int kA = kCols * W::kStageK;   // activation values
+  static constexpr int kAS = kCols * W::kSB * 8;  // activation (d, d * sum) pairs
+  static constexpr int kStage = W::kW + W::kWS + kA + kAS;
+  static constexpr int kSmem = kStages * kStage;
+};
+
+template <int TYPE, int NT>
+struct QhTile : WeightTile<TYPE, QhShape<NT>::kWM, QhShape<NT>::kSB> {
+  using W = WeightTile<TYPE, QhShape<NT>::kWM, QhShape<NT>::kSB>;
+  static constexpr int kStages = QhShape<NT>::kStages;
+  static constexpr int kThreads = 32 * kQhWarps;
+  static constexpr int kCols = 8 * NT;
+  static constexpr int kA = kCols * W::kStageK * 2;  // activation values in half
+  static constexpr int kStage = W::kW + W::kWS + kA;
   static constexpr int kSmem = kStages * kStage;
 };
 
@@ -119,9 +168,8 @@ __device__ __forceinline__ float2 block_scale(const uint8_t* rec, int j) {
 struct Q8Plan {
   int rows, splits;
 };
-template <int TYPE, int NT>
+template <class T>
 Q8Plan q8_plan(int64_t n, int64_t k) {
-  using T = Q8Tile<TYPE, NT>;
   const int stages = static_cast<int>(ceil_div(k / 32, T::kSB));
   const int64_t row_blocks = ceil_div(n, T::kRows);
   int splits = static_cast<int>(ceil_div(kQ8TargetBlocks, row_blocks));
@@ -129,9 +177,162 @@ Q8Plan q8_plan(int64_t n, int64_t k) {
   return {T::kRows, splits};
 }
 
-// Split-k (gridDim.y > 1): each split leaves its sums in partials [split][col][row]; the last
-// split of a row block to finish (counters: a ticket a row block, left at zero) adds them in
-// split order, so that the result does not depend on which finished last.
+// Where a block's rows lie in a split-layout matrix of n rows and k columns.
+struct WeightRows {
+  const uint8_t* w;       // quants, row after row
+  const uint8_t* scales;  // scale records, row after row (no high bits in these formats)
+  size_t row_q, row_s;    // bytes a row
+  int n, nb, row0;        // rows, 32-blocks a row, the block's first row
+};
+template <class T>
+__device__ __forceinline__ WeightRows weight_rows(const uint8_t* w, int n, int k) {
+  const size_t row_q = static_cast<size_t>(k / 32) * T::kQuantBytes;
+  const size_t row_s = static_cast<size_t>(k / T::kSplit.block_elems) * T::kSplit.scale_bytes;
+  return {w,      w + static_cast<size_t>(n) * row_q,     row_q, row_s, n,
+          k / 32, static_cast<int>(blockIdx.x) * T::kRows};
+}
+
+// The rows' quants (at sw) and scale records (at sws) of blocks b0 .. b0 + SB - 1 of a stage,
+// by cp.async over all the block's threads; blocks past the row's end are zeros.
+template <class T, int kThreads>
+__device__ __forceinline__ void load_weight_stage(const WeightRows& m, int b0, uint8_t* sw,
+                                                  uint8_t* sws) {
+  constexpr int kWChunks = T::kRowBytes / 16, kChunksPerBlock = T::kQuantBytes / 16;
+  for (int c = threadIdx.x; c < T::kRows * kWChunks; c += kThreads) {
+    const int r = c / kWChunks, ch = c % kWChunks;
+    const bool ok = b0 + ch / kChunksPerBlock < m.nb;
+    const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
+    cp_async16(sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16),
+               ok ? m.w + row * m.row_q + static_cast<size_t>(b0) * T::kQuantBytes + ch * 16 : m.w,
+               ok ? 16 : 0);
+  }
+  if constexpr (T::kSplit.block_elems == 256) {
+    // K-quant blocks (k is whole ones): 16-byte records.
+    constexpr int kRecs = T::kScaleBytes / 16;
+    for (int c = threadIdx.x; c < T::kRows * kRecs; c += kThreads) {
+      const int r = c / kRecs, i = c % kRecs;
+      const bool ok = b0 + 8 * i < m.nb;
+      const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
+      cp_async16(sws + r * T::kScaleBytes + i * 16,
+                 ok ? m.scales + row * m.row_s + (static_cast<size_t>(b0 / 8) + i) * 16 : m.scales,
+                 ok ? 16 : 0);
+    }
+  } else {
+    // Scales of 32-blocks in 4-byte words (k a multiple of 64: whole words on every row).
+    constexpr int kWords = T::kScaleBytes / 4, kBlocksPerWord = 4 / T::kSplit.scale_bytes;
+    for (int c = threadIdx.x; c < T::kRows * kWords; c += kThreads) {
+      const int r = c / kWords, wd = c % kWords;
+      const bool ok = b0 + wd * kBlocksPerWord < m.nb;
+      const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
+      cp_async_n<4>(
+          sws + r * T::kScaleBytes + wd * 4,
+          ok ? m.scales + row * m.row_s + static_cast<size_t>(b0) * T::kSplit.scale_bytes + wd * 4
+             : m.scales,
+          ok ? 4 : 0);
+    }
+  }
+}
+
+// The end of a tile: the k-split warps' sums meet in shared memory (the stages' memory, free by
+// then) in the order of their splits, and the block's rows go to dst, or, split over the grid
+// (gridDim.y > 1), to partials [split][col][row]; then the last split of a row block to finish
+// (counters: a ticket a row block, left at zero) adds them in split order, so that the result
+// does not depend on which finished last. acc is the m16n8 accumulator layout of each column
+// tile: rows g and g + 8, columns 2t and 2t + 1.
+template <int WM, int WK, int NT, int kThreads>
+__device__ __forceinline__ void finish_tile(float (&acc)[NT][4], uint8_t* smem, int n, int cols,
+                                            float* dst, float* partials, unsigned* counters) {
+  constexpr int kRows = 16 * WM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp % WM, wk = warp / WM, g = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * kRows;
+  __syncthreads();  // the stages' memory is free from here on
+  if constexpr (WK > 1) {
+    float* red = reinterpret_cast<float*>(smem);
+    if (wk > 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          red[(((wk - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncthreads();
+    if (wk == 0) {
+#pragma unroll
+      for (int o = 1; o < WK; ++o)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            acc[nt][i] += red[(((o - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane];
+    }
+  }
+  const bool split = gridDim.y > 1;
+  float* out = split ? partials + static_cast<size_t>(blockIdx.y) * cols * n : dst;
+  if (wk == 0) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + wm * 16 + g + (i >= 2 ? 8 : 0);
+        const int col = nt * 8 + 2 * t + (i & 1);
+        if (row < n && col < cols) out[static_cast<int64_t>(col) * n + row] = acc[nt][i];
+      }
+    }
+  }
+  if (!split) return;
+  __shared__ unsigned last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned ticket = atomicAdd(counters + blockIdx.x, 1u);
+    last = ticket == gridDim.y - 1;
+    if (last) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Every load of a round in flight together: the splits of kU elements a thread (4 rows of a
+  // column each where rows are whole 4s), then their sums, in split order.
+  constexpr int kU = 2;
+  const int rows = min(kRows, n - row0);
+  const unsigned splits = gridDim.y;
+  if (rows % 4 == 0 && n % 4 == 0) {
+    const int quads = rows / 4 * cols;
+    for (int e0 = threadIdx.x; e0 < quads; e0 += kThreads * kU) {
+      float4 p[kQ8MaxSplits][kU];
+#pragma unroll
+      for (unsigned y = 0; y < kQ8MaxSplits; ++y)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int e = e0 + u * kThreads, col = e / (rows / 4), row = row0 + 4 * (e % (rows / 4));
+          if (y < splits && e < quads)
+            p[y][u] = __ldcg(reinterpret_cast<const float4*>(
+                partials + (static_cast<size_t>(y) * cols + col) * n + row));
+        }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int e = e0 + u * kThreads, col = e / (rows / 4), row = row0 + 4 * (e % (rows / 4));
+        if (e >= quads) continue;
+        float4 v = p[0][u];
+#pragma unroll
+        for (unsigned y = 1; y < kQ8MaxSplits; ++y)
+          if (y < splits) v.x += p[y][u].x, v.y += p[y][u].y, v.z += p[y][u].z, v.w += p[y][u].w;
+        *reinterpret_cast<float4*>(dst + static_cast<int64_t>(col) * n + row) = v;
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
+    const int col = e / rows, row = row0 + e % rows;
+    float v = 0.0f;
+    for (unsigned y = 0; y < splits; ++y)
+      v += __ldcg(partials + (static_cast<size_t>(y) * cols + col) * n + row);
+    dst[static_cast<int64_t>(col) * n + row] = v;
+  }
+}
+
+// The int8 kernel (the file's comment); split-k as finish_tile says.
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(kQ8Threads)
     mat_mul_q8_kernel(const uint8_t* w, int n, int k, const int8_t* aq, const float2* ads, int cols,
@@ -145,58 +346,20 @@ __global__ void __launch_bounds__(kQ8Threads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
-  const int row0 = blockIdx.x * T::kRows;
-  const int nb = k / 32, n_stages = (nb + kSB - 1) / kSB;
+  const WeightRows m = weight_rows<T>(w, n, k);
+  const int nb = m.nb, n_stages = (nb + kSB - 1) / kSB;
   const int s_begin = n_stages * blockIdx.y / gridDim.y;
   const int s_end = n_stages * (blockIdx.y + 1) / gridDim.y;
-  const size_t row_q = static_cast<size_t>(nb) * T::kQuantBytes;
-  const size_t row_s = static_cast<size_t>(k / T::kSplit.block_elems) * T::kSplit.scale_bytes;
-  const uint8_t* scales = w + static_cast<size_t>(n) * row_q;  // no high bits in these formats
 
   pdl_wait();
   // Stage s: blocks kSB s .. kSB (s + 1) - 1 of k; those past the row's end (k / 32 blocks) are
   // zeros, which add nothing (their scales and activation pairs are zeros too).
   auto load_stage = [&](int s) {
     uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
-    uint8_t* sw = st;
-    uint8_t* sws = st + T::kW;
-    uint8_t* sa = sws + T::kWS;
+    uint8_t* sa = st + T::kW + T::kWS;
     uint8_t* sas = sa + T::kA;
     const int b0 = s * kSB;
-    constexpr int kWChunks = T::kRowBytes / 16, kChunksPerBlock = T::kQuantBytes / 16;
-    for (int c = threadIdx.x; c < T::kRows * kWChunks; c += kQ8Threads) {
-      const int r = c / kWChunks, ch = c % kWChunks;
-      const bool ok = b0 + ch / kChunksPerBlock < nb;
-      const size_t row = static_cast<size_t>(min(row0 + r, n - 1));
-      cp_async16(sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16),
-                 ok ? w + row * row_q + static_cast<size_t>(b0) * T::kQuantBytes + ch * 16 : w,
-                 ok ? 16 : 0);
-    }
-    if constexpr (T::kSplit.block_elems == 256) {
-      // K-quant blocks (k is whole ones): 16-byte records.
-      constexpr int kRecs = T::kScaleBytes / 16;
-      for (int c = threadIdx.x; c < T::kRows * kRecs; c += kQ8Threads) {
-        const int r = c / kRecs, i = c % kRecs;
-        const bool ok = b0 + 8 * i < nb;
-        const size_t row = static_cast<size_t>(min(row0 + r, n - 1));
-        cp_async16(sws + r * T::kScaleBytes + i * 16,
-                   ok ? scales + row * row_s + (static_cast<size_t>(b0 / 8) + i) * 16 : scales,
-                   ok ? 16 : 0);
-      }
-    } else {
-      // Scales of 32-blocks in 4-byte words (k a multiple of 64: whole words on every row).
-      constexpr int kWords = T::kScaleBytes / 4, kBlocksPerWord = 4 / T::kSplit.scale_bytes;
-      for (int c = threadIdx.x; c < T::kRows * kWords; c += kQ8Threads) {
-        const int r = c / kWords, wd = c % kWords;
-        const bool ok = b0 + wd * kBlocksPerWord < nb;
-        const size_t row = static_cast<size_t>(min(row0 + r, n - 1));
-        cp_async_n<4>(
-            sws + r * T::kScaleBytes + wd * 4,
-            ok ? scales + row * row_s + static_cast<size_t>(b0) * T::kSplit.scale_bytes + wd * 4
-               : scales,
-            ok ? 4 : 0);
-      }
-    }
+    load_weight_stage<T, kQ8Threads>(m, b0, st, st + T::kW);
     constexpr int kAChunks = T::kStageK / 16;
     for (int c = threadIdx.x; c < T::kCols * kAChunks; c += kQ8Threads) {
       const int col = c / kAChunks, ch = c % kAChunks;
@@ -290,88 +453,202 @@ __global__ void __launch_bounds__(kQ8Threads)
   }
   cp_async_wait<0>();
   pdl_trigger();
+  finish_tile<WM, WK, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
+}
 
-  __syncthreads();  // the stages' memory is free from here on
-  if constexpr (WK > 1) {
-    // The k-split warps' sums, added in the order of their splits.
-    float* red = reinterpret_cast<float*>(smem);
-    if (wk > 0) {
+// Half pairs of a 32-bit word: (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at
+// bit 0, 1024 + nibble at bit 16), exact; 1024 (or 1152 for the offset bytes of Q8_0) comes off,
+// then the block's scale and offset: s * q + m, rounded once.
+__device__ __forceinline__ uint32_t half_pair(uint32_t bits, __half2 bias, __half2 s, __half2 m) {
+  const uint32_t h = bits | 0x64006400u;
+  const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&h), bias);
+  const __half2 v = __hfma2(q, s, m);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A fragments (m16n8k16, the permuted k order of the file's comment) of one 32-block's two
+// 16-element steps, rows g and g + 8. 4-bit formats: xg and xg8 are the words ldmatrix gave rows
+// g and g + 8 (bytes 4t .. 4t + 3), low nibbles for step 0, high for step 1; Q8_0: xg[s] and
+// xg8[s] the words of its two 16-byte chunks.
+template <int TYPE>
+__device__ __forceinline__ void half_fragments(uint32_t (&a)[2][4], const uint32_t (&xg)[2],
+                                               const uint32_t (&xg8)[2], float2 sg, float2 sg8) {
+  const __half2 s0 = __float2half2_rn(sg.x), m0 = __float2half2_rn(sg.y);
+  const __half2 s1 = __float2half2_rn(sg8.x), m1 = __float2half2_rn(sg8.y);
+  if constexpr (TYPE == kTypeQ8_0) {
+    // Signed bytes + 128 after the flip of their top bits, two of them into the low bytes of a
+    // half pair.
+    const __half2 bias = __float2half2_rn(1152.0f);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          red[(((wk - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane] = acc[nt][i];
+    for (int st = 0; st < 2; ++st) {
+      const uint32_t u = xg[st] ^ 0x80808080u, v = xg8[st] ^ 0x80808080u;
+      a[st][0] = half_pair(__byte_perm(u, 0, 0x4140), bias, s0, m0);
+      a[st][1] = half_pair(__byte_perm(v, 0, 0x4140), bias, s1, m1);
+      a[st][2] = half_pair(__byte_perm(u, 0, 0x4342), bias, s0, m0);
+      a[st][3] = half_pair(__byte_perm(v, 0, 0x4342), bias, s1, m1);
     }
-    __syncthreads();
-    if (wk == 0) {
+  } else {
+    // Bytes reordered 0, 2, 1, 3: the nibbles of bytes 0 and 1 sit at bits 0 and 16, those of
+    // bytes 2 and 3 eight bits up.
+    const __half2 bias = __float2half2_rn(1024.0f);
+    const uint32_t u = __byte_perm(xg[0], 0, 0x3120), v = __byte_perm(xg8[0], 0, 0x3120);
 #pragma unroll
-      for (int o = 1; o < WK; ++o)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            acc[nt][i] += red[(((o - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane];
+    for (int st = 0; st < 2; ++st) {
+      const int sh = 4 * st;
+      a[st][0] = half_pair((u >> sh) & 0x000F000Fu, bias, s0, m0);
+      a[st][1] = half_pair((v >> sh) & 0x000F000Fu, bias, s1, m1);
+      a[st][2] = half_pair((u >> (sh + 8)) & 0x000F000Fu, bias, s0, m0);
+      a[st][3] = half_pair((v >> (sh + 8)) & 0x000F000Fu, bias, s1, m1);
     }
-  }
-  const bool split = gridDim.y > 1;
-  float* out = split ? partials + static_cast<size_t>(blockIdx.y) * cols * n : dst;
-  if (wk == 0) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + wm * 16 + g + (i >= 2 ? 8 : 0);
-        const int col = nt * 8 + 2 * t + (i & 1);
-        if (row < n && col < cols) out[static_cast<int64_t>(col) * n + row] = acc[nt][i];
-      }
-    }
-  }
-  if (!split) return;
-  __shared__ unsigned last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned ticket = atomicAdd(counters + blockIdx.x, 1u);
-    last = ticket == gridDim.y - 1;
-    if (last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int rows = min(T::kRows, n - row0);
-  for (int e = threadIdx.x; e < rows * cols; e += kQ8Threads) {
-    const int col = e / rows, row = row0 + e % rows;
-    float v = 0.0f;
-    for (unsigned y = 0; y < gridDim.y; ++y)
-      v += __ldcg(partials + (static_cast<size_t>(y) * cols + col) * n + row);
-    dst[static_cast<int64_t>(col) * n + row] = v;
   }
 }
 
-// 0: off; 1: the products it measured faster on (below); 2: every product it can take.
-int& q8_mode() {
-  static int v = [] {
+// Where 16-byte chunk c of activation column col lies in the half kernel's stage: c ^
+// act_swizzle(col). Its B loads are 8 bytes, served a half-warp (columns g and g + 4 apart) at a
+// time: the XOR moves those four columns' chunks by 0, 2, 4, 6, so that with the two chunks each
+// column's lanes read, a half-warp covers all 32 banks once.
+__device__ __forceinline__ int act_swizzle(int col) { return ((col & 3) << 1) | ((col >> 2) & 1); }
+
+// The half kernel (the file's comment): the int8 kernel's tiles and split-k, the activation in
+// half (columns kp = act_half_pitch(k) apart), the weights decoded in registers.
+template <int TYPE, int NT>
+__global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
+    mat_mul_qh_kernel(const uint8_t* w, int n, int k, const __half* act, int cols, float* dst,
+                      float* partials, unsigned* counters) {
+  using T = QhTile<TYPE, NT>;
+  constexpr int WM = T::kWM, WK = kQhWarps / WM;  // warps sharing a stage's blocks
+  constexpr int kThreads = T::kThreads;
+  constexpr int kSB = T::kSB, kStages = T::kStages, kStageK = T::kStageK;
+  constexpr int kPerWarp = kSB / WK;
+  static_assert(kPerWarp % 2 == 0, "blocks go in pairs");
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp % WM, wk = warp / WM;
+  const WeightRows m = weight_rows<T>(w, n, k);
+  const int nb = m.nb, n_stages = (nb + kSB - 1) / kSB;
+  const int s_begin = n_stages * blockIdx.y / gridDim.y;
+  const int s_end = n_stages * (blockIdx.y + 1) / gridDim.y;
+  const size_t kp = static_cast<size_t>((k + kActPad - 1) / kActPad * kActPad);  // act_half_pitch
+
+  pdl_wait();
+  auto load_stage = [&](int s) {
+    uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+    uint8_t* sa = st + T::kW + T::kWS;
+    const int b0 = s * kSB;
+    load_weight_stage<T, kThreads>(m, b0, st, st + T::kW);
+    // A column's stage: kStageK halves in 16-byte chunks of 8.
+    constexpr int kAChunks = kStageK / 8;
+    for (int c = threadIdx.x; c < T::kCols * kAChunks; c += kThreads) {
+      const int col = c / kAChunks, ch = c % kAChunks;
+      const bool ok = b0 + ch / 4 < nb;
+      const size_t src = static_cast<size_t>(min(col, cols - 1));
+      cp_async16(sa + col * kStageK * 2 + ((ch ^ act_swizzle(col)) * 16),
+                 ok ? act + src * kp + static_cast<size_t>(b0) * 32 + ch * 8 : act, ok ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (s_begin + i < s_end) load_stage(s_begin + i);
+    cp_async_commit();
+  }
+
+  const int g = lane / 4, t = lane % 4;
+  const int mi = lane / 8, ri = lane % 8;
+  const int sw_g = act_swizzle(g);
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int s = s_begin; s < s_end; ++s) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (s + kStages - 1 < s_end) load_stage(s + kStages - 1);
+    cp_async_commit();
+
+    const uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+    const uint8_t* sw = st;
+    const uint8_t* sws = st + T::kW;
+    const uint8_t* sa = sws + T::kWS;
+    const int wr = wm * 16;
+#pragma unroll
+    for (int jp = 0; jp < kPerWarp; jp += 2) {
+      const int j0 = wk * kPerWarp + jp;  // this pair's first 32-block in the stage
+      // Words of rows g and g + 8 of blocks j0 and j0 + 1 ([block][chunk]; 4-bit formats have
+      // one chunk a block).
+      uint32_t xg[2][2] = {}, xg8[2][2] = {};
+      if constexpr (T::kQuantBytes == 16) {
+        // Matrices: rows 0-7 and 8-15 of block j0, then of block j0 + 1.
+        const int r = wr + (mi & 1) * 8 + ri, ch = j0 + (mi >> 1);
+        uint32_t q[4];
+        ldmatrix_x4(q, sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16));
+        xg[0][0] = q[0], xg8[0][0] = q[1], xg[1][0] = q[2], xg8[1][0] = q[3];
+      } else {
+        // Q8_0: a block is two chunks; matrices rows 0-7 and 8-15 of its first, then second.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wr + (mi & 1) * 8 + ri, ch = 2 * (j0 + h) + (mi >> 1);
+          uint32_t q[4];
+          ldmatrix_x4(q, sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16));
+          xg[h][0] = q[0], xg8[h][0] = q[1], xg[h][1] = q[2], xg8[h][1] = q[3];
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = j0 + h;
+        uint32_t a[2][4];
+        half_fragments<TYPE>(a, xg[h], xg8[h],
+                             block_scale<TYPE>(sws + (wr + g) * T::kScaleBytes, j),
+                             block_scale<TYPE>(sws + (wr + g + 8) * T::kScaleBytes, j));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          // Column nt*8 + g's values 16 st + 4t .. + 3 of block j: chunk 4j + 2st + t/2.
+          const int col = nt * 8 + g;
+          const uint8_t* cb = sa + col * kStageK * 2 + 8 * (t & 1);
+#pragma unroll
+          for (int st2 = 0; st2 < 2; ++st2) {
+            const uint2 b =
+                *reinterpret_cast<const uint2*>(cb + (((4 * j + 2 * st2 + t / 2) ^ sw_g) * 16));
+            mma_16816(acc[nt], a[st2], b.x, b.y);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  pdl_trigger();
+  finish_tile<WM, WK, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
+}
+
+// GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, neither kernel; int8 or all, the int8
+// kernel for every product it can take; half, the half kernel for every one.
+enum class Forced { Default, Off, Int8, Half };
+Forced& forced() {
+  static Forced v = [] {
     const char* e = std::getenv("GGRAPH_CUDA_MMQ");
-    if (!e) return 1;
+    if (!e) return Forced::Default;
     const std::string s(e);
-    return s == "0" ? 0 : s == "all" ? 2 : 1;
+    return s == "0"                    ? Forced::Off
+           : s == "all" || s == "int8" ? Forced::Int8
+           : s == "half"               ? Forced::Half
+                                       : Forced::Default;
   }();
   return v;
 }
 
-// Where it runs by default: 8 to 16 columns of rows of 2,048 or more (an H200: the 7B shape's
-// decode batches of 8 and 16 gained 23% and 38% over the mat-vec and cuBLAS paths; shorter rows,
-// fewer columns and more measured slower, BENCHMARKS.md). GGRAPH_CUDA_MMQ_MIN and _MAX move the
-// column bounds.
-int q8_env_cols(const char* name, int fallback) {
+// The measured choice: the half kernel from 9 columns on (GGRAPH_CUDA_MMQ_MIN moves that bound),
+// the int8 kernel below it at 8 columns of rows of 2,048 or more (where it beat the mat-vec on
+// an H200), the mat-vec and cuBLAS elsewhere. BENCHMARKS.md has the sweeps.
+int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
   return c >= 1 && c <= kMatMulQ8MaxCols ? c : fallback;
 }
-bool q8_measured_faster(int64_t k, int64_t cols) {
-  static const int lo = q8_env_cols("GGRAPH_CUDA_MMQ_MIN", 8);
-  static const int hi = q8_env_cols("GGRAPH_CUDA_MMQ_MAX", 16);
-  return k >= 2048 && cols >= lo && cols <= hi;
+MatMulQ measured_choice(int64_t k, int64_t cols) {
+  static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
+  if (cols >= half_from) return MatMulQ::Half;
+  return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
 }
 
 // fn(integral_constant NT) for the column tiles of a product of cols columns.
@@ -383,24 +660,32 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
   return fn(std::integral_constant<int, 8>{});
 }
 
-template <int TYPE>
-void set_q8_smem() {
+template <int TYPE, int NT>
+void set_smem() {
   auto set = [](auto kernel, int bytes) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   };
-  set(mat_mul_q8_kernel<TYPE, 1>, Q8Tile<TYPE, 1>::kSmem);
-  set(mat_mul_q8_kernel<TYPE, 2>, Q8Tile<TYPE, 2>::kSmem);
-  set(mat_mul_q8_kernel<TYPE, 4>, Q8Tile<TYPE, 4>::kSmem);
-  set(mat_mul_q8_kernel<TYPE, 8>, Q8Tile<TYPE, 8>::kSmem);
+  set(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
+  set(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
+}
+template <int TYPE>
+void set_q_smem() {
+  set_smem<TYPE, 1>();
+  set_smem<TYPE, 2>();
+  set_smem<TYPE, 4>();
+  set_smem<TYPE, 8>();
 }
 
-// The plan of a product mat_mul_q8_takes.
-Q8Plan plan_of(DType type, int64_t n, int64_t k, int64_t cols) {
-  return with_weight_type(type, "mat_mul_q8", [&](auto tc) {
+// The plan of a product of the given kernel.
+Q8Plan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
+  return with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q8_type(TYPE)) {
-      return with_col_tiles(cols,
-                            [&](auto nt) { return q8_plan<TYPE, decltype(nt)::value>(n, k); });
+      return with_col_tiles(cols, [&](auto nt) {
+        constexpr int NT = decltype(nt)::value;
+        return kind == MatMulQ::Half ? q8_plan<QhTile<TYPE, NT>>(n, k)
+                                     : q8_plan<Q8Tile<TYPE, NT>>(n, k);
+      });
     } else {
       return Q8Plan{16, 1};
     }
@@ -409,53 +694,74 @@ Q8Plan plan_of(DType type, int64_t n, int64_t k, int64_t cols) {
 
 }  // namespace
 
-void set_mat_mul_q8_everywhere(bool on) { q8_mode() = on ? 2 : 1; }
-
-bool mat_mul_q8_takes(DType t, int64_t k, int64_t cols) {
-  // k whole 64s: the scales of 32-blocks copy as 4-byte words (K-quants: whole 256-blocks).
-  const int mode = q8_mode();
-  return mode > 0 && mma_q8_type(static_cast<int>(t)) && k % 64 == 0 && cols >= 2 &&
-         cols <= kMatMulQ8MaxCols && (mode == 2 || q8_measured_faster(k, cols));
+void set_mat_mul_q_everywhere(MatMulQ kind) {
+  forced() = kind == MatMulQ::Int8   ? Forced::Int8
+             : kind == MatMulQ::Half ? Forced::Half
+                                     : Forced::Default;
 }
 
-size_t mat_mul_q8_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
-  const Q8Plan p = plan_of(type, n, k, cols);
+MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
+  // k whole 64s: the scales of 32-blocks copy as 4-byte words (K-quants: whole 256-blocks).
+  const Forced f = forced();
+  if (f == Forced::Off || !mma_q8_type(static_cast<int>(t)) || k % 64 != 0 || cols < 2 ||
+      cols > kMatMulQ8MaxCols)
+    return MatMulQ::None;
+  if (f == Forced::Int8) return MatMulQ::Int8;
+  if (f == Forced::Half) return MatMulQ::Half;
+  return measured_choice(k, cols);
+}
+
+size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
+  const MatMulQ kind = mat_mul_q_kind(type, k, cols);
+  if (kind == MatMulQ::None) return 0;
+  const Q8Plan p = plan_of(kind, type, n, k, cols);
   return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
 }
 
-size_t mat_mul_q8_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
-  const Q8Plan p = plan_of(type, n, k, cols);
+size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
+  const MatMulQ kind = mat_mul_q_kind(type, k, cols);
+  if (kind == MatMulQ::None) return 0;
+  const Q8Plan p = plan_of(kind, type, n, k, cols);
   return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
 }
 
-void prepare_mat_mul_q8_kernels() {
-  set_q8_smem<kTypeQ4_0>();
-  set_q8_smem<kTypeQ4_1>();
-  set_q8_smem<kTypeQ8_0>();
-  set_q8_smem<kTypeQ4_K>();
+void prepare_mat_mul_q_kernels() {
+  set_q_smem<kTypeQ4_0>();
+  set_q_smem<kTypeQ4_1>();
+  set_q_smem<kTypeQ8_0>();
+  set_q_smem<kTypeQ4_K>();
   cudaGetLastError();
 }
 
-void launch_mat_mul_q8(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
-                       const uint8_t* ws, int cols, float* dst, float* partials,
-                       unsigned* counters) {
-  if (!mat_mul_q8_takes(type, k, cols))
-    throw ArgumentError(std::string("mat_mul_q8: expected a product it takes (Q4_0, Q4_1, Q8_0 "
+void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
+                      const uint8_t* ws, int cols, float* dst, float* partials,
+                      unsigned* counters) {
+  const MatMulQ kind = mat_mul_q_kind(type, k, cols);
+  if (kind == MatMulQ::None)
+    throw ArgumentError(std::string("mat_mul_q: expected a product it takes (Q4_0, Q4_1, Q8_0 "
                                     "or Q4_K weights, k a multiple of 64, 2 to ") +
                         std::to_string(kMatMulQ8MaxCols) + " columns), got " + dtype_name(type) +
                         ", k " + std::to_string(k) + ", " + std::to_string(cols) + " columns");
-  with_weight_type(type, "mat_mul_q8", [&](auto tc) {
+  with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q8_type(TYPE)) {
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        const Q8Plan p = q8_plan<TYPE, NT>(n, k);
-        const ActQ8 q = act_q8(const_cast<uint8_t*>(ws), k, cols);
-        l(mat_mul_q8_kernel<TYPE, NT>,
-          dim3(static_cast<unsigned>(ceil_div(n, p.rows)), static_cast<unsigned>(p.splits)),
-          dim3(kQ8Threads), static_cast<size_t>(Q8Tile<TYPE, NT>::kSmem),
-          static_cast<const uint8_t*>(w), static_cast<int>(n), static_cast<int>(k), q.qs, q.ds,
-          cols, dst, partials, counters);
+        const Q8Plan p = plan_of(kind, type, n, k, cols);
+        const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)),
+                        static_cast<unsigned>(p.splits));
+        const auto* wq = static_cast<const uint8_t*>(w);
+        if (kind == MatMulQ::Half) {
+          l(mat_mul_qh_kernel<TYPE, NT>, grid, dim3(QhTile<TYPE, NT>::kThreads),
+            static_cast<size_t>(QhTile<TYPE, NT>::kSmem), wq, static_cast<int>(n),
+            static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols, dst, partials,
+            counters);
+        } else {
+          const ActQ8 q = act_q8(const_cast<uint8_t*>(ws), k, cols);
+          l(mat_mul_q8_kernel<TYPE, NT>, grid, dim3(kQ8Threads),
+            static_cast<size_t>(Q8Tile<TYPE, NT>::kSmem), wq, static_cast<int>(n),
+            static_cast<int>(k), q.qs, q.ds, cols, dst, partials, counters);
+        }
       });
     }
   });

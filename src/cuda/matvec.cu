@@ -1468,7 +1468,7 @@ void prepare_kernels() {
     });
   }
   prepare_attention_kernels();
-  prepare_mat_mul_q8_kernels();
+  prepare_mat_mul_q_kernels();
   cudaGetLastError();
 }
 

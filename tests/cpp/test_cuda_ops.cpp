@@ -333,7 +333,8 @@ TEST_F(CudaOps, AddMulSwigluWithBroadcast) {
 // ones of the tiled kernel and cuBLAS.
 double mul_mat_bound(DType t, int64_t k, int64_t cols) {
   const bool quantized = type_traits(t).block_size > 1;
-  if (cols <= 8 || cuda::mat_mul_q8_takes(t, k, cols)) return quantized ? 2e-2 : 1e-5;
+  if (cols <= 8 || cuda::mat_mul_q_kind(t, k, cols) == cuda::MatMulQ::Int8)
+    return quantized ? 2e-2 : 1e-5;
   return 3e-3;
 }
 
@@ -477,34 +478,40 @@ TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
   }
 }
 
-// Decode batches of 2 to 64 columns on the int8 tensor-core kernel (cuda/matmul_q.cu), every
-// tile shape (1, 2, 4 and 8 column tiles): rows that end mid-block, k whose last stage is partial
-// (576, 4160) or whole, column counts that fill no tile, and few row blocks (37 rows), whose k
-// splits over several blocks that meet through the attention's workspace.
-TEST_F(CudaOps, MulMatDecodeBatchesOnInt8TensorCores) {
+// Decode batches of 2 to 64 columns on each tensor-core kernel of cuda/matmul_q.cu (int8, and
+// weights decoded to half), every tile shape (1, 2, 4 and 8 column tiles): rows that end
+// mid-block, k whose last stage is partial (576, 4160) or whole, column counts that fill no tile,
+// and few row blocks (37 rows), whose k splits over several blocks that meet through the
+// attention's workspace.
+TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   std::mt19937 rng(29);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   struct Reset {
-    ~Reset() { cuda::set_mat_mul_q8_everywhere(false); }
+    ~Reset() { cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::None); }
   } reset;
-  EXPECT_TRUE(cuda::mat_mul_q8_takes(DType::Q4_0, 4096, 8));  // the default's range
-  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 576, 2));
-  cuda::set_mat_mul_q8_everywhere(true);
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
-    ASSERT_TRUE(cuda::mat_mul_q8_takes(t, 576, 2));
-    for (Shape s : {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}}) {
-      for (int64_t cols : {2, 5, 8, 9, 16, 17, 33, 64})
-        check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+  using cuda::MatMulQ;
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 8), MatMulQ::Int8);  // the default's range
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 32), MatMulQ::Half);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 2), MatMulQ::None);
+  for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half}) {
+    SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : "half");
+    cuda::set_mat_mul_q_everywhere(kind);
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+      ASSERT_EQ(cuda::mat_mul_q_kind(t, 576, 2), kind);
+      for (Shape s : {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}}) {
+        for (int64_t cols : {2, 5, 8, 9, 16, 17, 33, 64})
+          check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+      }
     }
+    for (Shape s : {Shape{256, 37}, Shape{4352, 70}}) {
+      for (int64_t cols : {2, 8, 13, 32, 64})
+        check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
+    }
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, cuda::kMatMulQ8MaxCols + 1), MatMulQ::None);
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 96, 8), MatMulQ::None);  // k not whole 64s
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q6_K, 4096, 8), MatMulQ::None);
   }
-  for (Shape s : {Shape{256, 37}, Shape{4352, 70}}) {
-    for (int64_t cols : {2, 8, 13, 32, 64})
-      check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
-  }
-  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 576, cuda::kMatMulQ8MaxCols + 1));
-  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q4_0, 96, 8));  // k not whole 64s
-  EXPECT_FALSE(cuda::mat_mul_q8_takes(DType::Q6_K, 4096, 8));
 }
 
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
