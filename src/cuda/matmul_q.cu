@@ -74,40 +74,46 @@ struct Q8Shape<8> {
 
 // The half kernel's: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
 // blocks), since a product's few row blocks leave too few warps to hide its latencies with
-// four; its activation stage is twice the bytes, so the widest tile takes fewer stages.
+// four; each warp owns MT row tiles of 16, so that each activation fragment it loads serves MT
+// products; the activation stage is twice the int8 kernel's bytes, so the widest tile takes
+// fewer stages.
+// Stages of at least 8 blocks: a K-quant stage is whole 256-blocks, and a row's quants a stage
+// at least the 128 bytes its swizzle spans.
 template <int NT>
 struct QhShape;
 template <>
 struct QhShape<1> {
-  static constexpr int kWM = 1, kSB = 32, kStages = 4;
+  static constexpr int kWM = 1, kMT = 1, kSB = 32, kStages = 4;
 };
 template <>
 struct QhShape<2> {
-  static constexpr int kWM = 2, kSB = 16, kStages = 3;
+  static constexpr int kWM = 1, kMT = 2, kSB = 16, kStages = 3;
 };
 template <>
 struct QhShape<4> {
-  static constexpr int kWM = 2, kSB = 8, kStages = 3;
+  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 4;
 };
 template <>
 struct QhShape<8> {
-  static constexpr int kWM = 4, kSB = 8, kStages = 2;
+  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 2;
 };
 constexpr int kQhWarps = 8;
 
-// The weight side of a tile: WM warps of 16 rows, SB blocks of 32 a stage.
-template <int TYPE, int WM, int SB>
+// The weight side of a tile: WM warps of MT row tiles of 16, SB blocks of 32 a stage.
+template <int TYPE, int WM, int SB, int MT = 1>
 struct WeightTile {
   static constexpr SplitFormat kSplit = split_format(static_cast<DType>(TYPE));
-  static constexpr int kWM = WM, kSB = SB;
+  static constexpr int kWM = WM, kSB = SB, kMT = MT;
   static constexpr int kStageK = 32 * kSB;                // elements of k a stage
   static constexpr int kQuantBytes = kSplit.quant_bytes;  // a row's bytes per 32 elements
   static constexpr int kRowBytes = kSB * kQuantBytes;     // a row's quants a stage
   // A row's scale bytes a stage (whole records: a K-quant stage is whole 256-blocks).
   static constexpr int kScaleBytes = kSplit.scale_bytes * kStageK / kSplit.block_elems;
-  static constexpr int kRows = 16 * kWM;
+  static constexpr int kRows = 16 * kWM * kMT;
   static constexpr int kW = kRows * kRowBytes;     // quants
   static constexpr int kWS = kRows * kScaleBytes;  // scale records
+  static_assert(kRowBytes >= 128, "a row's stage spans the eight chunks of its swizzle");
+  static_assert(kStageK % kSplit.block_elems == 0, "a stage holds whole scale records");
 };
 
 template <int TYPE, int NT>
@@ -121,10 +127,10 @@ struct Q8Tile : WeightTile<TYPE, Q8Shape<NT>::kWM, Q8Shape<NT>::kSB> {
   static constexpr int kSmem = kStages * kStage;
 };
 
-template <int TYPE, int NT>
-struct QhTile : WeightTile<TYPE, QhShape<NT>::kWM, QhShape<NT>::kSB> {
-  using W = WeightTile<TYPE, QhShape<NT>::kWM, QhShape<NT>::kSB>;
-  static constexpr int kStages = QhShape<NT>::kStages;
+template <int TYPE, int NT, class S = QhShape<NT>>
+struct QhTile : WeightTile<TYPE, S::kWM, S::kSB, S::kMT> {
+  using W = WeightTile<TYPE, S::kWM, S::kSB, S::kMT>;
+  static constexpr int kStages = S::kStages;
   static constexpr int kThreads = 32 * kQhWarps;
   static constexpr int kCols = 8 * NT;
   static constexpr int kA = kCols * W::kStageK * 2;  // activation values in half
@@ -238,11 +244,12 @@ __device__ __forceinline__ void load_weight_stage(const WeightRows& m, int b0, u
 // (gridDim.y > 1), to partials [split][col][row]; then the last split of a row block to finish
 // (counters: a ticket a row block, left at zero) adds them in split order, so that the result
 // does not depend on which finished last. acc is the m16n8 accumulator layout of each column
-// tile: rows g and g + 8, columns 2t and 2t + 1.
-template <int WM, int WK, int NT, int kThreads>
-__device__ __forceinline__ void finish_tile(float (&acc)[NT][4], uint8_t* smem, int n, int cols,
+// tile: rows g and g + 8, columns 2t and 2t + 1; warp (wm, wk) holds row tiles wm MT .. wm MT +
+// MT - 1.
+template <int WM, int WK, int MT, int NT, int kThreads>
+__device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* smem, int n, int cols,
                                             float* dst, float* partials, unsigned* counters) {
-  constexpr int kRows = 16 * WM;
+  constexpr int kRows = 16 * WM * MT, kTiles = MT * NT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM, g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * kRows;
@@ -251,34 +258,42 @@ __device__ __forceinline__ void finish_tile(float (&acc)[NT][4], uint8_t* smem, 
     float* red = reinterpret_cast<float*>(smem);
     if (wk > 0) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          red[(((wk - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane] = acc[nt][i];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            red[(((wk - 1) * WM + wm) * kTiles * 4 + (mt * NT + nt) * 4 + i) * 32 + lane] =
+                acc[mt][nt][i];
     }
     __syncthreads();
     if (wk == 0) {
 #pragma unroll
       for (int o = 1; o < WK; ++o)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            acc[nt][i] += red[(((o - 1) * WM + wm) * NT * 4 + nt * 4 + i) * 32 + lane];
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              acc[mt][nt][i] +=
+                  red[(((o - 1) * WM + wm) * kTiles * 4 + (mt * NT + nt) * 4 + i) * 32 + lane];
     }
   }
   const bool split = gridDim.y > 1;
   float* out = split ? partials + static_cast<size_t>(blockIdx.y) * cols * n : dst;
   if (wk == 0) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + wm * 16 + g + (i >= 2 ? 8 : 0);
-        const int col = nt * 8 + 2 * t + (i & 1);
-        if (row < n && col < cols) out[static_cast<int64_t>(col) * n + row] = acc[nt][i];
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = row0 + (wm * MT + mt) * 16 + g + (i >= 2 ? 8 : 0);
+          const int col = nt * 8 + 2 * t + (i & 1);
+          if (row < n && col < cols) out[static_cast<int64_t>(col) * n + row] = acc[mt][nt][i];
+        }
       }
-    }
   }
   if (!split) return;
   __shared__ unsigned last;
@@ -385,9 +400,9 @@ __global__ void __launch_bounds__(kQ8Threads)
   const int g = lane / 4, t = lane % 4;
   // ldmatrix row addresses: lane 8m + i gives row i of matrix m.
   const int mi = lane / 8, ri = lane % 8;
-  float acc[NT][4];
+  float acc[1][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int j = 0; j < NT; ++j) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
 
   for (int s = s_begin; s < s_end; ++s) {
     cp_async_wait<kStages - 2>();
@@ -443,17 +458,17 @@ __global__ void __launch_bounds__(kQ8Threads)
           mma_s8_16832(c, a[h], b[2 * h], b[2 * h + 1]);
           const float2 x0 = sas[(nt * 8 + 2 * t) * kSB + j0 + h];
           const float2 x1 = sas[(nt * 8 + 2 * t + 1) * kSB + j0 + h];
-          acc[nt][0] += sc[h][0].x * (x0.x * static_cast<float>(c[0])) + sc[h][0].y * x0.y;
-          acc[nt][1] += sc[h][0].x * (x1.x * static_cast<float>(c[1])) + sc[h][0].y * x1.y;
-          acc[nt][2] += sc[h][1].x * (x0.x * static_cast<float>(c[2])) + sc[h][1].y * x0.y;
-          acc[nt][3] += sc[h][1].x * (x1.x * static_cast<float>(c[3])) + sc[h][1].y * x1.y;
+          acc[0][nt][0] += sc[h][0].x * (x0.x * static_cast<float>(c[0])) + sc[h][0].y * x0.y;
+          acc[0][nt][1] += sc[h][0].x * (x1.x * static_cast<float>(c[1])) + sc[h][0].y * x1.y;
+          acc[0][nt][2] += sc[h][1].x * (x0.x * static_cast<float>(c[2])) + sc[h][1].y * x0.y;
+          acc[0][nt][3] += sc[h][1].x * (x1.x * static_cast<float>(c[3])) + sc[h][1].y * x1.y;
         }
       }
     }
   }
   cp_async_wait<0>();
   pdl_trigger();
-  finish_tile<WM, WK, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
+  finish_tile<WM, WK, 1, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
 }
 
 // Half pairs of a 32-bit word: (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at
@@ -516,7 +531,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
     mat_mul_qh_kernel(const uint8_t* w, int n, int k, const __half* act, int cols, float* dst,
                       float* partials, unsigned* counters) {
   using T = QhTile<TYPE, NT>;
-  constexpr int WM = T::kWM, WK = kQhWarps / WM;  // warps sharing a stage's blocks
+  constexpr int WM = T::kWM, MT = T::kMT, WK = kQhWarps / WM;  // WK: warps sharing a stage
   constexpr int kThreads = T::kThreads;
   constexpr int kSB = T::kSB, kStages = T::kStages, kStageK = T::kStageK;
   constexpr int kPerWarp = kSB / WK;
@@ -557,9 +572,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
   const int g = lane / 4, t = lane % 4;
   const int mi = lane / 8, ri = lane % 8;
   const int sw_g = act_swizzle(g);
-  float acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float acc[MT][NT][4] = {};
 
   for (int s = s_begin; s < s_end; ++s) {
     cp_async_wait<kStages - 2>();
@@ -571,46 +584,54 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
-    const int wr = wm * 16;
+    const int wr = wm * 16 * MT;
 #pragma unroll
     for (int jp = 0; jp < kPerWarp; jp += 2) {
       const int j0 = wk * kPerWarp + jp;  // this pair's first 32-block in the stage
-      // Words of rows g and g + 8 of blocks j0 and j0 + 1 ([block][chunk]; 4-bit formats have
-      // one chunk a block).
-      uint32_t xg[2][2] = {}, xg8[2][2] = {};
-      if constexpr (T::kQuantBytes == 16) {
-        // Matrices: rows 0-7 and 8-15 of block j0, then of block j0 + 1.
-        const int r = wr + (mi & 1) * 8 + ri, ch = j0 + (mi >> 1);
-        uint32_t q[4];
-        ldmatrix_x4(q, sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16));
-        xg[0][0] = q[0], xg8[0][0] = q[1], xg[1][0] = q[2], xg8[1][0] = q[3];
-      } else {
-        // Q8_0: a block is two chunks; matrices rows 0-7 and 8-15 of its first, then second.
+      // Words of rows g and g + 8 of each row tile, blocks j0 and j0 + 1 ([tile][block][chunk];
+      // 4-bit formats have one chunk a block).
+      uint32_t xg[MT][2][2] = {}, xg8[MT][2][2] = {};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = wr + (mi & 1) * 8 + ri, ch = 2 * (j0 + h) + (mi >> 1);
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r = wr + 16 * mt + (mi & 1) * 8 + ri;
+        if constexpr (T::kQuantBytes == 16) {
+          // Matrices: rows 0-7 and 8-15 of block j0, then of block j0 + 1.
+          const int ch = j0 + (mi >> 1);
           uint32_t q[4];
           ldmatrix_x4(q, sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16));
-          xg[h][0] = q[0], xg8[h][0] = q[1], xg[h][1] = q[2], xg8[h][1] = q[3];
+          xg[mt][0][0] = q[0], xg8[mt][0][0] = q[1], xg[mt][1][0] = q[2], xg8[mt][1][0] = q[3];
+        } else {
+          // Q8_0: a block is two chunks; matrices rows 0-7 and 8-15 of its first, then second.
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int ch = 2 * (j0 + h) + (mi >> 1);
+            uint32_t q[4];
+            ldmatrix_x4(q, sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16));
+            xg[mt][h][0] = q[0], xg8[mt][h][0] = q[1], xg[mt][h][1] = q[2], xg8[mt][h][1] = q[3];
+          }
         }
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = j0 + h;
-        uint32_t a[2][4];
-        half_fragments<TYPE>(a, xg[h], xg8[h],
-                             block_scale<TYPE>(sws + (wr + g) * T::kScaleBytes, j),
-                             block_scale<TYPE>(sws + (wr + g + 8) * T::kScaleBytes, j));
+        uint32_t a[MT][2][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          // Column nt*8 + g's values 16 st + 4t .. + 3 of block j: chunk 4j + 2st + t/2.
-          const int col = nt * 8 + g;
-          const uint8_t* cb = sa + col * kStageK * 2 + 8 * (t & 1);
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint8_t* rs = sws + (wr + 16 * mt + g) * T::kScaleBytes;
+          half_fragments<TYPE>(a[mt], xg[mt][h], xg8[mt][h], block_scale<TYPE>(rs, j),
+                               block_scale<TYPE>(rs + 8 * T::kScaleBytes, j));
+        }
+        // Column nt*8 + g's values 16 st + 4t .. + 3 of block j: chunk 4j + 2st + t/2. The
+        // steps go outside, so that products in a row add into different accumulators.
 #pragma unroll
-          for (int st2 = 0; st2 < 2; ++st2) {
+        for (int st2 = 0; st2 < 2; ++st2) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint8_t* cb = sa + (nt * 8 + g) * kStageK * 2 + 8 * (t & 1);
             const uint2 b =
                 *reinterpret_cast<const uint2*>(cb + (((4 * j + 2 * st2 + t / 2) ^ sw_g) * 16));
-            mma_16816(acc[nt], a[st2], b.x, b.y);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt][nt], a[mt][st2], b.x, b.y);
           }
         }
       }
@@ -618,7 +639,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
   }
   cp_async_wait<0>();
   pdl_trigger();
-  finish_tile<WM, WK, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
+  finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
 }
 
 // GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, neither kernel; int8 or all, the int8
@@ -637,9 +658,11 @@ Forced& forced() {
   return v;
 }
 
-// The measured choice: the half kernel from 9 columns on (GGRAPH_CUDA_MMQ_MIN moves that bound),
-// the int8 kernel below it at 8 columns of rows of 2,048 or more (where it beat the mat-vec on
-// an H200), the mat-vec and cuBLAS elsewhere. BENCHMARKS.md has the sweeps.
+// The measured choice (an H100, BENCHMARKS.md): the half kernel from 9 columns on
+// (GGRAPH_CUDA_MMQ_MIN moves that bound), but past 32 only for rows of 2,048 or more (the
+// SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns than through cuBLAS);
+// the int8 kernel at 8 columns of rows of 2,048 or more (where it beat the mat-vec on an H200);
+// the mat-vec and cuBLAS elsewhere.
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
@@ -647,7 +670,7 @@ int env_cols(const char* name, int fallback) {
 }
 MatMulQ measured_choice(int64_t k, int64_t cols) {
   static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
-  if (cols >= half_from) return MatMulQ::Half;
+  if (cols >= half_from && (cols <= 32 || k >= 2048)) return MatMulQ::Half;
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
 }
 

@@ -494,6 +494,8 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 8), MatMulQ::Int8);  // the default's range
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 32), MatMulQ::Half);
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 2), MatMulQ::None);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 32), MatMulQ::Half);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 64), MatMulQ::None);  // cuBLAS
   for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half}) {
     SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : "half");
     cuda::set_mat_mul_q_everywhere(kind);
