@@ -1,6 +1,7 @@
 // Products of quantized weights with a few to kMatMulQ8MaxCols columns (decode batches) on the
-// int8 tensor cores: mma.sync m16n8k32 of the weights' 4- or 8-bit quants against the 8-bit
-// activation (launch_quantize_act), each 32-element block's integer sums scaled in float.
+// tensor cores, by two kernels. The int8 kernel: mma.sync m16n8k32 of the weights' 4- or 8-bit
+// quants against the 8-bit activation (launch_quantize_act), each 32-element block's integer sums
+// scaled in float.
 //
 // A block of four warps owns 16 * WM rows and every column; its k is staged SB blocks of 32 at
 // a time through a cp.async pipeline (Q8Shape: both by the number of column tiles): the rows'
@@ -18,14 +19,15 @@
 // In shared memory, 16-byte chunks of a row (or column) are swizzled by its low three bits, so
 // that the eight row addresses of an ldmatrix fall in distinct banks.
 //
-// The half kernel (mat_mul_qh_kernel) has the same tiles, loads and k-splits, but decodes the
-// weights to half in registers, scales and offsets applied there, and runs mma.sync m16n8k16 in
-// float against the activation in half (launch_act_to_half): no per-block float epilogue, whose
-// cost grew with the columns in the int8 kernel. Its k order within each 16 is permuted, the same
-// for both operands: lane (g, t)'s slots 2t, 2t + 1 take elements 4t, 4t + 1 and slots 2t + 8,
-// 2t + 9 elements 4t + 2, 4t + 3, so that the word ldmatrix hands it (4t .. 4t + 3, low nibbles
-// for the first 16 of a block, high for the second) is all its A fragment needs, and its B
-// fragment is one 8-byte load of four consecutive activation values.
+// The half kernel (mat_mul_qh_kernel) has the same loads and k-splits, and tiles of eight warps,
+// each owning MT row tiles of 16 (QhShape), but decodes the weights to half in registers,
+// scales and offsets applied there, and runs mma.sync m16n8k16 in float against the activation in
+// half (launch_act_to_half): no per-block float epilogue, whose cost grew with the columns in the
+// int8 kernel. Its k order within each 16 is permuted, the same for both operands: lane (g, t)'s
+// slots 2t, 2t + 1 take elements 4t, 4t + 1 and slots 2t + 8, 2t + 9 elements 4t + 2, 4t + 3, so
+// that the word ldmatrix hands it (4t .. 4t + 3, low nibbles for the first 16 of a block, high for
+// the second) is all its A fragment needs, and its B fragment is one 8-byte load of four
+// consecutive activation values.
 #include <cuda_runtime.h>
 
 #include <algorithm>
