@@ -46,6 +46,15 @@ constexpr int kQ8Threads = 32 * kQ8Warps;
 // Split-k: a product of few row blocks splits k over enough blocks to make about this many in
 // all (a constant, so that the plan depends on the shape alone).
 constexpr int kQ8TargetBlocks = 256;
+// GGRAPH_CUDA_MMQ_BLOCKS sets another target, to measure.
+int target_blocks() {
+  static const int v = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_MMQ_BLOCKS");
+    const int b = e ? std::atoi(e) : 0;
+    return b >= 1 && b <= 4096 ? b : kQ8TargetBlocks;
+  }();
+  return v;
+}
 constexpr int kQ8MaxSplits = 8;
 
 constexpr bool mma_q8_type(int t) {
@@ -180,7 +189,7 @@ template <class T>
 Q8Plan q8_plan(int64_t n, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, T::kSB));
   const int64_t row_blocks = ceil_div(n, T::kRows);
-  int splits = static_cast<int>(ceil_div(kQ8TargetBlocks, row_blocks));
+  int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kQ8MaxSplits, stages / 2}));
   return {T::kRows, splits};
 }
@@ -239,6 +248,36 @@ __device__ __forceinline__ void load_weight_stage(const WeightRows& m, int b0, u
           ok ? 4 : 0);
     }
   }
+}
+
+// A block's share of k under split-k: stages [begin, end) of kSB blocks each, of nb blocks.
+struct StageRange {
+  int begin, end;
+};
+__device__ __forceinline__ StageRange stage_range(int nb, int kSB) {
+  const int n_stages = (nb + kSB - 1) / kSB;
+  return {static_cast<int>(n_stages * blockIdx.y / gridDim.y),
+          static_cast<int>(n_stages * (blockIdx.y + 1) / gridDim.y)};
+}
+
+// The cp.async pipeline over a block's stages: kStages - 1 of them in flight ahead of the one
+// computed. load(s) issues stage s's copies into buffer (s - begin) % kStages, compute(s) reads it
+// once they have landed and every thread has passed the barrier.
+template <int kStages, class Load, class Compute>
+__device__ __forceinline__ void run_stages(StageRange r, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (r.begin + i < r.end) load(r.begin + i);
+    cp_async_commit();
+  }
+  for (int s = r.begin; s < r.end; ++s) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (s + kStages - 1 < r.end) load(s + kStages - 1);
+    cp_async_commit();
+    compute(s);
+  }
+  cp_async_wait<0>();
 }
 
 // The end of a tile: the k-split warps' sums meet in shared memory (the stages' memory, free by
@@ -364,15 +403,14 @@ __global__ void __launch_bounds__(kQ8Threads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
   const WeightRows m = weight_rows<T>(w, n, k);
-  const int nb = m.nb, n_stages = (nb + kSB - 1) / kSB;
-  const int s_begin = n_stages * blockIdx.y / gridDim.y;
-  const int s_end = n_stages * (blockIdx.y + 1) / gridDim.y;
+  const int nb = m.nb;
+  const StageRange range = stage_range(nb, kSB);
 
   pdl_wait();
   // Stage s: blocks kSB s .. kSB (s + 1) - 1 of k; those past the row's end (k / 32 blocks) are
   // zeros, which add nothing (their scales and activation pairs are zeros too).
   auto load_stage = [&](int s) {
-    uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+    uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
     uint8_t* sa = st + T::kW + T::kWS;
     uint8_t* sas = sa + T::kA;
     const int b0 = s * kSB;
@@ -393,26 +431,13 @@ __global__ void __launch_bounds__(kQ8Threads)
     }
   };
 
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (s_begin + i < s_end) load_stage(s_begin + i);
-    cp_async_commit();
-  }
-
   const int g = lane / 4, t = lane % 4;
   // ldmatrix row addresses: lane 8m + i gives row i of matrix m.
   const int mi = lane / 8, ri = lane % 8;
-  float acc[1][NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.0f;
+  float acc[1][NT][4] = {};
 
-  for (int s = s_begin; s < s_end; ++s) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (s + kStages - 1 < s_end) load_stage(s + kStages - 1);
-    cp_async_commit();
-
-    const uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+  run_stages<kStages>(range, load_stage, [&](int s) {
+    const uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
@@ -467,8 +492,7 @@ __global__ void __launch_bounds__(kQ8Threads)
         }
       }
     }
-  }
-  cp_async_wait<0>();
+  });
   pdl_trigger();
   finish_tile<WM, WK, 1, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
 }
@@ -543,14 +567,13 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
   const WeightRows m = weight_rows<T>(w, n, k);
-  const int nb = m.nb, n_stages = (nb + kSB - 1) / kSB;
-  const int s_begin = n_stages * blockIdx.y / gridDim.y;
-  const int s_end = n_stages * (blockIdx.y + 1) / gridDim.y;
+  const int nb = m.nb;
+  const StageRange range = stage_range(nb, kSB);
   const size_t kp = static_cast<size_t>((k + kActPad - 1) / kActPad * kActPad);  // act_half_pitch
 
   pdl_wait();
   auto load_stage = [&](int s) {
-    uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+    uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
     uint8_t* sa = st + T::kW + T::kWS;
     const int b0 = s * kSB;
     load_weight_stage<T, kThreads>(m, b0, st, st + T::kW);
@@ -565,24 +588,13 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
     }
   };
 
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (s_begin + i < s_end) load_stage(s_begin + i);
-    cp_async_commit();
-  }
-
   const int g = lane / 4, t = lane % 4;
   const int mi = lane / 8, ri = lane % 8;
   const int sw_g = act_swizzle(g);
   float acc[MT][NT][4] = {};
 
-  for (int s = s_begin; s < s_end; ++s) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (s + kStages - 1 < s_end) load_stage(s + kStages - 1);
-    cp_async_commit();
-
-    const uint8_t* st = smem + ((s - s_begin) % kStages) * T::kStage;
+  run_stages<kStages>(range, load_stage, [&](int s) {
+    const uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
@@ -638,8 +650,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
         }
       }
     }
-  }
-  cp_async_wait<0>();
+  });
   pdl_trigger();
   finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
 }
