@@ -3,11 +3,11 @@
 // quants against the 8-bit activation (launch_quantize_act), each 32-element block's integer sums
 // scaled in float.
 //
-// A block of four warps owns 16 * WM rows and every column; its k is staged SB blocks of 32 at
+// A block of eight warps owns 16 * WM rows and every column; its k is staged SB blocks of 32 at
 // a time through a cp.async pipeline (Q8Shape: both by the number of column tiles): the rows'
 // quants and scale records (the split layout, cuda/weight_layout.h) and the columns' 8-bit
 // values and (d, d * sum) pairs. Warps split the rows (WM of them, 16 rows each) and a stage's
-// blocks (4 / WM of them); the k-split warps' sums meet in shared memory at the end, always in
+// blocks (8 / WM of them); the k-split warps' sums meet in shared memory at the end, always in
 // the same order. Few row blocks also split k over the grid (Q8Plan).
 //
 // Fragments come from shared memory by ldmatrix, which hands lane 4g + t word t of row g: of a
@@ -41,7 +41,7 @@
 namespace ggraph::cuda {
 namespace {
 
-constexpr int kQ8Warps = 4;
+constexpr int kQ8Warps = 8;
 constexpr int kQ8Threads = 32 * kQ8Warps;
 // Split-k: a product of few row blocks splits k over enough blocks to make about this many in
 // all (a constant, so that the plan depends on the shape alone).
