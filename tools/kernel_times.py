@@ -105,7 +105,8 @@ def main() -> int:
         count[short_name(r["Kernel Name"])] += 1
         for metric, value in extra[r["ID"]].items():
             sums[short_name(r["Kernel Name"])][metric] += value
-    print(f"one decode step after {args.past + 1} tokens: {len(step)} kernels, "
+    after = args.past + (2 if args.batch else 1)
+    print(f"one decode step after {after} tokens: {len(step)} kernels, "
           f"{sum(total.values()):.1f} us of GPU time\n")  # fmt: skip
     heads = [STALLS[m] for m in metrics[1:]]
     print("| kernel | launches | us total | us each |" + "".join(f" {h} |" for h in heads))

@@ -1243,7 +1243,8 @@ class CudaBackend : public Backend {
     size_t need = 0;
     for (const Tensor* t : graph.nodes()) {
       if (!blas_ || t->op != Op::MulMat || !is_quantized(t->src[0]->type) ||
-          !gemm_wants_blas(t->src[0]->type, t->src[1]->ne[1]))
+          !gemm_wants_blas(t->src[0]->type, t->src[1]->ne[1]) ||
+          mat_mul_q_kind(t->src[0]->type, t->src[0]->ne[0], t->src[1]->ne[1]) != MatMulQ::None)
         continue;
       const int64_t k = t->src[0]->ne[0];
       const int64_t rows = std::min(t->src[0]->ne[1], dequant_chunk_rows(k));

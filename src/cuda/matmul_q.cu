@@ -499,7 +499,9 @@ __global__ void __launch_bounds__(kQ8Threads)
 
 // Half pairs of a 32-bit word: (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at
 // bit 0, 1024 + nibble at bit 16), exact; 1024 (or 1152 for the offset bytes of Q8_0) comes off,
-// then the block's scale and offset: s * q + m, rounded once.
+// then the block's scale and offset: s * q + m, rounded once. Q4_0's, Q4_1's and Q8_0's s and m
+// are halves already; a Q4_K sub-block's (d times its 6-bit scale, dmin times its minimum) are
+// rounded to half first, so its values carry that rounding too.
 __device__ __forceinline__ uint32_t half_pair(uint32_t bits, __half2 bias, __half2 s, __half2 m) {
   const uint32_t h = bits | 0x64006400u;
   const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&h), bias);
@@ -545,9 +547,10 @@ __device__ __forceinline__ void half_fragments(uint32_t (&a)[2][4], const uint32
 }
 
 // Where 16-byte chunk c of activation column col lies in the half kernel's stage: c ^
-// act_swizzle(col). Its B loads are 8 bytes, served a half-warp (columns g and g + 4 apart) at a
-// time: the XOR moves those four columns' chunks by 0, 2, 4, 6, so that with the two chunks each
-// column's lanes read, a half-warp covers all 32 banks once.
+// act_swizzle(col). Its B loads are 8 bytes, served a half-warp at a time: lanes 0-15 read
+// columns 0-3 of a column tile, lanes 16-31 columns 4-7. The XOR moves a half-warp's four
+// columns' chunks by 0, 2, 4, 6 (the second half-warp's by 1, 3, 5, 7), so that with the two
+// neighbouring chunks each column's lanes read, a half-warp covers all 32 banks once.
 __device__ __forceinline__ int act_swizzle(int col) { return ((col & 3) << 1) | ((col >> 2) & 1); }
 
 // The half kernel (the file's comment): the int8 kernel's tiles and split-k, the activation in
@@ -674,8 +677,8 @@ Forced& forced() {
 // The measured choice (an H100, BENCHMARKS.md): the half kernel from 9 columns on
 // (GGRAPH_CUDA_MMQ_MIN moves that bound), but past 32 only for rows of 2,048 or more (the
 // SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns than through cuBLAS);
-// the int8 kernel at 8 columns of rows of 2,048 or more (where it beat the mat-vec on an H200);
-// the mat-vec and cuBLAS elsewhere.
+// below that bound, the int8 kernel from 8 columns on for rows of 2,048 or more (where it beat
+// the mat-vec); the mat-vec and cuBLAS elsewhere.
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
@@ -728,6 +731,37 @@ Q8Plan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
   });
 }
 
+// Dynamic shared memory of a product's tile, plus the kernels' static bytes.
+size_t tile_smem(MatMulQ kind, DType type, int64_t cols) {
+  return with_weight_type(type, "mat_mul_q", [&](auto tc) -> size_t {
+    constexpr int TYPE = decltype(tc)::value;
+    if constexpr (mma_q8_type(TYPE)) {
+      return with_col_tiles(cols, [&](auto nt) -> size_t {
+        constexpr int NT = decltype(nt)::value;
+        return (kind == MatMulQ::Half ? QhTile<TYPE, NT>::kSmem : Q8Tile<TYPE, NT>::kSmem) + 16;
+      });
+    } else {
+      return 0;
+    }
+  });
+}
+
+// The shared memory a block of the current device may opt into; where none can be asked
+// (no device: plans and tests on a machine without a GPU), sm_90's.
+size_t max_block_smem() {
+  static const size_t v = [] {
+    int dev = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return size_t(227) << 10;
+    }
+    return static_cast<size_t>(bytes);
+  }();
+  return v;
+}
+
 }  // namespace
 
 void set_mat_mul_q_everywhere(MatMulQ kind) {
@@ -742,9 +776,13 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
   if (f == Forced::Off || !mma_q8_type(static_cast<int>(t)) || k % 64 != 0 || cols < 2 ||
       cols > kMatMulQ8MaxCols)
     return MatMulQ::None;
-  if (f == Forced::Int8) return MatMulQ::Int8;
-  if (f == Forced::Half) return MatMulQ::Half;
-  return measured_choice(k, cols);
+  const MatMulQ kind = f == Forced::Int8   ? MatMulQ::Int8
+                       : f == Forced::Half ? MatMulQ::Half
+                                           : measured_choice(k, cols);
+  // A tile that needs more shared memory than the GPU gives a block (sm_86 and sm_89: 99 KiB)
+  // leaves the product to the mat-vec or cuBLAS.
+  return kind != MatMulQ::None && tile_smem(kind, t, cols) > max_block_smem() ? MatMulQ::None
+                                                                              : kind;
 }
 
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
