@@ -359,7 +359,7 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
                        const uint8_t* ws, int cols, float* dst);
 
 // Quantized products of a few columns (decode batches) on the tensor cores (cuda/matmul_q.cu),
-// for Q4_0, Q4_1, Q8_0 and Q4_K weights, k a multiple of 64, 2 to kMatMulQ8MaxCols columns, by
+// for Q4_0, Q4_1, Q8_0 and Q4_K weights, k a multiple of 64, 2 to kMatMulQMaxCols columns, by
 // one of two kernels: Int8 (mma on the quants against the 8-bit activation of
 // launch_quantize_act in ws) or Half (the weights decoded to half in registers, against the
 // activation of launch_act_to_half in ws). mat_mul_q_kind says which takes a product, by default
@@ -368,7 +368,7 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
 // kernel leaves them at zero) of the sizes below, 0 where they do not split.
 // GGRAPH_CUDA_MMQ=0 turns both off; =int8 (or =all) and =half send every product they can take
 // to one of them.
-constexpr int kMatMulQ8MaxCols = 64;
+constexpr int kMatMulQMaxCols = 64;
 enum class MatMulQ { None, Int8, Half };
 MatMulQ mat_mul_q_kind(DType type, int64_t k, int64_t cols);
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols);

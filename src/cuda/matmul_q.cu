@@ -1,4 +1,4 @@
-// Products of quantized weights with a few to kMatMulQ8MaxCols columns (decode batches) on the
+// Products of quantized weights with a few to kMatMulQMaxCols columns (decode batches) on the
 // tensor cores, by two kernels. The int8 kernel: mma.sync m16n8k32 of the weights' 4- or 8-bit
 // quants against the 8-bit activation (launch_quantize_act), each 32-element block's integer sums
 // scaled in float.
@@ -8,7 +8,7 @@
 // quants and scale records (the split layout, cuda/weight_layout.h) and the columns' 8-bit
 // values and (d, d * sum) pairs. Warps split the rows (WM of them, 16 rows each) and a stage's
 // blocks (8 / WM of them); the k-split warps' sums meet in shared memory at the end, always in
-// the same order. Few row blocks also split k over the grid (Q8Plan).
+// the same order. Few row blocks also split k over the grid (QPlan).
 //
 // Fragments come from shared memory by ldmatrix, which hands lane 4g + t word t of row g: of a
 // 4-bit piece (byte j: element j in the low nibble, j + 16 in the high) that word's low nibbles
@@ -45,19 +45,19 @@ constexpr int kQ8Warps = 8;
 constexpr int kQ8Threads = 32 * kQ8Warps;
 // Split-k: a product of few row blocks splits k over enough blocks to make about this many in
 // all (a constant, so that the plan depends on the shape alone).
-constexpr int kQ8TargetBlocks = 256;
+constexpr int kTargetBlocks = 256;
 // GGRAPH_CUDA_MMQ_BLOCKS sets another target, to measure.
 int target_blocks() {
   static const int v = [] {
     const char* e = std::getenv("GGRAPH_CUDA_MMQ_BLOCKS");
     const int b = e ? std::atoi(e) : 0;
-    return b >= 1 && b <= 4096 ? b : kQ8TargetBlocks;
+    return b >= 1 && b <= 4096 ? b : kTargetBlocks;
   }();
   return v;
 }
-constexpr int kQ8MaxSplits = 8;
+constexpr int kMaxSplits = 8;
 
-constexpr bool mma_q8_type(int t) {
+constexpr bool mma_q_type(int t) {
   return t == kTypeQ4_0 || t == kTypeQ4_1 || t == kTypeQ8_0 || t == kTypeQ4_K;
 }
 
@@ -182,15 +182,15 @@ __device__ __forceinline__ float2 block_scale(const uint8_t* rec, int j) {
 }
 
 // Rows of a block, and k splits, of a product (a function of the shape alone).
-struct Q8Plan {
+struct QPlan {
   int rows, splits;
 };
 template <class T>
-Q8Plan q8_plan(int64_t n, int64_t k) {
+QPlan q_plan(int64_t n, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, T::kSB));
   const int64_t row_blocks = ceil_div(n, T::kRows);
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
-  splits = std::max(1, std::min({splits, kQ8MaxSplits, stages / 2}));
+  splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
   return {T::kRows, splits};
 }
 
@@ -356,9 +356,9 @@ __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* sm
   if (rows % 4 == 0 && n % 4 == 0) {
     const int quads = rows / 4 * cols;
     for (int e0 = threadIdx.x; e0 < quads; e0 += kThreads * kU) {
-      float4 p[kQ8MaxSplits][kU];
+      float4 p[kMaxSplits][kU];
 #pragma unroll
-      for (unsigned y = 0; y < kQ8MaxSplits; ++y)
+      for (unsigned y = 0; y < kMaxSplits; ++y)
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int e = e0 + u * kThreads, col = e / (rows / 4), row = row0 + 4 * (e % (rows / 4));
@@ -372,7 +372,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* sm
         if (e >= quads) continue;
         float4 v = p[0][u];
 #pragma unroll
-        for (unsigned y = 1; y < kQ8MaxSplits; ++y)
+        for (unsigned y = 1; y < kMaxSplits; ++y)
           if (y < splits) v.x += p[y][u].x, v.y += p[y][u].y, v.z += p[y][u].z, v.w += p[y][u].w;
         *reinterpret_cast<float4*>(dst + static_cast<int64_t>(col) * n + row) = v;
       }
@@ -682,7 +682,7 @@ Forced& forced() {
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
-  return c >= 1 && c <= kMatMulQ8MaxCols ? c : fallback;
+  return c >= 1 && c <= kMatMulQMaxCols ? c : fallback;
 }
 MatMulQ measured_choice(int64_t k, int64_t cols) {
   static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
@@ -716,17 +716,17 @@ void set_q_smem() {
 }
 
 // The plan of a product of the given kernel.
-Q8Plan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
+QPlan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
   return with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (mma_q8_type(TYPE)) {
+    if constexpr (mma_q_type(TYPE)) {
       return with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        return kind == MatMulQ::Half ? q8_plan<QhTile<TYPE, NT>>(n, k)
-                                     : q8_plan<Q8Tile<TYPE, NT>>(n, k);
+        return kind == MatMulQ::Half ? q_plan<QhTile<TYPE, NT>>(n, k)
+                                     : q_plan<Q8Tile<TYPE, NT>>(n, k);
       });
     } else {
-      return Q8Plan{16, 1};
+      return QPlan{16, 1};
     }
   });
 }
@@ -735,7 +735,7 @@ Q8Plan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
 size_t tile_smem(MatMulQ kind, DType type, int64_t cols) {
   return with_weight_type(type, "mat_mul_q", [&](auto tc) -> size_t {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (mma_q8_type(TYPE)) {
+    if constexpr (mma_q_type(TYPE)) {
       return with_col_tiles(cols, [&](auto nt) -> size_t {
         constexpr int NT = decltype(nt)::value;
         return (kind == MatMulQ::Half ? QhTile<TYPE, NT>::kSmem : Q8Tile<TYPE, NT>::kSmem) + 16;
@@ -773,8 +773,8 @@ void set_mat_mul_q_everywhere(MatMulQ kind) {
 MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
   // k whole 64s: the scales of 32-blocks copy as 4-byte words (K-quants: whole 256-blocks).
   const Forced f = forced();
-  if (f == Forced::Off || !mma_q8_type(static_cast<int>(t)) || k % 64 != 0 || cols < 2 ||
-      cols > kMatMulQ8MaxCols)
+  if (f == Forced::Off || !mma_q_type(static_cast<int>(t)) || k % 64 != 0 || cols < 2 ||
+      cols > kMatMulQMaxCols)
     return MatMulQ::None;
   const MatMulQ kind = f == Forced::Int8   ? MatMulQ::Int8
                        : f == Forced::Half ? MatMulQ::Half
@@ -788,14 +788,14 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const Q8Plan p = plan_of(kind, type, n, k, cols);
+  const QPlan p = plan_of(kind, type, n, k, cols);
   return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
 }
 
 size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const Q8Plan p = plan_of(kind, type, n, k, cols);
+  const QPlan p = plan_of(kind, type, n, k, cols);
   return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
 }
 
@@ -814,14 +814,14 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
   if (kind == MatMulQ::None)
     throw ArgumentError(std::string("mat_mul_q: expected a product it takes (Q4_0, Q4_1, Q8_0 "
                                     "or Q4_K weights, k a multiple of 64, 2 to ") +
-                        std::to_string(kMatMulQ8MaxCols) + " columns), got " + dtype_name(type) +
+                        std::to_string(kMatMulQMaxCols) + " columns), got " + dtype_name(type) +
                         ", k " + std::to_string(k) + ", " + std::to_string(cols) + " columns");
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (mma_q8_type(TYPE)) {
+    if constexpr (mma_q_type(TYPE)) {
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        const Q8Plan p = plan_of(kind, type, n, k, cols);
+        const QPlan p = plan_of(kind, type, n, k, cols);
         const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)),
                         static_cast<unsigned>(p.splits));
         const auto* wq = static_cast<const uint8_t*>(w);

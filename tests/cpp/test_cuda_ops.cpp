@@ -511,7 +511,7 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
       for (int64_t cols : {2, 8, 13, 32, 64})
         check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
     }
-    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, cuda::kMatMulQ8MaxCols + 1), MatMulQ::None);
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, cuda::kMatMulQMaxCols + 1), MatMulQ::None);
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 96, 8), MatMulQ::None);  // k not whole 64s
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q6_K, 4096, 8), MatMulQ::None);
   }
