@@ -342,3 +342,28 @@ def test_cuda_batches_pad_to_their_size_class_and_keep_each_rows_logits(tiny_mod
     stats = m.graph_stats
     assert (stats["batch4.captures"], stats["batch4.replays"]) == (1, 2)
     assert (stats["batch8.captures"], stats["batch8.replays"]) == (1, 2)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_cuda_batches_of_nine_and_more_run_the_tensor_core_product(tiny_model):
+    """Batches of 9 to 64 sequences multiply the quantized weights on the tensor-core kernel
+    that decodes them to half (an activation in half, where a sequence's own step quantizes
+    it to 8 bits): each row stays within those two roundings of its sequence's own step, and
+    batches of one size class share one executable."""
+    n = 12
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=64, n_seq_max=n)
+    seqs = [m] + [m.session() for _ in range(n - 1)]
+    refs = [ggraph.Model(tiny_model, device="cuda", n_ctx=64) for _ in seqs]
+    for i, (s, r) in enumerate(zip(seqs, refs, strict=True)):
+        s.eval(A[: 1 + i % len(A)])
+        r.eval(A[: 1 + i % len(A)])
+    m.reset_graph_stats()
+    for step in range(3):
+        toks = [(11 * step + 5 * i) % 300 + 1 for i in range(n)]
+        got = m.decode_batch(list(zip(seqs, toks, strict=True)))
+        for row, (ref, t) in enumerate(zip(refs, toks, strict=True)):
+            want = ref.eval([t])
+            err = np.linalg.norm(got[row] - want) / np.linalg.norm(want)
+            assert err < 3e-2, f"step {step} row {row}: relative error {err:.2e}"
+    stats = m.graph_stats
+    assert (stats["batch16.captures"], stats["batch16.replays"]) == (1, 3)  # a capture replays
