@@ -61,9 +61,9 @@ constexpr bool mma_q_type(int t) {
   return t == kTypeQ4_0 || t == kTypeQ4_1 || t == kTypeQ8_0 || t == kTypeQ4_K;
 }
 
-// The tile of NT column tiles (8 columns each): WM warps of 16 rows, SB blocks of 32 a stage,
-// STAGES stages. Few columns take short row blocks and long stages (the weights' bytes in
-// flight); many take tall row blocks (each activation byte staged serves more rows).
+// The int8 kernel's tile of NT column tiles (8 columns each): WM warps of 16 rows, SB blocks of
+// 32 a stage, kStages stages. Few columns take short row blocks and long stages (the weights' bytes
+// in flight); many take tall row blocks (each activation byte staged serves more rows).
 template <int NT>
 struct Q8Shape;
 template <>
@@ -83,13 +83,12 @@ struct Q8Shape<8> {
   static constexpr int kWM = 4, kSB = 8, kStages = 3;
 };
 
-// The half kernel's: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
+// The half kernel's tiles: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
 // blocks), since a product's few row blocks leave too few warps to hide its latencies with
 // four; each warp owns MT row tiles of 16, so that each activation fragment it loads serves MT
 // products; the activation stage is twice the int8 kernel's bytes, so the widest tile takes
-// fewer stages.
-// Stages of at least 8 blocks: a K-quant stage is whole 256-blocks, and a row's quants a stage
-// at least the 128 bytes its swizzle spans.
+// fewer stages. Stages are at least 8 blocks (WeightTile checks): a K-quant stage is whole
+// 256-blocks, and a row's quants a stage span the 128 bytes of its swizzle.
 template <int NT>
 struct QhShape;
 template <>
