@@ -180,17 +180,27 @@ __device__ __forceinline__ float2 block_scale(const uint8_t* rec, int j) {
   }
 }
 
+// What the host needs of a tile, whichever kernel and format: its rows, its blocks of 32 a
+// stage, its dynamic shared memory.
+struct TileSpec {
+  int rows, sb;
+  size_t smem;
+};
+template <class T>
+constexpr TileSpec spec_of() {
+  return {T::kRows, T::kSB, static_cast<size_t>(T::kSmem)};
+}
+
 // Rows of a block, and k splits, of a product (a function of the shape alone).
 struct QPlan {
   int rows, splits;
 };
-template <class T>
-QPlan q_plan(int64_t n, int64_t k) {
-  const int stages = static_cast<int>(ceil_div(k / 32, T::kSB));
-  const int64_t row_blocks = ceil_div(n, T::kRows);
+QPlan q_plan(const TileSpec& t, int64_t n, int64_t k) {
+  const int stages = static_cast<int>(ceil_div(k / 32, t.sb));
+  const int64_t row_blocks = ceil_div(n, t.rows);
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
-  return {T::kRows, splits};
+  return {t.rows, splits};
 }
 
 // Where a block's rows lie in a split-layout matrix of n rows and k columns.
@@ -714,33 +724,17 @@ void set_q_smem() {
   set_smem<TYPE, 8>();
 }
 
-// The plan of a product of the given kernel.
-QPlan plan_of(MatMulQ kind, DType type, int64_t n, int64_t k, int64_t cols) {
+// The tile a product of the given kernel takes (its format and columns pick it).
+TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols) {
   return with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
       return with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        return kind == MatMulQ::Half ? q_plan<QhTile<TYPE, NT>>(n, k)
-                                     : q_plan<Q8Tile<TYPE, NT>>(n, k);
+        return kind == MatMulQ::Half ? spec_of<QhTile<TYPE, NT>>() : spec_of<Q8Tile<TYPE, NT>>();
       });
     } else {
-      return QPlan{16, 1};
-    }
-  });
-}
-
-// Dynamic shared memory of a product's tile, plus the kernels' static bytes.
-size_t tile_smem(MatMulQ kind, DType type, int64_t cols) {
-  return with_weight_type(type, "mat_mul_q", [&](auto tc) -> size_t {
-    constexpr int TYPE = decltype(tc)::value;
-    if constexpr (mma_q_type(TYPE)) {
-      return with_col_tiles(cols, [&](auto nt) -> size_t {
-        constexpr int NT = decltype(nt)::value;
-        return (kind == MatMulQ::Half ? QhTile<TYPE, NT>::kSmem : Q8Tile<TYPE, NT>::kSmem) + 16;
-      });
-    } else {
-      return 0;
+      return TileSpec{16, 1, 0};
     }
   });
 }
@@ -780,21 +774,23 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
                                            : measured_choice(k, cols);
   // A tile that needs more shared memory than the GPU gives a block (sm_86 and sm_89: 99 KiB)
   // leaves the product to the mat-vec or cuBLAS.
-  return kind != MatMulQ::None && tile_smem(kind, t, cols) > max_block_smem() ? MatMulQ::None
-                                                                              : kind;
+  // (16: the kernels' static shared memory.)
+  return kind != MatMulQ::None && tile_spec(kind, t, cols).smem + 16 > max_block_smem()
+             ? MatMulQ::None
+             : kind;
 }
 
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const QPlan p = plan_of(kind, type, n, k, cols);
+  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
   return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
 }
 
 size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const QPlan p = plan_of(kind, type, n, k, cols);
+  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
   return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
 }
 
@@ -815,15 +811,14 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
                                     "or Q4_K weights, k a multiple of 64, 2 to ") +
                         std::to_string(kMatMulQMaxCols) + " columns), got " + dtype_name(type) +
                         ", k " + std::to_string(k) + ", " + std::to_string(cols) + " columns");
+  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)), static_cast<unsigned>(p.splits));
+  const auto* wq = static_cast<const uint8_t*>(w);
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        const QPlan p = plan_of(kind, type, n, k, cols);
-        const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)),
-                        static_cast<unsigned>(p.splits));
-        const auto* wq = static_cast<const uint8_t*>(w);
         if (kind == MatMulQ::Half) {
           l(mat_mul_qh_kernel<TYPE, NT>, grid, dim3(QhTile<TYPE, NT>::kThreads),
             static_cast<size_t>(QhTile<TYPE, NT>::kSmem), wq, static_cast<int>(n),
