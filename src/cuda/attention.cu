@@ -698,8 +698,10 @@ template <int DPL, int G>
 void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
   const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
-  const int n_splits =
-      attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks, decode_split_keys<DPL>());
+  // The batch's tokens are blocks of their own too: a decode batch of 64 sequences fills the GPU
+  // with one split each, where splits sized for one token would launch mostly empty blocks.
+  const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
+                                        decode_split_keys<DPL>());
   const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(decode_warps<DPL>() * 32);
   // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.

@@ -78,11 +78,11 @@ constexpr int kDecodeAttnMaxTokens = 8;
 
 // ---- Flash-decoding split count ---------------------------------------------------------------
 
-// Flash-decoding launches kAttnTargetBlocks blocks or more (per query) where the cache is long
-// enough to give each split split_keys keys (kAttnMinSplitKeys, or the keys a block's warps
+// Flash-decoding launches kAttnTargetBlocks blocks or more (over its queries) where the cache is
+// long enough to give each split split_keys keys (kAttnMinSplitKeys, or the keys a block's warps
 // stage in one pass where that is fewer); a step uses as many of its splits as its keys fill
-// (attn_decode_kernel). The grid depends on the cache size, never on the KV position, so one
-// executable serves a whole conversation.
+// (attn_decode_kernel). The grid depends on the cache size and the batch's size, never on the KV
+// position, so one executable serves a whole conversation.
 constexpr int kAttnTargetBlocks = 256;
 constexpr int kAttnMinSplitKeys = 128;
 constexpr int kMaxAttnSplits = 64;

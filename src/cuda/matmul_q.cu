@@ -86,9 +86,11 @@ struct Q8Shape<8> {
 // The half kernel's tiles: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
 // blocks), since a product's few row blocks leave too few warps to hide its latencies with
 // four; each warp owns MT row tiles of 16, so that each activation fragment it loads serves MT
-// products; the activation stage is twice the int8 kernel's bytes, so the widest tile takes
-// fewer stages. Stages are at least 8 blocks (WeightTile checks): a K-quant stage is whole
-// 256-blocks, and a row's quants a stage span the 128 bytes of its swizzle.
+// products; from 32 columns a block takes 128 rows (four warps of rows, two of k), so that
+// each staged activation byte serves more rows (4-8% faster than 64 rows on the 7B shape); the
+// activation stage is twice the int8 kernel's bytes, so the widest tiles take fewer stages. Stages
+// are at least 8 blocks (WeightTile checks): a K-quant stage is whole 256-blocks, and a row's
+// quants a stage span the 128 bytes of its swizzle.
 template <int NT>
 struct QhShape;
 template <>
@@ -101,11 +103,11 @@ struct QhShape<2> {
 };
 template <>
 struct QhShape<4> {
-  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 4;
+  static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 3;
 };
 template <>
 struct QhShape<8> {
-  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 2;
+  static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 2;
 };
 constexpr int kQhWarps = 8;
 
