@@ -1007,7 +1007,7 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
-// Q8_0 caches: decode batches (staged as 4-byte words, decoded by each lane) and prompt batches
+// Q8_0 caches: decode batches (staged in 8- or 4-byte units, decoded by each lane) and prompt batches
 // (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows.
 TEST_F(CudaOps, AttentionOverQ8Caches) {
   std::mt19937 rng(25);
