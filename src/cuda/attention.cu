@@ -83,7 +83,7 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // values with those weights. Called by the whole block.
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
-                                  float2* out_d, float* smem) {
+                                  float2* out_d, __half* out_h, float* smem) {
   static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
   const int rec = head_dim + 2;
   const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
@@ -118,6 +118,7 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
     for (int s = 0; s < n_used; ++s) a += __ldcg(r + s * rec) * w[s];
     const int64_t i = (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d;
     out[i] = a;
+    if (out_h) out_h[i] = __float2half_rn(a);
     if (out_q) quantize_warp_block(a, i, out_q, out_d);
   }
 }
@@ -220,8 +221,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     attn_decode_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int window,
-                       unsigned* counters, int cache_rows, const int32_t* slots) {
+                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, __half* out_h,
+                       int window, unsigned* counters, int cache_rows, const int32_t* slots) {
   constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
   using Lane = LaneHalves<DPL>;
@@ -442,6 +443,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
       const int64_t i = t * q_stride + static_cast<int64_t>(h) * head_dim + d;
       const float v = ll > 0.0f ? a / ll : 0.0f;
       out[i] = v;
+      if (out_h) out_h[i] = __float2half_rn(v);
       if (out_q) quantize_warp_block(v, i, out_q, out_d);
     } else {
       float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
@@ -463,7 +465,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   if (!last) return;
   __threadfence();
   attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
-                    reinterpret_cast<float*>(smem_raw));
+                    out_h, reinterpret_cast<float*>(smem_raw));
 }
 
 // ---- Prompt attention on tensor cores -------------------------------------------------------
@@ -733,7 +735,8 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   auto launch = [&](auto kernel) {
     l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
       a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, a.window, a.counters, a.cache_rows, a.slots);
+      n_splits, n_gchunks, q8.qs, q8.ds, reinterpret_cast<__half*>(a.half_ws), a.window, a.counters,
+      a.cache_rows, a.slots);
   };
   if (a.kv_type == DType::Q8_0) {
     launch(attn_decode_kernel<DPL, G, true>);
@@ -834,6 +837,8 @@ int attention_max_keys(const AttentionArgs& a) {
 void launch_attention(Launcher& l, const AttentionArgs& a) {
   if (a.quant_ws && (a.head_dim % 32 != 0 || a.n_tokens > kDecodeAttnMaxTokens))
     throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
+  if (a.half_ws && a.n_tokens > kDecodeAttnMaxTokens && !a.slots)
+    throw std::logic_error("attention: a half output needs the decode kernels");
   if ((a.n_tokens <= kDecodeAttnMaxTokens || a.slots) && (!a.partials || !a.counters))
     throw std::logic_error("attention: a decode batch needs partials and counters");
   if (a.slots  ? a.ring && (a.window <= 0 || a.window > a.cache_rows)

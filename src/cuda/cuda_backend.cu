@@ -402,9 +402,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   const std::vector<Tensor*>& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
   // Consumers per node, to know when an intermediate can be fused away; and which nodes a
-  // quantized mat-vec reads, so that their producer can hand over 8-bit activations too.
+  // quantized mat-vec reads, or a product that takes half activations, so that their producer
+  // can hand over the 8-bit or half form too.
   std::vector<int> uses(n, 0);
-  std::vector<char> q8_read(n, 0);
+  std::vector<char> q8_read(n, 0), half_read(n, 0);
   bool indexed = true;
   for (int i = 0; i < n && indexed; ++i) indexed = nodes[i]->index == i;
   std::unordered_map<const Tensor*, int> position;
@@ -421,11 +422,19 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       const int p = s ? pos(s) : -1;
       if (p >= 0) ++uses[p];
     }
-    if (t->op == Op::MulMat && is_quantized(t->src[0]->type) &&
-        t->src[1]->ne[1] <= kMatVecMaxCols &&
-        mat_mul_q_kind(t->src[0]->type, t->src[0]->ne[0], t->src[1]->ne[1]) != MatMulQ::Half) {
+    if (t->op == Op::MulMat) {
+      const Tensor* w = t->src[0];
+      const int64_t cols = t->src[1]->ne[1];
+      const MatMulQ kind =
+          is_quantized(w->type) ? mat_mul_q_kind(w->type, w->ne[0], cols) : MatMulQ::None;
       const int p = pos(t->src[1]);
-      if (p >= 0) q8_read[p] = 1;
+      if (p >= 0 && is_quantized(w->type) && cols <= kMatVecMaxCols && kind != MatMulQ::Half)
+        q8_read[p] = 1;
+      // The half kernel's, and cuBLAS's and the tile kernel's but for BF16 weights (which
+      // cuBLAS may take in BF16): the forms the MulMat case prepares.
+      if (p >= 0 && (kind == MatMulQ::Half ||
+                     (kind == MatMulQ::None && cols > kMatVecMaxCols && w->type != DType::BF16)))
+        half_read[p] = 1;
     }
   }
   auto ptr = [&](const Tensor* t) { return tensor_ptr(t, buf); };
@@ -468,6 +477,15 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       return nullptr;
     prepared = x;
     prepared_form = Form::Q8;
+    return buf.act;
+  };
+  // The same for the half form (launch_act_to_half's, without its padding: rows a multiple of
+  // kActPad), where only products that take half activations read x.
+  auto half_output = [&](const Tensor* x, bool can = true) -> uint8_t* {
+    const int p = pos(x);
+    if (!can || p < 0 || !half_read[p] || q8_read[p] || x->ne[0] % kActPad != 0) return nullptr;
+    prepared = x;
+    prepared_form = Form::Half;
     return buf.act;
   };
 
@@ -516,6 +534,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     }
     a.dst = fptr(out);
     a.quant_ws = q8_output(out, group == r->ne[0]);
+    a.half_ws = half_output(out, group == r->ne[0]);
     launch_rms_norm(l, a, group, cols, r->param_f(kNormEps));
     done[ri] = 1;
     if (w) done[mi] = 1;
@@ -637,8 +656,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                       t->src[0]->ne[0], t->src[0]->ne[1], t->src[1]->ne[0]);
         break;
       case Op::Glu: {
+        uint8_t* q = q8_output(t);
         launch_glu(l, t->params[0], fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
-                   q8_output(t));
+                   q, q ? nullptr : half_output(t));
         break;
       }
       case Op::Softcap:
@@ -858,6 +878,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         // The 8-bit form for the mat-vec that reads the output (the output projection).
         uint8_t* q =
             q8_output(t, t->params[kAttnHeadDim] % 32 == 0 && n_tokens <= kDecodeAttnMaxTokens);
+        // Or the half form, for the products of a decode batch of several sequences.
+        uint8_t* h =
+            q ? nullptr
+              : half_output(t, n_tokens <= kDecodeAttnMaxTokens || t->op == Op::AttentionSeqs);
         AttentionArgs a;
         a.q = fptr(t->src[0]);
         a.k_cache = cache_of(t->src[1])->data;
@@ -883,6 +907,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.partials = buf.attn;
         a.counters = buf.attn_counters;
         a.quant_ws = q;
+        a.half_ws = h;
         a.window = t->params[kAttnWindow];
         launch_attention(l, a);
         break;

@@ -78,7 +78,7 @@ template <int EPT>
 __global__ void __launch_bounds__(1024)
     rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
                     int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs,
-                    float2* ds, const float* pre_w, float pre_eps) {
+                    float2* ds, const float* pre_w, float pre_eps, __half* ho) {
   constexpr int kRegs = EPT > 0 ? EPT : 1;
   __shared__ float partial[32];
   __shared__ float pre_partial[EPT > 0 ? 32 : 1];
@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(1024)
       if (in[j]) {
         if (xs) xs[i] = v[j];
         y[i] = r[j];
+        if (ho) ho[qi[j]] = __float2half_rn(r[j]);
       }
     }
     if (qs) quantize_warp_blocks<EPT>(r, qi, in, qs, ds);
@@ -167,6 +168,7 @@ __global__ void __launch_bounds__(1024)
       float r = (xs ? xs[i] : x[i]) * scale;
       if (wc) r *= wc[i];
       y[i] = r;
+      if (ho) ho[col * ne0 + i] = __float2half_rn(r);
       if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
     }
   }
@@ -186,10 +188,11 @@ __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, fl
   dst[col * ne0 + i] = OP == 0 ? x + z : x * z;
 }
 
-// qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range).
+// qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range);
+// ho: also its half form.
 template <int ACT>
 __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
-                           float2* ds) {
+                           float2* ds, __half* ho) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -203,6 +206,7 @@ __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64
   }
   const float v = a * up[i];
   dst[i] = v;
+  if (ho) ho[i] = __float2half_rn(v);
   if (qs) quantize_warp_block(v, i, qs, ds);
 }
 
@@ -533,7 +537,8 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   const int64_t per_thread = ceil_div(ne0, threads);
   auto launch = [&](auto kernel) {
     l(kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, a.add_w, a.add_eps);
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, a.add_w, a.add_eps,
+      reinterpret_cast<__half*>(a.half_ws));
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
     throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
@@ -556,14 +561,15 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 }
 
 void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
-                int64_t cols, uint8_t* quant_ws) {
+                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws) {
   const int64_t n = ne0 * cols;
   const ActQ8 q = act_q8(quant_ws, ne0, cols);
+  auto* h = reinterpret_cast<__half*>(half_ws);
   const dim3 grid(ceil_div(n, 256)), block(256);
   if (act == kGluGelu) {
-    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds);
+    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, h);
   } else {
-    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds);
+    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, h);
   }
 }
 

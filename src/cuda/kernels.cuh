@@ -200,7 +200,8 @@ struct NormArgs {
   int64_t w_cols = 1;
   bool w_fixed = false;
   float* dst = nullptr;
-  uint8_t* quant_ws = nullptr;
+  uint8_t* quant_ws = nullptr;  // also the result's 8-bit form (launch_quantize_act's)
+  uint8_t* half_ws = nullptr;   // also its half form (launch_act_to_half's; ne0 % kActPad == 0)
 };
 void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t cols, float eps);
 // op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1, and its columns of
@@ -208,9 +209,9 @@ void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t col
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
                    int64_t ne0, int64_t cols, int64_t b_ne0);
 // act: kGluSilu or kGluGelu (graph.h). quant_ws (optional, ne0 % 32 == 0): also the 8-bit
-// quantization of the result.
+// quantization of the result; half_ws (optional, ne0 % kActPad == 0): also its half form.
 void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
-                int64_t cols, uint8_t* quant_ws);
+                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws = nullptr);
 // dst = cap * tanh(x / cap) over n elements.
 void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap);
 // Global workspace launch_sample needs for a vocabulary of n_vocab (bytes; 16-byte aligned).
@@ -408,6 +409,7 @@ struct AttentionArgs {
   float* partials = nullptr;
   unsigned* counters = nullptr;
   uint8_t* quant_ws = nullptr;
+  uint8_t* half_ws = nullptr;  // the output's half form too (decode kernels; launch_act_to_half's)
   int window = 0;              // sliding window (0: none)
   DType kv_type = DType::F16;  // F16, or Q8_0 blocks (head_dim a multiple of 64)
 };
