@@ -513,8 +513,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         (!scratch_overlap(next, in) || (reads_first && !add)))
       w = next->src[1];
     const Tensor* out = w ? next : r;
-    if (add && (scratch_overlap(out, add) || (!reads_first && (scratch_overlap(out, add->src[0]) ||
-                                                               scratch_overlap(out, add->src[1])))))
+    // Several columns: a block a column reads its column into registers before it writes, so
+    // the result may take the place of an input exactly (as the planner gives it the product's
+    // that the add consumed), though not overlap one otherwise.
+    const bool column_first = group == r->ne[0] && group <= kNormRegElems;
+    auto clash = [&](const Tensor* x) {
+      return scratch_overlap(out, x) &&
+             !(column_first && out->offset == x->offset && out->type == x->type &&
+               out->ne[0] == x->ne[0] && out->n_elements() == x->n_elements());
+    };
+    if (add &&
+        (scratch_overlap(out, add) || (!reads_first && (clash(add->src[0]) || clash(add->src[1])))))
       return false;
     NormArgs a;
     a.src = fptr(add ? add->src[0] : r->src[0]);

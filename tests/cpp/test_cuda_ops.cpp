@@ -1490,6 +1490,22 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
 }
 
+// Decode batches and prompts: the residual add launches the norm after it too, whose result
+// takes the place of the product the add consumed (the planner's choice), since a block a
+// column reads its column before it writes.
+TEST(CudaLaunchPlan, ResidualAddLaunchesTheNormOfSeveralColumns) {
+  for (int n_tokens : {16, 64}) {
+    LayerGraph lg(n_tokens, 0);
+    const auto rec = lg.launches();
+    const Tensor* norm = lg.attn_norm_mul->src[0];
+    const Tensor* residual_add = norm->src[0];
+    ASSERT_EQ(residual_add->op, Op::Add);
+    EXPECT_EQ(launches_of(rec, residual_add), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, norm), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.attn_norm_mul), 0) << n_tokens;
+  }
+}
+
 TEST(CudaLaunchPlan, HeadNormsRideWithTheRopesOfOneToken) {
   {
     // Decode: the q and k head norms go into the ropes' launch (with the K and V stores).
