@@ -5,7 +5,9 @@ measures it: each of B sequences takes a prompt of PP tokens, then TG steps of
     python tools/batch_bench.py [-m smollm2] [-b 1,8,32,64] [--pp 128] [--tg 128] [--device cuda]
 
 Reports, per B, the prompts' speed (B * PP tokens over their time, one sequence's prompt at a
-time) and the generation's (B * TG tokens over the decode steps' time).
+time) and the generation's (B * TG tokens over the decode steps' time). On CUDA also the device
+memory taken since the sessions were opened (each batch size's graph, captured on first use;
+list the sizes largest first to see what the smaller ones add to the largest's).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ def measure(model: ggraph.Model, seqs: list, pp: int, tg: int) -> tuple[float, f
     return prompt, len(seqs) * tg / (time.perf_counter() - start)
 
 
+def device_free(model: ggraph.Model) -> int | None:
+    """Free memory of the model's GPU in bytes, or None on the CPU."""
+    if not model.device.startswith("cuda"):
+        return None
+    index = int(model.device.split(":")[1]) if ":" in model.device else 0
+    return next(d["free_memory"] for d in ggraph.devices() if d["index"] == index)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="smollm2")
@@ -49,14 +59,19 @@ def main() -> int:
         allow_longer_context=True,
     )
     sessions = [model.session() for _ in range(max(sizes) - 1)]
+    free0 = device_free(model)
     print(f"{args.model} on {model.device}: prompts of {args.pp}, {args.tg} decode steps")
-    print("| B | prompt tok/s | generation tok/s (aggregate) | per sequence |")
-    print("|---|---|---|---|")
+    mem = " MiB since the sessions opened |" if free0 is not None else ""
+    print(f"| B | prompt tok/s | generation tok/s (aggregate) | per sequence |{mem}")
+    print("|---|---|---|---|" + ("---|" if free0 is not None else ""))
     for b in sizes:
         seqs = [model] + sessions[: b - 1]
         measure(model, seqs, args.pp, min(args.tg, 8))  # warm-up: graphs and buffers
         prompt, gen = measure(model, seqs, args.pp, args.tg)
-        print(f"| {b} | {prompt:,.0f} | {gen:,.1f} | {gen / b:,.1f} |")
+        row = f"| {b} | {prompt:,.0f} | {gen:,.1f} | {gen / b:,.1f} |"
+        if free0 is not None:
+            row += f" {(free0 - device_free(model)) / 2**20:,.0f} |"
+        print(row)
     return 0
 
 
