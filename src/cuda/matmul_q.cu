@@ -109,6 +109,18 @@ template <>
 struct QhShape<8> {
   static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 2;
 };
+// 17 to 64 columns where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): 64
+// rows a block, fewer stages at 32 columns.
+template <int NT>
+struct QhNarrow;
+template <>
+struct QhNarrow<4> {
+  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 3;
+};
+template <>
+struct QhNarrow<8> {
+  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 2;
+};
 constexpr int kQhWarps = 8;
 
 // The weight side of a tile: WM warps of MT row tiles of 16, SB blocks of 32 a stage.
@@ -566,11 +578,11 @@ __device__ __forceinline__ int act_swizzle(int col) { return ((col & 3) << 1) | 
 
 // The half kernel (the file's comment): the int8 kernel's tiles and split-k, the activation in
 // half (columns kp = act_half_pitch(k) apart), the weights decoded in registers.
-template <int TYPE, int NT>
-__global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
+template <int TYPE, int NT, class S = QhShape<NT>>
+__global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
     mat_mul_qh_kernel(const uint8_t* w, int n, int k, const __half* act, int cols, float* dst,
                       float* partials, unsigned* counters) {
-  using T = QhTile<TYPE, NT>;
+  using T = QhTile<TYPE, NT, S>;
   constexpr int WM = T::kWM, MT = T::kMT, WK = kQhWarps / WM;  // WK: warps sharing a stage
   constexpr int kThreads = T::kThreads;
   constexpr int kSB = T::kSB, kStages = T::kStages, kStageK = T::kStageK;
@@ -701,6 +713,31 @@ MatMulQ measured_choice(int64_t k, int64_t cols) {
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
 }
 
+// A test's stand-in for the device's limit below (0: none).
+size_t& block_smem_override() {
+  static size_t v = 0;
+  return v;
+}
+
+// The shared memory a block of the current device may opt into (or a test's stand-in); where
+// none can be asked (no device: plans and tests on a machine without a GPU), sm_90's.
+size_t max_block_smem() {
+  static const size_t v = [] {
+    int dev = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return size_t(227) << 10;
+    }
+    return static_cast<size_t>(bytes);
+  }();
+  return block_smem_override() ? block_smem_override() : v;
+}
+
+// Whether a block takes the tile (16: the kernels' static shared memory).
+bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
+
 // fn(integral_constant NT) for the column tiles of a product of cols columns.
 template <typename Fn>
 decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
@@ -717,6 +754,18 @@ void set_smem() {
   };
   set(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   set(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
+  if constexpr (NT >= 4)
+    set(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>, QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
+}
+
+// Whether a product takes the narrow half tile (its device's blocks cannot take QhShape's).
+template <int TYPE, int NT>
+bool qh_narrow() {
+  if constexpr (NT >= 4) {
+    return !tile_fits(QhTile<TYPE, NT>::kSmem);
+  } else {
+    return false;
+  }
 }
 template <int TYPE>
 void set_q_smem() {
@@ -733,7 +782,11 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols) {
     if constexpr (mma_q_type(TYPE)) {
       return with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
-        return kind == MatMulQ::Half ? spec_of<QhTile<TYPE, NT>>() : spec_of<Q8Tile<TYPE, NT>>();
+        if (kind != MatMulQ::Half) return spec_of<Q8Tile<TYPE, NT>>();
+        if constexpr (NT >= 4) {
+          if (qh_narrow<TYPE, NT>()) return spec_of<QhTile<TYPE, NT, QhNarrow<NT>>>();
+        }
+        return spec_of<QhTile<TYPE, NT>>();
       });
     } else {
       return TileSpec{16, 1, 0};
@@ -741,23 +794,9 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols) {
   });
 }
 
-// The shared memory a block of the current device may opt into; where none can be asked
-// (no device: plans and tests on a machine without a GPU), sm_90's.
-size_t max_block_smem() {
-  static const size_t v = [] {
-    int dev = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-            cudaSuccess) {
-      cudaGetLastError();
-      return size_t(227) << 10;
-    }
-    return static_cast<size_t>(bytes);
-  }();
-  return v;
-}
-
 }  // namespace
+
+void set_mat_mul_q_block_smem(size_t bytes) { block_smem_override() = bytes; }
 
 void set_mat_mul_q_everywhere(MatMulQ kind) {
   forced() = kind == MatMulQ::Int8   ? Forced::Int8
@@ -776,10 +815,7 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
                                            : measured_choice(k, cols);
   // A tile that needs more shared memory than the GPU gives a block (sm_86 and sm_89: 99 KiB)
   // leaves the product to the mat-vec or cuBLAS.
-  // (16: the kernels' static shared memory.)
-  return kind != MatMulQ::None && tile_spec(kind, t, cols).smem + 16 > max_block_smem()
-             ? MatMulQ::None
-             : kind;
+  return kind != MatMulQ::None && !tile_fits(tile_spec(kind, t, cols).smem) ? MatMulQ::None : kind;
 }
 
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
@@ -822,10 +858,18 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         if (kind == MatMulQ::Half) {
-          l(mat_mul_qh_kernel<TYPE, NT>, grid, dim3(QhTile<TYPE, NT>::kThreads),
-            static_cast<size_t>(QhTile<TYPE, NT>::kSmem), wq, static_cast<int>(n),
-            static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols, dst, partials,
-            counters);
+          auto launch = [&](auto kernel, auto tile) {
+            using T = decltype(tile);
+            l(kernel, grid, dim3(T::kThreads), static_cast<size_t>(T::kSmem), wq,
+              static_cast<int>(n), static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols,
+              dst, partials, counters);
+          };
+          if constexpr (NT >= 4) {
+            if (qh_narrow<TYPE, NT>())
+              return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
+                            QhTile<TYPE, NT, QhNarrow<NT>>{});
+          }
+          launch(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>{});
         } else {
           const ActQ8 q = act_q8(const_cast<uint8_t*>(ws), k, cols);
           l(mat_mul_q8_kernel<TYPE, NT>, grid, dim3(kQ8Threads),

@@ -528,6 +528,23 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 96, 8), MatMulQ::None);  // k not whole 64s
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q6_K, 4096, 8), MatMulQ::None);
   }
+  // Planned as on sm_86 and sm_89 (99 KiB a block): 17 to 64 columns take the half kernel's
+  // narrow tiles, and the tiles that do not fit (Q8_0's at 32 columns) leave their products to
+  // the mat-vec or cuBLAS.
+  struct ResetSmem {
+    ~ResetSmem() { cuda::set_mat_mul_q_block_smem(0); }
+  } reset_smem;
+  cuda::set_mat_mul_q_block_smem(99 << 10);
+  cuda::set_mat_mul_q_everywhere(MatMulQ::Half);
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    EXPECT_EQ(cuda::mat_mul_q_kind(t, 4096, 64), MatMulQ::Half) << type_name(t);
+    EXPECT_EQ(cuda::mat_mul_q_kind(t, 4096, 32), t == DType::Q8_0 ? MatMulQ::None : MatMulQ::Half)
+        << type_name(t);
+    for (Shape s : {Shape{4160, 37}, Shape{11008, 300}}) {
+      for (int64_t cols : {17, 33, 64}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
+    }
+  }
+  check_random_blocks(DType::Q4_K, 4352, 70, 64, rng, chk);
 }
 
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
