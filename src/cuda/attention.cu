@@ -12,10 +12,13 @@
 namespace ggraph::cuda {
 
 int attention_splits(int max_keys, int kv_blocks, int split_keys) {
-  // Enough blocks to fill the GPU at the longest context, each with at least a tile per warp.
+  // Enough blocks to fill the GPU at the longest context, each with at least a tile per warp;
+  // and splits of at most kAttnMaxSplitKeys keys, so that one long sequence among a batch's
+  // short ones (which fill the GPU without splits) does not keep a block for its whole cache.
   const int fill = (kAttnTargetBlocks + kv_blocks - 1) / kv_blocks;
+  const int least = (max_keys + kAttnMaxSplitKeys - 1) / kAttnMaxSplitKeys;
   const int most = (max_keys + split_keys - 1) / split_keys;
-  return std::max(1, std::min({kMaxAttnSplits, fill, most}));
+  return std::max(1, std::min({kMaxAttnSplits, std::max(fill, least), most}));
 }
 
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs) {

@@ -85,6 +85,7 @@ constexpr int kDecodeAttnMaxTokens = 8;
 // position, so one executable serves a whole conversation.
 constexpr int kAttnTargetBlocks = 256;
 constexpr int kAttnMinSplitKeys = 128;
+constexpr int kAttnMaxSplitKeys = 2048;  // where kMaxAttnSplits allow
 constexpr int kMaxAttnSplits = 64;
 // Splits for a decode attention that reads at most max_keys keys with kv_blocks blocks per split.
 int attention_splits(int max_keys, int kv_blocks, int split_keys = kAttnMinSplitKeys);

@@ -1685,10 +1685,11 @@ TEST(CudaLaunchPlan, TheKvRecordHoldsABoundedNumberOfDistinctValues) {
 
 // The decode grid is fixed by the cache's size, so that a graph captured at one depth runs at
 // every other: enough splits to fill the GPU where the cache is long enough to give each split
-// split_keys keys, never more than kMaxAttnSplits, and never fewer as the cache grows.
+// split_keys keys, and splits of at most kAttnMaxSplitKeys keys, never more than kMaxAttnSplits,
+// and never fewer as the cache grows.
 TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
   for (int split_keys : {64, cuda::kAttnMinSplitKeys})
-    for (int kv_blocks : {1, 4, 32, 256, 1024}) {
+    for (int kv_blocks : {1, 4, 32, 256, 1024, 2048}) {
       int last = 0;
       for (int max_keys : {1, 63, 64, 65, 127, 128, 129, 1000, 4096, 32768, 131072}) {
         const int s = cuda::attention_splits(max_keys, kv_blocks, split_keys);
@@ -1700,6 +1701,11 @@ TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
           EXPECT_TRUE(s == cuda::kMaxAttnSplits || s * kv_blocks >= cuda::kAttnTargetBlocks)
               << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
         }
+        // However many blocks the batch fills the GPU with, no split of a long cache takes more
+        // than kAttnMaxSplitKeys keys (up to kMaxAttnSplits splits).
+        EXPECT_TRUE(s == cuda::kMaxAttnSplits ||
+                    int64_t(s) * cuda::kAttnMaxSplitKeys >= int64_t(max_keys))
+            << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
         last = s;
       }
     }
