@@ -1194,6 +1194,44 @@ TEST_F(CudaOps, AttentionOverSequencePools) {
   for (const PoolCase& c : cases) check_attention_seqs(c, rng, chk);
 }
 
+// A decode batch's attention over pools and the product that reads it, CUDA against the CPU:
+// with more than 8 sequences the attention hands its output's half form to the product, from
+// one split (short sequences) and from the merge of several (long ones).
+TEST_F(CudaOps, DecodeBatchAttentionHandsItsHalfFormToTheProduct) {
+  std::mt19937 rng(43);
+  const int n_head = 8, n_head_kv = 2, hd = 64, n_embd = n_head * hd, kv_w = n_head_kv * hd;
+  const int n_seq = 16, rows = 4096;
+  const auto k16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+  const auto v16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+  std::vector<float> dw;
+  const auto bw =
+      quantize(DType::Q4_0, randn(size_t(n_embd) * n_embd, rng, 0.05f), n_embd, n_embd, dw);
+  for (int n_tok : {12, 16}) {
+    std::vector<int32_t> slots(2 * size_t(n_tok)), ids;
+    for (int i = 0; i < n_tok; ++i) {
+      slots[i] = (i * 7) % n_seq;
+      slots[n_tok + i] = i % 2 ? 2000 + int(rng() % 2000) : int(rng() % 100);
+    }
+    auto q = randn(size_t(n_embd) * n_tok, rng);
+    Build build = [&](Graph& g, Backend& be) {
+      auto pool = [&](const std::vector<uint16_t>& h, const char* name) {
+        void* p = be.alloc_kv(h.size() * 2);
+        be.kv_from_host(p, h.data(), h.size() * 2);
+        return g.kv_pool(DType::F16, kv_w, rows, n_seq, p, name);
+      };
+      Tensor* kp = pool(k16, "k_pool");
+      Tensor* vp = pool(v16, "v_pool");
+      Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
+      Tensor* a = g.attention_seqs(activations(g, be, q, n_embd, n_tok, ids), kp, vp, sl, n_head,
+                                   n_head_kv, hd, 1.0f / std::sqrt(float(hd)));
+      return g.mul_mat(upload(g, be, DType::Q4_0, n_embd, n_embd, bw.data(), "wo"), a);
+    };
+    const auto gpu = run_on(*cuda_, build);
+    const auto cpu = run_on(*cpu_, build);
+    EXPECT_LT(rel_err(gpu, cpu), 3e-2) << n_tok << " tokens";
+  }
+}
+
 // ---- the ops Gemma, Qwen and Phi add --------------------------------------------------------
 
 TEST_F(CudaOps, PerHeadNormWithItsWeightAndRepeatedBroadcast) {
