@@ -86,8 +86,9 @@ struct Q8Shape<8> {
 // The half kernel's tiles: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
 // blocks), since a product's few row blocks leave too few warps to hide its latencies with
 // four; each warp owns MT row tiles of 16, so that each activation fragment it loads serves MT
-// products; from 32 columns a block takes 128 rows (four warps of rows, two of k), so that
-// each staged activation byte serves more rows (4-8% faster than 64 rows on the 7B shape); the
+// products; from 17 columns a block of a product of 4,096 rows or more takes 128 rows (four
+// warps of rows, two of k), so that each staged activation byte serves more rows (4-8% faster
+// than 64 rows on the 7B shape; smaller products take QhNarrow's 64); the
 // activation stage is twice the int8 kernel's bytes, so the widest tiles take fewer stages. Stages
 // are at least 8 blocks (WeightTile checks): a K-quant stage is whole 256-blocks, and a row's
 // quants a stage span the 128 bytes of its swizzle.
@@ -109,8 +110,10 @@ template <>
 struct QhShape<8> {
   static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 2;
 };
-// 17 to 64 columns where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): 64
-// rows a block, fewer stages at 32 columns.
+// 17 to 64 columns for products of fewer than kQhWideRows rows, whose 128-row blocks would be
+// too few (with k split over at most kMaxSplits) or partly empty (SmolLM2's 576 and 192), and
+// where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): 64 rows a block,
+// fewer stages at 32 columns.
 template <int NT>
 struct QhNarrow;
 template <>
@@ -758,11 +761,12 @@ void set_smem() {
     set(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>, QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
 }
 
-// Whether a product takes the narrow half tile (its device's blocks cannot take QhShape's).
+// Whether a product of n rows takes the narrow half tile.
+constexpr int64_t kQhWideRows = 4096;
 template <int TYPE, int NT>
-bool qh_narrow() {
+bool qh_narrow(int64_t n) {
   if constexpr (NT >= 4) {
-    return !tile_fits(QhTile<TYPE, NT>::kSmem);
+    return n < kQhWideRows || !tile_fits(QhTile<TYPE, NT>::kSmem);
   } else {
     return false;
   }
@@ -775,8 +779,8 @@ void set_q_smem() {
   set_smem<TYPE, 8>();
 }
 
-// The tile a product of the given kernel takes (its format and columns pick it).
-TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols) {
+// The tile a product of the given kernel takes (its format, columns and rows pick it).
+TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols, int64_t n) {
   return with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
@@ -784,7 +788,7 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols) {
         constexpr int NT = decltype(nt)::value;
         if (kind != MatMulQ::Half) return spec_of<Q8Tile<TYPE, NT>>();
         if constexpr (NT >= 4) {
-          if (qh_narrow<TYPE, NT>()) return spec_of<QhTile<TYPE, NT, QhNarrow<NT>>>();
+          if (qh_narrow<TYPE, NT>(n)) return spec_of<QhTile<TYPE, NT, QhNarrow<NT>>>();
         }
         return spec_of<QhTile<TYPE, NT>>();
       });
@@ -815,20 +819,23 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
                                            : measured_choice(k, cols);
   // A tile that needs more shared memory than the GPU gives a block (sm_86 and sm_89: 99 KiB)
   // leaves the product to the mat-vec or cuBLAS.
-  return kind != MatMulQ::None && !tile_fits(tile_spec(kind, t, cols).smem) ? MatMulQ::None : kind;
+  // (Any row count: the narrow tile, where the wide one does not fit, is what counts.)
+  return kind != MatMulQ::None && !tile_fits(tile_spec(kind, t, cols, kQhWideRows).smem)
+             ? MatMulQ::None
+             : kind;
 }
 
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
+  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
   return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
 }
 
 size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None) return 0;
-  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
+  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
   return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
 }
 
@@ -849,7 +856,7 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
                                     "or Q4_K weights, k a multiple of 64, 2 to ") +
                         std::to_string(kMatMulQMaxCols) + " columns), got " + dtype_name(type) +
                         ", k " + std::to_string(k) + ", " + std::to_string(cols) + " columns");
-  const QPlan p = q_plan(tile_spec(kind, type, cols), n, k);
+  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
   const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)), static_cast<unsigned>(p.splits));
   const auto* wq = static_cast<const uint8_t*>(w);
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
@@ -865,7 +872,7 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
               dst, partials, counters);
           };
           if constexpr (NT >= 4) {
-            if (qh_narrow<TYPE, NT>())
+            if (qh_narrow<TYPE, NT>(n))
               return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                             QhTile<TYPE, NT, QhNarrow<NT>>{});
           }

@@ -515,7 +515,9 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
       if (all_fit) {
         ASSERT_EQ(cuda::mat_mul_q_kind(t, 576, 2), kind);
       }
-      for (Shape s : {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}}) {
+      // 4,096 rows or more take the half kernel's wide tiles from 17 columns on.
+      for (Shape s :
+           {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}, Shape{256, 4160}}) {
         for (int64_t cols : {2, 5, 8, 9, 16, 17, 33, 64})
           check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
       }
@@ -540,7 +542,7 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
     EXPECT_EQ(cuda::mat_mul_q_kind(t, 4096, 64), MatMulQ::Half) << type_name(t);
     EXPECT_EQ(cuda::mat_mul_q_kind(t, 4096, 32), t == DType::Q8_0 ? MatMulQ::None : MatMulQ::Half)
         << type_name(t);
-    for (Shape s : {Shape{4160, 37}, Shape{11008, 300}}) {
+    for (Shape s : {Shape{4160, 37}, Shape{11008, 300}, Shape{256, 4160}}) {
       for (int64_t cols : {17, 33, 64}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
     }
   }
