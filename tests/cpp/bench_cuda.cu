@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/blas.h"
+#include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
 #include "quant.h"
 
@@ -168,9 +169,48 @@ struct PromptBuffers {
   }
 };
 
+// ---- the cost of a kernel boundary against a grid-wide barrier (#14's persistent decode) ----
+
+// One decode step's worth of tiny kernels: a block an SM, each adding to its own slot after the
+// previous kernel (programmatic dependent launch, as the backend launches).
+__global__ void boundary_kernel(float* x, float v) {
+  gc::pdl_begin();
+  if (threadIdx.x == 0) x[blockIdx.x] += v;
+}
+
+// All phases in one kernel of a block an SM (co-resident: a cooperative launch), the phases
+// separated by a barrier over the grid: an arrival counter and a generation the last arrival
+// advances, which the others spin on.
+__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* gen = generation;
+    const unsigned g = *gen;
+    __threadfence();
+    if (atomicAdd(count, 1u) == gridDim.x - 1) {
+      *count = 0;
+      __threadfence();
+      atomicAdd(generation, 1u);
+    } else {
+      while (*gen == g) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__global__ void barrier_kernel(float* x, int phases, unsigned* count, unsigned* generation) {
+  for (int p = 0; p < phases; ++p) {
+    // Each phase reads what another block wrote in the one before, as a layer's ops would.
+    if (threadIdx.x == 0) x[blockIdx.x] += __ldcg(x + (blockIdx.x + 1) % gridDim.x) * 0.0f + 1.0f;
+    grid_barrier(count, generation);
+  }
+}
+
 }  // namespace
 
-// Sections to run: matvec, matmul, gemm, attention, launch; all of them by default.
+// Sections to run: matvec, matmul, gemm, attention, launch, barrier; all of them by default.
 int main(int argc, char** argv) {
   auto want = [&](const char* section) {
     if (argc < 2) return true;
@@ -455,6 +495,34 @@ int main(int argc, char** argv) {
     const double ms = ev.time_ms(s, 1000, [&](int) { gc::launch_rms_norm(l, a, 576, 1, 1e-5f); });
     std::printf("\nback-to-back tiny kernel (rms_norm 576x1): %.2f us per launch\n", ms * 1e3);
     cudaFree(x);
+  }
+  if (want("barrier")) {
+    // A SmolLM2 decode step launches 274 kernels: that many boundaries, against that many
+    // barriers inside one kernel of a block an SM.
+    constexpr int kPhases = 274;
+    const int blocks = prop.multiProcessorCount;
+    float* x = nullptr;
+    unsigned* sync = nullptr;
+    CHECK(cudaMalloc(&x, blocks * sizeof(float)));
+    CHECK(cudaMalloc(&sync, 2 * sizeof(unsigned)));
+    CHECK(cudaMemset(x, 0, blocks * sizeof(float)));
+    CHECK(cudaMemset(sync, 0, 2 * sizeof(unsigned)));
+    const double graph = ev.graph_ms(
+        s, kPhases, [&](int) { l(boundary_kernel, dim3(blocks), dim3(256), 0, x, 1.0f); });
+    int phases = kPhases;
+    unsigned* count = sync;
+    unsigned* generation = sync + 1;
+    void* args[] = {&x, &phases, &count, &generation};
+    const double one = ev.time_ms(s, 20, [&](int) {
+      CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(barrier_kernel), dim3(blocks),
+                                        dim3(256), args, 0, s));
+    });
+    std::printf("\n%d kernels of %d blocks replayed from a graph: %.2f us a boundary\n", kPhases,
+                blocks, graph * 1e3);
+    std::printf("one kernel of %d blocks with %d grid barriers: %.2f us a barrier\n", blocks,
+                kPhases, one * 1e3 / kPhases);
+    cudaFree(x);
+    cudaFree(sync);
   }
   CHECK(cudaStreamDestroy(s));
   return 0;
