@@ -741,6 +741,17 @@ size_t max_block_smem() {
 // Whether a block takes the tile (16: the kernels' static shared memory).
 bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
 
+// Whether a product of n rows takes the narrow half tile.
+constexpr int64_t kQhWideRows = 4096;
+template <int TYPE, int NT>
+bool qh_narrow(int64_t n) {
+  if constexpr (NT >= 4) {
+    return n < kQhWideRows || !tile_fits(QhTile<TYPE, NT>::kSmem);
+  } else {
+    return false;
+  }
+}
+
 // fn(integral_constant NT) for the column tiles of a product of cols columns.
 template <typename Fn>
 decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
@@ -761,16 +772,6 @@ void set_smem() {
     set(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>, QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
 }
 
-// Whether a product of n rows takes the narrow half tile.
-constexpr int64_t kQhWideRows = 4096;
-template <int TYPE, int NT>
-bool qh_narrow(int64_t n) {
-  if constexpr (NT >= 4) {
-    return n < kQhWideRows || !tile_fits(QhTile<TYPE, NT>::kSmem);
-  } else {
-    return false;
-  }
-}
 template <int TYPE>
 void set_q_smem() {
   set_smem<TYPE, 1>();
