@@ -699,13 +699,13 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
 }
 
 size_t act_half_bytes(int64_t k, int64_t cols) {
-  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
+  const int64_t kp = act_half_pitch(k);
   return static_cast<size_t>(kp * cols) * sizeof(__half);
 }
 
 void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws,
                         bool bf16) {
-  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
+  const int64_t kp = act_half_pitch(k);
   const int64_t n = kp * cols;
   auto* h = reinterpret_cast<uint16_t*>(ws);
   if (bf16) {

@@ -298,7 +298,9 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
 // Activation preparation for the tensor-core path: half (or bfloat16, for cuBLAS's products of
 // BF16 weights), columns padded to kp = round_up(k, kActPad) with zeros.
 constexpr int kActPad = 64;
-inline int64_t act_half_pitch(int64_t k) { return (k + kActPad - 1) / kActPad * kActPad; }
+constexpr GGRAPH_HD int64_t act_half_pitch(int64_t k) {
+  return (k + kActPad - 1) / kActPad * kActPad;
+}
 size_t act_half_bytes(int64_t k, int64_t cols);
 void launch_act_to_half(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws,
                         bool bf16 = false);

@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   const WeightRows m = weight_rows<T>(w, n, k);
   const int nb = m.nb;
   const StageRange range = stage_range(nb, kSB);
-  const size_t kp = static_cast<size_t>((k + kActPad - 1) / kActPad * kActPad);  // act_half_pitch
+  const size_t kp = static_cast<size_t>(act_half_pitch(k));
 
   pdl_wait();
   auto load_stage = [&](int s) {

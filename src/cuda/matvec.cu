@@ -1323,7 +1323,7 @@ void mat_mul_tc_launch(Launcher& l, const void* w, int64_t n, int64_t k, const u
                   static_cast<unsigned>(ceil_div(n, kTcBW)));
   const auto* wp = static_cast<const uint8_t*>(w);
   const auto* xh = reinterpret_cast<const __half*>(ws);
-  const int64_t kp = (k + kActPad - 1) / kActPad * kActPad;
+  const int64_t kp = act_half_pitch(k);
   // Quantized weights are split (cuda/weight_layout.h): rows of quants, of high bits, of scales.
   constexpr SplitFormat f = split_format(static_cast<DType>(TYPE));
   constexpr bool kQuant = f.block_bytes != 0;
