@@ -306,7 +306,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   const int64_t row_bytes = kv_stride / 32 * 34;
   const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * q8_head_bytes(head_dim);
   const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * q8_head_bytes(head_dim);
-  // A staged row's lane values, unscaled, and the scale they take (Q8: the block's; F16: one).
+  // A staged row's lane values, unscaled, and the scale they take (Q8: the block's; F16: one,
+  // which multiplies exactly).
   auto unpack = [&](const Lane* rows, int r, float(&f)[DPL]) {
     if constexpr (Q8) {
       return unpack_lane_q8<DPL>(reinterpret_cast<const uint8_t*>(rows) + r * kRowPitch, lane,
@@ -376,7 +377,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
           float s = 0.0f;
 #pragma unroll
           for (int e = 0; e < DPL; ++e) s += qv[g][e] * kf[e];
-          dot[g][k] = Q8 ? s * ks_scale : s;
+          dot[g][k] = s * ks_scale;
         }
       }
 #pragma unroll
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
       const float vs_scale = unpack(vs, j, vf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const float pj = Q8 ? ps[g * TILE + j] * vs_scale : ps[g * TILE + j];
+        const float pj = ps[g * TILE + j] * vs_scale;
 #pragma unroll
         for (int e = 0; e < DPL; ++e) acc[g][e] += pj * vf[e];
       }

@@ -480,7 +480,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return buf.act;
   };
   // The same for the half form (launch_act_to_half's, without its padding: rows a multiple of
-  // kActPad), where only products that take half activations read x.
+  // kActPad), where only products that take half activations read x (never beside q8_output's,
+  // which needs a mat-vec reading x).
   auto half_output = [&](const Tensor* x, bool can = true) -> uint8_t* {
     const int p = pos(x);
     if (!can || p < 0 || !half_read[p] || q8_read[p] || x->ne[0] % kActPad != 0) return nullptr;
@@ -665,9 +666,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                       t->src[0]->ne[0], t->src[0]->ne[1], t->src[1]->ne[0]);
         break;
       case Op::Glu: {
-        uint8_t* q = q8_output(t);
         launch_glu(l, t->params[0], fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
-                   q, q ? nullptr : half_output(t));
+                   q8_output(t), half_output(t));
         break;
       }
       case Op::Softcap:
@@ -888,9 +888,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         uint8_t* q =
             q8_output(t, t->params[kAttnHeadDim] % 32 == 0 && n_tokens <= kDecodeAttnMaxTokens);
         // Or the half form, for the products of a decode batch of several sequences.
-        uint8_t* h =
-            q ? nullptr
-              : half_output(t, n_tokens <= kDecodeAttnMaxTokens || t->op == Op::AttentionSeqs);
+        uint8_t* h = half_output(t, n_tokens <= kDecodeAttnMaxTokens || t->op == Op::AttentionSeqs);
         AttentionArgs a;
         a.q = fptr(t->src[0]);
         a.k_cache = cache_of(t->src[1])->data;
