@@ -551,17 +551,28 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return true;
   };
 
+  // How a two-tensor rope launch reads (rope_token_fits, rope_reads_first): kRopeAll, every read
+  // before any write (one token); kRopeToken, a token a block, its rows read first; else neither.
+  constexpr int kRopeToken = 1, kRopeAll = 2;
+  // Whether such a launch may write x where it reads y: where they do not overlap; with
+  // kRopeAll, anywhere; with kRopeToken, where x takes y's place exactly, with y's row width (a
+  // token's rows are then the same bytes, in one block).
+  auto rope_apart = [&](const Tensor* x, const Tensor* y, int reads) {
+    if (!scratch_overlap(x, y) || reads == kRopeAll) return true;
+    return reads == kRopeToken && x->offset == y->offset && x->type == y->type &&
+           x->ne[0] == y->ne[0];
+  };
   // Whether rope c may go out in the launch of rope t (q's and k's: the same positions and
-  // parameters, neither writing what the other reads unless the launch reads everything first).
-  auto ropes_pair = [&](const Tensor* t, const Tensor* c, bool reads_first) {
+  // parameters, neither writing what the other reads unless the launch reads it first).
+  auto ropes_pair = [&](const Tensor* t, const Tensor* c, int reads) {
     return c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
            c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
            c->params[kRopeNDims] == t->params[kRopeNDims] &&
            c->params[kRopeMode] == t->params[kRopeMode] &&
            c->params[kRopeBase] == t->params[kRopeBase] &&
            c->params[kRopeScale] == t->params[kRopeScale] && c->src[2] == t->src[2] &&
-           (reads_first || (!scratch_overlap(c, t) && !scratch_overlap(c, t->src[0]) &&
-                            !scratch_overlap(t, c->src[0])));
+           (reads == kRopeAll || (!scratch_overlap(c, t) && rope_apart(c, t->src[0], reads) &&
+                                  rope_apart(t, c->src[0], reads)));
   };
 
   // Per-head q/k norms (rms_norm per head, times the head weight) right before the ropes of q
@@ -600,7 +611,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     if (q->op != Op::Rope || k->op != Op::Rope || q->src[0] != nodes[qm] ||
         k->src[0] != nodes[km] || q->ne[1] != 1 || nodes[i]->params[kNormGroup] != hd ||
         nodes[kr]->params[kNormGroup] != hd ||
-        nodes[i]->params[kNormEps] != nodes[kr]->params[kNormEps] || !ropes_pair(q, k, true) ||
+        nodes[i]->params[kNormEps] != nodes[kr]->params[kNormEps] || !ropes_pair(q, k, kRopeAll) ||
         !rope_norm_fits(1, q->params[kRopeNHead], k->params[kRopeNHead], hd))
       continue;
     HeadNorm h;
@@ -790,23 +801,26 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           return -1;
         };
         const Tensor* pair = nullptr;
-        bool reads_first = false;
+        int reads = 0;
         const int jk = next_open(i);
         if (jk >= 0) {
           const Tensor* c = nodes[jk];
-          // One token in one block reads everything before writing: then k's rope may write
-          // where q's product was (as the planner arranges).
-          reads_first = rope_reads_first(static_cast<int>(t->ne[1]),
-                                         rope_slots(t->params[kRopeNHead], t->params[kRopeHeadDim],
-                                                    c->params[kRopeNHead], true),
-                                         t->params[kRopeHeadDim]);
-          if (ropes_pair(t, c, reads_first)) {
+          // A token a block reads its rows before writing: then k's rope may write where q's
+          // product was (as the planner arranges), for one token anywhere.
+          const int64_t rs = rope_slots(t->params[kRopeNHead], t->params[kRopeHeadDim],
+                                        c->params[kRopeNHead], true);
+          const int hd = t->params[kRopeHeadDim];
+          reads = rope_reads_first(static_cast<int>(t->ne[1]), rs, hd) ? kRopeAll
+                  : rope_token_fits(rs, hd)                            ? kRopeToken
+                                                                       : 0;
+          if (ropes_pair(t, c, reads)) {
             pair = c;
             done[jk] = 1;
           }
         }
         // Then the K store of the rotated k and the V store of rows already computed, next to
-        // each other: they ride along too.
+        // each other (or a decode batch's stores into its pools, by the same slots): they ride
+        // along too.
         RopeKvStore kv;
         bool with_kv = false;
         if (pair) {
@@ -815,20 +829,28 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           if (jv >= 0) {
             const Tensor* ks = nodes[js];
             const Tensor* vs = nodes[jv];
-            const int pv = vs->op == Op::KvStore ? pos(vs->src[0]) : -1;
-            with_kv = ks->op == Op::KvStore && ks->src[0] == pair && vs->op == Op::KvStore &&
-                      kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
-                      vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
-                      vs->src[0]->ne[0] == pair->ne[0] && vs->src[0]->ne[1] == pair->ne[1] &&
-                      kv_target(vs) != kv_target(ks) && (pv < 0 || pv < i || done[pv]) &&
-                      (reads_first ||
-                       (!scratch_overlap(vs->src[0], t) && !scratch_overlap(vs->src[0], pair)));
+            const bool seqs = ks->op == Op::KvStoreSeqs;
+            const int pv =
+                vs->op == Op::KvStore || vs->op == Op::KvStoreSeqs ? pos(vs->src[0]) : -1;
+            with_kv =
+                (ks->op == Op::KvStore || seqs) && vs->op == ks->op && ks->src[0] == pair &&
+                kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
+                (seqs ? vs->src[2] == ks->src[2] && vs->params[kKvSeqRows] == ks->params[kKvSeqRows]
+                      : vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1]) &&
+                vs->src[0]->ne[0] == pair->ne[0] && vs->src[0]->ne[1] == pair->ne[1] &&
+                kv_target(vs) != kv_target(ks) && (pv < 0 || pv < i || done[pv]) &&
+                rope_apart(t, vs->src[0], reads) && rope_apart(pair, vs->src[0], reads);
             if (with_kv) {
               kv.k_cache = kv_target(ks)->data;
               kv.v = fptr(vs->src[0]);
               kv.v_cache = kv_target(vs)->data;
-              kv.first_row = kv_at(ks->kv[0]);
-              kv.rows = static_cast<int>(kv_target(ks)->ne[1]);
+              if (seqs) {
+                kv.slots = static_cast<const int32_t*>(ptr(ks->src[2]));
+                kv.rows = ks->params[kKvSeqRows];
+              } else {
+                kv.first_row = kv_at(ks->kv[0]);
+                kv.rows = static_cast<int>(kv_target(ks)->ne[1]);
+              }
               done[js] = done[jv] = 1;
             }
           }

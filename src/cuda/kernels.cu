@@ -218,14 +218,28 @@ __global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap)
 
 // ---- rope ----------------------------------------------------------------------------------
 
+// The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
+// slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
+// the position, or none (-1) for a padding token (sequence -1); otherwise the row of position
+// *first_row_at + t (ring_row).
+__device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
+                                                int t, int n_tokens, int rows) {
+  if (slots)
+    return slots[t] < 0
+               ? -1
+               : static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
+  return ring_row(*first_row_at + t, rows);
+}
+
 // One thread per pair slot p < head_dim/2 of one head of one token. Angles are computed in
 // double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
 // Rotates the heads of one tensor (n_head1 0) or of two with the same positions (q and k): the
 // first n_head0 * head_dim / 2 pairs of a token belong to the first.
-// With k_cache set, the second tensor's rows (k) also go to the F16 cache at position first_row
-// + token (its row in a cache of kv_rows rows), and v's rows (pairs after the ropes' pairs) to
-// v_cache: the K/V stores in the same launch. first_row comes from the step's KV record, as in
-// kv_store_kernel.
+// With k_cache set, the second tensor's rows (k) also go to the F16 cache at each token's row
+// (kv_store_row: position first_row + token of a cache of kv_rows rows, or with slots its
+// sequence's row in a pool of sequences of kv_rows rows), and v's rows (pairs after the ropes'
+// pairs) to v_cache: the K/V stores in the same launch. first_row comes from the step's KV
+// record, as in kv_store_kernel.
 struct RopeArgs {
   const float* src0;
   float* dst0;
@@ -253,19 +267,18 @@ struct RopeSlot {
   bool rotate, copy, valid;
 };
 
-__device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, int t,
-                                              int32_t first_row) {
+// row: the token's cache row (kv_store_row; negative: none, a padding token's).
+__device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, int t, int64_t row) {
   RopeSlot r{};
   const int half_dim = a.head_dim / 2;
   const int n01 = a.n_head0 + a.n_head1;
   const int64_t width1 = static_cast<int64_t>(a.n_head1) * a.head_dim;
-  const int64_t row = ring_row(first_row + t, a.kv_rows);
   r.head = h;
   if (h >= n01) {
-    r.valid = a.k_cache && h - n01 < a.n_head1;
+    r.valid = a.k_cache && h - n01 < a.n_head1 && row >= 0;
     r.copy = true;
     r.x = a.v_src + t * width1;
-    r.c = a.v_cache + row * width1;
+    r.c = r.valid ? a.v_cache + row * width1 : nullptr;
     r.i0 = 2 * ((h - n01) * half_dim + p);
     r.i1 = r.i0 + 1;
     return r;
@@ -277,8 +290,9 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, i
   const int64_t base = (static_cast<int64_t>(t) * n_head + hh) * a.head_dim;
   r.x = (second ? a.src1 : a.src0) + base;
   r.y = (second ? a.dst1 : a.dst0) + base;
-  r.c = second && a.k_cache ? a.k_cache + row * width1 + static_cast<int64_t>(hh) * a.head_dim
-                            : nullptr;
+  r.c = second && a.k_cache && row >= 0
+            ? a.k_cache + row * width1 + static_cast<int64_t>(hh) * a.head_dim
+            : nullptr;
   if (a.mode == kRopeNeox) {
     const int rot_half = a.n_dims / 2;
     r.rotate = p < rot_half;
@@ -314,8 +328,7 @@ __device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, 
 __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1, float sf,
                                            float cf) {
   if (r.copy) {
-    r.c[r.i0] = __float2half_rn(x0);
-    r.c[r.i1] = __float2half_rn(x1);
+    if (r.c) r.c[r.i0] = __float2half_rn(x0), r.c[r.i1] = __float2half_rn(x1);
     return;
   }
   float y0 = x0, y1 = x1;
@@ -330,7 +343,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
   const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
       int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
       const int32_t *pos, float freq_base, const int32_t *first_row_at, int kv_rows,            \
-      const float *freq_factors, float freq_scale
+      const float *freq_factors, float freq_scale, const int32_t *slots
 #define GGRAPH_ROPE_ARGS                                                                       \
   const RopeArgs a {                                                                           \
     src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache, \
@@ -340,32 +353,36 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
 __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
-  const int32_t first_row = k_cache ? *first_row_at : 0;
+  const int t = blockIdx.y;
+  const int64_t row = k_cache ? kv_store_row(first_row_at, slots, t, gridDim.y, kv_rows) : 0;
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int half_dim = head_dim / 2;
-  const RopeSlot r = rope_slot(a, idx / half_dim, idx % half_dim, blockIdx.y, first_row);
+  const RopeSlot r = rope_slot(a, idx / half_dim, idx % half_dim, t, row);
   if (!r.valid) return;
   const float x0 = r.x[r.i0], x1 = r.x[r.i1];
   float sf = 0.0f, cf = 1.0f;
   if (!r.copy && r.rotate)
-    rope_angle(pos[blockIdx.y], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+    rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
   rope_write(r, x0, x1, sf, cf);
 }
 
-// One token in one block: every read (and each frequency's angle, in shared memory) before any
-// write, so that an output may take the memory of an input, as the planner hands out k's rope
-// output where q's product was. A thread keeps one pair p of a head and takes the heads p's
-// threads stride over (rope_token_threads). NORM: each head is first RMS-normalized over its
-// head_dim elements and multiplied by norm_w0 (the first tensor's heads) or norm_w1 (the
-// second's): the per-head q/k norms of Qwen 3 and Gemma 3 in the same launch. A head's sum of
-// squares is reduced in a fixed order, so results do not depend on scheduling.
+// A token a block (blockIdx.x): every read of the token's rows (and each frequency's angle, in
+// shared memory) before any write, so that an output may take the memory of an input, as the
+// planner hands out k's rope output where q's product was: any input with one token, and with
+// several the same rows of an input of the same width (the block's own token's). A thread keeps one
+// pair p of a head and takes the heads p's threads stride over (rope_token_threads). NORM: each
+// head is first RMS-normalized over its head_dim elements and multiplied by norm_w0 (the first
+// tensor's heads) or norm_w1 (the second's): the per-head q/k norms of Qwen 3 and Gemma 3 in the
+// same launch. A head's sum of squares is reduced in a fixed order, so results do not depend on
+// scheduling.
 template <bool NORM>
 __global__ void __launch_bounds__(1024)
     rope_token_kernel(GGRAPH_ROPE_PARAMS, int n_heads, const float* norm_w0, const float* norm_w1,
                       float norm_eps) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
-  const int32_t first_row = k_cache ? *first_row_at : 0;
+  const int t = blockIdx.x;
+  const int64_t row = k_cache ? kv_store_row(first_row_at, slots, t, gridDim.x, kv_rows) : 0;
   __shared__ float2 angle[kRopeMaxHalfDim];
   __shared__ float squares[NORM ? kRopeNormMaxPairs : 1];
   __shared__ float head_scale[NORM ? kRopeNormMaxHeads : 1];
@@ -378,7 +395,7 @@ __global__ void __launch_bounds__(1024)
   for (int s = 0; s < kRopeTokenSlots; ++s) {
     const int h = h0 + s * stride;
     if (h >= n_heads) break;
-    const RopeSlot r = rope_slot(a, h, p, 0, first_row);
+    const RopeSlot r = rope_slot(a, h, p, t, row);
     x0[s] = r.x[r.i0];
     x1[s] = r.x[r.i1];
     if constexpr (NORM) {
@@ -387,7 +404,7 @@ __global__ void __launch_bounds__(1024)
   }
   if (static_cast<int>(threadIdx.x) < half_dim) {
     float sf, cf;
-    rope_angle(pos[0], p, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+    rope_angle(pos[t], p, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
     angle[p] = make_float2(sf, cf);
   }
   __syncthreads();
@@ -407,7 +424,7 @@ __global__ void __launch_bounds__(1024)
   for (int s = 0; s < kRopeTokenSlots; ++s) {
     const int h = h0 + s * stride;
     if (h >= n_heads) break;
-    const RopeSlot r = rope_slot(a, h, p, 0, first_row);
+    const RopeSlot r = rope_slot(a, h, p, t, row);
     if constexpr (NORM) {
       const float* w = r.head < a.n_head0 ? norm_w0 : norm_w1;
       if (!r.copy && w) {
@@ -422,19 +439,6 @@ __global__ void __launch_bounds__(1024)
 }
 
 // ---- KV store ------------------------------------------------------------------------------
-
-// The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
-// slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
-// the position, or none (-1) for a padding token (sequence -1); otherwise the row of position
-// *first_row_at + t (ring_row).
-__device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
-                                                int t, int n_tokens, int rows) {
-  if (slots)
-    return slots[t] < 0
-               ? -1
-               : static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
-  return ring_row(*first_row_at + t, rows);
-}
 
 // first_row (the first token's position) is read from the step's KV record, so that the
 // arguments stay the same from step to step; token t goes to kv_store_row. blockIdx.y picks one
@@ -600,6 +604,7 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
              nullptr,
              0};
   const int32_t* first_row = nullptr;
+  const int32_t* seq_slots = nullptr;
   const bool with_kv = kv && src1;
   if (with_kv) {
     a.k_cache = static_cast<__half*>(kv->k_cache);
@@ -607,22 +612,23 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     a.v_src = kv->v;
     a.kv_rows = kv->rows;
     first_row = kv->first_row;
+    seq_slots = kv->slots;
   }
   const int64_t slots = rope_slots(n_head, head_dim, n_head1, with_kv);
   if (norm && !rope_norm_fits(n_tokens, n_head, n_head1, head_dim))
     throw std::logic_error("launch_rope: head norms of this size do not fit one block");
-  if (norm || (src1 && rope_reads_first(n_tokens, slots, head_dim))) {
+  if (norm || (src1 && rope_token_fits(slots, head_dim))) {
     const int n_heads = static_cast<int>(slots / (head_dim / 2));
-    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(1),
+    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(n_tokens),
       dim3(rope_token_threads(n_heads, head_dim)), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
       a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, a.kv_rows, freq_factors, freq_scale, n_heads, norm ? norm->w0 : nullptr,
+      first_row, a.kv_rows, freq_factors, freq_scale, seq_slots, n_heads, norm ? norm->w0 : nullptr,
       norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
     a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
-    freq_base, first_row, a.kv_rows, freq_factors, freq_scale);
+    freq_base, first_row, a.kv_rows, freq_factors, freq_scale, seq_slots);
 }
 
 bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim) {
@@ -637,11 +643,15 @@ int rope_token_threads(int n_heads, int head_dim) {
   return std::min(n_heads, 1024 / half_dim) * half_dim;
 }
 
-bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
+bool rope_token_fits(int64_t slots, int head_dim) {
   const int half_dim = head_dim / 2;
-  if (n_tokens != 1 || half_dim < 1 || half_dim > kRopeMaxHalfDim) return false;
+  if (half_dim < 1 || half_dim > kRopeMaxHalfDim) return false;
   // Each thread takes one pair of up to kRopeTokenSlots heads.
   return slots <= static_cast<int64_t>(1024 / half_dim) * half_dim * kRopeTokenSlots;
+}
+
+bool rope_reads_first(int n_tokens, int64_t slots, int head_dim) {
+  return n_tokens == 1 && rope_token_fits(slots, head_dim);
 }
 
 void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cache0,

@@ -243,6 +243,9 @@ struct RopeKvStore {
   void* v_cache = nullptr;
   const int32_t* first_row = nullptr;
   int rows = 0;
+  // Each token into its sequence's rows of pools of sequences of `rows` rows (I32 [2 * n_tokens]:
+  // sequences, then positions; first_row unused), as launch_kv_store's slots.
+  const int32_t* slots = nullptr;
 };
 // Per-head RMS norms applied before the rotation (Qwen 3's and Gemma 3's q/k norms): each head
 // of src (src1) is normalized over head_dim and multiplied by w0 (w1), head_dim values.
@@ -267,12 +270,16 @@ bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim);
 // Pair slots of such a launch: q's and k's rotation pairs, and v's pairs when the stores ride
 // along.
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv);
-// Whether a two-tensor rope launch of this size does every read before any write (one token in
-// one block): then its outputs may overlap its inputs. Each of its threads keeps one pair of up
-// to kRopeTokenSlots heads; rope_token_threads is its block size for n_heads heads (q's, k's and
-// V's rows cut into heads).
+// Whether a two-tensor rope launch of this size runs a token a block, every read of the token's
+// rows before any write (rope_token_fits): then an output may take the place of an input of
+// the same row width (token t's rows are then the same bytes, in the same block); and whether
+// it does every read before any write (rope_reads_first, one token): then its outputs may
+// overlap its inputs in any way. Each of its threads keeps one pair of up to kRopeTokenSlots
+// heads; rope_token_threads is its block size for n_heads heads (q's, k's and V's rows cut into
+// heads).
 constexpr int kRopeTokenSlots = 8;
 constexpr int kRopeMaxHalfDim = 256;
+bool rope_token_fits(int64_t slots, int head_dim);
 bool rope_reads_first(int n_tokens, int64_t slots, int head_dim);
 int rope_token_threads(int n_heads, int head_dim);
 // Writes src0 into cache0 (and src1 into cache1 when src1 is given) at positions *first_row...

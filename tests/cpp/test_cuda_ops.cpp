@@ -1234,6 +1234,62 @@ TEST_F(CudaOps, DecodeBatchAttentionHandsItsHalfFormToTheProduct) {
   }
 }
 
+// A decode batch's attention input over KV pools, CUDA against the CPU: q, k and v products of
+// one activation, the ropes, the K/V stores by slots, the attention. Without GQA the ropes and
+// both stores are one launch (a token a block, k's rope where q's product was); with it, not.
+TEST_F(CudaOps, DecodeBatchRopesAndStoresMatchTheCpu) {
+  std::mt19937 rng(41);
+  const int n_head = 4, hd = 64, n_embd = n_head * hd, n_seq = 16, rows = 64;
+  for (int n_head_kv : {4, 1}) {
+    const int kv_w = n_head_kv * hd;
+    for (DType t : {DType::Q4_0, DType::F16}) {
+      for (int n_tok : {3, 12, 16}) {
+        std::vector<float> dq, dk, dv;
+        auto bq = quantize(t, randn(size_t(n_embd) * n_embd, rng, 0.05f), n_embd, n_embd, dq);
+        auto bk = quantize(t, randn(size_t(n_embd) * kv_w, rng, 0.05f), n_embd, kv_w, dk);
+        auto bv = quantize(t, randn(size_t(n_embd) * kv_w, rng, 0.05f), n_embd, kv_w, dv);
+        auto x = randn(size_t(n_embd) * n_tok, rng);
+        // Each token a sequence of its own at its own position, the pools' other rows random.
+        std::vector<int32_t> seqs(n_seq), pos(n_tok), slots(2 * size_t(n_tok)), ids;
+        for (int i = 0; i < n_seq; ++i) seqs[i] = i;
+        std::shuffle(seqs.begin(), seqs.end(), rng);
+        for (int i = 0; i < n_tok; ++i) {
+          pos[i] = int(rng() % (rows - 1));
+          slots[i] = seqs[i];
+          slots[n_tok + i] = pos[i];
+        }
+        const auto k16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+        const auto v16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+        Build build = [&](Graph& g, Backend& be) {
+          auto pool = [&](const std::vector<uint16_t>& h, const char* name) {
+            void* p = be.alloc_kv(h.size() * 2);
+            be.kv_from_host(p, h.data(), h.size() * 2);
+            return g.kv_pool(DType::F16, kv_w, rows, n_seq, p, name);
+          };
+          Tensor* kp = pool(k16, "k_pool");
+          Tensor* vp = pool(v16, "v_pool");
+          Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
+          Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+          Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
+          Tensor* q = g.mul_mat(upload(g, be, t, n_embd, n_embd, bq.data(), "wq"), xt);
+          Tensor* k = g.mul_mat(upload(g, be, t, n_embd, kv_w, bk.data(), "wk"), xt);
+          Tensor* v = g.mul_mat(upload(g, be, t, n_embd, kv_w, bv.data(), "wv"), xt);
+          q = g.rope(q, p, n_head, hd, hd, kRopeNormal, 10000.0f);
+          k = g.rope(k, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+          g.kv_store_seqs(kp, k, sl);
+          g.kv_store_seqs(vp, v, sl);
+          return g.attention_seqs(q, kp, vp, sl, n_head, n_head_kv, hd,
+                                  1.0f / std::sqrt(float(hd)));
+        };
+        const auto gpu = run_on(*cuda_, build);
+        const auto cpu = run_on(*cpu_, build);
+        EXPECT_LT(rel_err(gpu, cpu), t == DType::F16 ? 5e-3 : 3e-2)
+            << type_name(t) << " heads " << n_head << "/" << n_head_kv << " tokens " << n_tok;
+      }
+    }
+  }
+}
+
 // ---- the ops Gemma, Qwen and Phi add --------------------------------------------------------
 
 TEST_F(CudaOps, PerHeadNormWithItsWeightAndRepeatedBroadcast) {
@@ -1545,6 +1601,90 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.wk), 1);
     EXPECT_EQ(launches_of(rec, lg.wv), 1);
   }
+}
+
+// A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
+// ropes, the K/V stores by slots, the attention), planned but not run; the ropes' and the
+// stores' nodes.
+struct SeqsLayer {
+  Graph g;
+  std::vector<int32_t> tokens, positions, slots;
+  Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
+
+  SeqsLayer(int n_tokens, int n_head_kv) {
+    const int n_embd = 4096, n_head = 32, hd = 128, rows = 512, n_seq = 64;
+    const int kv_w = n_head_kv * hd;
+    uintptr_t next = 0x100000;
+    auto fake = [&](size_t bytes) {
+      void* p = reinterpret_cast<void*>(next);
+      next += (bytes + 4095) / 4096 * 4096 + 4096;
+      return p;
+    };
+    auto weight = [&](DType t, int64_t ne0, int64_t ne1, const char* name) {
+      return g.weight(t, ne0, ne1, fake(row_size(t, ne0) * ne1), name);
+    };
+    tokens.assign(n_tokens, 1);
+    positions.assign(n_tokens, 5);
+    slots.assign(2 * size_t(n_tokens), 0);
+    Tensor* tok = g.input_i32(n_tokens, tokens.data(), "tokens");
+    Tensor* pos = g.input_i32(n_tokens, positions.data(), "positions");
+    Tensor* sl = g.input_i32(2 * n_tokens, slots.data(), "slots");
+    Tensor* x = g.get_rows(weight(DType::Q8_0, n_embd, 32000, "tok_embd"), tok);
+    for (int il = 0; il < 2; ++il) {
+      Tensor* h = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "attn_norm"));
+      Tensor* q = g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wq"), h);
+      Tensor* k = g.mul_mat(weight(DType::Q4_0, n_embd, kv_w, "wk"), h);
+      Tensor* v = g.mul_mat(weight(DType::Q4_0, n_embd, kv_w, "wv"), h);
+      rope_q = g.rope(q, pos, n_head, hd, hd, kRopeNormal, 10000.0f);
+      rope_k = g.rope(k, pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+      const size_t pool_bytes = size_t(rows) * n_seq * kv_w * 2;
+      Tensor* kp = g.kv_pool(DType::F16, kv_w, rows, n_seq, fake(pool_bytes), "k_pool");
+      Tensor* vp = g.kv_pool(DType::F16, kv_w, rows, n_seq, fake(pool_bytes), "v_pool");
+      store_k = g.kv_store_seqs(kp, rope_k, sl);
+      store_v = g.kv_store_seqs(vp, v, sl);
+      Tensor* a = g.attention_seqs(rope_q, kp, vp, sl, n_head, n_head_kv, hd, 0.088f);
+      x = g.add(x, g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wo"), a));
+    }
+    g.set_output(g.mul_mat(weight(DType::Q8_0, n_embd, 32000, "output"), x));
+    plan(g);
+  }
+
+  std::vector<cuda::KernelLaunch> launches() const {
+    cuda::validate_graph(g);
+    cuda::DeviceBuffers buf;
+    buf.scratch = reinterpret_cast<uint8_t*>(uintptr_t(0x7000000000));
+    buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
+    buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
+    buf.attn = reinterpret_cast<float*>(uintptr_t(0x7300000000));
+    buf.attn_counters = reinterpret_cast<unsigned*>(uintptr_t(0x7500000000));
+    buf.kv_record = reinterpret_cast<int32_t*>(uintptr_t(0x7400000000));
+    std::vector<cuda::KernelLaunch> rec;
+    cuda::Launcher l;
+    l.execute = false;
+    l.record = &rec;
+    cuda::KvLayout kv;
+    cuda::kv_layout(g, &kv);
+    cuda::launch_graph(g, kv, buf, l);
+    return rec;
+  }
+};
+
+// Decode batches: the ropes of q and k and both stores into the pools go out in one launch (a
+// token a block, which reads its rows first), k's rope in q's product's place; where k is
+// narrower than q (GQA), that place would hold other tokens' rows, and they do not pair.
+TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
+  for (int n_tokens : {2, 16, 64}) {
+    SeqsLayer lg(n_tokens, 32);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.rope_q), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.rope_k), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.store_k), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.store_v), 0) << n_tokens;
+  }
+  SeqsLayer gqa(16, 8);
+  const auto rec = gqa.launches();
+  EXPECT_EQ(launches_of(rec, gqa.rope_q), 1);
+  EXPECT_EQ(launches_of(rec, gqa.rope_k), 1);
 }
 
 // Decode batches and prompts: the residual add launches the norm after it too, whose result
