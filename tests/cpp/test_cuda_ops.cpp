@@ -96,6 +96,14 @@ Tensor* f16_cache(Graph& g, Backend& be, const std::vector<uint16_t>& data, int6
   return g.kv_cache(DType::F16, w, n_ctx, p, name);
 }
 
+// A pool of n_seq F16 KV caches of `rows` rows [w] with the given contents.
+Tensor* f16_pool(Graph& g, Backend& be, const std::vector<uint16_t>& data, int64_t w, int rows,
+                 int n_seq, const std::string& name) {
+  void* p = be.alloc_kv(data.size() * 2);
+  be.kv_from_host(p, data.data(), data.size() * 2);
+  return g.kv_pool(DType::F16, w, rows, n_seq, p, name);
+}
+
 // An F32 scratch tensor holding x: get_rows of an F32 table with ids 0..ne1-1.
 Tensor* activations(Graph& g, Backend& be, const std::vector<float>& x, int64_t ne0, int64_t ne1,
                     std::vector<int32_t>& ids) {
@@ -1216,13 +1224,8 @@ TEST_F(CudaOps, DecodeBatchAttentionHandsItsHalfFormToTheProduct) {
     }
     auto q = randn(size_t(n_embd) * n_tok, rng);
     Build build = [&](Graph& g, Backend& be) {
-      auto pool = [&](const std::vector<uint16_t>& h, const char* name) {
-        void* p = be.alloc_kv(h.size() * 2);
-        be.kv_from_host(p, h.data(), h.size() * 2);
-        return g.kv_pool(DType::F16, kv_w, rows, n_seq, p, name);
-      };
-      Tensor* kp = pool(k16, "k_pool");
-      Tensor* vp = pool(v16, "v_pool");
+      Tensor* kp = f16_pool(g, be, k16, kv_w, rows, n_seq, "k_pool");
+      Tensor* vp = f16_pool(g, be, v16, kv_w, rows, n_seq, "v_pool");
       Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
       Tensor* a = g.attention_seqs(activations(g, be, q, n_embd, n_tok, ids), kp, vp, sl, n_head,
                                    n_head_kv, hd, 1.0f / std::sqrt(float(hd)));
@@ -1261,13 +1264,8 @@ TEST_F(CudaOps, DecodeBatchRopesAndStoresMatchTheCpu) {
         const auto k16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
         const auto v16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
         Build build = [&](Graph& g, Backend& be) {
-          auto pool = [&](const std::vector<uint16_t>& h, const char* name) {
-            void* p = be.alloc_kv(h.size() * 2);
-            be.kv_from_host(p, h.data(), h.size() * 2);
-            return g.kv_pool(DType::F16, kv_w, rows, n_seq, p, name);
-          };
-          Tensor* kp = pool(k16, "k_pool");
-          Tensor* vp = pool(v16, "v_pool");
+          Tensor* kp = f16_pool(g, be, k16, kv_w, rows, n_seq, "k_pool");
+          Tensor* vp = f16_pool(g, be, v16, kv_w, rows, n_seq, "v_pool");
           Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
           Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
           Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
@@ -1448,6 +1446,19 @@ TEST(CudaDevices, ListsUsableGpus) {
 // launch_graph with launches recorded and not executed: what the CUDA graph executor relies on.
 
 // Two llama-style layers at the given batch and cache position, weights at fake device addresses.
+// Weights at made-up device addresses, for graphs that are planned but never run.
+struct FakeWeights {
+  uintptr_t next = 0x100000;
+  void* alloc(size_t bytes) {
+    void* p = reinterpret_cast<void*>(next);
+    next += (bytes + 4095) / 4096 * 4096 + 4096;
+    return p;
+  }
+  Tensor* weight(Graph& g, DType t, int64_t ne0, int64_t ne1, const char* name) {
+    return g.weight(t, ne0, ne1, alloc(row_size(t, ne0) * ne1), name);
+  }
+};
+
 struct LayerGraph {
   Graph g;
   std::vector<int32_t> tokens, positions;
@@ -1462,14 +1473,10 @@ struct LayerGraph {
   LayerGraph(int n_tokens, int n_past, bool products_first = false, bool head_norms = false,
              DType qk_type = DType::Q4_1, DType v_type = DType::Q4_1) {
     const int n_embd = 576, n_head = 9, n_head_kv = 3, hd = 64, n_ff = 1536, n_ctx = 1024;
-    uintptr_t next = 0x100000;
-    auto fake = [&](size_t bytes) {
-      void* p = reinterpret_cast<void*>(next);
-      next += (bytes + 4095) / 4096 * 4096 + 4096;
-      return p;
-    };
+    FakeWeights fw;
+    auto fake = [&](size_t bytes) { return fw.alloc(bytes); };
     auto weight = [&](DType t, int64_t ne0, int64_t ne1, const char* name) {
-      return g.weight(t, ne0, ne1, fake(row_size(t, ne0) * ne1), name);
+      return fw.weight(g, t, ne0, ne1, name);
     };
     tokens.assign(n_tokens, 1);
     positions.resize(n_tokens);
@@ -1528,7 +1535,10 @@ struct LayerGraph {
 
   static int32_t* record() { return reinterpret_cast<int32_t*>(uintptr_t(0x7400000000)); }
 
-  std::vector<cuda::KernelLaunch> launches() const {
+  std::vector<cuda::KernelLaunch> launches() const { return launches_of_graph(g); }
+
+  // The launches a planned graph makes, recorded without running (fake device addresses).
+  static std::vector<cuda::KernelLaunch> launches_of_graph(const Graph& g) {
     cuda::validate_graph(g);
     cuda::DeviceBuffers buf;
     buf.scratch = reinterpret_cast<uint8_t*>(uintptr_t(0x7000000000));
@@ -1614,14 +1624,10 @@ struct SeqsLayer {
   SeqsLayer(int n_tokens, int n_head_kv) {
     const int n_embd = 4096, n_head = 32, hd = 128, rows = 512, n_seq = 64;
     const int kv_w = n_head_kv * hd;
-    uintptr_t next = 0x100000;
-    auto fake = [&](size_t bytes) {
-      void* p = reinterpret_cast<void*>(next);
-      next += (bytes + 4095) / 4096 * 4096 + 4096;
-      return p;
-    };
+    FakeWeights fw;
+    auto fake = [&](size_t bytes) { return fw.alloc(bytes); };
     auto weight = [&](DType t, int64_t ne0, int64_t ne1, const char* name) {
-      return g.weight(t, ne0, ne1, fake(row_size(t, ne0) * ne1), name);
+      return fw.weight(g, t, ne0, ne1, name);
     };
     tokens.assign(n_tokens, 1);
     positions.assign(n_tokens, 5);
@@ -1649,24 +1655,7 @@ struct SeqsLayer {
     plan(g);
   }
 
-  std::vector<cuda::KernelLaunch> launches() const {
-    cuda::validate_graph(g);
-    cuda::DeviceBuffers buf;
-    buf.scratch = reinterpret_cast<uint8_t*>(uintptr_t(0x7000000000));
-    buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
-    buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
-    buf.attn = reinterpret_cast<float*>(uintptr_t(0x7300000000));
-    buf.attn_counters = reinterpret_cast<unsigned*>(uintptr_t(0x7500000000));
-    buf.kv_record = reinterpret_cast<int32_t*>(uintptr_t(0x7400000000));
-    std::vector<cuda::KernelLaunch> rec;
-    cuda::Launcher l;
-    l.execute = false;
-    l.record = &rec;
-    cuda::KvLayout kv;
-    cuda::kv_layout(g, &kv);
-    cuda::launch_graph(g, kv, buf, l);
-    return rec;
-  }
+  std::vector<cuda::KernelLaunch> launches() const { return LayerGraph::launches_of_graph(g); }
 };
 
 // Decode batches: the ropes of q and k and both stores into the pools go out in one launch (a
