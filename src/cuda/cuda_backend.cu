@@ -560,7 +560,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   auto rope_apart = [&](const Tensor* x, const Tensor* y, int reads) {
     if (!scratch_overlap(x, y) || reads == kRopeAll) return true;
     return reads == kRopeToken && x->offset == y->offset && x->type == y->type &&
-           x->ne[0] == y->ne[0];
+           x->ne[0] == y->ne[0] && x->ne[1] == y->ne[1];
   };
   // Whether rope c may go out in the launch of rope t (q's and k's: the same positions and
   // parameters, neither writing what the other reads unless the launch reads it first).
@@ -803,7 +803,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const Tensor* pair = nullptr;
         int reads = 0;
         const int jk = next_open(i);
-        if (jk >= 0) {
+        if (jk >= 0 && nodes[jk]->op == Op::Rope) {
           const Tensor* c = nodes[jk];
           // A token a block reads its rows before writing: then k's rope may write where q's
           // product was (as the planner arranges), for one token anywhere.
@@ -838,7 +838,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                 (seqs ? vs->src[2] == ks->src[2] && vs->params[kKvSeqRows] == ks->params[kKvSeqRows]
                       : vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1]) &&
                 vs->src[0]->ne[0] == pair->ne[0] && vs->src[0]->ne[1] == pair->ne[1] &&
-                kv_target(vs) != kv_target(ks) && (pv < 0 || pv < i || done[pv]) &&
+                kv_target(vs)->data != kv_target(ks)->data && (pv < 0 || pv < i || done[pv]) &&
                 rope_apart(t, vs->src[0], reads) && rope_apart(pair, vs->src[0], reads);
             if (with_kv) {
               kv.k_cache = kv_target(ks)->data;
