@@ -633,57 +633,60 @@ TEST_F(CudaOps, MulMatPromptBatchesOnTiledKernelAndCublas) {
 TEST_F(CudaOps, AttentionBlockWithGroupedProjections) {
   std::mt19937 rng(18);
   const int n_head = 8, hd = 64, n_embd = n_head * hd;
-  for (int n_head_kv : {2, 8})
-    for (DType t : {DType::Q4_1, DType::Q8_0, DType::F16}) {
-      const int kv_w = n_head_kv * hd;
-      for (int n_tok : {1, 3, 12}) {
-        for (bool products_first : {false, true}) {
-          const int n_ctx = 64, n_past = 5;
-          auto wq = randn(size_t(n_embd) * n_embd, rng, 0.05f);
-          auto wk = randn(size_t(n_embd) * kv_w, rng, 0.05f);
-          auto wv = randn(size_t(n_embd) * kv_w, rng, 0.05f);
-          std::vector<float> dq, dk, dv;
-          auto bq = quantize(t, wq, n_embd, n_embd, dq), bk = quantize(t, wk, n_embd, kv_w, dk);
-          auto bv = quantize(t, wv, n_embd, kv_w, dv);
-          auto x = randn(size_t(n_embd) * n_tok, rng);
-          std::vector<int32_t> pos(n_tok), ids;
-          for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
-          // Earlier cache rows: random F16 values, the same on both backends.
-          const auto k16 = randn_f16(size_t(kv_w) * n_ctx, rng);
-          const auto v16 = randn_f16(size_t(kv_w) * n_ctx, rng);
-          Build build = [&](Graph& g, Backend& be) {
-            Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
-            Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
-            Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
-            Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
-            Tensor* wqt = upload(g, be, t, n_embd, n_embd, bq.data(), "wq");
-            Tensor* wkt = upload(g, be, t, n_embd, kv_w, bk.data(), "wk");
-            Tensor* wvt = upload(g, be, t, n_embd, kv_w, bv.data(), "wv");
-            Tensor *q, *k, *v;
-            if (products_first) {
-              Tensor* qm = g.mul_mat(wqt, xt);
-              Tensor* km = g.mul_mat(wkt, xt);
-              v = g.mul_mat(wvt, xt);
-              q = g.rope(qm, p, n_head, hd, hd, kRopeNormal, 10000.0f);
-              k = g.rope(km, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
-            } else {
-              q = g.rope(g.mul_mat(wqt, xt), p, n_head, hd, hd, kRopeNormal, 10000.0f);
-              k = g.rope(g.mul_mat(wkt, xt), p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
-              v = g.mul_mat(wvt, xt);
-            }
-            g.kv_store(kc, k, n_past);
-            g.kv_store(vc, v, n_past);
-            return g.attention(q, kc, vc, n_head, n_head_kv, hd, 1.0f / std::sqrt(float(hd)),
-                               n_past + n_tok, n_past);
-          };
-          const auto gpu = run_on(*cuda_, build);
-          const auto cpu = run_on(*cpu_, build);
-          EXPECT_LT(rel_err(gpu, cpu), type_traits(t).block_size > 1 ? 3e-2 : 5e-3)
-              << type_name(t) << " heads " << n_head << "/" << n_head_kv << " tokens " << n_tok
-              << (products_first ? " products first" : "");
-        }
+  std::vector<std::pair<int, DType>> cases;
+  for (int kv : {2, 8})
+    for (DType t : {DType::Q4_1, DType::Q8_0, DType::F16}) cases.push_back({kv, t});
+  for (const auto& c : cases) {
+    const int n_head_kv = c.first, kv_w = n_head_kv * hd;
+    const DType t = c.second;
+    for (int n_tok : {1, 3, 12}) {
+      for (bool products_first : {false, true}) {
+        const int n_ctx = 64, n_past = 5;
+        auto wq = randn(size_t(n_embd) * n_embd, rng, 0.05f);
+        auto wk = randn(size_t(n_embd) * kv_w, rng, 0.05f);
+        auto wv = randn(size_t(n_embd) * kv_w, rng, 0.05f);
+        std::vector<float> dq, dk, dv;
+        auto bq = quantize(t, wq, n_embd, n_embd, dq), bk = quantize(t, wk, n_embd, kv_w, dk);
+        auto bv = quantize(t, wv, n_embd, kv_w, dv);
+        auto x = randn(size_t(n_embd) * n_tok, rng);
+        std::vector<int32_t> pos(n_tok), ids;
+        for (int i = 0; i < n_tok; ++i) pos[i] = n_past + i;
+        // Earlier cache rows: random F16 values, the same on both backends.
+        const auto k16 = randn_f16(size_t(kv_w) * n_ctx, rng);
+        const auto v16 = randn_f16(size_t(kv_w) * n_ctx, rng);
+        Build build = [&](Graph& g, Backend& be) {
+          Tensor* kc = f16_cache(g, be, k16, kv_w, n_ctx, "k");
+          Tensor* vc = f16_cache(g, be, v16, kv_w, n_ctx, "v");
+          Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
+          Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+          Tensor* wqt = upload(g, be, t, n_embd, n_embd, bq.data(), "wq");
+          Tensor* wkt = upload(g, be, t, n_embd, kv_w, bk.data(), "wk");
+          Tensor* wvt = upload(g, be, t, n_embd, kv_w, bv.data(), "wv");
+          Tensor *q, *k, *v;
+          if (products_first) {
+            Tensor* qm = g.mul_mat(wqt, xt);
+            Tensor* km = g.mul_mat(wkt, xt);
+            v = g.mul_mat(wvt, xt);
+            q = g.rope(qm, p, n_head, hd, hd, kRopeNormal, 10000.0f);
+            k = g.rope(km, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+          } else {
+            q = g.rope(g.mul_mat(wqt, xt), p, n_head, hd, hd, kRopeNormal, 10000.0f);
+            k = g.rope(g.mul_mat(wkt, xt), p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+            v = g.mul_mat(wvt, xt);
+          }
+          g.kv_store(kc, k, n_past);
+          g.kv_store(vc, v, n_past);
+          return g.attention(q, kc, vc, n_head, n_head_kv, hd, 1.0f / std::sqrt(float(hd)),
+                             n_past + n_tok, n_past);
+        };
+        const auto gpu = run_on(*cuda_, build);
+        const auto cpu = run_on(*cpu_, build);
+        EXPECT_LT(rel_err(gpu, cpu), type_traits(t).block_size > 1 ? 3e-2 : 5e-3)
+            << type_name(t) << " heads " << n_head << "/" << n_head_kv << " tokens " << n_tok
+            << (products_first ? " products first" : "");
       }
     }
+  }
 }
 
 // Qwen 3's and Gemma 3's attention input: q, k and v products of one activation, with v in
