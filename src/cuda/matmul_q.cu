@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -220,61 +221,79 @@ QPlan q_plan(const TileSpec& t, int64_t n, int64_t k) {
   return {t.rows, splits};
 }
 
-// Where a block's rows lie in a split-layout matrix of n rows and k columns.
-struct WeightRows {
-  const uint8_t* w;       // quants, row after row
-  const uint8_t* scales;  // scale records, row after row (no high bits in these formats)
-  size_t row_q, row_s;    // bytes a row
-  int n, nb, row0;        // rows, 32-blocks a row, the block's first row
-};
-template <class T>
-__device__ __forceinline__ WeightRows weight_rows(const uint8_t* w, int n, int k) {
-  const size_t row_q = static_cast<size_t>(k / 32) * T::kQuantBytes;
-  const size_t row_s = static_cast<size_t>(k / T::kSplit.block_elems) * T::kSplit.scale_bytes;
-  return {w,      w + static_cast<size_t>(n) * row_q,     row_q, row_s, n,
-          k / 32, static_cast<int>(blockIdx.x) * T::kRows};
-}
+// A thread's share of a stage's copies: a grid of R rows (weight rows or activation columns) by
+// kChunks chunks of BYTES bytes, from a source whose rows lie `stride` bytes apart and in which
+// each 32-block of k takes kAdvance bytes of a row. The thread copies chunk ch = tid % kChunks of
+// rows tid / kChunks + i * kStep. Where its first chunk lies is worked out once, so that a stage
+// costs an address, a test and the copy a chunk: worked out again at each stage, by divisions and
+// 64-bit products, the loads took three quarters of the int8 kernel's instructions at 8 columns.
+// Rows from `rows` on and blocks from k's end on arrive as zeros.
+template <int R, int kChunks, int BYTES, int kAdvance, int kThreads>
+struct StageCopy {
+  static constexpr int kStep =
+      kThreads / kChunks;  // rows from one of a thread's chunks to the next
+  static constexpr int kIters = (R + kStep - 1) / kStep;
+  static_assert(kThreads % kChunks == 0, "a thread copies the same chunk of each of its rows");
+  static_assert((kChunks * BYTES) % kAdvance == 0, "a stage's row holds whole 32-blocks");
 
-// The rows' quants (at sw) and scale records (at sws) of blocks b0 .. b0 + SB - 1 of a stage,
-// by cp.async over all the block's threads; blocks past the row's end are zeros.
+  const uint8_t* base;   // the source (a valid address for copies that read nothing)
+  const uint8_t* first;  // the thread's first chunk, stage at block 0
+  size_t step;           // source bytes from one of a thread's chunks to the next
+  int rows;
+
+  __device__ __forceinline__ StageCopy(const void* src, size_t stride, int row0, int rows_with_data)
+      : base(static_cast<const uint8_t*>(src)),
+        first(base + (static_cast<size_t>(row0) + threadIdx.x / kChunks) * stride +
+              threadIdx.x % kChunks * BYTES),
+        step(stride * kStep),
+        rows(rows_with_data) {}
+
+  // The stage of blocks b0 .. (nb: k's blocks) into buf: chunk ch of row r at buf + dst(r, ch).
+  template <class Dst>
+  __device__ __forceinline__ void operator()(uint8_t* buf, int b0, int nb, Dst&& dst) const {
+    const int r0 = static_cast<int>(threadIdx.x) / kChunks;
+    const int ch = static_cast<int>(threadIdx.x) % kChunks;
+    const bool in_k = b0 + ch * BYTES / kAdvance < nb;
+    const uint8_t* p = first + static_cast<size_t>(b0) * kAdvance;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int r = r0 + i * kStep;
+      if (R % kStep != 0 && r >= R) break;  // a grid smaller than the block, or its last rows
+      const bool ok = in_k && r < rows;
+      cp_async_n<BYTES>(buf + dst(r, ch), ok ? p + i * step : base, ok ? BYTES : 0);
+    }
+  }
+};
+
+// A block's weight rows in a split-layout matrix of n rows and k columns: their quants and
+// scale records (no high bits in these formats), staged SB blocks of 32 at a time.
 template <class T, int kThreads>
-__device__ __forceinline__ void load_weight_stage(const WeightRows& m, int b0, uint8_t* sw,
-                                                  uint8_t* sws) {
-  constexpr int kWChunks = T::kRowBytes / 16, kChunksPerBlock = T::kQuantBytes / 16;
-  for (int c = threadIdx.x; c < T::kRows * kWChunks; c += kThreads) {
-    const int r = c / kWChunks, ch = c % kWChunks;
-    const bool ok = b0 + ch / kChunksPerBlock < m.nb;
-    const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
-    cp_async16(sw + r * T::kRowBytes + ((ch ^ (r & 7)) * 16),
-               ok ? m.w + row * m.row_q + static_cast<size_t>(b0) * T::kQuantBytes + ch * 16 : m.w,
-               ok ? 16 : 0);
+struct WeightCopy {
+  static constexpr bool kRecords = T::kSplit.block_elems == 256;  // K-quants: 16-byte records
+  using Quants = StageCopy<T::kRows, T::kRowBytes / 16, 16, T::kQuantBytes, kThreads>;
+  using Scales = std::conditional_t<
+      kRecords, StageCopy<T::kRows, T::kScaleBytes / 16, 16, T::kSplit.scale_bytes / 8, kThreads>,
+      StageCopy<T::kRows, T::kScaleBytes / 4, 4, T::kSplit.scale_bytes, kThreads>>;
+  static_assert(!kRecords || T::kSplit.scale_bytes == 16, "a K-quant record is 16 bytes");
+  Quants quants;
+  Scales scales;
+  int nb;  // k's 32-blocks
+
+  __device__ __forceinline__ WeightCopy(const uint8_t* w, int n, int k, int row0)
+      : quants(w, static_cast<size_t>(k / 32) * T::kQuantBytes, row0, n - row0),
+        scales(w + static_cast<size_t>(n) * (k / 32) * T::kQuantBytes,
+               static_cast<size_t>(k / T::kSplit.block_elems) * T::kSplit.scale_bytes, row0,
+               n - row0),
+        nb(k / 32) {}
+
+  // Blocks b0 .. b0 + SB - 1 of the rows: quants at sw (a row's 16-byte chunks swizzled by its
+  // low three bits), scale records at sws.
+  __device__ __forceinline__ void operator()(int b0, uint8_t* sw, uint8_t* sws) const {
+    quants(sw, b0, nb, [](int r, int ch) { return r * T::kRowBytes + ((ch ^ (r & 7)) * 16); });
+    scales(sws, b0, nb,
+           [](int r, int ch) { return r * T::kScaleBytes + ch * (kRecords ? 16 : 4); });
   }
-  if constexpr (T::kSplit.block_elems == 256) {
-    // K-quant blocks (k is whole ones): 16-byte records.
-    constexpr int kRecs = T::kScaleBytes / 16;
-    for (int c = threadIdx.x; c < T::kRows * kRecs; c += kThreads) {
-      const int r = c / kRecs, i = c % kRecs;
-      const bool ok = b0 + 8 * i < m.nb;
-      const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
-      cp_async16(sws + r * T::kScaleBytes + i * 16,
-                 ok ? m.scales + row * m.row_s + (static_cast<size_t>(b0 / 8) + i) * 16 : m.scales,
-                 ok ? 16 : 0);
-    }
-  } else {
-    // Scales of 32-blocks in 4-byte words (k a multiple of 64: whole words on every row).
-    constexpr int kWords = T::kScaleBytes / 4, kBlocksPerWord = 4 / T::kSplit.scale_bytes;
-    for (int c = threadIdx.x; c < T::kRows * kWords; c += kThreads) {
-      const int r = c / kWords, wd = c % kWords;
-      const bool ok = b0 + wd * kBlocksPerWord < m.nb;
-      const size_t row = static_cast<size_t>(min(m.row0 + r, m.n - 1));
-      cp_async_n<4>(
-          sws + r * T::kScaleBytes + wd * 4,
-          ok ? m.scales + row * m.row_s + static_cast<size_t>(b0) * T::kSplit.scale_bytes + wd * 4
-             : m.scales,
-          ok ? 4 : 0);
-    }
-  }
-}
+};
 
 // A block's share of k under split-k: stages [begin, end) of kSB blocks each, of nb blocks.
 struct StageRange {
@@ -428,9 +447,14 @@ __global__ void __launch_bounds__(kQ8Threads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
-  const WeightRows m = weight_rows<T>(w, n, k);
-  const int nb = m.nb;
+  const WeightCopy<T, kQ8Threads> load_weights(w, n, k, blockIdx.x * T::kRows);
+  const int nb = k / 32;
   const StageRange range = stage_range(nb, kSB);
+  // The columns' 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block); columns
+  // from cols on are zeros, which add nothing.
+  const StageCopy<T::kCols, T::kStageK / 16, 16, 32, kQ8Threads> load_act(aq, k, 0, cols);
+  const StageCopy<T::kCols, kSB, 8, 8, kQ8Threads> load_pairs(ads, static_cast<size_t>(nb) * 8, 0,
+                                                              cols);
 
   pdl_wait();
   // Stage s: blocks kSB s .. kSB (s + 1) - 1 of k; those past the row's end (k / 32 blocks) are
@@ -438,23 +462,11 @@ __global__ void __launch_bounds__(kQ8Threads)
   auto load_stage = [&](int s) {
     uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
     uint8_t* sa = st + T::kW + T::kWS;
-    uint8_t* sas = sa + T::kA;
     const int b0 = s * kSB;
-    load_weight_stage<T, kQ8Threads>(m, b0, st, st + T::kW);
-    constexpr int kAChunks = T::kStageK / 16;
-    for (int c = threadIdx.x; c < T::kCols * kAChunks; c += kQ8Threads) {
-      const int col = c / kAChunks, ch = c % kAChunks;
-      const bool ok = b0 + ch / 2 < nb;
-      const size_t src = static_cast<size_t>(min(col, cols - 1));
-      cp_async16(sa + col * T::kStageK + ((ch ^ (col & 7)) * 16),
-                 ok ? aq + src * k + static_cast<size_t>(b0) * 32 + ch * 16 : aq, ok ? 16 : 0);
-    }
-    for (int c = threadIdx.x; c < T::kCols * kSB; c += kQ8Threads) {
-      const int col = c / kSB, j = c % kSB;
-      const bool ok = b0 + j < nb;
-      const size_t src = static_cast<size_t>(min(col, cols - 1));
-      cp_async_n<8>(sas + (col * kSB + j) * 8, ok ? ads + src * nb + b0 + j : ads, ok ? 8 : 0);
-    }
+    load_weights(b0, st, st + T::kW);
+    load_act(sa, b0, nb,
+             [](int col, int ch) { return col * T::kStageK + ((ch ^ (col & 7)) * 16); });
+    load_pairs(sa + T::kA, b0, nb, [](int col, int j) { return (col * kSB + j) * 8; });
   };
 
   const int g = lane / 4, t = lane % 4;
@@ -595,26 +607,21 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
-  const WeightRows m = weight_rows<T>(w, n, k);
-  const int nb = m.nb;
+  const WeightCopy<T, kThreads> load_weights(w, n, k, blockIdx.x * T::kRows);
+  const int nb = k / 32;
   const StageRange range = stage_range(nb, kSB);
-  const size_t kp = static_cast<size_t>(act_half_pitch(k));
+  // A column's stage: kStageK halves in 16-byte chunks of 8 (64 bytes a block), columns kp =
+  // act_half_pitch(k) apart; columns from cols on are zeros.
+  const StageCopy<T::kCols, kStageK / 8, 16, 64, kThreads> load_act(
+      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols);
 
   pdl_wait();
   auto load_stage = [&](int s) {
     uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
-    uint8_t* sa = st + T::kW + T::kWS;
     const int b0 = s * kSB;
-    load_weight_stage<T, kThreads>(m, b0, st, st + T::kW);
-    // A column's stage: kStageK halves in 16-byte chunks of 8.
-    constexpr int kAChunks = kStageK / 8;
-    for (int c = threadIdx.x; c < T::kCols * kAChunks; c += kThreads) {
-      const int col = c / kAChunks, ch = c % kAChunks;
-      const bool ok = b0 + ch / 4 < nb;
-      const size_t src = static_cast<size_t>(min(col, cols - 1));
-      cp_async16(sa + col * kStageK * 2 + ((ch ^ act_swizzle(col)) * 16),
-                 ok ? act + src * kp + static_cast<size_t>(b0) * 32 + ch * 8 : act, ok ? 16 : 0);
-    }
+    load_weights(b0, st, st + T::kW);
+    load_act(st + T::kW + T::kWS, b0, nb,
+             [](int col, int ch) { return col * kStageK * 2 + ((ch ^ act_swizzle(col)) * 16); });
   };
 
   const int g = lane / 4, t = lane % 4;
