@@ -296,74 +296,69 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   Lane* vs = ks + TILE * 32;
   float* ps = reinterpret_cast<float*>(reinterpret_cast<Lane*>(smem_raw) + kWarps * 2 * TILE * 32) +
               warp * G * TILE;  // [G][TILE]: scores, then probabilities
-  // Lanes past head_dim copy nothing (zero fill) from a valid address.
-  const int64_t lane_col = static_cast<int64_t>(hkv) * head_dim + (lane_on ? lane * DPL : 0);
-  const __half* k_lane = static_cast<const __half*>(kc) + lane_col;
-  const __half* v_lane = static_cast<const __half*>(vc) + lane_col;
-  // Q8: the head's bytes in each row, and the words a lane copies of them.
-  constexpr int kRowPitch = 32 * static_cast<int>(sizeof(Lane));  // bytes a staged row takes
-  const int head_words = q8_head_bytes(head_dim) / 4;
-  const int64_t row_bytes = kv_stride / 32 * 34;
-  const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * q8_head_bytes(head_dim);
-  const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * q8_head_bytes(head_dim);
+  // The head's bytes in each cache row (F16: head_dim halves; Q8: its Q8_0 blocks), where they
+  // start, and the rows' bytes; a staged row is those bytes in order, kRowPitch apart, so that
+  // lane l's F16 values are a Lane at l.
+  constexpr int kRowPitch = 32 * static_cast<int>(sizeof(Lane));
+  const int head_bytes = Q8 ? q8_head_bytes(head_dim) : head_dim * 2;
+  const int row_bytes = static_cast<int>(Q8 ? kv_stride / 32 * 34 : kv_stride * 2);
+  const uint8_t* k_head = static_cast<const uint8_t*>(kc) + static_cast<int64_t>(hkv) * head_bytes;
+  const uint8_t* v_head = static_cast<const uint8_t*>(vc) + static_cast<int64_t>(hkv) * head_bytes;
   // A staged row's lane values, unscaled, and the scale they take (Q8: the block's; F16: one,
-  // which multiplies exactly).
+  // which multiplies exactly). Zeros for lanes past head_dim, whose bytes are not the head's.
   auto unpack = [&](const Lane* rows, int r, float(&f)[DPL]) {
     if constexpr (Q8) {
       return unpack_lane_q8<DPL>(reinterpret_cast<const uint8_t*>(rows) + r * kRowPitch, lane,
                                  lane_on, f);
     } else {
       unpack_lane<DPL>(rows[r * 32 + lane], f);
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) f[e] = lane_on ? f[e] : 0.0f;
       return 1.0f;
     }
   };
-  // Q8: a warp copies a tile's head bytes as one run of 8-byte units where the heads' bytes allow
-  // (head_dim a multiple of 128), else 4-byte ones, each lane 32 units after the last.
-  const bool q8_wide = head_words % 2 == 0 &&
-                       (reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) % 8 == 0;
+  // A warp copies a tile's head bytes as one run of wide units where the heads' bytes and the
+  // caches allow (F16: 16 bytes, head_dim a multiple of 8; Q8: 8 bytes, head_dim a multiple of
+  // 128), else 4-byte ones, each lane 32 units after the last: at 128 dims an F16 row is 16 units,
+  // two rows a copy instruction, where a lane a row took twice the copies and their addresses.
+  constexpr int kWide = Q8 ? 8 : 16;
+  const bool wide =
+      (head_bytes | row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) %
+          kWide ==
+      0;
 
   for (int tile = k_begin + warp * TILE; tile < k_end; tile += kWarps * TILE) {
     const int n_valid = min(TILE, k_end - tile);
     const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
-    auto stage = [&](Lane* dst, const __half* src, const uint8_t* head) {
-      if constexpr (Q8) {
-        uint8_t* d = reinterpret_cast<uint8_t*>(dst);
-        auto copy_units = [&](auto unit) {
-          constexpr int U = decltype(unit)::value;
-          const int units = head_words * 4 / U;  // a row's
-          const int step_r = 32 / units, step_u = 32 - step_r * units;
-          int r = lane / units, u = lane - r * units;
-          while (r < TILE) {
-            const bool ok = r < n_valid;
-            const uint8_t* row =
-                head + ring_row_after<TILE>(row0, tile, ok ? r : 0, cache_rows) * row_bytes;
-            cp_async_n<U>(d + r * kRowPitch + U * u, row + U * u, ok ? U : 0);
-            r += step_r, u += step_u;
-            if (u >= units) u -= units, ++r;
-          }
-        };
-        if (q8_wide) {
-          copy_units(std::integral_constant<int, 8>());
-        } else {
-          copy_units(std::integral_constant<int, 4>());
+    auto stage = [&](Lane* dst, const uint8_t* head) {
+      uint8_t* d = reinterpret_cast<uint8_t*>(dst);
+      auto copy_units = [&](auto unit) {
+        constexpr int U = decltype(unit)::value;
+        const int units = head_bytes / U;  // a row's
+        const int step_r = 32 / units, step_u = 32 - step_r * units;
+        int r = lane / units, u = lane - r * units;
+        while (r < TILE) {
+          const bool ok = r < n_valid;
+          const uint8_t* row = head + static_cast<int64_t>(ring_row_after<TILE>(
+                                          row0, tile, ok ? r : 0, cache_rows)) *
+                                          row_bytes;
+          cp_async_n<U>(d + r * kRowPitch + U * u, row + U * u, ok ? U : 0);
+          r += step_r, u += step_u;
+          if (u >= units) u -= units, ++r;
         }
+      };
+      if (wide) {
+        copy_units(std::integral_constant<int, kWide>());
       } else {
-#pragma unroll 4
-        for (int r = 0; r < TILE; ++r) {
-          const bool ok = r < n_valid && lane_on;
-          cp_async_n<sizeof(Lane)>(
-              dst + r * 32 + lane,
-              src + ring_row_after<TILE>(row0, tile, ok ? r : 0, cache_rows) * kv_stride,
-              ok ? static_cast<int>(sizeof(Lane)) : 0);
-        }
+        copy_units(std::integral_constant<int, 4>());
       }
       cp_async_commit();
     };
-    stage(ks, k_lane, k_head);
-    stage(vs, v_lane, v_head);
+    stage(ks, k_head);
+    stage(vs, v_head);
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
-    // Q8: a lane reads bytes other lanes copied, visible to it once they have all waited.
-    if constexpr (Q8) __syncwarp();
+    // A lane reads bytes other lanes copied, visible to it once they have all waited.
+    __syncwarp();
 
 #pragma unroll 1
     for (int c = 0; c < n_valid; c += 8) {
@@ -398,7 +393,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
     __syncwarp();
     cp_async_wait<0>();
-    if constexpr (Q8) __syncwarp();
+    __syncwarp();
 #pragma unroll 4
     for (int j = 0; j < n_valid; ++j) {
       float vf[DPL];
