@@ -335,6 +335,23 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
       auto copy_units = [&](auto unit) {
         constexpr int U = decltype(unit)::value;
         const int units = head_bytes / U;  // a row's
+        if (32 % units == 0 && cache_rows >= TILE) {
+          // Whole rows a copy instruction (F16 heads of 64, 128 or 256 dims): a lane copies unit
+          // u of rows r, r + step_r, ..., an address add each; rows from the ring's end on lie at
+          // its start. Rows past the tile's valid ones are left as they are: their scores are
+          // masked and they enter no sum.
+          const int step_r = 32 / units;
+          int r = lane / units;
+          const int u = lane - r * units;
+          const int wrap_r = cache_rows - row0;
+          const int64_t step = static_cast<int64_t>(step_r) * row_bytes;
+          const int64_t ring = static_cast<int64_t>(cache_rows) * row_bytes;
+          const uint8_t* src = head + (static_cast<int64_t>(row0) + r) * row_bytes + U * u;
+          uint8_t* dst_u = d + r * kRowPitch + U * u;
+          for (; r < n_valid; r += step_r, src += step, dst_u += step_r * kRowPitch)
+            cp_async_n<U>(dst_u, r >= wrap_r ? src - ring : src, U);
+          return;
+        }
         const int step_r = 32 / units, step_u = 32 - step_r * units;
         int r = lane / units, u = lane - r * units;
         while (r < TILE) {
