@@ -310,7 +310,17 @@ void Context::set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t
   }
 }
 
-std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n) {
+size_t Context::decode_batch_rows(size_t n) const {
+  if (n <= 1) return n;
+  // Batches of at most n_batch tokens (the buffers were sized for that many), each run in its
+  // size class.
+  size_t rows = n;
+  for (size_t start = 0; start < n; start += size_t(n_batch_))
+    rows = std::max(rows, start + batch_class(std::min(n - start, size_t(n_batch_))));
+  return rows;
+}
+
+void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out) {
   if (n == 0) throw ArgumentError("decode_batch: the batch is empty");
   const int n_vocab = model_->n_vocab;
   check_token_ids(tokens, n, n_vocab, "decode_batch");
@@ -342,19 +352,13 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
       repair();
     }
   }
-  std::vector<float> logits(size_t(n_vocab) * n);
   if (n == 1) {
     // A batch of one is its sequence's own decode step (its step graph, its CUDA graph).
     select_sequence(seqs[0]);
-    logits = eval(tokens, 1, false);
-    return logits;
+    const std::vector<float> logits = eval(tokens, 1, false);
+    std::copy(logits.begin(), logits.end(), out);
+    return;
   }
-  // Batches of at most n_batch tokens (the buffers were sized for that many), each run in its
-  // size class: room for the padding tokens' logits too.
-  size_t rows = n;
-  for (size_t start = 0; start < n; start += size_t(n_batch_))
-    rows = std::max(rows, start + batch_class(std::min(n - start, size_t(n_batch_))));
-  logits.resize(rows * size_t(n_vocab));
   for (size_t start = 0; start < n; start += size_t(n_batch_)) {
     const size_t m = std::min(n - start, size_t(n_batch_));
     const int* sq = seqs + start;
@@ -386,12 +390,10 @@ std::vector<float> Context::decode_batch(const int* seqs, const int32_t* tokens,
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)
       note_written(seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1, ring_rows_);
-    // (The padding tokens' logits land past the batch's, and are dropped.)
-    backend_->compute(*graph, logits.data() + start * n_vocab);
+    // (The padding tokens' logits land past the batch's: decode_batch_rows counts them.)
+    backend_->compute(*graph, out + start * n_vocab);
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
-  logits.resize(n * size_t(n_vocab));
-  return logits;
 }
 
 void Context::append_token(int seq, int32_t token) {

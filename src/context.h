@@ -134,7 +134,11 @@ class Context {
   // step: the weights are read once for all of them. Returns each one's logits, [n][n_vocab],
   // and leaves the sequence selected before. Checks every id, sequence and remaining context
   // before anything changes. One graph serves every batch of n tokens (on CUDA, one executable).
-  std::vector<float> decode_batch(const int* seqs, const int32_t* tokens, size_t n);
+  // out takes decode_batch_rows(n) rows of n_vocab: the logits, then the padding tokens' rows
+  // of the last batch's size class (scratch), so that they are copied once, into the caller's
+  // memory.
+  void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out);
+  size_t decode_batch_rows(size_t n) const;
   void close_sequence(int id);
   void select_sequence(int id);
   int sequence() const { return cur_; }

@@ -478,15 +478,16 @@ PYBIND11_MODULE(_core, m) {
               throw ArgumentError("decode_batch: " + std::to_string(sq32.size()) +
                                   " sequences for " + std::to_string(ids.size()) + " tokens");
             std::vector<int> sq(sq32.begin(), sq32.end());
-            std::vector<float> logits;
+            // The logits go straight into the array's memory (not zeroed first: every row the
+            // caller sees is written); the padding rows past the batch stay out of its view.
+            const auto n = py::ssize_t(ids.size()), n_vocab = py::ssize_t(c.n_vocab());
+            py::array_t<float> out({py::ssize_t(c.decode_batch_rows(ids.size())), n_vocab});
+            float* data = out.mutable_data();
             {
               py::gil_scoped_release release;
-              logits = c.decode_batch(sq.data(), ids.data(), ids.size());
+              c.decode_batch(sq.data(), ids.data(), ids.size(), data);
             }
-            auto* heap = new std::vector<float>(std::move(logits));
-            py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<float>*>(p); });
-            return py::array_t<float>({py::ssize_t(ids.size()), py::ssize_t(c.n_vocab())},
-                                      heap->data(), owner);
+            return py::array_t<float>({n, n_vocab}, data, out);
           },
           py::arg("seqs"), py::arg("tokens"))
       .def(

@@ -275,6 +275,8 @@ def test_decode_batch_steps_of_the_same_sessions_reuse_the_graph_exactly(tiny_mo
 
     def step(tokens):
         got = m.decode_batch(list(zip(seqs, tokens)))
+        # Three rows, though the step ran in the size class of four.
+        assert got.shape == (3, m.n_vocab) and got.flags.c_contiguous
         for row, (ref, t) in enumerate(zip(refs, tokens)):
             if device == "cpu":
                 np.testing.assert_array_equal(got[row], ref.eval([t]))
