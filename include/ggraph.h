@@ -94,6 +94,13 @@ GGRAPH_API int ggraph_is_end_of_generation(const ggraph_model* model, int32_t to
 /* Appends n tokens to the context; writes the last position's n_vocab logits to `logits`
  * (may be NULL). Returns GGRAPH_OK or an error code. */
 GGRAPH_API int ggraph_eval(ggraph_model* model, const int32_t* tokens, size_t n, float* logits);
+/* The next token of n sequences at once (a model and its sessions, each at most once: seqs[i]
+ * takes tokens[i]), in one step that reads the weights once for all of them. Writes row i of
+ * `logits` (n * n_vocab floats; may be NULL) for seqs[i], and each sequence's row becomes its
+ * last logits for ggraph_sample. Every id, sequence and remaining context is checked before
+ * anything changes. Returns GGRAPH_OK or an error code. */
+GGRAPH_API int ggraph_decode_batch(ggraph_model* const* seqs, const int32_t* tokens, size_t n,
+                                   float* logits);
 GGRAPH_API void ggraph_reset(ggraph_model* model);
 /* Stops the ggraph_eval in progress on model (from any thread, without waiting): a long input
  * stops before its next chunk of tokens and that eval returns GGRAPH_ERR_CANCELLED with the

@@ -219,6 +219,35 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
   });
 }
 
+int ggraph_decode_batch(ggraph_model* const* seqs, const int32_t* tokens, size_t n, float* logits) {
+  if (!seqs || n == 0) {
+    t_error =
+        !seqs ? "ggraph_decode_batch: seqs is NULL" : "ggraph_decode_batch: the batch is empty";
+    return GGRAPH_ERR_ARGUMENT;
+  }
+  return guarded(seqs[0], [&] {
+    if (!tokens) throw ggraph::ArgumentError("ggraph_decode_batch: tokens is NULL");
+    std::vector<int> ids(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (!seqs[i] || seqs[i]->shared != seqs[0]->shared)
+        throw ggraph::ArgumentError("ggraph_decode_batch: sequence " + std::to_string(i) +
+                                    (seqs[i] ? " is not of the first one's model" : " is NULL") +
+                                    "; a batch takes one model and its sessions");
+      ids[i] = seqs[i]->seq;
+    }
+    ggraph::Context& ctx = *seqs[0]->ctx;
+    const size_t n_vocab = size_t(ctx.n_vocab());
+    std::vector<float> out(ctx.decode_batch_rows(n) * n_vocab);
+    ctx.decode_batch(ids.data(), tokens, n, out.data());
+    for (size_t i = 0; i < n; ++i) {
+      const float* row = out.data() + i * n_vocab;
+      seqs[i]->logits.assign(row, row + n_vocab);
+    }
+    if (logits) std::memcpy(logits, out.data(), n * n_vocab * sizeof(float));
+    return GGRAPH_OK;
+  });
+}
+
 void ggraph_cancel(ggraph_model* m) {
   if (m) m->ctx->cancel(m->seq);  // lock-free: the eval in progress holds the mutex
 }

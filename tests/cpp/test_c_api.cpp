@@ -55,6 +55,10 @@ TEST(CApi, NullModelIsAnArgumentError) {
   const int32_t tok = 1;
   EXPECT_EQ(ggraph_eval(nullptr, &tok, 1, nullptr), GGRAPH_ERR_ARGUMENT);
   EXPECT_EQ(ggraph_sample(nullptr, nullptr), GGRAPH_ERR_ARGUMENT);
+  EXPECT_EQ(ggraph_decode_batch(nullptr, &tok, 1, nullptr), GGRAPH_ERR_ARGUMENT);
+  EXPECT_STREQ(ggraph_last_error(nullptr), "ggraph_decode_batch: seqs is NULL");
+  ggraph_model* none[1] = {nullptr};
+  EXPECT_EQ(ggraph_decode_batch(none, &tok, 1, nullptr), GGRAPH_ERR_ARGUMENT);
   EXPECT_EQ(ggraph_n_vocab(nullptr), 0);
   EXPECT_STREQ(ggraph_last_error(nullptr), "model is NULL");
   ggraph_reset(nullptr);

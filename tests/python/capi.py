@@ -81,6 +81,10 @@ _SIGNATURES = {
     "ggraph_n_ctx": (ctypes.c_int32, [_M]),
     "ggraph_n_past": (ctypes.c_int32, [_M]),
     "ggraph_eval": (ctypes.c_int, [_M, _IDS, ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)]),
+    "ggraph_decode_batch": (
+        ctypes.c_int,
+        [ctypes.POINTER(_M), _IDS, ctypes.c_size_t, ctypes.POINTER(ctypes.c_float)],
+    ),
     "ggraph_reset": (None, [_M]),
     "ggraph_cancel": (None, [_M]),
     "ggraph_sample": (ctypes.c_int32, [_M, ctypes.POINTER(Sampling)]),

@@ -199,6 +199,54 @@ def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
     np.testing.assert_array_equal(got_m, other.eval([9, 10]))
 
 
+def test_c_api_decode_batch_equals_each_sequences_own_step(lib, tiny_model):
+    """One step of a model and two sessions through ggraph_decode_batch: each row is that
+    sequence's own next step, each samples from its own row, and a refused batch changes
+    nothing."""
+    p = params(lib, device=b"cpu", n_ctx=64, n_threads=1, n_seq_max=3)
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    assert m, err.value
+    other = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    s1, s2 = lib.ggraph_session_open(m), lib.ggraph_session_open(m)
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        prompts, tokens = [[1, 2, 3], [4, 5], [6]], [7, 8, 9]
+        for h, pr in zip((m, s1, s2), prompts):
+            assert lib.ggraph_eval(h, _ids(pr), len(pr), None) == 0
+
+        def batch(handles, toks, logits=None):
+            seqs = (ctypes.c_void_p * len(handles))(*handles)
+            return lib.ggraph_decode_batch(seqs, _ids(toks), len(toks), logits)
+
+        # Refused batches: the same sequence twice, another model's sequence, a bad token id,
+        # an empty batch.
+        assert batch([m, m], [1, 2]) == -2
+        assert b"appears twice" in lib.ggraph_last_error(m)
+        assert batch([m, other], [1, 2]) == -2
+        assert b"not of the first one's model" in lib.ggraph_last_error(m)
+        assert batch([m, s1, s2], [1, n_vocab, 2]) == -2
+        assert b"outside the vocabulary" in lib.ggraph_last_error(m)
+        assert batch([m], []) == -2
+        passed = [lib.ggraph_n_past(h) for h in (m, s1, s2)]
+        assert passed == [3, 2, 1]
+
+        out = (ctypes.c_float * (3 * n_vocab))()
+        assert batch([s1, m, s2], [tokens[1], tokens[0], tokens[2]], out) == 0
+        got = np.frombuffer(out, dtype=np.float32).reshape(3, n_vocab)
+        for row, i in enumerate([1, 0, 2]):
+            alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+            alone.eval(prompts[i])
+            np.testing.assert_allclose(got[row], alone.eval([tokens[i]]), rtol=1e-5, atol=1e-5)
+        assert [lib.ggraph_n_past(h) for h in (m, s1, s2)] == [4, 3, 2]
+        greedy = Sampling(0.0, 0, 1.0, 0.0, 1.0, 1)
+        assert lib.ggraph_sample(s1, ctypes.byref(greedy)) == int(np.argmax(got[0]))
+        assert lib.ggraph_sample(m, ctypes.byref(greedy)) == int(np.argmax(got[1]))
+    finally:
+        for h in (s1, s2, m, other):
+            lib.ggraph_free(h)
+
+
 def test_c_api_swa_full_keeps_the_same_logits(lib, tmp_path):
     # A windowed model (window 5) through the C API, with its windowed layers as rings of
     # 5 + 512 - 1 rows (the default) and with every row (swa_full = 1): the same logits after a
