@@ -226,12 +226,13 @@ QPlan q_plan(const TileSpec& t, int64_t n, int64_t k) {
 // each 32-block of k takes kAdvance bytes of a row. The thread copies chunk ch = tid % kChunks of
 // rows tid / kChunks + i * kStep. Where its first chunk lies is worked out once, so that a stage
 // costs an address, a test and the copy a chunk: worked out again at each stage, by divisions and
-// 64-bit products, the loads took three quarters of the int8 kernel's instructions at 8 columns.
+// 64-bit products, the loads' integer work was most of the int8 kernel's instructions at 8
+// columns.
 // Rows from `rows` on and blocks from k's end on arrive as zeros.
 template <int R, int kChunks, int BYTES, int kAdvance, int kThreads>
 struct StageCopy {
-  static constexpr int kStep =
-      kThreads / kChunks;  // rows from one of a thread's chunks to the next
+  // Rows from one of a thread's chunks to the next.
+  static constexpr int kStep = kThreads / kChunks;
   static constexpr int kIters = (R + kStep - 1) / kStep;
   static_assert(kThreads % kChunks == 0, "a thread copies the same chunk of each of its rows");
   static_assert((kChunks * BYTES) % kAdvance == 0, "a stage's row holds whole 32-blocks");
