@@ -236,14 +236,31 @@ int ggraph_decode_batch(ggraph_model* const* seqs, const int32_t* tokens, size_t
       ids[i] = seqs[i]->seq;
     }
     ggraph::Context& ctx = *seqs[0]->ctx;
-    const size_t n_vocab = size_t(ctx.n_vocab());
-    std::vector<float> out(ctx.decode_batch_rows(n) * n_vocab);
-    ctx.decode_batch(ids.data(), tokens, n, out.data());
+    const size_t n_vocab = size_t(ctx.n_vocab()), rows = ctx.decode_batch_rows(n);
+    // The caller's buffer takes the logits directly where it has room for the padding rows too.
+    std::vector<float> scratch;
+    float* out = logits;
+    if (!out || rows > n) {
+      scratch.resize(rows * n_vocab);
+      out = scratch.data();
+    }
+    std::vector<int> before(n);
+    for (size_t i = 0; i < n; ++i) before[i] = ctx.n_past_of(ids[i]);
+    try {
+      ctx.decode_batch(ids.data(), tokens, n, out);
+    } catch (...) {
+      // A step that failed part of the way (a device error in a later batch of more than
+      // n_batch) advanced some sequences: their old logits are no longer theirs, and
+      // ggraph_sample then asks for an eval. A refused batch changed nothing and keeps them.
+      for (size_t i = 0; i < n; ++i)
+        if (ctx.n_past_of(ids[i]) != before[i]) seqs[i]->logits.clear();
+      throw;
+    }
     for (size_t i = 0; i < n; ++i) {
-      const float* row = out.data() + i * n_vocab;
+      const float* row = out + i * n_vocab;
       seqs[i]->logits.assign(row, row + n_vocab);
     }
-    if (logits) std::memcpy(logits, out.data(), n * n_vocab * sizeof(float));
+    if (logits && out != logits) std::memcpy(logits, out, n * n_vocab * sizeof(float));
     return GGRAPH_OK;
   });
 }

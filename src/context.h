@@ -146,6 +146,8 @@ class Context {
   int n_seq_open() const;
 
   int n_past() const { return live().n_past; }
+  // Sequence seq's position (an id decode_batch takes).
+  int n_past_of(int seq) const { return seqs_.at(size_t(seq)).n_past; }
   int n_ctx() const { return n_ctx_; }
   // Bytes of one sequence's KV cache (every layer's K and V; rings are smaller).
   size_t kv_bytes() const { return live().kv.bytes(); }

@@ -285,7 +285,7 @@ class CpuBackend final : public Backend {
     constexpr int64_t kMaxRows = 64, kCols = 8;
     const int64_t threads = std::max<int64_t>(1, pool_.size());
     const int64_t n_row_tasks =
-        threads * ((n_rows + kMaxRows * threads - 1) / (kMaxRows * threads));
+        threads * std::max<int64_t>(1, (n_rows + kMaxRows * threads - 1) / (kMaxRows * threads));
     const int64_t rows_per_task = ((n_rows + n_row_tasks - 1) / n_row_tasks + 3) / 4 * 4;
     const int64_t row_tiles = (n_rows + rows_per_task - 1) / rows_per_task;
     const int64_t col_tiles = (n_cols + kCols - 1) / kCols;

@@ -228,6 +228,10 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
                        int window, unsigned* counters, int cache_rows, const int32_t* slots) {
   constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
+  // The scores run 8 keys at a time up to a multiple of 8 past a tile's valid rows, which the
+  // staging may leave stale: those keys' scores stay in their own slots (the transposed sums
+  // add one key's lanes only) and are masked before the softmax and P*V read any.
+  static_assert(TILE % 8 == 0, "the score loop's groups of 8 end within the tile");
   using Lane = LaneHalves<DPL>;
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem_raw[];

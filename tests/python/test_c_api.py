@@ -242,6 +242,17 @@ def test_c_api_decode_batch_equals_each_sequences_own_step(lib, tiny_model):
         greedy = Sampling(0.0, 0, 1.0, 0.0, 1.0, 1)
         assert lib.ggraph_sample(s1, ctypes.byref(greedy)) == int(np.argmax(got[0]))
         assert lib.ggraph_sample(m, ctypes.byref(greedy)) == int(np.argmax(got[1]))
+        # A refused batch keeps each sequence's last logits.
+        assert batch([s1, s1], [1, 2]) == -2
+        assert lib.ggraph_sample(s1, ctypes.byref(greedy)) == int(np.argmax(got[0]))
+        # Two sequences (a size class with no padding rows): the caller's buffer takes them.
+        out2 = (ctypes.c_float * (2 * n_vocab))()
+        assert batch([s2, m], [5, 6], out2) == 0
+        got2 = np.frombuffer(out2, dtype=np.float32).reshape(2, n_vocab)
+        for row, (i, t) in enumerate([(2, 5), (0, 6)]):
+            alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+            alone.eval(prompts[i] + [tokens[i]])
+            np.testing.assert_allclose(got2[row], alone.eval([t]), rtol=1e-5, atol=1e-5)
     finally:
         for h in (s1, s2, m, other):
             lib.ggraph_free(h)
