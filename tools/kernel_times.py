@@ -1,6 +1,7 @@
 """GPU time of each kernel of one decode step, as Nsight Compute measures it.
 
     python3 tools/kernel_times.py MODEL.gguf [--past N] [--kv-type f16|q8_0] [--batch B]
+        [--sass REGEX [--skip N]] [--csv FILE]
 
 Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
 (cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
@@ -12,6 +13,13 @@ bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on
 the cycles an issued instruction waited on average for an instruction fetch and for memory.
 --warm keeps the caches between kernels (ncu flushes them by default), as a replayed step does:
 the small kernels then take about what they take in a real step, less the launch gaps.
+
+--sass REGEX instead profiles one launch of a kernel whose name matches REGEX (the first of
+the profiled range, or the one --skip N launches later) with Nsight's per-instruction source
+counters, and prints where its instructions and stall samples go: by opcode, by block of code
+(consecutive instructions that ran equally often, e.g. a loop body), and the most sampled
+instructions. --csv FILE summarizes such a profile saved before (`ncu --csv --page source
+--print-source sass --section SourceCounters ...`) without running anything.
 """
 
 import argparse
@@ -59,6 +67,62 @@ def short_name(name: str) -> str:
     return name.split("::")[-1].removeprefix("void ").strip()
 
 
+def sass_summary(text: str, top: int = 12) -> None:
+    """Prints where a kernel's instructions and stall samples go, from the CSV that `ncu --csv
+    --page source --print-source sass` writes for one launch."""
+    rows = list(csv.reader(io.StringIO(text)))
+    start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if start is None:
+        raise SystemExit("no per-instruction table in the profile (was --page source given?)")
+    head = rows[start]
+    n_col = head.index("Instructions Executed")
+    s_col = head.index("Warp Stall Sampling (All Samples)")
+    code = []  # (address, instruction, executions, samples)
+    for r in rows[start + 1 :]:
+        if len(r) > max(n_col, s_col) and r[n_col].replace(",", "").isdigit():
+            n = int(r[n_col].replace(",", ""))
+            code.append((r[0], r[1].strip(), n, int(r[s_col].replace(",", "") or 0)))
+    insts = sum(c[2] for c in code) or 1
+    samples = sum(c[3] for c in code) or 1
+
+    def opcode(instruction: str) -> str:
+        words = instruction.split()
+        word = words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0]
+        return word.split(".")[0]
+
+    by_op = collections.Counter()
+    op_samples = collections.Counter()
+    for _, ins, n, smp in code:
+        by_op[opcode(ins)] += n
+        op_samples[opcode(ins)] += smp
+    print(f"{insts:,} warp instructions, {samples:,} stall samples\n")
+    print("| opcode | instructions | share | stall samples |")
+    print("|---|---|---|---|")
+    for op, n in by_op.most_common(top * 2):
+        print(f"| {op} | {n:,} | {100 * n / insts:.1f}% | {100 * op_samples[op] / samples:.1f}% |")
+    # Blocks of code: runs of instructions executed equally often.
+    blocks = []
+    for addr, ins, n, smp in code:
+        if blocks and blocks[-1][1] == n:
+            blocks[-1][2].append(opcode(ins))
+            blocks[-1][3] += smp
+        else:
+            blocks.append([addr, n, [opcode(ins)], smp])
+    print("\n| first address | runs | instructions | share | stall samples | opcodes |")
+    print("|---|---|---|---|---|---|")
+    for addr, n, ops, smp in blocks:
+        if n * len(ops) >= insts / 100:
+            shown = " ".join(ops[:12]) + (" ..." if len(ops) > 12 else "")
+            print(
+                f"| {addr[-6:]} | {n:,} | {len(ops)} | {100 * n * len(ops) / insts:.1f}% "
+                f"| {100 * smp / samples:.1f}% | {shown} |"
+            )
+    print("\n| address | instruction | runs | stall samples |")
+    print("|---|---|---|---|")
+    for addr, ins, n, smp in sorted(code, key=lambda c: -c[3])[:top]:
+        print(f"| {addr[-6:]} | `{ins}` | {n:,} | {100 * smp / samples:.1f}% |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -67,7 +131,14 @@ def main() -> int:
     ap.add_argument("--warm", action="store_true", help="keep the caches between kernels")
     ap.add_argument("--kv-type", default="f16", help="the KV cache's type (f16 or q8_0)")
     ap.add_argument("--batch", type=int, default=0, help="sequences a batched decode step")
+    ap.add_argument("--sass", metavar="REGEX", help="per-instruction profile of one launch")
+    ap.add_argument("--skip", type=int, default=0, help="matching launches to skip (--sass)")
+    ap.add_argument("--csv", metavar="FILE", help="summarize a saved --page source profile")
     args = ap.parse_args()
+    if args.csv:
+        with open(args.csv) as f:
+            sass_summary(f.read())
+        return 0
     metrics = [TIME] + (list(STALLS) if args.stalls else [])
     step = (BATCH_STEP if args.batch else STEP).format(
         model=args.model,
@@ -76,6 +147,17 @@ def main() -> int:
         kv_type=args.kv_type,
         batch=args.batch,
     )
+    if args.sass:
+        cmd = [
+            "ncu", "--csv", "--clock-control", "none", "--page", "source",
+            "--print-source", "sass", "--section", "SourceCounters",
+            "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
+            *(["--profile-from-start", "off"] if args.batch else []),
+            *(["--cache-control", "none"] if args.warm else []),
+            sys.executable, "-c", step,
+        ]  # fmt: skip
+        sass_summary(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        return 0
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
         *(["--profile-from-start", "off"] if args.batch else []),
