@@ -1,5 +1,5 @@
-"""The embedding example (examples/chat.c), built as an application would build it: against the
-installed package's CMake config, and with its pkg-config file."""
+"""The embedding examples (examples/chat.c, examples/batch.c), built as an application would build
+them: against the installed package's CMake config, and with its pkg-config file."""
 
 import os
 import shutil
@@ -18,7 +18,7 @@ def _need(tool):
 
 
 @pytest.fixture(scope="module")
-def chat_binary(tmp_path_factory):
+def example_build(tmp_path_factory):
     _need("cmake")
     prefix = ggraph.cmake_prefix_path()
     if not os.path.exists(os.path.join(prefix, "lib", "cmake", "ggraph", "ggraphConfig.cmake")):
@@ -37,7 +37,31 @@ def chat_binary(tmp_path_factory):
     ):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
-    return str(build / "ggraph_chat")
+    return build
+
+
+@pytest.fixture(scope="module")
+def chat_binary(example_build):
+    return str(example_build / "ggraph_chat")
+
+
+def test_the_batch_example_decodes_each_prompt_as_alone(example_build, tiny_model):
+    """Three conversations stepped together give each the reply it gets alone (greedy; on the
+    CPU a batch's rows are each sequence's own step, bit for bit)."""
+    exe = str(example_build / "ggraph_batch")
+    prompts = ["hello there", "one two three", "a"]
+    # (A random model's replies are arbitrary bytes.)
+    run = dict(capture_output=True, text=True, errors="replace", timeout=120)
+    together = subprocess.run([exe, tiny_model, "8", *prompts], **run)
+    assert together.returncode == 0, together.stderr
+    lines = together.stdout.split("\n")[:-1]  # (not splitlines: replies may hold \x0b, \x85)
+    assert [line.split("]")[0] for line in lines] == ["[1", "[2", "[3"], together.stdout
+    assert all(len(line) > len("[1] ") for line in lines), together.stdout
+    alone = subprocess.run([exe, tiny_model, "8", prompts[1]], **run)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.split("\n")[0][len("[1]") :] == lines[1][len("[2]") :]
+    bad = subprocess.run([exe, tiny_model], **run)
+    assert bad.returncode == 2 and "usage" in bad.stderr
 
 
 def test_the_example_chats_turn_after_turn(chat_binary, tiny_model):
