@@ -113,17 +113,12 @@ struct QhShape<8> {
 };
 // 17 to 64 columns for products of fewer than kQhWideRows rows, whose 128-row blocks would be
 // too few (with k split over at most kMaxSplits) or partly empty (SmolLM2's 576 and 192), and
-// where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): 64 rows a block,
-// fewer stages at 32 columns.
+// where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): QhShape's tile with
+// two warps of rows instead of four, 64 rows a block.
 template <int NT>
-struct QhNarrow;
-template <>
-struct QhNarrow<4> {
-  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 3;
-};
-template <>
-struct QhNarrow<8> {
-  static constexpr int kWM = 2, kMT = 2, kSB = 8, kStages = 2;
+struct QhNarrow : QhShape<NT> {
+  static_assert(NT >= 4, "the narrow tiles are those of 17 to 64 columns");
+  static constexpr int kWM = 2;
 };
 constexpr int kQhWarps = 8;
 
