@@ -2,6 +2,7 @@
 // blocks, then a reduce) for a few queries, and flash attention on tensor cores for prompts.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -126,6 +127,60 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
   }
 }
 
+// The end of a flash-decoding block, once each warp has left (m, l, acc) of the block's heads in
+// merge ([kWarps][G][head_dim + 2], m in the natural base; a warp without keys leaves m = -inf)
+// and the block has passed a barrier: threads combine the warps per element and write the output
+// (one split in use) or the split's partials, and the last of the head group's splits to finish
+// (a ticket counter, left at zero again) merges them all. smem: room for attn_merge_splits.
+template <int kWarps, int G>
+__device__ void decode_block_finish(const float* merge, int t, int h_first, int n_g, int head_dim,
+                                    int n_head, int split, int n_splits, int n_used, float* out,
+                                    __half* out_h, int8_t* out_q, float2* out_d, float* part,
+                                    unsigned* counters, float* smem) {
+  const int rec = head_dim + 2;
+  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
+    const int g = idx / head_dim, d = idx % head_dim;
+    float mm = kNegInf;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
+    float ll = 0.0f, a = 0.0f;
+    if (mm != kNegInf) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float* r = merge + (w * G + g) * rec;
+        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
+        ll += r[1] * e;
+        a += r[2 + d] * e;
+      }
+    }
+    const int h = h_first + g;
+    if (n_used == 1) {
+      const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
+      const float v = ll > 0.0f ? a / ll : 0.0f;
+      out[i] = v;
+      if (out_h) out_h[i] = __float2half_rn(v);
+      if (out_q) quantize_warp_block(v, i, out_q, out_d);
+    } else {
+      float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
+      if (d == 0) pr[0] = mm, pr[1] = ll;
+      pr[2 + d] = a;
+    }
+  }
+  if (n_used == 1) return;
+  // Every thread's partials are visible device-wide before the block takes its ticket.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    unsigned* counter = counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x;
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(n_used - 1);
+    if (last) *counter = 0;  // every split has arrived: ready for the next step
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
+                    out_h, smem);
+}
+
 // A lane's DPL dimensions of a K or V row.
 template <int DPL>
 struct alignas(2 * DPL) LaneHalves {
@@ -145,6 +200,23 @@ __device__ __forceinline__ void unpack_lane(const LaneHalves<DPL>& r, float (&f)
 // (a multiple of 64) is 17 * head_dim / 16 bytes, a whole number of 4-byte words, and starts on
 // one, so that it is staged with 4-byte asynchronous copies.
 __host__ __device__ constexpr int q8_head_bytes(int head_dim) { return head_dim / 32 * 34; }
+
+// A staged Q8_0 block (34 bytes at 2-byte alignment) as 32 halves at dst (16-byte aligned):
+// each quant times the scale in float, rounded to half once.
+__device__ __forceinline__ void decode_q8_block_to_half(const uint8_t* blk, __half* dst) {
+  const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(blk + 2);
+  uint32_t o[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const uint16_t w = qp[e];
+    o[e] = pack_half2(static_cast<float>(static_cast<int8_t>(w & 0xFF)) * d,
+                      static_cast<float>(static_cast<int8_t>(w >> 8)) * d);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    reinterpret_cast<uint4*>(dst)[c] = make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+}
 
 // A lane's DPL quants of a staged Q8_0 head (its dims lie in one block) as floats, and their
 // block's scale: the values are scale * f. Zeros for lanes past head_dim, whose bytes are not
@@ -445,47 +517,252 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
-    const int g = idx / head_dim, d = idx % head_dim;
-    float mm = kNegInf;
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
-    float ll = 0.0f, a = 0.0f;
-    if (mm != kNegInf) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float* r = merge + (w * G + g) * rec;
-        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
-        ll += r[1] * e;
-        a += r[2 + d] * e;
+  decode_block_finish<kWarps, G>(merge, t, h_first, n_g, head_dim, n_head, split, n_splits, n_used,
+                                 out, out_h, out_q, out_d, part, counters,
+                                 reinterpret_cast<float*>(smem_raw));
+}
+
+// ---- Flash-decoding on tensor cores ---------------------------------------------------------
+//
+// Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each
+// warp's tile scored and weighed by mma.sync instead of by lanes' dot products: the MMA's 16 rows
+// are the query heads of one KV head (rows past them are zeros, never written out), its columns a
+// tile's keys. q is rounded to half, pre-scaled by scale * log2(e), as the prompt kernel takes it,
+// and so are the probabilities; K and V arrive as half (a Q8_0 tile is decoded to half in the
+// warp's staging, as the prompt kernel decodes it). A warp stages a tile of K and of V with
+// 16-byte asynchronous copies (rows past the tile's keys zero-filled: the P*V product reads every
+// row), scores it while V lands, then runs the online softmax on the score fragments (a row's
+// keys lie in the four lanes of a quad) and multiplies. Where a warp spent ~30 instructions a key
+// on its lanes' dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is
+// 64 MMAs and 24 ldmatrix.
+
+template <int D>
+struct DecodeMma {
+  static constexpr int kWarps = 4;
+  static constexpr int kRows = 16;                // query heads a block: the MMA's rows
+  static constexpr int kKeys = D > 128 ? 16 : 32;  // a warp's tile (the registers of D = 256)
+  static constexpr int kPitch = D + 8;            // halves: ldmatrix rows in distinct banks
+  static constexpr int kRawPitch = q8_head_bytes(D);
+  static constexpr int split_keys() {
+    return kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
+  }
+  static constexpr size_t smem_bytes(bool q8) {
+    const size_t tiles = (kRows + kWarps * 2 * kKeys) * kPitch * sizeof(__half) +
+                         (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
+    const size_t merge = kWarps * kRows * (D + 2) * sizeof(float);
+    const size_t splits = kRows * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
+    return std::max({tiles, merge, splits});
+  }
+};
+
+template <int D, bool Q8>
+__global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
+    attn_decode_mma_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
+                           int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
+                           int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
+                           int n_splits, int n_gchunks, int8_t* out_q, float2* out_d,
+                           __half* out_h, int window, unsigned* counters, int cache_rows,
+                           const int32_t* slots) {
+  using S = DecodeMma<D>;
+  constexpr int BK = S::kKeys, P = S::kPitch, RP = S::kRawPitch, kWarps = S::kWarps;
+  constexpr int G = S::kRows;
+  constexpr int NT = BK / 8;  // score fragments of 8 keys
+  constexpr int DT = D / 8;   // output fragments of 8 dims
+  pdl_begin();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const int t = blockIdx.z;
+  int n_kv = kv_value(n_kv_at, n_kv_value);
+  int first_pos = kv_value(first_pos_at, first_pos_value);
+  int t_pos = t;
+  constexpr int64_t kHeadBytes = Q8 ? q8_head_bytes(D) : D * 2;
+  const int64_t row_bytes = n_head_kv * kHeadBytes;
+  if (slots) {  // as attn_decode_kernel
+    const bool pad = slots[t] < 0;
+    const int pos = pad ? 0 : slots[gridDim.z + t];
+    n_kv = pos + 1;
+    first_pos = pos;
+    t_pos = 0;
+    const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
+    kc = static_cast<const uint8_t*>(kc) + rows_before * row_bytes;
+    vc = static_cast<const uint8_t*>(vc) + rows_before * row_bytes;
+  }
+  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
+  const int range = n_kv - range_begin;
+  const int n_used = max(1, min(n_splits, (range + S::split_keys() - 1) / S::split_keys()));
+  const int split = blockIdx.y;
+  if (split >= n_used) return;
+  const int group = n_head / n_head_kv;
+  const int hkv = blockIdx.x / n_gchunks;
+  const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
+  const int n_g = min(G, hkv * group + group - h_first);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lim = min(n_kv, first_pos + t_pos + 1);
+  const int lo = window > 0 ? max(0, first_pos + t_pos + 1 - window) : 0;
+  const int split_len = ((range + n_used - 1) / n_used + 31) / 32 * 32;  // whole tiles
+  const int k_begin = max(lo, range_begin + split * split_len);
+  const int k_end = min(range_begin + (split + 1) * split_len, lim);
+
+  __half* qs = reinterpret_cast<__half*>(smem_raw);  // [G][P]
+  __half* ks = qs + G * P + warp * 2 * BK * P;       // the warp's [BK][P]
+  __half* vs = ks + BK * P;
+  uint8_t* raw = reinterpret_cast<uint8_t*>(qs + (G + kWarps * 2 * BK) * P) +
+                 warp * 2 * BK * RP;  // Q8: the warp's [K, V][BK][RP]
+  const float q_scale = scale * 1.4426950408889634f;  // scores in base 2
+  const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D;
+  for (int i = threadIdx.x; i < G * (D / 2); i += blockDim.x) {
+    const int r = i / (D / 2), d = i % (D / 2) * 2;
+    float2 v = make_float2(0.0f, 0.0f);
+    if (r < n_g) v = *reinterpret_cast<const float2*>(qt + r * D + d);
+    *reinterpret_cast<__half2*>(qs + r * P + d) = __floats2half2_rn(v.x * q_scale, v.y * q_scale);
+  }
+  __syncthreads();
+
+  const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * kHeadBytes;
+  const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * kHeadBytes;
+  // A tile's rows [0, n_valid) from the cache, the rest zeros. F16: 16-byte units straight into
+  // the half tile; Q8: the raw bytes in 8-byte units where the rows allow, else 4-byte ones.
+  auto stage = [&](int tile, int n_valid, int row0, const uint8_t* head, __half* dst,
+                   uint8_t* raw_dst) {
+    auto copy = [&](auto unit, uint8_t* d, int pitch) {
+      constexpr int U = decltype(unit)::value;
+      constexpr int kUnits = kHeadBytes / U;  // a row's
+      for (int i = lane; i < BK * kUnits; i += 32) {
+        const int r = i / kUnits, u = i % kUnits;
+        const bool ok = r < n_valid;
+        const int64_t row = ok ? ring_row_after<BK>(row0, tile, r, cache_rows) : 0;
+        cp_async_n<U>(d + r * pitch + U * u, head + row * row_bytes + U * u, ok ? U : 0);
+      }
+    };
+    if constexpr (Q8 && kHeadBytes % 8 == 0) {
+      if ((row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) % 8 == 0)
+        copy(std::integral_constant<int, 8>(), raw_dst, RP);
+      else
+        copy(std::integral_constant<int, 4>(), raw_dst, RP);
+    } else if constexpr (Q8) {
+      copy(std::integral_constant<int, 4>(), raw_dst, RP);
+    } else {
+      copy(std::integral_constant<int, 16>(), reinterpret_cast<uint8_t*>(dst), P * 2);
+    }
+    cp_async_commit();
+  };
+  // Q8: a landed raw tile decoded into the half tile, a block of 32 values a lane at a time.
+  auto decode = [&](const uint8_t* raw_src, __half* dst) {
+    if constexpr (Q8) {
+      constexpr int nb = D / 32;
+      for (int i = lane; i < BK * nb; i += 32) {
+        const int r = i / nb, b = i % nb;
+        decode_q8_block_to_half(raw_src + r * RP + b * 34, dst + r * P + b * 32);
+      }
+      __syncwarp();
+    }
+  };
+
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+  const int g = lane / 4, tig = lane % 4;
+  // Lane offsets of the ldmatrix row addresses, as the prompt kernel's: Q (A), K (B), V (B
+  // transposed).
+  const __half* q_frag = qs + (lane % 8 + (lane / 8 % 2) * 8) * P + lane / 16 * 8;
+  const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
+  const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
+
+  for (int tile = k_begin + warp * BK; tile < k_end; tile += kWarps * BK) {
+    const int n_valid = min(BK, k_end - tile);
+    const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
+    stage(tile, n_valid, row0, k_head, ks, raw);
+    stage(tile, n_valid, row0, v_head, vs, raw + BK * RP);
+    cp_async_wait<1>();  // K has landed; V keeps coming during the scores
+    __syncwarp();
+    decode(raw, ks);
+
+    float s[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, q_frag + kk * 16);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
+        mma_16816(s[2 * np], a, b[0], b[1]);
+        mma_16816(s[2 * np + 1], a, b[2], b[3]);
       }
     }
-    const int h = h_first + g;
-    if (n_used == 1) {
-      const int64_t i = t * q_stride + static_cast<int64_t>(h) * head_dim + d;
-      const float v = ll > 0.0f ? a / ll : 0.0f;
-      out[i] = v;
-      if (out_h) out_h[i] = __float2half_rn(v);
-      if (out_q) quantize_warp_block(v, i, out_q, out_d);
-    } else {
-      float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
-      if (d == 0) pr[0] = mm, pr[1] = ll;
-      pr[2 + d] = a;
+    if (n_valid < BK) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
+      }
     }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == kNegInf ? 0.0f : mx;  // a row with nothing valid yet
+      const float alpha = exp2f(m[r] - base);
+      m[r] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;  // this lane's share; the quad's sum at the end
+#pragma unroll
+      for (int i = 0; i < DT; ++i) o[i][2 * r] *= alpha, o[i][2 * r + 1] *= alpha;
+    }
+
+    cp_async_wait<0>();
+    __syncwarp();
+    decode(raw + BK * RP, vs);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      // Two score fragments side by side are the A fragment of 16 keys.
+      const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
+                             pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vs + kk * 16 * P + v_off + dp * 16);
+        mma_16816(o[2 * dp], a, b[0], b[1]);
+        mma_16816(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncwarp();  // the tile fully read before the next one is staged over it
   }
-  if (n_used == 1) return;
-  // Every thread's partials are visible device-wide before the block takes its ticket.
-  __threadfence();
+
+  // Each warp's records of its rows (m back in the natural base), then the block's end.
   __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    unsigned* counter = counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x;
-    last = atomicAdd(counter, 1u) == static_cast<unsigned>(n_used - 1);
-    if (last) *counter = 0;  // every split has arrived: ready for the next step
+  float* merge = reinterpret_cast<float*>(smem_raw);  // [kWarps][G][D + 2]
+  constexpr int rec = D + 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int row = g + 8 * r;
+    if (row >= n_g) continue;
+    float* rp = merge + (warp * G + row) * rec;
+    if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+      *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) = make_float2(o[i][2 * r], o[i][2 * r + 1]);
   }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
-  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
-                    out_h, reinterpret_cast<float*>(smem_raw));
+  decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
+                                 out_h, out_q, out_d, part, counters,
+                                 reinterpret_cast<float*>(smem_raw));
 }
 
 // ---- Prompt attention on tensor cores -------------------------------------------------------
@@ -596,21 +873,8 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
     const int nb = head_dim / 32;
     for (int i = threadIdx.x; i < 2 * BK * nb; i += blockDim.x) {
       const int kv = i / (BK * nb), r = i / nb % BK, b = i % nb;
-      const uint8_t* blk = raw + ((stage * 2 + kv) * BK + r) * RP + b * 34;
-      const float d = __half2float(*reinterpret_cast<const __half*>(blk));
-      const uint16_t* qp = reinterpret_cast<const uint16_t*>(blk + 2);
-      uint32_t o[16];
-#pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        const uint16_t w = qp[e];
-        o[e] = pack_half2(static_cast<float>(static_cast<int8_t>(w & 0xFF)) * d,
-                          static_cast<float>(static_cast<int8_t>(w >> 8)) * d);
-      }
-      __half* dst = (kv == 0 ? ks : vs) + (stage * BK + r) * P + b * 32;
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        reinterpret_cast<uint4*>(dst)[c] =
-            make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+      decode_q8_block_to_half(raw + ((stage * 2 + kv) * BK + r) * RP + b * 34,
+                              (kv == 0 ? ks : vs) + (stage * BK + r) * P + b * 32);
     }
   };
 
@@ -765,6 +1029,31 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   }
 }
 
+template <int D>
+void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
+                          int32_t n_kv, int32_t first_pos) {
+  using S = DecodeMma<D>;
+  const int n_gchunks = (a.n_head / a.n_head_kv + S::kRows - 1) / S::kRows;
+  const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
+                                        S::split_keys());
+  const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(S::kWarps * 32);
+  const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
+  const bool is_q8 = a.kv_type == DType::Q8_0;
+  l(is_q8 ? attn_decode_mma_kernel<D, true> : attn_decode_mma_kernel<D, false>, grid, block,
+    S::smem_bytes(is_q8), a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
+    a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
+    reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+}
+
+template <int D>
+void prepare_decode_mma() {
+  cudaFuncSetAttribute(attn_decode_mma_kernel<D, false>,
+                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(DecodeMma<D>::smem_bytes(false)));
+  cudaFuncSetAttribute(attn_decode_mma_kernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(DecodeMma<D>::smem_bytes(true)));
+}
+
 template <int DPL>
 void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                           int32_t n_kv, int32_t first_pos) {
@@ -830,12 +1119,24 @@ void prepare_prompt() {
 }  // namespace
 
 void prepare_attention_kernels() {
+  prepare_decode_mma<64>();
+  prepare_decode_mma<128>();
+  prepare_decode_mma<256>();
   prepare_decode_dpl<2>();
   prepare_decode_dpl<4>();
   prepare_decode_dpl<8>();
   prepare_prompt<64>();
   prepare_prompt<128>();
   prepare_prompt<256>();
+}
+
+bool decode_attention_mma(int head_dim) {
+  // GGRAPH_CUDA_ATTN_MMA=0 keeps every head size on the lanes' kernel (for measuring).
+  static const bool on = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_ATTN_MMA");
+    return !(e && std::string(e) == "0");
+  }();
+  return on && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 int attention_group(int n_head, int n_head_kv, int head_dim) {
@@ -880,6 +1181,11 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
   const int32_t n_kv = a.n_kv_at ? 0 : a.n_kv, first_pos = a.first_pos_at ? 0 : a.first_pos;
   // Tokens of sequences of their own are each one query: the decode kernels, at any count.
   if (a.n_tokens <= kDecodeAttnMaxTokens || a.slots) {
+    if (decode_attention_mma(a.head_dim)) {
+      if (a.head_dim == 64) return launch_decode_mma<64>(l, a, kc, vc, n_kv, first_pos);
+      if (a.head_dim == 128) return launch_decode_mma<128>(l, a, kc, vc, n_kv, first_pos);
+      return launch_decode_mma<256>(l, a, kc, vc, n_kv, first_pos);
+    }
     if (a.head_dim <= 64) return decode_attention_dpl<2>(l, a, kc, vc, n_kv, first_pos);
     if (a.head_dim <= 128) return decode_attention_dpl<4>(l, a, kc, vc, n_kv, first_pos);
     return decode_attention_dpl<8>(l, a, kc, vc, n_kv, first_pos);

@@ -432,6 +432,9 @@ void prepare_attention_kernels();
 // Query heads per flash-decoding block, and the most keys a launch reads.
 int attention_group(int n_head, int n_head_kv, int head_dim);
 int attention_max_keys(const AttentionArgs& args);
+// Whether decode batches of this head size run on tensor cores (q and the probabilities in half,
+// as prompts), rather than on lanes' float dot products.
+bool decode_attention_mma(int head_dim);
 // seqs: tokens of sequences of their own (AttentionArgs::slots), which take the decode kernels
 // at any count.
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs = false);
