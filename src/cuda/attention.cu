@@ -16,7 +16,12 @@ int attention_splits(int max_keys, int kv_blocks, int split_keys) {
   // Enough blocks to fill the GPU at the longest context, each with at least a tile per warp;
   // and splits of at most kAttnMaxSplitKeys keys, so that one long sequence among a batch's
   // short ones (which fill the GPU without splits) does not keep a block for its whole cache.
-  const int fill = (kAttnTargetBlocks + kv_blocks - 1) / kv_blocks;
+  // GGRAPH_CUDA_ATTN_BLOCKS sets the target for measuring.
+  static const int target = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_ATTN_BLOCKS");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : kAttnTargetBlocks;
+  }();
+  const int fill = (target + kv_blocks - 1) / kv_blocks;
   const int least = (max_keys + kAttnMaxSplitKeys - 1) / kAttnMaxSplitKeys;
   const int most = (max_keys + split_keys - 1) / split_keys;
   return std::max(1, std::min({kMaxAttnSplits, std::max(fill, least), most}));
@@ -547,7 +552,7 @@ struct DecodeMma {
     return kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
   }
   static constexpr size_t smem_bytes(bool q8) {
-    const size_t tiles = (kRows + kWarps * 2 * kKeys) * kPitch * sizeof(__half) +
+    const size_t tiles = kWarps * 2 * kKeys * kPitch * sizeof(__half) +
                          (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
     const size_t merge = kWarps * kRows * (D + 2) * sizeof(float);
     const size_t splits = kRows * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
@@ -602,20 +607,28 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
   const int k_begin = max(lo, range_begin + split * split_len);
   const int k_end = min(range_begin + (split + 1) * split_len, lim);
 
-  __half* qs = reinterpret_cast<__half*>(smem_raw);  // [G][P]
-  __half* ks = qs + G * P + warp * 2 * BK * P;       // the warp's [BK][P]
+  __half* ks = reinterpret_cast<__half*>(smem_raw) + warp * 2 * BK * P;  // the warp's [BK][P]
   __half* vs = ks + BK * P;
-  uint8_t* raw = reinterpret_cast<uint8_t*>(qs + (G + kWarps * 2 * BK) * P) +
+  uint8_t* raw = reinterpret_cast<uint8_t*>(smem_raw) + kWarps * 2 * BK * P * sizeof(__half) +
                  warp * 2 * BK * RP;  // Q8: the warp's [K, V][BK][RP]
-  const float q_scale = scale * 1.4426950408889634f;  // scores in base 2
-  const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D;
-  for (int i = threadIdx.x; i < G * (D / 2); i += blockDim.x) {
-    const int r = i / (D / 2), d = i % (D / 2) * 2;
-    float2 v = make_float2(0.0f, 0.0f);
-    if (r < n_g) v = *reinterpret_cast<const float2*>(qt + r * D + d);
-    *reinterpret_cast<__half2*>(qs + r * P + d) = __floats2half2_rn(v.x * q_scale, v.y * q_scale);
+  const int g = lane / 4, tig = lane % 4;
+  // The A fragments of q (rows: the block's heads; columns: dims), straight from global memory in
+  // half, pre-scaled (scores in base 2); rows past the heads are zeros.
+  uint32_t qa[D / 16][4];
+  {
+    const float q_scale = scale * 1.4426950408889634f;
+    const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1);
+        float2 v = make_float2(0.0f, 0.0f);
+        if (row < n_g) v = *reinterpret_cast<const float2*>(qt + row * D + col);
+        qa[kk][e] = pack_half2(v.x * q_scale, v.y * q_scale);
+      }
+    }
   }
-  __syncthreads();
 
   const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * kHeadBytes;
   const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * kHeadBytes;
@@ -640,6 +653,20 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
         copy(std::integral_constant<int, 4>(), raw_dst, RP);
     } else if constexpr (Q8) {
       copy(std::integral_constant<int, 4>(), raw_dst, RP);
+    } else if (cache_rows >= BK) {
+      // A lane copies unit u of rows r, r + kStepR, ... with an address add each; rows from the
+      // ring's end on lie at its start.
+      constexpr int kUnits = D * 2 / 16, kStepR = 32 / kUnits;
+      const int r0 = lane / kUnits, u = lane % kUnits;
+      const int wrap_r = cache_rows - row0;
+      const int64_t step = kStepR * row_bytes, ring = static_cast<int64_t>(cache_rows) * row_bytes;
+      const uint8_t* src = head + (static_cast<int64_t>(row0) + r0) * row_bytes + 16 * u;
+      uint8_t* d = reinterpret_cast<uint8_t*>(dst + r0 * P) + 16 * u;
+#pragma unroll
+      for (int r = r0; r < BK; r += kStepR, src += step, d += kStepR * P * 2) {
+        const bool ok = r < n_valid;
+        cp_async16(d, ok ? (r >= wrap_r ? src - ring : src) : head, ok ? 16 : 0);
+      }
     } else {
       copy(std::integral_constant<int, 16>(), reinterpret_cast<uint8_t*>(dst), P * 2);
     }
@@ -661,10 +688,7 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
 #pragma unroll
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
-  const int g = lane / 4, tig = lane % 4;
-  // Lane offsets of the ldmatrix row addresses, as the prompt kernel's: Q (A), K (B), V (B
-  // transposed).
-  const __half* q_frag = qs + (lane % 8 + (lane / 8 % 2) * 8) * P + lane / 16 * 8;
+  // Lane offsets of the ldmatrix row addresses, as the prompt kernel's: K (B), V (B transposed).
   const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
   const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
 
@@ -682,14 +706,12 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
     for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_frag + kk * 16);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t b[4];
         ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
-        mma_16816(s[2 * np], a, b[0], b[1]);
-        mma_16816(s[2 * np + 1], a, b[2], b[3]);
+        mma_16816(s[2 * np], qa[kk], b[0], b[1]);
+        mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
       }
     }
     if (n_valid < BK) {
