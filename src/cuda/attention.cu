@@ -220,7 +220,8 @@ __device__ __forceinline__ void decode_q8_block_to_half(const uint8_t* blk, __ha
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c)
-    reinterpret_cast<uint4*>(dst)[c] = make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+    reinterpret_cast<uint4*>(dst)[c] =
+        make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
 }
 
 // A lane's DPL quants of a staged Q8_0 head (its dims lie in one block) as floats, and their
@@ -544,16 +545,16 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
 template <int D>
 struct DecodeMma {
   static constexpr int kWarps = 4;
-  static constexpr int kRows = 16;                // query heads a block: the MMA's rows
+  static constexpr int kRows = 16;                 // query heads a block: the MMA's rows
   static constexpr int kKeys = D > 128 ? 16 : 32;  // a warp's tile (the registers of D = 256)
-  static constexpr int kPitch = D + 8;            // halves: ldmatrix rows in distinct banks
+  static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
   static constexpr int kRawPitch = q8_head_bytes(D);
   static constexpr int split_keys() {
     return kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
   }
   static constexpr size_t smem_bytes(bool q8) {
-    const size_t tiles = kWarps * 2 * kKeys * kPitch * sizeof(__half) +
-                         (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
+    const size_t tiles =
+        kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
     const size_t merge = kWarps * kRows * (D + 2) * sizeof(float);
     const size_t splits = kRows * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
     return std::max({tiles, merge, splits});
@@ -565,9 +566,8 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
     attn_decode_mma_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
                            int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                            int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                           int n_splits, int n_gchunks, int8_t* out_q, float2* out_d,
-                           __half* out_h, int window, unsigned* counters, int cache_rows,
-                           const int32_t* slots) {
+                           int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, __half* out_h,
+                           int window, unsigned* counters, int cache_rows, const int32_t* slots) {
   using S = DecodeMma<D>;
   constexpr int BK = S::kKeys, P = S::kPitch, RP = S::kRawPitch, kWarps = S::kWarps;
   constexpr int G = S::kRows;
@@ -779,7 +779,8 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
     if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
 #pragma unroll
     for (int i = 0; i < DT; ++i)
-      *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) = make_float2(o[i][2 * r], o[i][2 * r + 1]);
+      *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) =
+          make_float2(o[i][2 * r], o[i][2 * r + 1]);
   }
   __syncthreads();
   decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
@@ -1053,7 +1054,7 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
 
 template <int D>
 void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
-                          int32_t n_kv, int32_t first_pos) {
+                       int32_t n_kv, int32_t first_pos) {
   using S = DecodeMma<D>;
   const int n_gchunks = (a.n_head / a.n_head_kv + S::kRows - 1) / S::kRows;
   const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
