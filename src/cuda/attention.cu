@@ -533,6 +533,61 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
                                  reinterpret_cast<float*>(smem_raw));
 }
 
+// ---- Fragment steps shared by the tensor-core kernels ---------------------------------------
+//
+// A warp's 16 rows of scores in NT m16n8 fragments of 8 keys (base 2), and its output in DT
+// fragments of 8 dims; a lane holds rows g and g + 8 (g = lane / 4) of each.
+
+// The online softmax of a tile's score fragments: each row's maximum over the quad's lanes, s
+// turned into probabilities, l (this lane's share) and o rescaled.
+template <int NT, int DT>
+__device__ __forceinline__ void frag_softmax(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                             float (&o)[DT][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = m[r];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float base = mx == kNegInf ? 0.0f : mx;  // a row with nothing valid yet
+    const float alpha = exp2f(m[r] - base);
+    m[r] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+      s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+      sum += s[nt][2 * r] + s[nt][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;  // this lane's share; the quad's sum at the end
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[i][2 * r] *= alpha, o[i][2 * r + 1] *= alpha;
+  }
+}
+
+// o += P V over a tile: the probabilities, rounded to half, as A fragments (two score fragments
+// side by side are the A fragment of 16 keys), V's rows (P halves apart) as transposed B
+// fragments from v, the lane's ldmatrix offset included.
+template <int P, int NT, int DT>
+__device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v,
+                                        float (&o)[DT][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
+                           pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                           pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < DT / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v + kk * 16 * P + dp * 16);
+      mma_16816(o[2 * dp], a, b[0], b[1]);
+      mma_16816(o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 // ---- Flash-decoding on tensor cores ---------------------------------------------------------
 //
 // Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each
@@ -727,46 +782,12 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
           if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == kNegInf ? 0.0f : mx;  // a row with nothing valid yet
-      const float alpha = exp2f(m[r] - base);
-      m[r] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;  // this lane's share; the quad's sum at the end
-#pragma unroll
-      for (int i = 0; i < DT; ++i) o[i][2 * r] *= alpha, o[i][2 * r + 1] *= alpha;
-    }
+    frag_softmax(s, m, l, o);
 
     cp_async_wait<0>();
     __syncwarp();
     decode(raw + BK * RP, vs);
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      // Two score fragments side by side are the A fragment of 16 keys.
-      const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
-                             pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < DT / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vs + kk * 16 * P + v_off + dp * 16);
-        mma_16816(o[2 * dp], a, b[0], b[1]);
-        mma_16816(o[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    frag_pv<P>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged over it
   }
 
@@ -975,43 +996,9 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == kNegInf ? 0.0f : mx;  // a row with nothing valid yet
-      const float alpha = exp2f(m[r] - base);
-      m[r] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;  // this lane's share; the quad's sum at the end
-#pragma unroll
-      for (int i = 0; i < DT; ++i) o[i][2 * r] *= alpha, o[i][2 * r + 1] *= alpha;
-    }
+    frag_softmax(s, m, l, o);
 
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      // Two score fragments side by side are the A fragment of 16 keys.
-      const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
-                             pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < DT / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vt + kk * 16 * P + v_off + dp * 16);
-        mma_16816(o[2 * dp], a, b[0], b[1]);
-        mma_16816(o[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    frag_pv<P>(s, vt + v_off, o);
     __syncthreads();  // this stage fully read before the next load into it
   }
 
