@@ -299,6 +299,52 @@ __device__ __forceinline__ float warp_sum8_transposed(const float (&v)[8], int l
   return c + __shfl_xor_sync(0xffffffffu, c, 1);
 }
 
+// Where a flash-decoding block of G query heads works: its token t = blockIdx.z's cache (a
+// sequence of its own under slots: its rows in the pools, at row_size bytes a cache row, rebasing
+// kc and vc, and its position as the only query's), the splits its keys fill with split_keys
+// each, its heads and its split's keys [k_begin, k_end). Keys [lo, lim) are the token's; with a
+// window, the splits divide the keys any token of the batch reads, from range_begin on, and rows
+// before lo are never read. A padding token (sequence -1) attends to the first row of sequence 0;
+// its output goes unused.
+struct DecodeSpan {
+  int n_used;             // splits in use (blocks past them have nothing to do)
+  int h_first, n_g, hkv;  // the block's query heads and their KV head
+  int k_begin, k_end;     // the split's keys
+};
+__device__ __forceinline__ DecodeSpan decode_span(
+    int G, int split_keys, int n_splits, int n_gchunks, int n_head, int n_head_kv, int64_t row_size,
+    int window, int cache_rows, const int32_t* slots, const int32_t* n_kv_at, int n_kv_value,
+    const int32_t* first_pos_at, int first_pos_value, const void*& kc, const void*& vc) {
+  const int t = blockIdx.z;
+  int n_kv = kv_value(n_kv_at, n_kv_value);
+  int first_pos = kv_value(first_pos_at, first_pos_value);
+  int t_pos = t;  // the query's offset from first_pos
+  if (slots) {
+    const bool pad = slots[t] < 0;
+    const int pos = pad ? 0 : slots[gridDim.z + t];
+    n_kv = pos + 1;
+    first_pos = pos;
+    t_pos = 0;
+    const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
+    kc = static_cast<const uint8_t*>(kc) + rows_before * row_size;
+    vc = static_cast<const uint8_t*>(vc) + rows_before * row_size;
+  }
+  DecodeSpan sp;
+  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
+  const int range = n_kv - range_begin;
+  sp.n_used = max(1, min(n_splits, (range + split_keys - 1) / split_keys));
+  const int group = n_head / n_head_kv;
+  sp.hkv = blockIdx.x / n_gchunks;
+  sp.h_first = sp.hkv * group + (blockIdx.x % n_gchunks) * G;
+  sp.n_g = min(G, sp.hkv * group + group - sp.h_first);
+  const int lim = min(n_kv, first_pos + t_pos + 1);
+  const int lo = window > 0 ? max(0, first_pos + t_pos + 1 - window) : 0;
+  const int split_len = ((range + sp.n_used - 1) / sp.n_used + 31) / 32 * 32;  // whole tiles
+  sp.k_begin = max(lo, range_begin + static_cast<int>(blockIdx.y) * split_len);
+  sp.k_end = min(range_begin + (static_cast<int>(blockIdx.y) + 1) * split_len, lim);
+  return sp;
+}
+
 // Q8: the caches hold Q8_0 blocks; a warp stages a tile's head bytes in 8- or 4-byte units, at
 // the same row pitch as the F16 lanes' values (which is larger), and lanes decode their values,
 // their block's scale applied once to each key's partial score and to each probability.
@@ -319,37 +365,14 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const int t = blockIdx.z;
-  int n_kv = kv_value(n_kv_at, n_kv_value);
-  int first_pos = kv_value(first_pos_at, first_pos_value);
-  // The query's offset from first_pos: t, or 0 when each token is a sequence of its own (slots:
-  // its sequence's rows in the pools, its position as the only query's).
-  int t_pos = t;
-  if (slots) {
-    // A padding token (sequence -1) attends to the first row of sequence 0; its output goes
-    // unused.
-    const bool pad = slots[t] < 0;
-    const int pos = pad ? 0 : slots[gridDim.z + t];
-    n_kv = pos + 1;
-    first_pos = pos;
-    t_pos = 0;
-    const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
-    const int64_t row_size = Q8 ? static_cast<int64_t>(n_head_kv) * q8_head_bytes(head_dim)
-                                : static_cast<int64_t>(n_head_kv) * head_dim * 2;
-    kc = static_cast<const uint8_t*>(kc) + rows_before * row_size;
-    vc = static_cast<const uint8_t*>(vc) + rows_before * row_size;
-  }
-  // Keys [lo, lim) are this token's; with a window, the splits divide the keys any token of the
-  // batch reads, from range_begin on, and rows before lo are never read.
-  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
-  const int range = n_kv - range_begin;
-  constexpr int kSplitKeys = decode_split_keys<DPL>();
-  const int n_used = max(1, min(n_splits, (range + kSplitKeys - 1) / kSplitKeys));
-  const int split = blockIdx.y;
+  const DecodeSpan sp = decode_span(
+      G, decode_split_keys<DPL>(), n_splits, n_gchunks, n_head, n_head_kv,
+      Q8 ? static_cast<int64_t>(n_head_kv) * q8_head_bytes(head_dim)
+         : static_cast<int64_t>(n_head_kv) * head_dim * 2,
+      window, cache_rows, slots, n_kv_at, n_kv_value, first_pos_at, first_pos_value, kc, vc);
+  const int n_used = sp.n_used, split = blockIdx.y;
   if (split >= n_used) return;
-  const int group = n_head / n_head_kv;
-  const int hkv = blockIdx.x / n_gchunks;
-  const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
-  const int n_g = min(G, hkv * group + group - h_first);
+  const int h_first = sp.h_first, n_g = sp.n_g, hkv = sp.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t kv_stride = static_cast<int64_t>(n_head_kv) * head_dim;
   const int64_t q_stride = static_cast<int64_t>(n_head) * head_dim;
@@ -364,11 +387,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     for (int e = 0; e < DPL; ++e) qv[g][e] = g < n_g && lane_on ? qh[e] * scale : 0.0f;
   }
 
-  const int lim = min(n_kv, first_pos + t_pos + 1);
-  const int lo = window > 0 ? max(0, first_pos + t_pos + 1 - window) : 0;
-  const int split_len = ((range + n_used - 1) / n_used + 31) / 32 * 32;  // whole tiles
-  const int k_begin = max(lo, range_begin + split * split_len);
-  const int k_end = min(range_begin + (split + 1) * split_len, lim);
+  const int k_begin = sp.k_begin, k_end = sp.k_end;
 
   float m[G], l[G], acc[G][DPL];
 #pragma unroll
@@ -636,36 +655,16 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
   pdl_begin();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const int t = blockIdx.z;
-  int n_kv = kv_value(n_kv_at, n_kv_value);
-  int first_pos = kv_value(first_pos_at, first_pos_value);
-  int t_pos = t;
   constexpr int64_t kHeadBytes = Q8 ? q8_head_bytes(D) : D * 2;
   const int64_t row_bytes = n_head_kv * kHeadBytes;
-  if (slots) {  // as attn_decode_kernel
-    const bool pad = slots[t] < 0;
-    const int pos = pad ? 0 : slots[gridDim.z + t];
-    n_kv = pos + 1;
-    first_pos = pos;
-    t_pos = 0;
-    const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
-    kc = static_cast<const uint8_t*>(kc) + rows_before * row_bytes;
-    vc = static_cast<const uint8_t*>(vc) + rows_before * row_bytes;
-  }
-  const int range_begin = window > 0 ? max(0, first_pos + 1 - window) : 0;
-  const int range = n_kv - range_begin;
-  const int n_used = max(1, min(n_splits, (range + S::split_keys() - 1) / S::split_keys()));
-  const int split = blockIdx.y;
+  const DecodeSpan sp =
+      decode_span(G, S::split_keys(), n_splits, n_gchunks, n_head, n_head_kv, row_bytes, window,
+                  cache_rows, slots, n_kv_at, n_kv_value, first_pos_at, first_pos_value, kc, vc);
+  const int n_used = sp.n_used, split = blockIdx.y;
   if (split >= n_used) return;
-  const int group = n_head / n_head_kv;
-  const int hkv = blockIdx.x / n_gchunks;
-  const int h_first = hkv * group + (blockIdx.x % n_gchunks) * G;
-  const int n_g = min(G, hkv * group + group - h_first);
+  const int h_first = sp.h_first, n_g = sp.n_g, hkv = sp.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int lim = min(n_kv, first_pos + t_pos + 1);
-  const int lo = window > 0 ? max(0, first_pos + t_pos + 1 - window) : 0;
-  const int split_len = ((range + n_used - 1) / n_used + 31) / 32 * 32;  // whole tiles
-  const int k_begin = max(lo, range_begin + split * split_len);
-  const int k_end = min(range_begin + (split + 1) * split_len, lim);
+  const int k_begin = sp.k_begin, k_end = sp.k_end;
 
   __half* ks = reinterpret_cast<__half*>(smem_raw) + warp * 2 * BK * P;  // the warp's [BK][P]
   __half* vs = ks + BK * P;
