@@ -1,5 +1,7 @@
 // Causal attention over the KV cache (F16, or ggml's Q8_0 blocks): flash-decoding (KV split over
 // blocks, then a reduce) for a few queries, and flash attention on tensor cores for prompts.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -184,6 +186,89 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
   __threadfence();
   attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
                     out_h, smem);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define GGRAPH_CLUSTER_DIMS(x, y, z)
+#else
+#define GGRAPH_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
+#endif
+
+// The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+): the
+// warps' records in merge are combined into the block's own (m, l, acc) in mine ([G][head_dim +
+// 2]); after the cluster's barrier each block merges its share of the outputs (whole warps of
+// 32), reading every split's records from the other blocks' shared memory with the loads in
+// flight together; a second barrier keeps the records until all have read them. With one split
+// in use its block writes the output, and there is no barrier. Where the ticket's merge goes
+// through L2 four times (partials, fence, ticket, merge), this is two cluster barriers and one
+// trip across the cluster.
+template <int kWarps, int G, int C>
+__device__ void decode_cluster_finish(const float* merge, float* mine, int t, int h_first, int n_g,
+                                      int head_dim, int n_head, int split, int n_used, float* out,
+                                      __half* out_h, int8_t* out_q, float2* out_d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int rec = head_dim + 2;
+  auto emit = [&](int idx, float v) {
+    const int64_t i = (static_cast<int64_t>(t) * n_head + h_first) * head_dim + idx;
+    out[i] = v;
+    if (out_h) out_h[i] = __float2half_rn(v);
+    if (out_q) quantize_warp_block(v, i, out_q, out_d);
+  };
+  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
+    const int g = idx / head_dim, d = idx % head_dim;
+    float mm = kNegInf;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
+    float ll = 0.0f, a = 0.0f;
+    if (mm != kNegInf) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float* r = merge + (w * G + g) * rec;
+        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
+        ll += r[1] * e;
+        a += r[2 + d] * e;
+      }
+    }
+    if (n_used == 1) {
+      emit(idx, ll > 0.0f ? a / ll : 0.0f);
+    } else {
+      float* b = mine + g * rec;
+      if (d == 0) b[0] = mm, b[1] = ll;
+      b[2 + d] = a;
+    }
+  }
+  if (n_used == 1) return;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int total = n_g * head_dim;
+  const int chunk = ((total + n_used - 1) / n_used + 31) / 32 * 32;
+  const int end = min(total, (split + 1) * chunk);
+  for (int idx = split * chunk + threadIdx.x; idx < end; idx += blockDim.x) {
+    const int g = idx / head_dim, d = idx % head_dim;
+    float ms[C], ls[C], as[C];
+#pragma unroll
+    for (int s = 0; s < C; ++s) {
+      ms[s] = kNegInf, ls[s] = as[s] = 0.0f;
+      if (s < n_used) {
+        const float* r = cluster.map_shared_rank(mine, s) + g * rec;
+        ms[s] = r[0], ls[s] = r[1], as[s] = r[2 + d];
+      }
+    }
+    float mm = kNegInf;
+#pragma unroll
+    for (int s = 0; s < C; ++s) mm = fmaxf(mm, ms[s]);
+    float ll = 0.0f, a = 0.0f;
+    if (mm != kNegInf) {
+#pragma unroll
+      for (int s = 0; s < C; ++s) {
+        const float e = ms[s] == kNegInf ? 0.0f : expf(ms[s] - mm);
+        ll += ls[s] * e;
+        a += as[s] * e;
+      }
+    }
+    emit(idx, ll > 0.0f ? a / ll : 0.0f);
+  }
+  cluster.sync();
+#endif
 }
 
 // A lane's DPL dimensions of a K or V row.
@@ -621,33 +706,48 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
 // on its lanes' dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is
 // 64 MMAs and 24 ldmatrix.
 
-template <int D>
+// W warps a block. CL: the block is one of a cluster of kAttnClusterSplits, which merge their
+// splits through distributed shared memory (sm_90+), each block's combined (m, l, acc) left in
+// its own shared memory after the warps' records.
+template <int D, int W = 4, bool CL = false>
 struct DecodeMma {
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = W;
   static constexpr int kRows = 16;                 // query heads a block: the MMA's rows
   static constexpr int kKeys = D > 128 ? 16 : 32;  // a warp's tile (the registers of D = 256)
   static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
   static constexpr int kRawPitch = q8_head_bytes(D);
   static constexpr int split_keys() {
-    return kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
+    return CL || kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
   }
+  static constexpr size_t merge_floats() { return static_cast<size_t>(kWarps) * kRows * (D + 2); }
   static constexpr size_t smem_bytes(bool q8) {
     const size_t tiles =
         kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
-    const size_t merge = kWarps * kRows * (D + 2) * sizeof(float);
-    const size_t splits = kRows * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
-    return std::max({tiles, merge, splits});
+    const size_t merge = (merge_floats() + (CL ? kRows * (D + 2) : 0)) * sizeof(float);
+    return std::max(tiles, merge);
   }
 };
 
-template <int D, bool Q8>
-__global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
-    attn_decode_mma_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
-                           int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
-                           int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                           int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, __half* out_h,
-                           int window, unsigned* counters, int cache_rows, const int32_t* slots) {
-  using S = DecodeMma<D>;
+// Warps a block of the cluster kernel: one pass of a cluster's blocks covers 4,096 keys at 64
+// dims, 2,048 at 128, 1,024 at 256, within the shared memory of one block an SM.
+template <int D>
+constexpr int cluster_warps() {
+  return D == 64 ? 16 : 8;
+}
+
+#define GGRAPH_DECODE_MMA_PARAMS                                                                   \
+  const float *q, const void *kc, const void *vc, float *out, float *part, int n_head,             \
+      int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,               \
+      const int32_t *n_kv_at, const int32_t *first_pos_at, int n_splits, int n_gchunks,            \
+      int8_t *out_q, float2 *out_d, __half *out_h, int window, unsigned *counters, int cache_rows, \
+      const int32_t *slots
+#define GGRAPH_DECODE_MMA_ARGS                                                                    \
+  q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at, \
+      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots
+
+template <int D, bool Q8, int W, bool CL>
+__device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
+  using S = DecodeMma<D, W, CL>;
   constexpr int BK = S::kKeys, P = S::kPitch, RP = S::kRawPitch, kWarps = S::kWarps;
   constexpr int G = S::kRows;
   constexpr int NT = BK / 8;  // score fragments of 8 keys
@@ -661,7 +761,9 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
       decode_span(G, S::split_keys(), n_splits, n_gchunks, n_head, n_head_kv, row_bytes, window,
                   cache_rows, slots, n_kv_at, n_kv_value, first_pos_at, first_pos_value, kc, vc);
   const int n_used = sp.n_used, split = blockIdx.y;
-  if (split >= n_used) return;
+  // A cluster's blocks past the splits in use read no keys, but take part in its barriers (all
+  // of them, or none where one split suffices).
+  if (split >= n_used && (!CL || n_used == 1)) return;
   const int h_first = sp.h_first, n_g = sp.n_g, hkv = sp.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_begin = sp.k_begin, k_end = sp.k_end;
@@ -808,9 +910,32 @@ __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
           make_float2(o[i][2 * r], o[i][2 * r + 1]);
   }
   __syncthreads();
-  decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
-                                 out_h, out_q, out_d, part, counters,
-                                 reinterpret_cast<float*>(smem_raw));
+  if constexpr (CL) {
+    decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, merge + S::merge_floats(), t,
+                                                         h_first, n_g, D, n_head, split, n_used,
+                                                         out, out_h, out_q, out_d);
+  } else {
+    decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
+                                   out_h, out_q, out_d, part, counters,
+                                   reinterpret_cast<float*>(smem_raw));
+  }
+}
+
+template <int D, bool Q8>
+__global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
+    attn_decode_mma_kernel(GGRAPH_DECODE_MMA_PARAMS) {
+  decode_mma_body<D, Q8, DecodeMma<D>::kWarps, false>(GGRAPH_DECODE_MMA_ARGS);
+}
+
+// The cluster's size is the kernel's own (compiled for sm_90 and later only; other GPUs never
+// launch it).
+template <int D, bool Q8>
+__global__ void GGRAPH_CLUSTER_DIMS(1, kAttnClusterSplits, 1)
+    __launch_bounds__(cluster_warps<D>() * 32, 1)
+        attn_decode_mma_cluster_kernel(GGRAPH_DECODE_MMA_PARAMS) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  decode_mma_body<D, Q8, cluster_warps<D>(), true>(GGRAPH_DECODE_MMA_ARGS);
+#endif
 }
 
 // ---- Prompt attention on tensor cores -------------------------------------------------------
@@ -1043,29 +1168,90 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   }
 }
 
+// Whether the cluster kernel can run here (sm_90+, a cluster of its blocks fits), and the SMs
+// that decide where it pays; set by prepare_attention_kernels. Cluster: -1 automatic, 0 never
+// (set_decode_attention_cluster, GGRAPH_CUDA_ATTN_CLUSTER=0).
+struct ClusterSupport {
+  bool ok = false;
+  int sms = 0;
+  int mode = -1;
+};
+ClusterSupport& cluster_support() {
+  static ClusterSupport c;
+  return c;
+}
+
 template <int D>
 void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                        int32_t n_kv, int32_t first_pos) {
   using S = DecodeMma<D>;
   const int n_gchunks = (a.n_head / a.n_head_kv + S::kRows - 1) / S::kRows;
-  const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
-                                        S::split_keys());
-  const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(S::kWarps * 32);
+  const int kv_blocks = a.n_head_kv * n_gchunks * a.n_tokens;
+  const int max_keys = attention_max_keys(a);
   const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
   const bool is_q8 = a.kv_type == DType::Q8_0;
-  l(is_q8 ? attn_decode_mma_kernel<D, true> : attn_decode_mma_kernel<D, false>, grid, block,
-    S::smem_bytes(is_q8), a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
-    a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
-    reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+  auto launch = [&](auto kernel, dim3 grid, dim3 block, size_t smem, int n_splits) {
+    l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
+      a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
+      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+  };
+  // Few KV heads (a grid of clusters within the GPU's SMs) over a cache long enough to split:
+  // the splits merge through distributed shared memory. The choice follows the graph's shape
+  // (heads, tokens, cache rows) alone, never the step's depth.
+  const ClusterSupport& cs = cluster_support();
+  if (cs.ok && cs.mode != 0 && kv_blocks * kAttnClusterSplits <= cs.sms &&
+      max_keys > S::split_keys()) {
+    using SC = DecodeMma<D, cluster_warps<D>(), true>;
+    launch(
+        is_q8 ? attn_decode_mma_cluster_kernel<D, true> : attn_decode_mma_cluster_kernel<D, false>,
+        dim3(a.n_head_kv * n_gchunks, kAttnClusterSplits, a.n_tokens), dim3(SC::kWarps * 32),
+        SC::smem_bytes(is_q8), kAttnClusterSplits);
+    return;
+  }
+  const int n_splits = attention_splits(max_keys, kv_blocks, S::split_keys());
+  launch(is_q8 ? attn_decode_mma_kernel<D, true> : attn_decode_mma_kernel<D, false>,
+         dim3(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), dim3(S::kWarps * 32),
+         S::smem_bytes(is_q8), n_splits);
 }
 
 template <int D>
 void prepare_decode_mma() {
-  cudaFuncSetAttribute(attn_decode_mma_kernel<D, false>,
-                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(DecodeMma<D>::smem_bytes(false)));
-  cudaFuncSetAttribute(attn_decode_mma_kernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(DecodeMma<D>::smem_bytes(true)));
+  auto raise = [](auto kernel, size_t bytes) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(bytes));
+  };
+  raise(attn_decode_mma_kernel<D, false>, DecodeMma<D>::smem_bytes(false));
+  raise(attn_decode_mma_kernel<D, true>, DecodeMma<D>::smem_bytes(true));
+  using SC = DecodeMma<D, cluster_warps<D>(), true>;
+  raise(attn_decode_mma_cluster_kernel<D, false>, SC::smem_bytes(false));
+  raise(attn_decode_mma_cluster_kernel<D, true>, SC::smem_bytes(true));
+}
+
+// Whether a cluster of the D = 64 Q8_0 kernel (the most shared memory a block asks, at the most
+// threads) can be resident: sm_90+ and the occupancy query's answer.
+bool cluster_fits() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      major < 9)
+    return false;
+  bool fits = true;
+  auto check = [&](auto kernel, int warps, size_t smem) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, kAttnClusterSplits, 1);
+    config.blockDim = dim3(warps * 32);
+    config.dynamicSmemBytes = smem;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1)
+      fits = false;
+  };
+  check(attn_decode_mma_cluster_kernel<64, true>, cluster_warps<64>(),
+        DecodeMma<64, cluster_warps<64>(), true>::smem_bytes(true));
+  check(attn_decode_mma_cluster_kernel<128, true>, cluster_warps<128>(),
+        DecodeMma<128, cluster_warps<128>(), true>::smem_bytes(true));
+  check(attn_decode_mma_cluster_kernel<256, true>, cluster_warps<256>(),
+        DecodeMma<256, cluster_warps<256>(), true>::smem_bytes(true));
+  return fits;
 }
 
 template <int DPL>
@@ -1136,6 +1322,13 @@ void prepare_attention_kernels() {
   prepare_decode_mma<64>();
   prepare_decode_mma<128>();
   prepare_decode_mma<256>();
+  ClusterSupport& cs = cluster_support();
+  int dev = 0;
+  cs.ok = cluster_fits() && cudaGetDevice(&dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&cs.sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+  if (const char* e = std::getenv("GGRAPH_CUDA_ATTN_CLUSTER"); e && std::string(e) == "0")
+    cs.mode = 0;
+  cudaGetLastError();
   prepare_decode_dpl<2>();
   prepare_decode_dpl<4>();
   prepare_decode_dpl<8>();
@@ -1143,6 +1336,8 @@ void prepare_attention_kernels() {
   prepare_prompt<128>();
   prepare_prompt<256>();
 }
+
+void set_decode_attention_cluster(bool on) { cluster_support().mode = on ? -1 : 0; }
 
 bool decode_attention_mma(int head_dim) {
   // GGRAPH_CUDA_ATTN_MMA=0 keeps every head size on the lanes' kernel (for measuring).

@@ -87,6 +87,9 @@ constexpr int kAttnTargetBlocks = 256;
 constexpr int kAttnMinSplitKeys = 128;
 constexpr int kAttnMaxSplitKeys = 2048;  // where kMaxAttnSplits allow
 constexpr int kMaxAttnSplits = 64;
+// Splits of the cluster decode kernel (sm_90+, few KV heads): one cluster of this many blocks a
+// head group, merged through distributed shared memory.
+constexpr int kAttnClusterSplits = 8;
 // Splits for a decode attention that reads at most max_keys keys with kv_blocks blocks per split.
 int attention_splits(int max_keys, int kv_blocks, int split_keys = kAttnMinSplitKeys);
 
@@ -435,6 +438,9 @@ int attention_max_keys(const AttentionArgs& args);
 // Whether decode batches of this head size run on tensor cores (q and the probabilities in half,
 // as prompts), rather than on lanes' float dot products.
 bool decode_attention_mma(int head_dim);
+// Test hook: whether decode batches of few KV heads may take the cluster kernel (sm_90+; on by
+// default where it fits).
+void set_decode_attention_cluster(bool on);
 // seqs: tokens of sequences of their own (AttentionArgs::slots), which take the decode kernels
 // at any count.
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs = false);

@@ -1045,6 +1045,36 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
+// Few KV heads over long caches: on sm_90+ the splits of a head group are a cluster of blocks
+// that merge through distributed shared memory; the same cases with the cluster kernel off take
+// the ticket merge through L2. Both against float64: one split, several, several passes a warp,
+// windows, rings, Q8_0, GQA groups and tokens of one batch.
+TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
+  std::mt19937 rng(28);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const DType f16 = DType::F16, q8 = DType::Q8_0;
+  const AttnCase cases[] = {{9, 3, 64, 100, 1},
+                            {9, 3, 64, 1000, 1},
+                            {9, 3, 64, 4095, 1},
+                            {9, 3, 64, 9000, 1},
+                            {9, 3, 64, 3000, 3},
+                            {32, 8, 64, 2500, 1},
+                            {8, 2, 128, 2047, 1},
+                            {8, 2, 128, 5000, 2},
+                            {4, 1, 256, 3000, 1, 512},
+                            {4, 1, 256, 1500, 1},
+                            {4, 1, 256, 3000, 1, 512, f16, 1023},
+                            {9, 3, 64, 4095, 1, 0, q8},
+                            {8, 2, 128, 3000, 1, 0, q8},
+                            {4, 1, 256, 2000, 1, 0, q8}};
+  for (bool cluster : {true, false}) {
+    cuda::set_decode_attention_cluster(cluster);
+    for (const AttnCase& c : cases) check_attention(c, rng, chk);
+  }
+  cuda::set_decode_attention_cluster(true);
+}
+
 // Q8_0 caches: decode batches (staged in 8- or 4-byte units, decoded by each lane) and prompt
 // batches (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows.
 TEST_F(CudaOps, AttentionOverQ8Caches) {
