@@ -935,6 +935,8 @@ __global__ void GGRAPH_CLUSTER_DIMS(1, kAttnClusterSplits, 1)
         attn_decode_mma_cluster_kernel(GGRAPH_DECODE_MMA_PARAMS) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   decode_mma_body<D, Q8, cluster_warps<D>(), true>(GGRAPH_DECODE_MMA_ARGS);
+#else
+  __trap();
 #endif
 }
 
@@ -1168,18 +1170,18 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   }
 }
 
-// Whether the cluster kernel can run here (sm_90+, a cluster of its blocks fits), and the SMs
-// that decide where it pays; set by prepare_attention_kernels. Cluster: -1 automatic, 0 never
-// (set_decode_attention_cluster, GGRAPH_CUDA_ATTN_CLUSTER=0).
+// How many clusters of each cluster kernel (64, 128, 256 dims; F16, Q8_0) can be resident at once
+// on this GPU (0: none, or the kernel was not built for it); set by prepare_attention_kernels.
+// mode: -1 automatic, 0 never (set_decode_attention_cluster, GGRAPH_CUDA_ATTN_CLUSTER=0).
 struct ClusterSupport {
-  bool ok = false;
-  int sms = 0;
+  int clusters[3][2] = {};
   int mode = -1;
 };
 ClusterSupport& cluster_support() {
   static ClusterSupport c;
   return c;
 }
+constexpr int dim_index(int d) { return d == 64 ? 0 : d == 128 ? 1 : 2; }
 
 template <int D>
 void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
@@ -1198,10 +1200,12 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   // Few KV heads (a grid of clusters within the GPU's SMs) over a cache long enough to split:
   // the splits merge through distributed shared memory. The choice follows the graph's shape
   // (heads, tokens, cache rows) alone, never the step's depth.
+  // A grid of as many clusters as can be resident at once, over caches longer than one of its
+  // blocks' passes.
   const ClusterSupport& cs = cluster_support();
-  if (cs.ok && cs.mode != 0 && kv_blocks * kAttnClusterSplits <= cs.sms &&
-      max_keys > S::split_keys()) {
-    using SC = DecodeMma<D, cluster_warps<D>(), true>;
+  using SC = DecodeMma<D, cluster_warps<D>(), true>;
+  if (cs.mode != 0 && kv_blocks <= cs.clusters[dim_index(D)][is_q8] &&
+      max_keys > SC::split_keys()) {
     launch(
         is_q8 ? attn_decode_mma_cluster_kernel<D, true> : attn_decode_mma_cluster_kernel<D, false>,
         dim3(a.n_head_kv * n_gchunks, kAttnClusterSplits, a.n_tokens), dim3(SC::kWarps * 32),
@@ -1227,31 +1231,25 @@ void prepare_decode_mma() {
   raise(attn_decode_mma_cluster_kernel<D, true>, SC::smem_bytes(true));
 }
 
-// Whether a cluster of the D = 64 Q8_0 kernel (the most shared memory a block asks, at the most
-// threads) can be resident: sm_90+ and the occupancy query's answer.
-bool cluster_fits() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      major < 9)
-    return false;
-  bool fits = true;
-  auto check = [&](auto kernel, int warps, size_t smem) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(1, kAttnClusterSplits, 1);
-    config.blockDim = dim3(warps * 32);
-    config.dynamicSmemBytes = smem;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters < 1)
-      fits = false;
-  };
-  check(attn_decode_mma_cluster_kernel<64, true>, cluster_warps<64>(),
-        DecodeMma<64, cluster_warps<64>(), true>::smem_bytes(true));
-  check(attn_decode_mma_cluster_kernel<128, true>, cluster_warps<128>(),
-        DecodeMma<128, cluster_warps<128>(), true>::smem_bytes(true));
-  check(attn_decode_mma_cluster_kernel<256, true>, cluster_warps<256>(),
-        DecodeMma<256, cluster_warps<256>(), true>::smem_bytes(true));
-  return fits;
+// Clusters of the kernel that can be resident at once: 0 unless the GPU runs its sm_90 build
+// (PTX 9.0 or later, the cluster size compiled in); a build for older GPUs JIT-compiled on a
+// newer one has neither, and an empty body.
+template <int D, bool Q8>
+int resident_clusters() {
+  cudaFuncAttributes attr = {};
+  if (cudaFuncGetAttributes(&attr, attn_decode_mma_cluster_kernel<D, Q8>) != cudaSuccess ||
+      attr.ptxVersion < 90 || attr.requiredClusterHeight != kAttnClusterSplits)
+    return 0;
+  using SC = DecodeMma<D, cluster_warps<D>(), true>;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, kAttnClusterSplits, 1);
+  config.blockDim = dim3(SC::kWarps * 32);
+  config.dynamicSmemBytes = SC::smem_bytes(Q8);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, attn_decode_mma_cluster_kernel<D, Q8>, &config) !=
+      cudaSuccess)
+    return 0;
+  return clusters;
 }
 
 template <int DPL>
@@ -1323,9 +1321,13 @@ void prepare_attention_kernels() {
   prepare_decode_mma<128>();
   prepare_decode_mma<256>();
   ClusterSupport& cs = cluster_support();
-  int dev = 0;
-  cs.ok = cluster_fits() && cudaGetDevice(&dev) == cudaSuccess &&
-          cudaDeviceGetAttribute(&cs.sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess;
+  cs.clusters[0][0] = resident_clusters<64, false>();
+  cs.clusters[0][1] = resident_clusters<64, true>();
+  cs.clusters[1][0] = resident_clusters<128, false>();
+  cs.clusters[1][1] = resident_clusters<128, true>();
+  cs.clusters[2][0] = resident_clusters<256, false>();
+  cs.clusters[2][1] = resident_clusters<256, true>();
+  cudaGetLastError();
   if (const char* e = std::getenv("GGRAPH_CUDA_ATTN_CLUSTER"); e && std::string(e) == "0")
     cs.mode = 0;
   cudaGetLastError();
@@ -1337,7 +1339,13 @@ void prepare_attention_kernels() {
   prepare_prompt<256>();
 }
 
-void set_decode_attention_cluster(bool on) { cluster_support().mode = on ? -1 : 0; }
+bool set_decode_attention_cluster(bool on) {
+  const bool was = cluster_support().mode != 0;
+  cluster_support().mode = on ? -1 : 0;
+  return was;
+}
+
+bool decode_attention_clusters() { return cluster_support().clusters[0][0] > 0; }
 
 bool decode_attention_mma(int head_dim) {
   // GGRAPH_CUDA_ATTN_MMA=0 keeps every head size on the lanes' kernel (for measuring).

@@ -439,8 +439,10 @@ int attention_max_keys(const AttentionArgs& args);
 // as prompts), rather than on lanes' float dot products.
 bool decode_attention_mma(int head_dim);
 // Test hook: whether decode batches of few KV heads may take the cluster kernel (sm_90+; on by
-// default where it fits).
-void set_decode_attention_cluster(bool on);
+// default where it fits). Returns the setting before.
+bool set_decode_attention_cluster(bool on);
+// Whether this GPU runs the cluster decode kernel (an sm_90 build on sm_90 or later).
+bool decode_attention_clusters();
 // seqs: tokens of sequences of their own (AttentionArgs::slots), which take the decode kernels
 // at any count.
 size_t attn_partials_bytes(int n_head, int head_dim, int n_tokens, bool seqs = false);

@@ -919,6 +919,7 @@ struct AttnCase {
   int window = 0;         // > 0: each query sees its last `window` positions
   DType kv = DType::F16;  // the caches' type: F16 or Q8_0
   int ring = 0;           // > 0: the caches are rings of this many rows (position p in p % ring)
+  int spare = 0;          // rows the caches hold past the keys (a cache sized for more)
 };
 
 // A KV cache [w, rows] of type t holding the given row bytes, made as a context makes one.
@@ -934,7 +935,7 @@ Tensor* kv_cache_with(Graph& g, Backend& be, DType t, const std::vector<uint8_t>
 void check_attention(const AttnCase& c, std::mt19937& rng,
                      const std::function<void(const Build&, const std::vector<double>&, double,
                                               double, const std::string&, double)>& check) {
-  const int n_ctx = c.ring > 0 ? c.ring : c.n_past + c.n_tok + 7;
+  const int n_ctx = c.ring > 0 ? c.ring : c.n_past + c.n_tok + 7 + c.spare;
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
   auto v_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
@@ -1047,14 +1048,26 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
 
 // Few KV heads over long caches: on sm_90+ the splits of a head group are a cluster of blocks
 // that merge through distributed shared memory; the same cases with the cluster kernel off take
-// the ticket merge through L2. Both against float64: one split, several, several passes a warp,
-// windows, rings, Q8_0, GQA groups and tokens of one batch.
+// the ticket merge through L2. Both against float64: one split in use of a long cache (the
+// cluster's other blocks return), several, several passes a warp, windows, rings, Q8_0, GQA
+// groups and tokens of one batch.
 TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  if (major >= 9) {
+    EXPECT_TRUE(cuda::decode_attention_clusters()) << "an sm_90 build on sm_90+";
+  }
+  struct Restore {
+    bool was = cuda::set_decode_attention_cluster(true);
+    ~Restore() { cuda::set_decode_attention_cluster(was); }
+  } restore;
   std::mt19937 rng(28);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   const DType f16 = DType::F16, q8 = DType::Q8_0;
-  const AttnCase cases[] = {{9, 3, 64, 100, 1},
+  const AttnCase cases[] = {{9, 3, 64, 100, 1, 0, f16, 0, 600},
+                            {8, 2, 128, 200, 1, 0, f16, 0, 400},
+                            {4, 1, 256, 100, 1, 0, f16, 0, 300},
                             {9, 3, 64, 1000, 1},
                             {9, 3, 64, 4095, 1},
                             {9, 3, 64, 9000, 1},
@@ -1072,7 +1085,6 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
     cuda::set_decode_attention_cluster(cluster);
     for (const AttnCase& c : cases) check_attention(c, rng, chk);
   }
-  cuda::set_decode_attention_cluster(true);
 }
 
 // Q8_0 caches: decode batches (staged in 8- or 4-byte units, decoded by each lane) and prompt
