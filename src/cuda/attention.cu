@@ -721,8 +721,10 @@ struct DecodeMma {
   }
   static constexpr size_t merge_floats() { return static_cast<size_t>(kWarps) * kRows * (D + 2); }
   static constexpr size_t smem_bytes(bool q8) {
+    // Q8: K's raw bytes land in the warp's V tile (dead once decoded, before V's decode), so
+    // only V's have an area of their own.
     const size_t tiles =
-        kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * 2 * kKeys * kRawPitch : 0);
+        kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * kKeys * kRawPitch : 0);
     const size_t merge = (merge_floats() + (CL ? kRows * (D + 2) : 0)) * sizeof(float);
     return std::max(tiles, merge);
   }
@@ -771,7 +773,8 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   __half* ks = reinterpret_cast<__half*>(smem_raw) + warp * 2 * BK * P;  // the warp's [BK][P]
   __half* vs = ks + BK * P;
   uint8_t* raw = reinterpret_cast<uint8_t*>(smem_raw) + kWarps * 2 * BK * P * sizeof(__half) +
-                 warp * 2 * BK * RP;  // Q8: the warp's [K, V][BK][RP]
+                 warp * BK * RP;                    // Q8: the warp's V bytes [BK][RP]
+  uint8_t* raw_k = reinterpret_cast<uint8_t*>(vs);  // Q8: K's bytes, in the V tile
   const int g = lane / 4, tig = lane % 4;
   // The A fragments of q (rows: the block's heads; columns: dims), straight from global memory in
   // half, pre-scaled (scores in base 2); rows past the heads are zeros.
@@ -856,11 +859,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   for (int tile = k_begin + warp * BK; tile < k_end; tile += kWarps * BK) {
     const int n_valid = min(BK, k_end - tile);
     const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
-    stage(tile, n_valid, row0, k_head, ks, raw);
-    stage(tile, n_valid, row0, v_head, vs, raw + BK * RP);
+    stage(tile, n_valid, row0, k_head, ks, raw_k);
+    stage(tile, n_valid, row0, v_head, vs, raw);
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
     __syncwarp();
-    decode(raw, ks);
+    decode(raw_k, ks);
 
     float s[NT][4];
 #pragma unroll
@@ -887,7 +890,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
 
     cp_async_wait<0>();
     __syncwarp();
-    decode(raw + BK * RP, vs);
+    decode(raw, vs);
     frag_pv<P>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged over it
   }
@@ -955,10 +958,12 @@ constexpr int kFlashWarps = 4;
 constexpr int kFlashRows = 16 * kFlashWarps;
 
 // Q8: K and V tiles arrive as Q8_0 bytes in a raw area of their own (two stages), and each tile
-// is decoded to half in place of the F16 path's tile once it has landed.
-template <int D, bool Q8 = false>
+// is decoded to half in place of the F16 path's tile once it has landed. SHORT: half the keys a
+// tile, for GPUs whose blocks take less shared memory than the Q8_0 tiles of 128 and 256 dims
+// need (sm_86, sm_89: 99 KiB). Keys a tile: 32 at 256 dims for the registers.
+template <int D, bool Q8 = false, bool SHORT = false>
 struct FlashShape {
-  static constexpr int kKeys = D > 128 ? 32 : 64;     // keys a tile (the registers of D = 256)
+  static constexpr int kKeys = (D > 128 ? 32 : 64) / (SHORT ? 2 : 1);
   static constexpr int kPitch = D + 8;                // halves: ldmatrix rows in distinct banks
   static constexpr int kRawPitch = q8_head_bytes(D);  // bytes of a raw Q8_0 row
   static constexpr size_t raw_bytes() { return Q8 ? 2 * 2 * kKeys * kRawPitch : 0; }
@@ -967,14 +972,14 @@ struct FlashShape {
   }
 };
 
-template <int D, bool Q8>
+template <int D, bool Q8, bool SHORT = false>
 __global__ void __launch_bounds__(kFlashWarps * 32)
     attn_flash_kernel(const float* q, const void* kc_, const void* vc_, float* out, int n_head,
                       int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,
                       const int32_t* n_kv_at, const int32_t* first_pos_at, int n_tokens, int window,
                       int cache_rows) {
-  constexpr int BK = FlashShape<D, Q8>::kKeys, P = FlashShape<D, Q8>::kPitch;
-  constexpr int RP = FlashShape<D, Q8>::kRawPitch;
+  using Shape = FlashShape<D, Q8, SHORT>;
+  constexpr int BK = Shape::kKeys, P = Shape::kPitch, RP = Shape::kRawPitch;
   const auto* kc = static_cast<const __half*>(kc_);
   const auto* vc = static_cast<const __half*>(vc_);
   constexpr int NT = BK / 8;  // score fragments of 8 keys
@@ -1290,28 +1295,39 @@ void prepare_decode_dpl() {
   }
 }
 
-template <int D, bool Q8>
+template <int D, bool Q8, bool SHORT>
 void prompt_attention_as(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                          int32_t n_kv, int32_t first_pos) {
-  l(attn_flash_kernel<D, Q8>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
-    dim3(kFlashWarps * 32), FlashShape<D, Q8>::smem_bytes(), a.q, kc, vc, a.out, a.n_head,
-    a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens,
-    a.window, a.cache_rows);
+  using Shape = FlashShape<D, Q8, SHORT>;
+  if (Shape::smem_bytes() > max_block_smem())
+    throw std::runtime_error(
+        "attention: a prompt over this cache needs " + std::to_string(Shape::smem_bytes()) +
+        " bytes of shared memory a block; this GPU gives " + std::to_string(max_block_smem()));
+  l(attn_flash_kernel<D, Q8, SHORT>, dim3((a.n_tokens + kFlashRows - 1) / kFlashRows, a.n_head),
+    dim3(kFlashWarps * 32), Shape::smem_bytes(), a.q, kc, vc, a.out, a.n_head, a.n_head_kv,
+    a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, a.n_tokens, a.window,
+    a.cache_rows);
 }
 
 template <int D>
 void prompt_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
-  if (a.kv_type == DType::Q8_0) return prompt_attention_as<D, true>(l, a, kc, vc, n_kv, first_pos);
-  prompt_attention_as<D, false>(l, a, kc, vc, n_kv, first_pos);
+  if (a.kv_type != DType::Q8_0)
+    return prompt_attention_as<D, false, false>(l, a, kc, vc, n_kv, first_pos);
+  if (FlashShape<D, true>::smem_bytes() <= max_block_smem())
+    return prompt_attention_as<D, true, false>(l, a, kc, vc, n_kv, first_pos);
+  prompt_attention_as<D, true, true>(l, a, kc, vc, n_kv, first_pos);
 }
 
 template <int D>
 void prepare_prompt() {
-  cudaFuncSetAttribute(attn_flash_kernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(FlashShape<D, false>::smem_bytes()));
-  cudaFuncSetAttribute(attn_flash_kernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(FlashShape<D, true>::smem_bytes()));
+  auto raise = [](auto kernel, size_t bytes) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(bytes));
+  };
+  raise(attn_flash_kernel<D, false>, FlashShape<D, false>::smem_bytes());
+  raise(attn_flash_kernel<D, true>, FlashShape<D, true>::smem_bytes());
+  raise(attn_flash_kernel<D, true, true>, FlashShape<D, true, true>::smem_bytes());
 }
 
 }  // namespace

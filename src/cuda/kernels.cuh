@@ -391,9 +391,12 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
                       const uint8_t* ws, int cols, float* dst, float* partials, unsigned* counters);
 // Test hook: one kernel for every product it can take, or (None) the default choice.
 void set_mat_mul_q_everywhere(MatMulQ kind);
-// Test hook: plan the products as if a block could take at most `bytes` of shared memory (the
-// narrow tiles and refusals of sm_86 and sm_89 on a larger GPU); 0 restores the device's limit.
-void set_mat_mul_q_block_smem(size_t bytes);
+// The shared memory a block of the current device may opt into (or the test hook's stand-in).
+size_t max_block_smem();
+// Test hook: plan products and attention as if a block could take at most `bytes` of shared
+// memory (the narrow tiles, short tiles and refusals of sm_86 and sm_89 on a larger GPU); 0
+// restores the device's limit.
+void set_block_smem_limit(size_t bytes);
 // Shared-memory limits of its kernels (prepare_kernels calls it).
 void prepare_mat_mul_q_kernels();
 

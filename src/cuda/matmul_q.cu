@@ -42,6 +42,32 @@
 namespace ggraph::cuda {
 namespace {
 
+// A test's stand-in for the device's limit below (0: none).
+size_t& block_smem_override() {
+  static size_t v = 0;
+  return v;
+}
+
+}  // namespace
+
+// The shared memory a block of the current device may opt into (or a test's stand-in); where
+// none can be asked (no device: plans and tests on a machine without a GPU), sm_90's.
+size_t max_block_smem() {
+  static const size_t v = [] {
+    int dev = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return size_t(227) << 10;
+    }
+    return static_cast<size_t>(bytes);
+  }();
+  return block_smem_override() ? block_smem_override() : v;
+}
+
+namespace {
+
 constexpr int kQ8Warps = 8;
 constexpr int kQ8Threads = 32 * kQ8Warps;
 // Split-k: a product of few row blocks splits k over enough blocks to make about this many in
@@ -719,28 +745,6 @@ MatMulQ measured_choice(int64_t k, int64_t cols) {
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
 }
 
-// A test's stand-in for the device's limit below (0: none).
-size_t& block_smem_override() {
-  static size_t v = 0;
-  return v;
-}
-
-// The shared memory a block of the current device may opt into (or a test's stand-in); where
-// none can be asked (no device: plans and tests on a machine without a GPU), sm_90's.
-size_t max_block_smem() {
-  static const size_t v = [] {
-    int dev = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-            cudaSuccess) {
-      cudaGetLastError();
-      return size_t(227) << 10;
-    }
-    return static_cast<size_t>(bytes);
-  }();
-  return block_smem_override() ? block_smem_override() : v;
-}
-
 // Whether a block takes the tile (16: the kernels' static shared memory).
 bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
 
@@ -804,7 +808,7 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols, int64_t n) {
 
 }  // namespace
 
-void set_mat_mul_q_block_smem(size_t bytes) { block_smem_override() = bytes; }
+void set_block_smem_limit(size_t bytes) { block_smem_override() = bytes; }
 
 void set_mat_mul_q_everywhere(MatMulQ kind) {
   forced() = kind == MatMulQ::Int8   ? Forced::Int8

@@ -542,9 +542,9 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   // narrow tiles, and the tiles that do not fit (Q8_0's at 32 columns) leave their products to
   // the mat-vec or cuBLAS.
   struct ResetSmem {
-    ~ResetSmem() { cuda::set_mat_mul_q_block_smem(0); }
+    ~ResetSmem() { cuda::set_block_smem_limit(0); }
   } reset_smem;
-  cuda::set_mat_mul_q_block_smem(99 << 10);
+  cuda::set_block_smem_limit(99 << 10);
   cuda::set_mat_mul_q_everywhere(MatMulQ::Half);
   for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
     EXPECT_EQ(cuda::mat_mul_q_kind(t, 4096, 64), MatMulQ::Half) << type_name(t);
@@ -1101,6 +1101,25 @@ TEST_F(CudaOps, AttentionOverQ8Caches) {
                             {8, 2, 128, 300, 200, 0, q8},      {4, 1, 256, 70, 130, 0, q8},
                             {2, 1, 256, 100, 600, 512, q8},    {4, 2, 192, 5, 70, 0, q8},
                             {4, 1, 128, 16384 - 64, 64, 0, q8}};
+  for (const AttnCase& c : cases) check_attention(c, rng, chk);
+}
+
+// On GPUs whose blocks take at most 99 KiB of shared memory (sm_86, sm_89; planned so here by the
+// test hook), prompts over Q8_0 caches of 128 and 256 dims take tiles of half the keys, and
+// decode batches fit as they are: Q8_0 and F16, prompts and decode steps, against float64.
+TEST_F(CudaOps, AttentionOnBlocksOf99KiB) {
+  struct Reset {
+    ~Reset() { cuda::set_block_smem_limit(0); }
+  } reset;
+  cuda::set_block_smem_limit(99 << 10);
+  std::mt19937 rng(29);
+  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
+                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const DType f16 = DType::F16, q8 = DType::Q8_0;
+  const AttnCase cases[] = {{8, 2, 128, 300, 200, 0, q8},   {4, 1, 256, 70, 130, 0, q8},
+                            {2, 1, 256, 100, 600, 512, q8}, {9, 3, 64, 0, 512, 0, q8},
+                            {8, 2, 128, 3000, 1, 0, q8},    {4, 1, 256, 600, 1, 512, q8},
+                            {4, 1, 256, 50, 9, 0, f16},     {8, 2, 128, 40, 100, 0, f16}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
