@@ -728,7 +728,14 @@ struct DecodeMma {
     const size_t merge = (merge_floats() + (CL ? kRows * (D + 2) : 0)) * sizeof(float);
     return std::max(tiles, merge);
   }
+  static_assert(kRawPitch <= kPitch * static_cast<int>(sizeof(__half)),
+                "a raw Q8_0 row of K fits in a row of the V tile");
 };
+// The 4-warp kernel fits the 99 KiB blocks of sm_86 and sm_89 (16: its static shared memory).
+static_assert(DecodeMma<64>::smem_bytes(true) + 16 <= (99 << 10) &&
+                  DecodeMma<128>::smem_bytes(true) + 16 <= (99 << 10) &&
+                  DecodeMma<256>::smem_bytes(true) + 16 <= (99 << 10),
+              "decode tiles within 99 KiB blocks");
 
 // Warps a block of the cluster kernel: one pass of a cluster's blocks covers 4,096 keys at 64
 // dims, 2,048 at 128, 1,024 at 256, within the shared memory of one block an SM.
@@ -1314,9 +1321,11 @@ void prompt_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
                       int32_t n_kv, int32_t first_pos) {
   if (a.kv_type != DType::Q8_0)
     return prompt_attention_as<D, false, false>(l, a, kc, vc, n_kv, first_pos);
-  if (FlashShape<D, true>::smem_bytes() <= max_block_smem())
-    return prompt_attention_as<D, true, false>(l, a, kc, vc, n_kv, first_pos);
-  prompt_attention_as<D, true, true>(l, a, kc, vc, n_kv, first_pos);
+  if constexpr (D > 64) {  // 64 dims' full Q8_0 tiles fit any sm_80+ block (63.5 KB)
+    if (FlashShape<D, true>::smem_bytes() > max_block_smem())
+      return prompt_attention_as<D, true, true>(l, a, kc, vc, n_kv, first_pos);
+  }
+  prompt_attention_as<D, true, false>(l, a, kc, vc, n_kv, first_pos);
 }
 
 template <int D>
@@ -1327,7 +1336,8 @@ void prepare_prompt() {
   };
   raise(attn_flash_kernel<D, false>, FlashShape<D, false>::smem_bytes());
   raise(attn_flash_kernel<D, true>, FlashShape<D, true>::smem_bytes());
-  raise(attn_flash_kernel<D, true, true>, FlashShape<D, true, true>::smem_bytes());
+  if constexpr (D > 64)
+    raise(attn_flash_kernel<D, true, true>, FlashShape<D, true, true>::smem_bytes());
 }
 
 }  // namespace

@@ -1108,18 +1108,22 @@ TEST_F(CudaOps, AttentionOverQ8Caches) {
 // test hook), prompts over Q8_0 caches of 128 and 256 dims take tiles of half the keys, and
 // decode batches fit as they are: Q8_0 and F16, prompts and decode steps, against float64.
 TEST_F(CudaOps, AttentionOnBlocksOf99KiB) {
-  struct Reset {
-    ~Reset() { cuda::set_block_smem_limit(0); }
+  struct Reset {  // those GPUs have no clusters either
+    bool cluster = cuda::set_decode_attention_cluster(false);
+    ~Reset() {
+      cuda::set_block_smem_limit(0);
+      cuda::set_decode_attention_cluster(cluster);
+    }
   } reset;
   cuda::set_block_smem_limit(99 << 10);
   std::mt19937 rng(29);
   auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
                  const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
   const DType f16 = DType::F16, q8 = DType::Q8_0;
-  const AttnCase cases[] = {{8, 2, 128, 300, 200, 0, q8},   {4, 1, 256, 70, 130, 0, q8},
-                            {2, 1, 256, 100, 600, 512, q8}, {9, 3, 64, 0, 512, 0, q8},
-                            {8, 2, 128, 3000, 1, 0, q8},    {4, 1, 256, 600, 1, 512, q8},
-                            {4, 1, 256, 50, 9, 0, f16},     {8, 2, 128, 40, 100, 0, f16}};
+  const AttnCase cases[] = {
+      {8, 2, 128, 300, 200, 0, q8}, {4, 1, 256, 70, 130, 0, q8},  {2, 1, 256, 100, 600, 512, q8},
+      {9, 3, 64, 0, 512, 0, q8},    {8, 2, 128, 3000, 1, 0, q8},  {4, 1, 256, 600, 1, 512, q8},
+      {4, 1, 256, 50, 9, 0, f16},   {8, 2, 128, 40, 100, 0, f16}, {4, 2, 192, 5, 70, 0, q8}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
