@@ -749,10 +749,11 @@ constexpr int cluster_warps() {
       int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,               \
       const int32_t *n_kv_at, const int32_t *first_pos_at, int n_splits, int n_gchunks,            \
       int8_t *out_q, float2 *out_d, __half *out_h, int window, unsigned *counters, int cache_rows, \
-      const int32_t *slots
-#define GGRAPH_DECODE_MMA_ARGS                                                                    \
-  q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at, \
-      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots
+      const int32_t *slots, int prefetch
+#define GGRAPH_DECODE_MMA_ARGS                                                                     \
+  q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at,  \
+      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots, \
+      prefetch
 
 template <int D, bool Q8, int W, bool CL>
 __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
@@ -862,6 +863,22 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // Lane offsets of the ldmatrix row addresses, as the prompt kernel's: K (B), V (B transposed).
   const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
   const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
+
+  if (prefetch) {
+    // Measuring (GGRAPH_CUDA_ATTN_PREFETCH=1): the lines of the warp's later tiles asked of L2
+    // before the first is staged, so that their copies wait on L2 rather than on DRAM.
+    constexpr int kLines = static_cast<int>((kHeadBytes + 127) / 128);
+    for (int tile = k_begin + (warp + kWarps) * BK; tile < k_end; tile += kWarps * BK) {
+      const int n_valid = min(BK, k_end - tile);
+      for (int i = lane; i < n_valid * kLines; i += 32) {
+        const int64_t at =
+            static_cast<int64_t>(ring_row(tile + i / kLines, cache_rows)) * row_bytes +
+            i % kLines * 128;
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(k_head + at));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(v_head + at));
+      }
+    }
+  }
 
   for (int tile = k_begin + warp * BK; tile < k_end; tile += kWarps * BK) {
     const int n_valid = min(BK, k_end - tile);
@@ -1204,10 +1221,14 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   const int max_keys = attention_max_keys(a);
   const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
   const bool is_q8 = a.kv_type == DType::Q8_0;
+  static const int prefetch = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_ATTN_PREFETCH");
+    return e && std::string(e) == "1" ? 1 : 0;
+  }();
   auto launch = [&](auto kernel, dim3 grid, dim3 block, size_t smem, int n_splits) {
     l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
       a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
-      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots, prefetch);
   };
   // Few KV heads (a grid of clusters within the GPU's SMs) over a cache long enough to split:
   // the splits merge through distributed shared memory. The choice follows the graph's shape
