@@ -188,12 +188,6 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
                     out_h, smem);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define GGRAPH_CLUSTER_DIMS(x, y, z)
-#else
-#define GGRAPH_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
-#endif
-
 // The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+): the
 // warps' records in merge are combined into the block's own (m, l, acc) in mine ([G][head_dim +
 // 2]); after the cluster's barrier each block merges its share of the outputs (whole warps of

@@ -9,6 +9,14 @@
 
 #include "quant.h"
 
+// A kernel's thread-block cluster size, compiled in for sm_90 and later only (older GPUs have
+// no clusters; their builds of such a kernel must never be launched).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define GGRAPH_CLUSTER_DIMS(x, y, z)
+#else
+#define GGRAPH_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
+#endif
+
 namespace ggraph::cuda {
 
 constexpr int kTypeF32 = static_cast<int>(DType::F32);

@@ -1,5 +1,7 @@
 // Element-wise and per-column kernels: get_rows, rms_norm, add/mul, swiglu, rope, KV store, and
 // the activation preparation that mat-muls share.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -172,6 +174,71 @@ __global__ void __launch_bounds__(1024)
       if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
     }
   }
+}
+
+// A decode step's norm of a wide row over a cluster of C blocks (sm_90+): each block a slice of
+// ne0 / C values, a thread a value, and the slices' sums of squares reduced through distributed
+// shared memory, added in rank order by every block alike. The one-block kernel's time grows
+// with the row (each thread's values in turn, one SM's loads); here C SMs share it. One column,
+// ne0 % (32 C) == 0, ne0 / C <= 1024, no normalized add input.
+template <int C>
+__global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
+    rms_norm_cluster_kernel(const float* src, const float* add, float* sum_out, const float* w,
+                            int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs, float2* ds,
+                            __half* ho) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  __shared__ float partial[32];
+  __shared__ float block_total;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (ne0 / C) + threadIdx.x;
+  float wv = w && w_fixed ? w[i] : 0.0f;
+  pdl_begin();
+  float v = src[i];
+  if (add) v += add[i];
+  if (w && !w_fixed) wv = w[i];
+  const float sq = warp_sum(v * v);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sq;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const float t = warp_sum(threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f);
+    if (threadIdx.x == 0) block_total = t;
+  }
+  cluster.sync();
+  float total = 0.0f;
+#pragma unroll
+  for (int r = 0; r < C; ++r) total += *cluster.map_shared_rank(&block_total, r);
+  cluster.sync();  // every block's total read before any block goes on and may exit
+  const float scale = 1.0f / sqrtf(total / static_cast<float>(ne0) + eps);
+  const float r = w ? v * scale * wv : v * scale;
+  if (sum_out) sum_out[i] = v;
+  dst[i] = r;
+  if (ho) ho[i] = __float2half_rn(r);
+  if (qs) quantize_warp_block(r, i, qs, ds);
+#else
+  __trap();
+#endif
+}
+
+// Whether rms_norm_cluster_kernel<C> runs here (an sm_90 build, its cluster size compiled in),
+// and whether it is wanted (GGRAPH_CUDA_NORM_CLUSTER=1, or the test hook): -1 unset.
+int& norm_cluster_mode() {
+  static int mode = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_NORM_CLUSTER");
+    return e && std::string(e) == "1" ? 1 : 0;
+  }();
+  return mode;
+}
+template <int C>
+bool norm_cluster_runs() {
+  static const bool runs = [] {
+    cudaFuncAttributes attr = {};
+    const bool ok = cudaFuncGetAttributes(&attr, rms_norm_cluster_kernel<C>) == cudaSuccess &&
+                    attr.ptxVersion >= 90 && attr.requiredClusterWidth == C;
+    cudaGetLastError();
+    return ok;
+  }();
+  return runs;
 }
 
 // ---- add / mul ---------------------------------------------------------------------------------
@@ -546,6 +613,17 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
     throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
+  // One wide column over a cluster of blocks, where asked for (measuring) and it runs here.
+  auto cluster = [&](auto kernel, int c) {
+    l(kernel, dim3(c), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src, a.add, a.sum_out, a.w,
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, reinterpret_cast<__half*>(a.half_ws));
+  };
+  if (cols == 1 && !a.add_w && a.w_cols == 1 && norm_cluster_mode() == 1 && ne0 >= 2048) {
+    if (ne0 <= 4096 && ne0 % 128 == 0 && norm_cluster_runs<4>())
+      return cluster(rms_norm_cluster_kernel<4>, 4);
+    if (ne0 <= 8192 && ne0 % 256 == 0 && norm_cluster_runs<8>())
+      return cluster(rms_norm_cluster_kernel<8>, 8);
+  }
   if (per_thread <= 1) return launch(rms_norm_kernel<1>);
   if (per_thread <= 2) return launch(rms_norm_kernel<2>);
   if (per_thread <= 4) return launch(rms_norm_kernel<4>);
@@ -553,6 +631,8 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   if (per_thread <= 8) return launch(rms_norm_kernel<8>);
   launch(rms_norm_kernel<0>);
 }
+
+void set_norm_cluster(bool on) { norm_cluster_mode() = on ? 1 : 0; }
 
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
                    int64_t ne0, int64_t cols, int64_t b_ne0) {
