@@ -86,6 +86,32 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // last of a head group's splits to finish (a ticket counter, left at zero again) merges them.
 // So the launch is the same at every depth, and there is no second kernel.
 
+// Output element i of the attention, and its half and 8-bit forms where asked (the 8-bit one
+// needs whole warps over 32 outputs of one quant block).
+__device__ __forceinline__ void emit_attn_out(float v, int64_t i, float* out, __half* out_h,
+                                              int8_t* out_q, float2* out_d) {
+  out[i] = v;
+  if (out_h) out_h[i] = __float2half_rn(v);
+  if (out_q) quantize_warp_block(v, i, out_q, out_d);
+}
+
+// The warps' records ([kWarps][G][rec]: m, l, acc) of head g and dimension d combined: the
+// maximum mm, the sum ll and the value a, both scaled to mm (all zero where no warp had keys).
+template <int kWarps, int G>
+__device__ __forceinline__ void combine_warps(const float* merge, int rec, int g, int d, float& mm,
+                                              float& ll, float& a) {
+  mm = kNegInf;
+  for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
+  ll = 0.0f, a = 0.0f;
+  if (mm == kNegInf) return;
+  for (int w = 0; w < kWarps; ++w) {
+    const float* r = merge + (w * G + g) * rec;
+    const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
+    ll += r[1] * e;
+    a += r[2 + d] * e;
+  }
+}
+
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
 // out (and its 8-bit form). Partials are read through L2: other blocks wrote them. Two steps,
 // each issuing its loads together rather than one split after another: a warp a head reads its
@@ -127,10 +153,8 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
     float a = 0.0f;
 #pragma unroll 16
     for (int s = 0; s < n_used; ++s) a += __ldcg(r + s * rec) * w[s];
-    const int64_t i = (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d;
-    out[i] = a;
-    if (out_h) out_h[i] = __float2half_rn(a);
-    if (out_q) quantize_warp_block(a, i, out_q, out_d);
+    emit_attn_out(a, (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d, out, out_h,
+                  out_q, out_d);
   }
 }
 
@@ -147,24 +171,13 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
   const int rec = head_dim + 2;
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
-    float mm = kNegInf;
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
-    float ll = 0.0f, a = 0.0f;
-    if (mm != kNegInf) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float* r = merge + (w * G + g) * rec;
-        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
-        ll += r[1] * e;
-        a += r[2 + d] * e;
-      }
-    }
+    float mm, ll, a;
+    combine_warps<kWarps, G>(merge, rec, g, d, mm, ll, a);
     const int h = h_first + g;
     if (n_used == 1) {
-      const int64_t i = (static_cast<int64_t>(t) * n_head + h) * head_dim + d;
-      const float v = ll > 0.0f ? a / ll : 0.0f;
-      out[i] = v;
-      if (out_h) out_h[i] = __float2half_rn(v);
-      if (out_q) quantize_warp_block(v, i, out_q, out_d);
+      emit_attn_out(ll > 0.0f ? a / ll : 0.0f,
+                    (static_cast<int64_t>(t) * n_head + h) * head_dim + d, out, out_h, out_q,
+                    out_d);
     } else {
       float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
       if (d == 0) pr[0] = mm, pr[1] = ll;
@@ -203,24 +216,13 @@ __device__ void decode_cluster_finish(const float* merge, float* mine, int t, in
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int rec = head_dim + 2;
   auto emit = [&](int idx, float v) {
-    const int64_t i = (static_cast<int64_t>(t) * n_head + h_first) * head_dim + idx;
-    out[i] = v;
-    if (out_h) out_h[i] = __float2half_rn(v);
-    if (out_q) quantize_warp_block(v, i, out_q, out_d);
+    emit_attn_out(v, (static_cast<int64_t>(t) * n_head + h_first) * head_dim + idx, out, out_h,
+                  out_q, out_d);
   };
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
-    float mm = kNegInf;
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
-    float ll = 0.0f, a = 0.0f;
-    if (mm != kNegInf) {
-      for (int w = 0; w < kWarps; ++w) {
-        const float* r = merge + (w * G + g) * rec;
-        const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
-        ll += r[1] * e;
-        a += r[2 + d] * e;
-      }
-    }
+    float mm, ll, a;
+    combine_warps<kWarps, G>(merge, rec, g, d, mm, ll, a);
     if (n_used == 1) {
       emit(idx, ll > 0.0f ? a / ll : 0.0f);
     } else {
