@@ -666,24 +666,34 @@ __device__ __forceinline__ void frag_softmax(float (&s)[NT][4], float (&m)[2], f
   }
 }
 
-// o += P V over a tile: the probabilities, rounded to half, as A fragments (two score fragments
-// side by side are the A fragment of 16 keys), V's rows (P halves apart) as transposed B
-// fragments from v, the lane's ldmatrix offset included.
-template <int P, int NT, int DT>
+// o += P V over a tile: the probabilities as A fragments (two score fragments side by side are
+// the A fragment of 16 keys), V's rows (P halves apart) as transposed B fragments from v, the
+// lane's ldmatrix offset included. The probabilities are rounded to half, or with kSplit split
+// into two halves each (split_half2) and multiplied twice, to within float rounding.
+template <int P, bool kSplit = false, int NT, int DT>
 __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v,
                                         float (&o)[DT][4]) {
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
-    const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
-                           pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                           pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t a[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float* f = s[2 * kk + e / 2] + 2 * (e % 2);
+      if constexpr (kSplit)
+        split_half2(f[0], f[1], a[e], lo[e]);
+      else
+        a[e] = pack_half2(f[0], f[1]);
+    }
 #pragma unroll
     for (int dp = 0; dp < DT / 2; ++dp) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, v + kk * 16 * P + dp * 16);
       mma_16816(o[2 * dp], a, b[0], b[1]);
       mma_16816(o[2 * dp + 1], a, b[2], b[3]);
+      if constexpr (kSplit) {
+        mma_16816(o[2 * dp], lo, b[0], b[1]);
+        mma_16816(o[2 * dp + 1], lo, b[2], b[3]);
+      }
     }
   }
 }
@@ -693,14 +703,17 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
 // Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each
 // warp's tile scored and weighed by mma.sync instead of by lanes' dot products: the MMA's 16 rows
 // are the query heads of one KV head (rows past them are zeros, never written out), its columns a
-// tile's keys. q is rounded to half, pre-scaled by scale * log2(e), as the prompt kernel takes it,
-// and so are the probabilities; K and V arrive as half (a Q8_0 tile is decoded to half in the
-// warp's staging, as the prompt kernel decodes it). A warp stages a tile of K and of V with
+// tile's keys. q, pre-scaled by scale * log2(e), and the probabilities are each split into two
+// halves (split_half2) and multiplied twice, so that a score and an output are the float products
+// of the lanes' kernel up to the order of the sums: one half's 11 bits, as the prompt kernel
+// takes them, turn greedy choices between near-equal tokens away from the CPU backend's. K and V
+// arrive as half (a Q8_0 tile is decoded to half in the warp's staging, as the prompt kernel
+// decodes it). A warp stages a tile of K and of V with
 // 16-byte asynchronous copies (rows past the tile's keys zero-filled: the P*V product reads every
 // row), scores it while V lands, then runs the online softmax on the score fragments (a row's
 // keys lie in the four lanes of a quad) and multiplies. Where a warp spent ~30 instructions a key
 // on its lanes' dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is
-// 64 MMAs and 24 ldmatrix.
+// 128 MMAs (q and P each taken as two halves) and 24 ldmatrix.
 
 // W warps a block. CL: the block is one of a cluster of kAttnClusterSplits, which merge their
 // splits through distributed shared memory (sm_90+), each block's combined (m, l, acc) left in
@@ -712,15 +725,20 @@ struct DecodeMma {
   static constexpr int kKeys = D > 128 ? 16 : 32;  // a warp's tile (the registers of D = 256)
   static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
   static constexpr int kRawPitch = q8_head_bytes(D);
+  // q's low halves: in registers up to 128 dims, in shared memory (after the tiles) at 256,
+  // whose registers hold the output's fragments.
+  static constexpr bool kLowInRegs = D <= 128;
+  static constexpr size_t tile_bytes(bool q8) {
+    // Q8: K's raw bytes land in the warp's V tile (dead once decoded, before V's decode), so
+    // only V's have an area of their own.
+    return kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * kKeys * kRawPitch : 0);
+  }
   static constexpr int split_keys() {
     return CL || kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
   }
   static constexpr size_t merge_floats() { return static_cast<size_t>(kWarps) * kRows * (D + 2); }
   static constexpr size_t smem_bytes(bool q8) {
-    // Q8: K's raw bytes land in the warp's V tile (dead once decoded, before V's decode), so
-    // only V's have an area of their own.
-    const size_t tiles =
-        kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * kKeys * kRawPitch : 0);
+    const size_t tiles = tile_bytes(q8) + (kLowInRegs ? 0 : kRows * kPitch * sizeof(__half));
     const size_t merge = (merge_floats() + (CL ? kRows * (D + 2) : 0)) * sizeof(float);
     return std::max(tiles, merge);
   }
@@ -745,11 +763,10 @@ constexpr int cluster_warps() {
       int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,               \
       const int32_t *n_kv_at, const int32_t *first_pos_at, int n_splits, int n_gchunks,            \
       int8_t *out_q, float2 *out_d, __half *out_h, int window, unsigned *counters, int cache_rows, \
-      const int32_t *slots, int prefetch
-#define GGRAPH_DECODE_MMA_ARGS                                                                     \
-  q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at,  \
-      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots, \
-      prefetch
+      const int32_t *slots
+#define GGRAPH_DECODE_MMA_ARGS                                                                    \
+  q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at, \
+      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots
 
 template <int D, bool Q8, int W, bool CL>
 __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
@@ -780,9 +797,13 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
                  warp * BK * RP;                    // Q8: the warp's V bytes [BK][RP]
   uint8_t* raw_k = reinterpret_cast<uint8_t*>(vs);  // Q8: K's bytes, in the V tile
   const int g = lane / 4, tig = lane % 4;
-  // The A fragments of q (rows: the block's heads; columns: dims), straight from global memory in
-  // half, pre-scaled (scores in base 2); rows past the heads are zeros.
+  // The A fragments of q (rows: the block's heads; columns: dims), straight from global memory,
+  // pre-scaled (scores in base 2) and split into high and low halves; rows past the heads are
+  // zeros. At 256 dims the low halves go to shared memory ([16][P] after the tiles), where each
+  // step of the scores reads them back as a fragment.
   uint32_t qa[D / 16][4];
+  uint32_t ql[S::kLowInRegs ? D / 16 : 1][4];
+  __half* q_low = reinterpret_cast<__half*>(smem_raw + S::tile_bytes(Q8));
   {
     const float q_scale = scale * 1.4426950408889634f;
     const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
@@ -793,10 +814,17 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
         const int row = g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1);
         float2 v = make_float2(0.0f, 0.0f);
         if (row < n_g) v = *reinterpret_cast<const float2*>(qt + row * D + col);
-        qa[kk][e] = pack_half2(v.x * q_scale, v.y * q_scale);
+        uint32_t lo;
+        split_half2(v.x * q_scale, v.y * q_scale, qa[kk][e], lo);
+        if constexpr (S::kLowInRegs)
+          ql[kk][e] = lo;
+        else if (warp == 0)
+          *reinterpret_cast<uint32_t*>(q_low + row * P + col + 2 * tig) = lo;
       }
     }
+    if constexpr (!S::kLowInRegs) __syncthreads();
   }
+  const __half* q_low_frag = q_low + (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
 
   const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * kHeadBytes;
   const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * kHeadBytes;
@@ -860,22 +888,6 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
   const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
 
-  if (prefetch) {
-    // Measuring (GGRAPH_CUDA_ATTN_PREFETCH=1): the lines of the warp's later tiles asked of L2
-    // before the first is staged, so that their copies wait on L2 rather than on DRAM.
-    constexpr int kLines = static_cast<int>((kHeadBytes + 127) / 128);
-    for (int tile = k_begin + (warp + kWarps) * BK; tile < k_end; tile += kWarps * BK) {
-      const int n_valid = min(BK, k_end - tile);
-      for (int i = lane; i < n_valid * kLines; i += 32) {
-        const int64_t at =
-            static_cast<int64_t>(ring_row(tile + i / kLines, cache_rows)) * row_bytes +
-            i % kLines * 128;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(k_head + at));
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(v_head + at));
-      }
-    }
-  }
-
   for (int tile = k_begin + warp * BK; tile < k_end; tile += kWarps * BK) {
     const int n_valid = min(BK, k_end - tile);
     const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
@@ -890,12 +902,21 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t lo[4];
+      if constexpr (S::kLowInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
+      } else {
+        ldmatrix_x4(lo, q_low_frag + kk * 16);
+      }
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t b[4];
         ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
         mma_16816(s[2 * np], qa[kk], b[0], b[1]);
         mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
+        mma_16816(s[2 * np], lo, b[0], b[1]);
+        mma_16816(s[2 * np + 1], lo, b[2], b[3]);
       }
     }
     if (n_valid < BK) {
@@ -911,7 +932,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     cp_async_wait<0>();
     __syncwarp();
     decode(raw, vs);
-    frag_pv<P>(s, vs + v_off, o);
+    frag_pv<P, true>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged over it
   }
 
@@ -1217,14 +1238,10 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   const int max_keys = attention_max_keys(a);
   const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
   const bool is_q8 = a.kv_type == DType::Q8_0;
-  static const int prefetch = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_ATTN_PREFETCH");
-    return e && std::string(e) == "1" ? 1 : 0;
-  }();
   auto launch = [&](auto kernel, dim3 grid, dim3 block, size_t smem, int n_splits) {
     l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
       a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
-      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots, prefetch);
+      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
   };
   // Few KV heads (a grid of clusters within the GPU's SMs) over a cache long enough to split:
   // the splits merge through distributed shared memory. The choice follows the graph's shape

@@ -229,4 +229,14 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// (a, b) as the sum of two half pairs, hi the nearest halves and lo the nearest halves to what
+// is left: about 22 significant bits, where one half pair keeps 11. Two MMAs over hi and lo
+// multiply a float operand by a half one to within float rounding.
+__device__ __forceinline__ void split_half2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(a, b);
+  const float2 f = __half22float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = pack_half2(a - f.x, b - f.y);
+}
+
 }  // namespace ggraph::cuda

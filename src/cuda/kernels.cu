@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -221,13 +222,16 @@ __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
 }
 
 // Whether rms_norm_cluster_kernel<C> runs here (an sm_90 build, its cluster size compiled in),
-// and whether it is wanted (GGRAPH_CUDA_NORM_CLUSTER=1, or the test hook): -1 unset.
-int& norm_cluster_mode() {
-  static int mode = [] {
+// and for which columns it is wanted: the smallest width (4,096 by default, where it measured
+// faster: the 7B shape's decode 479 against 473 tok/s on an H100; at 2,048 it was even), 2,048
+// with GGRAPH_CUDA_NORM_CLUSTER=1 or the test hook, none with GGRAPH_CUDA_NORM_CLUSTER=0.
+int64_t& norm_cluster_min_width() {
+  static int64_t width = [] {
     const char* e = std::getenv("GGRAPH_CUDA_NORM_CLUSTER");
-    return e && std::string(e) == "1" ? 1 : 0;
+    const std::string v = e ? e : "";
+    return v == "0" ? INT64_MAX : v == "1" ? 2048 : 4096;
   }();
-  return mode;
+  return width;
 }
 template <int C>
 bool norm_cluster_runs() {
@@ -613,12 +617,12 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
     throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
-  // One wide column over a cluster of blocks, where asked for (measuring) and it runs here.
+  // One wide column over a cluster of blocks, where wide enough and it runs here.
   auto cluster = [&](auto kernel, int c) {
     l(kernel, dim3(c), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src, a.add, a.sum_out, a.w,
       a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, reinterpret_cast<__half*>(a.half_ws));
   };
-  if (cols == 1 && !a.add_w && a.w_cols == 1 && norm_cluster_mode() == 1 && ne0 >= 2048) {
+  if (cols == 1 && !a.add_w && a.w_cols == 1 && ne0 >= norm_cluster_min_width()) {
     if (ne0 <= 4096 && ne0 % 128 == 0 && norm_cluster_runs<4>())
       return cluster(rms_norm_cluster_kernel<4>, 4);
     if (ne0 <= 8192 && ne0 % 256 == 0 && norm_cluster_runs<8>())
@@ -632,7 +636,9 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   launch(rms_norm_kernel<0>);
 }
 
-void set_norm_cluster(bool on) { norm_cluster_mode() = on ? 1 : 0; }
+int64_t set_norm_cluster_min_width(int64_t width) {
+  return std::exchange(norm_cluster_min_width(), width);
+}
 
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
                    int64_t ne0, int64_t cols, int64_t b_ne0) {

@@ -208,9 +208,10 @@ struct NormArgs {
   uint8_t* half_ws = nullptr;   // also its half form (launch_act_to_half's; ne0 % kActPad == 0)
 };
 void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t cols, float eps);
-// Test hook (and GGRAPH_CUDA_NORM_CLUSTER=1, for measuring): one column of 2,048 to 8,192
-// values normalized over a cluster of blocks where the GPU runs it (sm_90+).
-void set_norm_cluster(bool on);
+// One column of 2,048 to 8,192 values is normalized over a cluster of blocks where the GPU runs
+// it (sm_90+) and the column is at least this wide (4,096 by default; GGRAPH_CUDA_NORM_CLUSTER=0
+// none, =1 2,048). Test hook: sets the width, returns the one before.
+int64_t set_norm_cluster_min_width(int64_t width);
 // op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1, and its columns of
 // b_ne0 elements repeated along a column of ne0 (ne0 a multiple of b_ne0).
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
