@@ -705,8 +705,8 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
 // are the query heads of one KV head (rows past them are zeros, never written out), its columns a
 // tile's keys. q, pre-scaled by scale * log2(e), and the probabilities are each split into two
 // halves (split_half2) and multiplied twice, so that a score and an output are the float products
-// of the lanes' kernel up to the order of the sums: one half's 11 bits, as the prompt kernel
-// takes them, turn greedy choices between near-equal tokens away from the CPU backend's. K and V
+// of the lanes' kernel up to the order of the sums (one half's 11 bits, as the prompt kernel
+// takes them, left a relative error of a few 1e-4; the second MMAs cost no measured time). K and V
 // arrive as half (a Q8_0 tile is decoded to half in the warp's staging, as the prompt kernel
 // decodes it). A warp stages a tile of K and of V with
 // 16-byte asynchronous copies (rows past the tile's keys zero-filled: the P*V product reads every
@@ -1243,15 +1243,17 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
       a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
       reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
   };
-  // Few KV heads (a grid of clusters within the GPU's SMs) over a cache long enough to split:
-  // the splits merge through distributed shared memory. The choice follows the graph's shape
-  // (heads, tokens, cache rows) alone, never the step's depth.
-  // A grid of as many clusters as can be resident at once, over caches longer than one of its
-  // blocks' passes.
+  // A grid of clusters that are resident at once, over a cache longer than one block's pass and
+  // within one pass of the cluster's blocks (4,096 keys at 64 dims, 2,048 at 128, 1,024 at 256):
+  // the splits merge through distributed shared memory. Longer caches take the ticket's splits,
+  // whose blocks spread over more SMs (an H100: the SmolLM2 shape's decode at depth 4,096 with a
+  // cache of 4,224 rows ran 1,333-1,386 tok/s on clusters, 1,454-1,464 on the ticket; Gemma 3's
+  // windows of 512, 1,237-1,294 against 985-1,026). The choice follows the graph's shape (heads,
+  // tokens, cache rows, window) alone, never the step's depth.
   const ClusterSupport& cs = cluster_support();
   using SC = DecodeMma<D, cluster_warps<D>(), true>;
   if (cs.mode != 0 && kv_blocks <= cs.clusters[dim_index(D)][is_q8] &&
-      max_keys > SC::split_keys()) {
+      max_keys > SC::split_keys() && max_keys <= kAttnClusterSplits * SC::split_keys()) {
     launch(
         is_q8 ? attn_decode_mma_cluster_kernel<D, true> : attn_decode_mma_cluster_kernel<D, false>,
         dim3(a.n_head_kv * n_gchunks, kAttnClusterSplits, a.n_tokens), dim3(SC::kWarps * 32),

@@ -1091,11 +1091,12 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
-// Few KV heads over long caches: on sm_90+ the splits of a head group are a cluster of blocks
-// that merge through distributed shared memory; the same cases with the cluster kernel off take
-// the ticket merge through L2. Both against float64: one split in use of a long cache (the
-// cluster's other blocks return), several, several passes a warp, windows, rings, Q8_0, GQA
-// groups and tokens of one batch.
+// Few KV heads over caches within a cluster's pass: on sm_90+ the splits of a head group are a
+// cluster of blocks that merge through distributed shared memory; the same cases with the cluster
+// kernel off take the ticket merge through L2. Both against float64: one split in use of a long
+// cache (the cluster's other blocks return), several, caches filling one pass of the cluster's
+// blocks (4,096 keys at 64 dims, 2,048 at 128, 1,024 at 256) and longer ones (the ticket's either
+// way), windows, rings, Q8_0, GQA groups and tokens of one batch.
 TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
   int major = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
@@ -1114,18 +1115,19 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
                             {8, 2, 128, 200, 1, 0, f16, 0, 400},
                             {4, 1, 256, 100, 1, 0, f16, 0, 300},
                             {9, 3, 64, 1000, 1},
-                            {9, 3, 64, 4095, 1},
+                            {9, 3, 64, 4088, 1},
                             {9, 3, 64, 9000, 1},
                             {9, 3, 64, 3000, 3},
                             {32, 8, 64, 2500, 1},
-                            {8, 2, 128, 2047, 1},
+                            {8, 2, 128, 2040, 1},
                             {8, 2, 128, 5000, 2},
                             {4, 1, 256, 3000, 1, 512},
+                            {4, 1, 256, 1000, 1},
                             {4, 1, 256, 1500, 1},
                             {4, 1, 256, 3000, 1, 512, f16, 1023},
-                            {9, 3, 64, 4095, 1, 0, q8},
-                            {8, 2, 128, 3000, 1, 0, q8},
-                            {4, 1, 256, 2000, 1, 0, q8}};
+                            {9, 3, 64, 4088, 1, 0, q8},
+                            {8, 2, 128, 2000, 1, 0, q8},
+                            {4, 1, 256, 1000, 1, 0, q8}};
   for (bool cluster : {true, false}) {
     cuda::set_decode_attention_cluster(cluster);
     for (const AttnCase& c : cases) check_attention(c, rng, chk);

@@ -2,6 +2,7 @@
 sampling the next step's token on the backend, give the tokens that evaluating and sampling a
 token at a time on the host gives."""
 
+import numpy as np
 import pytest
 from conftest import cuda_available, smollm2_path
 
@@ -78,18 +79,46 @@ def test_stops_rewind_what_a_chain_evaluated_past_them(tiny_model, device):
     )
 
 
+# Greedy steps whose top two logits lie within this of each other on the CPU: the two backends
+# round differently (8-bit activations in other kernels, other orders of summation), and their
+# logits of the real SmolLM2 differ by up to ~1 at a step, ~0.3 in the top two's difference, so
+# either may take the other token there. llama.cpp's own data sets the bars likewise (the golden
+# README: teacher-forced agreement, not a whole greedy text).
+NEAR_TIE = 0.5
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 @pytest.mark.skipif(smollm2_path() is None, reason="needs the real SmolLM2 file")
-def test_cuda_chains_on_the_real_model_equal_the_cpu_reference_greedy():
+def test_cuda_chains_on_the_real_model_agree_with_the_cpu_reference_greedy():
     path = smollm2_path()
     prompt = "The capital of France is"
     ref = ggraph.Model(path, device="cpu")
     gpu = ggraph.Model(path, device="cuda")
-    want = "".join(ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1))
-    one = "".join(gpu.generate(prompt, max_tokens=24, temperature=0.0, chain=1))
-    got = "".join(gpu.generate(prompt, max_tokens=24, temperature=0.0, chain=8))
+    want, _ = tokens_of(ref, prompt, 1, max_tokens=24, temperature=0.0)
+    one, _ = tokens_of(gpu, prompt, 1, max_tokens=24, temperature=0.0)
+    got, _ = tokens_of(gpu, prompt, 8, max_tokens=24, temperature=0.0)
+    want, one, got = ([t for t, _ in x] for x in (want, one, got))
+    # A chain is the same computation as steps one at a time, on the same backend: exact.
     assert got == one
-    assert got == want
+    # Teacher-forced on the CPU's tokens, a decode step at a time: wherever the CPU's choice is
+    # clear, the GPU makes it too.
+    ref.reset()
+    gpu.reset()
+    ids = ref.tokenize(prompt)
+    lc, lg = ref.eval(ids), gpu.eval(ids)
+    ties = []
+    for i, tok in enumerate(want):
+        assert int(np.argmax(lc)) == tok  # the CPU's greedy text is its own argmax
+        top2 = np.sort(lc)[-2:]
+        if top2[1] - top2[0] < NEAR_TIE:
+            ties.append(i)
+        else:
+            assert int(np.argmax(lg)) == tok, f"step {i}: CPU margin {top2[1] - top2[0]:.3f}"
+        lc, lg = ref.eval([tok]), gpu.eval([tok])
+    assert len(ties) <= len(want) // 2, f"near-ties at {ties}: too few clear steps to judge"
+    # Free-running, the GPU's text is the CPU's up to the CPU's first near-tie.
+    first_tie = ties[0] if ties else len(want)
+    assert got[:first_tie] == want[:first_tie], f"near-ties at {ties}"
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
