@@ -720,7 +720,7 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
 // row), scores it while V lands, then runs the online softmax on the score fragments (a row's
 // keys lie in the four lanes of a quad) and multiplies. Where a warp spent ~30 instructions a key
 // on its lanes' dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is
-// 128 MMAs (q and P each taken as two halves) and 24 ldmatrix.
+// 128 MMAs (q and P each taken as two halves) and 32 ldmatrix.
 
 // W warps a block. CL: the block is one of a cluster of kAttnClusterSplits, which merge their
 // splits through distributed shared memory (sm_90+), each block's combined (m, l, acc) left in

@@ -636,6 +636,11 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   launch(rms_norm_kernel<0>);
 }
 
+void prepare_norm_kernels() {
+  norm_cluster_runs<4>();
+  norm_cluster_runs<8>();
+}
+
 int64_t set_norm_cluster_min_width(int64_t width) {
   return std::exchange(norm_cluster_min_width(), width);
 }

@@ -212,6 +212,8 @@ void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t col
 // it (sm_90+) and the column is at least this wide (4,096 by default; GGRAPH_CUDA_NORM_CLUSTER=0
 // none, =1 2,048). Test hook: sets the width, returns the one before.
 int64_t set_norm_cluster_min_width(int64_t width);
+// Asks once whether the cluster norms run here (part of prepare_kernels, before any capture).
+void prepare_norm_kernels();
 // op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1, and its columns of
 // b_ne0 elements repeated along a column of ne0 (ne0 a multiple of b_ne0).
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
@@ -442,8 +444,8 @@ void prepare_attention_kernels();
 // Query heads per flash-decoding block, and the most keys a launch reads.
 int attention_group(int n_head, int n_head_kv, int head_dim);
 int attention_max_keys(const AttentionArgs& args);
-// Whether decode batches of this head size run on tensor cores (q and the probabilities in half,
-// as prompts), rather than on lanes' float dot products.
+// Whether decode batches of this head size run on tensor cores (q and the probabilities each as
+// two halves, float-exact like the lanes), rather than on lanes' float dot products.
 bool decode_attention_mma(int head_dim);
 // Test hook: whether decode batches of few KV heads may take the cluster kernel (sm_90+; on by
 // default where it fits). Returns the setting before.

@@ -1469,6 +1469,7 @@ void prepare_kernels() {
   }
   prepare_attention_kernels();
   prepare_mat_mul_q_kernels();
+  prepare_norm_kernels();
   cudaGetLastError();
 }
 

@@ -1029,7 +1029,8 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
       }
     }
   // Prompt batches run on tensor cores, which take q and the probabilities as half (as
-  // llama.cpp's flash attention does): a relative error of a few 1e-4. Decode is float-exact.
+  // llama.cpp's flash attention does): a relative error of a few 1e-4. Decode: as
+  // decode_attention_bound says.
   const double bound =
       c.n_tok > cuda::kDecodeAttnMaxTokens ? 2e-3 : decode_attention_bound(c.hd, c.kv);
   std::vector<int32_t> iq, ik, iv;
