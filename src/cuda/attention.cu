@@ -95,21 +95,39 @@ __device__ __forceinline__ void emit_attn_out(float v, int64_t i, float* out, __
   if (out_q) quantize_warp_block(v, i, out_q, out_d);
 }
 
-// The warps' records ([kWarps][G][rec]: m, l, acc) of head g and dimension d combined: the
-// maximum mm, the sum ll and the value a, both scaled to mm (all zero where no warp had keys).
+// Records (m, l, acc) of online softmaxes over parts of the keys, record(s) giving part s's for
+// s < n <= N, combined at dimension d: the maximum mm, the sum ll and the value a, both scaled to
+// mm (all zero where no part had keys). Every part's loads go out before any is used.
+template <int N, typename Record>
+__device__ __forceinline__ void merge_records(Record record, int n, int d, float& mm, float& ll,
+                                              float& a) {
+  float ms[N], ls[N], as[N];
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    ms[s] = kNegInf, ls[s] = as[s] = 0.0f;
+    if (s < n) {
+      const float* r = record(s);
+      ms[s] = r[0], ls[s] = r[1], as[s] = r[2 + d];
+    }
+  }
+  mm = kNegInf;
+#pragma unroll
+  for (int s = 0; s < N; ++s) mm = fmaxf(mm, ms[s]);
+  ll = 0.0f, a = 0.0f;
+  if (mm == kNegInf) return;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    const float e = ms[s] == kNegInf ? 0.0f : expf(ms[s] - mm);
+    ll += ls[s] * e;
+    a += as[s] * e;
+  }
+}
+
+// The warps' records ([kWarps][G][rec]) of head g combined at dimension d (merge_records).
 template <int kWarps, int G>
 __device__ __forceinline__ void combine_warps(const float* merge, int rec, int g, int d, float& mm,
                                               float& ll, float& a) {
-  mm = kNegInf;
-  for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, merge[(w * G + g) * rec]);
-  ll = 0.0f, a = 0.0f;
-  if (mm == kNegInf) return;
-  for (int w = 0; w < kWarps; ++w) {
-    const float* r = merge + (w * G + g) * rec;
-    const float e = r[0] == kNegInf ? 0.0f : expf(r[0] - mm);
-    ll += r[1] * e;
-    a += r[2 + d] * e;
-  }
+  merge_records<kWarps>([&](int w) { return merge + (w * G + g) * rec; }, kWarps, d, mm, ll, a);
 }
 
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
@@ -240,27 +258,9 @@ __device__ void decode_cluster_finish(const float* merge, float* mine, int t, in
   const int end = min(total, (split + 1) * chunk);
   for (int idx = split * chunk + threadIdx.x; idx < end; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
-    float ms[C], ls[C], as[C];
-#pragma unroll
-    for (int s = 0; s < C; ++s) {
-      ms[s] = kNegInf, ls[s] = as[s] = 0.0f;
-      if (s < n_used) {
-        const float* r = cluster.map_shared_rank(mine, s) + g * rec;
-        ms[s] = r[0], ls[s] = r[1], as[s] = r[2 + d];
-      }
-    }
-    float mm = kNegInf;
-#pragma unroll
-    for (int s = 0; s < C; ++s) mm = fmaxf(mm, ms[s]);
-    float ll = 0.0f, a = 0.0f;
-    if (mm != kNegInf) {
-#pragma unroll
-      for (int s = 0; s < C; ++s) {
-        const float e = ms[s] == kNegInf ? 0.0f : expf(ms[s] - mm);
-        ll += ls[s] * e;
-        a += as[s] * e;
-      }
-    }
+    float mm, ll, a;
+    merge_records<C>([&](int s) { return cluster.map_shared_rank(mine, s) + g * rec; }, n_used, d,
+                     mm, ll, a);
     emit(idx, ll > 0.0f ? a / ll : 0.0f);
   }
   cluster.sync();
@@ -751,6 +751,8 @@ struct DecodeMma {
   }
   static_assert(kRawPitch <= kPitch * static_cast<int>(sizeof(__half)),
                 "a raw Q8_0 row of K fits in a row of the V tile");
+  static_assert(CL || merge_floats() >= static_cast<size_t>(kRows) * kMaxAttnSplits,
+                "the merge area holds attn_merge_splits' weights too");
 };
 // The 4-warp kernel fits the 99 KiB blocks of sm_86 and sm_89 (16: its static shared memory).
 static_assert(DecodeMma<64>::smem_bytes(true) + 16 <= (99 << 10) &&
@@ -1275,15 +1277,11 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
 
 template <int D>
 void prepare_decode_mma() {
-  auto raise = [](auto kernel, size_t bytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(bytes));
-  };
-  raise(attn_decode_mma_kernel<D, false>, DecodeMma<D>::smem_bytes(false));
-  raise(attn_decode_mma_kernel<D, true>, DecodeMma<D>::smem_bytes(true));
+  allow_block_smem(attn_decode_mma_kernel<D, false>, DecodeMma<D>::smem_bytes(false));
+  allow_block_smem(attn_decode_mma_kernel<D, true>, DecodeMma<D>::smem_bytes(true));
   using SC = DecodeMma<D, cluster_warps<D>(), true>;
-  raise(attn_decode_mma_cluster_kernel<D, false>, SC::smem_bytes(false));
-  raise(attn_decode_mma_cluster_kernel<D, true>, SC::smem_bytes(true));
+  allow_block_smem(attn_decode_mma_cluster_kernel<D, false>, SC::smem_bytes(false));
+  allow_block_smem(attn_decode_mma_cluster_kernel<D, true>, SC::smem_bytes(true));
 }
 
 // Clusters of the kernel that can be resident at once: 0 unless the GPU runs its sm_90 build
@@ -1329,19 +1327,15 @@ void decode_attention_dpl(Launcher& l, const AttentionArgs& a, const void* kc, c
 template <int DPL>
 void prepare_decode_dpl() {
   // Each instantiation's largest need, at its largest head_dim.
-  auto raise = [](auto kernel, size_t bytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(bytes));
-  };
   for (auto k : {attn_decode_kernel<DPL, 1, false>, attn_decode_kernel<DPL, 1, true>})
-    raise(k, decode_smem_bytes<DPL, 1>(32 * DPL));
+    allow_block_smem(k, decode_smem_bytes<DPL, 1>(32 * DPL));
   if constexpr (DPL < 8) {  // wider heads go one to a block (attention_group)
     for (auto k : {attn_decode_kernel<DPL, 2, false>, attn_decode_kernel<DPL, 2, true>})
-      raise(k, decode_smem_bytes<DPL, 2>(32 * DPL));
+      allow_block_smem(k, decode_smem_bytes<DPL, 2>(32 * DPL));
     for (auto k : {attn_decode_kernel<DPL, 4, false>, attn_decode_kernel<DPL, 4, true>})
-      raise(k, decode_smem_bytes<DPL, 4>(32 * DPL));
+      allow_block_smem(k, decode_smem_bytes<DPL, 4>(32 * DPL));
     for (auto k : {attn_decode_kernel<DPL, 8, false>, attn_decode_kernel<DPL, 8, true>})
-      raise(k, decode_smem_bytes<DPL, 8>(32 * DPL));
+      allow_block_smem(k, decode_smem_bytes<DPL, 8>(32 * DPL));
   }
 }
 
@@ -1373,14 +1367,10 @@ void prompt_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
 
 template <int D>
 void prepare_prompt() {
-  auto raise = [](auto kernel, size_t bytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(bytes));
-  };
-  raise(attn_flash_kernel<D, false>, FlashShape<D, false>::smem_bytes());
-  raise(attn_flash_kernel<D, true>, FlashShape<D, true>::smem_bytes());
+  allow_block_smem(attn_flash_kernel<D, false>, FlashShape<D, false>::smem_bytes());
+  allow_block_smem(attn_flash_kernel<D, true>, FlashShape<D, true>::smem_bytes());
   if constexpr (D > 64)
-    raise(attn_flash_kernel<D, true, true>, FlashShape<D, true, true>::smem_bytes());
+    allow_block_smem(attn_flash_kernel<D, true, true>, FlashShape<D, true, true>::smem_bytes());
 }
 
 }  // namespace
@@ -1396,7 +1386,6 @@ void prepare_attention_kernels() {
   cs.clusters[1][1] = resident_clusters<128, true>();
   cs.clusters[2][0] = resident_clusters<256, false>();
   cs.clusters[2][1] = resident_clusters<256, true>();
-  cudaGetLastError();
   if (const char* e = std::getenv("GGRAPH_CUDA_ATTN_CLUSTER"); e && std::string(e) == "0")
     cs.mode = 0;
   cudaGetLastError();

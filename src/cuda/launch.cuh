@@ -25,6 +25,14 @@ namespace ggraph::cuda {
       ::ggraph::cuda::throw_cuda_error(ggraph_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
+// Lets a kernel take up to `bytes` of dynamic shared memory a block (past the default 48 KB). A
+// failure (no device, a kernel not built for it) stays in the error state for the caller.
+template <typename Kernel>
+void allow_block_smem(Kernel kernel, size_t bytes) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(bytes));
+}
+
 // One kernel launch with its arguments copied out, in launch order. Fixed-size storage: a
 // decode step records hundreds of these and must not allocate.
 struct KernelLaunch {

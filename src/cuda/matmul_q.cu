@@ -770,13 +770,11 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
 
 template <int TYPE, int NT>
 void set_smem() {
-  auto set = [](auto kernel, int bytes) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  };
-  set(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
-  set(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
+  allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
+  allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
-    set(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>, QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
+    allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
+                     QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
 }
 
 template <int TYPE>
