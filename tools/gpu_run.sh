@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
 # Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench, batchbench,
-# ab.
+# ab, abenv.
 # Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
 # Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
@@ -15,7 +15,8 @@
 # of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
 # /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
 # (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more),
-# AB_ROUNDS times (default 2).
+# AB_ROUNDS times (default 2). The abenv stage does the same within this build: tg128 as built
+# against tg128 with the settings AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"), in turns.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -216,6 +217,23 @@ for stage in "$@"; do
               echo "round $round, $side, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
               PYTHONPATH=$py:/tmp/site python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 \
                 --device cuda -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
+                grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
+            done
+          done
+        done
+      done
+      ;;
+    abenv)
+      ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
+      make_shape_files $ab_models
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for m in $ab_models; do
+          for d in ${AB_DEPTHS:-0 0,4096}; do
+            for side in built "${AB_ENV:?abenv needs AB_ENV}"; do
+              echo "round $round, $side, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
+              # shellcheck disable=SC2046  # AB_ENV's settings, one word each
+              env $([ "$side" = built ] || echo "$side") python3 -m ggraph bench -m "$m" -p 0 \
+                -n 128 -r 5 --device cuda -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
                 grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
             done
           done

@@ -624,6 +624,58 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     done[i] = done[qm] = done[kr] = done[km] = 1;
   }
 
+  // The next node not yet launched after node `from` (-1: none within the window).
+  auto next_open = [&](int from) {
+    for (int j = from + 1; j < n && j <= from + kGroupWindow; ++j) {
+      if (nodes[j]->op != Op::Leaf && !done[j]) return j;
+    }
+    return -1;
+  };
+
+  // The rope epilogue of one token's q, k and v products (MatVecRope), whose nodes are
+  // same[0..2] (already marked launched): where the next four nodes to launch are the ropes of q
+  // and k (normal mode, no head norms, one launch's worth: ropes_pair) and the K and V stores of
+  // the rotated k and of v into F16 caches of one position. q's and k's products then exist nowhere
+  // but in registers: only their ropes may read them. Returns whether it launched them all.
+  auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
+                           int64_t k) {
+    const int jq = next_open(same[0]);
+    const int jk = jq >= 0 ? next_open(jq) : -1;
+    const int js = jk >= 0 ? next_open(jk) : -1;
+    const int jv = js >= 0 ? next_open(js) : -1;
+    if (jv < 0) return false;
+    const Tensor *rq = nodes[jq], *rk = nodes[jk], *ks = nodes[js], *vs = nodes[jv];
+    const Tensor *q = nodes[same[0]], *kp = nodes[same[1]], *v = nodes[same[2]];
+    const int hd = rq->params[kRopeHeadDim];
+    const bool ok =
+        rq->op == Op::Rope && rq->src[0] == q && rq->params[kRopeMode] == kRopeNormal &&
+        rq->ne[1] == 1 && hd > 0 && hd % 2 == 0 && q->ne[0] % hd == 0 && kp->ne[0] % hd == 0 &&
+        ropes_pair(rq, rk, kRopeAll) && rk->src[0] == kp && head_norms.count(jq) == 0 &&
+        uses[same[0]] == 1 && uses[same[1]] == 1 && q != graph.output() && kp != graph.output() &&
+        ks->op == Op::KvStore && ks->src[0] == rk && vs->op == Op::KvStore && vs->src[0] == v &&
+        vs->kv[0] == ks->kv[0] && kv_target(ks)->type == DType::F16 &&
+        kv_target(vs)->type == DType::F16 && kv_target(ks)->ne[0] == kp->ne[0] &&
+        kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
+        kv_target(vs)->data != kv_target(ks)->data;
+    if (!ok) return false;
+    MatVecRope r;
+    r.pos = static_cast<const int32_t*>(ptr(rq->src[1]));
+    r.freq_factors = rq->src[2] ? fptr(rq->src[2]) : nullptr;
+    r.first_row = kv_at(ks->kv[0]);
+    r.k_cache = kv_target(ks)->data;
+    r.v_cache = kv_target(vs)->data;
+    r.q_out = fptr(rq);
+    r.k_out = fptr(rk);
+    r.head_dim = hd;
+    r.n_dims = rq->params[kRopeNDims];
+    r.rows = static_cast<int>(kv_target(ks)->ne[1]);
+    r.freq_base = rq->param_f(kRopeBase);
+    r.freq_scale = rq->param_f(kRopeScale);
+    if (!launch_mat_vec_rope(l, type, parts, k, buf.act, r)) return false;
+    done[jq] = done[jk] = done[js] = done[jv] = 1;
+    return true;
+  };
+
   for (int i = 0; i < n; ++i) {
     const Tensor* t = nodes[i];
     if (done[i]) continue;
@@ -779,6 +831,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
         }
         for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
+        if (n_parts == 3 && other < 0 && cols == 1 && is_quantized(w->type) &&
+            rope_epilogue(same, parts, w->type, k))
+          break;
         if (other >= 0 && n_parts < 3) {
           parts[n_parts] = part_of(nodes[other]);
           if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
@@ -793,13 +848,6 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       case Op::Rope: {
         // The rope of k right after that of q (only already launched nodes between, the same
         // positions and parameters, neither writing what the other reads): one launch.
-        // The next node not yet launched (-1: none within the window).
-        auto next_open = [&](int from) {
-          for (int j = from + 1; j < n && j <= from + kGroupWindow; ++j) {
-            if (nodes[j]->op != Op::Leaf && !done[j]) return j;
-          }
-          return -1;
-        };
         const Tensor* pair = nullptr;
         int reads = 0;
         const int jk = next_open(i);

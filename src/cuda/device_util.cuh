@@ -148,6 +148,42 @@ __device__ __forceinline__ int ring_row_after(int row0, int first, int r, int ro
   return ring_row(first + r, rows);
 }
 
+// The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
+// slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
+// the position, or none (-1) for a padding token (sequence -1); otherwise the row of position
+// *first_row_at + t (ring_row).
+__device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
+                                                int t, int n_tokens, int rows) {
+  if (slots)
+    return slots[t] < 0
+               ? -1
+               : static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
+  return ring_row(*first_row_at + t, rows);
+}
+
+// The rope angle of pair freq_i at position pos (sin, cos). Angles are computed in double
+// precision: at positions in the thousands a float angle is off by ~1e-4 rad. freq_factors:
+// n_dims/2 values (pairs past them do not rotate, and read none).
+__device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
+                                           float freq_scale, const float* freq_factors, float& sf,
+                                           float& cf) {
+  double theta = static_cast<double>(pos) * static_cast<double>(freq_scale) *
+                 exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+  if (freq_factors && 2 * freq_i < n_dims) theta /= static_cast<double>(freq_factors[freq_i]);
+  double s, c;
+  sincos(theta, &s, &c);
+  sf = static_cast<float>(s);
+  cf = static_cast<float>(c);
+}
+
+// The rotation of a rope pair by the angle of (sf, cf): each product and sum rounded on its own
+// (no fused multiply-add), so that every kernel that rotates gives the same bits.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float sf, float cf, float& y0,
+                                            float& y1) {
+  y0 = __fsub_rn(__fmul_rn(x0, cf), __fmul_rn(x1, sf));
+  y1 = __fadd_rn(__fmul_rn(x0, sf), __fmul_rn(x1, cf));
+}
+
 // Element i of a row of a float type, as float.
 template <int TYPE>
 __device__ __forceinline__ float load_elem(const uint8_t* row, int64_t i) {

@@ -289,19 +289,6 @@ __global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap)
 
 // ---- rope ----------------------------------------------------------------------------------
 
-// The row token t of n_tokens goes to: with slots (a pool of sequences of `rows` rows each:
-// slots[t] is the token's sequence, slots[n_tokens + t] its position), that sequence's row of
-// the position, or none (-1) for a padding token (sequence -1); otherwise the row of position
-// *first_row_at + t (ring_row).
-__device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, const int32_t* slots,
-                                                int t, int n_tokens, int rows) {
-  if (slots)
-    return slots[t] < 0
-               ? -1
-               : static_cast<int64_t>(slots[t]) * rows + ring_row(slots[n_tokens + t], rows);
-  return ring_row(*first_row_at + t, rows);
-}
-
 // One thread per pair slot p < head_dim/2 of one head of one token. Angles are computed in
 // double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
 // Rotates the heads of one tensor (n_head1 0) or of two with the same positions (q and k): the
@@ -383,19 +370,6 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, i
   return r;
 }
 
-// freq_factors: n_dims/2 values (pairs past them do not rotate, and read none).
-__device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
-                                           float freq_scale, const float* freq_factors, float& sf,
-                                           float& cf) {
-  double theta = static_cast<double>(pos) * static_cast<double>(freq_scale) *
-                 exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
-  if (freq_factors && 2 * freq_i < n_dims) theta /= static_cast<double>(freq_factors[freq_i]);
-  double s, c;
-  sincos(theta, &s, &c);
-  sf = static_cast<float>(s);
-  cf = static_cast<float>(c);
-}
-
 __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1, float sf,
                                            float cf) {
   if (r.copy) {
@@ -403,7 +377,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
     return;
   }
   float y0 = x0, y1 = x1;
-  if (r.rotate) y0 = x0 * cf - x1 * sf, y1 = x0 * sf + x1 * cf;
+  if (r.rotate) rope_rotate(x0, x1, sf, cf, y0, y1);
   r.y[r.i0] = y0;
   r.y[r.i1] = y1;
   if (r.c) r.c[r.i0] = __float2half_rn(y0), r.c[r.i1] = __float2half_rn(y1);

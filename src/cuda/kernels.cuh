@@ -341,6 +341,36 @@ void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_part
 // has no such kernel: the caller then launches them apart.
 bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
                           int64_t k, const uint8_t* ws);
+// The ropes and the K/V stores of one token in the epilogue of its q, k and v products (parts
+// 0, 1 and 2 of one launch): pairs of adjacent rows of q and k rotate (the rope's normal mode;
+// pairs past n_dims are copied) into q_out and k_out, as launch_rope rotates them, bit for bit;
+// k's rotated rows and v's product go to the F16 caches k_cache and v_cache at the row of
+// position *first_row (ring_row over caches of `rows` rows). v's product is written to its
+// part's dst as well; q's and k's products are not written at all. No padding: a launch's
+// arguments compare bytewise from step to step.
+struct MatVecRope {
+  const int32_t* pos = nullptr;  // the token's position (device)
+  const float* freq_factors = nullptr;
+  const int32_t* first_row = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  float* q_out = nullptr;
+  float* k_out = nullptr;
+  int head_dim = 0, n_dims = 0, rows = 0;
+  float freq_base = 0.0f, freq_scale = 1.0f;
+  int unused = 0;
+};
+static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has no padding");
+// One column of parts[0..2] (q, k, v; one quantized format, each part's rows a whole number of
+// heads) with the rope epilogue. False, with nothing launched, where the format or a forced
+// kernel shape has no such kernel, or GGRAPH_CUDA_ROPE_EPILOGUE=0 (set_rope_epilogue) turned it
+// off: the caller then launches the products and the ropes apart.
+bool launch_mat_vec_rope(Launcher& l, DType type, const MatVecPart* parts, int64_t k,
+                         const uint8_t* ws, const MatVecRope& rope);
+// Test hook: turns the rope epilogue on or off (the default: on, unless
+// GGRAPH_CUDA_ROPE_EPILOGUE=0).
+void set_rope_epilogue(bool on);
+bool rope_epilogue_enabled();
 // The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
 // pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight
 // format and row length; benchmarks and tests set others.

@@ -23,14 +23,46 @@ struct PartSel {
   int n;
   float* dst;
   int local_block;
+  int index;  // 0, 1 or 2
 };
 __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t* w1,
                                                const uint8_t* w2, int n0, int n1, int n2, float* d0,
                                                float* d1, float* d2, int blk1, int blk2) {
   const int b = blockIdx.x;
-  if (b < blk1) return {w0, n0, d0, b};
-  if (b < blk2) return {w1, n1, d1, b - blk1};
-  return {w2, n2, d2, b - blk2};
+  if (b < blk1) return {w0, n0, d0, b, 0};
+  if (b < blk2) return {w1, n1, d1, b - blk1, 1};
+  return {w2, n2, d2, b - blk2, 2};
+}
+
+// The rope epilogue (MatVecRope) of rows row and row + 1 (row even) of part `part` (0 q, 1 k,
+// 2 v; n rows, output dst), whose products are x0 and x1: the rope kernel's rotation and K/V
+// stores of that pair, bit for bit (kernels.cu's rope_slot and rope_write, one token, normal mode).
+__device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
+                                                   int row, float x0, float x1) {
+  const int64_t at = static_cast<int64_t>(ring_row(*r.first_row, r.rows)) * n + row;
+  if (part == 2) {
+    dst[row] = x0;
+    dst[row + 1] = x1;
+    __half* c = static_cast<__half*>(r.v_cache) + at;
+    c[0] = __float2half_rn(x0);
+    c[1] = __float2half_rn(x1);
+    return;
+  }
+  const int i0 = row % r.head_dim;
+  float y0 = x0, y1 = x1;
+  if (i0 < r.n_dims) {
+    float sf, cf;
+    rope_angle(*r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
+    rope_rotate(x0, x1, sf, cf, y0, y1);
+  }
+  float* out = part == 0 ? r.q_out : r.k_out;
+  out[row] = y0;
+  out[row + 1] = y1;
+  if (part == 1) {
+    __half* c = static_cast<__half*>(r.k_cache) + at;
+    c[0] = __float2half_rn(y0);
+    c[1] = __float2half_rn(y1);
+  }
 }
 
 // ---- Quantized mat-vec ------------------------------------------------------------------------
@@ -316,10 +348,12 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
 }
 
 // Block part.local_block of a part's mat-vec: the body of mat_vec_q_kernel and of the mixed
-// kernel below.
-template <int TYPE, int NCOLS, int R, int U, int KS>
+// kernel below. ROPE (one column, R even): the rows' pairs go through rope_epilogue_pair.
+template <int TYPE, int NCOLS, int R, int U, int KS, bool ROPE = false>
 __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, const int8_t* aq,
-                                               const float2* ads, int64_t k, int overlap) {
+                                               const float2* ads, int64_t k, int overlap,
+                                               const MatVecRope& rope = MatVecRope{}) {
+  static_assert(!ROPE || (NCOLS == 1 && R % 2 == 0), "the rope epilogue takes pairs of rows");
   using P = PieceInfo<TYPE>;
   static_assert(kMvqWarps % KS == 0, "k splits divide the block's warps");
   // KS warps share rows, each taking every KS-th run of pieces; their sums meet in shared memory.
@@ -431,6 +465,19 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
 
   if (!early) pdl_trigger();
   __shared__ float partial[KS > 1 ? kMvqWarps : 1][R * NCOLS];
+  if constexpr (ROPE && KS == 1) {
+    float v[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) v[j] = warp_sum(acc[j][0]);
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < R; j += 2) {
+        if (row0 + j < part.n)
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, v[j], v[j + 1]);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
@@ -447,6 +494,17 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   if constexpr (KS > 1) {
     static_assert(R * NCOLS <= 32, "a lane per sum");
     __syncthreads();
+    if constexpr (ROPE) {
+      // Lane j sums row j; the even lanes take their pairs.
+      if (ks == 0) {
+        float v = 0.0f;
+        for (int i = 0; i < KS; ++i) v += partial[warp + i][min(lane, R - 1)];
+        const float next = __shfl_down_sync(0xffffffffu, v, 1);
+        if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
+      }
+      return;
+    }
     if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
       float v = 0.0f;
@@ -462,6 +520,18 @@ __global__ void __launch_bounds__(kMvqThreads)
                      const int8_t* aq, const float2* ads, int64_t k, int overlap) {
   const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   mat_vec_q_body<TYPE, NCOLS, R, U, KS>(part, nb, aq, ads, k, overlap);
+}
+
+// q, k and v of one token with the rope epilogue: a kernel of its own, so that the others keep
+// their registers.
+template <int TYPE, int R, int U, int KS>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                          int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int nb,
+                          const int8_t* aq, const float2* ads, int64_t k, int overlap,
+                          MatVecRope rope) {
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  mat_vec_q_body<TYPE, 1, R, U, KS, true>(part, nb, aq, ads, k, overlap, rope);
 }
 
 // Products of one activation in two formats (q and k in one, v in another, as K-quant mixes
@@ -487,13 +557,16 @@ __global__ void __launch_bounds__(kMvqThreads)
 // once. The activation crosses L1 once per warp instead of once per row, and a small matrix
 // needs few blocks: the SmolLM2-sized mat-vecs measured faster this way.
 
-// Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below).
-template <int TYPE, int PL, int R>
+// Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below). ROPE (R
+// even, every part's rows even in number): the rows' pairs go through rope_epilogue_pair.
+template <int TYPE, int PL, int R, bool ROPE = false>
 __device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uint8_t* w1,
                                                     const uint8_t* w2, int n0, int n1, int n2,
                                                     float* d0, float* d1, float* d2, int n_warps,
                                                     int gw, int nb, const int8_t* aq,
-                                                    const float2* ads, int64_t k, int prefetch) {
+                                                    const float2* ads, int64_t k, int prefetch,
+                                                    const MatVecRope& rope = MatVecRope{}) {
+  static_assert(!ROPE || R % 2 == 0, "the rope epilogue takes pairs of rows");
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
   const int sub = lane % 8;  // pieces lane + 32 i: a fixed sub-block of a K-quant block
@@ -544,13 +617,31 @@ __device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uin
       zero_piece_act<TYPE>(x[i]);
   }
   while (g0 < n_rows) {
+    float sums[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       float acc = 0.0f;
 #pragma unroll
       for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sub, x[i], acc);
       acc = warp_sum(acc);
-      if (lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
+      sums[j] = acc;
+      if (!ROPE && lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
+    }
+    if constexpr (ROPE) {
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < R; j += 2) {
+          const int g = g0 + j;
+          if (g < n_rows) {
+            const int part = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
+            rope_epilogue_pair(rope, part,
+                               part == 0   ? n0
+                               : part == 1 ? n1
+                                           : n2,
+                               dst[j], row[j], sums[j], sums[j + 1]);
+          }
+        }
+      }
     }
     g0 += n_warps * R;
     if (g0 < n_rows) load_rows(g0);
@@ -565,6 +656,18 @@ __global__ void __launch_bounds__(kMvqThreads)
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   mat_vec_q_rows_body<TYPE, PL, R>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq, ads, k,
                                    prefetch);
+}
+
+// The rope epilogue's variant (one token's q, k and v).
+template <int TYPE, int PL, int R>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rows_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0,
+                               int n1, int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
+                               const int8_t* aq, const float2* ads, int64_t k, int prefetch,
+                               MatVecRope rope) {
+  const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
+  mat_vec_q_rows_body<TYPE, PL, R, true>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq,
+                                         ads, k, prefetch, rope);
 }
 
 // Two formats in one launch, as mat_vec_q_mixed_kernel: format A's warps take parts 0 and 1
@@ -585,29 +688,33 @@ __global__ void __launch_bounds__(kMvqThreads)
                                     prefetch);
 }
 
-// Warps of one instantiation resident on the whole device at once (measured in prepare_kernels,
-// outside any capture); 0 until then.
-template <int TYPE, int PL, int R>
+// Warps of one instantiation (ROPE: its rope epilogue's) resident on the whole device at once
+// (measured in prepare_kernels, outside any capture); 0 until then.
+template <int TYPE, int PL, int R, bool ROPE = false>
 int& rows_kernel_slots() {
   static int slots = 0;
   return slots;
 }
 
-template <int TYPE, int PL, int R>
+template <int TYPE, int PL, int R, bool ROPE>
 void measure_rows_kernel(int sms) {
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, mat_vec_q_rows_kernel<TYPE, PL, R>,
-                                                    kMvqThreads, 0) != cudaSuccess) {
+  const void* kernel = ROPE ? reinterpret_cast<const void*>(mat_vec_q_rows_rope_kernel<TYPE, PL, R>)
+                            : reinterpret_cast<const void*>(mat_vec_q_rows_kernel<TYPE, PL, R>);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMvqThreads, 0) !=
+      cudaSuccess) {
     cudaGetLastError();
     blocks = 0;
   }
-  rows_kernel_slots<TYPE, PL, R>() = blocks * sms * kMvqWarps;
+  rows_kernel_slots<TYPE, PL, R, ROPE>() = blocks * sms * kMvqWarps;
 }
 
 template <int TYPE>
 void measure_rows_kernels(int sms) {
-  measure_rows_kernel<TYPE, 1, 2>(sms);
-  measure_rows_kernel<TYPE, 2, 2>(sms);
+  measure_rows_kernel<TYPE, 1, 2, false>(sms);
+  measure_rows_kernel<TYPE, 2, 2, false>(sms);
+  measure_rows_kernel<TYPE, 1, 2, true>(sms);
+  measure_rows_kernel<TYPE, 2, 2, true>(sms);
 }
 
 // ---- Float-weight mat-vec (F32, F16, BF16) ------------------------------------------------------
@@ -930,6 +1037,39 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
   } else {
     mat_vec_q_launch<TYPE, NCOLS, 1, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
   }
+}
+
+// q, k and v of one token with the rope epilogue, in the kernel shape mat_vec_q would take for
+// them (the same sums, bit for bit); false where a kernel shape is forced.
+template <int TYPE>
+bool mat_vec_q_rope(Launcher& l, const MatVecPart* parts, int64_t k, const uint8_t* ws,
+                    const MatVecRope& rope) {
+  if (mat_vec_override().rows != 0) return false;
+  const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
+  const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
+  const int nb = static_cast<int>(k / 32);
+  if (n_pieces <= kRowsKernelPieces) {
+    constexpr int R = 2;
+    const bool one = ceil_div(n_pieces, 32) <= 1;
+    const int slots =
+        one ? rows_kernel_slots<TYPE, 1, R, true>() : rows_kernel_slots<TYPE, 2, R, true>();
+    if (slots > 0) {
+      const GroupArgs g = group_args(parts, 3, 1);
+      const int64_t n_rows = int64_t(g.n[0]) + g.n[1] + g.n[2];
+      const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
+      l(one ? mat_vec_q_rows_rope_kernel<TYPE, 1, R> : mat_vec_q_rows_rope_kernel<TYPE, 2, R>,
+        dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))), dim3(kMvqThreads), 0, g.w[0],
+        g.w[1], g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, act.qs,
+        act.ds, k, all_fixed(parts, 3) ? 1 : 0, rope);
+      return true;
+    }
+  }
+  using S = MatVecShape<TYPE>;
+  const GroupArgs g = group_args(parts, 3, kMvqWarps / S::KS * S::R);
+  l(mat_vec_q_rope_kernel<TYPE, S::R, S::U, S::KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0],
+    g.w[1], g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb,
+    act.qs, act.ds, k, mat_vec_overlap(parts, 3), rope);
+  return true;
 }
 
 template <int TYPE, int NCOLS>
@@ -1471,6 +1611,28 @@ void prepare_kernels() {
   prepare_mat_mul_q_kernels();
   prepare_norm_kernels();
   cudaGetLastError();
+}
+
+bool& rope_epilogue_flag() {
+  static bool on = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_ROPE_EPILOGUE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+void set_rope_epilogue(bool on) { rope_epilogue_flag() = on; }
+bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
+
+bool launch_mat_vec_rope(Launcher& l, DType type, const MatVecPart* parts, int64_t k,
+                         const uint8_t* ws, const MatVecRope& rope) {
+  if (!rope_epilogue_flag() || !is_quantized(type)) return false;
+  bool launched = false;
+  with_weight_type(type, "mul_mat", [&](auto tc) {
+    constexpr int TYPE = decltype(tc)::value;
+    if constexpr (is_split_type(TYPE)) launched = mat_vec_q_rope<TYPE>(l, parts, k, ws, rope);
+  });
+  return launched;
 }
 
 bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,

@@ -1593,9 +1593,12 @@ struct LayerGraph {
   // q/k head norms (Qwen 3, Gemma 3) after the products, when set
   Tensor *q_norm = nullptr, *k_norm = nullptr;
 
-  // head_norms: per-head q/k norms before the ropes; v_type: v's format (q and k are Q4_1).
+  // head_norms: per-head q/k norms before the ropes; v_type: v's format (q and k are Q4_1);
+  // first_mode: the ropes' mode with the products first; rope_factors: a factors leaf (Llama
+  // 3's) made between the products and the ropes, as the model builder makes it.
   LayerGraph(int n_tokens, int n_past, bool products_first = false, bool head_norms = false,
-             DType qk_type = DType::Q4_1, DType v_type = DType::Q4_1) {
+             DType qk_type = DType::Q4_1, DType v_type = DType::Q4_1, int first_mode = kRopeNeox,
+             bool rope_factors = false) {
     const int n_embd = 576, n_head = 9, n_head_kv = 3, hd = 64, n_ff = 1536, n_ctx = 1024;
     FakeWeights fw;
     auto fake = [&](size_t bytes) { return fw.alloc(bytes); };
@@ -1633,8 +1636,9 @@ struct LayerGraph {
           k_norm = g.rms_norm(wk, 1e-6f, hd);
           kn = g.mul(k_norm, weight(DType::F32, hd, 1, "k_norm"));
         }
-        q = g.rope(qn, pos, n_head, hd, hd, kRopeNeox, 10000.0f);
-        k = g.rope(kn, pos, n_head_kv, hd, hd, kRopeNeox, 10000.0f);
+        Tensor* freqs = rope_factors ? weight(DType::F32, hd / 2, 1, "rope_freqs") : nullptr;
+        q = g.rope(qn, pos, n_head, hd, hd, first_mode, 10000.0f, freqs);
+        k = g.rope(kn, pos, n_head_kv, hd, hd, first_mode, 10000.0f, freqs);
       } else {
         q = g.rope(wq = g.mul_mat(wqt, h), pos, n_head, hd, hd, kRopeNormal, 10000.0f);
         k = g.rope(wk = g.mul_mat(wkt, h), pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
@@ -1886,6 +1890,129 @@ bool holds_pointer(const cuda::KernelLaunch& k, const void* p) {
     if (k.arg_size[a] == sizeof p && std::memcmp(k.args + k.arg_offset[a], &p, sizeof p) == 0)
       return true;
   return false;
+}
+
+// Turns the rope epilogue off for a scope.
+struct RopeEpilogueOff {
+  RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
+  ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
+};
+
+// One token's q, k and v products (one format), grouped in one launch, take their ropes and
+// K/V stores into that launch's epilogue, in the model builder's order (the products first,
+// then a rope factors leaf or none, the ropes, the stores); otherwise the ropes' launch stays.
+TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
+  auto normal = [](bool factors, DType v_type = DType::Q4_1, int n_tokens = 1) {
+    return LayerGraph(n_tokens, 20, true, false, DType::Q4_1, v_type, kRopeNormal, factors);
+  };
+  // Launches of the products (q's node launches them together) and of the ropes and stores.
+  auto count = [](const LayerGraph& lg) {
+    const auto rec = lg.launches();
+    return std::make_pair(
+        launches_of(rec, lg.wq) + launches_of(rec, lg.wk) + launches_of(rec, lg.wv),
+        launches_of(rec, lg.rope_q) + launches_of(rec, lg.rope_k) + launches_of(rec, lg.store_k) +
+            launches_of(rec, lg.store_v));
+  };
+  for (bool factors : {false, true}) {
+    EXPECT_EQ(count(normal(factors)), std::make_pair(1, 0)) << "factors " << factors;
+  }
+  // Not where the ropes are NeoX's (pairs of rows half a head apart), v is in another format
+  // (the products go out in two launches), or there are several tokens; nor when it is off.
+  EXPECT_EQ(count(LayerGraph(1, 20, true)), std::make_pair(1, 1));
+  EXPECT_EQ(count(normal(false, DType::Q8_0)).second, 1);
+  EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);
+  RopeEpilogueOff off;
+  EXPECT_EQ(count(normal(true)), std::make_pair(1, 1));
+}
+
+// The rope epilogue against the ropes' launch, on the GPU: the attention over the caches it
+// writes and the caches' bytes equal, bit for bit, those of the products, ropes and stores
+// launched apart. Every kernel shape it takes (rows held in registers at one and two pieces a
+// lane; blocks of rows with two and four warps a row, and one), partial rotation, rope factors
+// and a ring.
+TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
+  std::mt19937 rng(41);
+  struct Case {
+    DType type;
+    int n_embd, n_head, n_head_kv, hd, n_dims;
+    bool factors;
+    int ring;  // > 0: a ring of this many rows
+  };
+  const Case cases[] = {
+      {DType::Q4_1, 576, 9, 3, 64, 64, false, 0},
+      {DType::Q4_0, 2048, 32, 8, 64, 64, true, 0},
+      {DType::Q4_0, 4096, 32, 8, 128, 128, false, 0},
+      {DType::Q8_0, 4096, 32, 32, 128, 96, false, 0},
+      {DType::Q6_K, 4096, 32, 8, 128, 128, true, 0},
+      {DType::Q4_K, 1536, 12, 2, 128, 128, false, 70},
+  };
+  for (const Case& c : cases) {
+    const int kv_w = c.n_head_kv * c.hd, n_past = c.ring > 0 ? 1000 : 37;
+    const int rows = c.ring > 0 ? c.ring : n_past + 8, window = c.ring > 0 ? 64 : 0;
+    const std::string what = std::string(type_name(c.type)) + " n_embd " +
+                             std::to_string(c.n_embd) + " hd " + std::to_string(c.hd);
+    auto bq = random_blocks(c.type, c.n_embd, c.n_embd, rng);
+    auto bk = random_blocks(c.type, c.n_embd, kv_w, rng);
+    auto bv = random_blocks(c.type, c.n_embd, kv_w, rng);
+    auto x = randn(size_t(c.n_embd), rng);
+    auto factors = randn(size_t(c.n_dims / 2), rng, 0.5f);
+    for (auto& f : factors) f = 1.0f + std::fabs(f);
+    std::vector<int32_t> pos = {n_past}, ids;
+    std::vector<uint8_t> k0(size_t(kv_w) * rows * 2), v0(k0.size());
+    const auto k16 = randn_f16(size_t(kv_w) * rows, rng), v16 = randn_f16(k0.size() / 2, rng);
+    std::memcpy(k0.data(), k16.data(), k0.size());
+    std::memcpy(v0.data(), v16.data(), v0.size());
+    void *k_mem = nullptr, *v_mem = nullptr;
+    Tensor* rope_q = nullptr;
+    Build build = [&](Graph& g, Backend& be) {
+      Tensor* kc = kv_cache_with(g, be, DType::F16, k0, kv_w, rows, "k", c.ring > 0);
+      Tensor* vc = kv_cache_with(g, be, DType::F16, v0, kv_w, rows, "v", c.ring > 0);
+      k_mem = kc->data;
+      v_mem = vc->data;
+      Tensor* xt = activations(g, be, x, c.n_embd, 1, ids);
+      Tensor* p = g.input_i32(1, pos.data(), "pos");
+      Tensor* q = g.mul_mat(upload(g, be, c.type, c.n_embd, c.n_embd, bq.data(), "wq"), xt);
+      Tensor* k = g.mul_mat(upload(g, be, c.type, c.n_embd, kv_w, bk.data(), "wk"), xt);
+      Tensor* v = g.mul_mat(upload(g, be, c.type, c.n_embd, kv_w, bv.data(), "wv"), xt);
+      Tensor* f = c.factors
+                      ? upload(g, be, DType::F32, c.n_dims / 2, 1, factors.data(), "rope_freqs")
+                      : nullptr;
+      rope_q = q = g.rope(q, p, c.n_head, c.hd, c.n_dims, kRopeNormal, 10000.0f, f);
+      k = g.rope(k, p, c.n_head_kv, c.hd, c.n_dims, kRopeNormal, 10000.0f, f);
+      g.kv_store(kc, k, n_past);
+      g.kv_store(vc, v, n_past);
+      return g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd, 1.0f / std::sqrt(float(c.hd)),
+                         n_past + 1, n_past, window);
+    };
+    // The caches as a run leaves them.
+    auto run = [&](std::vector<uint8_t>& k_out, std::vector<uint8_t>& v_out) {
+      const auto out = run_on(*cuda_, build);
+      k_out.resize(k0.size());
+      v_out.resize(v0.size());
+      cuda_->kv_to_host(k_out.data(), k_mem, k_out.size());
+      cuda_->kv_to_host(v_out.data(), v_mem, v_out.size());
+      return out;
+    };
+    std::vector<uint8_t> kf, vf, ku, vu;
+    const auto fused = run(kf, vf);
+    std::vector<float> apart;
+    {
+      RopeEpilogueOff off;
+      apart = run(ku, vu);
+    }
+    ASSERT_EQ(fused.size(), apart.size()) << what;
+    EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << what;
+    EXPECT_TRUE(kf == ku) << "K cache: " << what;
+    EXPECT_TRUE(vf == vu) << "V cache: " << what;
+    EXPECT_FALSE(kf == k0) << "the K store ran: " << what;
+    // Against the CPU, so that both paths being wrong alike would show.
+    EXPECT_LT(rel_err(fused, run_on(*cpu_, build)), 3e-2) << what;
+    // And the epilogue did take the ropes (the graph as the runs planned it).
+    Graph g;
+    g.set_output(build(g, *cuda_));
+    plan(g);
+    EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), rope_q), 0) << what;
+  }
 }
 
 TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
