@@ -633,12 +633,13 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   };
 
   // The rope epilogue of one token's q, k and v products (MatVecRope), whose nodes are
-  // same[0..2] (already marked launched): where the next four nodes to launch are the ropes of q
+  // same[0..2] (already marked launched; v's weight in v_type): where the next four nodes to
+  // launch are the ropes of q
   // and k (normal mode, no head norms, one launch's worth: ropes_pair) and the K and V stores of
   // the rotated k and of v into F16 caches of one position. q's and k's products then exist nowhere
   // but in registers: only their ropes may read them. Returns whether it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
-                           int64_t k) {
+                           DType v_type, int64_t k) {
     const int jq = next_open(same[0]);
     const int jk = jq >= 0 ? next_open(jq) : -1;
     const int js = jk >= 0 ? next_open(jk) : -1;
@@ -671,7 +672,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
-    if (!launch_mat_vec_rope(l, type, parts, k, buf.act, r)) return false;
+    if (!launch_mat_vec_rope(l, type, v_type, parts, k, buf.act, r)) return false;
     done[jq] = done[jk] = done[js] = done[jv] = 1;
     return true;
   };
@@ -832,10 +833,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         }
         for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
         if (n_parts == 3 && other < 0 && cols == 1 && is_quantized(w->type) &&
-            rope_epilogue(same, parts, w->type, k))
+            rope_epilogue(same, parts, w->type, w->type, k))
           break;
         if (other >= 0 && n_parts < 3) {
           parts[n_parts] = part_of(nodes[other]);
+          if (n_parts == 2) {
+            // q and k in one format, v in another (a K-quant mix): the rope epilogue too.
+            const int trio[3] = {same[0], same[1], other};
+            done[other] = 1;
+            if (rope_epilogue(trio, parts, w->type, nodes[other]->src[0]->type, k)) break;
+            done[other] = 0;
+          }
           if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
                                    buf.act)) {
             done[other] = 1;

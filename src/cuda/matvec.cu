@@ -548,6 +548,19 @@ __global__ void __launch_bounds__(kMvqThreads)
   else
     mat_vec_q_body<TB, 1, RB, UB, KSB>(part, nb, aq, ads, k, overlap);
 }
+// With the rope epilogue (q and k in format A, v in B).
+template <int TA, int RA, int UA, int KSA, int TB, int RB, int UB, int KSB>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_mixed_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0,
+                                int n1, int n2, float* d0, float* d1, float* d2, int blk1, int blk2,
+                                int blk_b, int nb, const int8_t* aq, const float2* ads, int64_t k,
+                                int overlap, MatVecRope rope) {
+  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
+  if (static_cast<int>(blockIdx.x) < blk_b)
+    mat_vec_q_body<TA, 1, RA, UA, KSA, true>(part, nb, aq, ads, k, overlap, rope);
+  else
+    mat_vec_q_body<TB, 1, RB, UB, KSB, true>(part, nb, aq, ads, k, overlap, rope);
+}
 
 // ---- Quantized mat-vec, activation held in registers (one column, short rows) -----------------
 //
@@ -560,12 +573,10 @@ __global__ void __launch_bounds__(kMvqThreads)
 // Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below). ROPE (R
 // even, every part's rows even in number): the rows' pairs go through rope_epilogue_pair.
 template <int TYPE, int PL, int R, bool ROPE = false>
-__device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uint8_t* w1,
-                                                    const uint8_t* w2, int n0, int n1, int n2,
-                                                    float* d0, float* d1, float* d2, int n_warps,
-                                                    int gw, int nb, const int8_t* aq,
-                                                    const float2* ads, int64_t k, int prefetch,
-                                                    const MatVecRope& rope = MatVecRope{}) {
+__device__ __forceinline__ void mat_vec_q_rows_body(
+    const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1, int n2, float* d0,
+    float* d1, float* d2, int n_warps, int gw, int nb, const int8_t* aq, const float2* ads,
+    int64_t k, int prefetch, const MatVecRope& rope = MatVecRope{}, int first_part = 0) {
   static_assert(!ROPE || R % 2 == 0, "the rope epilogue takes pairs of rows");
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
@@ -633,8 +644,8 @@ __device__ __forceinline__ void mat_vec_q_rows_body(const uint8_t* w0, const uin
         for (int j = 0; j < R; j += 2) {
           const int g = g0 + j;
           if (g < n_rows) {
-            const int part = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
-            rope_epilogue_pair(rope, part,
+            const int part = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;  // of this body's parts
+            rope_epilogue_pair(rope, first_part + part,
                                part == 0   ? n0
                                : part == 1 ? n1
                                            : n2,
@@ -686,6 +697,24 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_body<TB, PLB, R>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
                                     (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
                                     prefetch);
+}
+// With the rope epilogue (q and k in format A, v in B: B's rows are part 2).
+template <int TA, int PLA, int TB, int PLB, int R>
+__global__ void __launch_bounds__(kMvqThreads)
+    mat_vec_q_rows_mixed_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,
+                                     int n0, int n1, int n2, float* d0, float* d1, float* d2,
+                                     int n_warps_a, int n_warps_b, int blk_b, int nb,
+                                     const int8_t* aq, const float2* ads, int64_t k, int prefetch,
+                                     MatVecRope rope) {
+  const int warp = threadIdx.x / 32;
+  if (static_cast<int>(blockIdx.x) < blk_b)
+    mat_vec_q_rows_body<TA, PLA, R, true>(w0, w1, w1, n0, n1, 0, d0, d1, d1, n_warps_a,
+                                          blockIdx.x * kMvqWarps + warp, nb, aq, ads, k, prefetch,
+                                          rope);
+  else
+    mat_vec_q_rows_body<TB, PLB, R, true>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
+                                          (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
+                                          prefetch, rope, 2);
 }
 
 // Warps of one instantiation (ROPE: its rope epilogue's) resident on the whole device at once
@@ -936,10 +965,11 @@ int mat_vec_overlap(const MatVecPart* parts, int n_parts) {
 }
 
 // parts[0, n_a) of format TA and parts[n_a] of TB, one column, in one launch; false (nothing
-// launched) where a kernel shape is forced.
+// launched) where a kernel shape is forced. With rope (n_a 2): the rope epilogue too.
 template <int TA, int TB>
-bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, const uint8_t* ws) {
-  if (mat_vec_override().rows != 0 || n_a < 1 || n_a > 2) return false;
+bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, const uint8_t* ws,
+                     const MatVecRope* rope = nullptr) {
+  if (mat_vec_override().rows != 0 || n_a < 1 || n_a > 2 || (rope && n_a != 2)) return false;
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
   // Slots: part 0 (and 1) of A, an empty part 1 when A has one, then B.
   const MatVecPart slot[3] = {parts[0], n_a == 2 ? parts[1] : parts[0], parts[n_a]};
@@ -961,20 +991,29 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
       const int blk_b = static_cast<int>(ceil_div(wa, kMvqWarps));
       const int blocks = blk_b + static_cast<int>(ceil_div(wb, kMvqWarps));
       const int prefetch = all_fixed(parts, n_a + 1) ? 1 : 0;
-      auto go = [&](auto kernel) {
-        l(kernel, dim3(blocks), dim3(kMvqThreads), 0, static_cast<const uint8_t*>(slot[0].w),
-          static_cast<const uint8_t*>(slot[1].w), static_cast<const uint8_t*>(slot[2].w), n0, n1,
-          n2, slot[0].dst, slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k,
-          prefetch);
+      auto go = [&](auto plain, auto with_rope) {
+        const auto w0 = static_cast<const uint8_t*>(slot[0].w);
+        const auto w1 = static_cast<const uint8_t*>(slot[1].w);
+        const auto w2 = static_cast<const uint8_t*>(slot[2].w);
+        if (rope)
+          l(with_rope, dim3(blocks), dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst,
+            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch, *rope);
+        else
+          l(plain, dim3(blocks), dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst,
+            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch);
       };
       if (pa <= 32 && pb <= 32)
-        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 1, R>);
+        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 1, R>,
+           mat_vec_q_rows_mixed_rope_kernel<TA, 1, TB, 1, R>);
       else if (pa <= 32)
-        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 2, R>);
+        go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 2, R>,
+           mat_vec_q_rows_mixed_rope_kernel<TA, 1, TB, 2, R>);
       else if (pb <= 32)
-        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 1, R>);
+        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 1, R>,
+           mat_vec_q_rows_mixed_rope_kernel<TA, 2, TB, 1, R>);
       else
-        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 2, R>);
+        go(mat_vec_q_rows_mixed_kernel<TA, 2, TB, 2, R>,
+           mat_vec_q_rows_mixed_rope_kernel<TA, 2, TB, 2, R>);
       return true;
     }
   }
@@ -987,12 +1026,19 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
   for (int i = 0; i < 3; ++i) blocks[i] = static_cast<int>(ceil_div(slot[i].n, per_block[i]));
   if (n_a == 1) blocks[1] = 0;
   const int blk1 = blocks[0], blk2 = blk1 + blocks[1];
-  l(mat_vec_q_mixed_kernel<TA, A::R, A::U, A::KS, TB, B::R, B::U, B::KS>, dim3(blk2 + blocks[2]),
-    dim3(kMvqThreads), 0, static_cast<const uint8_t*>(slot[0].w),
-    static_cast<const uint8_t*>(slot[1].w), static_cast<const uint8_t*>(slot[2].w),
-    static_cast<int>(slot[0].n), static_cast<int>(slot[1].n), static_cast<int>(slot[2].n),
-    slot[0].dst, slot[1].dst, slot[2].dst, blk1, blk2, blk2, nb, act.qs, act.ds, k,
-    mat_vec_overlap(parts, n_a + 1));
+  const auto w0 = static_cast<const uint8_t*>(slot[0].w);
+  const auto w1 = static_cast<const uint8_t*>(slot[1].w);
+  const auto w2 = static_cast<const uint8_t*>(slot[2].w);
+  const int n0 = static_cast<int>(slot[0].n), n1 = static_cast<int>(slot[1].n);
+  const int n2 = static_cast<int>(slot[2].n), overlap = mat_vec_overlap(parts, n_a + 1);
+  if (rope)
+    l(mat_vec_q_mixed_rope_kernel<TA, A::R, A::U, A::KS, TB, B::R, B::U, B::KS>,
+      dim3(blk2 + blocks[2]), dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst,
+      slot[1].dst, slot[2].dst, blk1, blk2, blk2, nb, act.qs, act.ds, k, overlap, *rope);
+  else
+    l(mat_vec_q_mixed_kernel<TA, A::R, A::U, A::KS, TB, B::R, B::U, B::KS>, dim3(blk2 + blocks[2]),
+      dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst, slot[1].dst, slot[2].dst, blk1,
+      blk2, blk2, nb, act.qs, act.ds, k, overlap);
   return true;
 }
 
@@ -1613,6 +1659,22 @@ void prepare_kernels() {
   cudaGetLastError();
 }
 
+// mat_vec_q_mixed for the pairs llama.cpp's K-quant mixes make: Q4_K_M and Q5_K_M (q, k; v in
+// Q6_K), and their fallbacks for rows that are not whole 256-blocks (Q5_0; v in Q8_0). False
+// for other pairs.
+bool mixed_pair(DType type_a, DType type_b, const MatVecPart* parts, int n_a, int64_t k,
+                const uint8_t* ws, const MatVecRope* rope, Launcher& l) {
+#define GGRAPH_MIXED_PAIR(A, B)                                                                   \
+  if (type_a == DType::A && type_b == DType::B)                                                   \
+    return mat_vec_q_mixed<static_cast<int>(DType::A), static_cast<int>(DType::B)>(l, parts, n_a, \
+                                                                                   k, ws, rope);
+  GGRAPH_MIXED_PAIR(Q4_K, Q6_K)
+  GGRAPH_MIXED_PAIR(Q5_K, Q6_K)
+  GGRAPH_MIXED_PAIR(Q5_0, Q8_0)
+#undef GGRAPH_MIXED_PAIR
+  return false;
+}
+
 bool& rope_epilogue_flag() {
   static bool on = [] {
     const char* e = std::getenv("GGRAPH_CUDA_ROPE_EPILOGUE");
@@ -1624,9 +1686,10 @@ bool& rope_epilogue_flag() {
 void set_rope_epilogue(bool on) { rope_epilogue_flag() = on; }
 bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
 
-bool launch_mat_vec_rope(Launcher& l, DType type, const MatVecPart* parts, int64_t k,
+bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
                          const uint8_t* ws, const MatVecRope& rope) {
   if (!rope_epilogue_flag() || !is_quantized(type)) return false;
+  if (v_type != type) return mixed_pair(type, v_type, parts, 2, k, ws, &rope, l);
   bool launched = false;
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
@@ -1637,17 +1700,7 @@ bool launch_mat_vec_rope(Launcher& l, DType type, const MatVecPart* parts, int64
 
 bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
                           int64_t k, const uint8_t* ws) {
-  // The pairs llama.cpp's K-quant mixes make: Q4_K_M and Q5_K_M (q, k; v in Q6_K), and their
-  // fallbacks for rows that are not whole 256-blocks (Q5_0; v in Q8_0).
-#define GGRAPH_MIXED_PAIR(A, B)                                                                   \
-  if (type_a == DType::A && type_b == DType::B)                                                   \
-    return mat_vec_q_mixed<static_cast<int>(DType::A), static_cast<int>(DType::B)>(l, parts, n_a, \
-                                                                                   k, ws);
-  GGRAPH_MIXED_PAIR(Q4_K, Q6_K)
-  GGRAPH_MIXED_PAIR(Q5_K, Q6_K)
-  GGRAPH_MIXED_PAIR(Q5_0, Q8_0)
-#undef GGRAPH_MIXED_PAIR
-  return false;
+  return mixed_pair(type_a, type_b, parts, n_a, k, ws, nullptr, l);
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,

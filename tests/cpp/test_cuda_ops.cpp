@@ -1902,8 +1902,9 @@ struct RopeEpilogueOff {
 // K/V stores into that launch's epilogue, in the model builder's order (the products first,
 // then a rope factors leaf or none, the ropes, the stores); otherwise the ropes' launch stays.
 TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
-  auto normal = [](bool factors, DType v_type = DType::Q4_1, int n_tokens = 1) {
-    return LayerGraph(n_tokens, 20, true, false, DType::Q4_1, v_type, kRopeNormal, factors);
+  auto normal = [](bool factors, DType v_type = DType::Q4_1, int n_tokens = 1,
+                   DType qk_type = DType::Q4_1) {
+    return LayerGraph(n_tokens, 20, true, false, qk_type, v_type, kRopeNormal, factors);
   };
   // Launches of the products (q's node launches them together) and of the ropes and stores.
   auto count = [](const LayerGraph& lg) {
@@ -1916,8 +1917,11 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   for (bool factors : {false, true}) {
     EXPECT_EQ(count(normal(factors)), std::make_pair(1, 0)) << "factors " << factors;
   }
-  // Not where the ropes are NeoX's (pairs of rows half a head apart), v is in another format
-  // (the products go out in two launches), or there are several tokens; nor when it is off.
+  // v in the other format of a pair that one launch takes (a K-quant mix's fallbacks).
+  EXPECT_EQ(count(normal(false, DType::Q8_0, 1, DType::Q5_0)), std::make_pair(1, 0));
+  // Not where the ropes are NeoX's (pairs of rows half a head apart), v is in a format no launch
+  // pairs with q's (the products go out in two launches), or there are several tokens; nor
+  // when it is off.
   EXPECT_EQ(count(LayerGraph(1, 20, true)), std::make_pair(1, 1));
   EXPECT_EQ(count(normal(false, DType::Q8_0)).second, 1);
   EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);
@@ -1936,7 +1940,8 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     DType type;
     int n_embd, n_head, n_head_kv, hd, n_dims;
     bool factors;
-    int ring;  // > 0: a ring of this many rows
+    int ring;                   // > 0: a ring of this many rows
+    DType v_type = DType::F32;  // v's format where it differs (a K-quant mix)
   };
   const Case cases[] = {
       {DType::Q4_1, 576, 9, 3, 64, 64, false, 0},
@@ -1945,15 +1950,21 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q8_0, 4096, 32, 32, 128, 96, false, 0},
       {DType::Q6_K, 4096, 32, 8, 128, 128, true, 0},
       {DType::Q4_K, 1536, 12, 2, 128, 128, false, 70},
+      // Two formats in one launch: blocks of rows, and rows in registers at one and two
+      // pieces a lane.
+      {DType::Q4_K, 4096, 32, 8, 128, 128, true, 0, DType::Q6_K},
+      {DType::Q5_K, 1536, 12, 2, 128, 128, false, 0, DType::Q6_K},
+      {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0},
   };
   for (const Case& c : cases) {
     const int kv_w = c.n_head_kv * c.hd, n_past = c.ring > 0 ? 1000 : 37;
     const int rows = c.ring > 0 ? c.ring : n_past + 8, window = c.ring > 0 ? 64 : 0;
-    const std::string what = std::string(type_name(c.type)) + " n_embd " +
-                             std::to_string(c.n_embd) + " hd " + std::to_string(c.hd);
+    const std::string what = std::string(type_name(c.type)) + "/" + type_name(c.v_type) +
+                             " n_embd " + std::to_string(c.n_embd) + " hd " + std::to_string(c.hd);
     auto bq = random_blocks(c.type, c.n_embd, c.n_embd, rng);
     auto bk = random_blocks(c.type, c.n_embd, kv_w, rng);
-    auto bv = random_blocks(c.type, c.n_embd, kv_w, rng);
+    const DType v_type = c.v_type == DType::F32 ? c.type : c.v_type;
+    auto bv = random_blocks(v_type, c.n_embd, kv_w, rng);
     auto x = randn(size_t(c.n_embd), rng);
     auto factors = randn(size_t(c.n_dims / 2), rng, 0.5f);
     for (auto& f : factors) f = 1.0f + std::fabs(f);
@@ -1973,7 +1984,7 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       Tensor* p = g.input_i32(1, pos.data(), "pos");
       Tensor* q = g.mul_mat(upload(g, be, c.type, c.n_embd, c.n_embd, bq.data(), "wq"), xt);
       Tensor* k = g.mul_mat(upload(g, be, c.type, c.n_embd, kv_w, bk.data(), "wk"), xt);
-      Tensor* v = g.mul_mat(upload(g, be, c.type, c.n_embd, kv_w, bv.data(), "wv"), xt);
+      Tensor* v = g.mul_mat(upload(g, be, v_type, c.n_embd, kv_w, bv.data(), "wv"), xt);
       Tensor* f = c.factors
                       ? upload(g, be, DType::F32, c.n_dims / 2, 1, factors.data(), "rope_freqs")
                       : nullptr;
