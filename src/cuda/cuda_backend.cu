@@ -634,10 +634,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
   // The rope epilogue of one token's q, k and v products (MatVecRope), whose nodes are
   // same[0..2] (already marked launched; v's weight in v_type): where the next four nodes to
-  // launch are the ropes of q
-  // and k (normal mode, no head norms, one launch's worth: ropes_pair) and the K and V stores of
-  // the rotated k and of v into F16 caches of one position. q's and k's products then exist nowhere
-  // but in registers: only their ropes may read them. Returns whether it launched them all.
+  // launch are the ropes of q and k (normal mode, the same positions and parameters: ropes_pair;
+  // a head-normed rope reads the norm, not the product) and the K and V stores of the rotated k
+  // and of v into F16 caches of one position. q's and k's products then exist nowhere but in
+  // registers: only their ropes may read them. The kernel reads no scratch but the positions,
+  // which none of its outputs may overlap. Returns whether it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
                            DType v_type, int64_t k) {
     const int jq = next_open(same[0]);
@@ -650,14 +651,15 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     const int hd = rq->params[kRopeHeadDim];
     const bool ok =
         rq->op == Op::Rope && rq->src[0] == q && rq->params[kRopeMode] == kRopeNormal &&
-        rq->ne[1] == 1 && hd > 0 && hd % 2 == 0 && q->ne[0] % hd == 0 && kp->ne[0] % hd == 0 &&
-        ropes_pair(rq, rk, kRopeAll) && rk->src[0] == kp && head_norms.count(jq) == 0 &&
-        uses[same[0]] == 1 && uses[same[1]] == 1 && q != graph.output() && kp != graph.output() &&
-        ks->op == Op::KvStore && ks->src[0] == rk && vs->op == Op::KvStore && vs->src[0] == v &&
-        vs->kv[0] == ks->kv[0] && kv_target(ks)->type == DType::F16 &&
-        kv_target(vs)->type == DType::F16 && kv_target(ks)->ne[0] == kp->ne[0] &&
-        kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
-        kv_target(vs)->data != kv_target(ks)->data;
+        rq->ne[1] == 1 && hd > 0 && hd % 2 == 0 && !scratch_overlap(rq->src[1], rq) &&
+        !scratch_overlap(rq->src[1], rk) && !scratch_overlap(rq->src[1], v) && q->ne[0] % hd == 0 &&
+        kp->ne[0] % hd == 0 && v->ne[0] % 2 == 0 && ropes_pair(rq, rk, kRopeAll) &&
+        rk->src[0] == kp && uses[same[0]] == 1 && uses[same[1]] == 1 && q != graph.output() &&
+        kp != graph.output() && ks->op == Op::KvStore && ks->src[0] == rk &&
+        vs->op == Op::KvStore && vs->src[0] == v && vs->kv[0] == ks->kv[0] &&
+        kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
+        kv_target(ks)->ne[0] == kp->ne[0] && kv_target(vs)->ne[0] == v->ne[0] &&
+        kv_target(vs)->ne[1] == kv_target(ks)->ne[1] && kv_target(vs)->data != kv_target(ks)->data;
     if (!ok) return false;
     MatVecRope r;
     r.pos = static_cast<const int32_t*>(ptr(rq->src[1]));

@@ -289,8 +289,7 @@ __global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap)
 
 // ---- rope ----------------------------------------------------------------------------------
 
-// One thread per pair slot p < head_dim/2 of one head of one token. Angles are computed in
-// double precision: at positions in the thousands a float angle is off by ~1e-4 rad.
+// One thread per pair slot p < head_dim/2 of one head of one token (angles: rope_angle).
 // Rotates the heads of one tensor (n_head1 0) or of two with the same positions (q and k): the
 // first n_head0 * head_dim / 2 pairs of a token belong to the first.
 // With k_cache set, the second tensor's rows (k) also go to the F16 cache at each token's row

@@ -39,7 +39,7 @@ __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t*
 // stores of that pair, bit for bit (kernels.cu's rope_slot and rope_write, one token, normal mode).
 __device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
                                                    int row, float x0, float x1) {
-  const int64_t at = static_cast<int64_t>(ring_row(*r.first_row, r.rows)) * n + row;
+  const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * n + row;
   if (part == 2) {
     dst[row] = x0;
     dst[row + 1] = x1;
@@ -1097,9 +1097,13 @@ bool mat_vec_q_rope(Launcher& l, const MatVecPart* parts, int64_t k, const uint8
   if (n_pieces <= kRowsKernelPieces) {
     constexpr int R = 2;
     const bool one = ceil_div(n_pieces, 32) <= 1;
-    const int slots =
+    // The plain kernel's capacity chooses the shape, as in mat_vec_q (the same sums); the rope
+    // variant's sizes the grid.
+    const int plain = one ? rows_kernel_slots<TYPE, 1, R>() : rows_kernel_slots<TYPE, 2, R>();
+    const int own =
         one ? rows_kernel_slots<TYPE, 1, R, true>() : rows_kernel_slots<TYPE, 2, R, true>();
-    if (slots > 0) {
+    const int slots = own > 0 ? own : plain;
+    if (plain > 0) {
       const GroupArgs g = group_args(parts, 3, 1);
       const int64_t n_rows = int64_t(g.n[0]) + g.n[1] + g.n[2];
       const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));

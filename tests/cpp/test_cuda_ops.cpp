@@ -1885,10 +1885,11 @@ std::vector<int32_t> record_values(const cuda::KernelLaunch& k) {
   return std::vector<int32_t>(v.v, v.v + cuda::kMaxKvSlots);
 }
 
+// Whether an argument of the launch is p, or a struct argument holds it.
 bool holds_pointer(const cuda::KernelLaunch& k, const void* p) {
   for (int a = 0; a < k.n_args; ++a)
-    if (k.arg_size[a] == sizeof p && std::memcmp(k.args + k.arg_offset[a], &p, sizeof p) == 0)
-      return true;
+    for (size_t at = 0; at + sizeof p <= k.arg_size[a]; at += sizeof p)
+      if (std::memcmp(k.args + k.arg_offset[a] + at, &p, sizeof p) == 0) return true;
   return false;
 }
 
@@ -2028,8 +2029,13 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
 
 TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
   for (int n_tokens : {1, 4, 64}) {
-    for (bool products_first : {false, true}) {
-      LayerGraph a(n_tokens, 100, products_first), b(n_tokens, 101, products_first);
+    // Ropes after each product, products first (NeoX ropes), products first with normal ropes
+    // (one token: the ropes and stores in the products' epilogue).
+    for (int order = 0; order < 3; ++order) {
+      const bool products_first = order > 0;
+      const int mode = order == 2 ? kRopeNormal : kRopeNeox;
+      LayerGraph a(n_tokens, 100, products_first, false, DType::Q4_1, DType::Q4_1, mode);
+      LayerGraph b(n_tokens, 101, products_first, false, DType::Q4_1, DType::Q4_1, mode);
       const auto ra = a.launches(), rb = b.launches();
       ASSERT_EQ(ra.size(), rb.size());
       ASSERT_FALSE(ra.empty());
@@ -2052,18 +2058,20 @@ TEST(CudaLaunchPlan, ConsecutiveDecodeStepsDifferOnlyInTheKvRecordsLaunch) {
             << "launch " << i << " of " << op_name(a.g.nodes()[ra[i].node]->op)
             << " changed its arguments";
       }
-      // Per layer, the launch with the K/V stores (a rope's, where they ride along) holds a
-      // pointer to the row's slot, and the attention's to the length's and first position's.
+      // Per layer, the launch with the K/V stores (a rope's or the products', where they ride
+      // along) holds a pointer to the row's slot, and the attention's to the length's and first
+      // position's.
       const int32_t* record = LayerGraph::record();
       int row_reads = 0, length_reads = 0;
       for (const auto& k : ra) {
         const Op op = k.node >= 0 ? a.g.nodes()[k.node]->op : Op::Leaf;
-        if ((op == Op::Rope || op == Op::KvStore) && holds_pointer(k, record)) ++row_reads;
+        if ((op == Op::Rope || op == Op::KvStore || op == Op::MulMat) && holds_pointer(k, record))
+          ++row_reads;
         if (op == Op::Attention && holds_pointer(k, record + 1) && holds_pointer(k, record))
           ++length_reads;
       }
-      EXPECT_EQ(row_reads, 2) << "tokens " << n_tokens;
-      EXPECT_EQ(length_reads, 2) << "tokens " << n_tokens;
+      EXPECT_EQ(row_reads, 2) << "tokens " << n_tokens << " order " << order;
+      EXPECT_EQ(length_reads, 2) << "tokens " << n_tokens << " order " << order;
     }
   }
   // The attention grid depends on the cache size, not on the depth: a whole conversation has one
