@@ -129,6 +129,10 @@ std::vector<uint8_t> quantize(DType t, const std::vector<float>& w, int64_t k, i
 const DType kAllTypes[] = {DType::F32,  DType::F16,  DType::BF16,
                            DType::Q8_0, DType::Q4_0, DType::Q4_1};
 
+// What CudaOps::check does, for the helpers that build and check a case.
+using CheckFn = std::function<void(const Build&, const std::vector<double>&, double, double,
+                                   const std::string&, double)>;
+
 class CudaOps : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -151,6 +155,12 @@ class CudaOps : public ::testing::Test {
     const double f = scale > 0 ? std::sqrt(ref_norm) / scale : 1.0;
     EXPECT_LT(rel_err(gpu, ref) * f, bound_ref) << "CUDA vs float64 reference: " << what;
     EXPECT_LT(rel_err(gpu, cpu) * f, bound_cpu) << "CUDA vs CPU: " << what;
+  }
+
+  // check as a function the case helpers below take.
+  CheckFn checker() {
+    return [this](const Build& b, const std::vector<double>& r, double br, double bc,
+                  const std::string& w, double scale) { check(b, r, br, bc, w, scale); };
   }
 
   std::unique_ptr<Backend> cuda_, cpu_;
@@ -407,8 +417,7 @@ std::vector<double> mul_mat_ref(const std::vector<float>& w, const std::vector<f
 }
 
 void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rng,
-                   const std::function<void(const Build&, const std::vector<double>&, double,
-                                            double, const std::string&, double)>& check) {
+                   const CheckFn& check) {
   auto wf = randn(size_t(k) * n, rng, 0.05f);
   std::vector<float> deq;
   auto bytes = quantize(t, wf, k, n, deq);
@@ -455,8 +464,7 @@ std::vector<uint8_t> random_blocks(DType t, int64_t k, int64_t n, std::mt19937& 
 // Products of random blocks of format t against the float64 product of their decoded values,
 // and against the CPU (which computes on the blocks).
 void check_random_blocks(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rng,
-                         const std::function<void(const Build&, const std::vector<double>&, double,
-                                                  double, const std::string&, double)>& check) {
+                         const CheckFn& check) {
   const std::vector<uint8_t> bytes = random_blocks(t, k, n, rng);
   std::vector<float> deq(size_t(k) * n);
   for (int64_t r = 0; r < n; ++r)
@@ -483,8 +491,7 @@ const DType kKernelOnlyTypes[] = {DType::Q5_0, DType::Q5_1,   DType::Q2_K,
 
 TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
   std::mt19937 rng(15);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   // Odd k and n for every quantized mat-vec kernel: short rows (at most 64 pieces: k <= 2048
   // for 4-bit weights, k <= 1024 for Q8_0; activation in registers), middle ones, and long ones
   // (k 11008: warps split k); rows end mid-block.
@@ -504,8 +511,7 @@ TEST_F(CudaOps, MulMatEveryTypeShapeAndBatch) {
 // that leave most lanes idle, rows that end mid-round, a last block with rows past the end.
 TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
   std::mt19937 rng(21);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   struct Reset {
     ~Reset() { cuda::set_mat_vec_config({}); }
   } reset;
@@ -533,8 +539,7 @@ TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
 // attention's workspace.
 TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   std::mt19937 rng(29);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   struct Reset {
     ~Reset() { cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::None); }
   } reset;
@@ -597,8 +602,7 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
 
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
   std::mt19937 rng(16);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   for (DType t : {DType::F32, DType::F16, DType::BF16}) {
     for (Shape s : {Shape{33, 5}, Shape{100, 17}, Shape{7, 3}, Shape{1030, 9}}) {
       for (int64_t cols : {1, 3, 8, 9, 40}) check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
@@ -627,8 +631,7 @@ TEST_F(CudaOps, MulMatOfAMatrixComputedJustBefore) {
 
 TEST_F(CudaOps, MulMatPromptBatches) {
   std::mt19937 rng(17);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   for (DType t : kAllTypes) {
     check_mul_mat(t, 576, 257, 512, rng, chk);
     check_mul_mat(t, 256, 130, 100, rng, chk);
@@ -640,8 +643,7 @@ TEST_F(CudaOps, MulMatPromptBatches) {
 // that are no multiple of any tile, and a weight of more rows than one chunk holds.
 TEST_F(CudaOps, MulMatPromptBatchesOnTiledKernelAndCublas) {
   std::mt19937 rng(23);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   struct Reset {
     ~Reset() { cuda::set_gemm_path(cuda::GemmPath::Auto); }
   } reset;
@@ -978,9 +980,7 @@ double decode_attention_bound(int hd, DType kv) {
 
 // Cache rows of positions 0..n_past-1 already hold values (in a ring, the later positions over
 // the earlier ones); kv_store writes the new rows; attention reads all.
-void check_attention(const AttnCase& c, std::mt19937& rng,
-                     const std::function<void(const Build&, const std::vector<double>&, double,
-                                              double, const std::string&, double)>& check) {
+void check_attention(const AttnCase& c, std::mt19937& rng, const CheckFn& check) {
   const int n_ctx = c.ring > 0 ? c.ring : c.n_past + c.n_tok + 7 + c.spare;
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   auto k_all = randn(size_t(kv_w) * (c.n_past + c.n_tok), rng);
@@ -1054,8 +1054,7 @@ void check_attention(const AttnCase& c, std::mt19937& rng,
 
 TEST_F(CudaOps, AttentionDecodeSplitsAndGqa) {
   std::mt19937 rng(20);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const AttnCase cases[] = {
       {4, 4, 32, 0, 1},    {9, 3, 64, 0, 7},    {8, 2, 64, 37, 1},     {32, 32, 128, 300, 1},
       {9, 3, 64, 1000, 1}, {9, 3, 64, 1000, 8}, {16, 1, 64, 10, 1},    {2, 2, 256, 600, 2},
@@ -1066,8 +1065,7 @@ TEST_F(CudaOps, AttentionDecodeSplitsAndGqa) {
 
 TEST_F(CudaOps, AttentionPrompt) {
   std::mt19937 rng(21);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const AttnCase cases[] = {{6, 1, 16, 100, 13},   {12, 4, 80, 5, 33},   {4, 1, 256, 50, 9},
                             {9, 3, 64, 0, 512},    {8, 2, 128, 0, 100},  {4, 4, 128, 40, 77},
                             {8, 2, 128, 300, 200}, {2, 1, 256, 70, 130}, {4, 2, 96, 1, 65}};
@@ -1078,8 +1076,7 @@ TEST_F(CudaOps, AttentionPrompt) {
 // the cache) and prompt batches (the flash kernel), against float64.
 TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
   std::mt19937 rng(24);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   std::vector<AttnCase> cases;
   for (int len : {1, 7, 511, 4096, 16384}) {
     cases.push_back({8, 2, 128, len - 1, 1});
@@ -1109,8 +1106,7 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
     ~Restore() { cuda::set_decode_attention_cluster(was); }
   } restore;
   std::mt19937 rng(28);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
   const AttnCase cases[] = {{9, 3, 64, 100, 1, 0, f16, 0, 600},
                             {8, 2, 128, 200, 1, 0, f16, 0, 400},
@@ -1139,8 +1135,7 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
 // batches (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows.
 TEST_F(CudaOps, AttentionOverQ8Caches) {
   std::mt19937 rng(25);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const DType q8 = DType::Q8_0;
   const AttnCase cases[] = {{9, 3, 64, 0, 1, 0, q8},           {9, 3, 64, 1000, 1, 0, q8},
                             {8, 2, 128, 37, 3, 0, q8},         {32, 32, 128, 300, 1, 0, q8},
@@ -1165,8 +1160,7 @@ TEST_F(CudaOps, AttentionOnBlocksOf99KiB) {
   } reset;
   cuda::set_block_smem_limit(99 << 10);
   std::mt19937 rng(29);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
   const AttnCase cases[] = {
       {8, 2, 128, 300, 200, 0, q8}, {4, 1, 256, 70, 130, 0, q8},  {2, 1, 256, 100, 600, 512, q8},
@@ -1179,8 +1173,7 @@ TEST_F(CudaOps, AttentionOnBlocksOf99KiB) {
 // pasts, the split count following the window) and prompt batches; head_dim up to 256.
 TEST_F(CudaOps, AttentionWindowed) {
   std::mt19937 rng(22);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const AttnCase cases[] = {
       {4, 1, 256, 600, 1, 512}, {4, 1, 256, 3000, 1, 512},  {9, 3, 64, 1000, 8, 100},
       {8, 2, 128, 40, 1, 64},   {8, 8, 64, 10, 1, 512},     {4, 1, 256, 700, 40, 512},
@@ -1194,8 +1187,7 @@ TEST_F(CudaOps, AttentionWindowed) {
 // a decode tile.
 TEST_F(CudaOps, AttentionOverRings) {
   std::mt19937 rng(26);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
   const AttnCase cases[] = {
       {4, 1, 256, 3000, 1, 512, f16, 1023}, {9, 3, 64, 1000, 8, 100, f16, 107},
@@ -1217,9 +1209,7 @@ struct PoolCase {
   DType kv = DType::F16;
 };
 
-void check_attention_seqs(const PoolCase& c, std::mt19937& rng,
-                          const std::function<void(const Build&, const std::vector<double>&, double,
-                                                   double, const std::string&, double)>& check) {
+void check_attention_seqs(const PoolCase& c, std::mt19937& rng, const CheckFn& check) {
   const int n_tok = int(c.seqs.size());
   const int64_t kv_w = int64_t(c.n_head_kv) * c.hd;
   const size_t rb = row_size(c.kv, kv_w);
@@ -1311,8 +1301,7 @@ void check_attention_seqs(const PoolCase& c, std::mt19937& rng,
 
 TEST_F(CudaOps, AttentionOverSequencePools) {
   std::mt19937 rng(27);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
   const PoolCase cases[] = {{9, 3, 64, 4, 64, {2, 0, 3}, {5, 0, 40}, 0, false, f16},
                             {8, 2, 128, 3, 600, {1, 2, 0}, {300, 7, 599}, 0, false, q8},
@@ -1486,8 +1475,7 @@ TEST_F(CudaOps, GegluSoftcapAndScaledRows) {
 // blocks): every mat-vec path (short rows in registers, long rows, several columns) and the tiles.
 TEST_F(CudaOps, MulMatFiveBitSixBitKAndIQ4Quants) {
   std::mt19937 rng(26);
-  auto chk = [&](const Build& b, const std::vector<double>& r, double br, double bc,
-                 const std::string& w, double scale = 0) { check(b, r, br, bc, w, scale); };
+  const CheckFn chk = checker();
   for (DType t : kKernelOnlyTypes) {
     const bool k_quant = type_traits(t).block_size == 256;
     const Shape kn[] = {{256, 7},
