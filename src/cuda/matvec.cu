@@ -465,29 +465,28 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
 
   if (!early) pdl_trigger();
   __shared__ float partial[KS > 1 ? kMvqWarps : 1][R * NCOLS];
-  if constexpr (ROPE && KS == 1) {
-    float v[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) v[j] = warp_sum(acc[j][0]);
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < R; j += 2) {
-        if (row0 + j < part.n)
-          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, v[j], v[j + 1]);
-      }
-    }
-    return;
-  }
+  float sums[R];  // ROPE with one warp a row: the rows' sums, for their pairs
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) {
       const float v = warp_sum(acc[j][t]);
       if constexpr (KS == 1) {
-        if (lane == 0 && row0 + j < part.n)
+        if (ROPE)
+          sums[j] = v;
+        else if (lane == 0 && row0 + j < part.n)
           part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
       } else {
         if (lane == 0) partial[warp][j * NCOLS + t] = v;
+      }
+    }
+  }
+  if constexpr (ROPE && KS == 1) {
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < R; j += 2) {
+        if (row0 + j < part.n)
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]);
       }
     }
   }
@@ -503,9 +502,7 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
           rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
       }
-      return;
-    }
-    if (ks == 0 && lane < R * NCOLS) {
+    } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
       float v = 0.0f;
       for (int i = 0; i < KS; ++i) v += partial[warp + i][lane];
@@ -914,29 +911,38 @@ MatVecConfig& mat_vec_override() {
 }
 
 // False when the device's capacity is unknown (prepare_kernels not run): take another kernel.
+// With rope (q, k and v of one token): the rope epilogue's variant, in the same shape (the plain
+// kernel's capacity decides it, so the sums are the plain launch's; the variant's sizes the grid).
 template <int TYPE, int PL, int R>
 bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
-                           const int8_t* aq, const float2* ads) {
-  const int slots = rows_kernel_slots<TYPE, PL, R>();
-  if (slots == 0) return false;
+                           const int8_t* aq, const float2* ads, const MatVecRope* rope = nullptr) {
+  const int plain = rows_kernel_slots<TYPE, PL, R>();
+  if (plain == 0) return false;
+  const int own = rope ? rows_kernel_slots<TYPE, PL, R, true>() : 0;
+  const int slots = own > 0 ? own : plain;
   const GroupArgs g = group_args(parts, n_parts, 1);
   int n[3];
   for (int i = 0; i < 3; ++i) n[i] = i < n_parts ? g.n[i] : 0;
   const int64_t n_rows = int64_t(n[0]) + n[1] + n[2];
   const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
-  l(mat_vec_q_rows_kernel<TYPE, PL, R>, dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))),
-    dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2],
-    n_warps, static_cast<int>(k / 32), aq, ads, k, all_fixed(parts, n_parts) ? 1 : 0);
+  const dim3 grid(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps)));
+  const int nb = static_cast<int>(k / 32), prefetch = all_fixed(parts, n_parts) ? 1 : 0;
+  if (rope)
+    l(mat_vec_q_rows_rope_kernel<TYPE, PL, R>, grid, dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2],
+      n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch, *rope);
+  else
+    l(mat_vec_q_rows_kernel<TYPE, PL, R>, grid, dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0],
+      n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch);
   return true;
 }
 
 // The register-resident kernel for rows of up to 64 pieces; false past that.
 template <int TYPE>
 bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const int8_t* aq,
-                    const float2* ads) {
+                    const float2* ads, const MatVecRope* rope = nullptr) {
   const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPer32, 32);
-  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads);
-  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads);
+  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads, rope);
+  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads, rope);
   return false;
 }
 
@@ -1094,26 +1100,8 @@ bool mat_vec_q_rope(Launcher& l, const MatVecPart* parts, int64_t k, const uint8
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
   const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
   const int nb = static_cast<int>(k / 32);
-  if (n_pieces <= kRowsKernelPieces) {
-    constexpr int R = 2;
-    const bool one = ceil_div(n_pieces, 32) <= 1;
-    // The plain kernel's capacity chooses the shape, as in mat_vec_q (the same sums); the rope
-    // variant's sizes the grid.
-    const int plain = one ? rows_kernel_slots<TYPE, 1, R>() : rows_kernel_slots<TYPE, 2, R>();
-    const int own =
-        one ? rows_kernel_slots<TYPE, 1, R, true>() : rows_kernel_slots<TYPE, 2, R, true>();
-    const int slots = own > 0 ? own : plain;
-    if (plain > 0) {
-      const GroupArgs g = group_args(parts, 3, 1);
-      const int64_t n_rows = int64_t(g.n[0]) + g.n[1] + g.n[2];
-      const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
-      l(one ? mat_vec_q_rows_rope_kernel<TYPE, 1, R> : mat_vec_q_rows_rope_kernel<TYPE, 2, R>,
-        dim3(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps))), dim3(kMvqThreads), 0, g.w[0],
-        g.w[1], g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, act.qs,
-        act.ds, k, all_fixed(parts, 3) ? 1 : 0, rope);
-      return true;
-    }
-  }
+  if (n_pieces <= kRowsKernelPieces && mat_vec_q_rows<TYPE>(l, parts, 3, k, act.qs, act.ds, &rope))
+    return true;
   using S = MatVecShape<TYPE>;
   const GroupArgs g = group_args(parts, 3, kMvqWarps / S::KS * S::R);
   l(mat_vec_q_rope_kernel<TYPE, S::R, S::U, S::KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0],
