@@ -68,6 +68,28 @@ make_shape_files() {
   esac
 }
 
+# tg128 of AB_MODELS (made here when they are shape files) at each of AB_DEPTHS, AB_ROUNDS times,
+# under each side's settings in turns. Arguments: LABEL SETTINGS pairs, SETTINGS a space-separated
+# list of VAR=value (empty: none).
+ab_turns() {
+  local models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf} round m d i
+  local sides=("$@")
+  make_shape_files $models
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for m in $models; do
+      for d in ${AB_DEPTHS:-0 0,4096}; do
+        for ((i = 0; i < ${#sides[@]}; i += 2)); do
+          echo "round $round, ${sides[i]}, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
+          # shellcheck disable=SC2086  # the settings, one word each
+          env ${sides[i + 1]} python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 --device cuda \
+            -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
+            grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
+        done
+      done
+    done
+  done
+}
+
 # Waits (at most 450 s) for the llama.cpp build that stage llamacpp started, if it did.
 wait_llama_cpp() {
   [ -f /tmp/llama.cpp-build.log ] || return 0
@@ -207,38 +229,10 @@ for stage in "$@"; do
         mkdir -p /tmp/ref-py/ggraph/lib && cp /tmp/ref-src/python/ggraph/*.py /tmp/ref-py/ggraph/
         cp /tmp/ref-build/_core*.so /tmp/ref-py/ggraph/ && cp /tmp/ref-build/libggraph.so /tmp/ref-py/ggraph/lib/
       fi
-      ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
-      make_shape_files $ab_models
-      for round in $(seq "${AB_ROUNDS:-2}"); do
-        for m in $ab_models; do
-          for d in ${AB_DEPTHS:-0 0,4096}; do
-            for side in this ref; do
-              py=/tmp/ggraph-py; [ $side = ref ] && py=/tmp/ref-py
-              echo "round $round, $side, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
-              PYTHONPATH=$py:/tmp/site python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 \
-                --device cuda -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
-                grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
-            done
-          done
-        done
-      done
+      ab_turns this "PYTHONPATH=/tmp/ggraph-py:/tmp/site" ref "PYTHONPATH=/tmp/ref-py:/tmp/site"
       ;;
     abenv)
-      ab_models=${AB_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
-      make_shape_files $ab_models
-      for round in $(seq "${AB_ROUNDS:-2}"); do
-        for m in $ab_models; do
-          for d in ${AB_DEPTHS:-0 0,4096}; do
-            for side in built "${AB_ENV:?abenv needs AB_ENV}"; do
-              echo "round $round, $side, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
-              # shellcheck disable=SC2046  # AB_ENV's settings, one word each
-              env $([ "$side" = built ] || echo "$side") python3 -m ggraph bench -m "$m" -p 0 \
-                -n 128 -r 5 --device cuda -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
-                grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
-            done
-          done
-        done
-      done
+      ab_turns built "" "${AB_ENV:?abenv needs AB_ENV}" "$AB_ENV"
       ;;
   esac
   echo "== $stage: $(($(date +%s) - s)) s"
