@@ -104,6 +104,8 @@ size_t act_workspace_bytes(const Graph& graph) {
     const MatMulQ q = mat_mul_q_kind(t->src[0]->type, k, cols);
     if (q == MatMulQ::Int8) {
       need = std::max(need, act_q8_bytes(k, cols));
+    } else if (q == MatMulQ::Int8Warp) {
+      need = std::max(need, act_q8_tiles_bytes(k, cols));
     } else if (q == MatMulQ::Half || cols > kMatVecMaxCols) {
       need = std::max(need, act_half_bytes(k, cols));
     } else if (is_quantized(t->src[0]->type)) {
@@ -428,7 +430,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       const MatMulQ kind =
           is_quantized(w->type) ? mat_mul_q_kind(w->type, w->ne[0], cols) : MatMulQ::None;
       const int p = pos(t->src[1]);
-      if (p >= 0 && is_quantized(w->type) && cols <= kMatVecMaxCols && kind != MatMulQ::Half)
+      if (p >= 0 && is_quantized(w->type) && cols <= kMatVecMaxCols &&
+          (kind == MatMulQ::None || kind == MatMulQ::Int8))
         q8_read[p] = 1;
       // The half kernel's, and cuBLAS's and the tile kernel's but for BF16 weights (which
       // cuBLAS may take in BF16): the forms the MulMat case prepares.
@@ -453,7 +456,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
   // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
   // Its form: 8-bit blocks (mat-vecs of quantized weights), half or bfloat16 (prompt products).
-  enum class Form { Q8, Half, BF16 };
+  enum class Form { Q8, Q8Tiles, Half, BF16 };
   const Tensor* prepared = nullptr;
   Form prepared_form = Form::Q8;
 
@@ -766,6 +769,12 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         if (const MatMulQ q = mat_mul_q_kind(w->type, k, cols); q != MatMulQ::None) {
           if (q == MatMulQ::Int8) {
             prepare_q8();
+          } else if (q == MatMulQ::Int8Warp) {
+            if (prepared != x || prepared_form != Form::Q8Tiles) {
+              launch_quantize_act_tiles(l, fptr(x), k, cols, buf.act);
+              prepared = x;
+              prepared_form = Form::Q8Tiles;
+            }
           } else {
             prepare_half(Form::Half);
           }

@@ -547,6 +547,19 @@ __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs
   quantize_warp_block(x[i], i, qs, ds);
 }
 
+// The column tiles of act_q8_tiles: warp w quantizes column w % 8 of tile and block w / 8.
+__global__ void quantize_act_tiles_kernel(const float* x, int64_t k, int cols, int64_t n_warps,
+                                          int8_t* qs, float2* ds) {
+  pdl_begin();
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= n_warps) return;
+  const int lane = threadIdx.x % 32, word = lane / 4;
+  const int64_t nb = k / 32, tb = w / 8, b = tb % nb;
+  const int col = static_cast<int>(tb / nb) * 8 + static_cast<int>(w % 8);
+  const float y = col < cols ? x[col * k + b * 32 + lane] : 0.0f;
+  quantize_warp_block(y, w * 32 + ((word & 3) * 2 + (word >> 2)) * 4 + lane % 4, qs, ds);
+}
+
 template <bool BF16>
 __global__ void act_to_16_kernel(const float* x, int64_t k, int64_t kp, int64_t n, uint16_t* h) {
   pdl_begin();
@@ -770,6 +783,21 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
   const int64_t n_blocks = k / 32 * cols;
   const ActQ8 q = act_q8(ws, k, cols);
   l(quantize_act_kernel, dim3(ceil_div(n_blocks, 8)), dim3(256), 0, x, n_blocks, q.qs, q.ds);
+}
+
+size_t act_q8_tiles_bytes(int64_t k, int64_t cols) {
+  return act_q8_bytes(k, ceil_div(cols, 8) * 8);
+}
+
+ActQ8 act_q8_tiles(uint8_t* ws, int64_t k, int64_t cols) {
+  return act_q8(ws, k, ceil_div(cols, 8) * 8);
+}
+
+void launch_quantize_act_tiles(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {
+  const int64_t n_warps = k / 32 * ceil_div(cols, 8) * 8;
+  const ActQ8 q = act_q8_tiles(ws, k, cols);
+  l(quantize_act_tiles_kernel, dim3(ceil_div(n_warps, 8)), dim3(256), 0, x, k,
+    static_cast<int>(cols), n_warps, q.qs, q.ds);
 }
 
 size_t act_half_bytes(int64_t k, int64_t cols) {

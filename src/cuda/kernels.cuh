@@ -311,6 +311,13 @@ struct ActQ8 {
 };
 ActQ8 act_q8(uint8_t* ws, int64_t k, int64_t cols);
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
+// The same 8-bit blocks in column tiles, the B fragments of an m16n8k32 mma (the warp-pipelined
+// int8 product's form): tiles of 8 columns (columns past cols are zeros), in each tile per
+// 32-block the 8 columns' 32 bytes, words in the order 0 4 1 5 2 6 3 7 (lane (g, t)'s fragment
+// is 8 bytes at column g's 8 t), and the pairs [tile][block][column] as (d, d * sum).
+size_t act_q8_tiles_bytes(int64_t k, int64_t cols);
+ActQ8 act_q8_tiles(uint8_t* ws, int64_t k, int64_t cols);
+void launch_quantize_act_tiles(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
 // Activation preparation for the tensor-core path: half (or bfloat16, for cuBLAS's products of
 // BF16 weights), columns padded to kp = round_up(k, kActPad) with zeros.
 constexpr int kActPad = 64;
@@ -411,16 +418,18 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
 
 // Quantized products of a few columns (decode batches) on the tensor cores (cuda/matmul_q.cu),
 // for Q4_0, Q4_1, Q8_0 and Q4_K weights, k a multiple of 64, 2 to kMatMulQMaxCols columns, by
-// one of two kernels: Int8 (mma on the quants against the 8-bit activation of
-// launch_quantize_act in ws) or Half (the weights decoded to half in registers, against the
-// activation of launch_act_to_half in ws). mat_mul_q_kind says which takes a product, by default
+// one of three kernels: Int8 (mma on the quants against the 8-bit activation of
+// launch_quantize_act in ws), Int8Warp (the same mma, each warp streaming its own weights, up to
+// 16 columns, against the activation of launch_quantize_act_tiles in ws) or Half (the weights
+// decoded to half in registers, against the activation of launch_act_to_half in ws).
+// mat_mul_q_kind says which takes a product, by default
 // where it measured faster than the mat-vec and cuBLAS paths (matmul_q.cu says where), None for
 // neither. Products of few row blocks split k: they need partials and counters (zeroed once; the
 // kernel leaves them at zero) of the sizes below, 0 where they do not split.
-// GGRAPH_CUDA_MMQ=0 turns both off; =int8 (or =all) and =half send every product they can take
-// to one of them.
+// GGRAPH_CUDA_MMQ=0 turns them off; =int8 (or =all), =warp and =half send every product they can
+// take to one of them.
 constexpr int kMatMulQMaxCols = 64;
-enum class MatMulQ { None, Int8, Half };
+enum class MatMulQ { None, Int8, Half, Int8Warp };
 MatMulQ mat_mul_q_kind(DType type, int64_t k, int64_t cols);
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols);
 size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols);

@@ -557,6 +557,186 @@ __global__ void __launch_bounds__(kQ8Threads)
   finish_tile<WM, WK, 1, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
 }
 
+// The warp-pipelined int8 kernel (mat_mul_qw_kernel): the int8 kernel's mma.sync m16n8k32 and
+// epilogue, but each warp streams its own share of k through its own ring of kQwStages stages
+// (no barrier between the warps until their sums meet), and the activation comes in column tiles
+// ready for the B fragments (launch_quantize_act_tiles), read through L1 and L2 as each stage
+// starts (staged through the ring as well, it measured slower on the 7B shape's products). A
+// block is 16 rows and eight warps; warp w takes stages w, w + 8, ... of 64 bytes a row (four
+// 32-blocks, two of Q8_0). A block's whole share of a 4,096-long row (32 KiB) is in flight at
+// once, and the first stages' weights are requested before the grid before it has finished
+// (weights only), so that a short product is not a chain of trips to memory.
+constexpr int kQwWarps = 8;
+constexpr int kQwThreads = 32 * kQwWarps;
+constexpr int kQwStages = 4;
+constexpr int kQwRowBytes = 64;  // a row's quants a stage: four 16-byte chunks
+
+template <int TYPE>
+struct QwTile {
+  static constexpr SplitFormat kSplit = split_format(static_cast<DType>(TYPE));
+  static constexpr bool kRecords = kSplit.block_elems == 256;       // K-quants: 16-byte records
+  static constexpr int kBlocks = kQwRowBytes / kSplit.quant_bytes;  // 32-blocks a stage
+  // A row's scale bytes a stage (a K-quant's whole record), copied in chunks of kChunk bytes,
+  // the widest its alignment allows (k whole 64s: rows of whole pairs of blocks).
+  static constexpr int kScaleBytes = kRecords ? 16 : kBlocks * kSplit.scale_bytes;
+  static constexpr int kChunk = kRecords ? 16 : kSplit.scale_bytes == 4 ? 8 : 4;
+  static constexpr int kChunks = 16 * kScaleBytes / kChunk;  // a stage's, at most one a lane
+  static constexpr int kStage = 16 * kQwRowBytes + 16 * kScaleBytes;
+  static constexpr int kSmem = kQwWarps * kQwStages * kStage;
+  static_assert(kChunks <= 32, "a lane copies at most one scale chunk a stage");
+  static_assert(kSplit.quant_bytes == 16 || kSplit.quant_bytes == 32, "4- and 8-bit quants");
+};
+
+template <int TYPE, int NT>
+__global__ void __launch_bounds__(kQwThreads)
+    mat_mul_qw_kernel(const uint8_t* w, int n, int k, const int8_t* aq, const float2* ads, int cols,
+                      float* dst) {
+  using T = QwTile<TYPE>;
+  constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
+  constexpr int kStep = kQwWarps * kBlocks;  // 32-blocks from one of a warp's stages to the next
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int nb = k / 32, n_tiles = (cols + 7) / 8;
+  const int row0 = blockIdx.x * 16;
+  const int n_stages = (nb + kBlocks - 1) / kBlocks;
+  const int count = warp < n_stages ? (n_stages - warp + kQwWarps - 1) / kQwWarps : 0;
+  uint8_t* ring = smem + warp * kStages * T::kStage;
+  const int b_first = warp * kBlocks;  // the first block of the warp's first stage
+
+  // A lane's copies of a stage (the matrix's stage warp + 8 i for the warp's stage i), worked out
+  // once for stage 0 and then moved on by constant steps, so that a stage costs an add, a test
+  // and the copy a chunk (worked out each stage, the addresses' 64-bit products were most of the
+  // kernel's instructions). Lane (g, t) copies chunk t of rows g and g + 8, chunk c of row r at
+  // r * 64 + (c ^ ((r >> 1) & 3)) * 16, so that the eight row addresses of an ldmatrix fall in
+  // distinct banks; then at most one scale chunk. Rows from n on and blocks from nb on arrive
+  // as zeros.
+  constexpr int kPerRow = T::kScaleBytes / T::kChunk;
+  const uint8_t* wsrc[2];
+  int wdst[2];
+  bool wrow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    wrow[h] = row0 + r < n;
+    wsrc[h] = w + (static_cast<size_t>(min(row0 + r, n - 1)) * nb + b_first) * kQB + t * 16;
+    wdst[h] = r * kQwRowBytes + ((t ^ ((r >> 1) & 3)) * 16);
+  }
+  const int wblk = t * 16 / kQB;  // chunk t's block, from the stage's first
+  const uint8_t* scales = w + static_cast<size_t>(n) * nb * kQB;
+  const int srow = lane / kPerRow, spart = lane % kPerRow;
+  const bool scopy = lane < T::kChunks && row0 + srow < n;
+  const int sblk = spart * kBlocks / kPerRow;
+  const size_t srow_at = static_cast<size_t>(min(row0 + srow, n - 1));
+  const uint8_t* ssrc =
+      T::kRecords ? scales + (srow_at * (nb / 8) + b_first / 8) * 16
+                  : scales + (srow_at * nb + b_first) * T::kSplit.scale_bytes + spart * T::kChunk;
+  const int sdst = 16 * kQwRowBytes + srow * T::kScaleBytes + spart * T::kChunk;
+  constexpr int kScaleStep = T::kRecords ? kStep / 8 * 16 : kStep * T::kSplit.scale_bytes;
+  int w_b0 = b_first, w_i = 0;  // the next stage's weights: its first block, its index
+  auto load_weights = [&]() {
+    uint8_t* st = ring + (w_i % kStages) * T::kStage;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool ok = wrow[h] && w_b0 + wblk < nb;
+      cp_async_n<16>(st + wdst[h], ok ? wsrc[h] : w, ok ? 16 : 0);
+      wsrc[h] += kStep * kQB;
+    }
+    if (lane < T::kChunks) {
+      const bool ok = scopy && w_b0 + sblk < nb;
+      cp_async_n<T::kChunk>(st + sdst, ok ? ssrc : w, ok ? T::kChunk : 0);
+    }
+    ssrc += kScaleStep;
+    w_b0 += kStep;
+    ++w_i;
+  };
+  // Weights only before the wait (they never change after upload).
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < count) load_weights();
+    cp_async_commit();
+  }
+  pdl_wait();
+
+  // ldmatrix row addresses: lane 8m + i gives row i of matrix m.
+  const int mi = lane / 8, ri = lane % 8;
+  const int lr = (mi & 1) * 8 + ri;
+  const int lm_at = lr * kQwRowBytes + (((mi >> 1) ^ ((lr >> 1) & 3)) * 16);
+  const int lm_at2 = lr * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr >> 1) & 3)) * 16);
+  // Where this lane's activation values and pairs lie in the tiles (tiles past the columns' read
+  // the last one: their sums are never stored).
+  const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
+  const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
+  float acc[1][NT][4] = {};
+  float off[NT][4] = {};  // the formats' offsets: sum of s.y * (d * sum) over blocks
+  int b0 = b_first;
+  for (int i = 0; i < count; ++i, b0 += kStep) {
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    if (i + kStages - 1 < count) load_weights();
+    cp_async_commit();
+    const uint8_t* st = ring + (i % kStages) * T::kStage;
+    const uint8_t* ss = st + 16 * kQwRowBytes;
+    // The stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte
+    // load), and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load).
+    uint2 b[kBlocks][NT];
+    float4 x[kBlocks][NT];
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int64_t at =
+            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(b0 + j, nb - 1) - b_first;
+        b[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
+        x[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
+      }
+    // Matrices of ldmatrix h: chunks 2h and 2h + 1, rows 0-7 and 8-15 of each.
+    uint32_t q[2][4];
+    ldmatrix_x4(q[0], st + lm_at);
+    ldmatrix_x4(q[1], st + lm_at2);
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j) {
+      if (b0 + j >= nb) break;
+      uint32_t a[4];
+      if constexpr (kQB == 16) {
+        const uint32_t u = q[j / 2][2 * (j % 2)], v = q[j / 2][2 * (j % 2) + 1];
+        a[0] = u & 0x0F0F0F0Fu;
+        a[1] = v & 0x0F0F0F0Fu;
+        a[2] = (u >> 4) & 0x0F0F0F0Fu;
+        a[3] = (v >> 4) & 0x0F0F0F0Fu;
+      } else {
+        a[0] = q[j][0], a[1] = q[j][1], a[2] = q[j][2], a[3] = q[j][3];
+      }
+      const int js = T::kRecords ? b0 % 8 + j : j;  // the block in the staged scale bytes
+      const float2 s0 = block_scale<TYPE>(ss + g * T::kScaleBytes, js);
+      const float2 s1 = block_scale<TYPE>(ss + (g + 8) * T::kScaleBytes, js);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        int c[4] = {0, 0, 0, 0};
+        mma_s8_16832(c, a, b[j][nt].x, b[j][nt].y);
+        const float4 xv = x[j][nt];
+        acc[0][nt][0] = fmaf(s0.x, xv.x * static_cast<float>(c[0]), acc[0][nt][0]);
+        acc[0][nt][1] = fmaf(s0.x, xv.z * static_cast<float>(c[1]), acc[0][nt][1]);
+        acc[0][nt][2] = fmaf(s1.x, xv.x * static_cast<float>(c[2]), acc[0][nt][2]);
+        acc[0][nt][3] = fmaf(s1.x, xv.z * static_cast<float>(c[3]), acc[0][nt][3]);
+        if constexpr (TYPE != kTypeQ8_0) {
+          off[nt][0] = fmaf(s0.y, xv.y, off[nt][0]);
+          off[nt][1] = fmaf(s0.y, xv.w, off[nt][1]);
+          off[nt][2] = fmaf(s1.y, xv.y, off[nt][2]);
+          off[nt][3] = fmaf(s1.y, xv.w, off[nt][3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][nt][e] += off[nt][e];
+  pdl_trigger();
+  finish_tile<1, kQwWarps, 1, NT, kQwThreads>(acc, smem, n, cols, dst, nullptr, nullptr);
+}
+
 // Half pairs of a 32-bit word: (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at
 // bit 0, 1024 + nibble at bit 16), exact; 1024 (or 1152 for the offset bytes of Q8_0) comes off,
 // then the block's scale and offset: s * q + m, rounded once. Q4_0's, Q4_1's and Q8_0's s and m
@@ -713,9 +893,10 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
 }
 
-// GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, neither kernel; int8 or all, the int8
-// kernel for every product it can take; half, the half kernel for every one.
-enum class Forced { Default, Off, Int8, Half };
+// GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, no kernel; int8 or all, the int8
+// kernel for every product it can take; half, the half kernel for every one; warp, the
+// warp-pipelined kernel for every one it can take (up to kQwMaxCols columns).
+enum class Forced { Default, Off, Int8, Half, Warp };
 Forced& forced() {
   static Forced v = [] {
     const char* e = std::getenv("GGRAPH_CUDA_MMQ");
@@ -724,22 +905,36 @@ Forced& forced() {
     return s == "0"                    ? Forced::Off
            : s == "all" || s == "int8" ? Forced::Int8
            : s == "half"               ? Forced::Half
+           : s == "warp"               ? Forced::Warp
                                        : Forced::Default;
   }();
   return v;
 }
 
-// The measured choice (an H100, BENCHMARKS.md): the half kernel from 9 columns on
-// (GGRAPH_CUDA_MMQ_MIN moves that bound), but past 32 only for rows of 2,048 or more (the
-// SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns than through cuBLAS);
-// below that bound, the int8 kernel from 8 columns on for rows of 2,048 or more (where it beat
-// the mat-vec); the mat-vec and cuBLAS elsewhere.
+// The warp-pipelined kernel's widest product: two column tiles.
+constexpr int kQwMaxCols = 16;
+
+// The measured choice (an H100 and an H200, BENCHMARKS.md): the warp-pipelined kernel for 9 to
+// 16 columns, and from 4 columns on for rows of 2,048 or more (GGRAPH_CUDA_MMQ_WARP=0 turns it
+// off, as before it: the int8 kernel at 8 such columns, the half kernel from 9); the half kernel
+// from 17 columns on (GGRAPH_CUDA_MMQ_MIN moves that bound), but past 32 only for rows of 2,048
+// or more (the SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns than
+// through cuBLAS); the mat-vec and cuBLAS elsewhere. Shorter rows keep the mat-vec up to 8
+// columns: alone their products ran faster on the warp kernel, but in a decode step the
+// mat-vec's products of one activation share a launch and read the 8-bit form its producer
+// wrote, where the warp kernel's tiles take a launch of their own.
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
   return c >= 1 && c <= kMatMulQMaxCols ? c : fallback;
 }
 MatMulQ measured_choice(int64_t k, int64_t cols) {
+  static const bool warp = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_MMQ_WARP");
+    return !(e && std::string(e) == "0");
+  }();
+  if (warp && cols <= kQwMaxCols && (cols >= 9 || (k >= 2048 && cols >= 4)))
+    return MatMulQ::Int8Warp;
   static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
   if (cols >= half_from && (cols <= 32 || k >= 2048)) return MatMulQ::Half;
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
@@ -768,9 +963,16 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
   return fn(std::integral_constant<int, 8>{});
 }
 
+// What the host needs of the warp-pipelined kernel's tile.
+template <int TYPE>
+constexpr TileSpec qw_spec() {
+  return {16, QwTile<TYPE>::kBlocks, static_cast<size_t>(QwTile<TYPE>::kSmem)};
+}
+
 template <int TYPE, int NT>
 void set_smem() {
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
+
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
     allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
@@ -792,6 +994,7 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols, int64_t n) {
     if constexpr (mma_q_type(TYPE)) {
       return with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
+        if (kind == MatMulQ::Int8Warp) return qw_spec<TYPE>();
         if (kind != MatMulQ::Half) return spec_of<Q8Tile<TYPE, NT>>();
         if constexpr (NT >= 4) {
           if (qh_narrow<TYPE, NT>(n)) return spec_of<QhTile<TYPE, NT, QhNarrow<NT>>>();
@@ -809,9 +1012,10 @@ TileSpec tile_spec(MatMulQ kind, DType type, int64_t cols, int64_t n) {
 void set_block_smem_limit(size_t bytes) { block_smem_override() = bytes; }
 
 void set_mat_mul_q_everywhere(MatMulQ kind) {
-  forced() = kind == MatMulQ::Int8   ? Forced::Int8
-             : kind == MatMulQ::Half ? Forced::Half
-                                     : Forced::Default;
+  forced() = kind == MatMulQ::Int8       ? Forced::Int8
+             : kind == MatMulQ::Half     ? Forced::Half
+             : kind == MatMulQ::Int8Warp ? Forced::Warp
+                                         : Forced::Default;
 }
 
 MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
@@ -820,6 +1024,7 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
   if (f == Forced::Off || !mma_q_type(static_cast<int>(t)) || k % 64 != 0 || cols < 2 ||
       cols > kMatMulQMaxCols)
     return MatMulQ::None;
+  if (f == Forced::Warp) return cols <= kQwMaxCols ? MatMulQ::Int8Warp : MatMulQ::None;
   const MatMulQ kind = f == Forced::Int8   ? MatMulQ::Int8
                        : f == Forced::Half ? MatMulQ::Half
                                            : measured_choice(k, cols);
@@ -833,14 +1038,14 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
 
 size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
-  if (kind == MatMulQ::None) return 0;
+  if (kind == MatMulQ::None || kind == MatMulQ::Int8Warp) return 0;
   const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
   return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
 }
 
 size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
-  if (kind == MatMulQ::None) return 0;
+  if (kind == MatMulQ::None || kind == MatMulQ::Int8Warp) return 0;
   const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
   return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
 }
@@ -868,6 +1073,16 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
+      if (kind == MatMulQ::Int8Warp) {
+        const ActQ8 q = act_q8_tiles(const_cast<uint8_t*>(ws), k, cols);
+        auto launch = [&](auto kernel) {
+          l(kernel, dim3(static_cast<unsigned>(ceil_div(n, 16))), dim3(kQwThreads),
+            static_cast<size_t>(QwTile<TYPE>::kSmem), wq, static_cast<int>(n), static_cast<int>(k),
+            q.qs, q.ds, cols, dst);
+        };
+        if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1>);
+        return launch(mat_mul_qw_kernel<TYPE, 2>);
+      }
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         if (kind == MatMulQ::Half) {

@@ -210,7 +210,8 @@ __global__ void barrier_kernel(float* x, int phases, unsigned* count, unsigned* 
 
 }  // namespace
 
-// Sections to run: matvec, matmul, gemm, attention, launch, barrier; all of them by default.
+// Sections to run: matvec, decode, matmul, gemm, attention, launch, barrier; all of them by
+// default.
 int main(int argc, char** argv) {
   auto want = [&](const char* section) {
     if (argc < 2) return true;
@@ -312,6 +313,73 @@ int main(int argc, char** argv) {
       std::printf("\nactivation quantization, k 4096, 1 column: %.2f us per launch\n", ms * 1e3);
       cudaFree(x);
       cudaFree(ws);
+    }
+  }
+
+  // ---- decode batches: each product kernel of a few columns ------------------------------------
+  if (want("decode")) {
+    std::printf(
+        "\n| decode product | k x n | cols | kernel | us (graph) | GB/s | %% of copy |\n"
+        "|---|---|---|---|---|---|---|\n");
+    const KN shapes[] = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {576, 1536}};
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q4_K}) {
+      for (KN sh : shapes) {
+        if (sh.k % gc::block_elems(t) != 0) continue;
+        const auto host = random_weights(t, sh.k, sh.n, rng);
+        const double mb = host.size() / 1e6;
+        const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
+        std::vector<void*> w(copies);
+        for (auto& p : w) p = device_copy_of(host, t);
+        for (int cols : {2, 4, 8, 16}) {
+          float* x = device_randn(size_t(sh.k) * cols, rng);
+          float* dst = nullptr;
+          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+          // The workspaces of every kind: activations, partials, counters (zeroed).
+          uint8_t* ws = nullptr;
+          CHECK(cudaMalloc(
+              &ws, std::max({gc::act_q8_bytes(sh.k, cols), gc::act_q8_tiles_bytes(sh.k, cols),
+                             gc::act_half_bytes(sh.k, cols)})));
+          float* partials = nullptr;
+          unsigned* counters = nullptr;
+          CHECK(cudaMalloc(&partials, size_t(8) * sh.n * cols * sizeof(float)));
+          CHECK(cudaMalloc(&counters, size_t(sh.n) * sizeof(unsigned)));
+          CHECK(cudaMemset(counters, 0, size_t(sh.n) * sizeof(unsigned)));
+          auto report = [&](const char* kernel, double ms) {
+            std::printf("| %s | %lldx%lld | %d | %s | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
+                        (long long)sh.k, (long long)sh.n, cols, kernel, ms * 1e3,
+                        host.size() / (ms * 1e-3) / 1e9,
+                        100.0 * host.size() / (ms * 1e-3) / (copy * 1e12));
+          };
+          if (cols <= gc::kMatVecMaxCols) {
+            gc::launch_quantize_act(l, x, sh.k, cols, ws);
+            report("mat-vec", ev.graph_ms(s, 200, [&](int i) {
+              gc::MatVecPart part{w[i % copies], sh.n, dst, /*fixed=*/true};
+              gc::launch_mat_vec(l, t, &part, 1, sh.k, x, ws, cols);
+            }));
+          }
+          const std::pair<gc::MatMulQ, const char*> kinds[] = {{gc::MatMulQ::Int8, "int8"},
+                                                               {gc::MatMulQ::Int8Warp, "int8 warp"},
+                                                               {gc::MatMulQ::Half, "half"}};
+          for (auto [kind, name] : kinds) {
+            gc::set_mat_mul_q_everywhere(kind);
+            if (gc::mat_mul_q_kind(t, sh.k, cols) != kind) continue;
+            if (kind == gc::MatMulQ::Int8) gc::launch_quantize_act(l, x, sh.k, cols, ws);
+            if (kind == gc::MatMulQ::Int8Warp) gc::launch_quantize_act_tiles(l, x, sh.k, cols, ws);
+            if (kind == gc::MatMulQ::Half) gc::launch_act_to_half(l, x, sh.k, cols, ws, false);
+            report(name, ev.graph_ms(s, 200, [&](int i) {
+              gc::launch_mat_mul_q(l, t, w[i % copies], sh.n, sh.k, ws, cols, dst, partials,
+                                   counters);
+            }));
+          }
+          gc::set_mat_mul_q_everywhere(gc::MatMulQ::None);
+          cudaFree(x);
+          cudaFree(dst);
+          cudaFree(ws);
+          cudaFree(partials);
+          cudaFree(counters);
+        }
+        for (void* p : w) cudaFree(p);
+      }
     }
   }
 

@@ -392,7 +392,8 @@ double mul_mat_bound(DType t, int64_t k, int64_t cols) {
   const bool quantized = type_traits(t).block_size > 1;
   const cuda::MatMulQ kind = cuda::mat_mul_q_kind(t, k, cols);
   if (kind == cuda::MatMulQ::Half) return 3e-3;
-  if (cols <= 8 || kind == cuda::MatMulQ::Int8) return quantized ? 2e-2 : 1e-5;
+  if (cols <= 8 || kind == cuda::MatMulQ::Int8 || kind == cuda::MatMulQ::Int8Warp)
+    return quantized ? 2e-2 : 1e-5;
   return 3e-3;
 }
 
@@ -532,11 +533,11 @@ TEST_F(CudaOps, MulMatEveryQuantizedKernelShape) {
   }
 }
 
-// Decode batches of 2 to 64 columns on each tensor-core kernel of cuda/matmul_q.cu (int8, and
-// weights decoded to half), every tile shape (1, 2, 4 and 8 column tiles): rows that end
-// mid-block, k whose last stage is partial (576, 4160) or whole, column counts that fill no tile,
-// and few row blocks (37 rows), whose k splits over several blocks that meet through the
-// attention's workspace.
+// Decode batches of 2 to 64 columns on each tensor-core kernel of cuda/matmul_q.cu (int8, its
+// warp-pipelined form up to 16 columns, and weights decoded to half), every tile shape (1, 2, 4
+// and 8 column tiles): rows that end mid-block, k whose last stage is partial (576, 4160) or
+// whole, column counts that fill no tile, and few row blocks (37 rows), whose k splits over
+// several blocks that meet through the attention's workspace.
 TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   std::mt19937 rng(29);
   const CheckFn chk = checker();
@@ -553,14 +554,19 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
             cudaSuccess);
   const bool all_fit = smem >= (200 << 10);
   if (all_fit) {
-    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 8), MatMulQ::Int8);  // the default's range
+    // The default's ranges.
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 4), MatMulQ::Int8Warp);
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 16), MatMulQ::Int8Warp);
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 9), MatMulQ::Int8Warp);
+    EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 17), MatMulQ::Half);
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 32), MatMulQ::Half);
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 32), MatMulQ::Half);
   }
-  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 2), MatMulQ::None);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 3), MatMulQ::None);  // the mat-vec
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 8), MatMulQ::None);
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 64), MatMulQ::None);  // cuBLAS
-  for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half}) {
-    SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : "half");
+  for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half, MatMulQ::Int8Warp}) {
+    SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : kind == MatMulQ::Half ? "half" : "warp");
     cuda::set_mat_mul_q_everywhere(kind);
     for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
       if (all_fit) {
@@ -1720,8 +1726,9 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
   {
     // Prompts take the tiled path, on the half form the norm writes beside its output: no
-    // conversion launch before q, k and v.
-    LayerGraph lg(16, 0, true);
+    // conversion launch before q, k and v. (Up to 16 columns take the warp-pipelined int8
+    // kernel, whose column tiles are prepared by a launch of their own.)
+    LayerGraph lg(32, 0, true);
     const auto rec = lg.launches();
     EXPECT_EQ(launches_of(rec, lg.wq), 1);
     EXPECT_EQ(launches_of(rec, lg.wk), 1);
