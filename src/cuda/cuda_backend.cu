@@ -96,24 +96,41 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf) {
   return nullptr;
 }
 
-size_t act_workspace_bytes(const Graph& graph) {
-  size_t need = 0;
+// The forms the products read at the workspace's start (8-bit blocks, half), and the
+// warp-pipelined product's column tiles after them: the tiles of one activation and the other
+// form of the same activation, which a product of another format beside it reads (a K-quant
+// mix's v), are both kept.
+namespace {
+struct ActWorkspace {
+  size_t forms = 0, tiles = 0;
+};
+ActWorkspace act_workspace(const Graph& graph) {
+  ActWorkspace need;
   for (const Tensor* t : graph.nodes()) {
     if (t->op != Op::MulMat) continue;
     const int64_t k = t->src[0]->ne[0], cols = t->src[1]->ne[1];
     const MatMulQ q = mat_mul_q_kind(t->src[0]->type, k, cols);
     if (q == MatMulQ::Int8) {
-      need = std::max(need, act_q8_bytes(k, cols));
+      need.forms = std::max(need.forms, act_q8_bytes(k, cols));
     } else if (q == MatMulQ::Int8Warp) {
-      need = std::max(need, act_q8_tiles_bytes(k, cols));
+      need.tiles = std::max(need.tiles, act_q8_tiles_bytes(k, cols));
     } else if (q == MatMulQ::Half || cols > kMatVecMaxCols) {
-      need = std::max(need, act_half_bytes(k, cols));
+      need.forms = std::max(need.forms, act_half_bytes(k, cols));
     } else if (is_quantized(t->src[0]->type)) {
-      need = std::max(need, act_q8_bytes(k, cols));
+      need.forms = std::max(need.forms, act_q8_bytes(k, cols));
     }
   }
+  need.forms = (need.forms + 255) / 256 * 256;
   return need;
 }
+}  // namespace
+
+size_t act_workspace_bytes(const Graph& graph) {
+  const ActWorkspace need = act_workspace(graph);
+  return need.forms + need.tiles;
+}
+
+size_t act_tiles_offset(const Graph& graph) { return act_workspace(graph).forms; }
 
 size_t sample_workspace_bytes(const Graph& graph) {
   size_t need = 0;
@@ -456,9 +473,13 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
   // Which activation the workspace holds (prepared once, reused by later mat-muls of it).
   // Its form: 8-bit blocks (mat-vecs of quantized weights), half or bfloat16 (prompt products).
-  enum class Form { Q8, Q8Tiles, Half, BF16 };
+  enum class Form { Q8, Half, BF16 };
   const Tensor* prepared = nullptr;
   Form prepared_form = Form::Q8;
+  // The activation whose column tiles (the warp-pipelined product's form) lie after the other
+  // forms (act_tiles_offset), where nothing else writes.
+  const Tensor* prepared_tiles = nullptr;
+  uint8_t* tiles = buf.act ? buf.act + act_tiles_offset(graph) : nullptr;
 
   // Nodes already launched as part of an earlier node's kernel.
   std::vector<char> done(n, 0);
@@ -767,18 +788,18 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           prepared_form = form;
         };
         if (const MatMulQ q = mat_mul_q_kind(w->type, k, cols); q != MatMulQ::None) {
-          if (q == MatMulQ::Int8) {
-            prepare_q8();
-          } else if (q == MatMulQ::Int8Warp) {
-            if (prepared != x || prepared_form != Form::Q8Tiles) {
-              launch_quantize_act_tiles(l, fptr(x), k, cols, buf.act);
-              prepared = x;
-              prepared_form = Form::Q8Tiles;
+          if (q == MatMulQ::Int8Warp) {
+            if (prepared_tiles != x) {
+              launch_quantize_act_tiles(l, fptr(x), k, cols, tiles);
+              prepared_tiles = x;
             }
+          } else if (q == MatMulQ::Int8) {
+            prepare_q8();
           } else {
             prepare_half(Form::Half);
           }
-          launch_mat_mul_q(l, w->type, ptr(w), w->ne[1], k, buf.act, cols, fptr(t), buf.attn,
+          launch_mat_mul_q(l, w->type, ptr(w), w->ne[1], k,
+                           q == MatMulQ::Int8Warp ? tiles : buf.act, cols, fptr(t), buf.attn,
                            buf.attn_counters);
           break;
         }
@@ -1179,7 +1200,8 @@ class CudaBackend : public Backend {
     input_ = static_cast<uint8_t*>(device_alloc(std::max<size_t>(input_bytes, 256), "inputs"));
     input_bytes_ = input_bytes;
     GGRAPH_CUDA_CHECK(cudaMallocHost(&input_staging_, std::max<size_t>(input_bytes, 256)));
-    // Mat-mul activations are scratch tensors; their prepared forms are at most half their size.
+    // Mat-mul activations are scratch tensors; their prepared forms are at most half their size
+    // (compute grows the workspace where a graph needs more).
     ensure(act_, act_bytes_, scratch_bytes / 2 + (1 << 20), "mat-mul activations");
     forget_blas_graphs();  // the scratch that cuBLAS's products write has moved
   }

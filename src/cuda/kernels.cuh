@@ -152,6 +152,8 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
 
 // Workspace sizes a graph needs (computed on the host from shapes; never depends on kv values).
 size_t act_workspace_bytes(const Graph& graph);
+// Where in that workspace the warp-pipelined product's column tiles lie (after the other forms).
+size_t act_tiles_offset(const Graph& graph);
 // Attention partials, or with counters the flash-decoding tickets.
 size_t attn_workspace_bytes(const Graph& graph, bool counters);
 

@@ -917,11 +917,11 @@ constexpr int kQwMaxCols = 16;
 // The measured choice (an H100 and an H200, BENCHMARKS.md): the warp-pipelined kernel for 9 to
 // 16 columns, and from 4 columns on for rows of 2,048 or more (GGRAPH_CUDA_MMQ_WARP=0 turns it
 // off, as before it: the int8 kernel at 8 such columns, the half kernel from 9); the half kernel
-// from 17 columns on (GGRAPH_CUDA_MMQ_MIN moves that bound), but past 32 only for rows of 2,048
-// or more (the SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns than
-// through cuBLAS); the mat-vec and cuBLAS elsewhere. Shorter rows keep the mat-vec up to 8
-// columns: alone their products ran faster on the warp kernel, but in a decode step the
-// mat-vec's products of one activation share a launch and read the 8-bit form its producer
+// from 17 columns on (from GGRAPH_CUDA_MMQ_MIN where the warp kernel does not take the product),
+// but past 32 only for rows of 2,048 or more (the SmolLM2 shape's 576- and 1,536-long rows ran 19%
+// slower at 64 columns than through cuBLAS); the mat-vec and cuBLAS elsewhere. Shorter rows keep
+// the mat-vec up to 8 columns: alone their products ran faster on the warp kernel, but in a decode
+// step the mat-vec's products of one activation share a launch and read the 8-bit form its producer
 // wrote, where the warp kernel's tiles take a launch of their own.
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
@@ -972,7 +972,6 @@ constexpr TileSpec qw_spec() {
 template <int TYPE, int NT>
 void set_smem() {
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
-
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
     allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,

@@ -1734,6 +1734,24 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.wk), 1);
     EXPECT_EQ(launches_of(rec, lg.wv), 1);
   }
+  {
+    // A batch of 16 takes the warp-pipelined int8 products: the first of q, k and v quantizes
+    // the activation into column tiles, which the other two read again.
+    LayerGraph lg(16, 0, true);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 2);
+    EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+  }
+  {
+    // v in a format the int8 kernels do not take reads the half form the norm wrote, which the
+    // tiles of q and k, kept apart, leave in place: no second conversion.
+    LayerGraph lg(16, 0, true, false, DType::Q4_1, DType::Q5_0);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 2);
+    EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+  }
 }
 
 // A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
