@@ -1,7 +1,8 @@
 // Products of quantized weights with a few to kMatMulQMaxCols columns (decode batches) on the
-// tensor cores, by two kernels. The int8 kernel: mma.sync m16n8k32 of the weights' 4- or 8-bit
+// tensor cores, by three kernels. The int8 kernel: mma.sync m16n8k32 of the weights' 4- or 8-bit
 // quants against the 8-bit activation (launch_quantize_act), each 32-element block's integer sums
-// scaled in float.
+// scaled in float. Its warp-pipelined form (mat_mul_qw_kernel, below: up to 16 columns) does the
+// same arithmetic with each warp streaming its own weights.
 //
 // A block of eight warps owns 16 * WM rows and every column; its k is staged SB blocks of 32 at
 // a time through a cp.async pipeline (Q8Shape: both by the number of column tiles): the rows'
