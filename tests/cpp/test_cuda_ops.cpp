@@ -1685,6 +1685,14 @@ int launches_of(const std::vector<cuda::KernelLaunch>& rec, const Tensor* t) {
                            [&](const cuda::KernelLaunch& k) { return k.node == t->index; }));
 }
 
+// The launches at q's, k's and v's product nodes of a layer's plan.
+void expect_qkv_launches(const LayerGraph& lg, int q, int k, int v) {
+  const auto rec = lg.launches();
+  EXPECT_EQ(launches_of(rec, lg.wq), q);
+  EXPECT_EQ(launches_of(rec, lg.wk), k);
+  EXPECT_EQ(launches_of(rec, lg.wv), v);
+}
+
 TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   {
     LayerGraph lg(1, 20, /*products_first=*/true);
@@ -1728,29 +1736,17 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     // Prompts take the tiled path, on the half form the norm writes beside its output: no
     // conversion launch before q, k and v. (Up to 16 columns take the warp-pipelined int8
     // kernel, whose column tiles are prepared by a launch of their own.)
-    LayerGraph lg(32, 0, true);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 1);
-    EXPECT_EQ(launches_of(rec, lg.wk), 1);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    expect_qkv_launches(LayerGraph(32, 0, true), 1, 1, 1);
   }
   {
     // A batch of 16 takes the warp-pipelined int8 products: the first of q, k and v quantizes
     // the activation into column tiles, which the other two read again.
-    LayerGraph lg(16, 0, true);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 2);
-    EXPECT_EQ(launches_of(rec, lg.wk), 1);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    expect_qkv_launches(LayerGraph(16, 0, true), 2, 1, 1);
   }
   {
     // v in a format the int8 kernels do not take reads the half form the norm wrote, which the
     // tiles of q and k, kept apart, leave in place: no second conversion.
-    LayerGraph lg(16, 0, true, false, DType::Q4_1, DType::Q5_0);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 2);
-    EXPECT_EQ(launches_of(rec, lg.wk), 1);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    expect_qkv_launches(LayerGraph(16, 0, true, false, DType::Q4_1, DType::Q5_0), 2, 1, 1);
   }
 }
 
@@ -1875,19 +1871,11 @@ TEST(CudaLaunchPlan, HeadNormsRideWithTheRopesOfOneToken) {
 TEST(CudaLaunchPlan, ProductsOfTwoFormatsShareALaunchInDecode) {
   {
     // q and k in Q5_0, v in Q8_0 (a K-quant mix's fallbacks): one launch at q.
-    LayerGraph lg(1, 20, true, false, DType::Q5_0, DType::Q8_0);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 1);
-    EXPECT_EQ(launches_of(rec, lg.wk), 0);
-    EXPECT_EQ(launches_of(rec, lg.wv), 0);
+    expect_qkv_launches(LayerGraph(1, 20, true, false, DType::Q5_0, DType::Q8_0), 1, 0, 0);
   }
   {
     // A pair without a mixed kernel: q and k together, v apart.
-    LayerGraph lg(1, 20, true, false, DType::Q4_1, DType::Q8_0);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 1);
-    EXPECT_EQ(launches_of(rec, lg.wk), 0);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    expect_qkv_launches(LayerGraph(1, 20, true, false, DType::Q4_1, DType::Q8_0), 1, 0, 1);
   }
 }
 
