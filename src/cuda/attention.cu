@@ -1386,8 +1386,7 @@ void prepare_attention_kernels() {
   cs.clusters[1][1] = resident_clusters<128, true>();
   cs.clusters[2][0] = resident_clusters<256, false>();
   cs.clusters[2][1] = resident_clusters<256, true>();
-  if (const char* e = std::getenv("GGRAPH_CUDA_ATTN_CLUSTER"); e && std::string(e) == "0")
-    cs.mode = 0;
+  if (!env_switch_on("GGRAPH_CUDA_ATTN_CLUSTER")) cs.mode = 0;
   cudaGetLastError();
   prepare_decode_dpl<2>();
   prepare_decode_dpl<4>();
@@ -1407,10 +1406,7 @@ bool decode_attention_clusters() { return cluster_support().clusters[0][0] > 0; 
 
 bool decode_attention_mma(int head_dim) {
   // GGRAPH_CUDA_ATTN_MMA=0 keeps every head size on the lanes' kernel (for measuring).
-  static const bool on = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_ATTN_MMA");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = env_switch_on("GGRAPH_CUDA_ATTN_MMA");
   return on && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 

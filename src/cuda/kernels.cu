@@ -750,9 +750,13 @@ void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cac
     first_row, rows, slots);
 }
 
+bool env_switch_on(const char* name) {
+  const char* e = std::getenv(name);
+  return !(e && std::strcmp(e, "0") == 0);
+}
+
 bool use_programmatic_launch(const cudaDeviceProp& prop) {
-  const char* env = std::getenv("GGRAPH_CUDA_PDL");
-  if (prop.major < 9 || (env && std::strcmp(env, "0") == 0)) return false;
+  if (prop.major < 9 || !env_switch_on("GGRAPH_CUDA_PDL")) return false;
   // pdl_wait compiles to griddepcontrol.wait only for sm_90 and newer virtual architectures: a
   // build without them must not launch early, whatever the GPU.
   cudaFuncAttributes a;

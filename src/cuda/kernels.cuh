@@ -401,6 +401,9 @@ void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t f
 // Once per process before any launch: raises the shared memory limit of the kernels that
 // need more than 48 KiB (never during a stream capture).
 void prepare_kernels();
+// Whether the environment leaves the switch `name` on: unset, or set to anything but "0" (the
+// GGRAPH_CUDA_* settings that turn a path off to measure or test without it).
+bool env_switch_on(const char* name);
 // Whether to launch with programmatic dependent launch on this GPU: sm_90 or newer, kernels
 // built to begin with griddepcontrol.wait (sm_90 code), and not GGRAPH_CUDA_PDL=0 (to compare).
 bool use_programmatic_launch(const cudaDeviceProp& prop);

@@ -930,10 +930,7 @@ int env_cols(const char* name, int fallback) {
   return c >= 1 && c <= kMatMulQMaxCols ? c : fallback;
 }
 MatMulQ measured_choice(int64_t k, int64_t cols) {
-  static const bool warp = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_MMQ_WARP");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool warp = env_switch_on("GGRAPH_CUDA_MMQ_WARP");
   if (warp && cols <= kQwMaxCols && (cols >= 9 || (k >= 2048 && cols >= 4)))
     return MatMulQ::Int8Warp;
   static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);

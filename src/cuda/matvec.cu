@@ -1668,10 +1668,7 @@ bool mixed_pair(DType type_a, DType type_b, const MatVecPart* parts, int n_a, in
 }
 
 bool& rope_epilogue_flag() {
-  static bool on = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_ROPE_EPILOGUE");
-    return !(e && std::string(e) == "0");
-  }();
+  static bool on = env_switch_on("GGRAPH_CUDA_ROPE_EPILOGUE");
   return on;
 }
 
