@@ -87,12 +87,13 @@ __device__ __forceinline__ float softmax_step(float s, bool valid, float& m, flo
 // So the launch is the same at every depth, and there is no second kernel.
 
 // Output element i of the attention, and its half and 8-bit forms where asked (the 8-bit one
-// needs whole warps over 32 outputs of one quant block).
+// needs whole warps over 32 outputs of one quant block; in column tiles where tiles_k is the
+// output's row length, q8_index).
 __device__ __forceinline__ void emit_attn_out(float v, int64_t i, float* out, __half* out_h,
-                                              int8_t* out_q, float2* out_d) {
+                                              int8_t* out_q, float2* out_d, int64_t tiles_k) {
   out[i] = v;
   if (out_h) out_h[i] = __float2half_rn(v);
-  if (out_q) quantize_warp_block(v, i, out_q, out_d);
+  if (out_q) quantize_warp_block(v, q8_index(i, tiles_k), out_q, out_d);
 }
 
 // Records (m, l, acc) of online softmaxes over parts of the keys, record(s) giving part s's for
@@ -138,7 +139,7 @@ __device__ __forceinline__ void combine_warps(const float* merge, int rec, int g
 // values with those weights. Called by the whole block.
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
-                                  float2* out_d, __half* out_h, float* smem) {
+                                  float2* out_d, int64_t tiles_k, __half* out_h, float* smem) {
   static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
   const int rec = head_dim + 2;
   const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
@@ -172,7 +173,7 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
 #pragma unroll 16
     for (int s = 0; s < n_used; ++s) a += __ldcg(r + s * rec) * w[s];
     emit_attn_out(a, (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d, out, out_h,
-                  out_q, out_d);
+                  out_q, out_d, tiles_k);
   }
 }
 
@@ -184,8 +185,8 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
 template <int kWarps, int G>
 __device__ void decode_block_finish(const float* merge, int t, int h_first, int n_g, int head_dim,
                                     int n_head, int split, int n_splits, int n_used, float* out,
-                                    __half* out_h, int8_t* out_q, float2* out_d, float* part,
-                                    unsigned* counters, float* smem) {
+                                    __half* out_h, int8_t* out_q, float2* out_d, int64_t tiles_k,
+                                    float* part, unsigned* counters, float* smem) {
   const int rec = head_dim + 2;
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
@@ -194,8 +195,8 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
     const int h = h_first + g;
     if (n_used == 1) {
       emit_attn_out(ll > 0.0f ? a / ll : 0.0f,
-                    (static_cast<int64_t>(t) * n_head + h) * head_dim + d, out, out_h, out_q,
-                    out_d);
+                    (static_cast<int64_t>(t) * n_head + h) * head_dim + d, out, out_h, out_q, out_d,
+                    tiles_k);
     } else {
       float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
       if (d == 0) pr[0] = mm, pr[1] = ll;
@@ -216,7 +217,7 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
   if (!last) return;
   __threadfence();
   attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
-                    out_h, smem);
+                    tiles_k, out_h, smem);
 }
 
 // The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+): the
@@ -230,12 +231,13 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
 template <int kWarps, int G, int C>
 __device__ void decode_cluster_finish(const float* merge, float* mine, int t, int h_first, int n_g,
                                       int head_dim, int n_head, int split, int n_used, float* out,
-                                      __half* out_h, int8_t* out_q, float2* out_d) {
+                                      __half* out_h, int8_t* out_q, float2* out_d,
+                                      int64_t tiles_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int rec = head_dim + 2;
   auto emit = [&](int idx, float v) {
     emit_attn_out(v, (static_cast<int64_t>(t) * n_head + h_first) * head_dim + idx, out, out_h,
-                  out_q, out_d);
+                  out_q, out_d, tiles_k);
   };
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
@@ -441,8 +443,9 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     attn_decode_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
                        int first_pos_value, const int32_t* n_kv_at, const int32_t* first_pos_at,
-                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, __half* out_h,
-                       int window, unsigned* counters, int cache_rows, const int32_t* slots) {
+                       int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int64_t tiles_k,
+                       __half* out_h, int window, unsigned* counters, int cache_rows,
+                       const int32_t* slots) {
   constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
   // The scores run 8 keys at a time up to a multiple of 8 past a tile's valid rows, which the
@@ -636,7 +639,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   }
   __syncthreads();
   decode_block_finish<kWarps, G>(merge, t, h_first, n_g, head_dim, n_head, split, n_splits, n_used,
-                                 out, out_h, out_q, out_d, part, counters,
+                                 out, out_h, out_q, out_d, tiles_k, part, counters,
                                  reinterpret_cast<float*>(smem_raw));
 }
 
@@ -767,15 +770,16 @@ constexpr int cluster_warps() {
   return D == 64 ? 16 : 8;
 }
 
-#define GGRAPH_DECODE_MMA_PARAMS                                                                   \
-  const float *q, const void *kc, const void *vc, float *out, float *part, int n_head,             \
-      int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,               \
-      const int32_t *n_kv_at, const int32_t *first_pos_at, int n_splits, int n_gchunks,            \
-      int8_t *out_q, float2 *out_d, __half *out_h, int window, unsigned *counters, int cache_rows, \
-      const int32_t *slots
+#define GGRAPH_DECODE_MMA_PARAMS                                                        \
+  const float *q, const void *kc, const void *vc, float *out, float *part, int n_head,  \
+      int n_head_kv, int head_dim, float scale, int n_kv_value, int first_pos_value,    \
+      const int32_t *n_kv_at, const int32_t *first_pos_at, int n_splits, int n_gchunks, \
+      int8_t *out_q, float2 *out_d, int64_t tiles_k, __half *out_h, int window,         \
+      unsigned *counters, int cache_rows, const int32_t *slots
 #define GGRAPH_DECODE_MMA_ARGS                                                                    \
   q, kc, vc, out, part, n_head, n_head_kv, head_dim, scale, n_kv_value, first_pos_value, n_kv_at, \
-      first_pos_at, n_splits, n_gchunks, out_q, out_d, out_h, window, counters, cache_rows, slots
+      first_pos_at, n_splits, n_gchunks, out_q, out_d, tiles_k, out_h, window, counters,          \
+      cache_rows, slots
 
 template <int D, bool Q8, int W, bool CL>
 __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
@@ -966,10 +970,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   if constexpr (CL) {
     decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, merge + S::merge_floats(), t,
                                                          h_first, n_g, D, n_head, split, n_used,
-                                                         out, out_h, out_q, out_d);
+                                                         out, out_h, out_q, out_d, tiles_k);
   } else {
     decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
-                                   out_h, out_q, out_d, part, counters,
+                                   out_h, out_q, out_d, tiles_k, part, counters,
                                    reinterpret_cast<float*>(smem_raw));
   }
 }
@@ -1200,6 +1204,13 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
   }
 }
 
+// Where the decode kernels write the output's 8-bit form (plain, or in column tiles).
+ActQ8 attn_out_q8(const AttentionArgs& a) {
+  const int64_t k = static_cast<int64_t>(a.n_head) * a.head_dim;
+  return a.quant_tiles ? act_q8_tiles(a.quant_ws, k, a.n_tokens)
+                       : act_q8(a.quant_ws, k, a.n_tokens);
+}
+
 template <int DPL, int G>
 void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
@@ -1209,14 +1220,15 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
                                         decode_split_keys<DPL>());
   const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(decode_warps<DPL>() * 32);
-  // The output's 8-bit form for the mat-vec that reads it: each warp's 32 outputs are one
+  // The output's 8-bit form for the products that read it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
-  const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
+  const ActQ8 q8 = attn_out_q8(a);
+  const int64_t tiles_k = a.quant_tiles ? static_cast<int64_t>(a.n_head) * a.head_dim : 0;
   auto launch = [&](auto kernel) {
     l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
       a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, reinterpret_cast<__half*>(a.half_ws), a.window, a.counters,
-      a.cache_rows, a.slots);
+      n_splits, n_gchunks, q8.qs, q8.ds, tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window,
+      a.counters, a.cache_rows, a.slots);
   };
   if (a.kv_type == DType::Q8_0) {
     launch(attn_decode_kernel<DPL, G, true>);
@@ -1245,12 +1257,13 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   const int n_gchunks = (a.n_head / a.n_head_kv + S::kRows - 1) / S::kRows;
   const int kv_blocks = a.n_head_kv * n_gchunks * a.n_tokens;
   const int max_keys = attention_max_keys(a);
-  const ActQ8 q8 = act_q8(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens);
+  const ActQ8 q8 = attn_out_q8(a);
+  const int64_t tiles_k = a.quant_tiles ? static_cast<int64_t>(a.n_head) * a.head_dim : 0;
   const bool is_q8 = a.kv_type == DType::Q8_0;
   auto launch = [&](auto kernel, dim3 grid, dim3 block, size_t smem, int n_splits) {
     l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
       a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
-      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+      tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
   };
   // A grid of clusters that are resident at once, over a cache longer than one block's pass and
   // within one pass of the cluster's blocks (4,096 keys at 64 dims, 2,048 at 128, 1,024 at 256):
@@ -1427,8 +1440,9 @@ int attention_max_keys(const AttentionArgs& a) {
 }
 
 void launch_attention(Launcher& l, const AttentionArgs& a) {
-  if (a.quant_ws && (a.head_dim % 32 != 0 || a.n_tokens > kDecodeAttnMaxTokens))
-    throw std::logic_error("attention: 8-bit output needs head_dim % 32 == 0 and a decode batch");
+  if (a.quant_ws && (a.head_dim % 32 != 0 || (a.n_tokens > kDecodeAttnMaxTokens && !a.slots)))
+    throw std::logic_error(
+        "attention: 8-bit output needs head_dim % 32 == 0 and the decode kernels");
   if (a.half_ws && a.n_tokens > kDecodeAttnMaxTokens && !a.slots)
     throw std::logic_error("attention: a half output needs the decode kernels");
   if ((a.n_tokens <= kDecodeAttnMaxTokens || a.slots) && (!a.partials || !a.counters))

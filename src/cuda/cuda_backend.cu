@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -131,6 +133,15 @@ size_t act_workspace_bytes(const Graph& graph) {
 }
 
 size_t act_tiles_offset(const Graph& graph) { return act_workspace(graph).forms; }
+
+namespace {
+bool& tile_output() {
+  static bool on = env_switch_on("GGRAPH_CUDA_TILE_OUTPUT");
+  return on;
+}
+}  // namespace
+
+bool set_tile_output(bool on) { return std::exchange(tile_output(), on); }
 
 size_t sample_workspace_bytes(const Graph& graph) {
   size_t need = 0;
@@ -421,10 +432,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   const std::vector<Tensor*>& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
   // Consumers per node, to know when an intermediate can be fused away; and which nodes a
-  // quantized mat-vec reads, or a product that takes half activations, so that their producer
-  // can hand over the 8-bit or half form too.
+  // quantized mat-vec reads, a warp-pipelined product, or a product that takes half
+  // activations, so that their producer can hand over the 8-bit, column-tile or half form too.
   std::vector<int> uses(n, 0);
-  std::vector<char> q8_read(n, 0), half_read(n, 0);
+  std::vector<char> q8_read(n, 0), tile_read(n, 0), half_read(n, 0);
   bool indexed = true;
   for (int i = 0; i < n && indexed; ++i) indexed = nodes[i]->index == i;
   std::unordered_map<const Tensor*, int> position;
@@ -450,6 +461,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       if (p >= 0 && is_quantized(w->type) && cols <= kMatVecMaxCols &&
           (kind == MatMulQ::None || kind == MatMulQ::Int8))
         q8_read[p] = 1;
+      if (p >= 0 && kind == MatMulQ::Int8Warp) tile_read[p] = 1;
       // The half kernel's, and cuBLAS's and the tile kernel's but for BF16 weights (which
       // cuBLAS may take in BF16): the forms the MulMat case prepares.
       if (p >= 0 && (kind == MatMulQ::Half ||
@@ -502,6 +514,21 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     prepared = x;
     prepared_form = Form::Q8;
     return buf.act;
+  };
+  // The same for the column tiles, where warp-pipelined products read x and no quantized
+  // mat-vec does (a producer writes one 8-bit form; with a mat-vec reading the plain one, the
+  // first product quantizes the tiles itself): the tile region, and x's tiles are marked
+  // prepared. The padding columns of the last tile are left unwritten, unlike
+  // launch_quantize_act_tiles's zeros: mat_mul_qw_kernel's columns never mix (each output column
+  // sums its own column's quants and pairs) and it stores no column past cols, so whatever they
+  // hold reaches no result.
+  auto tiles_output = [&](const Tensor* x, bool can = true) -> uint8_t* {
+    const int p = pos(x);
+    if (!can || !tile_output() || !tiles || p < 0 || !tile_read[p] || q8_read[p] ||
+        x->ne[0] % 32 != 0)
+      return nullptr;
+    prepared_tiles = x;
+    return tiles;
   };
   // The same for the half form (launch_act_to_half's, without its padding: rows a multiple of
   // kActPad), where only products that take half activations read x (never beside q8_output's,
@@ -567,7 +594,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       a.w_fixed = w->storage == Storage::Weight;
     }
     a.dst = fptr(out);
-    a.quant_ws = q8_output(out, group == r->ne[0]);
+    a.quant_ws = tiles_output(out, group == r->ne[0]);
+    a.quant_tiles = a.quant_ws != nullptr;
+    if (!a.quant_tiles) a.quant_ws = q8_output(out, group == r->ne[0]);
     a.half_ws = half_output(out, group == r->ne[0]);
     launch_rms_norm(l, a, group, cols, r->param_f(kNormEps));
     done[ri] = 1;
@@ -756,8 +785,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                       t->src[0]->ne[0], t->src[0]->ne[1], t->src[1]->ne[0]);
         break;
       case Op::Glu: {
+        uint8_t* tw = tiles_output(t);
         launch_glu(l, t->params[0], fptr(t->src[0]), fptr(t->src[1]), fptr(t), t->ne[0], t->ne[1],
-                   q8_output(t), half_output(t));
+                   tw ? tw : q8_output(t), half_output(t), tw != nullptr);
         break;
       }
       case Op::Softcap:
@@ -994,11 +1024,16 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         float scale;
         std::memcpy(&scale, &t->params[kAttnScale], sizeof scale);
         const int n_tokens = static_cast<int>(t->src[0]->ne[1]);
-        // The 8-bit form for the mat-vec that reads the output (the output projection).
-        uint8_t* q =
-            q8_output(t, t->params[kAttnHeadDim] % 32 == 0 && n_tokens <= kDecodeAttnMaxTokens);
+        // The 8-bit form for the products that read the output (the output projection): plain
+        // for a mat-vec, column tiles for warp-pipelined products (the decode kernels write
+        // either: a decode batch of several sequences takes them at any count).
+        const bool decode = n_tokens <= kDecodeAttnMaxTokens || t->op == Op::AttentionSeqs;
+        uint8_t* tq = tiles_output(t, t->params[kAttnHeadDim] % 32 == 0 && decode);
+        uint8_t* q = tq ? tq
+                        : q8_output(t, t->params[kAttnHeadDim] % 32 == 0 &&
+                                           n_tokens <= kDecodeAttnMaxTokens);
         // Or the half form, for the products of a decode batch of several sequences.
-        uint8_t* h = half_output(t, n_tokens <= kDecodeAttnMaxTokens || t->op == Op::AttentionSeqs);
+        uint8_t* h = half_output(t, decode);
         AttentionArgs a;
         a.q = fptr(t->src[0]);
         a.k_cache = cache_of(t->src[1])->data;
@@ -1024,6 +1059,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.partials = buf.attn;
         a.counters = buf.attn_counters;
         a.quant_ws = q;
+        a.quant_tiles = tq != nullptr;
         a.half_ws = h;
         a.window = t->params[kAttnWindow];
         launch_attention(l, a);

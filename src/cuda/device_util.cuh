@@ -56,9 +56,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The 8-bit activation blocks the quantized mat-vecs read, N at once: in block j the warp's 32
-// consecutive elements y[j] (element i[j] of the activation, i[j] % 32 == lane) become
-// q = round(y / d), d = max|y| / 127, and block i[j] / 32's ds = (d, d * sum(q)). Every lane of
-// the warp takes part; blocks whose ok[j] is false (the same in every lane) store nothing. The N
+// elements y[j] of one block (stored at i[j], the same i[j] / 32 in every lane: see q8_index)
+// become q = round(y / d), d = max|y| / 127, and block i[j] / 32's ds = (d, d * sum(q)). Every lane
+// of the warp takes part; blocks whose ok[j] is false (the same in every lane) store nothing. The N
 // reductions interleave, so that their shuffles overlap instead of running one after another.
 template <int N>
 __device__ __forceinline__ void quantize_warp_blocks(const float (&y)[N], const int64_t (&i)[N],
@@ -90,6 +90,18 @@ __device__ __forceinline__ void quantize_warp_blocks(const float (&y)[N], const 
     const float d = amax[j] / 127.0f;
     if (threadIdx.x % 32 == 0) ds[i[j] / 32] = make_float2(d, d * static_cast<float>(sum[j]));
   }
+}
+
+// Where element i = col * k + e of an activation's 8-bit form lies: at i in the plain layout
+// (tiles_k == 0), or (tiles_k == k) in the column tiles of act_q8_tiles: tile col / 8, its block
+// e / 32, column col % 8 of it, then the word of e % 32 in the order 0 4 1 5 2 6 3 7. Either
+// way the block's pair is at the result / 32, so that quantize_warp_block(s) write both layouts.
+__device__ __forceinline__ int64_t q8_index(int64_t i, int64_t tiles_k) {
+  if (tiles_k == 0) return i;
+  const int64_t col = i / tiles_k, e = i % tiles_k;
+  const int word = static_cast<int>(e % 32) / 4;
+  return (((col / 8) * (tiles_k / 32) + e / 32) * 8 + col % 8) * 32 +
+         ((word & 3) * 2 + (word >> 2)) * 4 + e % 4;
 }
 
 // One such block: element i of the activation is y in this lane.

@@ -57,7 +57,8 @@ __global__ void get_rows_kernel(const uint8_t* table, int64_t ne0, int64_t n_row
 // added (Gemma's post-norms: x + rms_norm(a) * w, then the next pre-norm).
 // w: multiplied in (broadcast when w_cols == 1); w_fixed: it is a weight, which never changes, so
 // its loads may go out before the wait for the grid before. qs/ds: also quantize the result (needs
-// ne0 a multiple of 32, so that each warp iteration covers one whole quant block).
+// ne0 a multiple of 32, so that each warp iteration covers one whole quant block), in column tiles
+// where tiles_k is ne0 (q8_index).
 // EPT > 0: each thread keeps its EPT elements (i = threadIdx.x + j * blockDim.x) in registers,
 // so every read precedes the block's barrier and every write follows it: with one column, the
 // outputs may overlap the inputs in any way. EPT == 0 (wide rows): two passes over memory, where
@@ -81,7 +82,7 @@ template <int EPT>
 __global__ void __launch_bounds__(1024)
     rms_norm_kernel(const float* src, const float* add, float* sum_out, const float* w,
                     int64_t w_cols, int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs,
-                    float2* ds, const float* pre_w, float pre_eps, __half* ho) {
+                    float2* ds, int64_t tiles_k, const float* pre_w, float pre_eps, __half* ho) {
   constexpr int kRegs = EPT > 0 ? EPT : 1;
   __shared__ float partial[32];
   __shared__ float pre_partial[EPT > 0 ? 32 : 1];
@@ -156,13 +157,13 @@ __global__ void __launch_bounds__(1024)
     for (int j = 0; j < EPT; ++j) {
       const int64_t i = threadIdx.x + j * bd;
       in[j] = i < ne0;
-      qi[j] = col * ne0 + i;
+      qi[j] = q8_index(col * ne0 + i, tiles_k);
       r[j] = v[j] * scale;
       if (wc) r[j] *= wv[j];
       if (in[j]) {
         if (xs) xs[i] = v[j];
         y[i] = r[j];
-        if (ho) ho[qi[j]] = __float2half_rn(r[j]);
+        if (ho) ho[col * ne0 + i] = __float2half_rn(r[j]);
       }
     }
     if (qs) quantize_warp_blocks<EPT>(r, qi, in, qs, ds);
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(1024)
       if (wc) r *= wc[i];
       y[i] = r;
       if (ho) ho[col * ne0 + i] = __float2half_rn(r);
-      if (qs) quantize_warp_block(r, col * ne0 + i, qs, ds);
+      if (qs) quantize_warp_block(r, q8_index(col * ne0 + i, tiles_k), qs, ds);
     }
   }
 }
@@ -186,7 +187,7 @@ template <int C>
 __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
     rms_norm_cluster_kernel(const float* src, const float* add, float* sum_out, const float* w,
                             int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs, float2* ds,
-                            __half* ho) {
+                            int64_t tiles_k, __half* ho) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
@@ -215,7 +216,7 @@ __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
   if (sum_out) sum_out[i] = v;
   dst[i] = r;
   if (ho) ho[i] = __float2half_rn(r);
-  if (qs) quantize_warp_block(r, i, qs, ds);
+  if (qs) quantize_warp_block(r, q8_index(i, tiles_k), qs, ds);
 #else
   __trap();
 #endif
@@ -259,11 +260,11 @@ __global__ void binary_kernel(const float* a, const float* b, int64_t b_cols, fl
   dst[col * ne0 + i] = OP == 0 ? x + z : x * z;
 }
 
-// qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range);
-// ho: also its half form.
+// qs/ds: also quantize the result (n a multiple of 32: warps are wholly in or out of range), in
+// column tiles where tiles_k is the row's length (q8_index); ho: also its half form.
 template <int ACT>
 __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64_t n, int8_t* qs,
-                           float2* ds, __half* ho) {
+                           float2* ds, int64_t tiles_k, __half* ho) {
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -278,7 +279,7 @@ __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64
   const float v = a * up[i];
   dst[i] = v;
   if (ho) ho[i] = __float2half_rn(v);
-  if (qs) quantize_warp_block(v, i, qs, ds);
+  if (qs) quantize_warp_block(v, q8_index(i, tiles_k), qs, ds);
 }
 
 __global__ void softcap_kernel(const float* x, float* dst, int64_t n, float cap) {
@@ -547,17 +548,17 @@ __global__ void quantize_act_kernel(const float* x, int64_t n_blocks, int8_t* qs
   quantize_warp_block(x[i], i, qs, ds);
 }
 
-// The column tiles of act_q8_tiles: warp w quantizes column w % 8 of tile and block w / 8.
+// The column tiles of act_q8_tiles: warp w quantizes column w % 8 of tile and block w / 8
+// (columns past cols as zeros).
 __global__ void quantize_act_tiles_kernel(const float* x, int64_t k, int cols, int64_t n_warps,
                                           int8_t* qs, float2* ds) {
   pdl_begin();
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= n_warps) return;
-  const int lane = threadIdx.x % 32, word = lane / 4;
-  const int64_t nb = k / 32, tb = w / 8, b = tb % nb;
-  const int col = static_cast<int>(tb / nb) * 8 + static_cast<int>(w % 8);
-  const float y = col < cols ? x[col * k + b * 32 + lane] : 0.0f;
-  quantize_warp_block(y, w * 32 + ((word & 3) * 2 + (word >> 2)) * 4 + lane % 4, qs, ds);
+  const int64_t nb = k / 32, tb = w / 8;
+  const int64_t col = tb / nb * 8 + w % 8, e = tb % nb * 32 + threadIdx.x % 32;
+  const float y = col < cols ? x[col * k + e] : 0.0f;
+  quantize_warp_block(y, q8_index(col * k + e, k), qs, ds);
 }
 
 template <bool BF16>
@@ -594,11 +595,13 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   // its chain of dependent instructions, which more threads with fewer elements each shorten
   // (SmolLM2's 576 under Nsight Compute: 5.0 us with 160 threads of 4 elements, 3.1 with 576).
   const int threads = static_cast<int>(std::min<int64_t>(1024, (ne0 + 31) / 32 * 32));
-  const ActQ8 q = act_q8(a.quant_ws, ne0, cols);
+  const ActQ8 q =
+      a.quant_tiles ? act_q8_tiles(a.quant_ws, ne0, cols) : act_q8(a.quant_ws, ne0, cols);
+  const int64_t tiles_k = a.quant_tiles ? ne0 : 0;
   const int64_t per_thread = ceil_div(ne0, threads);
   auto launch = [&](auto kernel) {
     l(kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, a.add_w, a.add_eps,
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, tiles_k, a.add_w, a.add_eps,
       reinterpret_cast<__half*>(a.half_ws));
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
@@ -606,7 +609,8 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   // One wide column over a cluster of blocks, where wide enough and it runs here.
   auto cluster = [&](auto kernel, int c) {
     l(kernel, dim3(c), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src, a.add, a.sum_out, a.w,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, reinterpret_cast<__half*>(a.half_ws));
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, tiles_k,
+      reinterpret_cast<__half*>(a.half_ws));
   };
   if (cols == 1 && !a.add_w && a.w_cols == 1 && ne0 >= norm_cluster_min_width()) {
     if (ne0 <= 4096 && ne0 % 128 == 0 && norm_cluster_runs<4>())
@@ -642,15 +646,16 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 }
 
 void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
-                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws) {
+                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws, bool quant_tiles) {
   const int64_t n = ne0 * cols;
-  const ActQ8 q = act_q8(quant_ws, ne0, cols);
+  const ActQ8 q = quant_tiles ? act_q8_tiles(quant_ws, ne0, cols) : act_q8(quant_ws, ne0, cols);
+  const int64_t tiles_k = quant_tiles ? ne0 : 0;
   auto* h = reinterpret_cast<__half*>(half_ws);
   const dim3 grid(ceil_div(n, 256)), block(256);
   if (act == kGluGelu) {
-    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, h);
+    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, tiles_k, h);
   } else {
-    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, h);
+    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, tiles_k, h);
   }
 }
 

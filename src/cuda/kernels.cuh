@@ -154,6 +154,11 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
 size_t act_workspace_bytes(const Graph& graph);
 // Where in that workspace the warp-pipelined product's column tiles lie (after the other forms).
 size_t act_tiles_offset(const Graph& graph);
+// Whether the producer of an activation that only warp-pipelined products read among the
+// quantized ones (a norm, a glu, a decode attention) writes its column tiles itself, so that no
+// launch_quantize_act_tiles goes out before the products (on by default; GGRAPH_CUDA_TILE_OUTPUT=0
+// turns it off). Test hook: sets it, returns the setting before.
+bool set_tile_output(bool on);
 // Attention partials, or with counters the flash-decoding tickets.
 size_t attn_workspace_bytes(const Graph& graph, bool counters);
 
@@ -207,6 +212,7 @@ struct NormArgs {
   bool w_fixed = false;
   float* dst = nullptr;
   uint8_t* quant_ws = nullptr;  // also the result's 8-bit form (launch_quantize_act's)
+  bool quant_tiles = false;     // that form in column tiles (launch_quantize_act_tiles's)
   uint8_t* half_ws = nullptr;   // also its half form (launch_act_to_half's; ne0 % kActPad == 0)
 };
 void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t cols, float eps);
@@ -221,9 +227,11 @@ void prepare_norm_kernels();
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,
                    int64_t ne0, int64_t cols, int64_t b_ne0);
 // act: kGluSilu or kGluGelu (graph.h). quant_ws (optional, ne0 % 32 == 0): also the 8-bit
-// quantization of the result; half_ws (optional, ne0 % kActPad == 0): also its half form.
+// quantization of the result (quant_tiles: in column tiles, launch_quantize_act_tiles's);
+// half_ws (optional, ne0 % kActPad == 0): also its half form.
 void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
-                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws = nullptr);
+                int64_t cols, uint8_t* quant_ws, uint8_t* half_ws = nullptr,
+                bool quant_tiles = false);
 // dst = cap * tanh(x / cap) over n elements.
 void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float cap);
 // Global workspace launch_sample needs for a vocabulary of n_vocab (bytes; 16-byte aligned).
@@ -457,8 +465,9 @@ void prepare_mat_mul_q_kernels();
 // stay the same from step to step; without (a launch outside a graph step, as the kernel
 // benchmark makes), they take them by value. Decode batches (n_tokens <= kDecodeAttnMaxTokens)
 // need partials (attn_partials_bytes) and counters (attn_counters_bytes, zeroed once: the
-// kernel leaves them at zero). quant_ws (decode batches, head_dim a multiple of 32): also the
-// output's 8-bit form (the layout of launch_quantize_act).
+// kernel leaves them at zero). quant_ws (the decode kernels, head_dim a multiple of 32): also the
+// output's 8-bit form (the layout of launch_quantize_act, or with quant_tiles the column tiles of
+// launch_quantize_act_tiles).
 struct AttentionArgs {
   const float* q = nullptr;
   const void* k_cache = nullptr;
@@ -479,6 +488,7 @@ struct AttentionArgs {
   float* partials = nullptr;
   unsigned* counters = nullptr;
   uint8_t* quant_ws = nullptr;
+  bool quant_tiles = false;
   uint8_t* half_ws = nullptr;  // the output's half form too (decode kernels; launch_act_to_half's)
   int window = 0;              // sliding window (0: none)
   DType kv_type = DType::F16;  // F16, or Q8_0 blocks (head_dim a multiple of 64)

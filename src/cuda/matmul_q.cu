@@ -561,12 +561,14 @@ __global__ void __launch_bounds__(kQ8Threads)
 // The warp-pipelined int8 kernel (mat_mul_qw_kernel): the int8 kernel's mma.sync m16n8k32 and
 // epilogue, but each warp streams its own share of k through its own ring of kQwStages stages
 // (no barrier between the warps until their sums meet), and the activation comes in column tiles
-// ready for the B fragments (launch_quantize_act_tiles), read through L1 and L2 as each stage
-// starts (staged through the ring as well, it measured slower on the 7B shape's products). A
-// block is 16 rows and eight warps; warp w takes stages w, w + 8, ... of 64 bytes a row (four
-// 32-blocks, two of Q8_0). A block's whole share of a 4,096-long row (32 KiB) is in flight at
-// once, and the first stages' weights are requested before the grid before it has finished
-// (weights only), so that a short product is not a chain of trips to memory.
+// ready for the B fragments (act_q8_tiles: from launch_quantize_act_tiles, or written by the
+// activation's producer, which leaves the padding columns of the last tile as they were), read
+// through L1 and L2 as each stage starts (staged through the ring as well, it measured slower on
+// the 7B shape's products). A block is 16 rows and eight warps; warp w takes stages w, w + 8,
+// ... of 64 bytes a row (four 32-blocks, two of Q8_0). A block's whole share of a 4,096-long row
+// (32 KiB) is in flight at once, and the first stages' weights are requested before the grid
+// before it has finished (weights only), so that a short product is not a chain of trips to
+// memory.
 constexpr int kQwWarps = 8;
 constexpr int kQwThreads = 32 * kQwWarps;
 constexpr int kQwStages = 4;
@@ -589,7 +591,7 @@ struct QwTile {
 };
 
 template <int TYPE, int NT>
-__global__ void __launch_bounds__(kQwThreads)
+__global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
     mat_mul_qw_kernel(const uint8_t* w, int n, int k, const int8_t* aq, const float2* ads, int cols,
                       float* dst) {
   using T = QwTile<TYPE>;
@@ -665,32 +667,52 @@ __global__ void __launch_bounds__(kQwThreads)
   const int lm_at = lr * kQwRowBytes + (((mi >> 1) ^ ((lr >> 1) & 3)) * 16);
   const int lm_at2 = lr * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr >> 1) & 3)) * 16);
   // Where this lane's activation values and pairs lie in the tiles (tiles past the columns' read
-  // the last one: their sums are never stored).
+  // the last one: their sums are never stored). Output column nt * 8 + c sums the quants and
+  // pairs of activation column nt * 8 + c alone, and finish_tile stores no column from cols on:
+  // the padding columns of the last tile, whatever they hold (NaN pairs included), reach no
+  // stored value.
   const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
   const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
   float acc[1][NT][4] = {};
   float off[NT][4] = {};  // the formats' offsets: sum of s.y * (d * sum) over blocks
-  int b0 = b_first;
-  for (int i = 0; i < count; ++i, b0 += kStep) {
-    cp_async_wait<kStages - 2>();
-    __syncwarp();
-    if (i + kStages - 1 < count) load_weights();
-    cp_async_commit();
-    const uint8_t* st = ring + (i % kStages) * T::kStage;
-    const uint8_t* ss = st + 16 * kQwRowBytes;
-    // The stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte
-    // load), and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load).
-    uint2 b[kBlocks][NT];
-    float4 x[kBlocks][NT];
+  // A stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte load),
+  // and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load). With one column tile
+  // they are requested a stage ahead, so that their trip through L2 overlaps the stage before
+  // (with two, the registers that takes measured slower: 4096x4096 at 16 columns 9.58 against
+  // 8.65 us on an H200).
+  constexpr bool kAhead = NT == 1;
+  auto load_act = [&](int first, uint2(&bb)[kBlocks][NT], float4(&xx)[kBlocks][NT]) {
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int64_t at =
-            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(b0 + j, nb - 1) - b_first;
-        b[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
-        x[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
+            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(first + j, nb - 1) - b_first;
+        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
+        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
       }
+  };
+  uint2 bn[kBlocks][NT];
+  float4 xn[kBlocks][NT];
+  if (kAhead && count > 0) load_act(b_first, bn, xn);
+  int b0 = b_first;
+  for (int i = 0; i < count; ++i, b0 += kStep) {
+    uint2 b[kBlocks][NT];
+    float4 x[kBlocks][NT];
+    if constexpr (kAhead) {
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) b[j][nt] = bn[j][nt], x[j][nt] = xn[j][nt];
+      if (i + 1 < count) load_act(b0 + kStep, bn, xn);
+    }
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    if (i + kStages - 1 < count) load_weights();
+    cp_async_commit();
+    if constexpr (!kAhead) load_act(b0, b, x);
+    const uint8_t* st = ring + (i % kStages) * T::kStage;
+    const uint8_t* ss = st + 16 * kQwRowBytes;
     // Matrices of ldmatrix h: chunks 2h and 2h + 1, rows 0-7 and 8-15 of each.
     uint32_t q[2][4];
     ldmatrix_x4(q[0], st + lm_at);
@@ -923,7 +945,8 @@ constexpr int kQwMaxCols = 16;
 // slower at 64 columns than through cuBLAS); the mat-vec and cuBLAS elsewhere. Shorter rows keep
 // the mat-vec up to 8 columns: alone their products ran faster on the warp kernel, but in a decode
 // step the mat-vec's products of one activation share a launch and read the 8-bit form its producer
-// wrote, where the warp kernel's tiles take a launch of their own.
+// wrote, where the warp kernel's tiles took a launch of their own when this was measured (now the
+// producer writes them too: GGRAPH_CUDA_TILE_OUTPUT).
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;

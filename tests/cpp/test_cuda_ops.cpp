@@ -1407,6 +1407,97 @@ TEST_F(CudaOps, DecodeBatchRopesAndStoresMatchTheCpu) {
   }
 }
 
+// A decode batch's layer with rows of 2,048 (warp-pipelined products from 4 columns) whose
+// products' activations come in column tiles from their producers (the norms, the attention over
+// pools, the glu), against the same layer with the tiles quantized by launches of their own
+// (GGRAPH_CUDA_TILE_OUTPUT=0): bit for bit, since both quantize the same floats; at 6 and 12
+// tokens the last tile's padding columns, left unwritten (poisoned), reach no result. v in Q5_0
+// reads the norm's plain 8-bit form up to 8 tokens (which then writes no tiles), its half form
+// beyond. Both against the CPU too.
+TEST_F(CudaOps, DecodeBatchTilesFromTheProducersEqualTheQuantizeLaunch) {
+  struct Restore {
+    bool before = cuda::set_tile_output(true);
+    ~Restore() { cuda::set_tile_output(before); }
+  } restore;
+  std::mt19937 rng(47);
+  const int n_embd = 2048, n_head = 16, n_head_kv = 4, hd = 128, n_ff = 2048, n_vocab = 256;
+  const int kv_w = n_head_kv * hd, n_seq = 16, rows = 256;
+  std::vector<float> deq;
+  auto mat = [&](DType t, const std::vector<float>& w, int64_t k, int64_t n) {
+    return quantize(t, w, k, n, deq);
+  };
+  const auto wq = mat(DType::Q4_0, randn(size_t(n_embd) * n_embd, rng, 0.05f), n_embd, n_embd);
+  const auto wk = mat(DType::Q4_0, randn(size_t(n_embd) * kv_w, rng, 0.05f), n_embd, kv_w);
+  const auto wo = mat(DType::Q4_0, randn(size_t(n_embd) * n_embd, rng, 0.05f), n_embd, n_embd);
+  const auto gate = mat(DType::Q4_0, randn(size_t(n_embd) * n_ff, rng, 0.05f), n_embd, n_ff);
+  const auto up = mat(DType::Q4_0, randn(size_t(n_embd) * n_ff, rng, 0.05f), n_embd, n_ff);
+  const auto down = mat(DType::Q4_0, randn(size_t(n_ff) * n_embd, rng, 0.05f), n_ff, n_embd);
+  const auto out = mat(DType::Q8_0, randn(size_t(n_embd) * n_vocab, rng, 0.05f), n_embd, n_vocab);
+  const auto embd = mat(DType::Q8_0, randn(size_t(n_embd) * n_vocab, rng), n_embd, n_vocab);
+  std::vector<float> attn_norm = randn(n_embd, rng, 0.3f), ffn_norm = randn(n_embd, rng, 0.3f),
+                     out_norm = randn(n_embd, rng, 0.3f);
+  for (auto* v : {&attn_norm, &ffn_norm, &out_norm})
+    for (float& x : *v) x += 1.0f;
+  const auto k16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+  const auto v16 = randn_f16(size_t(kv_w) * rows * n_seq, rng);
+  std::vector<int32_t> seqs(n_seq);
+  for (int i = 0; i < n_seq; ++i) seqs[i] = i;
+  std::shuffle(seqs.begin(), seqs.end(), rng);
+  for (DType v_type : {DType::Q4_0, DType::Q5_0}) {
+    const auto wv = random_blocks(v_type, n_embd, kv_w, rng);
+    for (int n_tok : {6, 12, 16}) {
+      std::vector<int32_t> tokens(n_tok), pos(n_tok), slots(2 * size_t(n_tok));
+      for (int i = 0; i < n_tok; ++i) {
+        tokens[i] = (i * 37 + 11) % n_vocab;
+        pos[i] = int(rng() % (rows - 1));
+        slots[i] = seqs[i];
+        slots[n_tok + i] = pos[i];
+      }
+      Build build = [&](Graph& g, Backend& be) {
+        auto w = [&](DType t, const std::vector<uint8_t>& m, int64_t k, int64_t n,
+                     const char* name) { return upload(g, be, t, k, n, m.data(), name); };
+        auto f32 = [&](const std::vector<float>& v, const char* name) {
+          return upload(g, be, DType::F32, int64_t(v.size()), 1, v.data(), name);
+        };
+        Tensor* kp = f16_pool(g, be, k16, kv_w, rows, n_seq, "k_pool");
+        Tensor* vp = f16_pool(g, be, v16, kv_w, rows, n_seq, "v_pool");
+        Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+        Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
+        Tensor* x = g.get_rows(w(DType::Q8_0, embd, n_embd, n_vocab, "embd"),
+                               g.input_i32(n_tok, tokens.data(), "tokens"));
+        Tensor* h = g.mul(g.rms_norm(x, 1e-5f), f32(attn_norm, "attn_norm"));
+        Tensor* q = g.mul_mat(w(DType::Q4_0, wq, n_embd, n_embd, "wq"), h);
+        Tensor* k = g.mul_mat(w(DType::Q4_0, wk, n_embd, kv_w, "wk"), h);
+        Tensor* v = g.mul_mat(w(v_type, wv, n_embd, kv_w, "wv"), h);
+        q = g.rope(q, p, n_head, hd, hd, kRopeNormal, 10000.0f);
+        k = g.rope(k, p, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
+        g.kv_store_seqs(kp, k, sl);
+        g.kv_store_seqs(vp, v, sl);
+        Tensor* a =
+            g.attention_seqs(q, kp, vp, sl, n_head, n_head_kv, hd, 1.0f / std::sqrt(float(hd)));
+        x = g.add(x, g.mul_mat(w(DType::Q4_0, wo, n_embd, n_embd, "wo"), a));
+        Tensor* f = g.mul(g.rms_norm(x, 1e-5f), f32(ffn_norm, "ffn_norm"));
+        Tensor* ffn = g.swiglu(g.mul_mat(w(DType::Q4_0, gate, n_embd, n_ff, "gate"), f),
+                               g.mul_mat(w(DType::Q4_0, up, n_embd, n_ff, "up"), f));
+        x = g.add(x, g.mul_mat(w(DType::Q4_0, down, n_ff, n_embd, "down"), ffn));
+        x = g.mul(g.rms_norm(x, 1e-5f), f32(out_norm, "out_norm"));
+        return g.mul_mat(w(DType::Q8_0, out, n_embd, n_vocab, "output"), x);
+      };
+      const std::string what =
+          std::string("v ") + type_name(v_type) + ", " + std::to_string(n_tok) + " tokens";
+      cuda::set_tile_output(true);
+      const auto tiles = run_on(*cuda_, build);
+      cuda::set_tile_output(false);
+      const auto apart = run_on(*cuda_, build);
+      const auto cpu = run_on(*cpu_, build);
+      ASSERT_EQ(tiles.size(), apart.size()) << what;
+      EXPECT_EQ(std::memcmp(tiles.data(), apart.data(), tiles.size() * sizeof(float)), 0) << what;
+      EXPECT_LT(rel_err(tiles, cpu), 5e-2) << what;
+      EXPECT_LT(rel_err(apart, cpu), 5e-2) << what;
+    }
+  }
+}
+
 // ---- the ops Gemma, Qwen and Phi add --------------------------------------------------------
 
 TEST_F(CudaOps, PerHeadNormWithItsWeightAndRepeatedBroadcast) {
@@ -1581,7 +1672,7 @@ struct LayerGraph {
   Graph g;
   std::vector<int32_t> tokens, positions;
   Tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *gate = nullptr, *up = nullptr;
-  Tensor *attn_norm_mul = nullptr, *attention = nullptr, *wo = nullptr;
+  Tensor *down = nullptr, *attn_norm_mul = nullptr, *attention = nullptr, *wo = nullptr;
   Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
   // q/k head norms (Qwen 3, Gemma 3) after the products, when set
@@ -1649,7 +1740,8 @@ struct LayerGraph {
       Tensor* f = g.mul(g.rms_norm(x, 1e-5f), ffn_norm_w);
       gate = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "gate"), f);
       up = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "up"), f);
-      x = g.add(x, g.mul_mat(weight(DType::Q4_1, n_ff, n_embd, "down"), g.swiglu(gate, up)));
+      down = g.mul_mat(weight(DType::Q4_1, n_ff, n_embd, "down"), g.swiglu(gate, up));
+      x = g.add(x, down);
     }
     g.set_output(g.mul_mat(weight(DType::Q8_0, n_embd, 49152, "output"), x));
     plan(g);
@@ -1739,26 +1831,52 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     expect_qkv_launches(LayerGraph(32, 0, true), 1, 1, 1);
   }
   {
-    // A batch of 16 takes the warp-pipelined int8 products: the first of q, k and v quantizes
-    // the activation into column tiles, which the other two read again.
-    expect_qkv_launches(LayerGraph(16, 0, true), 2, 1, 1);
+    // A batch of 16 takes the warp-pipelined int8 products, which read the activation in column
+    // tiles: the norm writes them beside its output, and q, k and v are a launch each; so are
+    // gate and up (the FFN norm's tiles) and down (the glu's). The attention of 16 tokens of one
+    // sequence (the prompt kernels) writes no 8-bit form: the output projection quantizes its
+    // tiles first.
+    LayerGraph lg(16, 0, true);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 1);
+    EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    EXPECT_EQ(launches_of(rec, lg.gate), 1);
+    EXPECT_EQ(launches_of(rec, lg.up), 1);
+    EXPECT_EQ(launches_of(rec, lg.down), 1);
+    EXPECT_EQ(launches_of(rec, lg.wo), 2);
   }
   {
-    // v in a format the int8 kernels do not take reads the half form the norm wrote, which the
-    // tiles of q and k, kept apart, leave in place: no second conversion.
-    expect_qkv_launches(LayerGraph(16, 0, true, false, DType::Q4_1, DType::Q5_0), 2, 1, 1);
+    // Without the producers' tiles (GGRAPH_CUDA_TILE_OUTPUT=0), the first product of each
+    // activation quantizes its tiles, which the others read again.
+    const bool before = cuda::set_tile_output(false);
+    LayerGraph lg(16, 0, true);
+    const auto rec = lg.launches();
+    cuda::set_tile_output(before);
+    EXPECT_EQ(launches_of(rec, lg.wq), 2);
+    EXPECT_EQ(launches_of(rec, lg.wk), 1);
+    EXPECT_EQ(launches_of(rec, lg.wv), 1);
+    EXPECT_EQ(launches_of(rec, lg.gate), 2);
+    EXPECT_EQ(launches_of(rec, lg.up), 1);
+    EXPECT_EQ(launches_of(rec, lg.down), 2);
+  }
+  {
+    // v in a format the int8 kernels do not take reads the half form the norm wrote, beside the
+    // column tiles of q and k, kept apart: no conversion launch for any of the three.
+    expect_qkv_launches(LayerGraph(16, 0, true, false, DType::Q4_1, DType::Q5_0), 1, 1, 1);
   }
 }
 
 // A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
-// ropes, the K/V stores by slots, the attention), planned but not run; the ropes' and the
-// stores' nodes.
+// ropes, the K/V stores by slots, the attention), planned but not run; the products', the
+// ropes' and the stores' nodes. v_type: v's format (the others are Q4_0).
 struct SeqsLayer {
   Graph g;
   std::vector<int32_t> tokens, positions, slots;
+  Tensor *wq = nullptr, *wv = nullptr, *wo = nullptr;
   Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
-  SeqsLayer(int n_tokens, int n_head_kv) {
+  SeqsLayer(int n_tokens, int n_head_kv, DType v_type = DType::Q4_0) {
     const int n_embd = 4096, n_head = 32, hd = 128, rows = 512, n_seq = 64;
     const int kv_w = n_head_kv * hd;
     FakeWeights fw;
@@ -1775,9 +1893,9 @@ struct SeqsLayer {
     Tensor* x = g.get_rows(weight(DType::Q8_0, n_embd, 32000, "tok_embd"), tok);
     for (int il = 0; il < 2; ++il) {
       Tensor* h = g.mul(g.rms_norm(x, 1e-5f), weight(DType::F32, n_embd, 1, "attn_norm"));
-      Tensor* q = g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wq"), h);
+      Tensor* q = wq = g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wq"), h);
       Tensor* k = g.mul_mat(weight(DType::Q4_0, n_embd, kv_w, "wk"), h);
-      Tensor* v = g.mul_mat(weight(DType::Q4_0, n_embd, kv_w, "wv"), h);
+      Tensor* v = wv = g.mul_mat(weight(v_type, n_embd, kv_w, "wv"), h);
       rope_q = g.rope(q, pos, n_head, hd, hd, kRopeNormal, 10000.0f);
       rope_k = g.rope(k, pos, n_head_kv, hd, hd, kRopeNormal, 10000.0f);
       const size_t pool_bytes = size_t(rows) * n_seq * kv_w * 2;
@@ -1786,7 +1904,8 @@ struct SeqsLayer {
       store_k = g.kv_store_seqs(kp, rope_k, sl);
       store_v = g.kv_store_seqs(vp, v, sl);
       Tensor* a = g.attention_seqs(rope_q, kp, vp, sl, n_head, n_head_kv, hd, 0.088f);
-      x = g.add(x, g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wo"), a));
+      wo = g.mul_mat(weight(DType::Q4_0, n_embd, n_embd, "wo"), a);
+      x = g.add(x, wo);
     }
     g.set_output(g.mul_mat(weight(DType::Q8_0, n_embd, 32000, "output"), x));
     plan(g);
@@ -1794,6 +1913,26 @@ struct SeqsLayer {
 
   std::vector<cuda::KernelLaunch> launches() const { return LayerGraph::launches_of_graph(g); }
 };
+
+// Decode batches of rows of 4,096 take the warp-pipelined products from 4 columns on, whose
+// column tiles the producers write: the norm for q, k and v, the attention over the pools (the
+// decode kernels, at any count) for the output projection; each product is one launch. Where a
+// mat-vec reads the norm too (v in Q5_0, up to 8 columns), the norm writes the mat-vec's plain
+// 8-bit form and the first product quantizes the tiles itself.
+TEST(CudaLaunchPlan, DecodeBatchProducersWriteTheProductsColumnTiles) {
+  for (int n_tokens : {4, 16}) {
+    SeqsLayer lg(n_tokens, 8);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.wv), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.wo), 1) << n_tokens;
+  }
+  SeqsLayer mixed(4, 8, DType::Q5_0);
+  const auto rec = mixed.launches();
+  EXPECT_EQ(launches_of(rec, mixed.wq), 2);
+  EXPECT_EQ(launches_of(rec, mixed.wv), 1);
+  EXPECT_EQ(launches_of(rec, mixed.wo), 1);
+}
 
 // Decode batches: the ropes of q and k and both stores into the pools go out in one launch (a
 // token a block, which reads its rows first), k's rope in q's product's place; where k is
