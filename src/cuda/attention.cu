@@ -848,6 +848,16 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     auto copy = [&](auto unit, uint8_t* d, int pitch) {
       constexpr int U = decltype(unit)::value;
       constexpr int kUnits = kHeadBytes / U;  // a row's
+      if (n_valid == BK && cache_rows - row0 >= BK) {
+        // A whole tile that does not wrap: rows row0 on, without the tests (each copy's row
+        // and unit are a division by a constant).
+        const uint8_t* base = head + static_cast<int64_t>(row0) * row_bytes;
+        for (int i = lane; i < BK * kUnits; i += 32) {
+          const int r = i / kUnits, u = i % kUnits;
+          cp_async_n<U>(d + r * pitch + U * u, base + r * row_bytes + U * u, U);
+        }
+        return;
+      }
       for (int i = lane; i < BK * kUnits; i += 32) {
         const int r = i / kUnits, u = i % kUnits;
         const bool ok = r < n_valid;
@@ -871,10 +881,17 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       const int64_t step = kStepR * row_bytes, ring = static_cast<int64_t>(cache_rows) * row_bytes;
       const uint8_t* src = head + (static_cast<int64_t>(row0) + r0) * row_bytes + 16 * u;
       uint8_t* d = reinterpret_cast<uint8_t*>(dst + r0 * P) + 16 * u;
+      if (n_valid == BK && wrap_r >= BK) {
+        // A whole tile that does not wrap (every tile but a split's last, outside ring caches):
+        // an add and the copy a unit, where the tests and selects below cost 16 instructions.
 #pragma unroll
-      for (int r = r0; r < BK; r += kStepR, src += step, d += kStepR * P * 2) {
-        const bool ok = r < n_valid;
-        cp_async16(d, ok ? (r >= wrap_r ? src - ring : src) : head, ok ? 16 : 0);
+        for (int r = r0; r < BK; r += kStepR, src += step) cp_async16(d + (r - r0) * P * 2, src);
+      } else {
+#pragma unroll
+        for (int r = r0; r < BK; r += kStepR, src += step, d += kStepR * P * 2) {
+          const bool ok = r < n_valid;
+          cp_async16(d, ok ? (r >= wrap_r ? src - ring : src) : head, ok ? 16 : 0);
+        }
       }
     } else {
       copy(std::integral_constant<int, 16>(), reinterpret_cast<uint8_t*>(dst), P * 2);
@@ -901,11 +918,25 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   const int k_off = (lane % 8 + lane / 16 * 8) * P + lane / 8 % 2 * 8;
   const int v_off = (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
 
-  for (int tile = k_begin + warp * BK; tile < k_end; tile += kWarps * BK) {
+  // F16: the next tile's K is requested once the scores have read this one's, and its V once
+  // P*V has, so that a warp always has a tile's K or V in flight (staged at the top of each
+  // tile, a warp waited for each tile's K with nothing else to do). Q8: K's raw bytes share the
+  // V tile, so both are requested at the top of each tile.
+  constexpr int kTileStep = kWarps * BK;
+  auto tile_stage = [&](int tile, const uint8_t* head, __half* dst, uint8_t* raw_dst) {
+    stage(tile, min(BK, k_end - tile), ring_row(tile, cache_rows), head, dst, raw_dst);
+  };
+  if (!Q8 && k_begin + warp * BK < k_end) {
+    tile_stage(k_begin + warp * BK, k_head, ks, raw_k);
+    tile_stage(k_begin + warp * BK, v_head, vs, raw);
+  }
+  for (int tile = k_begin + warp * BK; tile < k_end; tile += kTileStep) {
     const int n_valid = min(BK, k_end - tile);
-    const int row0 = ring_row(tile, cache_rows);  // the tile's rows follow it (ring_row_after)
-    stage(tile, n_valid, row0, k_head, ks, raw_k);
-    stage(tile, n_valid, row0, v_head, vs, raw);
+    const bool more = !Q8 && tile + kTileStep < k_end;
+    if constexpr (Q8) {
+      tile_stage(tile, k_head, ks, raw_k);
+      tile_stage(tile, v_head, vs, raw);
+    }
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
     __syncwarp();
     decode(raw_k, ks);
@@ -940,13 +971,21 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
           if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
       }
     }
+    if (more) {
+      __syncwarp();  // every lane's K fragments read
+      tile_stage(tile + kTileStep, k_head, ks, raw_k);
+    }
     frag_softmax(s, m, l, o);
 
-    cp_async_wait<0>();
+    if (more)
+      cp_async_wait<1>();  // this tile's V, with the next K still coming
+    else
+      cp_async_wait<0>();
     __syncwarp();
     decode(raw, vs);
     frag_pv<P, true>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged over it
+    if (more) tile_stage(tile + kTileStep, v_head, vs, raw);
   }
 
   // Each warp's records of its rows (m back in the natural base), then the block's end.
