@@ -899,8 +899,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   auto tile_stage = [&](int tile, const uint8_t* head, __half* dst, uint8_t* raw_dst) {
     stage(tile, min(BK, k_end - tile), ring_row(tile, cache_rows), head, dst, raw_dst);
   };
-  // The kernel before this one (the q/k/v products) writes q and this step's K and V rows; the
-  // rows before them are older. Where each warp of the split has one tile, a warp whose tile
+  // The kernel before this one (the q/k/v products, or the ropes and K/V stores) writes q and
+  // this step's K and V rows; the rows before them are older, and the KV record and slots that
+  // decode_span read above were written before that kernel started (DESIGN.md, invariants).
+  // Where each warp of the split has one tile, a warp whose tile
   // holds only older rows requests it before waiting for that kernel, so that its trip to memory
   // overlaps the kernel's end (the SmolLM2 shape at depth 4,096: 1,588-1,592 tok/s against
   // 1,409-1,527 on an H200). With more tiles a warp (the 7B shape's splits of 512 keys) the
