@@ -1777,6 +1777,13 @@ int launches_of(const std::vector<cuda::KernelLaunch>& rec, const Tensor* t) {
                            [&](const cuda::KernelLaunch& k) { return k.node == t->index; }));
 }
 
+// The launches at each node of a plan, as (node, launches) pairs.
+void expect_launches(const std::vector<cuda::KernelLaunch>& rec,
+                     std::initializer_list<std::pair<const Tensor*, int>> want) {
+  for (const auto& [t, n] : want)
+    EXPECT_EQ(launches_of(rec, t), n) << op_name(t->op) << " node " << t->index << " " << t->name;
+}
+
 // The launches at q's, k's and v's product nodes of a layer's plan.
 void expect_qkv_launches(const LayerGraph& lg, int q, int k, int v) {
   const auto rec = lg.launches();
@@ -1796,17 +1803,11 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, residual_add), 1);
     EXPECT_EQ(launches_of(rec, lg.attn_norm_mul->src[0]), 0);
     EXPECT_EQ(launches_of(rec, lg.attn_norm_mul), 0);
-    EXPECT_EQ(launches_of(rec, lg.wq), 1);
-    EXPECT_EQ(launches_of(rec, lg.wk), 0);
-    EXPECT_EQ(launches_of(rec, lg.wv), 0);
+    expect_launches(rec, {{lg.wq, 1}, {lg.wk, 0}, {lg.wv, 0}});
     // Then the ropes of q and k, with the K and V stores, in one launch at q's rope.
-    EXPECT_EQ(launches_of(rec, lg.rope_q), 1);
-    EXPECT_EQ(launches_of(rec, lg.rope_k), 0);
-    EXPECT_EQ(launches_of(rec, lg.store_k), 0);
-    EXPECT_EQ(launches_of(rec, lg.store_v), 0);
+    expect_launches(rec, {{lg.rope_q, 1}, {lg.rope_k, 0}, {lg.store_k, 0}, {lg.store_v, 0}});
     // The attention writes its output's 8-bit form too: the output projection is one launch.
-    EXPECT_EQ(launches_of(rec, lg.attention), 1);
-    EXPECT_EQ(launches_of(rec, lg.wo), 1);
+    expect_launches(rec, {{lg.attention, 1}, {lg.wo, 1}});
   }
   {
     // A split attention (a long context) is one launch too: the last split of each head
@@ -1838,13 +1839,9 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     // tiles first.
     LayerGraph lg(16, 0, true);
     const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.wq), 1);
-    EXPECT_EQ(launches_of(rec, lg.wk), 1);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
-    EXPECT_EQ(launches_of(rec, lg.gate), 1);
-    EXPECT_EQ(launches_of(rec, lg.up), 1);
-    EXPECT_EQ(launches_of(rec, lg.down), 1);
-    EXPECT_EQ(launches_of(rec, lg.wo), 2);
+    expect_launches(
+        rec,
+        {{lg.wq, 1}, {lg.wk, 1}, {lg.wv, 1}, {lg.gate, 1}, {lg.up, 1}, {lg.down, 1}, {lg.wo, 2}});
   }
   {
     // Without the producers' tiles (GGRAPH_CUDA_TILE_OUTPUT=0), the first product of each
@@ -1853,12 +1850,8 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     LayerGraph lg(16, 0, true);
     const auto rec = lg.launches();
     cuda::set_tile_output(before);
-    EXPECT_EQ(launches_of(rec, lg.wq), 2);
-    EXPECT_EQ(launches_of(rec, lg.wk), 1);
-    EXPECT_EQ(launches_of(rec, lg.wv), 1);
-    EXPECT_EQ(launches_of(rec, lg.gate), 2);
-    EXPECT_EQ(launches_of(rec, lg.up), 1);
-    EXPECT_EQ(launches_of(rec, lg.down), 2);
+    expect_launches(rec,
+                    {{lg.wq, 2}, {lg.wk, 1}, {lg.wv, 1}, {lg.gate, 2}, {lg.up, 1}, {lg.down, 2}});
   }
   {
     // v in a format the int8 kernels do not take reads the half form the norm wrote, beside the
