@@ -90,6 +90,15 @@ void* device_copy_of(const std::vector<uint8_t>& host, DType t) {
   return p;
 }
 
+// Copies of a weight on the device, enough of them (400 MB, more than 6x the L2) that a
+// product reading one after another comes from memory.
+std::vector<void*> copies_past_l2(const std::vector<uint8_t>& host, DType t) {
+  const double mb = host.size() / 1e6;
+  std::vector<void*> w(int(std::max<double>(2, 400.0 / mb + 1)));
+  for (auto& p : w) p = device_copy_of(host, t);
+  return w;
+}
+
 // Random weights of a format with sane scales (the values do not change the timing).
 std::vector<uint8_t> random_weights(DType t, int64_t k, int64_t n, std::mt19937& rng) {
   const size_t bytes = gc::row_bytes(t, k) * n;
@@ -252,9 +261,8 @@ int main(int argc, char** argv) {
         if (sh.k % gc::block_elems(t) != 0) continue;  // 576 is no multiple of a K-quant block
         const auto host = random_weights(t, sh.k, sh.n, rng);
         const double mb = host.size() / 1e6;
-        const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
-        std::vector<void*> w(copies);
-        for (auto& p : w) p = device_copy_of(host, t);
+        const std::vector<void*> w = copies_past_l2(host, t);
+        const int copies = int(w.size());
         for (int cols : {1, 2, 4, 8}) {
           const bool q = gc::is_quantized(t);
           // One column of a quantized type: every kernel shape (rows per warp, pieces in
@@ -326,10 +334,8 @@ int main(int argc, char** argv) {
       for (KN sh : shapes) {
         if (sh.k % gc::block_elems(t) != 0) continue;
         const auto host = random_weights(t, sh.k, sh.n, rng);
-        const double mb = host.size() / 1e6;
-        const int copies = int(std::max<double>(2, 400.0 / mb + 1));  // > 6x the L2
-        std::vector<void*> w(copies);
-        for (auto& p : w) p = device_copy_of(host, t);
+        const std::vector<void*> w = copies_past_l2(host, t);
+        const int copies = int(w.size());
         for (int cols : {2, 4, 8, 16}) {
           float* x = device_randn(size_t(sh.k) * cols, rng);
           float* dst = nullptr;
