@@ -902,11 +902,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // The kernel before this one (the q/k/v products, or the ropes and K/V stores) writes q and
   // this step's K and V rows; the rows before them are older, and the KV record and slots that
   // decode_span read above were written before that kernel started (DESIGN.md, invariants).
-  // Where each warp of the split has one tile, a warp whose tile
-  // holds only older rows requests it before waiting for that kernel, so that its trip to memory
-  // overlaps the kernel's end (the SmolLM2 shape at depth 4,096: 1,588-1,592 tok/s against
-  // 1,409-1,527 on an H200). With more tiles a warp (the 7B shape's splits of 512 keys) the
-  // first tile's early request measured 1-3% slower, and waits as before.
+  // Where each warp of the split has one tile, a warp whose tile holds only older rows requests
+  // it before waiting for that kernel, so that its trip to memory overlaps the kernel's end (the
+  // SmolLM2 shape at depth 4,096: 1,588-1,592 tok/s against 1,409-1,527 on an H200). With more
+  // tiles a warp (the 7B shape's splits of 512 keys) the first tile's early request measured
+  // 1-3% slower, and waits as before.
   const int first_tile = k_begin + warp * BK;
   const bool first_early = k_end - k_begin <= kTileStep && first_tile < k_end &&
                            min(first_tile + BK, k_end) <= sp.first_new;
@@ -947,7 +947,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     tile_stage(first_tile, k_head, ks, raw_k);
     tile_stage(first_tile, v_head, vs, raw);
   }
-  for (int tile = k_begin + warp * BK; tile < k_end; tile += kTileStep) {
+  for (int tile = first_tile; tile < k_end; tile += kTileStep) {
     const int n_valid = min(BK, k_end - tile);
     const bool more = !Q8 && tile + kTileStep < k_end;
     if (Q8 && (tile != first_tile || !first_early)) {
@@ -1262,9 +1262,8 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
 
 // Where the decode kernels write the output's 8-bit form (plain, or in column tiles).
 ActQ8 attn_out_q8(const AttentionArgs& a) {
-  const int64_t k = static_cast<int64_t>(a.n_head) * a.head_dim;
-  return a.quant_tiles ? act_q8_tiles(a.quant_ws, k, a.n_tokens)
-                       : act_q8(a.quant_ws, k, a.n_tokens);
+  return act_q8_form(a.quant_ws, static_cast<int64_t>(a.n_head) * a.head_dim, a.n_tokens,
+                     a.quant_tiles);
 }
 
 template <int DPL, int G>
@@ -1279,11 +1278,10 @@ void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const
   // The output's 8-bit form for the products that read it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
   const ActQ8 q8 = attn_out_q8(a);
-  const int64_t tiles_k = a.quant_tiles ? static_cast<int64_t>(a.n_head) * a.head_dim : 0;
   auto launch = [&](auto kernel) {
     l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
       a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window,
+      n_splits, n_gchunks, q8.qs, q8.ds, q8.tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window,
       a.counters, a.cache_rows, a.slots);
   };
   if (a.kv_type == DType::Q8_0) {
@@ -1314,12 +1312,12 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   const int kv_blocks = a.n_head_kv * n_gchunks * a.n_tokens;
   const int max_keys = attention_max_keys(a);
   const ActQ8 q8 = attn_out_q8(a);
-  const int64_t tiles_k = a.quant_tiles ? static_cast<int64_t>(a.n_head) * a.head_dim : 0;
   const bool is_q8 = a.kv_type == DType::Q8_0;
   auto launch = [&](auto kernel, dim3 grid, dim3 block, size_t smem, int n_splits) {
     l(kernel, grid, block, smem, a.q, kc, vc, a.out, a.partials, a.n_head, a.n_head_kv, a.head_dim,
       a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds,
-      tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
+      q8.tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows,
+      a.slots);
   };
   // A grid of clusters that are resident at once, over a cache longer than one block's pass and
   // within one pass of the cluster's blocks (4,096 keys at 64 dims, 2,048 at 128, 1,024 at 256):

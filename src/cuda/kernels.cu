@@ -595,13 +595,11 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   // its chain of dependent instructions, which more threads with fewer elements each shorten
   // (SmolLM2's 576 under Nsight Compute: 5.0 us with 160 threads of 4 elements, 3.1 with 576).
   const int threads = static_cast<int>(std::min<int64_t>(1024, (ne0 + 31) / 32 * 32));
-  const ActQ8 q =
-      a.quant_tiles ? act_q8_tiles(a.quant_ws, ne0, cols) : act_q8(a.quant_ws, ne0, cols);
-  const int64_t tiles_k = a.quant_tiles ? ne0 : 0;
+  const ActQ8 q = act_q8_form(a.quant_ws, ne0, cols, a.quant_tiles);
   const int64_t per_thread = ceil_div(ne0, threads);
   auto launch = [&](auto kernel) {
     l(kernel, dim3(cols), dim3(threads), 0, a.src, a.add, a.sum_out, a.w, a.w_cols,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, tiles_k, a.add_w, a.add_eps,
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, q.tiles_k, a.add_w, a.add_eps,
       reinterpret_cast<__half*>(a.half_ws));
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
@@ -609,7 +607,7 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   // One wide column over a cluster of blocks, where wide enough and it runs here.
   auto cluster = [&](auto kernel, int c) {
     l(kernel, dim3(c), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src, a.add, a.sum_out, a.w,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, tiles_k,
+      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, q.tiles_k,
       reinterpret_cast<__half*>(a.half_ws));
   };
   if (cols == 1 && !a.add_w && a.w_cols == 1 && ne0 >= norm_cluster_min_width()) {
@@ -648,14 +646,13 @@ void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t 
 void launch_glu(Launcher& l, int act, const float* gate, const float* up, float* dst, int64_t ne0,
                 int64_t cols, uint8_t* quant_ws, uint8_t* half_ws, bool quant_tiles) {
   const int64_t n = ne0 * cols;
-  const ActQ8 q = quant_tiles ? act_q8_tiles(quant_ws, ne0, cols) : act_q8(quant_ws, ne0, cols);
-  const int64_t tiles_k = quant_tiles ? ne0 : 0;
+  const ActQ8 q = act_q8_form(quant_ws, ne0, cols, quant_tiles);
   auto* h = reinterpret_cast<__half*>(half_ws);
   const dim3 grid(ceil_div(n, 256)), block(256);
   if (act == kGluGelu) {
-    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, tiles_k, h);
+    l(glu_kernel<kGluGelu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, q.tiles_k, h);
   } else {
-    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, tiles_k, h);
+    l(glu_kernel<kGluSilu>, grid, block, 0, gate, up, dst, n, q.qs, q.ds, q.tiles_k, h);
   }
 }
 
@@ -799,7 +796,13 @@ size_t act_q8_tiles_bytes(int64_t k, int64_t cols) {
 }
 
 ActQ8 act_q8_tiles(uint8_t* ws, int64_t k, int64_t cols) {
-  return act_q8(ws, k, ceil_div(cols, 8) * 8);
+  ActQ8 q = act_q8(ws, k, ceil_div(cols, 8) * 8);
+  q.tiles_k = k;
+  return q;
+}
+
+ActQ8 act_q8_form(uint8_t* ws, int64_t k, int64_t cols, bool tiles) {
+  return tiles ? act_q8_tiles(ws, k, cols) : act_q8(ws, k, cols);
 }
 
 void launch_quantize_act_tiles(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws) {

@@ -318,6 +318,7 @@ size_t act_q8_bytes(int64_t k, int64_t cols);
 struct ActQ8 {
   int8_t* qs = nullptr;
   float2* ds = nullptr;
+  int64_t tiles_k = 0;  // the column tiles' row length (q8_index), 0 in the plain layout
 };
 ActQ8 act_q8(uint8_t* ws, int64_t k, int64_t cols);
 void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
@@ -327,6 +328,8 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
 // is 8 bytes at column g's 8 t), and the pairs [tile][block][column] as (d, d * sum).
 size_t act_q8_tiles_bytes(int64_t k, int64_t cols);
 ActQ8 act_q8_tiles(uint8_t* ws, int64_t k, int64_t cols);
+// The form a producer (a norm, a glu, the decode attention) writes: tiles or plain.
+ActQ8 act_q8_form(uint8_t* ws, int64_t k, int64_t cols, bool tiles);
 void launch_quantize_act_tiles(Launcher& l, const float* x, int64_t k, int64_t cols, uint8_t* ws);
 // Activation preparation for the tensor-core path: half (or bfloat16, for cuBLAS's products of
 // BF16 weights), columns padded to kp = round_up(k, kActPad) with zeros.
