@@ -329,19 +329,34 @@ __device__ __forceinline__ StageRange stage_range(int nb, int kSB) {
 }
 
 // The cp.async pipeline over a block's stages: kStages - 1 of them in flight ahead of the one
-// computed. load(s) issues stage s's copies into buffer (s - begin) % kStages, compute(s) reads it
-// once they have landed and every thread has passed the barrier.
-template <int kStages, class Load, class Compute>
-__device__ __forceinline__ void run_stages(StageRange r, Load&& load, Compute&& compute) {
+// computed. load_w(s) and load_a(s) issue stage s's copies of the weights and of the activation
+// into buffer (s - begin) % kStages, compute(s) reads it once they have landed and every thread
+// has passed the barrier. The first stages' weights are requested before the wait for the grid
+// before (they never change after upload), so that their trip to memory overlaps its end: a
+// decode batch's product is a single wave of blocks of a few stages each, which otherwise all
+// start with that trip. Their copies form one group of their own, older than every other, so
+// the waits below count the groups as they would without it.
+template <int kStages, class LoadW, class LoadA, class Compute>
+__device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&& load_a,
+                                           Compute&& compute) {
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (r.begin + i < r.end) load(r.begin + i);
+    if (r.begin + i < r.end) load_w(r.begin + i);
+  }
+  cp_async_commit();
+  pdl_wait();
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (r.begin + i < r.end) load_a(r.begin + i);
     cp_async_commit();
   }
   for (int s = r.begin; s < r.end; ++s) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (s + kStages - 1 < r.end) load(s + kStages - 1);
+    if (s + kStages - 1 < r.end) {
+      load_w(s + kStages - 1);
+      load_a(s + kStages - 1);
+    }
     cp_async_commit();
     compute(s);
   }
@@ -479,14 +494,16 @@ __global__ void __launch_bounds__(kQ8Threads)
   const StageCopy<T::kCols, kSB, 8, 8, kQ8Threads> load_pairs(ads, static_cast<size_t>(nb) * 8, 0,
                                                               cols);
 
-  pdl_wait();
   // Stage s: blocks kSB s .. kSB (s + 1) - 1 of k; those past the row's end (k / 32 blocks) are
   // zeros, which add nothing (their scales and activation pairs are zeros too).
-  auto load_stage = [&](int s) {
-    uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
-    uint8_t* sa = st + T::kW + T::kWS;
+  auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
+  auto load_stage_w = [&](int s) {
+    uint8_t* st = stage_at(s);
+    load_weights(s * kSB, st, st + T::kW);
+  };
+  auto load_stage_a = [&](int s) {
+    uint8_t* sa = stage_at(s) + T::kW + T::kWS;
     const int b0 = s * kSB;
-    load_weights(b0, st, st + T::kW);
     load_act(sa, b0, nb,
              [](int col, int ch) { return col * T::kStageK + ((ch ^ (col & 7)) * 16); });
     load_pairs(sa + T::kA, b0, nb, [](int col, int j) { return (col * kSB + j) * 8; });
@@ -497,8 +514,8 @@ __global__ void __launch_bounds__(kQ8Threads)
   const int mi = lane / 8, ri = lane % 8;
   float acc[1][NT][4] = {};
 
-  run_stages<kStages>(range, load_stage, [&](int s) {
-    const uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
+  run_stages<kStages>(range, load_stage_w, load_stage_a, [&](int s) {
+    const uint8_t* st = stage_at(s);
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
@@ -760,16 +777,25 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   finish_tile<1, kQwWarps, 1, NT, kQwThreads>(acc, smem, n, cols, dst, nullptr, nullptr);
 }
 
-// Half pairs of a 32-bit word: (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at
-// bit 0, 1024 + nibble at bit 16), exact; 1024 (or 1152 for the offset bytes of Q8_0) comes off,
-// then the block's scale and offset: s * q + m, rounded once. Q4_0's, Q4_1's and Q8_0's s and m
-// are halves already; a Q4_K sub-block's (d times its 6-bit scale, dmin times its minimum) are
+// Half pairs from quants. A half whose bits are 0x6400 | b (b < 1024) is 1024 + b exactly, so
+// (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at bit 0, 1024 + nibble at bit
+// 16), one lop3; (x & 0x00F000F0) | 0x64006400 is 1024 + 16 times the nibbles at bits 4 and 20,
+// which scale by 1/16 and less 64 take to the nibbles (every step exact). Q8_0's bytes, their
+// top bits flipped, go into the low bytes of 0x6400 halves by one byte permute, 1152 off. Then
+// the block's scale and offset: s * q + m, rounded once. Q4_0's, Q4_1's and Q8_0's s and m are
+// halves already; a Q4_K sub-block's (d times its 6-bit scale, dmin times its minimum) are
 // rounded to half first, so its values carry that rounding too.
-__device__ __forceinline__ uint32_t half_pair(uint32_t bits, __half2 bias, __half2 s, __half2 m) {
-  const uint32_t h = bits | 0x64006400u;
-  const __half2 q = __hsub2(*reinterpret_cast<const __half2*>(&h), bias);
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));  // x & m | b
+  return r;
+}
+__device__ __forceinline__ uint32_t scale_half_pair(__half2 q, __half2 s, __half2 m) {
   const __half2 v = __hfma2(q, s, m);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ __half2 as_half2(uint32_t h) {
+  return *reinterpret_cast<const __half2*>(&h);
 }
 
 // A fragments (m16n8k16, the permuted k order of the file's comment) of one 32-block's two
@@ -782,30 +808,41 @@ __device__ __forceinline__ void half_fragments(uint32_t (&a)[2][4], const uint32
   const __half2 s0 = __float2half2_rn(sg.x), m0 = __float2half2_rn(sg.y);
   const __half2 s1 = __float2half2_rn(sg8.x), m1 = __float2half2_rn(sg8.y);
   if constexpr (TYPE == kTypeQ8_0) {
-    // Signed bytes + 128 after the flip of their top bits, two of them into the low bytes of a
-    // half pair.
     const __half2 bias = __float2half2_rn(1152.0f);
+    auto pair = [&](uint32_t x, uint32_t sel, __half2 s, __half2 m) {
+      return scale_half_pair(__hsub2(as_half2(__byte_perm(x, 0x64006400u, sel)), bias), s, m);
+    };
 #pragma unroll
     for (int st = 0; st < 2; ++st) {
       const uint32_t u = xg[st] ^ 0x80808080u, v = xg8[st] ^ 0x80808080u;
-      a[st][0] = half_pair(__byte_perm(u, 0, 0x4140), bias, s0, m0);
-      a[st][1] = half_pair(__byte_perm(v, 0, 0x4140), bias, s1, m1);
-      a[st][2] = half_pair(__byte_perm(u, 0, 0x4342), bias, s0, m0);
-      a[st][3] = half_pair(__byte_perm(v, 0, 0x4342), bias, s1, m1);
+      // Bytes (0, 1) and (2, 3) into bit 0 and bit 16, 0x64 above each.
+      a[st][0] = pair(u, 0x7150, s0, m0);
+      a[st][1] = pair(v, 0x7150, s1, m1);
+      a[st][2] = pair(u, 0x7352, s0, m0);
+      a[st][3] = pair(v, 0x7352, s1, m1);
     }
   } else {
-    // Bytes reordered 0, 2, 1, 3: the nibbles of bytes 0 and 1 sit at bits 0 and 16, those of
-    // bytes 2 and 3 eight bits up.
-    const __half2 bias = __float2half2_rn(1024.0f);
+    // The nibbles of bytes 0 and 1 at bits 0 and 16 (u), those of bytes 2 and 3 there too (u2).
     const uint32_t u = __byte_perm(xg[0], 0, 0x3120), v = __byte_perm(xg8[0], 0, 0x3120);
-#pragma unroll
-    for (int st = 0; st < 2; ++st) {
-      const int sh = 4 * st;
-      a[st][0] = half_pair((u >> sh) & 0x000F000Fu, bias, s0, m0);
-      a[st][1] = half_pair((v >> sh) & 0x000F000Fu, bias, s1, m1);
-      a[st][2] = half_pair((u >> (sh + 8)) & 0x000F000Fu, bias, s0, m0);
-      a[st][3] = half_pair((v >> (sh + 8)) & 0x000F000Fu, bias, s1, m1);
-    }
+    const uint32_t u2 = __byte_perm(xg[0], 0, 0x3322), v2 = __byte_perm(xg8[0], 0, 0x3322);
+    const __half2 bias = __float2half2_rn(1024.0f);
+    const __half2 sixteenth = __float2half2_rn(0.0625f), less64 = __float2half2_rn(-64.0f);
+    auto lo = [&](uint32_t x, __half2 s, __half2 m) {
+      return scale_half_pair(__hsub2(as_half2(lop3_and_or(x, 0x000F000Fu, 0x64006400u)), bias), s,
+                             m);
+    };
+    auto hi = [&](uint32_t x, __half2 s, __half2 m) {
+      const __half2 h = as_half2(lop3_and_or(x, 0x00F000F0u, 0x64006400u));
+      return scale_half_pair(__hfma2(h, sixteenth, less64), s, m);
+    };
+    a[0][0] = lo(u, s0, m0);
+    a[0][1] = lo(v, s1, m1);
+    a[0][2] = lo(u2, s0, m0);
+    a[0][3] = lo(v2, s1, m1);
+    a[1][0] = hi(u, s0, m0);
+    a[1][1] = hi(v, s1, m1);
+    a[1][2] = hi(u2, s0, m0);
+    a[1][3] = hi(v2, s1, m1);
   }
 }
 
@@ -840,22 +877,33 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   const StageCopy<T::kCols, kStageK / 8, 16, 64, kThreads> load_act(
       act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols);
 
-  pdl_wait();
-  auto load_stage = [&](int s) {
-    uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
-    const int b0 = s * kSB;
-    load_weights(b0, st, st + T::kW);
-    load_act(st + T::kW + T::kWS, b0, nb,
+  auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
+  auto load_stage_w = [&](int s) {
+    uint8_t* st = stage_at(s);
+    load_weights(s * kSB, st, st + T::kW);
+  };
+  auto load_stage_a = [&](int s) {
+    load_act(stage_at(s) + T::kW + T::kWS, s * kSB, nb,
              [](int col, int ch) { return col * kStageK * 2 + ((ch ^ act_swizzle(col)) * 16); });
   };
 
   const int g = lane / 4, t = lane % 4;
   const int mi = lane / 8, ri = lane % 8;
-  const int sw_g = act_swizzle(g);
+  // The B loads' offsets in a stage's activation but for the column tile's and the unrolled
+  // steps' constant parts. Lane (g, t) reads chunk (4 j + 2 st2 + t/2) ^ act_swizzle(g) of
+  // column g's stage (block j = kPerWarp wk + c4 of the warp's, step st2), 8 (t & 1) bytes in.
+  // With c = 4 c4 + 2 st2 (even; c & ~7 and c & 7 constants once unrolled) that chunk is
+  // 4 kPerWarp wk + (c & ~7) + (((c & 7) | t/2) ^ act_swizzle(g)): the XOR changes only the low
+  // three bits, and 4 kPerWarp wk is a multiple of 8. So four offsets, one for each c & 7.
+  int b_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    b_off[i] = g * kStageK * 2 + 8 * (t & 1) +
+               (4 * kPerWarp * wk + (((2 * i) | (t >> 1)) ^ act_swizzle(g))) * 16;
   float acc[MT][NT][4] = {};
 
-  run_stages<kStages>(range, load_stage, [&](int s) {
-    const uint8_t* st = smem + ((s - range.begin) % kStages) * T::kStage;
+  run_stages<kStages>(range, load_stage_w, load_stage_a, [&](int s) {
+    const uint8_t* st = stage_at(s);
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
@@ -896,15 +944,15 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
           half_fragments<TYPE>(a[mt], xg[mt][h], xg8[mt][h], block_scale<TYPE>(rs, j),
                                block_scale<TYPE>(rs + 8 * T::kScaleBytes, j));
         }
-        // Column nt*8 + g's values 16 st + 4t .. + 3 of block j: chunk 4j + 2st + t/2. The
-        // steps go outside, so that products in a row add into different accumulators.
+        // Column nt*8 + g's values 16 st + 4t .. + 3 of block j (b_off). The steps go outside,
+        // so that products in a row add into different accumulators.
 #pragma unroll
         for (int st2 = 0; st2 < 2; ++st2) {
+          const int c = 4 * (jp + h) + 2 * st2;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint8_t* cb = sa + (nt * 8 + g) * kStageK * 2 + 8 * (t & 1);
-            const uint2 b =
-                *reinterpret_cast<const uint2*>(cb + (((4 * j + 2 * st2 + t / 2) ^ sw_g) * 16));
+            const uint2 b = *reinterpret_cast<const uint2*>(sa + nt * 8 * kStageK * 2 +
+                                                            (c & ~7) * 16 + b_off[(c & 7) / 2]);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt][nt], a[mt][st2], b.x, b.y);
           }

@@ -336,7 +336,7 @@ int main(int argc, char** argv) {
         const auto host = random_weights(t, sh.k, sh.n, rng);
         const std::vector<void*> w = copies_past_l2(host, t);
         const int copies = int(w.size());
-        for (int cols : {2, 4, 8, 16}) {
+        for (int cols : {2, 4, 8, 16, 32, 64}) {
           float* x = device_randn(size_t(sh.k) * cols, rng);
           float* dst = nullptr;
           CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
