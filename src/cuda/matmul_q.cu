@@ -220,6 +220,23 @@ __device__ __forceinline__ float2 block_scale(const uint8_t* rec, int j) {
   }
 }
 
+// block_scale's s and m as halves (s low, m high), as the half kernel applies them: Q4_0's,
+// Q4_1's and Q8_0's straight from their f16 bits (Q4_0's m, -8 s, exact), Q4_K's rounded.
+template <int TYPE>
+__device__ __forceinline__ __half2 block_scale_half(const uint8_t* rec, int j) {
+  if constexpr (TYPE == kTypeQ4_0) {
+    const __half d = reinterpret_cast<const __half*>(rec)[j];
+    return __halves2half2(d, __hmul(d, __float2half(-8.0f)));
+  } else if constexpr (TYPE == kTypeQ4_1) {
+    return reinterpret_cast<const __half2*>(rec)[j];
+  } else if constexpr (TYPE == kTypeQ8_0) {
+    return __halves2half2(reinterpret_cast<const __half*>(rec)[j], __float2half(0.0f));
+  } else {
+    const float2 sm = block_scale<TYPE>(rec, j);
+    return __floats2half2_rn(sm.x, sm.y);
+  }
+}
+
 // What the host needs of a tile, whichever kernel and format: its rows, its blocks of 32 a
 // stage, its dynamic shared memory.
 struct TileSpec {
@@ -328,32 +345,39 @@ __device__ __forceinline__ StageRange stage_range(int nb, int kSB) {
           static_cast<int>(n_stages * (blockIdx.y + 1) / gridDim.y)};
 }
 
-// The cp.async pipeline over a block's stages: kStages - 1 of them in flight ahead of the one
-// computed. load_w(s) and load_a(s) issue stage s's copies of the weights and of the activation
-// into buffer (s - begin) % kStages, compute(s) reads it once they have landed and every thread
-// has passed the barrier. The first stages' weights are requested before the wait for the grid
-// before (they never change after upload), so that their trip to memory overlaps its end: a
+// The cp.async pipeline over a block's stages. load_w(s) and load_a(s) issue stage s's copies of
+// the weights and of the activation into buffer (s - begin) % kStages, compute(s) reads it once
+// they have landed and every thread has passed the barrier. The first kStages stages are
+// requested at once (every buffer is free at the start), their weights before the wait for the
+// grid before (they never change after upload), so that their trip to memory overlaps its end: a
 // decode batch's product is a single wave of blocks of a few stages each, which otherwise all
-// start with that trip. Their copies form one group of their own, older than every other, so
-// the waits below count the groups as they would without it.
+// start with that trip, and a block of two stages in two buffers (64 columns) would wait for its
+// second only once the first had landed. Then stage s + kStages - 1 goes into the buffer that
+// stage s - 1 left, kStages - 1 ahead of the one computed. Groups: the early weights' (older
+// than any other), one a stage of the first kStages, then one an iteration (empty in the first):
+// stage s's is the newest but kStages - 1 among the first kStages, and the newest but kStages - 2
+// after them.
 template <int kStages, class LoadW, class LoadA, class Compute>
 __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&& load_a,
                                            Compute&& compute) {
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kStages; ++i) {
     if (r.begin + i < r.end) load_w(r.begin + i);
   }
   cp_async_commit();
   pdl_wait();
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kStages; ++i) {
     if (r.begin + i < r.end) load_a(r.begin + i);
     cp_async_commit();
   }
   for (int s = r.begin; s < r.end; ++s) {
-    cp_async_wait<kStages - 2>();
+    if (s - r.begin < kStages)
+      cp_async_wait<kStages - 1>();
+    else
+      cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (s + kStages - 1 < r.end) {
+    if (s > r.begin && s + kStages - 1 < r.end) {
       load_w(s + kStages - 1);
       load_a(s + kStages - 1);
     }
@@ -804,9 +828,9 @@ __device__ __forceinline__ __half2 as_half2(uint32_t h) {
 // xg8[s] the words of its two 16-byte chunks.
 template <int TYPE>
 __device__ __forceinline__ void half_fragments(uint32_t (&a)[2][4], const uint32_t (&xg)[2],
-                                               const uint32_t (&xg8)[2], float2 sg, float2 sg8) {
-  const __half2 s0 = __float2half2_rn(sg.x), m0 = __float2half2_rn(sg.y);
-  const __half2 s1 = __float2half2_rn(sg8.x), m1 = __float2half2_rn(sg8.y);
+                                               const uint32_t (&xg8)[2], __half2 sg, __half2 sg8) {
+  const __half2 s0 = __low2half2(sg), m0 = __high2half2(sg);
+  const __half2 s1 = __low2half2(sg8), m1 = __high2half2(sg8);
   if constexpr (TYPE == kTypeQ8_0) {
     const __half2 bias = __float2half2_rn(1152.0f);
     auto pair = [&](uint32_t x, uint32_t sel, __half2 s, __half2 m) {
@@ -941,8 +965,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const uint8_t* rs = sws + (wr + 16 * mt + g) * T::kScaleBytes;
-          half_fragments<TYPE>(a[mt], xg[mt][h], xg8[mt][h], block_scale<TYPE>(rs, j),
-                               block_scale<TYPE>(rs + 8 * T::kScaleBytes, j));
+          half_fragments<TYPE>(a[mt], xg[mt][h], xg8[mt][h], block_scale_half<TYPE>(rs, j),
+                               block_scale_half<TYPE>(rs + 8 * T::kScaleBytes, j));
         }
         // Column nt*8 + g's values 16 st + 4t .. + 3 of block j (b_off). The steps go outside,
         // so that products in a row add into different accumulators.
