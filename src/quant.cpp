@@ -694,11 +694,11 @@ struct Q32Format<DType::IQ4_NL> {
   static float min(const uint8_t*, float) { return 0.0f; }
 };
 
-// The vector kernels' arithmetic (quant_x86.h's QuantTile), lane for lane, so that they give the
-// same bits: blocks in pairs, block 2p + h feeding float lanes 4h..4h+3, lane l of a block the
-// exact integer dot of its elements 4l..4l+3 and 16+4l..16+4l+3, fused with the product of the
-// two block scales; the minimum's products m * s summed per group of 4 blocks into odd lanes; the
-// lanes added in fixed trees at the end.
+// The vector kernels' arithmetic (quant_x86.h's QuantTile), step for step, so that they give the
+// same bits: each block's exact integer dot with the activation's, converted and fused with the
+// product of the two block scales into one of two sums, the even blocks' and the odd ones', in
+// block order; the minimum's products m * s summed per group of 4 blocks into odd lanes; the two
+// sums added, then the minimum's lanes in a fixed tree.
 template <DType T>
 void tile_q32_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
                      size_t act_stride, int n_cols, float* out, size_t out_stride) {
@@ -711,7 +711,7 @@ void tile_q32_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, c
       const uint8_t* col = act + c * act_stride;
       const int8_t* q = reinterpret_cast<const int8_t*>(col);
       const float* ds = act_ds(col, k);  // zero past the last block, up to a multiple of 4
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_min[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      float acc[2] = {0, 0}, acc_min[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t g = 0; g < nb; g += 4) {
         float scale[4];
         for (int i = 0; i < 4; ++i) {
@@ -727,18 +727,12 @@ void tile_q32_scalar(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, c
         }
         for (int64_t b = g; b < g + 4 && b < nb; ++b) {
           const uint8_t* blk = row + b * bsize;
-          const int half = static_cast<int>(b % 2);
-          for (int l = 0; l < 4; ++l) {
-            int32_t isum = 0;
-            for (int j : {4 * l, 4 * l + 1, 4 * l + 2, 4 * l + 3, 16 + 4 * l, 17 + 4 * l,
-                          18 + 4 * l, 19 + 4 * l}) {
-              isum += Q32Format<T>::value(blk, j) * q[act_q_offset(b, j)];
-            }
-            acc[4 * half + l] = std::fma(scale[b - g], static_cast<float>(isum), acc[4 * half + l]);
-          }
+          int32_t isum = 0;
+          for (int j = 0; j < QK; ++j) isum += Q32Format<T>::value(blk, j) * q[act_q_offset(b, j)];
+          acc[b % 2] = std::fma(scale[b - g], static_cast<float>(isum), acc[b % 2]);
         }
       }
-      float v = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      float v = acc[0] + acc[1];
       if (kHasMin) v += (acc_min[1] + acc_min[5]) + (acc_min[3] + acc_min[7]);
       out[c * out_stride + r] = v;
     }

@@ -3,10 +3,12 @@
 // has internal linkage, so no copy compiled for one set can be linked into code built for another.
 //
 // Each output element is computed by one fixed sequence of operations whatever the tile shape
-// and instruction set: 8-bit block dots are exact integers, scaled and summed in one 8-lane float
-// accumulator per (row, column) in block order, then reduced in a fixed order. Register tiles
-// only decide how many such sequences run side by side, and the AVX512-VNNI dot gives the same
-// integers as the AVX2 one, so both produce the same bits.
+// and instruction set: each 32-element block's dot is an exact integer (the 8-bit dots' lanes of
+// a pair of blocks, then a tree of horizontal adds that leaves four rows' or columns' whole-block
+// sums in one vector), converted and fused with the product of the block scales into an even
+// blocks' and an odd blocks' sum, in block order; the two sums added at the end. Register tiles
+// only decide how many such sequences run side by side (a vector holds four of them), and the
+// AVX512-VNNI dot gives the same integers as the AVX2 one, so both produce the same bits.
 #pragma once
 
 #include <immintrin.h>
@@ -269,6 +271,31 @@ inline void load_pair(const uint8_t* blk, __m256i* lo, __m256i* hi) {
   }
 }
 
+// Whole-block sums of four pairs' lane vectors (v_i: lanes 0..3 block b's partial sums, 4..7 block
+// b + 1's): [v0's block b, v1's, v2's, v3's | the same for block b + 1], exact integers.
+inline __m256i block_sums(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+}
+
+// Four vectors of [x_b y_b] pairs for blocks b..b+3 (block_scales4's layout, or the
+// activation's (d, s) pairs): their even lanes as the block sums' scales, [the four's x_b | their
+// x_b+1] (s01) and [x_b+2 | x_b+3] (s23).
+inline void pair_scales(__m256 p0, __m256 p1, __m256 p2, __m256 p3, __m256* s01, __m256* s23) {
+  const __m256 l01 = _mm256_unpacklo_ps(p0, p1), l23 = _mm256_unpacklo_ps(p2, p3);
+  const __m256 h01 = _mm256_unpackhi_ps(p0, p1), h23 = _mm256_unpackhi_ps(p2, p3);
+  const __m256 even = _mm256_shuffle_ps(l01, l23, 0x44);  // blocks b | b + 2
+  const __m256 odd = _mm256_shuffle_ps(h01, h23, 0x44);   // blocks b + 1 | b + 3
+  *s01 = _mm256_permute2f128_ps(even, odd, 0x20);
+  *s23 = _mm256_permute2f128_ps(even, odd, 0x31);
+}
+
+// Lanes c and c + 4 of v added: one (row, column)'s even blocks' and odd blocks' sums.
+inline float pair_lanes(__m256 v, int c) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return t[c] + t[c + 4];
+}
+
 template <class Dot, Fmt F>
 struct QuantTile {
   static constexpr int kChunk = 32;  // blocks whose scales are expanded at a time
@@ -276,120 +303,132 @@ struct QuantTile {
 
   template <int NR, int NC>
   struct State {
-    __m256 acc[NR][NC];
     alignas(32) float acc_min[NR][NC][8];
     alignas(32) __m256 dm[NR][kChunk / 4];      // block_scales4 per group of 4 blocks
     alignas(32) __m256 wscale[NR][kChunk / 2];  // per pair: [d_b x4][d_b+1 x4]
-    alignas(32) __m256 ascale[NC][kChunk / 2];  // the same for the activations
+    alignas(32) __m256 ascale[kChunk / 2];      // per pair: [columns' d_b][columns' d_b+1]
   };
 
-  template <int NR, int NC, bool kBoth>
-  static inline void pair_step(State<NR, NC>& st, const uint8_t* const* rows,
-                               const uint8_t* const* cols, int64_t b, int p) {
-    __m256i lo[NR], hi[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
-    // Signed weights: with 32-bit sums, as unsigned w + 128 once a row, and each column's sums
-    // start at -128 * (its 4-byte group sums), so that every sum is w * a exactly; with 16-bit
-    // sums, |w| against a * sign(w).
-    constexpr bool kBiased = !Format<F>::kNibbles && Dot::kWideSums;
-    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-    __m256i ulo[NR], uhi[NR];
-    if (!Format<F>::kNibbles) {
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        ulo[r] = kBiased ? _mm256_xor_si256(lo[r], bias) : _mm256_abs_epi8(lo[r]);
-        uhi[r] = kBiased ? _mm256_xor_si256(hi[r], bias) : _mm256_abs_epi8(hi[r]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      const __m256i alo = load256(cols[c] + 32 * b);
-      const __m256i ahi = load256(cols[c] + 32 * b + 32);
-      __m256i start = _mm256_setzero_si256();
-      if constexpr (kBiased) start = _mm256_sub_epi32(start, Dot::nibbles(bias, alo, bias, ahi));
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        __m256i isum;
-        if (Format<F>::kNibbles) {
-          isum = Dot::nibbles(lo[r], alo, hi[r], ahi);
-        } else if constexpr (kBiased) {
-          isum = Dot::biased(start, ulo[r], alo, uhi[r], ahi);
-        } else {
-          // |w| * (a * sign(w)) = w * a puts the sign on the signed operand.
-          isum = Dot::bytes(ulo[r], _mm256_sign_epi8(alo, lo[r]), uhi[r],
-                            _mm256_sign_epi8(ahi, hi[r]));
-        }
-        const __m256 scale = _mm256_mul_ps(st.wscale[r][p], st.ascale[c][p]);
-        st.acc[r][c] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), st.acc[r][c]);
-      }
-    }
-  }
-
-  // One column: the scales of a group of 4 blocks are expanded right before its two pairs, and
-  // the product of weight and activation scales gives both the pair scales and the minimum's
-  // term. The values are those of tile<NR, 1>: a permutation moves products, it does not round.
+  // Lane l of a pair's dot (rows' lo/hi against a column's alo/ahi): the exact sum of the
+  // products at dword l of both halves.
   template <int NR, bool kBoth>
-  static inline void matvec_pair(const uint8_t* const* rows, const uint8_t* col, int64_t b,
-                                 const __m256* scale, __m256* acc) {
-    __m256i lo[NR], hi[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
-    const __m256i alo = load256(col + 32 * b);
-    const __m256i ahi = load256(col + 32 * b + 32);
+  static inline void load_rows(const uint8_t* const* rows, int64_t b, __m256i* lo, __m256i* hi) {
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      __m256i isum;
-      if (Format<F>::kNibbles) {
-        isum = Dot::nibbles(lo[r], alo, hi[r], ahi);
-      } else {
-        isum = Dot::bytes(_mm256_abs_epi8(lo[r]), _mm256_sign_epi8(alo, lo[r]),
-                          _mm256_abs_epi8(hi[r]), _mm256_sign_epi8(ahi, hi[r]));
+      load_pair<F, kBoth>(rows[r] + b * kBlock, &lo[r], &hi[r]);
+      if (!Format<F>::kNibbles) {
+        // Signed weights: with 32-bit sums, as unsigned w + 128, each column's sums starting
+        // at -128 * (its 4-byte group sums), so that every sum is w * a exactly; with 16-bit
+        // sums, |w| against a * sign(w) (dot below).
+        if constexpr (Dot::kWideSums) {
+          const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+          lo[r] = _mm256_xor_si256(lo[r], bias);
+          hi[r] = _mm256_xor_si256(hi[r], bias);
+        }
       }
-      acc[r] = _mm256_fmadd_ps(scale[r], _mm256_cvtepi32_ps(isum), acc[r]);
+    }
+  }
+  static inline __m256i dot(__m256i lo, __m256i hi, __m256i alo, __m256i ahi, __m256i start) {
+    if (Format<F>::kNibbles) return Dot::nibbles(lo, alo, hi, ahi);
+    if constexpr (Dot::kWideSums) {
+      return Dot::biased(start, lo, alo, hi, ahi);
+    } else {
+      // |w| * (a * sign(w)) = w * a puts the sign on the signed operand.
+      return Dot::bytes(_mm256_abs_epi8(lo), _mm256_sign_epi8(alo, lo), _mm256_abs_epi8(hi),
+                        _mm256_sign_epi8(ahi, hi));
+    }
+  }
+  static inline __m256i start_of(__m256i alo, __m256i ahi) {
+    if constexpr (!Format<F>::kNibbles && Dot::kWideSums) {
+      const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+      return _mm256_sub_epi32(_mm256_setzero_si256(), Dot::nibbles(bias, alo, bias, ahi));
+    }
+    return _mm256_setzero_si256();
+  }
+
+  // Rows x up to four columns: a row's four columns' block sums in one vector, scaled by the
+  // products of the block scales and fused into the row's accumulator (lanes: column c's even
+  // blocks at c, odd blocks at c + 4).
+  template <int NR, int NC, bool kBoth>
+  static inline void pair_step(__m256 (&acc)[NR], const State<NR, NC>& st,
+                               const uint8_t* const* rows, const uint8_t* const* cols, int64_t b,
+                               int p) {
+    __m256i alo[4], ahi[4], start[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      if (c < NC) {
+        alo[c] = load256(cols[c] + 32 * b);
+        ahi[c] = load256(cols[c] + 32 * b + 32);
+        start[c] = start_of(alo[c], ahi[c]);
+      }
+    }
+    __m256i lo[NR], hi[NR];
+    load_rows<NR, kBoth>(rows, b, lo, hi);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      __m256i is[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+        is[c] = c < NC ? dot(lo[r], hi[r], alo[c], ahi[c], start[c]) : _mm256_setzero_si256();
+      const __m256 scale = _mm256_mul_ps(st.wscale[r][p], st.ascale[p]);
+      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(block_sums(is[0], is[1], is[2], is[3])),
+                               acc[r]);
     }
   }
 
-  // Rows w, w + w_stride, ...; results to out[0], out[out_stride], ...
+  // Rows w, w + w_stride, ... against one column; results to out[0], out[out_stride], ...: the
+  // tile's sums with the rows in the lanes' place of the columns (a permutation moves products,
+  // it does not round).
   template <int NR>
   static void matvec(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act, float* out,
                      size_t out_stride) {
+    static_assert(NR <= 4, "four rows' block sums a vector");
     const int64_t nb = k / kQK;
     const uint8_t* rows[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
     const float* ds = act_ds(act, k);
-    __m256 acc[NR], acc_min[NR];
+    __m256 acc = _mm256_setzero_ps(), acc_min[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
-    const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m256i hi_idx = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+    for (int r = 0; r < NR; ++r) acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b += 4) {
       const __m256 da = _mm256_loadu_ps(ds + 2 * b);
-      __m256 s01[NR], s23[NR];
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        const __m256 prod = _mm256_mul_ps(block_scales4<F>(rows[r], b, nb), da);
-        if (Format<F>::kMin) acc_min[r] = _mm256_add_ps(acc_min[r], materialize(prod));
-        s01[r] = _mm256_permutevar8x32_ps(prod, lo_idx);
-        s23[r] = _mm256_permutevar8x32_ps(prod, hi_idx);
-      }
-      if (b + 4 <= nb) {
-        matvec_pair<NR, true>(rows, act, b, s01, acc);
-        matvec_pair<NR, true>(rows, act, b + 2, s23, acc);
-      } else {
-        const int64_t left = nb - b;  // 1 to 3 blocks
-        if (left >= 2) {
-          matvec_pair<NR, true>(rows, act, b, s01, acc);
+      // prod[r] = [d_b da_b, m_b s_b, ...] for blocks b..b+3: the even lanes are the scale
+      // products, which go to the lanes of block sums ([rows' block b | rows' b + 1], then b + 2
+      // and b + 3).
+      __m256 prod[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        if (r < NR) {
+          prod[r] = _mm256_mul_ps(block_scales4<F>(rows[r], b, nb), da);
+          if (Format<F>::kMin) acc_min[r] = _mm256_add_ps(acc_min[r], materialize(prod[r]));
         } else {
-          matvec_pair<NR, false>(rows, act, b, s01, acc);
+          prod[r] = _mm256_setzero_ps();
         }
-        if (left == 3) matvec_pair<NR, false>(rows, act, b + 2, s23, acc);
+      }
+      __m256 s01, s23;
+      pair_scales(prod[0], prod[1], prod[2], prod[3], &s01, &s23);
+      const int64_t left = nb - b;  // blocks in this group
+      for (int h = 0; h < 2 && 2 * h < left; ++h) {
+        const int64_t bp = b + 2 * h;
+        __m256i lo[NR], hi[NR];
+        if (bp + 1 < nb)
+          load_rows<NR, true>(rows, bp, lo, hi);
+        else
+          load_rows<NR, false>(rows, bp, lo, hi);
+        const __m256i alo = load256(act + 32 * bp), ahi = load256(act + 32 * bp + 32);
+        const __m256i start = start_of(alo, ahi);
+        __m256i is[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+          is[r] = r < NR ? dot(lo[r], hi[r], alo, ahi, start) : _mm256_setzero_si256();
+        acc = _mm256_fmadd_ps(h == 0 ? s01 : s23,
+                              _mm256_cvtepi32_ps(block_sums(is[0], is[1], is[2], is[3])), acc);
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      float v = hsum(acc[r]);
+      float v = pair_lanes(acc, r);
       if (Format<F>::kMin) v += odd_lane_sum(acc_min[r]);
       out[r * out_stride] = v;
     }
@@ -398,6 +437,7 @@ struct QuantTile {
   template <int NR, int NC>
   static void tile(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act,
                    size_t act_stride, float* out, size_t out_stride) {
+    static_assert(NC <= 4, "four columns' block sums a vector");
     const int64_t nb = k / kQK;
     const uint8_t* rows[NR];
     const uint8_t* cols[NC];
@@ -410,11 +450,12 @@ struct QuantTile {
       ds[c] = act_ds(cols[c], k);
     }
     State<NR, NC> st;
+    __m256 acc[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
+      acc[r] = _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        st.acc[r][c] = _mm256_setzero_ps();
         if (Format<F>::kMin) _mm256_store_ps(st.acc_min[r][c], _mm256_setzero_ps());
       }
     }
@@ -432,16 +473,17 @@ struct QuantTile {
           st.wscale[r][2 * g + 1] = _mm256_permutevar8x32_ps(dm, hi_idx);
         }
       }
-      for (int c = 0; c < NC; ++c) {
-        for (int g = 0; g < groups; ++g) {
-          const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
-          st.ascale[c][2 * g] = _mm256_permutevar8x32_ps(da, lo_idx);
-          st.ascale[c][2 * g + 1] = _mm256_permutevar8x32_ps(da, hi_idx);
-        }
+      // The columns' scales of each pair's blocks (past the row's end and past NC: zeros).
+      for (int g = 0; g < groups; ++g) {
+        __m256 da[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          da[c] = c < NC ? _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g)) : _mm256_setzero_ps();
+        pair_scales(da[0], da[1], da[2], da[3], &st.ascale[2 * g], &st.ascale[2 * g + 1]);
       }
       const int full = n / 2;
-      for (int p = 0; p < full; ++p) pair_step<NR, NC, true>(st, rows, cols, b0 + 2 * p, p);
-      if (n % 2) pair_step<NR, NC, false>(st, rows, cols, b0 + 2 * full, full);
+      for (int p = 0; p < full; ++p) pair_step<NR, NC, true>(acc, st, rows, cols, b0 + 2 * p, p);
+      if (n % 2) pair_step<NR, NC, false>(acc, st, rows, cols, b0 + 2 * full, full);
       if (Format<F>::kMin) {
         // Sum over blocks of m * s, in the odd lanes of the same products as the scales; the
         // NR x NC sums advance together so that their additions overlap.
@@ -472,7 +514,7 @@ struct QuantTile {
     for (int r = 0; r < NR; ++r) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        float v = hsum(st.acc[r][c]);
+        float v = pair_lanes(acc[r], c);
         if (Format<F>::kMin) v += odd_lane_sum(_mm256_load_ps(st.acc_min[r][c]));
         out[c * out_stride + r] = v;
       }
@@ -989,7 +1031,12 @@ struct Tiler {
       for (int i = 0; i < per; ++i) {
         table.matvec[kMatVecRows - 1](k, w + i * w_stride, per * w_stride, act, out + i, per);
       }
-      for (int r = per * kMatVecRows; r < n_rows; ++r) {
+      // The rest kMatVecRows neighbouring rows at a time (one stream), then one by one.
+      int r = per * kMatVecRows;
+      for (; r + kMatVecRows <= n_rows; r += kMatVecRows) {
+        table.matvec[kMatVecRows - 1](k, w + r * w_stride, w_stride, act, out + r, 1);
+      }
+      for (; r < n_rows; ++r) {
         table.matvec[0](k, w + r * w_stride, w_stride, act, out + r, 1);
       }
       return;

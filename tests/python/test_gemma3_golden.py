@@ -136,18 +136,28 @@ def test_teacher_forced_agreement_with_greedy_ids(forced_runs, golden, exact_cho
         assert np.mean(ok) >= 0.90, f"{g['prompt'][:40]!r}: {np.mean(ok):.2%} (raw {raw:.2%})"
 
 
-def test_teacher_forced_agreement_with_exact_math(model, forced_runs, golden, exact_choice):
-    # An 8-bit cache is not exact math by design: it moves logits by about 0.1 and flips choices
-    # whose float64 margin is that small (BENCHMARKS.md, KV cache types: quality), while it meets
-    # every bar against llama.cpp above.
-    if model.kv_type == "q8_0":
-        pytest.skip("an 8-bit KV cache is not held to float64's near-tie choices")
+# Exact math's choice where its top two logits are at least this far apart. The engines quantize
+# activations to 8 bits (as llama.cpp does), which moves this model's logits by about 0.2 on
+# average against float64 (BENCHMARKS.md, fifteenth session): nearer choices are a coin toss for
+# any such engine, at any KV type, and flip with the order of a sum.
+CLEAR_MARGIN = 0.25
+
+
+def test_teacher_forced_agreement_with_exact_math(model, forced_runs, golden):
+    """Every position where float64 math's choice is clear (prompt 1 has 12 near-ties of 32,
+    the others one to three) takes that choice, with every KV type."""
     greedy, _ = golden
-    for g, got, exact in zip(greedy, forced_runs, exact_choice):
+    f = np.load(os.path.join(DATA, "gemma3_float64.npz"))
+    clear_positions = 0
+    for i, (g, got) in enumerate(zip(greedy, forced_runs)):
+        ids, logits = f[f"p{i}_forced_top2_ids"], f[f"p{i}_forced_top2_logits"]
         n_p = len(g["prompt_ids"])
-        pred = got[n_p - 1 : n_p - 1 + len(exact)].argmax(axis=1)
-        rate = float(np.mean(pred == exact))
-        assert rate >= 0.90, f"{g['prompt'][:40]!r}: {rate:.2%} of float64's choices"
+        pred = got[n_p - 1 : n_p - 1 + len(ids)].argmax(axis=1)
+        clear = logits[:, 0] - logits[:, 1] >= CLEAR_MARGIN
+        clear_positions += int(clear.sum())
+        wrong = np.flatnonzero(clear & (pred != ids[:, 0]))
+        assert wrong.size == 0, f"{g['prompt'][:40]!r}: positions {wrong.tolist()} differ"
+    assert clear_positions >= 140  # the test holds most positions, not a few
 
 
 def test_first_four_greedy_tokens_equal(prompt_runs, golden, exact_choice):
