@@ -17,12 +17,7 @@ Kernels make_kernels() {
   k.tile[slot(DType::F32)] = Tiler<FloatTile<LoadF32>, 4, 3, 4>::run;
   k.tile[slot(DType::F16)] = Tiler<FloatTile<LoadF16>, 4, 3, 4>::run;
   k.tile[slot(DType::BF16)] = Tiler<FloatTile<LoadBF16>, 4, 3, 4>::run;
-  k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ8_0>, 2, 4, 4>::run;
-  k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_0>, 2, 4, 4>::run;
-  k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotAvx2, Fmt::kQ4_1>, 2, 4, 4>::run;
-  k.tile[slot(DType::Q5_0)] = Tiler<QuantTile<DotAvx2, Fmt::kQ5_0>, 2, 4, 4>::run;
-  k.tile[slot(DType::Q5_1)] = Tiler<QuantTile<DotAvx2, Fmt::kQ5_1>, 2, 4, 4>::run;
-  k.tile[slot(DType::IQ4_NL)] = Tiler<QuantTile<DotAvx2, Fmt::kIQ4_NL>, 2, 4, 4>::run;
+  set_block_tiles<DotAvx2, 2>(k);
   k.tile[slot(DType::Q2_K)] = Tiler<KQuantTile<DType::Q2_K>, 2, 4, 2>::run;
   k.tile[slot(DType::Q3_K)] = Tiler<KQuantTile<DType::Q3_K>, 2, 4, 2>::run;
   k.tile[slot(DType::Q4_K)] = Tiler<KQuantTile<DType::Q4_K>, 2, 4, 2>::run;

@@ -20,12 +20,7 @@ Kernels make_kernels() {
   k.tile[slot(DType::F32)] = Tiler<FloatTile<LoadF32>, 4, 4, 4>::run;
   k.tile[slot(DType::F16)] = Tiler<FloatTile<LoadF16>, 4, 4, 4>::run;
   k.tile[slot(DType::BF16)] = Tiler<FloatTile<LoadBF16>, 4, 4, 4>::run;
-  k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ8_0>, 4, 4, 4>::run;
-  k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_0>, 4, 4, 4>::run;
-  k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<DotVnni, Fmt::kQ4_1>, 4, 4, 4>::run;
-  k.tile[slot(DType::Q5_0)] = Tiler<QuantTile<DotVnni, Fmt::kQ5_0>, 4, 4, 4>::run;
-  k.tile[slot(DType::Q5_1)] = Tiler<QuantTile<DotVnni, Fmt::kQ5_1>, 4, 4, 4>::run;
-  k.tile[slot(DType::IQ4_NL)] = Tiler<QuantTile<DotVnni, Fmt::kIQ4_NL>, 4, 4, 4>::run;
+  set_block_tiles<DotVnni, 4>(k);
   k.tile[slot(DType::Q2_K)] = Tiler<KQuantTile<DType::Q2_K>, 4, 4, 2>::run;
   k.tile[slot(DType::Q3_K)] = Tiler<KQuantTile<DType::Q3_K>, 4, 4, 2>::run;
   k.tile[slot(DType::Q4_K)] = Tiler<KQuantTile<DType::Q4_K>, 4, 4, 2>::run;

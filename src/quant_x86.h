@@ -1054,6 +1054,18 @@ struct Tiler {
   }
 };
 
+// The 32-element block formats' products of a kernel set: register tiles of kRows rows and four
+// columns (the block sums' vector holds four), the mat-vec four rows at a time.
+template <class Dot, int kRows>
+void set_block_tiles(Kernels& k) {
+  k.tile[slot(DType::Q8_0)] = Tiler<QuantTile<Dot, Fmt::kQ8_0>, kRows, 4, 4>::run;
+  k.tile[slot(DType::Q4_0)] = Tiler<QuantTile<Dot, Fmt::kQ4_0>, kRows, 4, 4>::run;
+  k.tile[slot(DType::Q4_1)] = Tiler<QuantTile<Dot, Fmt::kQ4_1>, kRows, 4, 4>::run;
+  k.tile[slot(DType::Q5_0)] = Tiler<QuantTile<Dot, Fmt::kQ5_0>, kRows, 4, 4>::run;
+  k.tile[slot(DType::Q5_1)] = Tiler<QuantTile<Dot, Fmt::kQ5_1>, kRows, 4, 4>::run;
+  k.tile[slot(DType::IQ4_NL)] = Tiler<QuantTile<Dot, Fmt::kIQ4_NL>, kRows, 4, 4>::run;
+}
+
 // ---- Attention rows (quant.h's attention_rows), heads a multiple of 8 wide -------------------
 
 // The lanes of eight vectors summed, vector j's sum in lane j: every sum is ((x0 + x1) + (x2 +
