@@ -1039,6 +1039,7 @@ struct Tiler {
       for (; r < n_rows; ++r) {
         table.matvec[0](k, w + r * w_stride, w_stride, act, out + r, 1);
       }
+      _mm256_zeroupper();  // as below
       return;
     }
     // Rows outside, columns inside: a register tile's weights come from memory once and are
@@ -1051,6 +1052,9 @@ struct Tiler {
                                     out + c * out_stride + r, out_stride);
       }
     }
+    // The callers' code is built for baseline SSE: leave no 256-bit state behind, which would
+    // slow every SSE instruction after it.
+    _mm256_zeroupper();
   }
 };
 
