@@ -309,8 +309,7 @@ struct QuantTile {
     alignas(32) __m256 ascale[kChunk / 2];      // per pair: [columns' d_b][columns' d_b+1]
   };
 
-  // Lane l of a pair's dot (rows' lo/hi against a column's alo/ahi): the exact sum of the
-  // products at dword l of both halves.
+  // The rows' quants of blocks b and b + 1 as the dot below takes them.
   template <int NR, bool kBoth>
   static inline void load_rows(const uint8_t* const* rows, int64_t b, __m256i* lo, __m256i* hi) {
 #pragma GCC unroll 8
@@ -328,6 +327,8 @@ struct QuantTile {
       }
     }
   }
+  // Lane l of a pair's dot (a row's lo/hi against a column's alo/ahi): the exact sum of the
+  // products at dword l of both halves.
   static inline __m256i dot(__m256i lo, __m256i hi, __m256i alo, __m256i ahi, __m256i start) {
     if (Format<F>::kNibbles) return Dot::nibbles(lo, alo, hi, ahi);
     if constexpr (Dot::kWideSums) {
@@ -1019,19 +1020,27 @@ struct Tiler {
 
   static void run(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
                   size_t act_stride, int n_cols, float* out, size_t out_stride) {
+    products(k, w, w_stride, n_rows, act, act_stride, n_cols, out, out_stride);
+    // The callers' code is built for baseline SSE: leave no 256-bit state behind, which would
+    // slow every SSE instruction after it.
+    _mm256_zeroupper();
+  }
+
+  static void products(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
+                       size_t act_stride, int n_cols, float* out, size_t out_stride) {
     static const Table table = make_table();
     if (n_cols == 1) {
       // kMatVecRows rows at a time from as many distant parts of the range, each part read in
       // order: one sequential stream per part keeps the hardware prefetcher effective, where
       // neighbouring rows read side by side would not.
-      // Parts closer than a few pages make interleaved streams again: then go row by row.
+      // Parts closer than a few pages make interleaved streams again: then kMatVecRows
+      // neighbouring rows at a time (one stream), the last few one by one.
       const int per = static_cast<size_t>(n_rows / kMatVecRows) * w_stride >= kMinStreamGap
                           ? n_rows / kMatVecRows
                           : 0;
       for (int i = 0; i < per; ++i) {
         table.matvec[kMatVecRows - 1](k, w + i * w_stride, per * w_stride, act, out + i, per);
       }
-      // The rest kMatVecRows neighbouring rows at a time (one stream), then one by one.
       int r = per * kMatVecRows;
       for (; r + kMatVecRows <= n_rows; r += kMatVecRows) {
         table.matvec[kMatVecRows - 1](k, w + r * w_stride, w_stride, act, out + r, 1);
@@ -1039,7 +1048,6 @@ struct Tiler {
       for (; r < n_rows; ++r) {
         table.matvec[0](k, w + r * w_stride, w_stride, act, out + r, 1);
       }
-      _mm256_zeroupper();  // as below
       return;
     }
     // Rows outside, columns inside: a register tile's weights come from memory once and are
@@ -1052,9 +1060,6 @@ struct Tiler {
                                     out + c * out_stride + r, out_stride);
       }
     }
-    // The callers' code is built for baseline SSE: leave no 256-bit state behind, which would
-    // slow every SSE instruction after it.
-    _mm256_zeroupper();
   }
 };
 
