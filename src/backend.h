@@ -14,6 +14,16 @@
 
 namespace ggraph {
 
+// Blocks of host memory that are costly to make (page-locked), kept for reuse: give() returns
+// a block take() handed out. Thread-safe; holders of a block keep the pool alive.
+class HostPool {
+ public:
+  virtual ~HostPool() = default;
+  // A block of at least `bytes`, or nullptr where none can be had (the caller uses its own).
+  virtual void* take(size_t bytes) = 0;
+  virtual void give(void* block) = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -40,6 +50,9 @@ class Backend {
   // Copies the graph's inputs in, runs every node, copies the output tensor (F32) to `out`.
   // The graph must have been planned and fit the reserved buffers.
   virtual void compute(const Graph& graph, float* out) = 0;
+  // Host memory that compute() writes its output into fastest (on CUDA page-locked, which the
+  // device copies into directly); nullptr where ordinary memory is as good.
+  virtual std::shared_ptr<HostPool> host_pool() { return nullptr; }
 
   // Execution statistics (CUDA graph counters and the like), for Model.graph_stats.
   virtual std::map<std::string, double> stats() const { return {}; }

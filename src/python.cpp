@@ -86,6 +86,28 @@ std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
   return ids;
 }
 
+// An uninitialized float array of `shape` in the memory the context's backend writes outputs
+// into fastest (its HostPool's, page-locked on CUDA), which goes back to the pool when the
+// array and its views are gone; ordinary memory where the backend has no pool or it is out.
+py::array_t<float> host_array(Context& c, std::vector<py::ssize_t> shape) {
+  std::shared_ptr<HostPool> pool = c.backend().host_pool();
+  size_t bytes = sizeof(float);
+  for (py::ssize_t d : shape) bytes *= size_t(d);
+  void* block = pool ? pool->take(bytes) : nullptr;
+  if (!block) return py::array_t<float>(shape);
+  struct Owner {
+    std::shared_ptr<HostPool> pool;
+    void* block;
+  };
+  auto* owner = new Owner{std::move(pool), block};
+  py::capsule base(owner, [](void* p) {
+    auto* o = static_cast<Owner*>(p);
+    o->pool->give(o->block);
+    delete o;
+  });
+  return py::array_t<float>(shape, static_cast<float*>(block), base);
+}
+
 class PyTokenizer {
  public:
   explicit PyTokenizer(const std::string& path) : file_(GGUFFile::open(path)) {
@@ -481,7 +503,8 @@ PYBIND11_MODULE(_core, m) {
             // The logits go straight into the array's memory (not zeroed first: every row the
             // caller sees is written); the padding rows past the batch stay out of its view.
             const auto n = py::ssize_t(ids.size()), n_vocab = py::ssize_t(c.n_vocab());
-            py::array_t<float> out({py::ssize_t(c.decode_batch_rows(ids.size())), n_vocab});
+            py::array_t<float> out =
+                host_array(c, {py::ssize_t(c.decode_batch_rows(ids.size())), n_vocab});
             float* data = out.mutable_data();
             {
               py::gil_scoped_release release;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -1095,6 +1096,79 @@ std::string topology_name(uint64_t key) {
   return "tokens" + std::to_string(n_tokens);
 }
 
+// Page-locked blocks for step outputs: the logits of a decode batch are megabytes (64 rows of a
+// 49,152-token vocabulary are 12 MiB), and a copy into pageable memory costs the host a second
+// pass over them, more than the device's copy itself. Making a block costs milliseconds, so
+// blocks come back here and serve again; a few stay kept, the rest are freed.
+class PinnedPool : public HostPool {
+ public:
+  ~PinnedPool() override {
+    for (const Block& b : free_) cudaFreeHost(b.ptr);
+  }
+
+  void* take(size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> hold(mu_);
+      // The smallest free block that fits without wasting more than its request.
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (it->bytes >= bytes && it->bytes <= 2 * bytes &&
+            (best == free_.end() || it->bytes < best->bytes))
+          best = it;
+      if (best != free_.end()) {
+        Block b = *best;
+        free_.erase(best);
+        taken_.push_back(b);
+        return b.ptr;
+      }
+    }
+    void* p = nullptr;
+    if (cudaMallocHost(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();  // no page-locked memory to spare: the caller's own memory serves
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> hold(mu_);
+    taken_.push_back({p, bytes});
+    return p;
+  }
+
+  void give(void* block) override {
+    void* drop = nullptr;
+    {
+      std::lock_guard<std::mutex> hold(mu_);
+      auto it = std::find_if(taken_.begin(), taken_.end(),
+                             [&](const Block& b) { return b.ptr == block; });
+      if (it == taken_.end()) return;
+      free_.push_back(*it);
+      taken_.erase(it);
+      if (free_.size() > kKept) {
+        drop = free_.front().ptr;
+        free_.erase(free_.begin());
+      }
+    }
+    if (drop) cudaFreeHost(drop);
+  }
+
+ private:
+  struct Block {
+    void* ptr;
+    size_t bytes;
+  };
+  static constexpr size_t kKept = 4;
+  std::mutex mu_;
+  std::vector<Block> free_, taken_;
+};
+
+// Whether host memory at p is page-locked (the device copies into it directly).
+bool page_locked(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(const CudaOptions& options)
@@ -1152,6 +1226,7 @@ class CudaBackend : public Backend {
 
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
+  std::shared_ptr<HostPool> host_pool() override { return host_pool_; }
 
   void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,
                       const std::string& name) override {
@@ -1327,6 +1402,12 @@ class CudaBackend : public Backend {
 
     const Tensor* o = graph.output();
     const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
+    if (page_locked(out)) {
+      GGRAPH_CUDA_CHECK(
+          cudaMemcpyAsync(out, tensor_ptr(o, buf), out_bytes, cudaMemcpyDeviceToHost, stream_));
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return;
+    }
     if (out_bytes > output_staging_bytes_) {
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
       if (output_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(output_staging_));
@@ -1499,6 +1580,7 @@ class CudaBackend : public Backend {
   void* input_staging_ = nullptr;  // pinned, so the input copy is a true async copy
   void* output_staging_ = nullptr;
   size_t output_staging_bytes_ = 0;
+  std::shared_ptr<PinnedPool> host_pool_ = std::make_shared<PinnedPool>();
   void* act_ = nullptr;
   size_t act_bytes_ = 0;
   void* wdeq_ = nullptr;  // quantized weights decoded to half for cuBLAS, a chunk of rows

@@ -239,6 +239,26 @@ def test_decode_batch_equals_each_sessions_own_steps(tiny_model, device):
         np.testing.assert_allclose(who.eval([5]), ref.eval([5]), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_batch_logits_stay_the_callers_after_later_steps_and_the_model(tiny_model, device):
+    """On CUDA the logits land in page-locked blocks that serve again once their array is gone:
+    an array kept keeps its block (later steps write elsewhere), also past the model's end."""
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=2)
+    s = m.session()
+    m.eval(A)
+    s.eval(B)
+    kept = [m.decode_batch([(m, 3 + t), (s, 4 + t)]) for t in range(3)]
+    copies = [k.copy() for k in kept]
+    for t in range(6):  # more steps than the pool keeps blocks
+        m.decode_batch([(m, 20 + t), (s, 30 + t)])
+    assert not np.array_equal(copies[0], copies[1])
+    del kept[1]
+    m.decode_batch([(m, 9), (s, 9)])
+    s.close()
+    del m, s
+    for k, c in zip(kept, [copies[0], copies[2]]):
+        np.testing.assert_array_equal(k, c)
+
+
 def test_decode_batch_refuses_bad_batches_and_changes_nothing(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=16, n_seq_max=3)
     s = m.session()
