@@ -1319,7 +1319,10 @@ TEST_F(CudaOps, AttentionOverSequencePools) {
                              {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11},
                              {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 39}},
                             {4, 1, 256, 2, 530, {1, 0}, {2000, 4}, 512, true},
-                            {4, 2, 64, 3, 8, {0, 2}, {50, 3}, 8, true, q8}};
+                            {4, 2, 64, 3, 8, {0, 2}, {50, 3}, 8, true, q8},
+                            // One query head a KV head: the lanes' kernel, at 128 and 256 dims.
+                            {2, 2, 128, 5, 300, {4, 1, 3, 0}, {299, 2, 150, 40}, 0, false, q8},
+                            {2, 2, 256, 3, 100, {0, 2}, {99, 10}}};
   for (const PoolCase& c : cases) check_attention_seqs(c, rng, chk);
 }
 
