@@ -13,6 +13,12 @@
 #include "common.h"
 #include "quant_impl.h"
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace ggraph {
 
 namespace {
@@ -967,8 +973,33 @@ bool cpu_has_avx512_vnni() {
 #endif
 }
 
+// AMX's int8 tiles: the CPU's (CPUID leaf 7: AMX-TILE, AMX-INT8), the OS's (XCR0's tile
+// configuration and data bits), and this process's permission to use them, asked of Linux once
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); GGRAPH_CPU_AMX=0 leaves them unused.
+bool cpu_has_amx() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    const char* e = std::getenv("GGRAPH_CPU_AMX");
+    if ((e != nullptr && std::strcmp(e, "0") == 0) || !cpu_has_avx512_vnni()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+      return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 const quant_impl::Kernels* best_kernels() {
-  for (const quant_impl::Kernels* k : {quant_impl::avx512_kernels(), quant_impl::avx2_kernels()}) {
+  for (const quant_impl::Kernels* k :
+       {quant_impl::amx_kernels(), quant_impl::avx512_kernels(), quant_impl::avx2_kernels()}) {
     if (quant_impl::cpu_supports(k)) return k;
   }
   return &kScalar;
@@ -1008,6 +1039,7 @@ bool cpu_supports(const Kernels* k) {
   if (k == &kScalar) return true;
   if (k == avx2_kernels()) return cpu_has_avx2();
   if (k == avx512_kernels()) return cpu_has_avx512_vnni();
+  if (k == amx_kernels()) return cpu_has_amx();
   return false;
 }
 

@@ -997,13 +997,13 @@ TEST(KernelDispatch, QuantizedFormatsGiveScalarBitsOnEveryInstructionSet) {
   KernelModeGuard guard;
   std::mt19937 rng(67);
   for (const quant_impl::Kernels* set :
-       {quant_impl::avx2_kernels(), quant_impl::avx512_kernels()}) {
+       {quant_impl::avx2_kernels(), quant_impl::avx512_kernels(), quant_impl::amx_kernels()}) {
     if (!quant_impl::cpu_supports(set)) continue;
     for (DType t : kComputable) {
       if (!is_quantized(t)) continue;
       for (int64_t k : {32, 96, 256, 1024, 4352}) {
         if (k % act_block(t) != 0) continue;
-        for (int n_cols : {1, 2, 5, 9}) {
+        for (int n_cols : {1, 2, 5, 7, 9, 17}) {
           const Problem p = make_problem(t, k, 21, n_cols, rng);
           quant_impl::use_kernels(&quant_impl::scalar_kernels());
           const std::vector<float> want = run_tile(p);
