@@ -1123,7 +1123,8 @@ class PinnedPool : public HostPool {
       }
     }
     void* p = nullptr;
-    if (cudaMallocHost(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+    // Portable: a model on another GPU than the current one copies into it as directly.
+    if (cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable) != cudaSuccess) {
       cudaGetLastError();  // no page-locked memory to spare: the caller's own memory serves
       return nullptr;
     }
