@@ -300,7 +300,7 @@ Kernels make_kernels() {
 }  // namespace
 
 const Kernels* amx_kernels() {
-  if (avx512_kernels() == nullptr) return nullptr;
+  if (avx512_kernels() == nullptr || !amx_usable()) return nullptr;
   static const Kernels kernels = make_kernels();
   return &kernels;
 }

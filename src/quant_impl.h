@@ -117,7 +117,10 @@ const Kernels& scalar_kernels();
 // that the running CPU supports them.
 const Kernels* avx2_kernels();    // AVX2 + FMA + F16C (quant_avx2.cpp)
 const Kernels* avx512_kernels();  // the same plus AVX512 F/BW/VL/VNNI (quant_avx512.cpp)
-const Kernels* amx_kernels();     // the same with AMX int8 tile products (quant_amx.cpp)
+// The same with AMX int8 tile products (quant_amx.cpp); nullptr unless the running CPU and OS
+// let this process use AMX (amx_usable): the table itself is built with AVX-512 code.
+const Kernels* amx_kernels();
+bool amx_usable();
 // Whether the running CPU can run a table (the scalar one always).
 bool cpu_supports(const Kernels* kernels);
 // Makes mul_mat_tile and prepare_act use `kernels`; nullptr restores the best the CPU supports.
