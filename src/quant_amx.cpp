@@ -45,8 +45,6 @@ inline __m512 materialize512(__m512 v) {
 constexpr int kMinCols = 6;
 // Columns of one pass over a row group's weights (their sums' registers: 16 rows of 8).
 constexpr int kCols = 8;
-// Blocks ahead that a row's weights are requested.
-constexpr int kAhead = 8;
 
 // The VNNI set's tiles, for the products the AMX tiles leave to them.
 TileFn g_vnni_tile[kTypeSlots] = {};
@@ -220,9 +218,6 @@ struct AmxTile {
       auto assemble = [&](int64_t b, uint8_t(*dst)[16][32]) {
         const bool two = b + 1 < nb;
         for (int r = 0; r < 16; ++r) {
-          // The weights stream from memory (a decode batch reads each once): 16 rows' streams
-          // are more than the prefetchers follow.
-          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + (b + kAhead) * kBlock), _MM_HINT_T0);
           __m256i lo, hi;
           if (two)
             load_pair<F, true>(rows[r] + b * kBlock, &lo, &hi);
@@ -235,11 +230,23 @@ struct AmxTile {
         }
       };
       const int64_t n_pairs = (nb + 1) / 2;
+      // The weights stream from memory (a decode batch reads each once), and 16 rows' streams
+      // are more than the hardware prefetchers follow: each pair requests its share of the next
+      // row group's lines, so that the group finds them in the cache.
+      const uint8_t* ahead = rows[0] + 16 * w_stride;
+      const int64_t ahead_lines = r0 + 32 <= n_rows ? int64_t(16 * w_stride + 63) / 64
+                                  : r0 + 16 < n_rows
+                                      ? int64_t((n_rows - r0 - 16) * w_stride + 63) / 64
+                                      : 0;
+      const int64_t per_pair = (ahead_lines + n_pairs - 1) / n_pairs;
+      int64_t next_line = 0;
       assemble(0, ab[0]);
       if (n_pairs > 1) assemble(2, ab[1]);
       TilePair01<kUnsigned>::issue(ab[0], bt, nb > 1);
       for (int64_t j = 0; j < n_pairs; ++j) {
         const int64_t b = 2 * j;
+        for (int64_t i = 0; i < per_pair && next_line < ahead_lines; ++i, ++next_line)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * next_line), _MM_HINT_T0);
         const bool next = j + 1 < n_pairs, two = b + 1 < nb;
         if (j % 2 == 0) {
           if (next) TilePair45<kUnsigned>::issue(ab[1], bt + (b + 2) * 256, b + 3 < nb);
