@@ -1089,6 +1089,9 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
 // Weighted values of NR rows (weights w, n apart; zero outside each row's keys) over keys [pb, pe)
 // for dimensions [d0, d0 + 8 DB): each row's lanes add one key after another, so a row's result
 // does not depend on the rows beside it. One load of a value vector serves every row.
+// Cache rows ahead that the attention's value loop asks for.
+constexpr int kAttnAhead = 8;
+
 template <int NR, int DB>
 inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
                             int d0, float* acc, int hd) {
@@ -1097,6 +1100,9 @@ inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, i
     for (int i = 0; i < DB; ++i) a[r][i] = _mm256_setzero_ps();
   for (int p = pb; p < pe; ++p) {
     const float* vp = v + int64_t(p) * vs + d0;
+    // A cache's rows lie a stride apart (a head's part of each): ask for the ones ahead.
+    _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * vs), _MM_HINT_T0);
+    if (DB > 2) _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * vs + 16), _MM_HINT_T0);
     __m256 x[DB];
     for (int i = 0; i < DB; ++i) x[i] = _mm256_loadu_ps(vp + 8 * i);
     for (int r = 0; r < NR; ++r) {
@@ -1126,6 +1132,13 @@ void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, co
   for (int p0 = 0; p0 < n; p0 += 8) {
     const float* kp[8];
     for (int j = 0; j < 8; ++j) kp[j] = k + int64_t(std::min(p0 + j, n - 1)) * ks;
+    // The next eight keys' rows, a stride apart (a head's part of each), asked for ahead.
+    if (p0 + 8 < n)
+      for (int j = 0; j < 8; ++j) {
+        const char* row =
+            reinterpret_cast<const char*>(k + int64_t(std::min(p0 + 8 + j, n - 1)) * ks);
+        for (int off = 0; off < hd * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+      }
     for (int r = 0; r < R; ++r) {
       const float* qr = q + int64_t(r) * hd;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
