@@ -1034,15 +1034,14 @@ namespace quant_impl {
 
 const Kernels& scalar_kernels() { return kScalar; }
 
-bool amx_usable() { return cpu_has_amx(); }
+// Null where the running CPU lacks the instruction set: its table's own code never runs there.
+const Kernels* avx2_kernels() { return cpu_has_avx2() ? avx2_table() : nullptr; }
+const Kernels* avx512_kernels() { return cpu_has_avx512_vnni() ? avx512_table() : nullptr; }
+const Kernels* amx_kernels() { return cpu_has_amx() ? amx_table() : nullptr; }
 
 bool cpu_supports(const Kernels* k) {
   if (k == nullptr) return false;
-  if (k == &kScalar) return true;
-  if (k == avx2_kernels()) return cpu_has_avx2();
-  if (k == avx512_kernels()) return cpu_has_avx512_vnni();
-  if (k == amx_kernels()) return true;  // non-null only where usable
-  return false;
+  return k == &kScalar || k == avx2_kernels() || k == avx512_kernels() || k == amx_kernels();
 }
 
 void use_kernels(const Kernels* k) {

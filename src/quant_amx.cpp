@@ -291,7 +291,7 @@ struct AmxTile {
 };
 
 Kernels make_kernels() {
-  const Kernels* vnni = avx512_kernels();
+  const Kernels* vnni = avx512_table();
   Kernels k = *vnni;
   k.features = "avx2 fma f16c avx512vl avx512vnni amx-int8";
   for (int i = 0; i < kTypeSlots; ++i) g_vnni_tile[i] = vnni->tile[i];
@@ -306,8 +306,8 @@ Kernels make_kernels() {
 
 }  // namespace
 
-const Kernels* amx_kernels() {
-  if (avx512_kernels() == nullptr || !amx_usable()) return nullptr;
+const Kernels* amx_table() {
+  if (avx512_table() == nullptr) return nullptr;
   static const Kernels kernels = make_kernels();
   return &kernels;
 }
@@ -319,7 +319,7 @@ const Kernels* amx_kernels() {
 
 namespace ggraph {
 namespace quant_impl {
-const Kernels* amx_kernels() { return nullptr; }
+const Kernels* amx_table() { return nullptr; }
 }  // namespace quant_impl
 }  // namespace ggraph
 

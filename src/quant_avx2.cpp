@@ -35,7 +35,7 @@ Kernels make_kernels() {
 
 }  // namespace
 
-const Kernels* avx2_kernels() {
+const Kernels* avx2_table() {
   static const Kernels kernels = make_kernels();
   return &kernels;
 }
@@ -47,7 +47,7 @@ const Kernels* avx2_kernels() {
 
 namespace ggraph {
 namespace quant_impl {
-const Kernels* avx2_kernels() { return nullptr; }
+const Kernels* avx2_table() { return nullptr; }
 }  // namespace quant_impl
 }  // namespace ggraph
 

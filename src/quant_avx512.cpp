@@ -38,7 +38,7 @@ Kernels make_kernels() {
 
 }  // namespace
 
-const Kernels* avx512_kernels() {
+const Kernels* avx512_table() {
   static const Kernels kernels = make_kernels();
   return &kernels;
 }
@@ -50,7 +50,7 @@ const Kernels* avx512_kernels() {
 
 namespace ggraph {
 namespace quant_impl {
-const Kernels* avx512_kernels() { return nullptr; }
+const Kernels* avx512_table() { return nullptr; }
 }  // namespace quant_impl
 }  // namespace ggraph
 

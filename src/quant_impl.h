@@ -113,14 +113,17 @@ struct Kernels {
 
 // The portable kernels (quant.cpp).
 const Kernels& scalar_kernels();
-// Kernels for x86 instruction sets, or nullptr where they were not compiled in; the caller checks
-// that the running CPU supports them.
+// Kernels for x86 instruction sets (quant.cpp), or nullptr where they were not compiled in or the
+// running CPU lacks them.
 const Kernels* avx2_kernels();    // AVX2 + FMA + F16C (quant_avx2.cpp)
 const Kernels* avx512_kernels();  // the same plus AVX512 F/BW/VL/VNNI (quant_avx512.cpp)
-// The same with AMX int8 tile products (quant_amx.cpp); nullptr unless the running CPU and OS
-// let this process use AMX (amx_usable): the table itself is built with AVX-512 code.
-const Kernels* amx_kernels();
-bool amx_usable();
+const Kernels* amx_kernels();     // the same with AMX int8 tile products (quant_amx.cpp)
+// The tables themselves, built by code compiled for their instruction sets (nullptr where the
+// compiler lacks them): only the functions above, which check the running CPU (and for AMX the
+// OS's permission) first, call them.
+const Kernels* avx2_table();
+const Kernels* avx512_table();
+const Kernels* amx_table();
 // Whether the running CPU can run a table (the scalar one always).
 bool cpu_supports(const Kernels* kernels);
 // Makes mul_mat_tile and prepare_act use `kernels`; nullptr restores the best the CPU supports.
