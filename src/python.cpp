@@ -99,12 +99,19 @@ py::array_t<float> host_array(Context& c, std::vector<py::ssize_t> shape) {
     std::shared_ptr<HostPool> pool;
     void* block;
   };
-  auto* owner = new Owner{std::move(pool), block};
-  py::capsule base(owner, [](void* p) {
-    auto* o = static_cast<Owner*>(p);
-    o->pool->give(o->block);
-    delete o;
-  });
+  auto owner = std::make_unique<Owner>(Owner{pool, block});
+  py::capsule base;
+  try {
+    base = py::capsule(owner.get(), [](void* p) {
+      auto* o = static_cast<Owner*>(p);
+      o->pool->give(o->block);
+      delete o;
+    });
+  } catch (...) {
+    pool->give(block);
+    throw;
+  }
+  owner.release();  // the capsule's now
   return py::array_t<float>(shape, static_cast<float*>(block), base);
 }
 

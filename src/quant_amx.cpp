@@ -113,7 +113,8 @@ struct AmxTile {
   static void run(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
                   size_t act_stride, int n_cols, float* out, size_t out_stride) {
     int c0 = 0;
-    for (; n_cols - c0 >= kMinCols; c0 += kCols) {
+    // (An empty product, k = 0, has no block for the tiles: the VNNI tile writes its zeros.)
+    for (; k >= kQK && n_cols - c0 >= kMinCols; c0 += kCols) {
       const int nc = n_cols - c0 < kCols ? n_cols - c0 : kCols;
       columns(k, w, w_stride, n_rows, act + c0 * act_stride, act_stride, nc, out + c0 * out_stride,
               out_stride);

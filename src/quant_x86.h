@@ -1086,12 +1086,12 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Weighted values of NR rows (weights w, n apart; zero outside each row's keys) over keys [pb, pe)
-// for dimensions [d0, d0 + 8 DB): each row's lanes add one key after another, so a row's result
-// does not depend on the rows beside it. One load of a value vector serves every row.
 // Cache rows ahead that the attention's value loop asks for.
 constexpr int kAttnAhead = 8;
 
+// Weighted values of NR rows (weights w, n apart; zero outside each row's keys) over keys [pb, pe)
+// for dimensions [d0, d0 + 8 DB): each row's lanes add one key after another, so a row's result
+// does not depend on the rows beside it. One load of a value vector serves every row.
 template <int NR, int DB>
 inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
                             int d0, float* acc, int hd) {

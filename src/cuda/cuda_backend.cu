@@ -1102,6 +1102,7 @@ std::string topology_name(uint64_t key) {
 // blocks come back here and serve again; a few stay kept, the rest are freed.
 class PinnedPool : public HostPool {
  public:
+  explicit PinnedPool(int device) : device_(device) {}
   ~PinnedPool() override {
     for (const Block& b : free_) cudaFreeHost(b.ptr);
   }
@@ -1123,8 +1124,14 @@ class PinnedPool : public HostPool {
       }
     }
     void* p = nullptr;
-    // Portable: a model on another GPU than the current one copies into it as directly.
-    if (cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable) != cudaSuccess) {
+    // On the model's device (the calling thread's current one is put back), portable, so that
+    // the memory is page-locked for every context.
+    int current = device_;
+    cudaGetDevice(&current);
+    if (current != device_) cudaSetDevice(device_);
+    const cudaError_t err = cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+    if (current != device_) cudaSetDevice(current);
+    if (err != cudaSuccess) {
       cudaGetLastError();  // no page-locked memory to spare: the caller's own memory serves
       return nullptr;
     }
@@ -1156,6 +1163,7 @@ class PinnedPool : public HostPool {
     size_t bytes;
   };
   static constexpr size_t kKept = 4;
+  int device_;
   std::mutex mu_;
   std::vector<Block> free_, taken_;
 };
@@ -1581,7 +1589,7 @@ class CudaBackend : public Backend {
   void* input_staging_ = nullptr;  // pinned, so the input copy is a true async copy
   void* output_staging_ = nullptr;
   size_t output_staging_bytes_ = 0;
-  std::shared_ptr<PinnedPool> host_pool_ = std::make_shared<PinnedPool>();
+  std::shared_ptr<PinnedPool> host_pool_ = std::make_shared<PinnedPool>(device_);
   void* act_ = nullptr;
   size_t act_bytes_ = 0;
   void* wdeq_ = nullptr;  // quantized weights decoded to half for cuBLAS, a chunk of rows

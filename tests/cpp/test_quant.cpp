@@ -1020,6 +1020,26 @@ TEST(KernelDispatch, QuantizedFormatsGiveScalarBitsOnEveryInstructionSet) {
   }
 }
 
+// An empty product (k = 0) is zeros on every instruction set, at every column count (the AMX
+// tiles have no block to multiply).
+TEST(KernelDispatch, EmptyProductsAreZerosOnEveryInstructionSet) {
+  KernelModeGuard guard;
+  for (const quant_impl::Kernels* set : {&quant_impl::scalar_kernels(), quant_impl::avx2_kernels(),
+                                         quant_impl::avx512_kernels(), quant_impl::amx_kernels()}) {
+    if (!quant_impl::cpu_supports(set)) continue;
+    quant_impl::use_kernels(set);
+    for (DType t : {DType::Q8_0, DType::Q4_0, DType::Q4_1}) {
+      for (int n_cols : {1, 6, 8, 17}) {
+        const int n_rows = 20;
+        std::vector<uint8_t> w(16, 0), act(64, 0);
+        std::vector<float> out(size_t(n_rows) * n_cols, std::nanf(""));
+        mul_mat_tile(t, 0, w.data(), 0, n_rows, act.data(), 0, n_cols, out.data(), size_t(n_rows));
+        for (float v : out) ASSERT_EQ(v, 0.0f) << type_name(t) << ", " << n_cols << " columns";
+      }
+    }
+  }
+}
+
 // The AVX2 and AVX512-VNNI kernels do the same arithmetic (the 8-bit dots are exact integers
 // either way), so they must agree bit for bit; a CPU without both skips.
 TEST(KernelDispatch, InstructionSetsGiveSameBits) {
