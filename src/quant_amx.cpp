@@ -49,9 +49,6 @@ constexpr int kCols = 8;
 // The VNNI set's tiles, for the products the AMX tiles leave to them.
 TileFn g_vnni_tile[kTypeSlots] = {};
 
-struct alignas(64) Z {
-  __m512i v;
-};
 struct alignas(64) ZF {
   __m512 v;
 };
@@ -196,14 +193,10 @@ struct AmxTile {
         // The 16 rows' first four bytes of block b: the scale (and the minimum) as halves.
         const __m512i g = _mm512_i32gather_epi32(voff, rows[0] + b * kBlock, 1);
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-        if constexpr (Format<F>::kMin) {
-          __m512 m = dw;
-          if constexpr (Format<F>::kStoredMin)
-            m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-          else
-            m = _mm512_mul_ps(dw, _mm512_set1_ps(F == Fmt::kQ4_0 ? -8.0f : -16.0f));
-          s.m[size_t(b)].v = m;
-        }
+        if constexpr (Format<F>::kStoredMin)
+          s.m[size_t(b)].v = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        else if constexpr (Format<F>::kMin)
+          s.m[size_t(b)].v = _mm512_mul_ps(dw, _mm512_set1_ps(F == Fmt::kQ4_0 ? -8.0f : -16.0f));
         const __m512 da = s.da[size_t(b)].v;
         for (int p = 0; p < 8; ++p) {
           const __m512 sc =
@@ -264,10 +257,11 @@ struct AmxTile {
       // Each (row, column)'s even and odd sums, rows r (lanes 0..7) and r + 1 (8..15) a pair.
       alignas(64) float sum[16][8];
       for (int p = 0; p < 8; ++p) _mm512_store_ps(sum[2 * p], _mm512_add_ps(acc[0][p], acc[1][p]));
+      const __m512i row_of = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(8));
       for (int c = 0; c < nc; ++c) {
-        alignas(64) float col[16];
-        for (int r = 0; r < 16; ++r) col[r] = sum[r][c];
-        __m512 v = _mm512_load_ps(col);
+        __m512 v = _mm512_i32gather_ps(row_of, &sum[0][c], 4);  // column c's 16 rows
         if constexpr (Format<F>::kMin) {
           // The minimums' products m s, block b's into the sums of blocks b % 4, as the VNNI
           // tile's odd lanes take them (a product, then an addition); then (0 + 2) + (1 + 3).
