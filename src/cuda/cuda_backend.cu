@@ -1140,6 +1140,17 @@ class PinnedPool : public HostPool {
     return p;
   }
 
+  // Whether p lies in a block taken from this pool (one the device copies into directly).
+  bool holds(const void* p) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    std::lock_guard<std::mutex> hold(mu_);
+    for (const Block& t : taken_) {
+      const auto* start = static_cast<const uint8_t*>(t.ptr);
+      if (b >= start && b < start + t.bytes) return true;
+    }
+    return false;
+  }
+
   void give(void* block) override {
     void* drop = nullptr;
     {
@@ -1167,16 +1178,6 @@ class PinnedPool : public HostPool {
   std::mutex mu_;
   std::vector<Block> free_, taken_;
 };
-
-// Whether host memory at p is page-locked (the device copies into it directly).
-bool page_locked(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return a.type == cudaMemoryTypeHost;
-}
 
 class CudaBackend : public Backend {
  public:
@@ -1411,7 +1412,7 @@ class CudaBackend : public Backend {
 
     const Tensor* o = graph.output();
     const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
-    if (page_locked(out)) {
+    if (host_pool_->holds(out)) {  // page-locked: no staging copy
       GGRAPH_CUDA_CHECK(
           cudaMemcpyAsync(out, tensor_ptr(o, buf), out_bytes, cudaMemcpyDeviceToHost, stream_));
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
