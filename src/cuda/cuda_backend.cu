@@ -83,6 +83,46 @@ bool scratch_overlap(const Tensor* a, const Tensor* b) {
   return a->offset < b_end && b->offset < a_end;
 }
 
+// Whether product node j may go out in the launch of node i before it: no node between them
+// reads or writes memory that j's output overlaps (j's write moves before them).
+bool joins_launch_of(const std::vector<Tensor*>& nodes, int i, int j) {
+  const Tensor* c = nodes[j];
+  for (int m = i + 1; m < j; ++m) {
+    const Tensor* between = nodes[m];
+    if (between->op == Op::Leaf) continue;
+    if (scratch_overlap(c, between)) return false;
+    for (const Tensor* s : between->src)
+      if (s && scratch_overlap(c, s)) return false;
+  }
+  return true;
+}
+
+// GGRAPH_CUDA_MMQ_GROUP=0 launches each tensor-core product alone, to measure.
+bool mat_mul_q_grouping() {
+  static const bool on = env_switch_on("GGRAPH_CUDA_MMQ_GROUP");
+  return on;
+}
+
+// The products that go out in one tensor-core launch (launch_mat_mul_q's parts) with product
+// node i: those within the window after it of the same activation, weight format and k that are
+// not launched yet and may join its launch. Returns how many, i first.
+int mat_mul_q_group(const std::vector<Tensor*>& nodes, int i, const std::vector<char>& done,
+                    int (&group)[kMatMulQMaxParts]) {
+  const Tensor* w = nodes[i]->src[0];
+  const Tensor* x = nodes[i]->src[1];
+  int count = 0;
+  group[count++] = i;
+  const int n = static_cast<int>(nodes.size());
+  for (int j = i + 1;
+       mat_mul_q_grouping() && j < n && j <= i + kGroupWindow && count < kMatMulQMaxParts; ++j) {
+    const Tensor* c = nodes[j];
+    if (c->op == Op::MulMat && !done[j] && c->src[1] == x && c->src[0]->type == w->type &&
+        c->src[0]->ne[0] == w->ne[0] && joins_launch_of(nodes, i, j))
+      group[count++] = j;
+  }
+  return count;
+}
+
 }  // namespace
 
 void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf) {
@@ -154,7 +194,10 @@ size_t sample_workspace_bytes(const Graph& graph) {
 
 size_t attn_workspace_bytes(const Graph& graph, bool counters) {
   size_t need = 0;
-  for (const Tensor* t : graph.nodes()) {
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  std::vector<char> done(nodes.size(), 0);
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) {
+    const Tensor* t = nodes[i];
     if (t->op == Op::Attention || t->op == Op::AttentionSeqs) {
       const int n_head = t->params[kAttnNHead], n_tokens = static_cast<int>(t->src[0]->ne[1]);
       const bool seqs = t->op == Op::AttentionSeqs;
@@ -163,11 +206,19 @@ size_t attn_workspace_bytes(const Graph& graph, bool counters) {
                          : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
     } else if (t->op == Op::MulMat) {
       // Split-k tensor-core products use the same memory (never at the same time as an
-      // attention).
+      // attention), a launch's products together (as the executor groups them).
       const Tensor* w = t->src[0];
       const int64_t k = w->ne[0], cols = t->src[1]->ne[1];
-      need = std::max(need, counters ? mat_mul_q_counters_bytes(w->type, w->ne[1], k, cols)
-                                     : mat_mul_q_partials_bytes(w->type, w->ne[1], k, cols));
+      if (done[i] || mat_mul_q_kind(w->type, k, cols) == MatMulQ::None) continue;
+      int group[kMatMulQMaxParts];
+      const int parts = mat_mul_q_group(nodes, i, done, group);
+      int64_t n[kMatMulQMaxParts];
+      for (int p = 0; p < parts; ++p) {
+        n[p] = nodes[group[p]]->src[0]->ne[1];
+        done[group[p]] = 1;
+      }
+      need = std::max(need, counters ? mat_mul_q_counters_bytes(w->type, n, parts, k, cols)
+                                     : mat_mul_q_partials_bytes(w->type, n, parts, k, cols));
     }
   }
   return need;
@@ -834,9 +885,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           } else {
             prepare_half(Form::Half);
           }
-          launch_mat_mul_q(l, w->type, ptr(w), w->ne[1], k,
-                           q == MatMulQ::Int8Warp ? tiles : buf.act, cols, fptr(t), buf.attn,
-                           buf.attn_counters);
+          // Products of the same activation close after it (q, k, v; gate, up) in one launch.
+          int group[kMatMulQMaxParts];
+          const int n_parts = mat_mul_q_group(nodes, i, done, group);
+          MatMulQPart parts[kMatMulQMaxParts];
+          for (int p = 0; p < n_parts; ++p) {
+            const Tensor* c = nodes[group[p]];
+            parts[p] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c)};
+            done[group[p]] = 1;
+          }
+          launch_mat_mul_q(l, w->type, parts, n_parts, k, q == MatMulQ::Int8Warp ? tiles : buf.act,
+                           cols, buf.attn, buf.attn_counters);
           break;
         }
         if (cols > kMatVecMaxCols) {
@@ -884,14 +943,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           if (mixed &&
               (other >= 0 || cols != 1 || !is_quantized(w->type) || !is_quantized(c->src[0]->type)))
             continue;
-          bool safe = true;
-          for (int m = i + 1; m < j && safe; ++m) {
-            const Tensor* between = nodes[m];
-            if (between->op == Op::Leaf) continue;
-            safe = !scratch_overlap(c, between);
-            for (const Tensor* s : between->src) safe = safe && !(s && scratch_overlap(c, s));
-          }
-          if (!safe) continue;
+          if (!joins_launch_of(nodes, i, j)) continue;
           if (mixed) {
             other = j;
           } else {

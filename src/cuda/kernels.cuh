@@ -444,13 +444,22 @@ void launch_mat_mul_tc(Launcher& l, DType type, const void* w, int64_t n, int64_
 // kernel leaves them at zero) of the sizes below, 0 where they do not split.
 // GGRAPH_CUDA_MMQ=0 turns them off; =int8 (or =all), =warp and =half send every product they can
 // take to one of them.
+// One launch may take up to kMatMulQMaxParts products of one activation whose weights share a
+// format and k (q, k and v; gate and up): a grid over all their row blocks, k split as for one
+// product of all their rows, each part's partials after the one before it.
 constexpr int kMatMulQMaxCols = 64;
+constexpr int kMatMulQMaxParts = 3;
 enum class MatMulQ { None, Int8, Half, Int8Warp };
 MatMulQ mat_mul_q_kind(DType type, int64_t k, int64_t cols);
-size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols);
-size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols);
-void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
-                      const uint8_t* ws, int cols, float* dst, float* partials, unsigned* counters);
+struct MatMulQPart {
+  const void* w;  // n rows of k, split layout
+  int64_t n;
+  float* dst;  // n x cols
+};
+size_t mat_mul_q_partials_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
+size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
+void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_parts, int64_t k,
+                      const uint8_t* ws, int cols, float* partials, unsigned* counters);
 // Test hook: one kernel for every product it can take, or (None) the default choice.
 void set_mat_mul_q_everywhere(MatMulQ kind);
 // The shared memory a block of the current device may opt into (or the test hook's stand-in).

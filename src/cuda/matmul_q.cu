@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -248,16 +249,18 @@ constexpr TileSpec spec_of() {
   return {T::kRows, T::kSB, static_cast<size_t>(T::kSmem)};
 }
 
-// Rows of a block, and k splits, of a product (a function of the shape alone).
+// Rows of a block, the launch's row blocks (every part's), and k splits, of the products of one
+// launch (a function of the shapes alone).
 struct QPlan {
-  int rows, splits;
+  int rows, row_blocks, splits;
 };
-QPlan q_plan(const TileSpec& t, int64_t n, int64_t k) {
+QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, t.sb));
-  const int64_t row_blocks = ceil_div(n, t.rows);
+  int64_t row_blocks = 0;
+  for (int p = 0; p < n_parts; ++p) row_blocks += ceil_div(n[p], t.rows);
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
-  return {t.rows, splits};
+  return {t.rows, static_cast<int>(row_blocks), splits};
 }
 
 // A thread's share of a stage's copies: a grid of R rows (weight rows or activation columns) by
@@ -345,6 +348,32 @@ __device__ __forceinline__ StageRange stage_range(int nb, int kSB) {
           static_cast<int>(n_stages * (blockIdx.y + 1) / gridDim.y)};
 }
 
+// The products of one launch: up to kMatMulQMaxParts weights of one format and k over the same
+// activation (q, k and v; gate and up), each with its own rows, output and split-k partials. The
+// grid's row blocks are the parts' in order; a part's first row block past the grid marks it
+// absent.
+struct QParts {
+  const uint8_t* w[kMatMulQMaxParts];
+  float* dst[kMatMulQMaxParts];
+  float* partials[kMatMulQMaxParts];
+  int n[kMatMulQMaxParts];
+  int first[kMatMulQMaxParts];
+};
+static_assert(kMatMulQMaxParts == 3, "block_part picks among three parts");
+
+// A block's part: its weights, rows, output and partials, and the block's row block in it.
+struct QPart {
+  const uint8_t* w;
+  float* dst;
+  float* partials;
+  int n, rb;
+};
+__device__ __forceinline__ QPart block_part(const QParts& p) {
+  const int b = static_cast<int>(blockIdx.x);
+  const int i = b >= p.first[2] ? 2 : b >= p.first[1] ? 1 : 0;
+  return {p.w[i], p.dst[i], p.partials[i], p.n[i], b - p.first[i]};
+}
+
 // The cp.async pipeline over a block's stages. load_w(s) and load_a(s) issue stage s's copies of
 // the weights and of the activation into buffer (s - begin) % kStages, compute(s) reads it once
 // they have landed and every thread has passed the barrier. The first kStages stages are
@@ -396,11 +425,12 @@ __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&&
 // MT - 1.
 template <int WM, int WK, int MT, int NT, int kThreads>
 __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* smem, int n, int cols,
-                                            float* dst, float* partials, unsigned* counters) {
+                                            int rb, float* dst, float* partials,
+                                            unsigned* counters) {
   constexpr int kRows = 16 * WM * MT, kTiles = MT * NT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM, g = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * kRows;
+  const int row0 = rb * kRows;
   __syncthreads();  // the stages' memory is free from here on
   if constexpr (WK > 1) {
     float* red = reinterpret_cast<float*>(smem);
@@ -498,8 +528,8 @@ __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* sm
 // The int8 kernel (the file's comment); split-k as finish_tile says.
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(kQ8Threads)
-    mat_mul_q8_kernel(const uint8_t* w, int n, int k, const int8_t* aq, const float2* ads, int cols,
-                      float* dst, float* partials, unsigned* counters) {
+    mat_mul_q8_kernel(QParts parts, int k, const int8_t* aq, const float2* ads, int cols,
+                      unsigned* counters) {
   using T = Q8Tile<TYPE, NT>;
   constexpr int WM = T::kWM, WK = kQ8Warps / WM;  // warps sharing a stage's blocks
   constexpr int kSB = T::kSB, kStages = T::kStages;
@@ -509,7 +539,8 @@ __global__ void __launch_bounds__(kQ8Threads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
-  const WeightCopy<T, kQ8Threads> load_weights(w, n, k, blockIdx.x * T::kRows);
+  const QPart part = block_part(parts);
+  const WeightCopy<T, kQ8Threads> load_weights(part.w, part.n, k, part.rb * T::kRows);
   const int nb = k / 32;
   const StageRange range = stage_range(nb, kSB);
   // The columns' 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block); columns
@@ -596,7 +627,8 @@ __global__ void __launch_bounds__(kQ8Threads)
     }
   });
   pdl_trigger();
-  finish_tile<WM, WK, 1, NT, kQ8Threads>(acc, smem, n, cols, dst, partials, counters);
+  finish_tile<WM, WK, 1, NT, kQ8Threads>(acc, smem, part.n, cols, part.rb, part.dst, part.partials,
+                                         counters);
 }
 
 // The warp-pipelined int8 kernel (mat_mul_qw_kernel): the int8 kernel's mma.sync m16n8k32 and
@@ -633,16 +665,18 @@ struct QwTile {
 
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
-    mat_mul_qw_kernel(const uint8_t* w, int n, int k, const int8_t* aq, const float2* ads, int cols,
-                      float* dst) {
+    mat_mul_qw_kernel(QParts parts, int k, const int8_t* aq, const float2* ads, int cols) {
   using T = QwTile<TYPE>;
   constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
   constexpr int kStep = kQwWarps * kBlocks;  // 32-blocks from one of a warp's stages to the next
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  const QPart part = block_part(parts);
+  const uint8_t* w = part.w;
+  const int n = part.n;
   const int nb = k / 32, n_tiles = (cols + 7) / 8;
-  const int row0 = blockIdx.x * 16;
+  const int row0 = part.rb * 16;
   const int n_stages = (nb + kBlocks - 1) / kBlocks;
   const int count = warp < n_stages ? (n_stages - warp + kQwWarps - 1) / kQwWarps : 0;
   uint8_t* ring = smem + warp * kStages * T::kStage;
@@ -798,7 +832,8 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][nt][e] += off[nt][e];
   pdl_trigger();
-  finish_tile<1, kQwWarps, 1, NT, kQwThreads>(acc, smem, n, cols, dst, nullptr, nullptr);
+  finish_tile<1, kQwWarps, 1, NT, kQwThreads>(acc, smem, n, cols, part.rb, part.dst, nullptr,
+                                              nullptr);
 }
 
 // Half pairs from quants. A half whose bits are 0x6400 | b (b < 1024) is 1024 + b exactly, so
@@ -881,8 +916,7 @@ __device__ __forceinline__ int act_swizzle(int col) { return ((col & 3) << 1) | 
 // half (columns kp = act_half_pitch(k) apart), the weights decoded in registers.
 template <int TYPE, int NT, class S = QhShape<NT>>
 __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
-    mat_mul_qh_kernel(const uint8_t* w, int n, int k, const __half* act, int cols, float* dst,
-                      float* partials, unsigned* counters) {
+    mat_mul_qh_kernel(QParts parts, int k, const __half* act, int cols, unsigned* counters) {
   using T = QhTile<TYPE, NT, S>;
   constexpr int WM = T::kWM, MT = T::kMT, WK = kQhWarps / WM;  // WK: warps sharing a stage
   constexpr int kThreads = T::kThreads;
@@ -893,7 +927,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
-  const WeightCopy<T, kThreads> load_weights(w, n, k, blockIdx.x * T::kRows);
+  const QPart part = block_part(parts);
+  const WeightCopy<T, kThreads> load_weights(part.w, part.n, k, part.rb * T::kRows);
   const int nb = k / 32;
   const StageRange range = stage_range(nb, kSB);
   // A column's stage: kStageK halves in 16-byte chunks of 8 (64 bytes a block), columns kp =
@@ -985,7 +1020,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
     }
   });
   pdl_trigger();
-  finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, n, cols, dst, partials, counters);
+  finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, part.n, cols, part.rb, part.dst, part.partials,
+                                        counters);
 }
 
 // GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, no kernel; int8 or all, the int8
@@ -1128,18 +1164,29 @@ MatMulQ mat_mul_q_kind(DType t, int64_t k, int64_t cols) {
              : kind;
 }
 
-size_t mat_mul_q_partials_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
+namespace {
+int64_t total_rows(const int64_t* n, int n_parts) {
+  int64_t rows = 0;
+  for (int p = 0; p < n_parts; ++p) rows += n[p];
+  return rows;
+}
+}  // namespace
+
+size_t mat_mul_q_partials_bytes(DType type, const int64_t* n, int n_parts, int64_t k,
+                                int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None || kind == MatMulQ::Int8Warp) return 0;
-  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
-  return p.splits > 1 ? static_cast<size_t>(p.splits * cols * n) * sizeof(float) : 0;
+  const int64_t rows = total_rows(n, n_parts);
+  const QPlan p = q_plan(tile_spec(kind, type, cols, rows), n, n_parts, k);
+  return p.splits > 1 ? static_cast<size_t>(p.splits * cols * rows) * sizeof(float) : 0;
 }
 
-size_t mat_mul_q_counters_bytes(DType type, int64_t n, int64_t k, int64_t cols) {
+size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64_t k,
+                                int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None || kind == MatMulQ::Int8Warp) return 0;
-  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
-  return p.splits > 1 ? static_cast<size_t>(ceil_div(n, p.rows)) * sizeof(unsigned) : 0;
+  const QPlan p = q_plan(tile_spec(kind, type, cols, total_rows(n, n_parts)), n, n_parts, k);
+  return p.splits > 1 ? static_cast<size_t>(p.row_blocks) * sizeof(unsigned) : 0;
 }
 
 void prepare_mat_mul_q_kernels() {
@@ -1150,27 +1197,50 @@ void prepare_mat_mul_q_kernels() {
   cudaGetLastError();
 }
 
-void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t k,
-                      const uint8_t* ws, int cols, float* dst, float* partials,
-                      unsigned* counters) {
+void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_parts, int64_t k,
+                      const uint8_t* ws, int cols, float* partials, unsigned* counters) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None)
     throw ArgumentError(std::string("mat_mul_q: expected a product it takes (Q4_0, Q4_1, Q8_0 "
                                     "or Q4_K weights, k a multiple of 64, 2 to ") +
                         std::to_string(kMatMulQMaxCols) + " columns), got " + dtype_name(type) +
                         ", k " + std::to_string(k) + ", " + std::to_string(cols) + " columns");
-  const QPlan p = q_plan(tile_spec(kind, type, cols, n), n, k);
-  const dim3 grid(static_cast<unsigned>(ceil_div(n, p.rows)), static_cast<unsigned>(p.splits));
-  const auto* wq = static_cast<const uint8_t*>(w);
+  if (n_parts < 1 || n_parts > kMatMulQMaxParts)
+    throw ArgumentError("mat_mul_q: expected 1 to " + std::to_string(kMatMulQMaxParts) +
+                        " products in a launch, got " + std::to_string(n_parts));
+  int64_t n[kMatMulQMaxParts];
+  for (int p = 0; p < n_parts; ++p) n[p] = parts[p].n;
+  const int64_t rows = total_rows(n, n_parts);
+  // The warp-pipelined kernel's row blocks are 16 rows, unsplit.
+  const QPlan p = kind == MatMulQ::Int8Warp
+                      ? QPlan{16, static_cast<int>(ceil_div(rows, 16)), 1}
+                      : q_plan(tile_spec(kind, type, cols, rows), n, n_parts, k);
+  QParts qp{};
+  int first = 0;
+  float* part_partials = partials;
+  for (int i = 0; i < kMatMulQMaxParts; ++i) {
+    if (i < n_parts) {
+      qp.w[i] = static_cast<const uint8_t*>(parts[i].w);
+      qp.dst[i] = parts[i].dst;
+      qp.partials[i] = part_partials;
+      qp.n[i] = static_cast<int>(n[i]);
+      qp.first[i] = first;
+      first += static_cast<int>(ceil_div(n[i], p.rows));
+      if (p.splits > 1) part_partials += static_cast<size_t>(p.splits) * cols * n[i];
+    } else {
+      qp.first[i] = std::numeric_limits<int>::max();
+    }
+  }
+  // (Row blocks of parts that do not fill their last one: the sum over parts, not rows / 16.)
+  const dim3 grid(static_cast<unsigned>(first), static_cast<unsigned>(p.splits));
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
       if (kind == MatMulQ::Int8Warp) {
         const ActQ8 q = act_q8_tiles(const_cast<uint8_t*>(ws), k, cols);
         auto launch = [&](auto kernel) {
-          l(kernel, dim3(static_cast<unsigned>(ceil_div(n, 16))), dim3(kQwThreads),
-            static_cast<size_t>(QwTile<TYPE>::kSmem), wq, static_cast<int>(n), static_cast<int>(k),
-            q.qs, q.ds, cols, dst);
+          l(kernel, dim3(grid.x), dim3(kQwThreads), static_cast<size_t>(QwTile<TYPE>::kSmem), qp,
+            static_cast<int>(k), q.qs, q.ds, cols);
         };
         if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1>);
         return launch(mat_mul_qw_kernel<TYPE, 2>);
@@ -1180,12 +1250,11 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
         if (kind == MatMulQ::Half) {
           auto launch = [&](auto kernel, auto tile) {
             using T = decltype(tile);
-            l(kernel, grid, dim3(T::kThreads), static_cast<size_t>(T::kSmem), wq,
-              static_cast<int>(n), static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols,
-              dst, partials, counters);
+            l(kernel, grid, dim3(T::kThreads), static_cast<size_t>(T::kSmem), qp,
+              static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols, counters);
           };
           if constexpr (NT >= 4) {
-            if (qh_narrow<TYPE, NT>(n))
+            if (qh_narrow<TYPE, NT>(rows))
               return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                             QhTile<TYPE, NT, QhNarrow<NT>>{});
           }
@@ -1193,8 +1262,8 @@ void launch_mat_mul_q(Launcher& l, DType type, const void* w, int64_t n, int64_t
         } else {
           const ActQ8 q = act_q8(const_cast<uint8_t*>(ws), k, cols);
           l(mat_mul_q8_kernel<TYPE, NT>, grid, dim3(kQ8Threads),
-            static_cast<size_t>(Q8Tile<TYPE, NT>::kSmem), wq, static_cast<int>(n),
-            static_cast<int>(k), q.qs, q.ds, cols, dst, partials, counters);
+            static_cast<size_t>(Q8Tile<TYPE, NT>::kSmem), qp, static_cast<int>(k), q.qs, q.ds, cols,
+            counters);
         }
       });
     }

@@ -338,8 +338,10 @@ int main(int argc, char** argv) {
         const int copies = int(w.size());
         for (int cols : {2, 4, 8, 16, 32, 64}) {
           float* x = device_randn(size_t(sh.k) * cols, rng);
+          // Room for three products' outputs, partials and counters: a launch of three parts
+          // (q, k and v) is measured too.
           float* dst = nullptr;
-          CHECK(cudaMalloc(&dst, size_t(sh.n) * cols * sizeof(float)));
+          CHECK(cudaMalloc(&dst, size_t(3) * sh.n * cols * sizeof(float)));
           // The workspaces of every kind: activations, partials, counters (zeroed).
           uint8_t* ws = nullptr;
           CHECK(cudaMalloc(
@@ -347,14 +349,15 @@ int main(int argc, char** argv) {
                              gc::act_half_bytes(sh.k, cols)})));
           float* partials = nullptr;
           unsigned* counters = nullptr;
-          CHECK(cudaMalloc(&partials, size_t(8) * sh.n * cols * sizeof(float)));
-          CHECK(cudaMalloc(&counters, size_t(sh.n) * sizeof(unsigned)));
-          CHECK(cudaMemset(counters, 0, size_t(sh.n) * sizeof(unsigned)));
-          auto report = [&](const char* kernel, double ms) {
-            std::printf("| %s | %lldx%lld | %d | %s | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
-                        (long long)sh.k, (long long)sh.n, cols, kernel, ms * 1e3,
-                        host.size() / (ms * 1e-3) / 1e9,
-                        100.0 * host.size() / (ms * 1e-3) / (copy * 1e12));
+          CHECK(cudaMalloc(&partials, size_t(3 * 8) * sh.n * cols * sizeof(float)));
+          CHECK(cudaMalloc(&counters, size_t(3) * sh.n * sizeof(unsigned)));
+          CHECK(cudaMemset(counters, 0, size_t(3) * sh.n * sizeof(unsigned)));
+          auto report = [&](const std::string& kernel, double ms, int parts = 1) {
+            const double bytes = double(host.size()) * parts;
+            std::printf("| %s | %lldx%lld%s | %d | %s | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
+                        (long long)sh.k, (long long)sh.n, parts > 1 ? " x3" : "", cols,
+                        kernel.c_str(), ms * 1e3, bytes / (ms * 1e-3) / 1e9,
+                        100.0 * bytes / (ms * 1e-3) / (copy * 1e12));
           };
           if (cols <= gc::kMatVecMaxCols) {
             gc::launch_quantize_act(l, x, sh.k, cols, ws);
@@ -373,9 +376,22 @@ int main(int argc, char** argv) {
             if (kind == gc::MatMulQ::Int8Warp) gc::launch_quantize_act_tiles(l, x, sh.k, cols, ws);
             if (kind == gc::MatMulQ::Half) gc::launch_act_to_half(l, x, sh.k, cols, ws, false);
             report(name, ev.graph_ms(s, 200, [&](int i) {
-              gc::launch_mat_mul_q(l, t, w[i % copies], sh.n, sh.k, ws, cols, dst, partials,
-                                   counters);
+              const gc::MatMulQPart part{w[i % copies], sh.n, dst};
+              gc::launch_mat_mul_q(l, t, &part, 1, sh.k, ws, cols, partials, counters);
             }));
+            // Three products of the activation in one launch (q, k and v of the 7B shape).
+            if (sh.k == 4096 && sh.n == 4096 && cols >= 8)
+              report(
+                  name,
+                  ev.graph_ms(
+                      s, 200,
+                      [&](int i) {
+                        gc::MatMulQPart parts[3];
+                        for (int p = 0; p < 3; ++p)
+                          parts[p] = {w[(3 * i + p) % copies], sh.n, dst + size_t(p) * sh.n * cols};
+                        gc::launch_mat_mul_q(l, t, parts, 3, sh.k, ws, cols, partials, counters);
+                      }),
+                  3);
           }
           gc::set_mat_mul_q_everywhere(gc::MatMulQ::None);
           cudaFree(x);

@@ -606,6 +606,62 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
   check_random_blocks(DType::Q4_K, 4352, 70, 64, rng, chk);
 }
 
+// Three products of one activation (q, k and v; gate and up), which go out as one tensor-core
+// launch: parts of different rows (the later ones broadcast over the first in the sum that reads
+// them all), rows that end mid-block, k split over the grid (few row blocks) or not, on each
+// kernel. Against the float64 sum of the three products and the CPU.
+TEST_F(CudaOps, MulMatDecodeBatchProductsOfOneActivationInOneLaunch) {
+  std::mt19937 rng(31);
+  const CheckFn chk = checker();
+  struct Reset {
+    ~Reset() { cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::None); }
+  } reset;
+  using cuda::MatMulQ;
+  struct Rows {
+    int64_t k, n0, n1;  // the first part's rows, the other two's (n1 divides n0)
+  };
+  for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half, MatMulQ::Int8Warp}) {
+    SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : kind == MatMulQ::Half ? "half" : "warp");
+    cuda::set_mat_mul_q_everywhere(kind);
+    for (DType t : {DType::Q4_0, DType::Q8_0}) {
+      for (Rows r : {Rows{576, 1200, 300}, Rows{4160, 256, 64}, Rows{4160, 4096, 1024}}) {
+        for (int64_t cols : {4, 9, 17, 33, 64}) {
+          std::vector<float> deq[3];
+          std::vector<uint8_t> bytes[3];
+          const int64_t n[3] = {r.n0, r.n1, r.n1};
+          for (int p = 0; p < 3; ++p)
+            bytes[p] = quantize(t, randn(size_t(r.k) * n[p], rng, 0.05f), r.k, n[p], deq[p]);
+          const auto x = randn(size_t(r.k) * cols, rng);
+          std::vector<double> ref(size_t(r.n0) * cols, 0.0);
+          double sq = 0;
+          for (int p = 0; p < 3; ++p) {
+            double scale = 0;
+            const auto part = mul_mat_ref(deq[p], x, r.k, n[p], cols, &scale);
+            sq += scale * scale;
+            for (int64_t c = 0; c < cols; ++c)
+              for (int64_t row = 0; row < r.n0; ++row)
+                ref[c * r.n0 + row] += part[c * n[p] + row % n[p]];
+          }
+          std::vector<int32_t> ids;
+          chk(
+              [&](Graph& g, Backend& be) {
+                Tensor* a = activations(g, be, x, r.k, cols, ids);
+                Tensor* out[3];
+                for (int p = 0; p < 3; ++p)
+                  out[p] = g.mul_mat(upload(g, be, t, r.k, n[p], bytes[p].data(), "w"), a);
+                return g.add(g.add(out[0], out[1]), out[2]);
+              },
+              ref, mul_mat_bound(t, r.k, cols), 3e-2,
+              std::string(type_name(t)) + " k " + std::to_string(r.k) + " n " +
+                  std::to_string(r.n0) + "+" + std::to_string(r.n1) + "+" + std::to_string(r.n1) +
+                  " cols " + std::to_string(cols),
+              std::sqrt(sq));
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaOps, MulMatFloatWeightsWithUnalignedK) {
   std::mt19937 rng(16);
   const CheckFn chk = checker();
@@ -1829,37 +1885,39 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     EXPECT_EQ(launches_of(rec, lg.up), 0);
   }
   {
-    // Prompts take the tiled path, on the half form the norm writes beside its output: no
-    // conversion launch before q, k and v. (Up to 16 columns take the warp-pipelined int8
-    // kernel, whose column tiles are prepared by a launch of their own.)
-    expect_qkv_launches(LayerGraph(32, 0, true), 1, 1, 1);
+    // A prompt of 32 tokens takes the half kernel, on the half form the norm writes beside its
+    // output: no conversion launch, and q, k and v in one launch. (Up to 16 columns take the
+    // warp-pipelined int8 kernel; from 65, the tiled path or cuBLAS, a launch a product.)
+    expect_qkv_launches(LayerGraph(32, 0, true), 1, 0, 0);
+    expect_qkv_launches(LayerGraph(96, 0, true), 1, 1, 1);
   }
   {
     // A batch of 16 takes the warp-pipelined int8 products, which read the activation in column
-    // tiles: the norm writes them beside its output, and q, k and v are a launch each; so are
-    // gate and up (the FFN norm's tiles) and down (the glu's). The attention of 16 tokens of one
+    // tiles: the norm writes them beside its output, and q, k and v are one launch; so are
+    // gate and up (the FFN norm's tiles); down reads the glu's. The attention of 16 tokens of one
     // sequence (the prompt kernels) writes no 8-bit form: the output projection quantizes its
     // tiles first.
     LayerGraph lg(16, 0, true);
     const auto rec = lg.launches();
     expect_launches(
         rec,
-        {{lg.wq, 1}, {lg.wk, 1}, {lg.wv, 1}, {lg.gate, 1}, {lg.up, 1}, {lg.down, 1}, {lg.wo, 2}});
+        {{lg.wq, 1}, {lg.wk, 0}, {lg.wv, 0}, {lg.gate, 1}, {lg.up, 0}, {lg.down, 1}, {lg.wo, 2}});
   }
   {
     // Without the producers' tiles (GGRAPH_CUDA_TILE_OUTPUT=0), the first product of each
-    // activation quantizes its tiles, which the others read again.
+    // activation quantizes its tiles first.
     const bool before = cuda::set_tile_output(false);
     LayerGraph lg(16, 0, true);
     const auto rec = lg.launches();
     cuda::set_tile_output(before);
     expect_launches(rec,
-                    {{lg.wq, 2}, {lg.wk, 1}, {lg.wv, 1}, {lg.gate, 2}, {lg.up, 1}, {lg.down, 2}});
+                    {{lg.wq, 2}, {lg.wk, 0}, {lg.wv, 0}, {lg.gate, 2}, {lg.up, 0}, {lg.down, 2}});
   }
   {
     // v in a format the int8 kernels do not take reads the half form the norm wrote, beside the
-    // column tiles of q and k, kept apart: no conversion launch for any of the three.
-    expect_qkv_launches(LayerGraph(16, 0, true, false, DType::Q4_1, DType::Q5_0), 1, 1, 1);
+    // column tiles of q and k, kept apart: no conversion launch for any of the three; q and k
+    // share a launch.
+    expect_qkv_launches(LayerGraph(16, 0, true, false, DType::Q4_1, DType::Q5_0), 1, 0, 1);
   }
 }
 
@@ -1948,15 +2006,29 @@ TEST(CudaLaunchPlan, DecodeBatchProducersWriteTheProductsColumnTiles) {
   for (int n_tokens : {4, 16}) {
     SeqsLayer lg(n_tokens, 8);
     const auto rec = lg.launches();
+    // q, k and v in one launch at q's node.
     EXPECT_EQ(launches_of(rec, lg.wq), 1) << n_tokens;
-    EXPECT_EQ(launches_of(rec, lg.wv), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.wv), 0) << n_tokens;
     EXPECT_EQ(launches_of(rec, lg.wo), 1) << n_tokens;
   }
+  // v in another format: q and k share a launch after the tiles' quantization; v goes alone.
   SeqsLayer mixed(4, 8, DType::Q5_0);
   const auto rec = mixed.launches();
   EXPECT_EQ(launches_of(rec, mixed.wq), 2);
   EXPECT_EQ(launches_of(rec, mixed.wv), 1);
   EXPECT_EQ(launches_of(rec, mixed.wo), 1);
+}
+
+// Decode batches on the half kernel (17 to 64 columns): q, k and v go out as one launch, whose
+// grid covers all three products' row blocks; GGRAPH_CUDA_MMQ_GROUP=0 would launch each alone.
+TEST(CudaLaunchPlan, DecodeBatchProductsOfOneActivationShareALaunch) {
+  for (int n_tokens : {32, 64}) {
+    SeqsLayer lg(n_tokens, 8);
+    const auto rec = lg.launches();
+    EXPECT_EQ(launches_of(rec, lg.wq), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.wv), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, lg.wo), 1) << n_tokens;
+  }
 }
 
 // Decode batches: the ropes of q and k and both stores into the pools go out in one launch (a
