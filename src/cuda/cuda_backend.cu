@@ -673,16 +673,18 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
            x->ne[0] == y->ne[0] && x->ne[1] == y->ne[1];
   };
   // Whether rope c may go out in the launch of rope t (q's and k's: the same positions and
-  // parameters, neither writing what the other reads unless the launch reads it first).
-  auto ropes_pair = [&](const Tensor* t, const Tensor* c, int reads) {
+  // parameters, neither writing what the other reads unless the launch reads it first); with
+  // c_written false, where c's rotated rows go to the cache only (c's output is not written).
+  auto ropes_pair = [&](const Tensor* t, const Tensor* c, int reads, bool c_written = true) {
     return c->op == Op::Rope && c->src[1] == t->src[1] && c->ne[1] == t->ne[1] &&
            c->params[kRopeHeadDim] == t->params[kRopeHeadDim] &&
            c->params[kRopeNDims] == t->params[kRopeNDims] &&
            c->params[kRopeMode] == t->params[kRopeMode] &&
            c->params[kRopeBase] == t->params[kRopeBase] &&
            c->params[kRopeScale] == t->params[kRopeScale] && c->src[2] == t->src[2] &&
-           (reads == kRopeAll || (!scratch_overlap(c, t) && rope_apart(c, t->src[0], reads) &&
-                                  rope_apart(t, c->src[0], reads)));
+           (reads == kRopeAll ||
+            ((!c_written || (!scratch_overlap(c, t) && rope_apart(c, t->src[0], reads))) &&
+             rope_apart(t, c->src[0], reads)));
   };
 
   // Per-head q/k norms (rms_norm per head, times the head weight) right before the ropes of q
@@ -977,6 +979,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         // The rope of k right after that of q (only already launched nodes between, the same
         // positions and parameters, neither writing what the other reads): one launch.
         const Tensor* pair = nullptr;
+        bool k_cache_only = false;
         int reads = 0;
         const int jk = next_open(i);
         if (jk >= 0 && nodes[jk]->op == Op::Rope) {
@@ -991,6 +994,14 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                                                                        : 0;
           if (ropes_pair(t, c, reads)) {
             pair = c;
+            done[jk] = 1;
+          } else if (ropes_pair(t, c, reads, /*c_written=*/false) && uses[jk] == 1 &&
+                     c != graph.output()) {
+            // Rotated k that only its K store reads need not exist anywhere but in the cache:
+            // the pair holds if that store rides along (below), whatever k's own output overlaps
+            // (a GQA batch's k, narrower than q, where q's product was).
+            pair = c;
+            k_cache_only = true;
             done[jk] = 1;
           }
         }
@@ -1015,7 +1026,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                       : vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1]) &&
                 vs->src[0]->ne[0] == pair->ne[0] && vs->src[0]->ne[1] == pair->ne[1] &&
                 kv_target(vs)->data != kv_target(ks)->data && (pv < 0 || pv < i || done[pv]) &&
-                rope_apart(t, vs->src[0], reads) && rope_apart(pair, vs->src[0], reads);
+                rope_apart(t, vs->src[0], reads) &&
+                (k_cache_only || rope_apart(pair, vs->src[0], reads));
             if (with_kv) {
               kv.k_cache = kv_target(ks)->data;
               kv.v = fptr(vs->src[0]);
@@ -1030,6 +1042,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
               done[js] = done[jv] = 1;
             }
           }
+          if (k_cache_only && !with_kv) {
+            done[jk] = 0;
+            pair = nullptr;
+          }
         }
         // With the head norms, the raw products (the pairing was checked when they were taken).
         const auto hn = head_norms.find(i);
@@ -1041,9 +1057,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                     t->params[kRopeHeadDim], t->params[kRopeNDims], t->params[kRopeMode],
                     t->param_f(kRopeBase), static_cast<int>(t->ne[1]),
                     pair ? fptr(norms ? hn->second.k_in : pair->src[0]) : nullptr,
-                    pair ? fptr(pair) : nullptr, pair ? pair->params[kRopeNHead] : 0,
-                    with_kv ? &kv : nullptr, t->src[2] ? fptr(t->src[2]) : nullptr,
-                    t->param_f(kRopeScale), norms ? &hn->second.norm : nullptr);
+                    pair && !k_cache_only ? fptr(pair) : nullptr,
+                    pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr,
+                    t->src[2] ? fptr(t->src[2]) : nullptr, t->param_f(kRopeScale),
+                    norms ? &hn->second.norm : nullptr);
         break;
       }
       case Op::KvStore: {

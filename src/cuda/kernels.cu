@@ -347,7 +347,8 @@ __device__ __forceinline__ RopeSlot rope_slot(const RopeArgs& a, int h, int p, i
   const int n_head = second ? a.n_head1 : a.n_head0;
   const int64_t base = (static_cast<int64_t>(t) * n_head + hh) * a.head_dim;
   r.x = (second ? a.src1 : a.src0) + base;
-  r.y = (second ? a.dst1 : a.dst0) + base;
+  float* y = second ? a.dst1 : a.dst0;  // null: k into the cache only
+  r.y = y ? y + base : nullptr;
   r.c = second && a.k_cache && row >= 0
             ? a.k_cache + row * width1 + static_cast<int64_t>(hh) * a.head_dim
             : nullptr;
@@ -378,8 +379,7 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
   }
   float y0 = x0, y1 = x1;
   if (r.rotate) rope_rotate(x0, x1, sf, cf, y0, y1);
-  r.y[r.i0] = y0;
-  r.y[r.i1] = y1;
+  if (r.y) r.y[r.i0] = y0, r.y[r.i1] = y1;
   if (r.c) r.c[r.i0] = __float2half_rn(y0), r.c[r.i1] = __float2half_rn(y1);
 }
 
@@ -673,7 +673,7 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
              dst,
              n_head,
              src1 ? src1 : src,
-             dst1 ? dst1 : dst,
+             src1 ? dst1 : dst,
              n_head1,
              head_dim,
              n_dims,
@@ -685,6 +685,8 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
   const int32_t* first_row = nullptr;
   const int32_t* seq_slots = nullptr;
   const bool with_kv = kv && src1;
+  if (src1 && !dst1 && !with_kv)
+    throw std::logic_error("launch_rope: k rotated nowhere (no output and no cache)");
   if (with_kv) {
     a.k_cache = static_cast<__half*>(kv->k_cache);
     a.v_cache = static_cast<__half*>(kv->v_cache);

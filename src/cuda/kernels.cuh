@@ -274,8 +274,8 @@ struct RopeHeadNorm {
   float eps = 0.0f;
 };
 // With src1 given, also rotates src1 (n_head1 heads, the same positions) into dst1: q and k in
-// one launch; with kv given too, the K and V stores as well; with norm, the head norms too (one
-// token only: rope_norm_fits).
+// one launch; with kv given too, the K and V stores as well (dst1 may then be null: k rotated
+// into the cache only); with norm, the head norms too (one token only: rope_norm_fits).
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,

@@ -1420,11 +1420,11 @@ TEST_F(CudaOps, DecodeBatchAttentionHandsItsHalfFormToTheProduct) {
 // both stores are one launch (a token a block, k's rope where q's product was); with it, not.
 TEST_F(CudaOps, DecodeBatchRopesAndStoresMatchTheCpu) {
   std::mt19937 rng(41);
-  const int n_head = 4, hd = 64, n_embd = n_head * hd, n_seq = 16, rows = 64;
+  const int n_head = 4, hd = 64, n_embd = n_head * hd, n_seq = 32, rows = 64;
   for (int n_head_kv : {4, 1}) {
     const int kv_w = n_head_kv * hd;
     for (DType t : {DType::Q4_0, DType::F16}) {
-      for (int n_tok : {3, 12, 16}) {
+      for (int n_tok : {3, 12, 16, 32}) {
         std::vector<float> dq, dk, dv;
         auto bq = quantize(t, randn(size_t(n_embd) * n_embd, rng, 0.05f), n_embd, n_embd, dq);
         auto bk = quantize(t, randn(size_t(n_embd) * kv_w, rng, 0.05f), n_embd, kv_w, dk);
@@ -2053,14 +2053,16 @@ TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
       }
     }
   }
-  // GQA: k's narrower rows over q's product would be other tokens' rows; the two stores still
-  // go out together.
-  SeqsLayer gqa(16, 8);
-  const auto rec = gqa.launches();
-  EXPECT_EQ(launches_of(rec, gqa.rope_q), 1);
-  EXPECT_EQ(launches_of(rec, gqa.rope_k), 1);
-  EXPECT_EQ(launches_of(rec, gqa.store_k), 1);
-  EXPECT_EQ(launches_of(rec, gqa.store_v), 0);
+  // GQA: k's narrower rows over q's product would be other tokens' rows, but only k's store
+  // reads them: k is rotated into its pool alone, in the same launch.
+  for (int n_tokens : {2, 16, 64}) {
+    SeqsLayer gqa(n_tokens, 8);
+    const auto rec = gqa.launches();
+    EXPECT_EQ(launches_of(rec, gqa.rope_q), 1) << n_tokens;
+    EXPECT_EQ(launches_of(rec, gqa.rope_k), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, gqa.store_k), 0) << n_tokens;
+    EXPECT_EQ(launches_of(rec, gqa.store_v), 0) << n_tokens;
+  }
 }
 
 // Decode batches and prompts: the residual add launches the norm after it too, whose result
