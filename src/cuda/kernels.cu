@@ -181,8 +181,9 @@ __global__ void __launch_bounds__(1024)
 // A decode step's norm of a wide row over a cluster of C blocks (sm_90+): each block a slice of
 // ne0 / C values, a thread a value, and the slices' sums of squares reduced through distributed
 // shared memory, added in rank order by every block alike. The one-block kernel's time grows
-// with the row (each thread's values in turn, one SM's loads); here C SMs share it. One column,
-// ne0 % (32 C) == 0, ne0 / C <= 1024, no normalized add input.
+// with the row (each thread's values in turn, one SM's loads, and with 8-bit output a warp
+// reduction a value); here C SMs share it. A cluster a column (blockIdx.y: a decode batch's
+// few columns), ne0 % (32 C) == 0, ne0 / C <= 1024, one weight column, no normalized add input.
 template <int C>
 __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
     rms_norm_cluster_kernel(const float* src, const float* add, float* sum_out, const float* w,
@@ -193,12 +194,13 @@ __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
   const cg::cluster_group cluster = cg::this_cluster();
   __shared__ float partial[32];
   __shared__ float block_total;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * (ne0 / C) + threadIdx.x;
-  float wv = w && w_fixed ? w[i] : 0.0f;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * (ne0 / C) + threadIdx.x;
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * ne0 + e;
+  float wv = w && w_fixed ? w[e] : 0.0f;
   pdl_begin();
   float v = src[i];
   if (add) v += add[i];
-  if (w && !w_fixed) wv = w[i];
+  if (w && !w_fixed) wv = w[e];
   const float sq = warp_sum(v * v);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sq;
   __syncthreads();
@@ -233,6 +235,17 @@ int64_t& norm_cluster_min_width() {
     return v == "0" ? INT64_MAX : v == "1" ? 2048 : 4096;
   }();
   return width;
+}
+// The most columns (a decode batch's) that take a cluster each: 16 by default, where the
+// warp-pipelined products read the norm's 8-bit column tiles; GGRAPH_CUDA_NORM_CLUSTER_COLS=N
+// sets another bound, to measure (1: one column only).
+int64_t norm_cluster_max_cols() {
+  static const int64_t cols = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_NORM_CLUSTER_COLS");
+    const int64_t v = e ? std::atoll(e) : 0;
+    return v >= 1 && v <= 4096 ? v : int64_t(16);
+  }();
+  return cols;
 }
 template <int C>
 bool norm_cluster_runs() {
@@ -604,13 +617,14 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   };
   if (a.add_w && (cols != 1 || per_thread > 8))
     throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
-  // One wide column over a cluster of blocks, where wide enough and it runs here.
+  // Each wide column over a cluster of blocks, where wide enough and it runs here.
   auto cluster = [&](auto kernel, int c) {
-    l(kernel, dim3(c), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src, a.add, a.sum_out, a.w,
-      a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, q.tiles_k,
+    l(kernel, dim3(c, static_cast<unsigned>(cols)), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src,
+      a.add, a.sum_out, a.w, a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, q.tiles_k,
       reinterpret_cast<__half*>(a.half_ws));
   };
-  if (cols == 1 && !a.add_w && a.w_cols == 1 && ne0 >= norm_cluster_min_width()) {
+  if (cols <= norm_cluster_max_cols() && !a.add_w && (!a.w || a.w_cols == 1) &&
+      ne0 >= norm_cluster_min_width()) {
     if (ne0 <= 4096 && ne0 % 128 == 0 && norm_cluster_runs<4>())
       return cluster(rms_norm_cluster_kernel<4>, 4);
     if (ne0 <= 8192 && ne0 % 256 == 0 && norm_cluster_runs<8>())

@@ -263,38 +263,47 @@ TEST_F(CudaOps, RmsNormAloneAndFusedWithItsWeight) {
 // One decode column of 2,048 to 8,192 values normalized over a cluster of blocks (sm_90+, the
 // test hook; elsewhere the one-block kernel): alone, and as a layer has it, the residual add, the
 // norm with its weight and a Q8_0 mat-vec reading the norm's 8-bit form.
-TEST_F(CudaOps, RmsNormOfOneWideColumnOverAClusterOfBlocks) {
+TEST_F(CudaOps, RmsNormOfWideColumnsOverClustersOfBlocks) {
   struct Restore {
     int64_t was = cuda::set_norm_cluster_min_width(2048);
     ~Restore() { cuda::set_norm_cluster_min_width(was); }
   } restore;
   std::mt19937 rng(30);
-  for (int64_t ne0 : {2048, 4096, 6144, 8192}) {
-    const Shape s{ne0, 1};
-    auto x = randn(size_t(ne0), rng, 3.0f), b = randn(size_t(ne0), rng),
-         w = randn(size_t(ne0), rng);
-    std::vector<int32_t> ix, ib;
-    check(
-        [&](Graph& g, Backend& be) { return g.rms_norm(activations(g, be, x, ne0, 1, ix), 1e-5f); },
-        rms_norm_ref(x, s, 1e-5f), 1e-6, 1e-6, "rms_norm " + std::to_string(ne0));
-    std::vector<float> sum(x.size());
-    for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + b[i];
-    auto normed = rms_norm_ref(sum, s, 1e-5f);
-    for (size_t i = 0; i < normed.size(); ++i) normed[i] *= w[i];
-    const int64_t n_out = 64;
-    std::vector<float> deq;
-    const auto wq = quantize(DType::Q8_0, randn(size_t(ne0) * n_out, rng, 0.05f), ne0, n_out, deq);
-    std::vector<double> ref(n_out);
-    for (int64_t j = 0; j < n_out; ++j)
-      for (int64_t i = 0; i < ne0; ++i) ref[j] += double(deq[j * ne0 + i]) * normed[i];
-    check(
-        [&](Graph& g, Backend& be) {
-          Tensor* wt = upload(g, be, DType::F32, ne0, 1, w.data(), "norm_w");
-          Tensor* h = g.add(activations(g, be, x, ne0, 1, ix), activations(g, be, b, ne0, 1, ib));
-          Tensor* n = g.mul(g.rms_norm(h, 1e-5f), wt);
-          return g.mul_mat(upload(g, be, DType::Q8_0, ne0, n_out, wq.data(), "wq"), n);
-        },
-        ref, 2e-2, 1e-3, "add + rms_norm*w + Q8_0 mat-vec " + std::to_string(ne0));
+  // One column (a decode step), and a decode batch's few, a cluster each: the 8-bit form for
+  // the mat-vec (3 columns), the column tiles for the warp-pipelined product (8 and 16).
+  for (int64_t cols : {1, 3, 8, 16}) {
+    for (int64_t ne0 : {2048, 4096, 6144, 8192}) {
+      const Shape s{ne0, cols};
+      const size_t n = size_t(ne0 * cols);
+      auto x = randn(n, rng, 3.0f), b = randn(n, rng), w = randn(size_t(ne0), rng);
+      std::vector<int32_t> ix, ib;
+      const std::string what = std::to_string(ne0) + " x " + std::to_string(cols);
+      check([&](Graph& g,
+                Backend& be) { return g.rms_norm(activations(g, be, x, ne0, cols, ix), 1e-5f); },
+            rms_norm_ref(x, s, 1e-5f), 1e-6, 1e-6, "rms_norm " + what);
+      std::vector<float> sum(n);
+      for (size_t i = 0; i < n; ++i) sum[i] = x[i] + b[i];
+      auto normed = rms_norm_ref(sum, s, 1e-5f);
+      for (size_t i = 0; i < normed.size(); ++i) normed[i] *= w[i % size_t(ne0)];
+      const int64_t n_out = 64;
+      std::vector<float> deq;
+      const auto wq =
+          quantize(DType::Q8_0, randn(size_t(ne0) * n_out, rng, 0.05f), ne0, n_out, deq);
+      std::vector<double> ref(size_t(n_out * cols));
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t j = 0; j < n_out; ++j)
+          for (int64_t i = 0; i < ne0; ++i)
+            ref[c * n_out + j] += double(deq[j * ne0 + i]) * normed[c * ne0 + i];
+      check(
+          [&](Graph& g, Backend& be) {
+            Tensor* wt = upload(g, be, DType::F32, ne0, 1, w.data(), "norm_w");
+            Tensor* h =
+                g.add(activations(g, be, x, ne0, cols, ix), activations(g, be, b, ne0, cols, ib));
+            Tensor* nm = g.mul(g.rms_norm(h, 1e-5f), wt);
+            return g.mul_mat(upload(g, be, DType::Q8_0, ne0, n_out, wq.data(), "wq"), nm);
+          },
+          ref, 2e-2, 1e-3, "add + rms_norm*w + Q8_0 product " + what);
+    }
   }
 }
 
