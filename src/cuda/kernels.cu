@@ -428,15 +428,20 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
 // shared memory) before any write, so that an output may take the memory of an input, as the
 // planner hands out k's rope output where q's product was: any input with one token, and with
 // several the same rows of an input of the same width (the block's own token's). A thread keeps one
-// pair p of a head and takes the heads p's threads stride over (rope_token_threads). NORM: each
+// pair p of a head and takes the heads p's threads stride over (rope_token_threads). With
+// split_heads > 0 (q and k of as many heads, several tokens) a token's heads are shared by
+// gridDim.y blocks: block y takes heads y * split_heads .. + split_heads - 1 of q, of k and of V
+// alike, so that where an output takes an input's place (a whole tensor over another of the
+// same width, all that several tokens allow) each head's rows are read and written by one block.
+// NORM: each
 // head is first RMS-normalized over its head_dim elements and multiplied by norm_w0 (the first
 // tensor's heads) or norm_w1 (the second's): the per-head q/k norms of Qwen 3 and Gemma 3 in the
 // same launch. A head's sum of squares is reduced in a fixed order, so results do not depend on
 // scheduling.
 template <bool NORM>
 __global__ void __launch_bounds__(1024)
-    rope_token_kernel(GGRAPH_ROPE_PARAMS, int n_heads, const float* norm_w0, const float* norm_w1,
-                      float norm_eps) {
+    rope_token_kernel(GGRAPH_ROPE_PARAMS, int n_heads, int split_heads, const float* norm_w0,
+                      const float* norm_w1, float norm_eps) {
   pdl_begin();
   GGRAPH_ROPE_ARGS;
   const int t = blockIdx.x;
@@ -447,12 +452,19 @@ __global__ void __launch_bounds__(1024)
   const int half_dim = a.head_dim / 2;
   const int p = threadIdx.x % half_dim;
   const int h0 = threadIdx.x / half_dim, stride = blockDim.x / half_dim;
+  // The block's heads: u-th of n_local.
+  const int n_local = split_heads ? n_heads / a.n_head0 * split_heads : n_heads;
+  const int head_at = static_cast<int>(blockIdx.y) * split_heads;
+  auto head_of = [&](int u) {
+    return split_heads ? u / split_heads * a.n_head0 + head_at + u % split_heads : u;
+  };
   float x0[kRopeTokenSlots], x1[kRopeTokenSlots];
   // The loads first: their latency overlaps the angles' computation.
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
-    const int h = h0 + s * stride;
-    if (h >= n_heads) break;
+    const int u = h0 + s * stride;
+    if (u >= n_local) break;
+    const int h = head_of(u);
     const RopeSlot r = rope_slot(a, h, p, t, row);
     x0[s] = r.x[r.i0];
     x1[s] = r.x[r.i1];
@@ -480,9 +492,9 @@ __global__ void __launch_bounds__(1024)
   }
 #pragma unroll
   for (int s = 0; s < kRopeTokenSlots; ++s) {
-    const int h = h0 + s * stride;
-    if (h >= n_heads) break;
-    const RopeSlot r = rope_slot(a, h, p, t, row);
+    const int u = h0 + s * stride;
+    if (u >= n_local) break;
+    const RopeSlot r = rope_slot(a, head_of(u), p, t, row);
     if constexpr (NORM) {
       const float* w = r.head < a.n_head0 ? norm_w0 : norm_w1;
       if (!r.copy && w) {
@@ -674,6 +686,16 @@ void launch_softcap(Launcher& l, const float* x, float* dst, int64_t n, float ca
   l(softcap_kernel, dim3(ceil_div(n, 256)), dim3(256), 0, x, dst, n, cap);
 }
 
+namespace {
+// The blocks a several-token rope launch aims at (rope_token_kernel's split_heads).
+constexpr int kRopeSplitBlocks = 128;
+// GGRAPH_CUDA_ROPE_SPLIT=0 keeps a token's heads in one block, to measure.
+bool rope_split_on() {
+  static const bool on = env_switch_on("GGRAPH_CUDA_ROPE_SPLIT");
+  return on;
+}
+}  // namespace
+
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
   return static_cast<int64_t>(n_head + n_head1 * (with_kv ? 2 : 1)) * (head_dim / 2);
 }
@@ -714,11 +736,20 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
     throw std::logic_error("launch_rope: head norms of this size do not fit one block");
   if (norm || (src1 && rope_token_fits(slots, head_dim))) {
     const int n_heads = static_cast<int>(slots / (head_dim / 2));
-    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>, dim3(n_tokens),
-      dim3(rope_token_threads(n_heads, head_dim)), 0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1,
-      a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos, freq_base,
-      first_row, a.kv_rows, freq_factors, freq_scale, seq_slots, n_heads, norm ? norm->w0 : nullptr,
-      norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
+    // Several tokens of q and k of as many heads: each token's heads over up to
+    // kRopeSplitBlocks / n_tokens blocks (a power of two dividing the heads), so that a few
+    // tokens fill more than a few SMs.
+    int split = 1;
+    if (!norm && n_tokens >= 2 && n_head1 == n_head && rope_split_on())
+      while (split * 2 * n_tokens <= kRopeSplitBlocks && n_head % (split * 2) == 0) split *= 2;
+    const int split_heads = split > 1 ? n_head / split : 0;
+    const int block_heads = split > 1 ? n_heads / n_head * split_heads : n_heads;
+    l(norm ? rope_token_kernel<true> : rope_token_kernel<false>,
+      dim3(n_tokens, static_cast<unsigned>(split)), dim3(rope_token_threads(block_heads, head_dim)),
+      0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode,
+      a.k_cache, a.v_src, a.v_cache, pos, freq_base, first_row, a.kv_rows, freq_factors, freq_scale,
+      seq_slots, n_heads, split_heads, norm ? norm->w0 : nullptr, norm && src1 ? norm->w1 : nullptr,
+      norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,

@@ -2055,10 +2055,18 @@ TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
     EXPECT_EQ(launches_of(rec, lg.rope_k), 0) << n_tokens;
     EXPECT_EQ(launches_of(rec, lg.store_k), 0) << n_tokens;
     EXPECT_EQ(launches_of(rec, lg.store_v), 0) << n_tokens;
-    // A token a block.
+    // A token a column of blocks; of several tokens, each token's 32 heads (of q, k and V
+    // alike) shared by a few blocks, about 128 in all.
     for (const cuda::KernelLaunch& k : rec) {
       if (k.node == lg.rope_q->index) {
         EXPECT_EQ(int(k.grid.x), n_tokens);
+        if (n_tokens == 1) {
+          EXPECT_EQ(k.grid.y, 1u);
+        } else {
+          EXPECT_GE(k.grid.y, 2u) << n_tokens;
+          EXPECT_LE(int(k.grid.y) * n_tokens, 128) << n_tokens;
+          EXPECT_EQ(32 % k.grid.y, 0u) << n_tokens;
+        }
       }
     }
   }
@@ -2071,6 +2079,11 @@ TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
     EXPECT_EQ(launches_of(rec, gqa.rope_k), 0) << n_tokens;
     EXPECT_EQ(launches_of(rec, gqa.store_k), 0) << n_tokens;
     EXPECT_EQ(launches_of(rec, gqa.store_v), 0) << n_tokens;
+    for (const cuda::KernelLaunch& k : rec) {
+      if (k.node == gqa.rope_q->index) {
+        EXPECT_EQ(k.grid.y, 1u) << n_tokens;
+      }
+    }
   }
 }
 
