@@ -1170,15 +1170,23 @@ int64_t total_rows(const int64_t* n, int n_parts) {
   for (int p = 0; p < n_parts; ++p) rows += n[p];
   return rows;
 }
+
+// A part's split-k partials (floats), rounded up to whole float4s: the next part's start is
+// 16-byte aligned for finish_tile's vector loads.
+size_t part_partials(const QPlan& p, int64_t cols, int64_t n) {
+  return (static_cast<size_t>(p.splits) * cols * n + 3) / 4 * 4;
+}
 }  // namespace
 
 size_t mat_mul_q_partials_bytes(DType type, const int64_t* n, int n_parts, int64_t k,
                                 int64_t cols) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None || kind == MatMulQ::Int8Warp) return 0;
-  const int64_t rows = total_rows(n, n_parts);
-  const QPlan p = q_plan(tile_spec(kind, type, cols, rows), n, n_parts, k);
-  return p.splits > 1 ? static_cast<size_t>(p.splits * cols * rows) * sizeof(float) : 0;
+  const QPlan p = q_plan(tile_spec(kind, type, cols, total_rows(n, n_parts)), n, n_parts, k);
+  if (p.splits <= 1) return 0;
+  size_t floats = 0;
+  for (int i = 0; i < n_parts; ++i) floats += part_partials(p, cols, n[i]);
+  return floats * sizeof(float);
 }
 
 size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64_t k,
@@ -1217,16 +1225,16 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
                       : q_plan(tile_spec(kind, type, cols, rows), n, n_parts, k);
   QParts qp{};
   int first = 0;
-  float* part_partials = partials;
+  float* partials_at = partials;
   for (int i = 0; i < kMatMulQMaxParts; ++i) {
     if (i < n_parts) {
       qp.w[i] = static_cast<const uint8_t*>(parts[i].w);
       qp.dst[i] = parts[i].dst;
-      qp.partials[i] = part_partials;
+      qp.partials[i] = partials_at;
       qp.n[i] = static_cast<int>(n[i]);
       qp.first[i] = first;
       first += static_cast<int>(ceil_div(n[i], p.rows));
-      if (p.splits > 1) part_partials += static_cast<size_t>(p.splits) * cols * n[i];
+      if (p.splits > 1) partials_at += part_partials(p, cols, n[i]);
     } else {
       qp.first[i] = std::numeric_limits<int>::max();
     }

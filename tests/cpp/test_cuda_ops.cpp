@@ -616,9 +616,10 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
 }
 
 // Three products of one activation (q, k and v; gate and up), which go out as one tensor-core
-// launch: parts of different rows (the later ones broadcast over the first in the sum that reads
-// them all), rows that end mid-block, k split over the grid (few row blocks) or not, on each
-// kernel. Against the float64 sum of the three products and the CPU.
+// launch: parts of different rows (the shorter broadcast over the longest in the sum that reads
+// them all), rows that end mid-block, k split over the grid (few row blocks) or not, a first
+// part whose partials end off a 16-byte boundary (301 rows, odd columns), on each kernel.
+// Against the float64 sum of the three products and the CPU.
 TEST_F(CudaOps, MulMatDecodeBatchProductsOfOneActivationInOneLaunch) {
   std::mt19937 rng(31);
   const CheckFn chk = checker();
@@ -627,13 +628,14 @@ TEST_F(CudaOps, MulMatDecodeBatchProductsOfOneActivationInOneLaunch) {
   } reset;
   using cuda::MatMulQ;
   struct Rows {
-    int64_t k, n0, n1;  // the first part's rows, the other two's (n1 divides n0)
+    int64_t k, n0, n1;  // the first part's rows, the other two's (one divides the other)
   };
   for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half, MatMulQ::Int8Warp}) {
     SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : kind == MatMulQ::Half ? "half" : "warp");
     cuda::set_mat_mul_q_everywhere(kind);
     for (DType t : {DType::Q4_0, DType::Q8_0}) {
-      for (Rows r : {Rows{576, 1200, 300}, Rows{4160, 256, 64}, Rows{4160, 4096, 1024}}) {
+      for (Rows r : {Rows{576, 1200, 300}, Rows{4160, 256, 64}, Rows{4160, 4096, 1024},
+                     Rows{4160, 301, 1204}}) {
         for (int64_t cols : {4, 9, 17, 33, 64}) {
           std::vector<float> deq[3];
           std::vector<uint8_t> bytes[3];
@@ -641,15 +643,17 @@ TEST_F(CudaOps, MulMatDecodeBatchProductsOfOneActivationInOneLaunch) {
           for (int p = 0; p < 3; ++p)
             bytes[p] = quantize(t, randn(size_t(r.k) * n[p], rng, 0.05f), r.k, n[p], deq[p]);
           const auto x = randn(size_t(r.k) * cols, rng);
-          std::vector<double> ref(size_t(r.n0) * cols, 0.0);
+          const int big = r.n0 >= r.n1 ? 0 : 1;  // the part the others broadcast over
+          const int64_t rows = n[big];
+          std::vector<double> ref(size_t(rows) * cols, 0.0);
           double sq = 0;
           for (int p = 0; p < 3; ++p) {
             double scale = 0;
             const auto part = mul_mat_ref(deq[p], x, r.k, n[p], cols, &scale);
             sq += scale * scale;
             for (int64_t c = 0; c < cols; ++c)
-              for (int64_t row = 0; row < r.n0; ++row)
-                ref[c * r.n0 + row] += part[c * n[p] + row % n[p]];
+              for (int64_t row = 0; row < rows; ++row)
+                ref[c * rows + row] += part[c * n[p] + row % n[p]];
           }
           std::vector<int32_t> ids;
           chk(
@@ -658,7 +662,10 @@ TEST_F(CudaOps, MulMatDecodeBatchProductsOfOneActivationInOneLaunch) {
                 Tensor* out[3];
                 for (int p = 0; p < 3; ++p)
                   out[p] = g.mul_mat(upload(g, be, t, r.k, n[p], bytes[p].data(), "w"), a);
-                return g.add(g.add(out[0], out[1]), out[2]);
+                Tensor* sum = out[big];
+                for (int p = 0; p < 3; ++p)
+                  if (p != big) sum = g.add(sum, out[p]);
+                return sum;
               },
               ref, mul_mat_bound(t, r.k, cols), 3e-2,
               std::string(type_name(t)) + " k " + std::to_string(r.k) + " n " +
