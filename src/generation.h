@@ -94,6 +94,8 @@ class Generation {
 
   StopReason stop_reason() const { return reason_; }
   int n_generated() const { return n_generated_; }
+  // The context's sequence this generation runs on (selected when it began).
+  int sequence() const { return seq_; }
 
  private:
   void finish(StopReason reason, std::string* text);

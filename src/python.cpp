@@ -221,31 +221,76 @@ void bind_text(Cls& cls, GetTokenizer tok) {
 
 }  // namespace
 
+namespace {
+
+// The module's exception types (set when it loads).
+PyObject* g_gguf_error = nullptr;
+PyObject* g_device_error = nullptr;
+PyObject* g_cancelled = nullptr;
+
+// The Python exception type of one of the engine's errors, its message in *msg; null for any
+// other exception.
+PyObject* error_type(std::exception_ptr p, std::string* msg) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const GGUFError& e) {
+    *msg = e.what();
+    return g_gguf_error;
+  } catch (const DeviceError& e) {
+    *msg = e.what();
+    return g_device_error;
+  } catch (const ArgumentError& e) {
+    *msg = e.what();
+    return PyExc_ValueError;
+  } catch (const Cancelled& e) {
+    *msg = e.what();
+    return g_cancelled;
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+// An exception as a Python exception object, to be returned rather than raised: the engine's
+// errors as the translator raises them, any other std::exception as a RuntimeError.
+py::object error_object(std::exception_ptr p) {
+  std::string msg;
+  PyObject* type = error_type(p, &msg);
+  if (!type) {
+    type = PyExc_RuntimeError;
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    } catch (...) {
+      msg = "unknown error";
+    }
+  }
+  py::str text = py::reinterpret_steal<py::str>(
+      PyUnicode_DecodeUTF8(msg.data(), Py_ssize_t(msg.size()), "backslashreplace"));
+  if (!text) throw py::error_already_set();
+  return py::reinterpret_borrow<py::object>(type)(text);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "ggraph engine (C++/CUDA)";
   static py::exception<GGUFError> gguf_error(m, "GGUFError", PyExc_ValueError);
   static py::exception<DeviceError> device_error(m, "DeviceError", PyExc_RuntimeError);
   static py::exception<Cancelled> cancelled(m, "Cancelled", PyExc_RuntimeError);
+  g_gguf_error = gguf_error.ptr();
+  g_device_error = device_error.ptr();
+  g_cancelled = cancelled.ptr();
   // Messages may quote bytes from the file that are not UTF-8: they are decoded with
   // backslash escapes, so that an error is always its own type with a readable message.
   py::register_exception_translator([](std::exception_ptr p) {
-    auto set = [](PyObject* type, const char* msg) {
-      PyObject* text = PyUnicode_DecodeUTF8(msg, Py_ssize_t(std::strlen(msg)), "backslashreplace");
-      if (!text) return;  // the decode's own error stands
-      PyErr_SetObject(type, text);
-      Py_DECREF(text);
-    };
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const GGUFError& e) {
-      set(gguf_error.ptr(), e.what());
-    } catch (const DeviceError& e) {
-      set(device_error.ptr(), e.what());
-    } catch (const ArgumentError& e) {
-      set(PyExc_ValueError, e.what());
-    } catch (const Cancelled& e) {
-      set(cancelled.ptr(), e.what());
-    }
+    std::string msg;
+    PyObject* type = error_type(p, &msg);
+    if (!type) std::rethrow_exception(p);  // not ours: pybind11's own translation
+    PyObject* text = PyUnicode_DecodeUTF8(msg.data(), Py_ssize_t(msg.size()), "backslashreplace");
+    if (!text) return;  // the decode's own error stands
+    PyErr_SetObject(type, text);
+    Py_DECREF(text);
   });
 
   m.def("build_info", [] {
@@ -409,6 +454,53 @@ PYBIND11_MODULE(_core, m) {
         }
       },
       py::arg("generations"), py::arg("logits"));
+
+  // Deferred generations of one context a step each (Generation::next, each with its own
+  // sequence selected), with the GIL released once for all: a server's step advances every
+  // running request at once. The caller holds the context for the call. For each generation,
+  // (step, n_generated, stop_reason): step as next() gives it, or the exception it raised (an
+  // exception object, returned: the others' steps stand).
+  m.def(
+      "advance_batch",
+      [](Context& ctx, const py::list& generations) {
+        std::vector<Generation*> gens;
+        for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
+        struct Step {
+          std::string text;
+          GeneratedToken tok;
+          bool more = false;
+          std::exception_ptr error;
+        };
+        std::vector<Step> steps(gens.size());
+        {
+          py::gil_scoped_release release;
+          for (size_t i = 0; i < gens.size(); ++i) {
+            try {
+              ctx.select_sequence(gens[i]->sequence());
+              steps[i].more = gens[i]->next(&steps[i].text, &steps[i].tok);
+            } catch (...) {
+              steps[i].error = std::current_exception();
+            }
+          }
+        }
+        py::list out;
+        for (size_t i = 0; i < gens.size(); ++i) {
+          const Step& s = steps[i];
+          py::object step = py::none();
+          if (s.error) {
+            step = error_object(s.error);
+          } else if (s.more) {
+            py::list top;
+            for (const auto& t : s.tok.top) top.append(py::make_tuple(t.first, t.second));
+            step = py::make_tuple(utf8(s.text), s.tok.id, s.tok.logprob, top);
+          }
+          const char* reason = stop_reason_name(gens[i]->stop_reason());
+          out.append(py::make_tuple(step, gens[i]->n_generated(),
+                                    *reason ? py::object(py::str(reason)) : py::none()));
+        }
+        return out;
+      },
+      py::arg("context"), py::arg("generations"));
 
   // One generation over a context (generation.h): next() gives (text, token id, logprob, top)
   // for each step, None once the generation is over.

@@ -421,7 +421,8 @@ class Model:
     ):
         """A generation on this sequence that leaves each sampled token for _decode_pending to
         evaluate with other sequences' tokens, and takes its prompt prefill_chunk tokens a step
-        (0: all at once); (generation, epoch) for _advance."""
+        (0: all at once); (generation, epoch): the server's engine steps it with the others
+        (_core.advance_batch) while the model's epoch stays `epoch`."""
         _check_keys(sampling)
         with self._lock:
             gen, epoch = self._new_generation(
@@ -431,14 +432,6 @@ class Model:
             gen.set_prefill_chunk(prefill_chunk)
             self.stop_reason, self.n_generated = None, 0
             return gen, epoch
-
-    def _advance(self, gen, epoch: int):
-        """A step of a deferred generation: (text, token, logprob, top), or None at its end."""
-        with self._step(epoch):
-            step = gen.next()
-            self.n_generated = gen.n_generated
-            self.stop_reason = gen.stop_reason
-        return step
 
     def _decode_pending(self, entries) -> None:
         """Evaluates the tokens that deferred generations of this model's sequences left, in one

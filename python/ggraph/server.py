@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 
+from ggraph import _core
 from ggraph.model import GeneratedToken
 
 # The sampling defaults of a request that names none (OpenAI's, but for top_k and min_p, which
@@ -123,10 +124,13 @@ class Engine:
             seq.cancel()
         return gen, epoch
 
-    def _step(self, job: _Job, seq, gen, epoch) -> bool:
-        """Advances a job by one sampled token (its text may be held back); whether it has
-        finished. The token it leaves is evaluated with the others' by _decode_pending."""
-        try:
+    def _advance(self, active) -> list:
+        """Advances every running job by one sampled token (its text may be held back), all in
+        one call with the model held; returns the entries that have finished. The tokens they
+        leave are evaluated together by _decode_pending."""
+        finished, live = [], []
+        for entry in active:
+            job, seq, _, epoch = entry
             if job.cancelled.is_set():
                 print(
                     f"ggraph serve: a request was cancelled after {seq.n_generated} tokens",
@@ -134,22 +138,36 @@ class Engine:
                     flush=True,
                 )
                 self._post(job, ("done", (seq.stop_reason, seq.n_generated)))
-                return True
-            step = seq._advance(gen, epoch)
-            if step is None:
-                self._post(job, ("done", (seq.stop_reason, seq.n_generated)))
-                return True
-            text, token, logprob, top = step
-            if job.logprobs is None:
-                if text:
-                    self._post(job, ("token", (text, None)))
-            elif token >= 0 or text:
-                detail = GeneratedToken(token, text, logprob if token >= 0 else None, top)
-                self._post(job, ("token", (text, detail if token >= 0 else None)))
-            return False
-        except Exception as e:  # the request's failure, not the server's
-            self._post(job, ("error", e))
-            return True
+                finished.append(entry)
+            elif seq._epoch != epoch:  # the sequence changed under the generation
+                self._post(
+                    job, ("error", RuntimeError("generate: this generator is no longer valid"))
+                )
+                finished.append(entry)
+            else:
+                live.append(entry)
+        if not live:
+            return finished
+        with self.model._lock.base:
+            steps = _core.advance_batch(self.model._ctx, [gen for _, _, gen, _ in live])
+        for entry, (step, n_generated, stop_reason) in zip(live, steps):
+            job, seq = entry[0], entry[1]
+            seq.n_generated, seq.stop_reason = n_generated, stop_reason
+            if isinstance(step, BaseException):  # the request's failure, not the server's
+                self._post(job, ("error", step))
+                finished.append(entry)
+            elif step is None:
+                self._post(job, ("done", (stop_reason, n_generated)))
+                finished.append(entry)
+            else:
+                text, token, logprob, top = step
+                if job.logprobs is None:
+                    if text:
+                        self._post(job, ("token", (text, None)))
+                elif token >= 0 or text:
+                    detail = GeneratedToken(token, text, logprob if token >= 0 else None, top)
+                    self._post(job, ("token", (text, detail if token >= 0 else None)))
+        return finished
 
     def _post(self, job: _Job, event) -> None:
         self._outbox.append((job, event))
@@ -187,10 +205,9 @@ class Engine:
                     self._finish(job, seq)
             if closing and not active:
                 return
-            for entry in list(active):
-                if self._step(*entry):
-                    active.remove(entry)
-                    self._finish(entry[0], entry[1])
+            for entry in self._advance(active):
+                active.remove(entry)
+                self._finish(entry[0], entry[1])
             self._flush()
             # The tokens the steps sampled, every sequence's in one decode step.
             try:
@@ -349,8 +366,6 @@ def create_app(model, model_name: str, parallel: int = 1):
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
-
-    from ggraph import _core
 
     engine = Engine(model, parallel)
     created = int(time.time())

@@ -9,6 +9,7 @@ import pytest
 from conftest import cuda_available
 
 import ggraph
+from ggraph import _core
 
 A = [5, 17, 42, 8, 99, 3, 61, 27, 14, 7]
 B = [200, 11, 150, 33, 2, 90, 45]
@@ -392,3 +393,26 @@ def test_cuda_batches_of_nine_and_more_run_the_tensor_core_product(tiny_model, n
     size_class = 16 if n <= 16 else 32
     # A capture replays.
     assert (stats[f"batch{size_class}.captures"], stats[f"batch{size_class}.replays"]) == (1, 3)
+
+
+def test_advance_batch_returns_one_generations_error_and_steps_the_others(tiny_model):
+    # The server's engine steps every running generation in one call: a generation whose step
+    # fails (here: its last token's logits were never fed) gets its exception back as a value,
+    # and the others step on.
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
+    s = m.session()
+    ga, _ = m._begin([1, 2, 3], 4, [], None, ignore_eos=True, temperature=0)
+    gb, _ = s._begin([4, 5, 6], 4, [], None, ignore_eos=True, temperature=0)
+    first = _core.advance_batch(m._ctx, [ga, gb])
+    assert [type(step) for step, _, _ in first] == [tuple, tuple]
+    assert [n for _, n, _ in first] == [1, 1]
+    assert ga.pending_token >= 0 and gb.pending_token >= 0
+    m._decode_pending([(s, gb)])  # b's token evaluated, a's left waiting
+    (a_step, a_n, _), (b_step, b_n, b_reason) = _core.advance_batch(m._ctx, [ga, gb])
+    assert isinstance(a_step, RuntimeError) and "not fed" in str(a_step)
+    assert a_n == 1
+    assert isinstance(b_step, tuple) and b_n == 2 and b_reason is None
+    # b's tokens are those a generation of its own takes.
+    alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    steps = alone.generate([4, 5, 6], max_tokens=2, temperature=0, logprobs=0, ignore_eos=True)
+    assert [first[1][0][1], b_step[1]] == [t.token for t in steps if t.token >= 0]
