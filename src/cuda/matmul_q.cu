@@ -254,13 +254,18 @@ constexpr TileSpec spec_of() {
 struct QPlan {
   int rows, row_blocks, splits;
 };
+// Blocks of `rows` rows over every part (each part's last one may be partly empty).
+int row_blocks_of(const int64_t* n, int n_parts, int rows) {
+  int64_t row_blocks = 0;
+  for (int p = 0; p < n_parts; ++p) row_blocks += ceil_div(n[p], rows);
+  return static_cast<int>(row_blocks);
+}
 QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, t.sb));
-  int64_t row_blocks = 0;
-  for (int p = 0; p < n_parts; ++p) row_blocks += ceil_div(n[p], t.rows);
+  const int row_blocks = row_blocks_of(n, n_parts, t.rows);
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
-  return {t.rows, static_cast<int>(row_blocks), splits};
+  return {t.rows, row_blocks, splits};
 }
 
 // A thread's share of a stage's copies: a grid of R rows (weight rows or activation columns) by
@@ -1221,7 +1226,7 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
   const int64_t rows = total_rows(n, n_parts);
   // The warp-pipelined kernel's row blocks are 16 rows, unsplit.
   const QPlan p = kind == MatMulQ::Int8Warp
-                      ? QPlan{16, static_cast<int>(ceil_div(rows, 16)), 1}
+                      ? QPlan{16, row_blocks_of(n, n_parts, 16), 1}
                       : q_plan(tile_spec(kind, type, cols, rows), n, n_parts, k);
   QParts qp{};
   int first = 0;
@@ -1233,14 +1238,13 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
       qp.partials[i] = partials_at;
       qp.n[i] = static_cast<int>(n[i]);
       qp.first[i] = first;
-      first += static_cast<int>(ceil_div(n[i], p.rows));
+      first += static_cast<int>(ceil_div(n[i], p.rows));  // (p.row_blocks after the last)
       if (p.splits > 1) partials_at += part_partials(p, cols, n[i]);
     } else {
       qp.first[i] = std::numeric_limits<int>::max();
     }
   }
-  // (Row blocks of parts that do not fill their last one: the sum over parts, not rows / 16.)
-  const dim3 grid(static_cast<unsigned>(first), static_cast<unsigned>(p.splits));
+  const dim3 grid(static_cast<unsigned>(p.row_blocks), static_cast<unsigned>(p.splits));
   with_weight_type(type, "mat_mul_q", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (mma_q_type(TYPE)) {
