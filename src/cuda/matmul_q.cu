@@ -373,10 +373,12 @@ struct QPart {
   float* partials;
   int n, rb;
 };
-__device__ __forceinline__ QPart block_part(const QParts& p) {
-  const int b = static_cast<int>(blockIdx.x);
+__device__ __forceinline__ QPart block_part(const QParts& p, int b) {
   const int i = b >= p.first[2] ? 2 : b >= p.first[1] ? 1 : 0;
   return {p.w[i], p.dst[i], p.partials[i], p.n[i], b - p.first[i]};
+}
+__device__ __forceinline__ QPart block_part(const QParts& p) {
+  return block_part(p, static_cast<int>(blockIdx.x));
 }
 
 // The cp.async pipeline over a block's stages. load_w(s) and load_a(s) issue stage s's copies of
@@ -841,6 +843,207 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
                                               nullptr);
 }
 
+// The warp-pipelined kernel resident over several row blocks (up to 8 columns, see qw_persist):
+// a grid of at most two blocks an SM, block x taking row blocks x, x + gridDim.x, ...; each
+// warp's stages of every row block are one stream through its ring, so that the next row
+// block's first stages are in flight while this one's last are computed (the one-row-block
+// kernel's blocks each start with a trip to memory, about three waves of them in a decode
+// batch's product). At a row block's end the warps' sums meet in shared memory of their own
+// (in warp order, as finish_tile adds them: the same bits), and one warp stores them.
+template <int TYPE, int NT>
+__global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
+    mat_mul_qw_persist_kernel(QParts parts, int row_blocks, int k, const int8_t* aq,
+                              const float2* ads, int cols) {
+  using T = QwTile<TYPE>;
+  constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
+  constexpr int kStep = kQwWarps * kBlocks;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int nb = k / 32, n_tiles = (cols + 7) / 8;
+  const int n_stages = (nb + kBlocks - 1) / kBlocks;
+  const int count = warp < n_stages ? (n_stages - warp + kQwWarps - 1) / kQwWarps : 0;
+  const int mine =
+      static_cast<int>((row_blocks - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x);
+  const int total = mine * count;  // the warp's stages over all its row blocks
+  uint8_t* ring = smem + warp * kStages * T::kStage;
+  float* red = reinterpret_cast<float*>(smem + kQwWarps * kStages * T::kStage);
+  const int b_first = warp * kBlocks;
+  constexpr int kPerRow = T::kScaleBytes / T::kChunk;
+  const int wblk = t * 16 / kQB;
+  const int srow = lane / kPerRow, spart = lane % kPerRow;
+  const int sblk = spart * kBlocks / kPerRow;
+  const int sdst = 16 * kQwRowBytes + srow * T::kScaleBytes + spart * T::kChunk;
+  constexpr int kScaleStep = T::kRecords ? kStep / 8 * 16 : kStep * T::kSplit.scale_bytes;
+  int wdst[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    wdst[h] = r * kQwRowBytes + ((t ^ ((r >> 1) & 3)) * 16);
+  }
+
+  // The load cursor: row block ordinal lr (of this block's), stage li of it, and its sources.
+  int lr = 0, li = 0, w_i = 0, w_b0 = b_first;
+  const uint8_t* w = nullptr;
+  const uint8_t* wsrc[2];
+  bool wrow[2];
+  const uint8_t* ssrc = nullptr;
+  bool scopy = false;
+  auto aim = [&](int r) {  // the sources of row block ordinal r's first stage
+    const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
+    w = part.w;
+    const int n = part.n, row0 = part.rb * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = g + 8 * h;
+      wrow[h] = row0 + rr < n;
+      wsrc[h] = w + (static_cast<size_t>(min(row0 + rr, n - 1)) * nb + b_first) * kQB + t * 16;
+    }
+    const uint8_t* scales = w + static_cast<size_t>(n) * nb * kQB;
+    scopy = lane < T::kChunks && row0 + srow < n;
+    const size_t srow_at = static_cast<size_t>(min(row0 + srow, n - 1));
+    ssrc = T::kRecords
+               ? scales + (srow_at * (nb / 8) + b_first / 8) * 16
+               : scales + (srow_at * nb + b_first) * T::kSplit.scale_bytes + spart * T::kChunk;
+    w_b0 = b_first;
+  };
+  if (mine > 0) aim(0);
+  auto load_weights = [&]() {
+    uint8_t* st = ring + (w_i % kStages) * T::kStage;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool ok = wrow[h] && w_b0 + wblk < nb;
+      cp_async_n<16>(st + wdst[h], ok ? wsrc[h] : w, ok ? 16 : 0);
+      wsrc[h] += kStep * kQB;
+    }
+    if (lane < T::kChunks) {
+      const bool ok = scopy && w_b0 + sblk < nb;
+      cp_async_n<T::kChunk>(st + sdst, ok ? ssrc : w, ok ? T::kChunk : 0);
+    }
+    ssrc += kScaleStep;
+    w_b0 += kStep;
+    ++w_i;
+    if (++li == count && ++lr < mine) {
+      li = 0;
+      aim(lr);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < total) load_weights();
+    cp_async_commit();
+  }
+  pdl_wait();
+
+  const int mi = lane / 8, ri = lane % 8;
+  const int lr8 = (mi & 1) * 8 + ri;
+  const int lm_at = lr8 * kQwRowBytes + (((mi >> 1) ^ ((lr8 >> 1) & 3)) * 16);
+  const int lm_at2 = lr8 * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr8 >> 1) & 3)) * 16);
+  const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
+  const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
+  constexpr bool kAhead = NT == 1;
+  auto load_act = [&](int first, uint2(&bb)[kBlocks][NT], float4(&xx)[kBlocks][NT]) {
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int64_t at =
+            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(first + j, nb - 1) - b_first;
+        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
+        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
+      }
+  };
+  uint2 bn[kBlocks][NT];
+  float4 xn[kBlocks][NT];
+  if (kAhead && total > 0) load_act(b_first, bn, xn);
+  int q = 0;  // the warp's stage over all its row blocks
+  for (int r = 0; r < mine; ++r) {
+    float acc[NT][4] = {};
+    float off[NT][4] = {};
+    int b0 = b_first;
+    for (int i = 0; i < count; ++i, ++q, b0 += kStep) {
+      uint2 b[kBlocks][NT];
+      float4 x[kBlocks][NT];
+      if constexpr (kAhead) {
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) b[j][nt] = bn[j][nt], x[j][nt] = xn[j][nt];
+        if (q + 1 < total) load_act(i + 1 < count ? b0 + kStep : b_first, bn, xn);
+      }
+      cp_async_wait<kStages - 2>();
+      __syncwarp();
+      if (q + kStages - 1 < total) load_weights();
+      cp_async_commit();
+      if constexpr (!kAhead) load_act(b0, b, x);
+      const uint8_t* st = ring + (q % kStages) * T::kStage;
+      const uint8_t* ss = st + 16 * kQwRowBytes;
+      uint32_t qw[2][4];
+      ldmatrix_x4(qw[0], st + lm_at);
+      ldmatrix_x4(qw[1], st + lm_at2);
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+        if (b0 + j >= nb) break;
+        uint32_t a[4];
+        if constexpr (kQB == 16) {
+          const uint32_t u = qw[j / 2][2 * (j % 2)], v = qw[j / 2][2 * (j % 2) + 1];
+          a[0] = u & 0x0F0F0F0Fu;
+          a[1] = v & 0x0F0F0F0Fu;
+          a[2] = (u >> 4) & 0x0F0F0F0Fu;
+          a[3] = (v >> 4) & 0x0F0F0F0Fu;
+        } else {
+          a[0] = qw[j][0], a[1] = qw[j][1], a[2] = qw[j][2], a[3] = qw[j][3];
+        }
+        const int js = T::kRecords ? b0 % 8 + j : j;
+        const float2 s0 = block_scale<TYPE>(ss + g * T::kScaleBytes, js);
+        const float2 s1 = block_scale<TYPE>(ss + (g + 8) * T::kScaleBytes, js);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          int c[4] = {0, 0, 0, 0};
+          mma_s8_16832(c, a, b[j][nt].x, b[j][nt].y);
+          const float4 xv = x[j][nt];
+          acc[nt][0] = fmaf(s0.x, xv.x * static_cast<float>(c[0]), acc[nt][0]);
+          acc[nt][1] = fmaf(s0.x, xv.z * static_cast<float>(c[1]), acc[nt][1]);
+          acc[nt][2] = fmaf(s1.x, xv.x * static_cast<float>(c[2]), acc[nt][2]);
+          acc[nt][3] = fmaf(s1.x, xv.z * static_cast<float>(c[3]), acc[nt][3]);
+          if constexpr (TYPE != kTypeQ8_0) {
+            off[nt][0] = fmaf(s0.y, xv.y, off[nt][0]);
+            off[nt][1] = fmaf(s0.y, xv.w, off[nt][1]);
+            off[nt][2] = fmaf(s1.y, xv.y, off[nt][2]);
+            off[nt][3] = fmaf(s1.y, xv.w, off[nt][3]);
+          }
+        }
+      }
+    }
+    // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
+    // warp order (finish_tile's) and stores.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        red[((warp * NT + nt) * 4 + e) * 32 + lane] = acc[nt][e] + off[nt][e];
+    __syncthreads();
+    if (warp == 0) {
+      const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
+      const int row0 = part.rb * 16;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = red[(nt * 4 + e) * 32 + lane];
+#pragma unroll
+          for (int o = 1; o < kQwWarps; ++o) v += red[((o * NT + nt) * 4 + e) * 32 + lane];
+          const int row = row0 + g + (e >= 2 ? 8 : 0);
+          const int col = nt * 8 + 2 * t + (e & 1);
+          if (row < part.n && col < cols) part.dst[static_cast<int64_t>(col) * part.n + row] = v;
+        }
+    }
+    __syncthreads();  // red is free again
+  }
+  cp_async_wait<0>();
+  pdl_trigger();
+}
+
 // Half pairs from quants. A half whose bits are 0x6400 | b (b < 1024) is 1024 + b exactly, so
 // (x & 0x000F000F) | 0x64006400 is the half pair (1024 + nibble at bit 0, 1024 + nibble at bit
 // 16), one lop3; (x & 0x00F000F0) | 0x64006400 is 1024 + 16 times the nibbles at bits 4 and 20,
@@ -1103,8 +1306,37 @@ constexpr TileSpec qw_spec() {
   return {16, QwTile<TYPE>::kBlocks, static_cast<size_t>(QwTile<TYPE>::kSmem)};
 }
 
+// The warp-pipelined products of up to 8 columns run on the kernel resident over several row
+// blocks (mat_mul_qw_persist_kernel); GGRAPH_CUDA_MMQ_WARP_PERSIST=0 gives them the
+// one-row-block kernel. H200, tools/batch_bench.py at B=8: 7B Q4_0 +5-6%, 7B Q4_K_M +5-7%,
+// SmolLM2 level (BENCHMARKS.md).
+bool qw_persist() {
+  static const bool on = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_MMQ_WARP_PERSIST");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+// The persistent kernel's shared memory for its warps' sums, beside their rings.
+constexpr size_t qw_red_bytes(int nt) { return size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
+// The current device's SMs (132 where none can be asked).
+int sm_count() {
+  static const int v = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+      cudaGetLastError();
+      return 132;
+    }
+    return n;
+  }();
+  return v;
+}
+
 template <int TYPE, int NT>
 void set_smem() {
+  if constexpr (NT == 1)
+    allow_block_smem(mat_mul_qw_persist_kernel<TYPE, NT>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
@@ -1250,6 +1482,12 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
     if constexpr (mma_q_type(TYPE)) {
       if (kind == MatMulQ::Int8Warp) {
         const ActQ8 q = act_q8_tiles(const_cast<uint8_t*>(ws), k, cols);
+        if (cols <= 8 && qw_persist()) {  // two blocks an SM
+          const int blocks = std::min<int>(static_cast<int>(grid.x), 2 * sm_count());
+          return l(mat_mul_qw_persist_kernel<TYPE, 1>, dim3(static_cast<unsigned>(blocks)),
+                   dim3(kQwThreads), static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(1), qp,
+                   static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols);
+        }
         auto launch = [&](auto kernel) {
           l(kernel, dim3(grid.x), dim3(kQwThreads), static_cast<size_t>(QwTile<TYPE>::kSmem), qp,
             static_cast<int>(k), q.qs, q.ds, cols);

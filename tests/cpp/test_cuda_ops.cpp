@@ -581,9 +581,11 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
       if (all_fit) {
         ASSERT_EQ(cuda::mat_mul_q_kind(t, 576, 2), kind);
       }
-      // 4,096 rows or more take the half kernel's wide tiles from 17 columns on.
-      for (Shape s :
-           {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300}, Shape{256, 4160}}) {
+      // 4,096 rows or more take the half kernel's wide tiles from 17 columns on; 4,500 rows are
+      // more row blocks than the resident warp kernel's blocks on an H100 or H200 (2 x 132),
+      // so that its blocks take two or three each, the last a part one.
+      for (Shape s : {Shape{64, 37}, Shape{576, 130}, Shape{4160, 37}, Shape{11008, 300},
+                      Shape{256, 4160}, Shape{128, 4500}}) {
         for (int64_t cols : {2, 5, 8, 9, 16, 17, 33, 64})
           check_mul_mat(t, s.ne0, s.ne1, cols, rng, chk);
       }
