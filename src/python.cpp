@@ -86,6 +86,83 @@ std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
   return ids;
 }
 
+std::vector<Generation*> generations_of(const py::list& generations) {
+  std::vector<Generation*> gens;
+  for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
+  return gens;
+}
+
+// Each generation its row of the logits, and its next token presampled: on several threads,
+// one pool for the process, one loop at a time (two models' engines may call at once).
+void feed_rows(const std::vector<Generation*>& gens, const float* data, size_t n_vocab) {
+  auto one = [&](int i) {
+    gens[size_t(i)]->feed(data + size_t(i) * n_vocab, n_vocab);
+    gens[size_t(i)]->presample();
+  };
+  if (gens.size() == 1) {
+    one(0);
+  } else if (!gens.empty()) {
+    static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
+    static std::mutex busy;
+    std::lock_guard<std::mutex> hold(busy);
+    pool.parallel_for(static_cast<int>(gens.size()), one);
+  }
+}
+
+// The tokens deferred generations left, evaluated in one decode_batch step, and each
+// generation's row fed to it; the logits go into a block of the backend's host pool (page-locked
+// on CUDA) while there is one.
+void decode_pending(Context& ctx, const std::vector<Generation*>& gens) {
+  std::vector<Generation*> pending;
+  std::vector<int> seqs;
+  std::vector<int32_t> tokens;
+  for (Generation* g : gens)
+    if (g->pending_token() >= 0) {
+      pending.push_back(g);
+      seqs.push_back(g->sequence());
+      tokens.push_back(g->pending_token());
+    }
+  if (pending.empty()) return;
+  const size_t n_vocab = size_t(ctx.n_vocab());
+  const size_t bytes = ctx.decode_batch_rows(pending.size()) * n_vocab * sizeof(float);
+  std::shared_ptr<HostPool> pool = ctx.backend().host_pool();
+  struct Block {
+    std::shared_ptr<HostPool> pool;
+    void* p;
+    ~Block() {
+      if (p) pool->give(p);
+    }
+  } block{pool, pool ? pool->take(bytes) : nullptr};
+  std::vector<float> own;
+  float* data = static_cast<float*>(block.p);
+  if (!data) {
+    own.resize(bytes / sizeof(float));
+    data = own.data();
+  }
+  ctx.decode_batch(seqs.data(), tokens.data(), tokens.size(), data);
+  feed_rows(pending, data, n_vocab);
+}
+
+// One step of each deferred generation (advance_batch's and step_batch's).
+struct AdvanceStep {
+  std::string text;
+  GeneratedToken tok;
+  bool more = false;
+  std::exception_ptr error;
+};
+std::vector<AdvanceStep> advance_all(Context& ctx, const std::vector<Generation*>& gens) {
+  std::vector<AdvanceStep> steps(gens.size());
+  for (size_t i = 0; i < gens.size(); ++i) {
+    try {
+      ctx.select_sequence(gens[i]->sequence());
+      steps[i].more = gens[i]->next(&steps[i].text, &steps[i].tok);
+    } catch (...) {
+      steps[i].error = std::current_exception();
+    }
+  }
+  return steps;
+}
+
 // An uninitialized float array of `shape` in the memory the context's backend writes outputs
 // into fastest (its HostPool's, page-locked on CUDA), which goes back to the pool when the
 // array and its views are gone; ordinary memory where the backend has no pool or it is out.
@@ -271,6 +348,28 @@ py::object error_object(std::exception_ptr p) {
   return py::reinterpret_borrow<py::object>(type)(text);
 }
 
+// advance_all's steps as Python values: (step, n_generated, stop_reason) a generation, step
+// next()'s (text, id, logprob, top), None once it is over, or its exception as an object.
+py::list advance_results(const std::vector<Generation*>& gens,
+                         const std::vector<AdvanceStep>& steps) {
+  py::list out;
+  for (size_t i = 0; i < gens.size(); ++i) {
+    const AdvanceStep& s = steps[i];
+    py::object step = py::none();
+    if (s.error) {
+      step = error_object(s.error);
+    } else if (s.more) {
+      py::list top;
+      for (const auto& t : s.tok.top) top.append(py::make_tuple(t.first, t.second));
+      step = py::make_tuple(utf8(s.text), s.tok.id, s.tok.logprob, top);
+    }
+    const char* reason = stop_reason_name(gens[i]->stop_reason());
+    out.append(py::make_tuple(step, gens[i]->n_generated(),
+                              *reason ? py::object(py::str(reason)) : py::none()));
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -431,27 +530,14 @@ PYBIND11_MODULE(_core, m) {
       "feed_batch",
       [](const py::list& generations,
          py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
-        std::vector<Generation*> gens;
-        for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
+        std::vector<Generation*> gens = generations_of(generations);
         if (logits.ndim() != 2 || size_t(logits.shape(0)) != gens.size())
           throw ArgumentError("feed_batch: expected logits of " + std::to_string(gens.size()) +
                               " rows, one a generation");
         const float* data = logits.data();
         const size_t n_vocab = size_t(logits.shape(1));
         py::gil_scoped_release release;
-        auto one = [&](int i) {
-          gens[size_t(i)]->feed(data + size_t(i) * n_vocab, n_vocab);
-          gens[size_t(i)]->presample();
-        };
-        if (gens.size() == 1) {
-          one(0);
-        } else if (!gens.empty()) {
-          // One pool for the process, one loop at a time (two models' engines may call at once).
-          static ThreadPool pool(std::max(1, std::min(8, default_thread_count())));
-          static std::mutex busy;
-          std::lock_guard<std::mutex> hold(busy);
-          pool.parallel_for(static_cast<int>(gens.size()), one);
-        }
+        feed_rows(gens, data, n_vocab);
       },
       py::arg("generations"), py::arg("logits"));
 
@@ -463,42 +549,38 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "advance_batch",
       [](Context& ctx, const py::list& generations) {
-        std::vector<Generation*> gens;
-        for (const py::handle& g : generations) gens.push_back(g.cast<Generation*>());
-        struct Step {
-          std::string text;
-          GeneratedToken tok;
-          bool more = false;
-          std::exception_ptr error;
-        };
-        std::vector<Step> steps(gens.size());
+        std::vector<Generation*> gens = generations_of(generations);
+        std::vector<AdvanceStep> steps;
         {
           py::gil_scoped_release release;
-          for (size_t i = 0; i < gens.size(); ++i) {
-            try {
-              ctx.select_sequence(gens[i]->sequence());
-              steps[i].more = gens[i]->next(&steps[i].text, &steps[i].tok);
-            } catch (...) {
-              steps[i].error = std::current_exception();
-            }
-          }
+          steps = advance_all(ctx, gens);
         }
-        py::list out;
-        for (size_t i = 0; i < gens.size(); ++i) {
-          const Step& s = steps[i];
-          py::object step = py::none();
-          if (s.error) {
-            step = error_object(s.error);
-          } else if (s.more) {
-            py::list top;
-            for (const auto& t : s.tok.top) top.append(py::make_tuple(t.first, t.second));
-            step = py::make_tuple(utf8(s.text), s.tok.id, s.tok.logprob, top);
+        return advance_results(gens, steps);
+      },
+      py::arg("context"), py::arg("generations"));
+
+  // A server's whole step, with the GIL released once: the tokens the generations left
+  // (pending_token) evaluated in one decode_batch and each one's next token sampled from its
+  // row (feed_batch's), then every generation advanced (advance_batch's). Returns (the steps as
+  // advance_batch gives them, None), or (None, the exception) where the decode failed: then no
+  // generation has moved.
+  m.def(
+      "step_batch",
+      [](Context& ctx, const py::list& generations) {
+        std::vector<Generation*> gens = generations_of(generations);
+        std::vector<AdvanceStep> steps;
+        std::exception_ptr failed;
+        {
+          py::gil_scoped_release release;
+          try {
+            decode_pending(ctx, gens);
+          } catch (...) {
+            failed = std::current_exception();
           }
-          const char* reason = stop_reason_name(gens[i]->stop_reason());
-          out.append(py::make_tuple(step, gens[i]->n_generated(),
-                                    *reason ? py::object(py::str(reason)) : py::none()));
+          if (!failed) steps = advance_all(ctx, gens);
         }
-        return out;
+        if (failed) return py::tuple(py::make_tuple(py::none(), error_object(failed)));
+        return py::tuple(py::make_tuple(advance_results(gens, steps), py::none()));
       },
       py::arg("context"), py::arg("generations"));
 

@@ -1,16 +1,17 @@
-"""Where `ggraph serve`'s engine loop spends a step, without HTTP: the batched decode, the
-sampling of the batch's logits, and the engine thread's own Python.
+"""Where `ggraph serve`'s engine loop spends a step, without HTTP: the engine's one call a step
+(the batched decode, the sampling of the batch's logits and every generation's step) against
+the engine thread's own Python.
 
     python tools/serve_host.py MODEL.gguf [-p 32] [-n 128] [--device cuda] [--threads N]
         [--temperature 0.8]
 
 Runs the server's Engine (ggraph/server.py) on -p generations at once, each of -n tokens
 (end-of-generation ignored) after a short prompt, and times every step in which all -p
-sequences decode: its wall time from one decode_batch to the next, decode_batch itself (the
-device's step and its logits' copy), feed_batch (each row's next token sampled, on several
-threads), and the rest, the Python of the engine loop (each job's step: token text, stop
-checks, events). A server's event loop (the streams' formatting and sends) comes on top and
-is not measured here.
+sequences decode: its wall time from one step_batch call to the next, the call itself (the
+device's step, its logits' copy, each row's next token sampled on several threads, each
+generation's token text and stop checks, with the GIL released), and the rest, the Python of
+the engine loop (cancellations, events). A server's event loop (the streams' formatting and
+sends) comes on top and is not measured here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import time
 
 import ggraph
-import ggraph.model as model_module
 from ggraph import server
 
 
@@ -41,30 +41,18 @@ def main() -> int:
         n_seq_max=args.parallel,
         n_threads=args.threads,
     )
-    # Each step's _decode_pending (decode_batch, then feed_batch): its start and end, the part
-    # feed_batch took, and its tokens.
+    # Each step_batch call's start, end and the generations with a token to evaluate.
     steps = []
-    feed_seconds = [0.0]
-    decode_pending = model_module.Model._decode_pending
-    feed_batch = model_module._core.feed_batch
+    step_batch = server._core.step_batch
 
-    def timed_feed(*a):
+    def timed_step(ctx, gens):
+        pending = sum(1 for g in gens if g.pending_token >= 0)
         t = time.perf_counter()
-        out = feed_batch(*a)
-        feed_seconds[0] += time.perf_counter() - t
+        out = step_batch(ctx, gens)
+        steps.append([t, time.perf_counter(), pending])
         return out
 
-    def timed_pending(self, entries):
-        pending = sum(1 for _, g in entries if g.pending_token >= 0)
-        before = feed_seconds[0]
-        t = time.perf_counter()
-        out = decode_pending(self, entries)
-        if pending:
-            steps.append([t, time.perf_counter(), feed_seconds[0] - before, pending])
-        return out
-
-    model_module._core.feed_batch = timed_feed
-    model_module.Model._decode_pending = timed_pending
+    server._core.step_batch = timed_step
     loop = asyncio.new_event_loop()
     engine = server.Engine(m, parallel=args.parallel)
     ids = m.tokenize("Tell me a short story.")
@@ -82,28 +70,23 @@ def main() -> int:
 
     loop.run_until_complete(drain())
     engine.close()
-    model_module._core.feed_batch = feed_batch
-    model_module.Model._decode_pending = decode_pending
+    server._core.step_batch = step_batch
 
     full = [
         i
         for i in range(1, len(steps))
-        if steps[i][3] == args.parallel and steps[i - 1][3] == args.parallel
+        if steps[i][2] == args.parallel and steps[i - 1][2] == args.parallel
     ]
     if not full:
         print("no step ran every sequence")
         return 1
     k = len(full)
     wall = sum(steps[i][0] - steps[i - 1][0] for i in full) / k
-    pending = sum(steps[i - 1][1] - steps[i - 1][0] for i in full) / k
-    feed = sum(steps[i - 1][2] for i in full) / k
-    decode = pending - feed
-    print("| sequences | steps | step ms | decode_batch ms | feed_batch ms | engine Python ms |")
-    print("|---|---|---|---|---|---|")
-    print(
-        f"| {args.parallel} | {k} | {wall * 1e3:.2f} | {decode * 1e3:.2f} | {feed * 1e3:.2f} | "
-        f"{(wall - decode - feed) * 1e3:.2f} |"
-    )
+    call = sum(steps[i - 1][1] - steps[i - 1][0] for i in full) / k
+    print("| sequences | steps | step ms | step_batch ms | engine Python ms |")
+    print("|---|---|---|---|---|")
+    ms = [f"{v * 1e3:.2f}" for v in (wall, call, wall - call)]
+    print(f"| {args.parallel} | {k} | {' | '.join(ms)} |")
     return 0
 
 

@@ -419,10 +419,10 @@ class Model:
     def _begin(
         self, ids, max_tokens, stop, logprobs, ignore_eos=False, prefill_chunk=0, **sampling
     ):
-        """A generation on this sequence that leaves each sampled token for _decode_pending to
-        evaluate with other sequences' tokens, and takes its prompt prefill_chunk tokens a step
-        (0: all at once); (generation, epoch): the server's engine steps it with the others
-        (_core.advance_batch) while the model's epoch stays `epoch`."""
+        """A generation on this sequence that leaves each sampled token (pending_token) to be
+        evaluated with other sequences' tokens, and takes its prompt prefill_chunk tokens a
+        step (0: all at once); (generation, epoch): the server's engine steps it with the others
+        (_core.step_batch) while the model's epoch stays `epoch`."""
         _check_keys(sampling)
         with self._lock:
             gen, epoch = self._new_generation(
@@ -432,19 +432,6 @@ class Model:
             gen.set_prefill_chunk(prefill_chunk)
             self.stop_reason, self.n_generated = None, 0
             return gen, epoch
-
-    def _decode_pending(self, entries) -> None:
-        """Evaluates the tokens that deferred generations of this model's sequences left, in one
-        decode_batch step; entries are (sequence, generation) pairs."""
-        with self._lock.base:
-            pending = [(who, g) for who, g in entries if g.pending_token >= 0]
-            if not pending:
-                return
-            seqs = [who._lock.seq for who, _ in pending]
-            logits = self._ctx.decode_batch(seqs, [g.pending_token for _, g in pending])
-            # Each its row, and its next token sampled now, on several threads, rather than one
-            # by one as each generation steps: the same tokens.
-            _core.feed_batch([g for _, g in pending], logits)
 
     def decode_batch(self, steps: Sequence[tuple[Model, int]]) -> np.ndarray:
         """The next token of several of this model's sequences (the model itself and its

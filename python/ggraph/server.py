@@ -28,6 +28,8 @@ from ggraph.model import GeneratedToken
 # The sampling defaults of a request that names none (OpenAI's, but for top_k and min_p, which
 # its API lacks: off).
 _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+# The GIL switch interval while serving, in seconds (see serve()).
+_SWITCH_INTERVAL = 0.0005
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
 
 
@@ -69,13 +71,14 @@ def _deliver(events) -> None:
 
 class Engine:
     """The thread that owns the model: up to `parallel` generations at once, each on a sequence
-    of its own (the model, then its sessions): each samples its next token, then every one's
-    token is evaluated in one batched step (Model.decode_batch), so that a request starts as
-    soon as a sequence is free and the weights are read once a step for all of them. A job gets
-    ("token", (text, step)), step the GeneratedToken of a sampled token when the job asked for
-    logprobs (else None), then ("done", (stop_reason, n_generated)) or ("error", exception).
-    What a job reports comes with its events: a sequence's own fields belong to its next job by
-    the time the event loop reads them."""
+    of its own (the model, then its sessions). Each step evaluates every one's last token in one
+    batched decode and samples their next ones, in one call that leaves the GIL to the event
+    loop (_core.step_batch), so that a request starts as soon as a sequence is free and the
+    weights are read once a step for all of them. A job gets ("token", (text, step)), step the
+    GeneratedToken of a sampled token when the job asked for logprobs (else None), then
+    ("done", (stop_reason, n_generated)) or ("error", exception). What a job reports comes with
+    its events: a sequence's own fields belong to its next job by the time the event loop
+    reads them."""
 
     def __init__(self, model, parallel: int = 1, prefill_chunk: int = 32):
         self.model = model
@@ -124,10 +127,11 @@ class Engine:
             seq.cancel()
         return gen, epoch
 
-    def _advance(self, active) -> list:
-        """Advances every running job by one sampled token (its text may be held back), all in
-        one call with the model held; returns the entries that have finished. The tokens they
-        leave are evaluated together by _decode_pending."""
+    def _step(self, active) -> list:
+        """One engine step, in one call with the model held (_core.step_batch): the tokens the
+        running jobs' last steps sampled are evaluated together and the next ones sampled, then
+        every job advances by one token (its text may be held back). Returns the entries that
+        have finished."""
         finished, live = [], []
         for entry in active:
             job, seq, _, epoch = entry
@@ -149,7 +153,11 @@ class Engine:
         if not live:
             return finished
         with self.model._lock.base:
-            steps = _core.advance_batch(self.model._ctx, [gen for _, _, gen, _ in live])
+            steps, failed = _core.step_batch(self.model._ctx, [gen for _, _, gen, _ in live])
+        if failed is not None:  # the batch's decode: every job in it fails
+            for entry in live:
+                self._post(entry[0], ("error", failed))
+            return finished + live
         for entry, (step, n_generated, stop_reason) in zip(live, steps):
             job, seq = entry[0], entry[1]
             seq.n_generated, seq.stop_reason = n_generated, stop_reason
@@ -205,18 +213,10 @@ class Engine:
                     self._finish(job, seq)
             if closing and not active:
                 return
-            for entry in self._advance(active):
+            for entry in self._step(active):
                 active.remove(entry)
                 self._finish(entry[0], entry[1])
             self._flush()
-            # The tokens the steps sampled, every sequence's in one decode step.
-            try:
-                self.model._decode_pending([(seq, gen) for _, seq, gen, _ in active])
-            except Exception as e:
-                for job, seq, _, _ in active:
-                    job.emit(("error", e))
-                    self._finish(job, seq)
-                active.clear()
 
     def _finish(self, job: _Job, seq) -> None:
         with self._lock:
@@ -624,4 +624,12 @@ def serve(
             'ggraph serve needs starlette and uvicorn: pip install "ggraph-llm[serve]"'
         ) from None
     app = create_app(model, model_name, parallel)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # The engine thread wants the GIL back after each step; with Python's default switch
+    # interval (5 ms) the event loop's thread, busy with the streams, may keep it that long
+    # while the GPU waits for the next step.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, _SWITCH_INTERVAL))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        sys.setswitchinterval(interval)

@@ -407,7 +407,8 @@ def test_advance_batch_returns_one_generations_error_and_steps_the_others(tiny_m
     assert [type(step) for step, _, _ in first] == [tuple, tuple]
     assert [n for _, n, _ in first] == [1, 1]
     assert ga.pending_token >= 0 and gb.pending_token >= 0
-    m._decode_pending([(s, gb)])  # b's token evaluated, a's left waiting
+    # b's token evaluated and its row fed, a's left waiting.
+    _core.feed_batch([gb], m._ctx.decode_batch([s._lock.seq], [gb.pending_token]))
     (a_step, a_n, _), (b_step, b_n, b_reason) = _core.advance_batch(m._ctx, [ga, gb])
     assert isinstance(a_step, RuntimeError) and "not fed" in str(a_step)
     assert a_n == 1
@@ -416,3 +417,39 @@ def test_advance_batch_returns_one_generations_error_and_steps_the_others(tiny_m
     alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
     steps = alone.generate([4, 5, 6], max_tokens=2, temperature=0, logprobs=0, ignore_eos=True)
     assert [first[1][0][1], b_step[1]] == [t.token for t in steps if t.token >= 0]
+
+
+def test_step_batch_steps_each_generation_as_it_runs_alone(tiny_model):
+    # The server's step (_core.step_batch): the tokens the generations left are evaluated in one
+    # batched decode, then each generation advances. Two generations of different prompts and
+    # lengths, stepped together until both end, give the tokens and ends each gives alone.
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
+    s = m.session()
+    prompts, lengths = ([1, 2, 3], [4, 5, 6, 7, 8]), (6, 3)
+    gens = [
+        who._begin(p, n, [], None, ignore_eos=True, temperature=0)[0]
+        for who, p, n in zip((m, s), prompts, lengths, strict=True)
+    ]
+    tokens, ends, live = [[], []], [None, None], [0, 1]
+    for _ in range(20):
+        if not live:
+            break
+        steps, failed = _core.step_batch(m._ctx, [gens[i] for i in live])
+        assert failed is None
+        for i, (step, n, reason) in zip(list(live), steps, strict=True):
+            if step is None:
+                ends[i] = (n, reason)
+                live.remove(i)
+            else:
+                assert not isinstance(step, BaseException), step
+                if step[1] >= 0:  # (-1: held-back text, no token)
+                    tokens[i].append(step[1])
+    assert not live
+    for i in range(2):
+        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+        steps = alone.generate(
+            list(prompts[i]), max_tokens=lengths[i], temperature=0, logprobs=0, ignore_eos=True
+        )
+        want = [t.token for t in steps if t.token >= 0]
+        assert tokens[i] == want
+        assert ends[i] == (lengths[i], "length")
