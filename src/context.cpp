@@ -302,12 +302,17 @@ size_t Context::batch_class(size_t m) const {
 void Context::set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens,
                                 size_t m) const {
   const size_t c = in.tokens.size();
+  std::vector<int> taken(seqs_.size(), 0);  // a sequence's tokens before this one
   for (size_t i = 0; i < c; ++i) {
     const bool pad = i >= m;
     in.tokens[i] = pad ? 0 : tokens[i];
-    in.positions[i] = in.slots[c + i] = pad ? 0 : past_of(seqs[i]);
+    in.positions[i] = in.slots[c + i] = pad ? 0 : past_of(seqs[i]) + taken[size_t(seqs[i])]++;
     in.slots[i] = pad ? -1 : seqs[i];
   }
+}
+
+size_t Context::decode_batch_span() const {
+  return backend_->is_cuda() ? std::min(size_t(64), size_t(n_batch_)) : size_t(n_batch_);
 }
 
 size_t Context::decode_batch_rows(size_t n) const {
@@ -320,21 +325,30 @@ size_t Context::decode_batch_rows(size_t n) const {
   return rows;
 }
 
-void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out) {
+void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
+                           bool repeats) {
   if (n == 0) throw ArgumentError("decode_batch: the batch is empty");
   const int n_vocab = model_->n_vocab;
   check_token_ids(tokens, n, n_vocab, "decode_batch");
-  std::vector<char> seen(seqs_.size(), 0);
+  std::vector<int> seen(seqs_.size(), 0);
   for (size_t i = 0; i < n; ++i) {
     const int s = seqs[i];
     if (s < 0 || s >= n_seq_max() || !seqs_[size_t(s)].open)
       throw ArgumentError("decode_batch: " + std::to_string(s) + " is not an open sequence");
-    if (seen[size_t(s)]++)
+    if (seen[size_t(s)]++ && !repeats)
       throw ArgumentError("decode_batch: sequence " + std::to_string(s) +
                           " appears twice; a batch takes one token of each");
-    if (past_of(s) + 1 > n_ctx_)
+    if (past_of(s) + seen[size_t(s)] > n_ctx_)
       throw ArgumentError("decode_batch: sequence " + std::to_string(s) + " is full: all " +
                           std::to_string(n_ctx_) + " positions are used");
+  }
+  if (repeats && swa_window_ > 0) {
+    // A sequence's tokens in one batch must fit the ring beside its window.
+    for (size_t s = 0; s < seen.size(); ++s)
+      if (seen[s] > n_batch_)
+        throw ArgumentError("decode_batch: sequence " + std::to_string(s) + " takes " +
+                            std::to_string(seen[s]) + " tokens; a batch takes at most " +
+                            std::to_string(n_batch_) + " of one sequence");
   }
   // Whatever happens below, the caller's sequence is selected again after.
   struct Reselect {
@@ -389,7 +403,7 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)
-      note_written(seqs_[size_t(sq[i])].kv_lost, past_of(sq[i]) + 1, ring_rows_);
+      note_written(seqs_[size_t(sq[i])].kv_lost, in->positions[i] + 1, ring_rows_);
     // (The padding tokens' logits land past the batch's: decode_batch_rows counts them.)
     backend_->compute(*graph, out + start * n_vocab);
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);

@@ -136,9 +136,15 @@ class Context {
   // before anything changes. One graph serves every batch of n tokens (on CUDA, one executable).
   // out takes decode_batch_rows(n) rows of n_vocab: the logits, then the padding tokens' rows
   // of the last batch's size class (scratch), so that they are copied once, into the caller's
-  // memory.
-  void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out);
+  // memory. With `repeats`, a sequence may take several tokens, in order at its next
+  // positions (each token's queries see the tokens before it in the batch): a server's batch
+  // carries new prompts' tokens beside the running sequences' next ones.
+  void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
+                    bool repeats = false);
   size_t decode_batch_rows(size_t n) const;
+  // The most tokens a decode_batch call runs as one graph: the largest size class on CUDA (a
+  // longer batch builds a graph of its own size), n_batch on the CPU.
+  size_t decode_batch_span() const;
   void close_sequence(int id);
   void select_sequence(int id);
   int sequence() const { return cur_; }

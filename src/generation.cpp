@@ -137,19 +137,19 @@ void Generation::finish(StopReason reason, std::string* text) {
                reason == StopReason::kLength || reason == StopReason::kCancelled);
   reason_ = reason;
   over_ = true;
-  *text += pending_;
+  *text += held_;
   if (reason != StopReason::kStop) *text += decoder_.flush();
-  pending_.clear();
+  held_.clear();
 }
 
 bool Generation::next(std::string* text, GeneratedToken* token,
                       const std::function<bool()>& interrupted) {
   text->clear();
   if (token) token->id = -1;
-  if (pending_tok_ >= 0)
+  if (!pending_.empty())
     throw std::logic_error("generate: the pending token's logits were not fed");
   if (over_) return false;
-  if (!started_) {
+  if (!started_ && prefilled_ < prompt_.size()) {
     if (prefilled_ == 0) {
       // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
       const std::vector<int32_t>& cached = ctx_.tokens();
@@ -165,9 +165,20 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     if (defer_ || prefill_chunk_ > 0) chain_ = 1;
     const size_t rest = prompt_.size() - prefilled_;
     const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
+    if (defer_ && n <= kDeferredPrefill) {
+      // For the caller's batch; the step after it is fed goes on from here.
+      pending_.assign(prompt_.begin() + std::ptrdiff_t(prefilled_),
+                      prompt_.begin() + std::ptrdiff_t(prefilled_ + n));
+      prefilled_ += n;
+      return true;
+    }
     logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
     prefilled_ += n;
     if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
+  }
+  if (!started_) {
+    if (ctx_.n_past() != int(prefilled_))
+      throw ArgumentError("generate: the context moved while the prompt went in");
     started_ = true;
   }
   if (ctx_.take_cancel()) {
@@ -225,18 +236,18 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     finish(StopReason::kEos, text);
     return true;
   }
-  pending_ += decoder_.push(tok);
+  held_ += decoder_.push(tok);
   size_t stop_at = std::string::npos;
-  for (const std::string& s : opt_.stop) stop_at = std::min(stop_at, pending_.find(s));
+  for (const std::string& s : opt_.stop) stop_at = std::min(stop_at, held_.find(s));
   if (stop_at != std::string::npos) {
-    pending_.resize(stop_at);  // the text before the first stop string found
+    held_.resize(stop_at);  // the text before the first stop string found
     finish(StopReason::kStop, text);
     return true;
   }
-  if (pending_.size() > hold_) {
-    const size_t cut = utf8_boundary(pending_, pending_.size() - hold_);
-    *text = pending_.substr(0, cut);
-    pending_.erase(0, cut);
+  if (held_.size() > hold_) {
+    const size_t cut = utf8_boundary(held_, held_.size() - hold_);
+    *text = held_.substr(0, cut);
+    held_.erase(0, cut);
   }
   // (A chain has evaluated ahead: the position a step at a time would be at.)
   const int n_past = chain_ > 1 ? chain_base_ + static_cast<int>(chain_next_) : ctx_.n_past();
@@ -247,7 +258,7 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     return true;
   }
   if (defer_) {
-    pending_tok_ = tok;
+    pending_.assign(1, tok);
   } else if (chain_ == 1) {
     logits_ = ctx_.eval(&tok, 1, false);
   }
@@ -255,17 +266,19 @@ bool Generation::next(std::string* text, GeneratedToken* token,
 }
 
 void Generation::feed(const float* logits, size_t n) {
-  if (pending_tok_ < 0) throw std::logic_error("generate: no token waits for its logits");
+  if (pending_.empty()) throw std::logic_error("generate: no token waits for its logits");
   if (n != size_t(ctx_.n_vocab()))
     throw ArgumentError("generate: fed " + std::to_string(n) + " logits, expected " +
                         std::to_string(ctx_.n_vocab()));
   logits_.assign(logits, logits + n);
-  pending_tok_ = -1;
+  pending_.clear();
   presampled_ = -1;
 }
 
 void Generation::presample() {
-  if (pending_tok_ >= 0 || over_ || !started_ || chain_ > 1 || presampled_ >= 0) return;
+  // (Once the prompt is in: the step that takes its logits begins the generation.)
+  if (!pending_.empty() || over_ || prefilled_ < prompt_.size() || chain_ > 1 || presampled_ >= 0)
+    return;
   const std::vector<int32_t>& history = ctx_.tokens_of(seq_);
   try {
     presampled_ =

@@ -70,16 +70,22 @@ class Generation {
             const std::function<bool()>& interrupted = nullptr);
 
   // Deferred evaluation, for a caller that steps several generations together: after a step
-  // that sampled a token to continue with, next() leaves it unevaluated (pending_token()); the
+  // that sampled a token to continue with, next() leaves it unevaluated (pending_tokens()); the
   // caller evaluates it (Context::decode_batch, beside other sequences' tokens) and hands its
-  // logits to feed() before the next next().
+  // logits to feed() before the next next(). A prompt's chunks of at most kDeferredPrefill
+  // tokens are left the same way, in order (decode_batch with repeats), the last one's logits
+  // fed; a longer chunk goes in at once through the context's prompt path.
   void set_defer(bool defer) { defer_ = defer; }
+  static constexpr size_t kDeferredPrefill = 64;
   // Chunked prefill: each next() evaluates at most `tokens` of the prompt (0, the default: all
   // of it at the first), giving no text until the prompt is in; a caller stepping several
   // generations keeps the others going while a long prompt goes in.
   void set_prefill_chunk(int tokens) { prefill_chunk_ = tokens > 0 ? tokens : 0; }
-  // The token waiting for its evaluation, or -1.
-  int32_t pending_token() const { return pending_tok_; }
+  // The tokens waiting for their evaluation, in order (a prompt's chunk, or one sampled token);
+  // pending_token() is the last, or -1 for none.
+  const std::vector<int32_t>& pending_tokens() const { return pending_; }
+  int32_t pending_token() const { return pending_.empty() ? -1 : pending_.back(); }
+  // The logits of the last pending token.
   void feed(const float* logits, size_t n);
   // Samples the next token from the fed logits now, for next() to take: what next() would
   // sample, the same token and draw. Touches only this generation's sampler and its sequence's
@@ -112,15 +118,15 @@ class Generation {
   Sampler sampler_;
   StreamDecoder decoder_;
   std::vector<float> logits_;
-  std::string pending_;  // decoded text held back while it could begin a stop string
-  size_t hold_ = 0;      // bytes held back: the longest stop string's, less one
+  std::string held_;  // decoded text held back while it could begin a stop string
+  size_t hold_ = 0;   // bytes held back: the longest stop string's, less one
   bool started_ = false, over_ = false;
   bool defer_ = false;
   int prefill_chunk_ = 0;
-  size_t prefilled_ = 0;  // prompt tokens in the cache so far (once the prefix is settled)
-  int32_t pending_tok_ = -1;
-  int seq_ = 0;              // the context's sequence this generation runs on
-  int32_t presampled_ = -1;  // presample()'s token, for the next next(); -1: none
+  size_t prefilled_ = 0;          // prompt tokens in the cache so far (once the prefix is settled)
+  std::vector<int32_t> pending_;  // tokens left for the caller to evaluate (deferred)
+  int seq_ = 0;                   // the context's sequence this generation runs on
+  int32_t presampled_ = -1;       // presample()'s token, for the next next(); -1: none
   // Chains: the steps a launch runs (1: none); the last launch's samples not handed out yet
   // (chain_tokens_[chain_next_..]); the token that starts the next launch once they are.
   int chain_ = 1;

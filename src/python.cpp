@@ -92,11 +92,12 @@ std::vector<Generation*> generations_of(const py::list& generations) {
   return gens;
 }
 
-// Each generation its row of the logits, and its next token presampled: on several threads,
+// Generation i takes the logits at rows[i] and presamples its next token: on several threads,
 // one pool for the process, one loop at a time (two models' engines may call at once).
-void feed_rows(const std::vector<Generation*>& gens, const float* data, size_t n_vocab) {
+void feed_rows(const std::vector<Generation*>& gens, const std::vector<const float*>& rows,
+               size_t n_vocab) {
   auto one = [&](int i) {
-    gens[size_t(i)]->feed(data + size_t(i) * n_vocab, n_vocab);
+    gens[size_t(i)]->feed(rows[size_t(i)], n_vocab);
     gens[size_t(i)]->presample();
   };
   if (gens.size() == 1) {
@@ -109,22 +110,26 @@ void feed_rows(const std::vector<Generation*>& gens, const float* data, size_t n
   }
 }
 
-// The tokens deferred generations left, evaluated in one decode_batch step, and each
-// generation's row fed to it; the logits go into a block of the backend's host pool (page-locked
-// on CUDA) while there is one.
+// The tokens deferred generations left (a sampled token each, or a prompt's chunk), evaluated
+// in decode_batch steps of at most decode_batch_span() tokens, and each generation fed its last
+// token's row; the logits go into a block of the backend's host pool (page-locked on CUDA)
+// while there is one.
 void decode_pending(Context& ctx, const std::vector<Generation*>& gens) {
-  std::vector<Generation*> pending;
   std::vector<int> seqs;
   std::vector<int32_t> tokens;
-  for (Generation* g : gens)
-    if (g->pending_token() >= 0) {
-      pending.push_back(g);
+  std::vector<Generation*> owner;  // the generation whose last token each token is, or null
+  for (Generation* g : gens) {
+    const std::vector<int32_t>& p = g->pending_tokens();
+    for (size_t j = 0; j < p.size(); ++j) {
       seqs.push_back(g->sequence());
-      tokens.push_back(g->pending_token());
+      tokens.push_back(p[j]);
+      owner.push_back(j + 1 == p.size() ? g : nullptr);
     }
-  if (pending.empty()) return;
-  const size_t n_vocab = size_t(ctx.n_vocab());
-  const size_t bytes = ctx.decode_batch_rows(pending.size()) * n_vocab * sizeof(float);
+  }
+  if (tokens.empty()) return;
+  const size_t n_vocab = size_t(ctx.n_vocab()), span = ctx.decode_batch_span();
+  const size_t bytes =
+      ctx.decode_batch_rows(std::min(span, tokens.size())) * n_vocab * sizeof(float);
   std::shared_ptr<HostPool> pool = ctx.backend().host_pool();
   struct Block {
     std::shared_ptr<HostPool> pool;
@@ -139,8 +144,18 @@ void decode_pending(Context& ctx, const std::vector<Generation*>& gens) {
     own.resize(bytes / sizeof(float));
     data = own.data();
   }
-  ctx.decode_batch(seqs.data(), tokens.data(), tokens.size(), data);
-  feed_rows(pending, data, n_vocab);
+  for (size_t start = 0; start < tokens.size(); start += span) {
+    const size_t m = std::min(span, tokens.size() - start);
+    ctx.decode_batch(seqs.data() + start, tokens.data() + start, m, data, /*repeats=*/true);
+    std::vector<Generation*> fed;
+    std::vector<const float*> rows;
+    for (size_t i = 0; i < m; ++i)
+      if (owner[start + i]) {
+        fed.push_back(owner[start + i]);
+        rows.push_back(data + i * n_vocab);
+      }
+    feed_rows(fed, rows, n_vocab);
+  }
 }
 
 // One step of each deferred generation (advance_batch's and step_batch's).
@@ -534,10 +549,11 @@ PYBIND11_MODULE(_core, m) {
         if (logits.ndim() != 2 || size_t(logits.shape(0)) != gens.size())
           throw ArgumentError("feed_batch: expected logits of " + std::to_string(gens.size()) +
                               " rows, one a generation");
-        const float* data = logits.data();
         const size_t n_vocab = size_t(logits.shape(1));
+        std::vector<const float*> rows;
+        for (size_t i = 0; i < gens.size(); ++i) rows.push_back(logits.data() + i * n_vocab);
         py::gil_scoped_release release;
-        feed_rows(gens, data, n_vocab);
+        feed_rows(gens, rows, n_vocab);
       },
       py::arg("generations"), py::arg("logits"));
 
@@ -559,11 +575,11 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("context"), py::arg("generations"));
 
-  // A server's whole step, with the GIL released once: the tokens the generations left
-  // (pending_token) evaluated in one decode_batch and each one's next token sampled from its
-  // row (feed_batch's), then every generation advanced (advance_batch's). Returns (the steps as
-  // advance_batch gives them, None), or (None, the exception) where the decode failed: then no
-  // generation has moved.
+  // A server's whole step, with the GIL released once: the tokens the generations left (a
+  // sampled token each, new prompts' chunks) evaluated together in decode_batch steps, each
+  // generation's next token sampled from its row (feed_batch's), then every generation
+  // advanced (advance_batch's). Returns (the steps as advance_batch gives them, None), or (None,
+  // the exception) where the decode failed: then no generation has moved past its tokens.
   m.def(
       "step_batch",
       [](Context& ctx, const py::list& generations) {
@@ -637,7 +653,8 @@ PYBIND11_MODULE(_core, m) {
       .def("close", &Generation::close)
       .def("set_defer", &Generation::set_defer, py::arg("defer"))
       .def("set_prefill_chunk", &Generation::set_prefill_chunk, py::arg("tokens"))
-      .def_property_readonly("pending_token", &Generation::pending_token);
+      .def_property_readonly("pending_token", &Generation::pending_token)
+      .def_property_readonly("pending_tokens", &Generation::pending_tokens);
 
   py::class_<Context> context(m, "Context");
   context

@@ -7,11 +7,11 @@ the engine thread's own Python.
 
 Runs the server's Engine (ggraph/server.py) on -p generations at once, each of -n tokens
 (end-of-generation ignored) after a short prompt, and times every step in which all -p
-sequences decode: its wall time from one step_batch call to the next, the call itself (the
-device's step, its logits' copy, each row's next token sampled on several threads, each
-generation's token text and stop checks, with the GIL released), and the rest, the Python of
-the engine loop (cancellations, events). A server's event loop (the streams' formatting and
-sends) comes on top and is not measured here.
+sequences decode a sampled token (no prompt's tokens in the batch): its wall time from one
+step_batch call to the next, the call itself (the device's step, its logits' copy, each row's
+next token sampled on several threads, each generation's token text and stop checks, with the
+GIL released), and the rest, the Python of the engine loop (cancellations, events). A server's
+event loop (the streams' formatting and sends) comes on top and is not measured here.
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ def main() -> int:
         n_seq_max=args.parallel,
         n_threads=args.threads,
     )
-    # Each step_batch call's start, end and the generations with a token to evaluate.
+    # Each step_batch call's start, end and the tokens it evaluates (a step that carries a
+    # prompt's tokens is not a steady one).
     steps = []
     step_batch = server._core.step_batch
 
     def timed_step(ctx, gens):
-        pending = sum(1 for g in gens if g.pending_token >= 0)
+        pending = sum(len(g.pending_tokens) for g in gens)
         t = time.perf_counter()
         out = step_batch(ctx, gens)
         steps.append([t, time.perf_counter(), pending])

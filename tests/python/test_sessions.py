@@ -403,7 +403,13 @@ def test_advance_batch_returns_one_generations_error_and_steps_the_others(tiny_m
     s = m.session()
     ga, _ = m._begin([1, 2, 3], 4, [], None, ignore_eos=True, temperature=0)
     gb, _ = s._begin([4, 5, 6], 4, [], None, ignore_eos=True, temperature=0)
-    first = _core.advance_batch(m._ctx, [ga, gb])
+    # The prompts are left for the batch (no token yet); the next step evaluates them together
+    # and samples each one's first token.
+    steps, failed = _core.step_batch(m._ctx, [ga, gb])
+    assert failed is None and [n for _, n, _ in steps] == [0, 0]
+    assert ga.pending_token == 3 and gb.pending_token == 6
+    first, failed = _core.step_batch(m._ctx, [ga, gb])
+    assert failed is None
     assert [type(step) for step, _, _ in first] == [tuple, tuple]
     assert [n for _, n, _ in first] == [1, 1]
     assert ga.pending_token >= 0 and gb.pending_token >= 0
@@ -419,19 +425,24 @@ def test_advance_batch_returns_one_generations_error_and_steps_the_others(tiny_m
     assert [first[1][0][1], b_step[1]] == [t.token for t in steps if t.token >= 0]
 
 
-def test_step_batch_steps_each_generation_as_it_runs_alone(tiny_model):
-    # The server's step (_core.step_batch): the tokens the generations left are evaluated in one
-    # batched decode, then each generation advances. Two generations of different prompts and
-    # lengths, stepped together until both end, give the tokens and ends each gives alone.
-    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
-    s = m.session()
-    prompts, lengths = ([1, 2, 3], [4, 5, 6, 7, 8]), (6, 3)
+@pytest.mark.parametrize("prefill_chunk", [0, 2])
+def test_step_batch_steps_each_generation_as_it_runs_alone(tiny_model, prefill_chunk):
+    # The server's step (_core.step_batch): the tokens the generations left (sampled ones, and
+    # the prompts, whole or in chunks, several tokens of one sequence in one batch) are
+    # evaluated in one batched decode, then each generation advances. Three generations of
+    # different prompts and lengths, stepped together until all end, give the tokens and ends
+    # each gives alone; the third prompt is longer than a deferred chunk takes (it goes in
+    # through the prompt path unless chunked).
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=128, n_seq_max=3)
+    seqs = [m, m.session(), m.session()]
+    prompts = ([1, 2, 3], [4, 5, 6, 7, 8], [(7 * i) % 300 + 1 for i in range(70)])
+    lengths = (6, 3, 4)
     gens = [
-        who._begin(p, n, [], None, ignore_eos=True, temperature=0)[0]
-        for who, p, n in zip((m, s), prompts, lengths, strict=True)
+        who._begin(p, n, [], None, ignore_eos=True, prefill_chunk=prefill_chunk, temperature=0)[0]
+        for who, p, n in zip(seqs, prompts, lengths, strict=True)
     ]
-    tokens, ends, live = [[], []], [None, None], [0, 1]
-    for _ in range(20):
+    tokens, ends, live = [[], [], []], [None, None, None], [0, 1, 2]
+    for _ in range(60):
         if not live:
             break
         steps, failed = _core.step_batch(m._ctx, [gens[i] for i in live])
@@ -445,8 +456,8 @@ def test_step_batch_steps_each_generation_as_it_runs_alone(tiny_model):
                 if step[1] >= 0:  # (-1: held-back text, no token)
                     tokens[i].append(step[1])
     assert not live
-    for i in range(2):
-        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    for i in range(3):
+        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=128)
         steps = alone.generate(
             list(prompts[i]), max_tokens=lengths[i], temperature=0, logprobs=0, ignore_eos=True
         )
