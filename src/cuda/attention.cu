@@ -393,7 +393,8 @@ struct DecodeSpan {
   int n_used;             // splits in use (blocks past them have nothing to do)
   int h_first, n_g, hkv;  // the block's query heads and their KV head
   int k_begin, k_end;     // the split's keys
-  int first_new;          // the first position this step writes (rows before it are older)
+  int first_new;  // the first position of the token's sequence this step writes (rows before
+                  // it are older)
 };
 __device__ __forceinline__ DecodeSpan decode_span(int G, int split_keys, int n_splits,
                                                   int n_gchunks, int n_head, int n_head_kv,
@@ -406,12 +407,19 @@ __device__ __forceinline__ DecodeSpan decode_span(int G, int split_keys, int n_s
   int n_kv = kv_value(n_kv_at, n_kv_value);
   int first_pos = kv_value(first_pos_at, first_pos_value);
   int t_pos = t;  // the query's offset from first_pos
+  int first_new = first_pos;
   if (slots) {
     const bool pad = slots[t] < 0;
     const int pos = pad ? 0 : slots[gridDim.z + t];
     n_kv = pos + 1;
-    first_pos = pos;
+    first_pos = first_new = pos;
     t_pos = 0;
+    // A sequence may have several tokens in the batch (a prompt's chunk beside others' tokens):
+    // its rows from the first of them on are this step's, written by the kernel just before.
+    // (The slots are copied in before the graph runs: read before the wait.)
+    if (!pad)
+      for (int u = 0; u < static_cast<int>(gridDim.z); ++u)
+        if (slots[u] == slots[t]) first_new = min(first_new, slots[gridDim.z + u]);
     const int64_t rows_before = pad ? 0 : static_cast<int64_t>(slots[t]) * cache_rows;
     kc = static_cast<const uint8_t*>(kc) + rows_before * row_size;
     vc = static_cast<const uint8_t*>(vc) + rows_before * row_size;
@@ -433,7 +441,7 @@ __device__ __forceinline__ DecodeSpan decode_span(int G, int split_keys, int n_s
   const int split_len = ((range + sp.n_used - 1) / sp.n_used + 31) / 32 * 32;  // whole tiles
   sp.k_begin = max(lo, range_begin + static_cast<int>(blockIdx.y) * split_len);
   sp.k_end = min(range_begin + (static_cast<int>(blockIdx.y) + 1) * split_len, lim);
-  sp.first_new = first_pos;
+  sp.first_new = first_new;
   return sp;
 }
 
