@@ -178,10 +178,13 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   plan(worst);
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
   if (seqs_.size() > 1) {
-    // And a decode batch of as many sequences as a step takes.
+    // And the largest decode batch a step runs as one graph (a server's batch may carry new
+    // prompts' tokens beside one of each sequence).
     Graph batch;
     DecodeInputs in;
-    build_decode_batch(batch, batch_class(std::min(seqs_.size(), size_t(n_batch_))), in);
+    build_decode_batch(
+        batch, batch_class(std::max(std::min(seqs_.size(), size_t(n_batch_)), decode_batch_span())),
+        in);
     scratch = std::max(scratch, batch.scratch_size);
     inputs = std::max(inputs, batch.input_size);
   }
@@ -237,11 +240,7 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
     }
     graph->chain = k;
     plan(*graph);
-    if (graph->scratch_size > reserved_scratch_ || graph->input_size > reserved_inputs_) {
-      reserved_scratch_ = std::max(reserved_scratch_, graph->scratch_size);
-      reserved_inputs_ = std::max(reserved_inputs_, graph->input_size);
-      backend_->reserve(reserved_scratch_, reserved_inputs_);
-    }
+    fit_reserved(*graph);
     c.graph = std::move(graph);  // only once built: a failed build leaves none behind
   }
   c.n_past = n_past;
@@ -311,8 +310,13 @@ void Context::set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t
   }
 }
 
-size_t Context::decode_batch_span() const {
-  return backend_->is_cuda() ? std::min(size_t(64), size_t(n_batch_)) : size_t(n_batch_);
+size_t Context::decode_batch_span() const { return std::min(size_t(64), size_t(n_batch_)); }
+
+void Context::fit_reserved(const Graph& graph) {
+  if (graph.scratch_size <= reserved_scratch_ && graph.input_size <= reserved_inputs_) return;
+  reserved_scratch_ = std::max(reserved_scratch_, graph.scratch_size);
+  reserved_inputs_ = std::max(reserved_inputs_, graph.input_size);
+  backend_->reserve(reserved_scratch_, reserved_inputs_);
 }
 
 size_t Context::decode_batch_rows(size_t n) const {
@@ -399,6 +403,7 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
       build_decode_batch(*local, c, local_in);
       graph = local.get();
     }
+    fit_reserved(*graph);  // a batch larger than the one sized at load
     set_decode_inputs(*in, sq, tokens + start, m);
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());

@@ -142,8 +142,9 @@ class Context {
   void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
                     bool repeats = false);
   size_t decode_batch_rows(size_t n) const;
-  // The most tokens a decode_batch call runs as one graph: the largest size class on CUDA (a
-  // longer batch builds a graph of its own size), n_batch on the CPU.
+  // The most tokens a server's step puts in one decode_batch call: the largest size class on
+  // CUDA (a longer batch builds a graph of its own size), at most n_batch. The buffers are sized
+  // at load for a batch of that many.
   size_t decode_batch_span() const;
   void close_sequence(int id);
   void select_sequence(int id);
@@ -179,6 +180,8 @@ class Context {
   // Token i of `tokens` goes to sequence seqs[i] at its position (the first m of the inputs;
   // the rest pad).
   void set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens, size_t m) const;
+  // Grows the backend's reserved buffers to fit `graph` (planned), where it needs more.
+  void fit_reserved(const Graph& graph);
   // Copies the KV rows of positions [0, n_rows) of every layer, K then V, to or from `host`
   // (2 * n_layer * n_rows rows).
   size_t kv_rows_bytes(size_t n_rows) const;

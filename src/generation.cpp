@@ -126,7 +126,12 @@ void Generation::settle_chain(bool stopped, bool evaluate_last) {
 }
 
 void Generation::close() {
-  if (over_ || !started_) return;
+  if (over_) return;
+  if (!started_) {  // the prompt's tokens given so far are in; a chunk left pending is not
+    pending_.clear();
+    over_ = true;
+    return;
+  }
   // As a step at a time leaves it: every token given evaluated.
   settle_chain(false, true);
   over_ = true;
@@ -166,6 +171,10 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     const size_t rest = prompt_.size() - prefilled_;
     const size_t n = prefill_chunk_ > 0 ? std::min(rest, size_t(prefill_chunk_)) : rest;
     if (defer_ && n <= kDeferredPrefill) {
+      if (prefilled_ > 0 && ctx_.take_cancel()) {  // between chunks, as eval stops
+        finish(StopReason::kCancelled, text);
+        return true;
+      }
       // For the caller's batch; the step after it is fed goes on from here.
       pending_.assign(prompt_.begin() + std::ptrdiff_t(prefilled_),
                       prompt_.begin() + std::ptrdiff_t(prefilled_ + n));

@@ -58,8 +58,9 @@ class Generation {
   // Checks everything before the context changes: ids in range, a prompt that is non-empty and
   // leaves room in the context, the options. The prefill runs at the first next(). Clears a
   // stale cancel request: Context::cancel() from then on stops the generation at its next step
-  // (stop reason kCancelled), or a long prefill between chunks (Cancelled is thrown; the
-  // context keeps the prefix it shares with the prompt).
+  // (stop reason kCancelled), or a long prefill between chunks (Cancelled is thrown, or a
+  // deferred generation ends as cancelled; the context keeps the prefix it shares with the
+  // prompt).
   Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOptions options);
 
   // One step: at most one token. Returns false once the generation is over and its text all

@@ -578,12 +578,19 @@ PYBIND11_MODULE(_core, m) {
   // A server's whole step, with the GIL released once: the tokens the generations left (a
   // sampled token each, new prompts' chunks) evaluated together in decode_batch steps, each
   // generation's next token sampled from its row (feed_batch's), then every generation
-  // advanced (advance_batch's). Returns (the steps as advance_batch gives them, None), or (None,
-  // the exception) where the decode failed: then no generation has moved past its tokens.
+  // advanced (advance_batch's). Each generation must be on a sequence of its own. Returns (the
+  // steps as advance_batch gives them, None), or (None, the exception) where a decode failed:
+  // then no generation has stepped, but those whose tokens an earlier decode call took were fed
+  // (the caller drops them all).
   m.def(
       "step_batch",
       [](Context& ctx, const py::list& generations) {
         std::vector<Generation*> gens = generations_of(generations);
+        std::vector<char> taken(size_t(ctx.n_seq_max()), 0);
+        for (const Generation* g : gens)
+          if (taken[size_t(g->sequence())]++)
+            throw ArgumentError("step_batch: two generations on sequence " +
+                                std::to_string(g->sequence()) + "; each needs its own");
         std::vector<AdvanceStep> steps;
         std::exception_ptr failed;
         {

@@ -10,6 +10,7 @@ from conftest import cuda_available
 
 import ggraph
 from ggraph import _core
+from ggraph.testing import write_random_gguf
 
 A = [5, 17, 42, 8, 99, 3, 61, 27, 14, 7]
 B = [200, 11, 150, 33, 2, 90, 45]
@@ -464,3 +465,65 @@ def test_step_batch_steps_each_generation_as_it_runs_alone(tiny_model, prefill_c
         want = [t.token for t in steps if t.token >= 0]
         assert tokens[i] == want
         assert ends[i] == (lengths[i], "length")
+
+
+def test_step_batch_runs_many_new_prompts_in_one_step(tiny_model):
+    # New requests' prompts arrive together: more tokens in one step than a batch of one token
+    # a sequence (here 3 x 34, in decode_batch calls of up to 64 tokens, a prompt split between
+    # two). No step fails for want of buffers, and each generation gives its tokens alone.
+    n, n_ctx = 3, 128
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=n_ctx, n_seq_max=n)
+    seqs = [m] + [m.session() for _ in range(n - 1)]
+    prompts = [[(13 * i + 7 * j) % 300 + 1 for j in range(34)] for i in range(n)]
+    gens = [
+        who._begin(p, 3, [], None, ignore_eos=True, temperature=0)[0]
+        for who, p in zip(seqs, prompts, strict=True)
+    ]
+    tokens, live = [[] for _ in range(n)], list(range(n))
+    for _ in range(10):
+        if not live:
+            break
+        steps, failed = _core.step_batch(m._ctx, [gens[i] for i in live])
+        assert failed is None, failed
+        for i, (step, _, _) in zip(list(live), steps, strict=True):
+            if step is None:
+                live.remove(i)
+            elif step[1] >= 0:
+                tokens[i].append(step[1])
+    assert not live
+    with pytest.raises(ValueError, match="two generations on sequence"):
+        _core.step_batch(m._ctx, [gens[0], gens[0]])
+    alone = ggraph.Model(tiny_model, device="cpu", n_ctx=n_ctx)
+    for i in range(n):
+        steps = alone.generate(prompts[i], max_tokens=3, temperature=0, logprobs=0, ignore_eos=True)
+        assert tokens[i] == [t.token for t in steps if t.token >= 0]
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prompt_len", [8, 48, 64])
+def test_cuda_prompt_in_the_batch_equals_its_eval(tmp_path, prompt_len):
+    # A prompt that goes in through the server's batch (one sequence's tokens in one decode
+    # batch, their K and V stored by the launch before the attention's) leaves the cache its
+    # eval leaves: the next token's logits agree. A GQA model of head_dim 64 takes the
+    # tensor-core decode attention, whose rows before a token's sequence's first new one are
+    # read before the wait for the store; 48 and 64 tokens cross its 32-key tiles.
+    path = tmp_path / "gqa.gguf"
+    write_random_gguf(
+        path, shape="tiny", weight_type="F16", seed=1, std=0.1, n_embd=256, n_head=4,
+        n_head_kv=2, n_ff=512, n_ctx=512,
+    )  # fmt: skip
+    m = ggraph.Model(path, device="cuda", n_ctx=512, n_seq_max=2)
+    ref = ggraph.Model(path, device="cuda", n_ctx=512)
+    rng = np.random.default_rng(prompt_len)
+    for _ in range(4):
+        prompt = [int(x) for x in rng.integers(3, 300, prompt_len)]
+        gen = m._begin(prompt, 0, [], None, ignore_eos=True, temperature=0)[0]
+        for _ in range(3):
+            _, failed = _core.step_batch(m._ctx, [gen])
+            assert failed is None
+        assert m.n_past == prompt_len
+        got = np.asarray(m._ctx.eval([5], False))
+        ref.reset()
+        want = np.asarray(ref._ctx.eval(prompt + [5], False))
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 1e-2, f"relative error {err:.2e}"
