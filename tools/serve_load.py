@@ -5,8 +5,9 @@ aggregate generation speed and the time to first token and between tokens (p50 /
     python tools/serve_load.py [--url http://127.0.0.1:8080/v1] [-c 8] [-n 32] [--max-tokens 64]
                                [--completions] [-p PROCESSES]
 
-Each request asks for max_tokens at temperature 0.8 with its own seed; tokens are counted from
-the stream's chunks that carry text and checked against the usage the server reports.
+Each request asks for max_tokens at temperature 0.8 with its own seed; the aggregate counts the
+completion tokens the server reports in each stream's usage, and the latencies come from the
+stream's chunks that carry text.
 --completions sends text completions instead of chats, for a model without a chat template
 (the random-weight files of `python -m ggraph.testing`). The clients are threads spread over
 -p processes (default: one for every four clients), so that parsing thousands of chunks a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import queue
 import statistics
 import threading
 import time
@@ -30,21 +32,29 @@ def percentile(values, q):
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def run_share(args, first: int, step: int, clients: int, barrier, results) -> None:
-    """Requests first, first + step, ... on `clients` threads; puts this process's figures."""
+def run_share(args, clients: int, next_request, barrier, results) -> None:
+    """Requests taken from the shared counter on `clients` threads; puts this process's
+    figures."""
     from openai import OpenAI  # optional: only this tool and the tests need it
 
     client = OpenAI(base_url=args.url, api_key="none", max_retries=0, timeout=600)
     lock = threading.Lock()
-    todo = list(range(first, args.requests, step))
-    ttft, itl, usage = [], [], [0]
+    ttft, itl, usage, errors = [], [], [0], []
 
     def worker():
-        while True:
+        try:
+            requests()
+        except Exception as e:  # a refused connection, an error in the stream
             with lock:
-                if not todo:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    def requests():
+        while True:
+            with next_request.get_lock():
+                i = next_request.value
+                if i >= args.requests:
                     return
-                i = todo.pop(0)
+                next_request.value += 1
             t0 = time.perf_counter()
             last = None
             request = dict(
@@ -87,7 +97,7 @@ def run_share(args, first: int, step: int, clients: int, barrier, results) -> No
         t.join()
     end = time.time()
     busy = (time.process_time() - cpu) / max(end - start, 1e-9)
-    results.put((ttft, itl, usage[0], start, end, busy))
+    results.put((ttft, itl, usage[0], start, end, busy, errors))
 
 
 def main() -> int:
@@ -104,19 +114,35 @@ def main() -> int:
     procs = args.processes or (args.concurrency + 3) // 4
     procs = max(1, min(procs, args.concurrency, args.requests))
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    barrier, results, next_request = ctx.Barrier(procs), ctx.Queue(), ctx.Value("i", 0)
     workers = []
     for j in range(procs):
         clients = args.concurrency // procs + (j < args.concurrency % procs)
         workers.append(
-            ctx.Process(target=run_share, args=(args, j, procs, clients, barrier, results))
+            ctx.Process(target=run_share, args=(args, clients, next_request, barrier, results))
         )
     for w in workers:
         w.start()
-    shares = [results.get() for _ in workers]
+    shares = []
+    while len(shares) < procs:
+        try:
+            shares.append(results.get(timeout=1))
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                barrier.abort()  # the others may wait for the one that died
+                for w in workers:
+                    w.terminate()
+                print("a client process failed (its error is above)")
+                return 1
     for w in workers:
         w.join()
+    errors = [e for sh in shares for e in sh[6]]
+    if errors:
+        print(f"{len(errors)} clients failed; the first: {errors[0]}")
     ttft = [v for sh in shares for v in sh[0]]
+    if not ttft or not any(sh[1] for sh in shares):
+        print("no tokens came back")
+        return 1
     itl = [v for sh in shares for v in sh[1]]
     usage = sum(sh[2] for sh in shares)
     elapsed = max(sh[4] for sh in shares) - min(sh[3] for sh in shares)
