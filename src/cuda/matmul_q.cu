@@ -670,6 +670,56 @@ struct QwTile {
   static_assert(kSplit.quant_bytes == 16 || kSplit.quant_bytes == 32, "4- and 8-bit quants");
 };
 
+// One stage of a warp's ring (both warp-pipelined kernels): its 16 rows' quants, loaded by
+// ldmatrix at lm_at and lm_at2, against the activation's column tiles b and their scales x, each
+// 32-block's integer sums scaled into acc and the format's offsets into off.
+template <int TYPE, int NT>
+__device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at2, int b0, int nb,
+                                         int g, const uint2 (&b)[QwTile<TYPE>::kBlocks][NT],
+                                         const float4 (&x)[QwTile<TYPE>::kBlocks][NT],
+                                         float (&acc)[NT][4], float (&off)[NT][4]) {
+  using T = QwTile<TYPE>;
+  constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes;
+  const uint8_t* ss = st + 16 * kQwRowBytes;
+  // Matrices of ldmatrix h: chunks 2h and 2h + 1, rows 0-7 and 8-15 of each.
+  uint32_t q[2][4];
+  ldmatrix_x4(q[0], st + lm_at);
+  ldmatrix_x4(q[1], st + lm_at2);
+#pragma unroll
+  for (int j = 0; j < kBlocks; ++j) {
+    if (b0 + j >= nb) break;
+    uint32_t a[4];
+    if constexpr (kQB == 16) {
+      const uint32_t u = q[j / 2][2 * (j % 2)], v = q[j / 2][2 * (j % 2) + 1];
+      a[0] = u & 0x0F0F0F0Fu;
+      a[1] = v & 0x0F0F0F0Fu;
+      a[2] = (u >> 4) & 0x0F0F0F0Fu;
+      a[3] = (v >> 4) & 0x0F0F0F0Fu;
+    } else {
+      a[0] = q[j][0], a[1] = q[j][1], a[2] = q[j][2], a[3] = q[j][3];
+    }
+    const int js = T::kRecords ? b0 % 8 + j : j;  // the block in the staged scale bytes
+    const float2 s0 = block_scale<TYPE>(ss + g * T::kScaleBytes, js);
+    const float2 s1 = block_scale<TYPE>(ss + (g + 8) * T::kScaleBytes, js);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      int c[4] = {0, 0, 0, 0};
+      mma_s8_16832(c, a, b[j][nt].x, b[j][nt].y);
+      const float4 xv = x[j][nt];
+      acc[nt][0] = fmaf(s0.x, xv.x * static_cast<float>(c[0]), acc[nt][0]);
+      acc[nt][1] = fmaf(s0.x, xv.z * static_cast<float>(c[1]), acc[nt][1]);
+      acc[nt][2] = fmaf(s1.x, xv.x * static_cast<float>(c[2]), acc[nt][2]);
+      acc[nt][3] = fmaf(s1.x, xv.z * static_cast<float>(c[3]), acc[nt][3]);
+      if constexpr (TYPE != kTypeQ8_0) {
+        off[nt][0] = fmaf(s0.y, xv.y, off[nt][0]);
+        off[nt][1] = fmaf(s0.y, xv.w, off[nt][1]);
+        off[nt][2] = fmaf(s1.y, xv.y, off[nt][2]);
+        off[nt][3] = fmaf(s1.y, xv.w, off[nt][3]);
+      }
+    }
+  }
+}
+
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
     mat_mul_qw_kernel(QParts parts, int k, const int8_t* aq, const float2* ads, int cols) {
@@ -794,44 +844,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
     cp_async_commit();
     if constexpr (!kAhead) load_act(b0, b, x);
     const uint8_t* st = ring + (i % kStages) * T::kStage;
-    const uint8_t* ss = st + 16 * kQwRowBytes;
-    // Matrices of ldmatrix h: chunks 2h and 2h + 1, rows 0-7 and 8-15 of each.
-    uint32_t q[2][4];
-    ldmatrix_x4(q[0], st + lm_at);
-    ldmatrix_x4(q[1], st + lm_at2);
-#pragma unroll
-    for (int j = 0; j < kBlocks; ++j) {
-      if (b0 + j >= nb) break;
-      uint32_t a[4];
-      if constexpr (kQB == 16) {
-        const uint32_t u = q[j / 2][2 * (j % 2)], v = q[j / 2][2 * (j % 2) + 1];
-        a[0] = u & 0x0F0F0F0Fu;
-        a[1] = v & 0x0F0F0F0Fu;
-        a[2] = (u >> 4) & 0x0F0F0F0Fu;
-        a[3] = (v >> 4) & 0x0F0F0F0Fu;
-      } else {
-        a[0] = q[j][0], a[1] = q[j][1], a[2] = q[j][2], a[3] = q[j][3];
-      }
-      const int js = T::kRecords ? b0 % 8 + j : j;  // the block in the staged scale bytes
-      const float2 s0 = block_scale<TYPE>(ss + g * T::kScaleBytes, js);
-      const float2 s1 = block_scale<TYPE>(ss + (g + 8) * T::kScaleBytes, js);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        int c[4] = {0, 0, 0, 0};
-        mma_s8_16832(c, a, b[j][nt].x, b[j][nt].y);
-        const float4 xv = x[j][nt];
-        acc[0][nt][0] = fmaf(s0.x, xv.x * static_cast<float>(c[0]), acc[0][nt][0]);
-        acc[0][nt][1] = fmaf(s0.x, xv.z * static_cast<float>(c[1]), acc[0][nt][1]);
-        acc[0][nt][2] = fmaf(s1.x, xv.x * static_cast<float>(c[2]), acc[0][nt][2]);
-        acc[0][nt][3] = fmaf(s1.x, xv.z * static_cast<float>(c[3]), acc[0][nt][3]);
-        if constexpr (TYPE != kTypeQ8_0) {
-          off[nt][0] = fmaf(s0.y, xv.y, off[nt][0]);
-          off[nt][1] = fmaf(s0.y, xv.w, off[nt][1]);
-          off[nt][2] = fmaf(s1.y, xv.y, off[nt][2]);
-          off[nt][3] = fmaf(s1.y, xv.w, off[nt][3]);
-        }
-      }
-    }
+    qw_stage<TYPE, NT>(st, lm_at, lm_at2, b0, nb, g, b, x, acc[0], off);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -977,43 +990,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
       cp_async_commit();
       if constexpr (!kAhead) load_act(b0, b, x);
       const uint8_t* st = ring + (q % kStages) * T::kStage;
-      const uint8_t* ss = st + 16 * kQwRowBytes;
-      uint32_t qw[2][4];
-      ldmatrix_x4(qw[0], st + lm_at);
-      ldmatrix_x4(qw[1], st + lm_at2);
-#pragma unroll
-      for (int j = 0; j < kBlocks; ++j) {
-        if (b0 + j >= nb) break;
-        uint32_t a[4];
-        if constexpr (kQB == 16) {
-          const uint32_t u = qw[j / 2][2 * (j % 2)], v = qw[j / 2][2 * (j % 2) + 1];
-          a[0] = u & 0x0F0F0F0Fu;
-          a[1] = v & 0x0F0F0F0Fu;
-          a[2] = (u >> 4) & 0x0F0F0F0Fu;
-          a[3] = (v >> 4) & 0x0F0F0F0Fu;
-        } else {
-          a[0] = qw[j][0], a[1] = qw[j][1], a[2] = qw[j][2], a[3] = qw[j][3];
-        }
-        const int js = T::kRecords ? b0 % 8 + j : j;
-        const float2 s0 = block_scale<TYPE>(ss + g * T::kScaleBytes, js);
-        const float2 s1 = block_scale<TYPE>(ss + (g + 8) * T::kScaleBytes, js);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          int c[4] = {0, 0, 0, 0};
-          mma_s8_16832(c, a, b[j][nt].x, b[j][nt].y);
-          const float4 xv = x[j][nt];
-          acc[nt][0] = fmaf(s0.x, xv.x * static_cast<float>(c[0]), acc[nt][0]);
-          acc[nt][1] = fmaf(s0.x, xv.z * static_cast<float>(c[1]), acc[nt][1]);
-          acc[nt][2] = fmaf(s1.x, xv.x * static_cast<float>(c[2]), acc[nt][2]);
-          acc[nt][3] = fmaf(s1.x, xv.z * static_cast<float>(c[3]), acc[nt][3]);
-          if constexpr (TYPE != kTypeQ8_0) {
-            off[nt][0] = fmaf(s0.y, xv.y, off[nt][0]);
-            off[nt][1] = fmaf(s0.y, xv.w, off[nt][1]);
-            off[nt][2] = fmaf(s1.y, xv.y, off[nt][2]);
-            off[nt][3] = fmaf(s1.y, xv.w, off[nt][3]);
-          }
-        }
-      }
+      qw_stage<TYPE, NT>(st, lm_at, lm_at2, b0, nb, g, b, x, acc, off);
     }
     // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
     // warp order (finish_tile's) and stores.
