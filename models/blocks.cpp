@@ -266,7 +266,7 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
     g.kv_store_seqs(vp, v, slots);
     attn =
         g.attention_seqs(q, kp, vp, slots, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale, o.window);
-    return g.mul_mat(weight(w.wo), attn);
+    return attention_output(il, attn, residual, w);
   }
   Tensor* k_cache = g.kv_cache(kv.type, kv.width, kv.rows[il], kv.k[il], "k_cache", kv.ring(il));
   Tensor* v_cache = g.kv_cache(kv.type, kv.width, kv.rows[il], kv.v[il], "v_cache", kv.ring(il));
@@ -275,6 +275,11 @@ Tensor* GraphContext::attention(int il, Tensor* h, Tensor*& residual, const Attn
   g.kv_store(v_cache, v, batch.n_past);
   attn = g.attention(q, k_cache, v_cache, hp.n_head, hp.n_head_kv, hp.head_dim, o.scale, n_kv,
                      batch.n_past, o.window);
+  return attention_output(il, attn, residual, w);
+}
+
+Tensor* GraphContext::attention_output(int il, Tensor* attn, Tensor*& residual,
+                                       const AttnWeights& w) {
   if (il == hp.n_layer - 1 && batch.n_outputs < batch.n_tokens) {
     // Only the positions that produce logits go through the last layer's remainder.
     attn = g.get_rows(attn, out_ids);

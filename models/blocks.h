@@ -129,6 +129,9 @@ class GraphContext {
   // to the same rows.
   Tensor* attention(int il, Tensor* h, Tensor*& residual, const AttnWeights& w,
                     const AttnOptions& o);
+  // The attention's output projection, the last layer's positions cut to those that produce
+  // logits first (and `residual` with them).
+  Tensor* attention_output(int il, Tensor* attn, Tensor*& residual, const AttnWeights& w);
   // down(act(gate h) * (up h)).
   Tensor* feed_forward(Tensor* h, const FfnWeights& w, Activation act);
   // Final norm, output matrix and optional soft-capping (cap > 0): the graph's output.

@@ -182,9 +182,9 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     // prompts' tokens beside one of each sequence).
     Graph batch;
     DecodeInputs in;
-    build_decode_batch(
-        batch, batch_class(std::max(std::min(seqs_.size(), size_t(n_batch_)), decode_batch_span())),
-        in);
+    const size_t m =
+        batch_class(std::max(std::min(seqs_.size(), size_t(n_batch_)), decode_batch_span()));
+    build_decode_batch(batch, m, in, m);
     scratch = std::max(scratch, batch.scratch_size);
     inputs = std::max(inputs, batch.input_size);
   }
@@ -273,17 +273,18 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
   std::memcpy(logprobs, out.data() + kMaxChain, size_t(k) * sizeof(float));
 }
 
-void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const {
+void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_t n_out) const {
   in.tokens.assign(m, 0);
   in.positions.assign(m, 0);
-  in.out_ids.resize(m);
-  std::iota(in.out_ids.begin(), in.out_ids.end(), 0);  // every token gives logits
+  in.out_ids.resize(n_out);
+  std::iota(in.out_ids.begin(), in.out_ids.end(), 0);
   in.slots.assign(2 * m, 0);
   Batch b;
   b.tokens = in.tokens.data();
   b.positions = in.positions.data();
   b.out_ids = in.out_ids.data();
-  b.n_tokens = b.n_outputs = static_cast<int>(m);
+  b.n_tokens = static_cast<int>(m);
+  b.n_outputs = static_cast<int>(n_out);
   b.pool = &live().kv;
   b.slots = in.slots.data();
   b.n_seqs = static_cast<int>(m);
@@ -330,8 +331,12 @@ size_t Context::decode_batch_rows(size_t n) const {
 }
 
 void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
-                           bool repeats) {
+                           bool repeats, bool last_only) {
   if (n == 0) throw ArgumentError("decode_batch: the batch is empty");
+  if (last_only && n > size_t(n_batch_))
+    throw ArgumentError("decode_batch: " + std::to_string(n) +
+                        " tokens for their sequences' last logits; at most " +
+                        std::to_string(n_batch_) + " a call");
   const int n_vocab = model_->n_vocab;
   check_token_ids(tokens, n, n_vocab, "decode_batch");
   std::vector<int> seen(seqs_.size(), 0);
@@ -385,32 +390,51 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
     // inputs change. Only a batch's first n_batch tokens are kept (more is rare: n_seq_max >
     // n_batch).
     const size_t c = batch_class(m);
+    // last_only: each sequence's last token (the CPU's graph computes only their logits; CUDA's
+    // keeps one graph a size class, and its rows are gathered after).
+    std::vector<int32_t> last;
+    if (last_only) {
+      std::vector<char> later(seqs_.size(), 0);
+      for (size_t i = m; i-- > 0;)
+        if (!later[size_t(sq[i])]++) last.push_back(static_cast<int32_t>(i));
+      std::reverse(last.begin(), last.end());
+    }
+    const size_t n_out = last_only && !backend_->is_cuda() ? last.size() : c;
     std::unique_ptr<Graph> local;
     DecodeInputs local_in;
     DecodeInputs* in = &local_in;
     const Graph* graph = nullptr;
     if (start == 0) {
       BatchStep& step = batch_steps_[c];
-      if (!step.graph) {
+      if (!step.graph || step.n_out != n_out) {
+        step.graph.reset();
         auto g = std::make_unique<Graph>();
-        build_decode_batch(*g, c, step.in);
+        build_decode_batch(*g, c, step.in, n_out);
         step.graph = std::move(g);  // only once built: a failed build leaves none behind
+        step.n_out = n_out;
       }
       graph = step.graph.get();
       in = &step.in;
     } else {
       local = std::make_unique<Graph>();
-      build_decode_batch(*local, c, local_in);
+      build_decode_batch(*local, c, local_in, n_out);
       graph = local.get();
     }
     fit_reserved(*graph);  // a batch larger than the one sized at load
     set_decode_inputs(*in, sq, tokens + start, m);
+    if (n_out < c) std::copy(last.begin(), last.end(), in->out_ids.begin());
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     for (size_t i = 0; i < m; ++i)
       note_written(seqs_[size_t(sq[i])].kv_lost, in->positions[i] + 1, ring_rows_);
     // (The padding tokens' logits land past the batch's: decode_batch_rows counts them.)
     backend_->compute(*graph, out + start * n_vocab);
+    if (last_only && n_out == c) {  // every row computed: the last tokens' gathered in front
+      for (size_t k = 0; k < last.size(); ++k)
+        if (size_t(last[k]) != k)
+          std::memmove(out + k * n_vocab, out + size_t(last[k]) * n_vocab,
+                       size_t(n_vocab) * sizeof(float));
+    }
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);
   }
 }

@@ -138,9 +138,11 @@ class Context {
   // of the last batch's size class (scratch), so that they are copied once, into the caller's
   // memory. With `repeats`, a sequence may take several tokens, in order at its next
   // positions (each token's queries see the tokens before it in the batch): a server's batch
-  // carries new prompts' tokens beside the running sequences' next ones.
+  // carries new prompts' tokens beside the running sequences' next ones. With `last_only`
+  // (n at most n_batch), out's first rows are the logits of each sequence's last token only,
+  // in the order of those tokens: the CPU computes no others (a prompt's tokens need none).
   void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
-                    bool repeats = false);
+                    bool repeats = false, bool last_only = false);
   size_t decode_batch_rows(size_t n) const;
   // The most tokens a server's step puts in one decode_batch call: the largest size class on
   // CUDA (a longer batch builds a graph of its own size), at most n_batch. The buffers are sized
@@ -176,7 +178,8 @@ class Context {
   struct DecodeInputs {
     std::vector<int32_t> tokens, positions, out_ids, slots;
   };
-  void build_decode_batch(Graph& graph, size_t m, DecodeInputs& in) const;
+  // A batch of m tokens, n_out of which give logits (out_ids, first n_out tokens until set).
+  void build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_t n_out) const;
   // Token i of `tokens` goes to sequence seqs[i] at its position (the first m of the inputs;
   // the rest pad).
   void set_decode_inputs(DecodeInputs& in, const int* seqs, const int32_t* tokens, size_t m) const;
@@ -259,6 +262,7 @@ class Context {
   struct BatchStep {
     std::unique_ptr<Graph> graph;
     DecodeInputs in;
+    size_t n_out = 0;  // the tokens that give logits (the CPU's last_only batches: fewer)
   };
   std::map<size_t, BatchStep> batch_steps_;
   uint64_t fingerprint_ = 0;                           // of the model file, for saved states

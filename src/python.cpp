@@ -146,14 +146,21 @@ void decode_pending(Context& ctx, const std::vector<Generation*>& gens) {
   }
   for (size_t start = 0; start < tokens.size(); start += span) {
     const size_t m = std::min(span, tokens.size() - start);
-    ctx.decode_batch(seqs.data() + start, tokens.data() + start, m, data, /*repeats=*/true);
+    // Only each sequence's last token in the call gives logits (a prompt's others need none):
+    // row r is the r-th of those tokens.
+    ctx.decode_batch(seqs.data() + start, tokens.data() + start, m, data, /*repeats=*/true,
+                     /*last_only=*/true);
     std::vector<Generation*> fed;
     std::vector<const float*> rows;
-    for (size_t i = 0; i < m; ++i)
+    size_t r = 0;
+    for (size_t i = 0; i < m; ++i) {
+      if (i + 1 < m && seqs[start + i + 1] == seqs[start + i]) continue;  // not its last here
       if (owner[start + i]) {
         fed.push_back(owner[start + i]);
-        rows.push_back(data + i * n_vocab);
+        rows.push_back(data + r * n_vocab);
       }
+      ++r;
+    }
     feed_rows(fed, rows, n_vocab);
   }
 }
