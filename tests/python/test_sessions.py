@@ -503,10 +503,11 @@ def test_step_batch_runs_many_new_prompts_in_one_step(tiny_model):
 @pytest.mark.parametrize("prompt_len", [8, 48, 64])
 def test_cuda_prompt_in_the_batch_equals_its_eval(tmp_path, prompt_len):
     # A prompt that goes in through the server's batch (one sequence's tokens in one decode
-    # batch, their K and V stored by the launch before the attention's) leaves the cache its
-    # eval leaves: the next token's logits agree. A GQA model of head_dim 64 takes the
-    # tensor-core decode attention, whose rows before a token's sequence's first new one are
-    # read before the wait for the store; 48 and 64 tokens cross its 32-key tiles.
+    # batch, their K and V stored by the launch before the attention's, the last token's logits
+    # gathered from the batch's rows) samples from its eval's logits and leaves the cache its
+    # eval leaves. A GQA model of head_dim 64 takes the tensor-core decode attention, whose rows
+    # before a token's sequence's first new one are read before the wait for the store; 48 and
+    # 64 tokens cross its 32-key tiles.
     path = tmp_path / "gqa.gguf"
     write_random_gguf(
         path, shape="tiny", weight_type="F16", seed=1, std=0.1, n_embd=256, n_head=4,
@@ -517,13 +518,25 @@ def test_cuda_prompt_in_the_batch_equals_its_eval(tmp_path, prompt_len):
     rng = np.random.default_rng(prompt_len)
     for _ in range(4):
         prompt = [int(x) for x in rng.integers(3, 300, prompt_len)]
-        gen = m._begin(prompt, 0, [], None, ignore_eos=True, temperature=0)[0]
-        for _ in range(3):
-            _, failed = _core.step_batch(m._ctx, [gen])
+        gen = m._begin(prompt, 1, [], 3, ignore_eos=True, temperature=0)[0]
+        first = None
+        for _ in range(4):
+            steps, failed = _core.step_batch(m._ctx, [gen])
             assert failed is None
-        assert m.n_past == prompt_len
+            step = steps[0][0]
+            if step is not None and step[1] >= 0:
+                first = step
+        assert first is not None and m.n_past == prompt_len + 1
+        ref.reset()
+        want = np.asarray(ref._ctx.eval(prompt, False), dtype=np.float64)
+        lp = want - want.max() - np.log(np.exp(want - want.max()).sum())
+        # The step's top logprobs are its eval's (near-ties may order differently).
+        third = np.sort(lp)[-3]
+        for t, v in first[3]:
+            assert abs(v - lp[t]) < 2e-2 and lp[t] > third - 4e-2, (t, v, lp[t])
+        assert lp[first[1]] > lp.max() - 4e-2
         got = np.asarray(m._ctx.eval([5], False))
         ref.reset()
-        want = np.asarray(ref._ctx.eval(prompt + [5], False))
+        want = np.asarray(ref._ctx.eval(prompt + [first[1], 5], False))
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < 1e-2, f"relative error {err:.2e}"
