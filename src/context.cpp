@@ -394,9 +394,12 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
     // keeps one graph a size class, and its rows are gathered after).
     std::vector<int32_t> last;
     if (last_only) {
-      std::vector<char> later(seqs_.size(), 0);
-      for (size_t i = m; i-- > 0;)
-        if (!later[size_t(sq[i])]++) last.push_back(static_cast<int32_t>(i));
+      std::vector<char> later(seqs_.size(), 0);  // a later token of the sequence was seen
+      for (size_t i = m; i-- > 0;) {
+        if (later[size_t(sq[i])]) continue;
+        later[size_t(sq[i])] = 1;
+        last.push_back(static_cast<int32_t>(i));
+      }
       std::reverse(last.begin(), last.end());
     }
     const size_t n_out = last_only && !backend_->is_cuda() ? last.size() : c;
