@@ -387,8 +387,8 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
     const int* sq = seqs + start;
     const auto t0 = std::chrono::steady_clock::now();
     // The last batch's graph serves again for any m sequences at any positions: only its
-    // inputs change. Only a batch's first n_batch tokens are kept (more is rare: n_seq_max >
-    // n_batch).
+    // inputs change (on the CPU, while it gives as many rows of logits). Only a batch's first
+    // n_batch tokens are kept (more is rare: n_seq_max > n_batch).
     const size_t c = batch_class(m);
     // last_only: each sequence's last token (the CPU's graph computes only their logits; CUDA's
     // keeps one graph a size class, and its rows are gathered after).
@@ -433,9 +433,10 @@ void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, flo
     // (The padding tokens' logits land past the batch's: decode_batch_rows counts them.)
     backend_->compute(*graph, out + start * n_vocab);
     if (last_only && n_out == c) {  // every row computed: the last tokens' gathered in front
+      float* rows = out + start * n_vocab;
       for (size_t k = 0; k < last.size(); ++k)
         if (size_t(last[k]) != k)
-          std::memmove(out + k * n_vocab, out + size_t(last[k]) * n_vocab,
+          std::memmove(rows + k * n_vocab, rows + size_t(last[k]) * n_vocab,
                        size_t(n_vocab) * sizeof(float));
     }
     for (size_t i = 0; i < m; ++i) append_token(sq[i], tokens[start + i]);

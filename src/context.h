@@ -140,7 +140,8 @@ class Context {
   // positions (each token's queries see the tokens before it in the batch): a server's batch
   // carries new prompts' tokens beside the running sequences' next ones. With `last_only`
   // (n at most n_batch), out's first rows are the logits of each sequence's last token only,
-  // in the order of those tokens: the CPU computes no others (a prompt's tokens need none).
+  // in the order of those tokens (a caller that gives each sequence's tokens together knows
+  // row r as its r-th sequence's): the CPU computes no others (a prompt's tokens need none).
   void decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
                     bool repeats = false, bool last_only = false);
   size_t decode_batch_rows(size_t n) const;
