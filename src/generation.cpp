@@ -154,6 +154,9 @@ bool Generation::next(std::string* text, GeneratedToken* token,
   if (!pending_.empty())
     throw std::logic_error("generate: the pending token's logits were not fed");
   if (over_) return false;
+  // A prompt partly in (a chunk a step) finds the context where its last chunk left it.
+  if (!started_ && prefilled_ > 0 && ctx_.n_past() != int(prefilled_))
+    throw ArgumentError("generate: the context moved while the prompt went in");
   if (!started_ && prefilled_ < prompt_.size()) {
     if (prefilled_ == 0) {
       // Prefill: keep the cached prefix the prompt shares, at least one position to recompute.
@@ -164,8 +167,6 @@ bool Generation::next(std::string* text, GeneratedToken* token,
       if (common == prompt_.size()) --common;
       if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
       prefilled_ = common;
-    } else if (ctx_.n_past() != int(prefilled_)) {
-      throw ArgumentError("generate: the context moved while the prompt went in");
     }
     if (defer_ || prefill_chunk_ > 0) chain_ = 1;
     const size_t rest = prompt_.size() - prefilled_;
@@ -185,11 +186,7 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     prefilled_ += n;
     if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
   }
-  if (!started_) {
-    if (ctx_.n_past() != int(prefilled_))
-      throw ArgumentError("generate: the context moved while the prompt went in");
-    started_ = true;
-  }
+  started_ = true;
   if (ctx_.take_cancel()) {
     finish(StopReason::kCancelled, text);
     return true;
