@@ -720,153 +720,24 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
   }
 }
 
+// The warp-pipelined kernel. Block x takes row blocks x, x + gridDim.x, ...: with a grid of
+// every row block, one each; resident (up to 8 columns, see qw_persist), a grid of at most two
+// blocks an SM, each warp's stages of all its row blocks one stream through its ring, so that
+// the next row block's first stages are in flight while this one's last are computed (a block
+// of one row block starts with a trip to memory, about three waves of them in a decode batch's
+// product). At a row block's end the warps' sums meet in shared memory of their own, are added
+// in warp order, and one warp stores them.
+//
+// A lane's copies of a stage are worked out once for a row block's first stage and then moved on
+// by constant steps, so that a stage costs an add, a test and the copy a chunk (worked out each
+// stage, the addresses' 64-bit products were most of the kernel's instructions). Lane (g, t)
+// copies chunk t of rows g and g + 8, chunk c of row r at r * 64 + (c ^ ((r >> 1) & 3)) * 16, so
+// that the eight row addresses of an ldmatrix fall in distinct banks; then at most one scale
+// chunk. Rows from n on and blocks from nb on arrive as zeros.
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
-    mat_mul_qw_kernel(QParts parts, int k, const int8_t* aq, const float2* ads, int cols) {
-  using T = QwTile<TYPE>;
-  constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
-  constexpr int kStep = kQwWarps * kBlocks;  // 32-blocks from one of a warp's stages to the next
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const QPart part = block_part(parts);
-  const uint8_t* w = part.w;
-  const int n = part.n;
-  const int nb = k / 32, n_tiles = (cols + 7) / 8;
-  const int row0 = part.rb * 16;
-  const int n_stages = (nb + kBlocks - 1) / kBlocks;
-  const int count = warp < n_stages ? (n_stages - warp + kQwWarps - 1) / kQwWarps : 0;
-  uint8_t* ring = smem + warp * kStages * T::kStage;
-  const int b_first = warp * kBlocks;  // the first block of the warp's first stage
-
-  // A lane's copies of a stage (the matrix's stage warp + 8 i for the warp's stage i), worked out
-  // once for stage 0 and then moved on by constant steps, so that a stage costs an add, a test
-  // and the copy a chunk (worked out each stage, the addresses' 64-bit products were most of the
-  // kernel's instructions). Lane (g, t) copies chunk t of rows g and g + 8, chunk c of row r at
-  // r * 64 + (c ^ ((r >> 1) & 3)) * 16, so that the eight row addresses of an ldmatrix fall in
-  // distinct banks; then at most one scale chunk. Rows from n on and blocks from nb on arrive
-  // as zeros.
-  constexpr int kPerRow = T::kScaleBytes / T::kChunk;
-  const uint8_t* wsrc[2];
-  int wdst[2];
-  bool wrow[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h;
-    wrow[h] = row0 + r < n;
-    wsrc[h] = w + (static_cast<size_t>(min(row0 + r, n - 1)) * nb + b_first) * kQB + t * 16;
-    wdst[h] = r * kQwRowBytes + ((t ^ ((r >> 1) & 3)) * 16);
-  }
-  const int wblk = t * 16 / kQB;  // chunk t's block, from the stage's first
-  const uint8_t* scales = w + static_cast<size_t>(n) * nb * kQB;
-  const int srow = lane / kPerRow, spart = lane % kPerRow;
-  const bool scopy = lane < T::kChunks && row0 + srow < n;
-  const int sblk = spart * kBlocks / kPerRow;
-  const size_t srow_at = static_cast<size_t>(min(row0 + srow, n - 1));
-  const uint8_t* ssrc =
-      T::kRecords ? scales + (srow_at * (nb / 8) + b_first / 8) * 16
-                  : scales + (srow_at * nb + b_first) * T::kSplit.scale_bytes + spart * T::kChunk;
-  const int sdst = 16 * kQwRowBytes + srow * T::kScaleBytes + spart * T::kChunk;
-  constexpr int kScaleStep = T::kRecords ? kStep / 8 * 16 : kStep * T::kSplit.scale_bytes;
-  int w_b0 = b_first, w_i = 0;  // the next stage's weights: its first block, its index
-  auto load_weights = [&]() {
-    uint8_t* st = ring + (w_i % kStages) * T::kStage;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const bool ok = wrow[h] && w_b0 + wblk < nb;
-      cp_async_n<16>(st + wdst[h], ok ? wsrc[h] : w, ok ? 16 : 0);
-      wsrc[h] += kStep * kQB;
-    }
-    if (lane < T::kChunks) {
-      const bool ok = scopy && w_b0 + sblk < nb;
-      cp_async_n<T::kChunk>(st + sdst, ok ? ssrc : w, ok ? T::kChunk : 0);
-    }
-    ssrc += kScaleStep;
-    w_b0 += kStep;
-    ++w_i;
-  };
-  // Weights only before the wait (they never change after upload).
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < count) load_weights();
-    cp_async_commit();
-  }
-  pdl_wait();
-
-  // ldmatrix row addresses: lane 8m + i gives row i of matrix m.
-  const int mi = lane / 8, ri = lane % 8;
-  const int lr = (mi & 1) * 8 + ri;
-  const int lm_at = lr * kQwRowBytes + (((mi >> 1) ^ ((lr >> 1) & 3)) * 16);
-  const int lm_at2 = lr * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr >> 1) & 3)) * 16);
-  // Where this lane's activation values and pairs lie in the tiles (tiles past the columns' read
-  // the last one: their sums are never stored). Output column nt * 8 + c sums the quants and
-  // pairs of activation column nt * 8 + c alone, and finish_tile stores no column from cols on:
-  // the padding columns of the last tile, whatever they hold (NaN pairs included), reach no
-  // stored value.
-  const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
-  const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
-  float acc[1][NT][4] = {};
-  float off[NT][4] = {};  // the formats' offsets: sum of s.y * (d * sum) over blocks
-  // A stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte load),
-  // and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load). With one column tile
-  // they are requested a stage ahead, so that their trip through L2 overlaps the stage before
-  // (with two, the registers that takes measured slower: 4096x4096 at 16 columns 9.58 against
-  // 8.65 us on an H200).
-  constexpr bool kAhead = NT == 1;
-  auto load_act = [&](int first, uint2(&bb)[kBlocks][NT], float4(&xx)[kBlocks][NT]) {
-#pragma unroll
-    for (int j = 0; j < kBlocks; ++j)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int64_t at =
-            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(first + j, nb - 1) - b_first;
-        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
-        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
-      }
-  };
-  uint2 bn[kBlocks][NT];
-  float4 xn[kBlocks][NT];
-  if (kAhead && count > 0) load_act(b_first, bn, xn);
-  int b0 = b_first;
-  for (int i = 0; i < count; ++i, b0 += kStep) {
-    uint2 b[kBlocks][NT];
-    float4 x[kBlocks][NT];
-    if constexpr (kAhead) {
-#pragma unroll
-      for (int j = 0; j < kBlocks; ++j)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) b[j][nt] = bn[j][nt], x[j][nt] = xn[j][nt];
-      if (i + 1 < count) load_act(b0 + kStep, bn, xn);
-    }
-    cp_async_wait<kStages - 2>();
-    __syncwarp();
-    if (i + kStages - 1 < count) load_weights();
-    cp_async_commit();
-    if constexpr (!kAhead) load_act(b0, b, x);
-    const uint8_t* st = ring + (i % kStages) * T::kStage;
-    qw_stage<TYPE, NT>(st, lm_at, lm_at2, b0, nb, g, b, x, acc[0], off);
-  }
-  cp_async_wait<0>();
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[0][nt][e] += off[nt][e];
-  pdl_trigger();
-  finish_tile<1, kQwWarps, 1, NT, kQwThreads>(acc, smem, n, cols, part.rb, part.dst, nullptr,
-                                              nullptr);
-}
-
-// The warp-pipelined kernel resident over several row blocks (up to 8 columns, see qw_persist):
-// a grid of at most two blocks an SM, block x taking row blocks x, x + gridDim.x, ...; each
-// warp's stages of every row block are one stream through its ring, so that the next row
-// block's first stages are in flight while this one's last are computed (the one-row-block
-// kernel's blocks each start with a trip to memory, about three waves of them in a decode
-// batch's product). At a row block's end the warps' sums meet in shared memory of their own
-// (in warp order, as finish_tile adds them: the same bits), and one warp stores them.
-template <int TYPE, int NT>
-__global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
-    mat_mul_qw_persist_kernel(QParts parts, int row_blocks, int k, const int8_t* aq,
-                              const float2* ads, int cols) {
+    mat_mul_qw_kernel(QParts parts, int row_blocks, int k, const int8_t* aq, const float2* ads,
+                      int cols) {
   using T = QwTile<TYPE>;
   constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
   constexpr int kStep = kQwWarps * kBlocks;
@@ -952,6 +823,15 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   const int lr8 = (mi & 1) * 8 + ri;
   const int lm_at = lr8 * kQwRowBytes + (((mi >> 1) ^ ((lr8 >> 1) & 3)) * 16);
   const int lm_at2 = lr8 * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr8 >> 1) & 3)) * 16);
+  // Where this lane's activation values and pairs lie in the tiles (tiles past the columns' read
+  // the last one: their sums are never stored). Output column nt * 8 + c sums the quants and
+  // pairs of activation column nt * 8 + c alone, and no column from cols on is stored: the
+  // padding columns of the last tile, whatever they hold (NaN pairs included), reach no stored
+  // value. A stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte
+  // load), and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load). With one
+  // column tile they are requested a stage ahead, so that their trip through L2 overlaps the
+  // stage before (with two, the registers that takes measured slower: 4096x4096 at 16 columns
+  // 9.58 against 8.65 us on an H200).
   const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
   const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
   constexpr bool kAhead = NT == 1;
@@ -1277,16 +1157,19 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
   return fn(std::integral_constant<int, 8>{});
 }
 
-// What the host needs of the warp-pipelined kernel's tile.
+// The warp-pipelined kernel's shared memory for its warps' sums (nt column tiles), beside their
+// rings.
+constexpr size_t qw_red_bytes(int nt) { return size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
+// What the host needs of the warp-pipelined kernel's tile (its shared memory at two column
+// tiles, the most it takes).
 template <int TYPE>
 constexpr TileSpec qw_spec() {
-  return {16, QwTile<TYPE>::kBlocks, static_cast<size_t>(QwTile<TYPE>::kSmem)};
+  return {16, QwTile<TYPE>::kBlocks, static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(2)};
 }
 
-// The warp-pipelined products of up to 8 columns run on the kernel resident over several row
-// blocks (mat_mul_qw_persist_kernel); GGRAPH_CUDA_MMQ_WARP_PERSIST=0 gives them the
-// one-row-block kernel. H200, tools/batch_bench.py at B=8: 7B Q4_0 +5-6%, 7B Q4_K_M +5-7%,
-// SmolLM2 level (BENCHMARKS.md).
+// The warp-pipelined products of up to 8 columns run resident, each block over several row
+// blocks (mat_mul_qw_kernel); GGRAPH_CUDA_MMQ_WARP_PERSIST=0 gives them a block a row block. H200,
+// tools/batch_bench.py at B=8: 7B Q4_0 +5-6%, 7B Q4_K_M +5-7%, SmolLM2 level (BENCHMARKS.md).
 bool qw_persist() {
   static const bool on = [] {
     const char* e = std::getenv("GGRAPH_CUDA_MMQ_WARP_PERSIST");
@@ -1294,8 +1177,6 @@ bool qw_persist() {
   }();
   return on;
 }
-// The persistent kernel's shared memory for its warps' sums, beside their rings.
-constexpr size_t qw_red_bytes(int nt) { return size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
 // The current device's SMs (132 where none can be asked).
 int sm_count() {
   static const int v = [] {
@@ -1312,8 +1193,8 @@ int sm_count() {
 
 template <int TYPE, int NT>
 void set_smem() {
-  if constexpr (NT == 1)
-    allow_block_smem(mat_mul_qw_persist_kernel<TYPE, NT>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
+  if constexpr (NT <= 2)
+    allow_block_smem(mat_mul_qw_kernel<TYPE, NT>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
@@ -1459,18 +1340,17 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
     if constexpr (mma_q_type(TYPE)) {
       if (kind == MatMulQ::Int8Warp) {
         const ActQ8 q = act_q8_tiles(const_cast<uint8_t*>(ws), k, cols);
-        if (cols <= 8 && qw_persist()) {  // two blocks an SM
-          const int blocks = std::min<int>(static_cast<int>(grid.x), 2 * sm_count());
-          return l(mat_mul_qw_persist_kernel<TYPE, 1>, dim3(static_cast<unsigned>(blocks)),
-                   dim3(kQwThreads), static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(1), qp,
-                   static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols);
-        }
-        auto launch = [&](auto kernel) {
-          l(kernel, dim3(grid.x), dim3(kQwThreads), static_cast<size_t>(QwTile<TYPE>::kSmem), qp,
-            static_cast<int>(k), q.qs, q.ds, cols);
+        // Resident (two blocks an SM) up to 8 columns, else a block a row block.
+        const int blocks = cols <= 8 && qw_persist()
+                               ? std::min<int>(static_cast<int>(grid.x), 2 * sm_count())
+                               : static_cast<int>(grid.x);
+        auto launch = [&](auto kernel, int nt) {
+          l(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kQwThreads),
+            static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(nt), qp,
+            static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols);
         };
-        if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1>);
-        return launch(mat_mul_qw_kernel<TYPE, 2>);
+        if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1>, 1);
+        return launch(mat_mul_qw_kernel<TYPE, 2>, 2);
       }
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
