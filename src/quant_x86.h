@@ -16,8 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "quant.h"
 #include "quant_impl.h"
@@ -298,16 +301,8 @@ inline float pair_lanes(__m256 v, int c) {
 
 template <class Dot, Fmt F>
 struct QuantTile {
-  static constexpr int kChunk = 32;  // blocks whose scales are expanded at a time
   static constexpr size_t kBlock = Format<F>::kBlock;
-
-  template <int NR, int NC>
-  struct State {
-    alignas(32) float acc_min[NR][NC][8];
-    alignas(32) __m256 dm[NR][kChunk / 4];      // block_scales4 per group of 4 blocks
-    alignas(32) __m256 wscale[NR][kChunk / 2];  // per pair: [d_b x4][d_b+1 x4]
-    alignas(32) __m256 ascale[kChunk / 2];      // per pair: [columns' d_b][columns' d_b+1]
-  };
+  static constexpr bool kRowTiles = true;  // products() below runs the tiles of a whole call
 
   // The rows' quants of blocks b and b + 1 as the dot below takes them.
   template <int NR, bool kBoth>
@@ -349,11 +344,12 @@ struct QuantTile {
 
   // Rows x up to four columns: a row's four columns' block sums in one vector, scaled by the
   // products of the block scales and fused into the row's accumulator (lanes: column c's even
-  // blocks at c, odd blocks at c + 4).
+  // blocks at c, odd blocks at c + 4). wscale[r * pairs]: row r's scales of this pair, ascale the
+  // columns'.
   template <int NR, int NC, bool kBoth>
-  static inline void pair_step(__m256 (&acc)[NR], const State<NR, NC>& st,
-                               const uint8_t* const* rows, const uint8_t* const* cols, int64_t b,
-                               int p) {
+  static inline void pair_step(__m256 (&acc)[NR], const __m256* wscale, int64_t pairs,
+                               __m256 ascale, const uint8_t* const* rows,
+                               const uint8_t* const* cols, int64_t b) {
     __m256i alo[4], ahi[4], start[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -371,7 +367,7 @@ struct QuantTile {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c)
         is[c] = c < NC ? dot(lo[r], hi[r], alo[c], ahi[c], start[c]) : _mm256_setzero_si256();
-      const __m256 scale = _mm256_mul_ps(st.wscale[r][p], st.ascale[p]);
+      const __m256 scale = _mm256_mul_ps(wscale[r * pairs], ascale);
       acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(block_sums(is[0], is[1], is[2], is[3])),
                                acc[r]);
     }
@@ -435,79 +431,67 @@ struct QuantTile {
     }
   }
 
-  template <int NR, int NC>
-  static void tile(int64_t k, const uint8_t* w, size_t w_stride, const uint8_t* act,
-                   size_t act_stride, float* out, size_t out_stride) {
-    static_assert(NC <= 4, "four columns' block sums a vector");
-    const int64_t nb = k / kQK;
-    const uint8_t* rows[NR];
-    const uint8_t* cols[NC];
-    const float* ds[NC];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      cols[c] = act + c * act_stride;
-      ds[c] = act_ds(cols[c], k);
-    }
-    State<NR, NC> st;
-    __m256 acc[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      acc[r] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        if (Format<F>::kMin) _mm256_store_ps(st.acc_min[r][c], _mm256_setzero_ps());
-      }
-    }
+  // What a row tile's column groups share, worked out once: per row, each group of four blocks'
+  // scales (block_scales4: dm[r * groups + g]) and each pair's, spread over the block sums'
+  // lanes (wscale[r * pairs + p]; pairs = 2 * groups).
+  template <int NR>
+  static void row_scales(const uint8_t* const* rows, int64_t nb, int64_t groups, __m256* dm,
+                         __m256* wscale) {
     const __m256i lo_idx = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
     const __m256i hi_idx = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 v = block_scales4<F>(rows[r], 4 * g, nb);
+        dm[r * groups + g] = v;
+        wscale[r * 2 * groups + 2 * g] = _mm256_permutevar8x32_ps(v, lo_idx);
+        wscale[r * 2 * groups + 2 * g + 1] = _mm256_permutevar8x32_ps(v, hi_idx);
+      }
+    }
+  }
 
-    for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
-      const int n = static_cast<int>(nb - b0 < kChunk ? nb - b0 : kChunk);
-      const int groups = (n + 3) / 4;
+  // What every row tile shares with a group of four columns (cols[0..nc)), worked out once a
+  // call: each pair's column scales (ascale[p]: [the columns' d_b | their d_b+1]; columns past
+  // nc give zeros).
+  static void col_scales(const float* const* ds, int nc, int64_t groups, __m256* ascale) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 da[4];
+      for (int c = 0; c < 4; ++c)
+        da[c] = c < nc ? _mm256_loadu_ps(ds[c] + 8 * g) : _mm256_setzero_ps();
+      pair_scales(da[0], da[1], da[2], da[3], &ascale[2 * g], &ascale[2 * g + 1]);
+    }
+  }
+
+  // NR rows x NC columns over the whole k, from the scales above.
+  template <int NR, int NC>
+  static void tile(int64_t nb, const uint8_t* const* rows, const __m256* dm, const __m256* wscale,
+                   const uint8_t* const* cols, const float* const* ds, const __m256* ascale,
+                   float* out, size_t out_stride) {
+    static_assert(NC <= 4, "four columns' block sums a vector");
+    const int64_t groups = (nb + 3) / 4, pairs = 2 * groups, full = nb / 2;
+    __m256 acc[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < full; ++p)
+      pair_step<NR, NC, true>(acc, wscale + p, pairs, ascale[p], rows, cols, 2 * p);
+    if (nb % 2)
+      pair_step<NR, NC, false>(acc, wscale + full, pairs, ascale[full], rows, cols, 2 * full);
+    // Sum over blocks of m * s, in the odd lanes of the same products as the scales; the NR x NC
+    // sums advance together so that their additions overlap.
+    __m256 m[NR][NC];
+    if (Format<F>::kMin) {
+#pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
-        for (int g = 0; g < groups; ++g) {
-          const __m256 dm = block_scales4<F>(rows[r], b0 + 4 * g, nb);
-          st.dm[r][g] = dm;
-          st.wscale[r][2 * g] = _mm256_permutevar8x32_ps(dm, lo_idx);
-          st.wscale[r][2 * g + 1] = _mm256_permutevar8x32_ps(dm, hi_idx);
-        }
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) m[r][c] = _mm256_setzero_ps();
       }
-      // The columns' scales of each pair's blocks (past the row's end and past NC: zeros).
-      for (int g = 0; g < groups; ++g) {
-        __m256 da[4];
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c)
-          da[c] = c < NC ? _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g)) : _mm256_setzero_ps();
-        pair_scales(da[0], da[1], da[2], da[3], &st.ascale[2 * g], &st.ascale[2 * g + 1]);
-      }
-      const int full = n / 2;
-      for (int p = 0; p < full; ++p) pair_step<NR, NC, true>(acc, st, rows, cols, b0 + 2 * p, p);
-      if (n % 2) pair_step<NR, NC, false>(acc, st, rows, cols, b0 + 2 * full, full);
-      if (Format<F>::kMin) {
-        // Sum over blocks of m * s, in the odd lanes of the same products as the scales; the
-        // NR x NC sums advance together so that their additions overlap.
-        __m256 m[NR][NC];
+      for (int64_t g = 0; g < groups; ++g) {
 #pragma GCC unroll 8
-        for (int r = 0; r < NR; ++r) {
+        for (int c = 0; c < NC; ++c) {
+          const __m256 da = _mm256_loadu_ps(ds[c] + 8 * g);
 #pragma GCC unroll 8
-          for (int c = 0; c < NC; ++c) m[r][c] = _mm256_load_ps(st.acc_min[r][c]);
-        }
-        for (int g = 0; g < groups; ++g) {
-#pragma GCC unroll 8
-          for (int c = 0; c < NC; ++c) {
-            const __m256 da = _mm256_loadu_ps(ds[c] + 2 * (b0 + 4 * g));
-#pragma GCC unroll 8
-            for (int r = 0; r < NR; ++r) {
-              m[r][c] = _mm256_add_ps(m[r][c], materialize(_mm256_mul_ps(st.dm[r][g], da)));
-            }
+          for (int r = 0; r < NR; ++r) {
+            m[r][c] = _mm256_add_ps(m[r][c], materialize(_mm256_mul_ps(dm[r * groups + g], da)));
           }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; ++r) {
-#pragma GCC unroll 8
-          for (int c = 0; c < NC; ++c) _mm256_store_ps(st.acc_min[r][c], m[r][c]);
         }
       }
     }
@@ -516,8 +500,87 @@ struct QuantTile {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
         float v = pair_lanes(acc[r], c);
-        if (Format<F>::kMin) v += odd_lane_sum(_mm256_load_ps(st.acc_min[r][c]));
+        if (Format<F>::kMin) v += odd_lane_sum(m[r][c]);
         out[c * out_stride + r] = v;
+      }
+    }
+  }
+
+  template <int NR>
+  static void row_tile(int64_t nb, const uint8_t* w, size_t w_stride, const uint8_t* act,
+                       size_t act_stride, int n_cols, const __m256* ascale, __m256* dm,
+                       __m256* wscale, float* out, size_t out_stride) {
+    const int64_t groups = (nb + 3) / 4;
+    const uint8_t* rows[NR];
+    for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
+    row_scales<NR>(rows, nb, groups, dm, wscale);
+    for (int c = 0; c < n_cols; c += 4) {
+      const uint8_t* cols[4];
+      const float* ds[4];
+      const int nc = std::min(4, n_cols - c);
+      for (int i = 0; i < nc; ++i) {
+        cols[i] = act + (c + i) * act_stride;
+        ds[i] = act_ds(cols[i], nb * kQK);
+      }
+      const __m256* as = ascale + (c / 4) * 2 * groups;
+      float* o = out + c * out_stride;
+      switch (nc) {
+        case 1:
+          tile<NR, 1>(nb, rows, dm, wscale, cols, ds, as, o, out_stride);
+          break;
+        case 2:
+          tile<NR, 2>(nb, rows, dm, wscale, cols, ds, as, o, out_stride);
+          break;
+        case 3:
+          tile<NR, 3>(nb, rows, dm, wscale, cols, ds, as, o, out_stride);
+          break;
+        default:
+          tile<NR, 4>(nb, rows, dm, wscale, cols, ds, as, o, out_stride);
+          break;
+      }
+    }
+  }
+
+  // Several columns: rows outside, in tiles of kRows (a tile's weights come from memory once and
+  // are reused from L1 for every column group), each tile's row scales worked out once for all
+  // its column groups and each column group's scales once for all the tiles.
+  template <int kRows>
+  static void products(int64_t k, const uint8_t* w, size_t w_stride, int n_rows, const uint8_t* act,
+                       size_t act_stride, int n_cols, float* out, size_t out_stride) {
+    static_assert(kRows >= 1 && kRows <= 4, "up to four rows a tile");
+    const int64_t nb = k / kQK, groups = (nb + 3) / 4;
+    const int n_cg = (n_cols + 3) / 4;
+    // (Floats, 32-byte aligned by hand: a vector of __m256 would drop the type's alignment.)
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>((2 * n_cg + 3 * kRows) * groups) * 8 + 8;
+    if (scratch.size() < need) scratch.resize(need);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
+    __m256* ascale = reinterpret_cast<__m256*>((at + 31) & ~uintptr_t(31));
+    __m256* dm = ascale + 2 * n_cg * groups;
+    __m256* wscale = dm + kRows * groups;
+    for (int cg = 0; cg < n_cg; ++cg) {
+      const float* ds[4];
+      const int nc = std::min(4, n_cols - 4 * cg);
+      for (int i = 0; i < nc; ++i) ds[i] = act_ds(act + (4 * cg + i) * act_stride, k);
+      col_scales(ds, nc, groups, ascale + 2 * cg * groups);
+    }
+    for (int r = 0; r < n_rows; r += kRows) {
+      const int nr = std::min(kRows, n_rows - r);
+      auto run = [&](auto rows) {
+        constexpr int NR = decltype(rows)::value;
+        row_tile<NR>(nb, w + r * w_stride, w_stride, act, act_stride, n_cols, ascale, dm, wscale,
+                     out + r, out_stride);
+      };
+      if (nr == kRows) {
+        run(std::integral_constant<int, kRows>());
+      } else if (nr == 1) {
+        run(std::integral_constant<int, 1>());
+      } else if constexpr (kRows > 2) {
+        if (nr == 2) {
+          run(std::integral_constant<int, 2>());
+        } else {
+          run(std::integral_constant<int, 3>());
+        }
       }
     }
   }
@@ -992,6 +1055,13 @@ struct FloatTile {
 // ----- tiling ----------------------------------------------------------------------------------
 
 using Micro = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, size_t, float*, size_t);
+
+// Whether a kernel runs a whole call's tiles itself (K::kRowTiles, K::products<kRows>), where
+// the others give the Tiler register tiles to run.
+template <typename K, typename = void>
+struct RowTiles : std::false_type {};
+template <typename K>
+struct RowTiles<K, std::void_t<decltype(K::kRowTiles)>> : std::bool_constant<K::kRowTiles> {};
 using MatVec = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, float*, size_t);
 
 // Register tiles: kMatVecRows rows for one column (memory-bound), kRows x kCols otherwise.
@@ -1013,7 +1083,8 @@ struct Tiler {
   }
   static Table make_table() {
     Table t{};
-    fill_tiles(t, std::make_integer_sequence<int, kRows * kCols>());
+    if constexpr (!RowTiles<K>::value)
+      fill_tiles(t, std::make_integer_sequence<int, kRows * kCols>());
     fill_matvec(t, std::make_integer_sequence<int, kMatVecRows>());
     return t;
   }
@@ -1049,6 +1120,10 @@ struct Tiler {
         table.matvec[0](k, w + r * w_stride, w_stride, act, out + r, 1);
       }
       return;
+    }
+    if constexpr (RowTiles<K>::value) {
+      return K::template products<kRows>(k, w, w_stride, n_rows, act, act_stride, n_cols, out,
+                                         out_stride);
     }
     // Rows outside, columns inside: a register tile's weights come from memory once and are
     // reused from L1 for every column group of the call.
