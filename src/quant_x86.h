@@ -515,8 +515,8 @@ struct QuantTile {
     for (int r = 0; r < NR; ++r) rows[r] = w + r * w_stride;
     row_scales<NR>(rows, nb, groups, dm, wscale);
     for (int c = 0; c < n_cols; c += 4) {
-      const uint8_t* cols[4];
-      const float* ds[4];
+      const uint8_t* cols[4] = {};
+      const float* ds[4] = {};
       const int nc = std::min(4, n_cols - c);
       for (int i = 0; i < nc; ++i) {
         cols[i] = act + (c + i) * act_stride;
@@ -559,7 +559,7 @@ struct QuantTile {
     __m256* dm = ascale + 2 * n_cg * groups;
     __m256* wscale = dm + kRows * groups;
     for (int cg = 0; cg < n_cg; ++cg) {
-      const float* ds[4];
+      const float* ds[4] = {};
       const int nc = std::min(4, n_cols - 4 * cg);
       for (int i = 0; i < nc; ++i) ds[i] = act_ds(act + (4 * cg + i) * act_stride, k);
       col_scales(ds, nc, groups, ascale + 2 * cg * groups);
