@@ -1055,6 +1055,7 @@ struct FloatTile {
 // ----- tiling ----------------------------------------------------------------------------------
 
 using Micro = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, size_t, float*, size_t);
+using MatVec = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, float*, size_t);
 
 // Whether a kernel runs a whole call's tiles itself (K::kRowTiles, K::products<kRows>), where
 // the others give the Tiler register tiles to run.
@@ -1062,7 +1063,6 @@ template <typename K, typename = void>
 struct RowTiles : std::false_type {};
 template <typename K>
 struct RowTiles<K, std::void_t<decltype(K::kRowTiles)>> : std::bool_constant<K::kRowTiles> {};
-using MatVec = void (*)(int64_t, const uint8_t*, size_t, const uint8_t*, float*, size_t);
 
 // Register tiles: kMatVecRows rows for one column (memory-bound), kRows x kCols otherwise.
 template <typename K, int kRows, int kCols, int kMatVecRows>
