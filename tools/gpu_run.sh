@@ -15,8 +15,9 @@
 # of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
 # /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
 # (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more),
-# AB_ROUNDS times (default 2). The abenv stage does the same within this build: tg128 as built
-# against tg128 with the settings AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"), in turns.
+# AB_ROUNDS times (default 2), with AB_ARGS added to each bench (e.g. "--kv-type q8_0"). The
+# abenv stage does the same within this build: tg128 as built against tg128 with the settings
+# AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"), in turns.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -82,7 +83,7 @@ ab_turns() {
           echo "round $round, ${sides[i]}, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
           # shellcheck disable=SC2086  # the settings, one word each
           env ${sides[i + 1]} python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 --device cuda \
-            -d "$d" --allow-longer-context --cuda-graphs patch 2>&1 |
+            -d "$d" --allow-longer-context --cuda-graphs patch ${AB_ARGS:-} 2>&1 |
             grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
         done
       done
