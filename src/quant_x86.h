@@ -76,6 +76,12 @@ inline __m128i load128(const uint8_t* p) {
 // first and of the second pair of operands (u unsigned, s signed).
 struct DotAvx2 {
   static constexpr bool kWideSums = false;  // 16-bit pair sums: unsigned bytes up to 128 only
+  static constexpr bool kSums16 = true;     // nibbles16 below, then block_sums16
+  // u <= 15: each 16-bit sum is at most 4*15*127 = 7,620, so that 16-bit horizontal adds may
+  // add four of them (block_sums16) before one widening, where each pair's sums widen alone.
+  static __m256i nibbles16(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(ulo, slo), _mm256_maddubs_epi16(uhi, shi));
+  }
   // u <= 31: each 16-bit sum of two products is at most 2*31*127, so two of them still fit.
   static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     const __m256i p16 =
@@ -94,6 +100,7 @@ struct DotAvx2 {
 struct DotVnni {
   // 32-bit sums of any unsigned bytes: signed weights may ride as w + 128 (pair_step).
   static constexpr bool kWideSums = true;
+  static constexpr bool kSums16 = false;  // one instruction gives the 32-bit sums already
   static __m256i nibbles(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi) {
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ulo, slo), uhi, shi);
   }
@@ -280,6 +287,14 @@ inline __m256i block_sums(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
   return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
 }
 
+// block_sums of four pairs' 16-bit sums of 4-bit quants (DotAvx2::nibbles16: lanes 0..7 block b's,
+// 8..15 block b + 1's, each at most 7,620): two 16-bit horizontal adds sum four of them (at most
+// 30,480, no wrap), and one multiply-add by ones the last two, into the same exact integers.
+inline __m256i block_sums16(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+  const __m256i quads = _mm256_hadd_epi16(_mm256_hadd_epi16(v0, v1), _mm256_hadd_epi16(v2, v3));
+  return _mm256_madd_epi16(quads, _mm256_set1_epi16(1));
+}
+
 // Four vectors of [x_b y_b] pairs for blocks b..b+3 (block_scales4's layout, or the
 // activation's (d, s) pairs): their even lanes as the block sums' scales, [the four's x_b | their
 // x_b+1] (s01) and [x_b+2 | x_b+3] (s23).
@@ -334,6 +349,28 @@ struct QuantTile {
                         _mm256_sign_epi8(ahi, hi));
     }
   }
+  // block_sums of four dots (a row against four columns, or four rows against a column): dot i
+  // of lo[i], hi[i] against alo[i], ahi[i] (start[i]: dot's), zeros from i = N on. 4-bit quants
+  // on AVX2 sum in 16 bits first (block_sums16).
+  static constexpr bool kSums16 = Dot::kSums16 && Format<F>::kNibbles && !Format<F>::kFifthBit;
+  template <int N>
+  static inline __m256i sums4(const __m256i (&lo)[4], const __m256i (&hi)[4],
+                              const __m256i (&alo)[4], const __m256i (&ahi)[4],
+                              const __m256i (&start)[4]) {
+    __m256i v[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      if (i >= N) {
+        v[i] = _mm256_setzero_si256();
+      } else if constexpr (kSums16) {
+        v[i] = Dot::nibbles16(lo[i], alo[i], hi[i], ahi[i]);
+      } else {
+        v[i] = dot(lo[i], hi[i], alo[i], ahi[i], start[i]);
+      }
+    }
+    if constexpr (kSums16) return block_sums16(v[0], v[1], v[2], v[3]);
+    return block_sums(v[0], v[1], v[2], v[3]);
+  }
   static inline __m256i start_of(__m256i alo, __m256i ahi) {
     if constexpr (!Format<F>::kNibbles && Dot::kWideSums) {
       const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -363,13 +400,10 @@ struct QuantTile {
     load_rows<NR, kBoth>(rows, b, lo, hi);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      __m256i is[4];
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)
-        is[c] = c < NC ? dot(lo[r], hi[r], alo[c], ahi[c], start[c]) : _mm256_setzero_si256();
+      const __m256i rlo[4] = {lo[r], lo[r], lo[r], lo[r]}, rhi[4] = {hi[r], hi[r], hi[r], hi[r]};
       const __m256 scale = _mm256_mul_ps(wscale[r * pairs], ascale);
-      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(block_sums(is[0], is[1], is[2], is[3])),
-                               acc[r]);
+      acc[r] =
+          _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums4<NC>(rlo, rhi, alo, ahi, start)), acc[r]);
     }
   }
 
@@ -408,19 +442,16 @@ struct QuantTile {
       const int64_t left = nb - b;  // blocks in this group
       for (int h = 0; h < 2 && 2 * h < left; ++h) {
         const int64_t bp = b + 2 * h;
-        __m256i lo[NR], hi[NR];
+        __m256i lo[4], hi[4];
         if (bp + 1 < nb)
           load_rows<NR, true>(rows, bp, lo, hi);
         else
           load_rows<NR, false>(rows, bp, lo, hi);
-        const __m256i alo = load256(act + 32 * bp), ahi = load256(act + 32 * bp + 32);
-        const __m256i start = start_of(alo, ahi);
-        __m256i is[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r)
-          is[r] = r < NR ? dot(lo[r], hi[r], alo, ahi, start) : _mm256_setzero_si256();
+        const __m256i a0 = load256(act + 32 * bp), a1 = load256(act + 32 * bp + 32);
+        const __m256i s = start_of(a0, a1);
+        const __m256i alo[4] = {a0, a0, a0, a0}, ahi[4] = {a1, a1, a1, a1}, start[4] = {s, s, s, s};
         acc = _mm256_fmadd_ps(h == 0 ? s01 : s23,
-                              _mm256_cvtepi32_ps(block_sums(is[0], is[1], is[2], is[3])), acc);
+                              _mm256_cvtepi32_ps(sums4<NR>(lo, hi, alo, ahi, start)), acc);
       }
     }
 #pragma GCC unroll 8
