@@ -838,8 +838,11 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
   l(quantize_act_kernel, dim3(ceil_div(n_blocks, 8)), dim3(256), 0, x, n_blocks, q.qs, q.ds);
 }
 
+// The warp-pipelined product reads a stage's blocks at constant offsets, past the last tile's
+// end where a row's last stage is short: up to three blocks' quants (768 bytes) and pairs.
+constexpr size_t kActTilesPad = 1024;
 size_t act_q8_tiles_bytes(int64_t k, int64_t cols) {
-  return act_q8_bytes(k, ceil_div(cols, 8) * 8);
+  return act_q8_bytes(k, ceil_div(cols, 8) * 8) + kActTilesPad;
 }
 
 ActQ8 act_q8_tiles(uint8_t* ws, int64_t k, int64_t cols) {

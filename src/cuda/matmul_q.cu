@@ -744,7 +744,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int nb = k / 32, n_tiles = (cols + 7) / 8;
+  const int nb = k / 32;
   const int n_stages = (nb + kBlocks - 1) / kBlocks;
   const int count = warp < n_stages ? (n_stages - warp + kQwWarps - 1) / kQwWarps : 0;
   const int mine =
@@ -823,62 +823,44 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   const int lr8 = (mi & 1) * 8 + ri;
   const int lm_at = lr8 * kQwRowBytes + (((mi >> 1) ^ ((lr8 >> 1) & 3)) * 16);
   const int lm_at2 = lr8 * kQwRowBytes + (((2 + (mi >> 1)) ^ ((lr8 >> 1) & 3)) * 16);
-  // Where this lane's activation values and pairs lie in the tiles (tiles past the columns' read
-  // the last one: their sums are never stored). Output column nt * 8 + c sums the quants and
-  // pairs of activation column nt * 8 + c alone, and no column from cols on is stored: the
-  // padding columns of the last tile, whatever they hold (NaN pairs included), reach no stored
-  // value. A stage's activation: column nt * 8 + g's words t and t + 4 of each block (one 8-byte
-  // load), and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte load). With one
-  // column tile they are requested a stage ahead, so that their trip through L2 overlaps the
-  // stage before (with two, the registers that takes measured slower: 4096x4096 at 16 columns
-  // 9.58 against 8.65 us on an H200).
-  const int8_t* aq_g = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
-  const float2* ads_t = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
-  constexpr bool kAhead = NT == 1;
-  auto load_act = [&](int first, uint2(&bb)[kBlocks][NT], float4(&xx)[kBlocks][NT]) {
+  // Where this lane's activation values and pairs lie in the tiles. Output column nt * 8 + c
+  // sums the quants and pairs of activation column nt * 8 + c alone, and no column from cols on
+  // is stored: the padding columns of the last tile, whatever they hold (NaN pairs included),
+  // reach no stored value. A stage's activation: column nt * 8 + g's words t and t + 4 of each
+  // block (one 8-byte load), and the (d, d * sum) pairs of columns 2t and 2t + 1 (one 16-byte
+  // load), at a constant offset from the stage's first block (blocks past nb read the next tile
+  // or act_q8_tiles_bytes's padding, and qw_stage never uses them). NT is 2 only for 9 to 16
+  // columns: every tile read holds columns. With one column tile they are requested a stage
+  // ahead, so that their trip through L2 overlaps the stage before (with two, the registers
+  // that takes measured slower: 4096x4096 at 16 columns 9.58 against 8.65 us on an H200); the
+  // two sets of registers take turns, so that no copy waits for the loads in flight.
+  const int8_t* aq_w = aq + (static_cast<int64_t>(b_first) * 8 + g) * 32 + 8 * t;
+  const float2* ads_w = ads + static_cast<int64_t>(b_first) * 8 + 2 * t;
+  auto load_act = [&](int at, uint2(&bb)[kBlocks][NT], float4(&xx)[kBlocks][NT]) {
+    const int8_t* pa = aq_w + at * 256;  // at: blocks from b_first to the stage's first
+    const float2* px = ads_w + at * 8;
 #pragma unroll
     for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const int64_t at =
-            static_cast<int64_t>(min(nt, n_tiles - 1)) * nb + min(first + j, nb - 1) - b_first;
-        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(aq_g + at * 256));
-        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(ads_t + at * 8));
+        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(pa + (nt * nb + j) * 256));
+        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(px + (nt * nb + j) * 8));
       }
   };
-  uint2 bn[kBlocks][NT];
-  float4 xn[kBlocks][NT];
-  if (kAhead && total > 0) load_act(b_first, bn, xn);
-  int q = 0;  // the warp's stage over all its row blocks
-  for (int r = 0; r < mine; ++r) {
-    float acc[NT][4] = {};
-    float off[NT][4] = {};
-    int b0 = b_first;
-    for (int i = 0; i < count; ++i, ++q, b0 += kStep) {
-      uint2 b[kBlocks][NT];
-      float4 x[kBlocks][NT];
-      if constexpr (kAhead) {
-#pragma unroll
-        for (int j = 0; j < kBlocks; ++j)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) b[j][nt] = bn[j][nt], x[j][nt] = xn[j][nt];
-        if (q + 1 < total) load_act(i + 1 < count ? b0 + kStep : b_first, bn, xn);
-      }
-      cp_async_wait<kStages - 2>();
-      __syncwarp();
-      if (q + kStages - 1 < total) load_weights();
-      cp_async_commit();
-      if constexpr (!kAhead) load_act(b0, b, x);
-      const uint8_t* st = ring + (q % kStages) * T::kStage;
-      qw_stage<TYPE, NT>(st, lm_at, lm_at2, b0, nb, g, b, x, acc, off);
-    }
-    // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
-    // warp order (finish_tile's) and stores.
+  constexpr bool kAhead = NT == 1;
+  float acc[NT][4] = {};
+  float off[NT][4] = {};
+  int r = 0, i = 0;  // the row block ordinal and the warp's stage of it
+  // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
+  // warp order (finish_tile's) and stores; acc and off start again for the next.
+  auto finish = [&]() {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
+      for (int e = 0; e < 4; ++e) {
         red[((warp * NT + nt) * 4 + e) * 32 + lane] = acc[nt][e] + off[nt][e];
+        acc[nt][e] = off[nt][e] = 0.0f;
+      }
     __syncthreads();
     if (warp == 0) {
       const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
@@ -896,7 +878,37 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
         }
     }
     __syncthreads();  // red is free again
+    ++r;
+  };
+  // Stage q of the warp's (stage i of row block r) on the activation in b, x; with kAhead, the
+  // next stage's requested into bn, xn first.
+  int q = 0;
+  auto step = [&](uint2(&b)[kBlocks][NT], float4(&x)[kBlocks][NT], uint2(&bn)[kBlocks][NT],
+                  float4(&xn)[kBlocks][NT]) {
+    if constexpr (kAhead) {
+      if (q + 1 < total) load_act(i + 1 < count ? (i + 1) * kStep : 0, bn, xn);
+    }
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    if (q + kStages - 1 < total) load_weights();
+    cp_async_commit();
+    if constexpr (!kAhead) load_act(i * kStep, b, x);
+    const uint8_t* st = ring + (q % kStages) * T::kStage;
+    qw_stage<TYPE, NT>(st, lm_at, lm_at2, b_first + i * kStep, nb, g, b, x, acc, off);
+    ++q;
+    if (++i == count) {
+      i = 0;
+      finish();
+    }
+  };
+  uint2 b0[kBlocks][NT], b1[kBlocks][NT];
+  float4 x0[kBlocks][NT], x1[kBlocks][NT];
+  if (kAhead && total > 0) load_act(0, b0, x0);
+  while (q < total) {
+    step(b0, x0, b1, x1);
+    if (q < total) step(b1, x1, b0, x0);
   }
+  while (r < mine) finish();  // a warp without stages still meets the others' barriers
   cp_async_wait<0>();
   pdl_trigger();
 }
