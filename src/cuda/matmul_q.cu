@@ -1122,16 +1122,15 @@ Forced& forced() {
 // The warp-pipelined kernel's widest product: two column tiles.
 constexpr int kQwMaxCols = 16;
 
-// The measured choice (an H100 and an H200, BENCHMARKS.md): the warp-pipelined kernel for 9 to
-// 16 columns, and from 4 columns on for rows of 2,048 or more (GGRAPH_CUDA_MMQ_WARP=0 turns it
-// off, as before it: the int8 kernel at 8 such columns, the half kernel from 9); the half kernel
-// from 17 columns on (from GGRAPH_CUDA_MMQ_MIN where the warp kernel does not take the product),
-// but past 32 only for rows of 2,048 or more (the SmolLM2 shape's 576- and 1,536-long rows ran 19%
-// slower at 64 columns than through cuBLAS); the mat-vec and cuBLAS elsewhere. Shorter rows keep
-// the mat-vec up to 8 columns: alone their products ran faster on the warp kernel, but in a decode
-// step the mat-vec's products of one activation share a launch and read the 8-bit form its producer
-// wrote, where the warp kernel's tiles took a launch of their own when this was measured (now the
-// producer writes them too: GGRAPH_CUDA_TILE_OUTPUT).
+// The measured choice (an H100 and an H200, BENCHMARKS.md): the warp-pipelined kernel for 4 to
+// 16 columns (GGRAPH_CUDA_MMQ_WARP=0 turns it off, as before it: the int8 kernel at 8 columns of
+// rows of 2,048 or more, the half kernel from 9); the half kernel from 17 columns on (from
+// GGRAPH_CUDA_MMQ_MIN where the warp kernel does not take the product), but past 32 only for rows
+// of 2,048 or more (the SmolLM2 shape's 576- and 1,536-long rows ran 19% slower at 64 columns
+// than through cuBLAS); the mat-vec and cuBLAS elsewhere. Rows shorter than 2,048 kept the
+// mat-vec up to 8 columns while the warp kernel's activation tiles took a launch of their own;
+// with their producers writing them (GGRAPH_CUDA_TILE_OUTPUT), the SmolLM2 shape's decode batch
+// of 8 ran 13-16% faster on the warp kernel.
 int env_cols(const char* name, int fallback) {
   const char* e = std::getenv(name);
   const int c = e ? std::atoi(e) : 0;
@@ -1139,8 +1138,7 @@ int env_cols(const char* name, int fallback) {
 }
 MatMulQ measured_choice(int64_t k, int64_t cols) {
   static const bool warp = env_switch_on("GGRAPH_CUDA_MMQ_WARP");
-  if (warp && cols <= kQwMaxCols && (cols >= 9 || (k >= 2048 && cols >= 4)))
-    return MatMulQ::Int8Warp;
+  if (warp && cols >= 4 && cols <= kQwMaxCols) return MatMulQ::Int8Warp;
   static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
   if (cols >= half_from && (cols <= 32 || k >= 2048)) return MatMulQ::Half;
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;

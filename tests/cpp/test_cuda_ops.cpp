@@ -572,7 +572,9 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 32), MatMulQ::Half);
   }
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 4096, 3), MatMulQ::None);  // the mat-vec
-  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 8), MatMulQ::None);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 3), MatMulQ::None);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 4), MatMulQ::Int8Warp);
+  EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q8_0, 576, 8), MatMulQ::Int8Warp);
   EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, 64), MatMulQ::None);  // cuBLAS
   for (MatMulQ kind : {MatMulQ::Int8, MatMulQ::Half, MatMulQ::Int8Warp}) {
     SCOPED_TRACE(kind == MatMulQ::Int8 ? "int8" : kind == MatMulQ::Half ? "half" : "warp");
