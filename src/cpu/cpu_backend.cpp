@@ -182,7 +182,8 @@ class CpuBackend final : public Backend {
     // Groups are consecutive runs of the contiguous tensor: a column, or one head of it.
     const int64_t n = t->params[kNormGroup];
     const float eps = t->param_f(kNormEps);
-    parallel(t->n_elements() / n, 16, [&](int64_t b, int64_t e) {
+    // Tasks of about 4,096 elements: a decode batch's columns of a few hundred split too.
+    parallel(t->n_elements() / n, std::max<int64_t>(1, 4096 / n), [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         const float* xr = x + j * n;
         double sum = 0;
@@ -222,7 +223,9 @@ class CpuBackend final : public Backend {
     const float* u = f32(t->src[1]);
     float* y = f32(t);
     const bool gelu = t->params[0] == kGluGelu;
-    parallel(t->n_elements(), 1 << 14, [&](int64_t b, int64_t e) {
+    // Tasks of 4,096 elements or more (an exponential each): a decode batch of 8 of a 1,536-wide
+    // feed-forward splits, one token does not.
+    parallel(t->n_elements(), 1 << 12, [&](int64_t b, int64_t e) {
       if (gelu) {
         // The tanh approximation, as the models using GeGLU were trained with.
         const float c = 0.7978845608028654f;  // sqrt(2 / pi)
