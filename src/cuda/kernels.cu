@@ -839,7 +839,8 @@ void launch_quantize_act(Launcher& l, const float* x, int64_t k, int64_t cols, u
 }
 
 // The warp-pipelined product reads a stage's blocks at constant offsets, past the last tile's
-// end where a row's last stage is short: up to three blocks' quants (768 bytes) and pairs.
+// end where a row's last stage is short: for k a multiple of 64, two blocks at most, whose
+// quants reach up to 384 bytes past the pairs' end.
 constexpr size_t kActTilesPad = 1024;
 size_t act_q8_tiles_bytes(int64_t k, int64_t cols) {
   return act_q8_bytes(k, ceil_div(cols, 8) * 8) + kActTilesPad;

@@ -852,7 +852,9 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   float off[NT][4] = {};
   int r = 0, i = 0;  // the row block ordinal and the warp's stage of it
   // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
-  // warp order (finish_tile's) and stores; acc and off start again for the next.
+  // warp order (finish_tile's) and stores; acc and off start again for the next. Every warp
+  // comes here `mine` times, but from different places (a warp without stages from the loop at
+  // the end), so the barriers are the unaligned form, which allows that.
   auto finish = [&]() {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -861,7 +863,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
         red[((warp * NT + nt) * 4 + e) * 32 + lane] = acc[nt][e] + off[nt][e];
         acc[nt][e] = off[nt][e] = 0.0f;
       }
-    __syncthreads();
+    __barrier_sync(0);
     if (warp == 0) {
       const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
       const int row0 = part.rb * 16;
@@ -877,7 +879,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
           if (row < part.n && col < cols) part.dst[static_cast<int64_t>(col) * part.n + row] = v;
         }
     }
-    __syncthreads();  // red is free again
+    __barrier_sync(0);  // red is free again
     ++r;
   };
   // Stage q of the warp's (stage i of row block r) on the activation in b, x; with kAhead, the
