@@ -87,29 +87,56 @@ def test_first_four_greedy_tokens_equal(model, golden):
         assert out == g["greedy_ids"][:4], g["prompt"]
 
 
+def _cosine(a, b):
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_golden_prompts_decoded_as_one_batch_keep_their_greedy_tokens(smollm2, golden, device):
-    # The four prompts as four sequences of one model, every greedy step one decode_batch: each
-    # sequence's tokens are those it gets alone, and its first four are llama.cpp's.
+    # The four prompts as four sequences of one model, every greedy step one decode_batch. A
+    # batch's products may add their sums in another order than one sequence's (on CUDA, batches
+    # of 4 or more take the tensor cores), so the bars are the golden ones, against each prompt
+    # run alone: the same first four greedy tokens (llama.cpp's too); and fed its tokens alone,
+    # the batch's logits at every step within cosine 0.995 of those alone, with the same top
+    # token at 90% of the steps or more.
     if device == "cuda" and not cuda_available():
         pytest.skip("no CUDA device (or a build without CUDA): the CUDA batch run is skipped")
     greedy, _ = golden
+    steps = len(greedy[0]["greedy_ids"])
+    alone = ggraph.Model(smollm2, device=device, n_ctx=512)
+    own, own_logits = [], []
+    for g in greedy:
+        alone.reset()
+        lg = alone.eval(g["prompt_ids"])
+        toks, lgs = [], []
+        for _ in range(steps):
+            lgs.append(lg)
+            toks.append(int(np.argmax(lg)))
+            lg = alone.eval([toks[-1]])
+        own.append(toks)
+        own_logits.append(lgs)
+
     m = ggraph.Model(smollm2, device=device, n_ctx=512, n_seq_max=len(greedy))
     seqs = [m] + [m.session() for _ in greedy[1:]]
     logits = [s.eval(g["prompt_ids"]) for s, g in zip(seqs, greedy, strict=True)]
     batched = [[] for _ in greedy]
-    for _ in range(len(greedy[0]["greedy_ids"])):
+    for _ in range(steps):
         step = [int(np.argmax(lg)) for lg in logits]
         for out, tok in zip(batched, step, strict=True):
             out.append(tok)
         logits = list(m.decode_batch(list(zip(seqs, step, strict=True))))
-    alone = ggraph.Model(smollm2, device=device, n_ctx=512)
-    for g, out in zip(greedy, batched, strict=True):
-        alone.reset()
-        lg = alone.eval(g["prompt_ids"])
-        own = []
-        for _ in range(len(out)):
-            own.append(int(np.argmax(lg)))
-            lg = alone.eval([own[-1]])
-        assert out == own, g["prompt"]
-        assert out[:4] == g["greedy_ids"][:4], g["prompt"]
+    for g, out, toks in zip(greedy, batched, own, strict=True):
+        assert out[:4] == toks[:4] == g["greedy_ids"][:4], g["prompt"]
+
+    for s in seqs:
+        s.reset()
+    logits = [s.eval(g["prompt_ids"]) for s, g in zip(seqs, greedy, strict=True)]
+    agree = [0] * len(greedy)
+    for i in range(steps):
+        for j, lg in enumerate(logits):
+            cos = _cosine(lg, own_logits[j][i])
+            assert cos >= 0.995, f"{greedy[j]['prompt']!r} step {i}: cosine {cos:.5f}"
+            agree[j] += int(np.argmax(lg)) == own[j][i]
+        logits = list(m.decode_batch([(s, t[i]) for s, t in zip(seqs, own, strict=True)]))
+    for g, a in zip(greedy, agree, strict=True):
+        assert a >= 0.9 * steps, f"{g['prompt']!r}: top token alone at {a} of {steps} steps"
