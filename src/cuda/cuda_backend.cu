@@ -791,6 +791,61 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return true;
   };
 
+  // The rope epilogue of a few tokens' q, k and v products on the warp-pipelined kernel
+  // (MatMulQRope), whose nodes are group[0..2] (already marked launched): where the next four
+  // nodes to launch are the ropes of q and k (normal mode, the same positions and parameters),
+  // the K store of the rotated k, which nothing else reads, and the V store of v, into F16 caches
+  // by the same rows (one sequence) or slots (a decode batch). q's and k's products then exist
+  // nowhere but in registers. The kernel reads no scratch but the positions and slots, which
+  // none of its outputs may overlap. Fills r and marks the four launched where they fit.
+  auto warp_rope_epilogue = [&](const int* group, int n_parts, int cols, MatMulQRope* r) {
+    if (n_parts != 3 || !rope_epilogue_enabled()) return false;
+    const int jq = next_open(group[0]);
+    const int jk = jq >= 0 ? next_open(jq) : -1;
+    const int js = jk >= 0 ? next_open(jk) : -1;
+    const int jv = js >= 0 ? next_open(js) : -1;
+    if (jv < 0) return false;
+    const Tensor *rq = nodes[jq], *rk = nodes[jk], *ks = nodes[js], *vs = nodes[jv];
+    const Tensor *q = nodes[group[0]], *kp = nodes[group[1]], *v = nodes[group[2]];
+    const int hd = rq->params[kRopeHeadDim];
+    const bool seqs = ks->op == Op::KvStoreSeqs;
+    const Tensor* slots = seqs ? ks->src[2] : nullptr;
+    auto apart = [&](const Tensor* in) {
+      return !in || (!scratch_overlap(in, rq) && !scratch_overlap(in, v));
+    };
+    const bool ok =
+        rq->op == Op::Rope && rq->src[0] == q && rq->params[kRopeMode] == kRopeNormal &&
+        rq->ne[1] == cols && hd > 0 && hd % 2 == 0 && q->ne[0] % hd == 0 && kp->ne[0] % hd == 0 &&
+        ropes_pair(rq, rk, kRopeAll) && rk->src[0] == kp && uses[group[0]] == 1 &&
+        uses[group[1]] == 1 && uses[jk] == 1 && q != graph.output() && kp != graph.output() &&
+        rk != graph.output() && apart(rq->src[1]) && apart(rq->src[2]) && apart(slots) &&
+        (ks->op == Op::KvStore || seqs) && vs->op == ks->op && ks->src[0] == rk &&
+        vs->src[0] == v && kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
+        kv_target(vs)->data != kv_target(ks)->data &&
+        (seqs ? vs->src[2] == slots && vs->params[kKvSeqRows] == ks->params[kKvSeqRows]
+              : vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1]);
+    if (!ok) return false;
+    r->pos = static_cast<const int32_t*>(ptr(rq->src[1]));
+    r->freq_factors = rq->src[2] ? fptr(rq->src[2]) : nullptr;
+    if (seqs) {
+      r->slots = static_cast<const int32_t*>(ptr(slots));
+      r->rows = ks->params[kKvSeqRows];
+    } else {
+      r->first_row = kv_at(ks->kv[0]);
+      r->rows = static_cast<int>(kv_target(ks)->ne[1]);
+    }
+    r->k_cache = kv_target(ks)->data;
+    r->v_cache = kv_target(vs)->data;
+    r->q_out = fptr(rq);
+    r->head_dim = hd;
+    r->n_dims = rq->params[kRopeNDims];
+    r->n_tokens = cols;
+    r->freq_base = rq->param_f(kRopeBase);
+    r->freq_scale = rq->param_f(kRopeScale);
+    done[jq] = done[jk] = done[js] = done[jv] = 1;
+    return true;
+  };
+
   for (int i = 0; i < n; ++i) {
     const Tensor* t = nodes[i];
     if (done[i]) continue;
@@ -896,8 +951,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             parts[p] = {ptr(c->src[0]), c->src[0]->ne[1], fptr(c)};
             done[group[p]] = 1;
           }
+          MatMulQRope rope;
+          const bool with_rope =
+              q == MatMulQ::Int8Warp && warp_rope_epilogue(group, n_parts, cols, &rope);
           launch_mat_mul_q(l, w->type, parts, n_parts, k, q == MatMulQ::Int8Warp ? tiles : buf.act,
-                           cols, buf.attn, buf.attn_counters);
+                           cols, buf.attn, buf.attn_counters, with_rope ? &rope : nullptr);
           break;
         }
         if (cols > kMatVecMaxCols) {

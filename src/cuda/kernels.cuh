@@ -458,8 +458,25 @@ struct MatMulQPart {
 };
 size_t mat_mul_q_partials_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
 size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
+// The rope epilogue of a few tokens' q, k and v products (parts 0, 1 and 2, q's and k's rows
+// whole heads) on the warp-pipelined kernel: q rotated (normal mode) into q_out, k rotated into
+// the F16 K cache only, v into its product's output and the F16 V cache, each token t (column)
+// at position pos[t] and cache row kv_store_row(first_row, slots, t, n_tokens, rows), with the
+// rope and K/V store kernels' bits. launch_mat_mul_q takes it for Int8Warp products only.
+struct MatMulQRope {
+  const int32_t* pos = nullptr;
+  const float* freq_factors = nullptr;
+  const int32_t* first_row = nullptr;  // one sequence: the first row (KV record), or
+  const int32_t* slots = nullptr;      // a decode batch's sequences (kv_store_row)
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  float* q_out = nullptr;
+  int head_dim = 0, n_dims = 0, rows = 0, n_tokens = 0;
+  float freq_base = 0.0f, freq_scale = 1.0f;
+};
 void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_parts, int64_t k,
-                      const uint8_t* ws, int cols, float* partials, unsigned* counters);
+                      const uint8_t* ws, int cols, float* partials, unsigned* counters,
+                      const MatMulQRope* rope = nullptr);
 // Test hook: one kernel for every product it can take, or (None) the default choice.
 void set_mat_mul_q_everywhere(MatMulQ kind);
 // The shared memory a block of the current device may opt into (or the test hook's stand-in).

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -720,13 +721,45 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
   }
 }
 
+// The rope epilogue's store of element (row, col) of part `part` (n rows, output dst), x its
+// sum and other its pair's (row ^ 1): rope_epilogue_pair's, for token col of several.
+__device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, int part, int n, float* dst,
+                                              int row, int col, float x, float other) {
+  const int64_t kv = kv_store_row(r.first_row, r.slots, col, r.n_tokens, r.rows);
+  const int64_t at = static_cast<int64_t>(col) * n + row;
+  if (part == 2) {
+    dst[at] = x;
+    if (kv >= 0) static_cast<__half*>(r.v_cache)[kv * n + row] = __float2half_rn(x);
+    return;
+  }
+  const int i0 = (row & ~1) % r.head_dim;
+  float y = x;
+  if (i0 < r.n_dims) {
+    float sf, cf, y0, y1;
+    rope_angle(r.pos[col], i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
+    if (row & 1) {
+      rope_rotate(other, x, sf, cf, y0, y1);
+      y = y1;
+    } else {
+      rope_rotate(x, other, sf, cf, y0, y1);
+      y = y0;
+    }
+  }
+  if (part == 0)
+    r.q_out[at] = y;
+  else if (kv >= 0)
+    static_cast<__half*>(r.k_cache)[kv * n + row] = __float2half_rn(y);
+}
+
 // The warp-pipelined kernel. Block x takes row blocks x, x + gridDim.x, ...: with a grid of
 // every row block, one each; resident (up to 8 columns, see qw_persist), a grid of at most two
 // blocks an SM, each warp's stages of all its row blocks one stream through its ring, so that
 // the next row block's first stages are in flight while this one's last are computed (a block
 // of one row block starts with a trip to memory, about three waves of them in a decode batch's
-// product). At a row block's end the warps' sums meet in shared memory of their own, are added
-// in warp order, and one warp stores them.
+// product). At a row block's end the warps' sums meet in shared memory of their own and are
+// added in warp order, each of the tile's 4 (8 at two column tiles) elements a lane by a warp of
+// its own, which stores them (where warp 0 alone added and stored them all, SmolLM2 shape B=8
+// ran 3-5% slower on an H200).
 //
 // A lane's copies of a stage are worked out once for a row block's first stage and then moved on
 // by constant steps, so that a stage costs an add, a test and the copy a chunk (worked out each
@@ -734,10 +767,11 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
 // copies chunk t of rows g and g + 8, chunk c of row r at r * 64 + (c ^ ((r >> 1) & 3)) * 16, so
 // that the eight row addresses of an ldmatrix fall in distinct banks; then at most one scale
 // chunk. Rows from n on and blocks from nb on arrive as zeros.
-template <int TYPE, int NT>
+// ROPE: the rope epilogue (MatMulQRope) of parts q, k and v.
+template <int TYPE, int NT, bool ROPE = false>
 __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
     mat_mul_qw_kernel(QParts parts, int row_blocks, int k, const int8_t* aq, const float2* ads,
-                      int cols) {
+                      int cols, MatMulQRope rope) {
   using T = QwTile<TYPE>;
   constexpr int kBlocks = T::kBlocks, kQB = T::kSplit.quant_bytes, kStages = kQwStages;
   constexpr int kStep = kQwWarps * kBlocks;
@@ -851,35 +885,44 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   float acc[NT][4] = {};
   float off[NT][4] = {};
   int r = 0, i = 0;  // the row block ordinal and the warp's stage of it
-  // The row block's sums: every warp's into its own shared memory, then warp 0 adds them in
-  // warp order (finish_tile's) and stores; acc and off start again for the next. Every warp
-  // comes here `mine` times, but from different places (a warp without stages from the loop at
-  // the end), so the barriers are the unaligned form, which allows that.
+  // The row block's sums: every warp's into its own shared memory, in one of two buffers that
+  // row blocks take in turns (a buffer is free again once every warp has passed the next row
+  // block's barrier, so one barrier a row block); then each (column tile, element) of the 16 x 8
+  // tile is added in warp order (finish_tile's) by a warp of its own and stored, or with ROPE
+  // rotated against its pair's row (four lanes away, in the same warp) and stored by
+  // qw_rope_store. acc and off start again for the next. Every warp comes here `mine` times, but
+  // from different places (a warp without stages from the loop at the end), so the barrier is the
+  // unaligned form, which allows that.
+  constexpr int kRed = kQwWarps * NT * 4 * 32;
+  static_assert(NT * 4 <= kQwWarps, "a warp for each element of each column tile");
   auto finish = [&]() {
+    float* rbuf = red + (r & 1) * kRed;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        red[((warp * NT + nt) * 4 + e) * 32 + lane] = acc[nt][e] + off[nt][e];
+        rbuf[((warp * NT + nt) * 4 + e) * 32 + lane] = acc[nt][e] + off[nt][e];
         acc[nt][e] = off[nt][e] = 0.0f;
       }
     __barrier_sync(0);
-    if (warp == 0) {
-      const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
-      const int row0 = part.rb * 16;
+    if (warp < NT * 4) {
+      const int b = static_cast<int>(blockIdx.x + r * gridDim.x);
+      const QPart part = block_part(parts, b);
+      const int nt = warp / 4, e = warp % 4;
+      float v = rbuf[warp * 32 + lane];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = red[(nt * 4 + e) * 32 + lane];
-#pragma unroll
-          for (int o = 1; o < kQwWarps; ++o) v += red[((o * NT + nt) * 4 + e) * 32 + lane];
-          const int row = row0 + g + (e >= 2 ? 8 : 0);
-          const int col = nt * 8 + 2 * t + (e & 1);
-          if (row < part.n && col < cols) part.dst[static_cast<int64_t>(col) * part.n + row] = v;
-        }
+      for (int o = 1; o < kQwWarps; ++o) v += rbuf[(o * NT * 4 + warp) * 32 + lane];
+      const int row = part.rb * 16 + g + (e >= 2 ? 8 : 0);
+      const int col = nt * 8 + 2 * t + (e & 1);
+      if constexpr (ROPE) {
+        const float other = __shfl_xor_sync(0xffffffffu, v, 4);
+        const int pi = b >= parts.first[2] ? 2 : b >= parts.first[1] ? 1 : 0;
+        if (row < part.n && col < cols)
+          qw_rope_store(rope, pi, part.n, part.dst, row, col, v, other);
+      } else if (row < part.n && col < cols) {
+        part.dst[static_cast<int64_t>(col) * part.n + row] = v;
+      }
     }
-    __barrier_sync(0);  // red is free again
     ++r;
   };
   // Stage q of the warp's (stage i of row block r) on the activation in b, x; with kAhead, the
@@ -1169,9 +1212,9 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
   return fn(std::integral_constant<int, 8>{});
 }
 
-// The warp-pipelined kernel's shared memory for its warps' sums (nt column tiles), beside their
-// rings.
-constexpr size_t qw_red_bytes(int nt) { return size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
+// The warp-pipelined kernel's shared memory for its warps' sums (nt column tiles, two buffers),
+// beside their rings.
+constexpr size_t qw_red_bytes(int nt) { return 2 * size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
 // What the host needs of the warp-pipelined kernel's tile (its shared memory at two column
 // tiles, the most it takes).
 template <int TYPE>
@@ -1205,8 +1248,10 @@ int sm_count() {
 
 template <int TYPE, int NT>
 void set_smem() {
-  if constexpr (NT <= 2)
+  if constexpr (NT <= 2) {
     allow_block_smem(mat_mul_qw_kernel<TYPE, NT>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
+    allow_block_smem(mat_mul_qw_kernel<TYPE, NT, true>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
+  }
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
   if constexpr (NT >= 4)
@@ -1313,7 +1358,8 @@ void prepare_mat_mul_q_kernels() {
 }
 
 void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_parts, int64_t k,
-                      const uint8_t* ws, int cols, float* partials, unsigned* counters) {
+                      const uint8_t* ws, int cols, float* partials, unsigned* counters,
+                      const MatMulQRope* rope) {
   const MatMulQ kind = mat_mul_q_kind(type, k, cols);
   if (kind == MatMulQ::None)
     throw ArgumentError(std::string("mat_mul_q: expected a product it takes (Q4_0, Q4_1, Q8_0 "
@@ -1323,6 +1369,8 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
   if (n_parts < 1 || n_parts > kMatMulQMaxParts)
     throw ArgumentError("mat_mul_q: expected 1 to " + std::to_string(kMatMulQMaxParts) +
                         " products in a launch, got " + std::to_string(n_parts));
+  if (rope && (kind != MatMulQ::Int8Warp || n_parts != 3))
+    throw std::logic_error("mat_mul_q: the rope epilogue takes q, k and v on the warp kernel");
   int64_t n[kMatMulQMaxParts];
   for (int p = 0; p < n_parts; ++p) n[p] = parts[p].n;
   const int64_t rows = total_rows(n, n_parts);
@@ -1359,8 +1407,13 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
         auto launch = [&](auto kernel, int nt) {
           l(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kQwThreads),
             static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(nt), qp,
-            static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols);
+            static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols,
+            rope ? *rope : MatMulQRope{});
         };
+        if (rope) {
+          if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1, true>, 1);
+          return launch(mat_mul_qw_kernel<TYPE, 2, true>, 2);
+        }
         if (cols <= 8) return launch(mat_mul_qw_kernel<TYPE, 1>, 1);
         return launch(mat_mul_qw_kernel<TYPE, 2>, 2);
       }

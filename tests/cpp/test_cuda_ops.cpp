@@ -1944,6 +1944,12 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
 // A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
 // ropes, the K/V stores by slots, the attention), planned but not run; the products', the
 // ropes' and the stores' nodes. v_type: v's format (the others are Q4_0).
+// The rope epilogues off for a test's scope.
+struct RopeEpilogueOff {
+  RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
+  ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
+};
+
 struct SeqsLayer {
   Graph g;
   std::vector<int32_t> tokens, positions, slots;
@@ -2053,8 +2059,11 @@ TEST(CudaLaunchPlan, DecodeBatchProductsOfOneActivationShareALaunch) {
 
 // Decode batches: the ropes of q and k and both stores into the pools go out in one launch (a
 // token a block, which reads its rows first), k's rope in q's product's place; where k is
-// narrower than q (GQA), that place would hold other tokens' rows, and they do not pair.
+// narrower than q (GQA), that place would hold other tokens' rows, and they do not pair. (Batches
+// of 4 to 16 on the warp-pipelined kernel take them into the products' epilogue instead: the
+// next test; here that is off.)
 TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
+  RopeEpilogueOff off;
   for (int n_tokens : {1, 2, 16, 64}) {
     SeqsLayer lg(n_tokens, 32);
     const auto rec = lg.launches();
@@ -2094,6 +2103,24 @@ TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
       if (k.node == gqa.rope_q->index) {
         EXPECT_EQ(k.grid.y, 1u) << n_tokens;
       }
+    }
+  }
+}
+
+// Decode batches of 4 to 16 tokens on the warp-pipelined kernel: q, k and v in one launch that
+// rotates q and k and stores K and V into the pools itself (MatMulQRope); no ropes' or stores'
+// launch, with or without GQA. Past 16 (the half kernel) the ropes' launch stays.
+TEST(CudaLaunchPlan, DecodeBatchOnTheWarpKernelRotatesAndStoresInTheProductsEpilogue) {
+  for (int n_kv : {32, 8}) {
+    for (int n_tokens : {4, 8, 16, 32}) {
+      SeqsLayer lg(n_tokens, n_kv);
+      const auto rec = lg.launches();
+      const int ropes = n_tokens <= 16 ? 0 : 1;
+      EXPECT_EQ(launches_of(rec, lg.wq), 1) << n_tokens << " tokens, " << n_kv << " KV heads";
+      EXPECT_EQ(launches_of(rec, lg.rope_q), ropes) << n_tokens << " tokens, " << n_kv;
+      EXPECT_EQ(launches_of(rec, lg.rope_k), 0) << n_tokens << " tokens, " << n_kv;
+      EXPECT_EQ(launches_of(rec, lg.store_k), 0) << n_tokens << " tokens, " << n_kv;
+      EXPECT_EQ(launches_of(rec, lg.store_v), 0) << n_tokens << " tokens, " << n_kv;
     }
   }
 }
@@ -2166,11 +2193,6 @@ bool holds_pointer(const cuda::KernelLaunch& k, const void* p) {
 }
 
 // Turns the rope epilogue off for a scope.
-struct RopeEpilogueOff {
-  RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
-  ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
-};
-
 // One token's q, k and v products (one format), grouped in one launch, take their ropes and
 // K/V stores into that launch's epilogue, in the model builder's order (the products first,
 // then a rope factors leaf or none, the ropes, the stores); otherwise the ropes' launch stays.
@@ -2192,12 +2214,14 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   }
   // v in the other format of a pair that one launch takes (a K-quant mix's fallbacks).
   EXPECT_EQ(count(normal(false, DType::Q8_0, 1, DType::Q5_0)), std::make_pair(1, 0));
-  // Not where the ropes are NeoX's (pairs of rows half a head apart), v is in a format no launch
-  // pairs with q's (the products go out in two launches), or there are several tokens; nor
-  // when it is off.
+  // Several tokens too where the warp-pipelined kernel takes their products (4 to 16 tokens,
+  // MatMulQRope), not on the kernels past it.
+  EXPECT_EQ(count(normal(false, DType::Q4_1, 4)), std::make_pair(1, 0));
+  EXPECT_GE(count(normal(false, DType::Q4_1, 32)).second, 1);
+  // Not where the ropes are NeoX's (pairs of rows half a head apart) or v is in a format no
+  // launch pairs with q's (the products go out in two launches); nor when it is off.
   EXPECT_EQ(count(LayerGraph(1, 20, true)), std::make_pair(1, 1));
   EXPECT_EQ(count(normal(false, DType::Q8_0)).second, 1);
-  EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);
   RopeEpilogueOff off;
   EXPECT_EQ(count(normal(true)), std::make_pair(1, 1));
 }
@@ -2296,6 +2320,125 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     g.set_output(build(g, *cuda_));
     plan(g);
     EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), rope_q), 0) << what;
+  }
+}
+
+// The rope epilogue of several tokens' q, k and v products on the warp-pipelined kernel, against
+// the ropes' and stores' launches: the attention output and the caches' bytes equal bit for bit.
+// One sequence (a prompt chunk: rows from n_past on, and a ring that wraps) and a decode batch
+// (each token a sequence of its own in a pool, one a padding token whose stores are skipped);
+// one and two column tiles; with and without GQA; partial rotation and rope factors.
+TEST_F(CudaOps, RopeEpilogueOfSeveralTokensOnTheWarpKernelEqualsTheRopesLaunch) {
+  struct Reset {
+    ~Reset() { cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::None); }
+  } reset;
+  cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::Int8Warp);
+  std::mt19937 rng(43);
+  struct Case {
+    DType type;
+    int n_head, n_head_kv, hd, n_dims;
+    bool factors, seqs;
+    int ring;  // > 0 (one sequence): a ring of this many rows
+  };
+  const Case cases[] = {
+      {DType::Q4_1, 9, 3, 64, 64, false, true, 0},   {DType::Q4_0, 8, 8, 128, 128, true, true, 0},
+      {DType::Q8_0, 4, 2, 128, 96, false, false, 0}, {DType::Q4_0, 8, 2, 64, 64, true, false, 64},
+      {DType::Q4_K, 4, 4, 64, 64, false, true, 0},
+  };
+  for (const Case& c : cases) {
+    const int n_embd = c.n_head * c.hd, kv_w = c.n_head_kv * c.hd, n_seq = 20;
+    auto bq = random_blocks(c.type, n_embd, n_embd, rng);
+    auto bk = random_blocks(c.type, n_embd, kv_w, rng);
+    auto bv = random_blocks(c.type, n_embd, kv_w, rng);
+    auto factors = randn(size_t(c.n_dims / 2), rng, 0.5f);
+    for (auto& f : factors) f = 1.0f + std::fabs(f);
+    for (int n_tok : {4, 8, 13, 16}) {
+      const std::string what = std::string(type_name(c.type)) + " heads " +
+                               std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) +
+                               (c.seqs ? " seqs" : " one sequence") + " tokens " +
+                               std::to_string(n_tok);
+      const int n_past = c.ring > 0 ? 1010 : 29;  // a ring's rows wrap within the tokens
+      const int rows = c.seqs ? 64 : c.ring > 0 ? c.ring : n_past + n_tok;
+      const int window = c.ring > 0 ? 32 : 0;
+      auto x = randn(size_t(n_embd) * n_tok, rng);
+      std::vector<int32_t> pos(n_tok), slots(2 * size_t(n_tok)), ids;
+      std::vector<int32_t> seqs(n_seq);
+      for (int i = 0; i < n_seq; ++i) seqs[i] = i;
+      std::shuffle(seqs.begin(), seqs.end(), rng);
+      for (int i = 0; i < n_tok; ++i) {
+        pos[i] = c.seqs ? int(rng() % (rows - 1)) : n_past + i;
+        slots[i] = i == 1 ? -1 : seqs[i];  // token 1: a padding token
+        slots[n_tok + i] = pos[i];
+      }
+      const size_t cache_elems = size_t(kv_w) * rows * (c.seqs ? n_seq : 1);
+      const auto k16 = randn_f16(cache_elems, rng), v16 = randn_f16(cache_elems, rng);
+      void *k_mem = nullptr, *v_mem = nullptr;
+      Tensor* rope_q = nullptr;
+      Build build = [&](Graph& g, Backend& be) {
+        k_mem = be.alloc_kv(cache_elems * 2);
+        v_mem = be.alloc_kv(cache_elems * 2);
+        be.kv_from_host(k_mem, k16.data(), cache_elems * 2);
+        be.kv_from_host(v_mem, v16.data(), cache_elems * 2);
+        Tensor* xt = activations(g, be, x, n_embd, n_tok, ids);
+        Tensor* p = g.input_i32(n_tok, pos.data(), "pos");
+        Tensor* q = g.mul_mat(upload(g, be, c.type, n_embd, n_embd, bq.data(), "wq"), xt);
+        Tensor* k = g.mul_mat(upload(g, be, c.type, n_embd, kv_w, bk.data(), "wk"), xt);
+        Tensor* v = g.mul_mat(upload(g, be, c.type, n_embd, kv_w, bv.data(), "wv"), xt);
+        Tensor* f = c.factors
+                        ? upload(g, be, DType::F32, c.n_dims / 2, 1, factors.data(), "rope_freqs")
+                        : nullptr;
+        rope_q = q = g.rope(q, p, c.n_head, c.hd, c.n_dims, kRopeNormal, 10000.0f, f);
+        k = g.rope(k, p, c.n_head_kv, c.hd, c.n_dims, kRopeNormal, 10000.0f, f);
+        const float scale = 1.0f / std::sqrt(float(c.hd));
+        if (c.seqs) {
+          Tensor* kp = g.kv_pool(DType::F16, kv_w, rows, n_seq, k_mem, "k_pool");
+          Tensor* vp = g.kv_pool(DType::F16, kv_w, rows, n_seq, v_mem, "v_pool");
+          Tensor* sl = g.input_i32(2 * n_tok, slots.data(), "slots");
+          g.kv_store_seqs(kp, k, sl);
+          g.kv_store_seqs(vp, v, sl);
+          return g.attention_seqs(q, kp, vp, sl, c.n_head, c.n_head_kv, c.hd, scale);
+        }
+        Tensor* kc = g.kv_cache(DType::F16, kv_w, rows, k_mem, "k", c.ring > 0);
+        Tensor* vc = g.kv_cache(DType::F16, kv_w, rows, v_mem, "v", c.ring > 0);
+        g.kv_store(kc, k, n_past);
+        g.kv_store(vc, v, n_past);
+        return g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd, scale, n_past + n_tok, n_past,
+                           window);
+      };
+      auto run = [&](std::vector<uint8_t>& k_out, std::vector<uint8_t>& v_out) {
+        const auto out = run_on(*cuda_, build);
+        k_out.resize(cache_elems * 2);
+        v_out.resize(cache_elems * 2);
+        cuda_->kv_to_host(k_out.data(), k_mem, k_out.size());
+        cuda_->kv_to_host(v_out.data(), v_mem, v_out.size());
+        return out;
+      };
+      std::vector<uint8_t> kf, vf, ku, vu;
+      const auto fused = run(kf, vf);
+      std::vector<float> apart;
+      {
+        RopeEpilogueOff off;
+        apart = run(ku, vu);
+      }
+      ASSERT_EQ(fused.size(), apart.size()) << what;
+      // A padding token's output is unused (it attends to another sequence's rows).
+      std::vector<float> f2 = fused, a2 = apart;
+      if (c.seqs)
+        for (size_t i = 0; i < size_t(n_embd); ++i) f2[n_embd + i] = a2[n_embd + i] = 0.0f;
+      EXPECT_EQ(std::memcmp(f2.data(), a2.data(), f2.size() * sizeof(float)), 0) << what;
+      EXPECT_TRUE(kf == ku) << "K cache: " << what;
+      EXPECT_TRUE(vf == vu) << "V cache: " << what;
+      std::vector<uint8_t> k0(cache_elems * 2);
+      std::memcpy(k0.data(), k16.data(), k0.size());
+      EXPECT_FALSE(kf == k0) << "the K store ran: " << what;
+      if (!c.seqs) {
+        EXPECT_LT(rel_err(fused, run_on(*cpu_, build)), 3e-2) << what;
+      }
+      Graph g;
+      g.set_output(build(g, *cuda_));
+      plan(g);
+      EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), rope_q), 0) << what;
+    }
   }
 }
 
