@@ -815,13 +815,13 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     };
     const bool ok =
         rq->op == Op::Rope && rq->src[0] == q && rq->params[kRopeMode] == kRopeNormal &&
-        rq->ne[1] == cols && hd > 0 && hd % 2 == 0 && q->ne[0] % hd == 0 && kp->ne[0] % hd == 0 &&
-        ropes_pair(rq, rk, kRopeAll) && rk->src[0] == kp && uses[group[0]] == 1 &&
-        uses[group[1]] == 1 && uses[jk] == 1 && q != graph.output() && kp != graph.output() &&
-        rk != graph.output() && apart(rq->src[1]) && apart(rq->src[2]) && apart(slots) &&
-        (ks->op == Op::KvStore || seqs) && vs->op == ks->op && ks->src[0] == rk &&
-        vs->src[0] == v && kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
-        kv_target(vs)->data != kv_target(ks)->data &&
+        rq->ne[1] == cols && hd > 0 && hd % 2 == 0 && rq->params[kRopeNDims] <= kQwRopeMaxDims &&
+        q->ne[0] % hd == 0 && kp->ne[0] % hd == 0 && ropes_pair(rq, rk, kRopeAll) &&
+        rk->src[0] == kp && uses[group[0]] == 1 && uses[group[1]] == 1 && uses[jk] == 1 &&
+        q != graph.output() && kp != graph.output() && rk != graph.output() && apart(rq->src[1]) &&
+        apart(rq->src[2]) && apart(slots) && (ks->op == Op::KvStore || seqs) && vs->op == ks->op &&
+        ks->src[0] == rk && vs->src[0] == v && kv_target(ks)->type == DType::F16 &&
+        kv_target(vs)->type == DType::F16 && kv_target(vs)->data != kv_target(ks)->data &&
         (seqs ? vs->src[2] == slots && vs->params[kKvSeqRows] == ks->params[kKvSeqRows]
               : vs->kv[0] == ks->kv[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1]);
     if (!ok) return false;

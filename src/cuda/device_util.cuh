@@ -176,16 +176,26 @@ __device__ __forceinline__ int64_t kv_store_row(const int32_t* first_row_at, con
 // The rope angle of pair freq_i at position pos (sin, cos). Angles are computed in double
 // precision: at positions in the thousands a float angle is off by ~1e-4 rad. freq_factors:
 // n_dims/2 values (pairs past them do not rotate, and read none).
-__device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
-                                           float freq_scale, const float* freq_factors, float& sf,
-                                           float& cf) {
-  double theta = static_cast<double>(pos) * static_cast<double>(freq_scale) *
-                 exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+// rope_angle in two steps: the pair's frequency, which depends on no position (a kernel may work
+// it out once for many), then the angle at a position; the same bits as rope_angle.
+__device__ __forceinline__ double rope_freq(int freq_i, int n_dims, float freq_base) {
+  return exp(-2.0 * freq_i / n_dims * log(static_cast<double>(freq_base)));
+}
+__device__ __forceinline__ void rope_angle_of(int32_t pos, double freq, int freq_i, int n_dims,
+                                              float freq_scale, const float* freq_factors,
+                                              float& sf, float& cf) {
+  double theta = static_cast<double>(pos) * static_cast<double>(freq_scale) * freq;
   if (freq_factors && 2 * freq_i < n_dims) theta /= static_cast<double>(freq_factors[freq_i]);
   double s, c;
   sincos(theta, &s, &c);
   sf = static_cast<float>(s);
   cf = static_cast<float>(c);
+}
+__device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, float freq_base,
+                                           float freq_scale, const float* freq_factors, float& sf,
+                                           float& cf) {
+  rope_angle_of(pos, rope_freq(freq_i, n_dims, freq_base), freq_i, n_dims, freq_scale, freq_factors,
+                sf, cf);
 }
 
 // The rotation of a rope pair by the angle of (sf, cf): each product and sum rounded on its own

@@ -463,6 +463,8 @@ size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64
 // the F16 K cache only, v into its product's output and the F16 V cache, each token t (column)
 // at position pos[t] and cache row kv_store_row(first_row, slots, t, n_tokens, rows), with the
 // rope and K/V store kernels' bits. launch_mat_mul_q takes it for Int8Warp products only.
+// Rotated dimensions up to kQwRopeMaxDims (the warp kernel's table of the pairs' frequencies).
+constexpr int kQwRopeMaxDims = 256;
 struct MatMulQRope {
   const int32_t* pos = nullptr;
   const float* freq_factors = nullptr;

@@ -722,9 +722,11 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
 }
 
 // The rope epilogue's store of element (row, col) of part `part` (n rows, output dst), x its
-// sum and other its pair's (row ^ 1): rope_epilogue_pair's, for token col of several.
-__device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, int part, int n, float* dst,
-                                              int row, int col, float x, float other) {
+// sum and other its pair's (row ^ 1): rope_epilogue_pair's, for token col of several. freqs: the
+// pairs' rope_freq.
+__device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double* freqs, int part,
+                                              int n, float* dst, int row, int col, float x,
+                                              float other) {
   const int64_t kv = kv_store_row(r.first_row, r.slots, col, r.n_tokens, r.rows);
   const int64_t at = static_cast<int64_t>(col) * n + row;
   if (part == 2) {
@@ -736,7 +738,8 @@ __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, int part, in
   float y = x;
   if (i0 < r.n_dims) {
     float sf, cf, y0, y1;
-    rope_angle(r.pos[col], i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
+    rope_angle_of(r.pos[col], freqs[i0 / 2], i0 / 2, r.n_dims, r.freq_scale, r.freq_factors, sf,
+                  cf);
     if (row & 1) {
       rope_rotate(other, x, sf, cf, y0, y1);
       y = y1;
@@ -786,6 +789,13 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   const int total = mine * count;  // the warp's stages over all its row blocks
   uint8_t* ring = smem + warp * kStages * T::kStage;
   float* red = reinterpret_cast<float*>(smem + kQwWarps * kStages * T::kStage);
+  // ROPE: the pairs' frequencies (after the sums' buffers), worked out while the kernel before
+  // this one still runs; the first row block's barrier comes before any read.
+  double* freqs = reinterpret_cast<double*>(red + 2 * kQwWarps * NT * 4 * 32);
+  if constexpr (ROPE) {
+    for (int p = threadIdx.x; p < rope.n_dims / 2; p += kQwThreads)
+      freqs[p] = rope_freq(p, rope.n_dims, rope.freq_base);
+  }
   const int b_first = warp * kBlocks;
   constexpr int kPerRow = T::kScaleBytes / T::kChunk;
   const int wblk = t * 16 / kQB;
@@ -918,7 +928,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
         const float other = __shfl_xor_sync(0xffffffffu, v, 4);
         const int pi = b >= parts.first[2] ? 2 : b >= parts.first[1] ? 1 : 0;
         if (row < part.n && col < cols)
-          qw_rope_store(rope, pi, part.n, part.dst, row, col, v, other);
+          qw_rope_store(rope, freqs, pi, part.n, part.dst, row, col, v, other);
       } else if (row < part.n && col < cols) {
         part.dst[static_cast<int64_t>(col) * part.n + row] = v;
       }
@@ -1215,6 +1225,8 @@ decltype(auto) with_col_tiles(int64_t cols, Fn&& fn) {
 // The warp-pipelined kernel's shared memory for its warps' sums (nt column tiles, two buffers),
 // beside their rings.
 constexpr size_t qw_red_bytes(int nt) { return 2 * size_t(kQwWarps) * nt * 4 * 32 * sizeof(float); }
+// With the rope epilogue, its pairs' frequencies after them (heads up to kQwRopeMaxDims wide).
+constexpr size_t qw_rope_bytes(bool rope) { return rope ? kQwRopeMaxDims / 2 * sizeof(double) : 0; }
 // What the host needs of the warp-pipelined kernel's tile (its shared memory at two column
 // tiles, the most it takes).
 template <int TYPE>
@@ -1250,7 +1262,8 @@ template <int TYPE, int NT>
 void set_smem() {
   if constexpr (NT <= 2) {
     allow_block_smem(mat_mul_qw_kernel<TYPE, NT>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
-    allow_block_smem(mat_mul_qw_kernel<TYPE, NT, true>, QwTile<TYPE>::kSmem + qw_red_bytes(NT));
+    allow_block_smem(mat_mul_qw_kernel<TYPE, NT, true>,
+                     QwTile<TYPE>::kSmem + qw_red_bytes(NT) + qw_rope_bytes(true));
   }
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
@@ -1369,7 +1382,7 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
   if (n_parts < 1 || n_parts > kMatMulQMaxParts)
     throw ArgumentError("mat_mul_q: expected 1 to " + std::to_string(kMatMulQMaxParts) +
                         " products in a launch, got " + std::to_string(n_parts));
-  if (rope && (kind != MatMulQ::Int8Warp || n_parts != 3))
+  if (rope && (kind != MatMulQ::Int8Warp || n_parts != 3 || rope->n_dims > kQwRopeMaxDims))
     throw std::logic_error("mat_mul_q: the rope epilogue takes q, k and v on the warp kernel");
   int64_t n[kMatMulQMaxParts];
   for (int p = 0; p < n_parts; ++p) n[p] = parts[p].n;
@@ -1406,7 +1419,7 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
                                : static_cast<int>(grid.x);
         auto launch = [&](auto kernel, int nt) {
           l(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kQwThreads),
-            static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(nt), qp,
+            static_cast<size_t>(QwTile<TYPE>::kSmem) + qw_red_bytes(nt) + qw_rope_bytes(rope), qp,
             static_cast<int>(grid.x), static_cast<int>(k), q.qs, q.ds, cols,
             rope ? *rope : MatMulQRope{});
         };
