@@ -799,7 +799,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // nowhere but in registers. The kernel reads no scratch but the positions and slots, which
   // none of its outputs may overlap. Fills r and marks the four launched where they fit.
   auto warp_rope_epilogue = [&](const int* group, int n_parts, int cols, MatMulQRope* r) {
-    if (n_parts != 3 || !rope_epilogue_enabled()) return false;
+    if (n_parts != 3 || !warp_rope_epilogue_enabled()) return false;
     const int jq = next_open(group[0]);
     const int jk = jq >= 0 ? next_open(jq) : -1;
     const int js = jk >= 0 ? next_open(jk) : -1;

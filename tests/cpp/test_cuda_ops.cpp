@@ -1949,6 +1949,11 @@ struct RopeEpilogueOff {
   RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
   ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
 };
+// The warp-pipelined products' rope epilogue (off by default) on for a test's scope.
+struct WarpRopeEpilogueOn {
+  WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(true); }
+  ~WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(false); }
+};
 
 struct SeqsLayer {
   Graph g;
@@ -2111,6 +2116,7 @@ TEST(CudaLaunchPlan, DecodeBatchRotatesAndStoresInOneLaunch) {
 // rotates q and k and stores K and V into the pools itself (MatMulQRope); no ropes' or stores'
 // launch, with or without GQA. Past 16 (the half kernel) the ropes' launch stays.
 TEST(CudaLaunchPlan, DecodeBatchOnTheWarpKernelRotatesAndStoresInTheProductsEpilogue) {
+  WarpRopeEpilogueOn on;
   for (int n_kv : {32, 8}) {
     for (int n_tokens : {4, 8, 16, 32}) {
       SeqsLayer lg(n_tokens, n_kv);
@@ -2215,9 +2221,13 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   // v in the other format of a pair that one launch takes (a K-quant mix's fallbacks).
   EXPECT_EQ(count(normal(false, DType::Q8_0, 1, DType::Q5_0)), std::make_pair(1, 0));
   // Several tokens too where the warp-pipelined kernel takes their products (4 to 16 tokens,
-  // MatMulQRope), not on the kernels past it.
-  EXPECT_EQ(count(normal(false, DType::Q4_1, 4)), std::make_pair(1, 0));
-  EXPECT_GE(count(normal(false, DType::Q4_1, 32)).second, 1);
+  // MatMulQRope) and its epilogue is switched on, not on the kernels past it.
+  {
+    WarpRopeEpilogueOn on;
+    EXPECT_EQ(count(normal(false, DType::Q4_1, 4)), std::make_pair(1, 0));
+    EXPECT_GE(count(normal(false, DType::Q4_1, 32)).second, 1);
+  }
+  EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);  // off by default
   // Not where the ropes are NeoX's (pairs of rows half a head apart) or v is in a format no
   // launch pairs with q's (the products go out in two launches); nor when it is off.
   EXPECT_EQ(count(LayerGraph(1, 20, true)), std::make_pair(1, 1));
@@ -2333,6 +2343,7 @@ TEST_F(CudaOps, RopeEpilogueOfSeveralTokensOnTheWarpKernelEqualsTheRopesLaunch) 
     ~Reset() { cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::None); }
   } reset;
   cuda::set_mat_mul_q_everywhere(cuda::MatMulQ::Int8Warp);
+  WarpRopeEpilogueOn on;
   std::mt19937 rng(43);
   struct Case {
     DType type;
