@@ -1949,6 +1949,28 @@ struct RopeEpilogueOff {
   RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
   ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
 };
+// A build's output and its K and V caches (`bytes` each at k_mem and v_mem, which the build sets)
+// as a run on `be` leaves them, with the rope epilogues as they are and then off.
+struct EpilogueRuns {
+  std::vector<float> out, out_apart;
+  std::vector<uint8_t> k, v, k_apart, v_apart;
+};
+EpilogueRuns with_and_without_rope_epilogue(Backend& be, const Build& build, void* const& k_mem,
+                                            void* const& v_mem, size_t bytes) {
+  auto run = [&](std::vector<uint8_t>& k_out, std::vector<uint8_t>& v_out) {
+    auto out = run_on(be, build);
+    k_out.resize(bytes);
+    v_out.resize(bytes);
+    be.kv_to_host(k_out.data(), k_mem, bytes);
+    be.kv_to_host(v_out.data(), v_mem, bytes);
+    return out;
+  };
+  EpilogueRuns r;
+  r.out = run(r.k, r.v);
+  RopeEpilogueOff off;
+  r.out_apart = run(r.k_apart, r.v_apart);
+  return r;
+}
 // The warp-pipelined products' rope epilogue (off by default) on for a test's scope.
 struct WarpRopeEpilogueOn {
   WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(true); }
@@ -2302,22 +2324,10 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       return g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd, 1.0f / std::sqrt(float(c.hd)),
                          n_past + 1, n_past, window);
     };
-    // The caches as a run leaves them.
-    auto run = [&](std::vector<uint8_t>& k_out, std::vector<uint8_t>& v_out) {
-      const auto out = run_on(*cuda_, build);
-      k_out.resize(k0.size());
-      v_out.resize(v0.size());
-      cuda_->kv_to_host(k_out.data(), k_mem, k_out.size());
-      cuda_->kv_to_host(v_out.data(), v_mem, v_out.size());
-      return out;
-    };
-    std::vector<uint8_t> kf, vf, ku, vu;
-    const auto fused = run(kf, vf);
-    std::vector<float> apart;
-    {
-      RopeEpilogueOff off;
-      apart = run(ku, vu);
-    }
+    const EpilogueRuns runs =
+        with_and_without_rope_epilogue(*cuda_, build, k_mem, v_mem, k0.size());
+    const auto &fused = runs.out, &apart = runs.out_apart;
+    const auto &kf = runs.k, &vf = runs.v, &ku = runs.k_apart, &vu = runs.v_apart;
     ASSERT_EQ(fused.size(), apart.size()) << what;
     EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << what;
     EXPECT_TRUE(kf == ku) << "K cache: " << what;
@@ -2416,21 +2426,10 @@ TEST_F(CudaOps, RopeEpilogueOfSeveralTokensOnTheWarpKernelEqualsTheRopesLaunch) 
         return g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd, scale, n_past + n_tok, n_past,
                            window);
       };
-      auto run = [&](std::vector<uint8_t>& k_out, std::vector<uint8_t>& v_out) {
-        const auto out = run_on(*cuda_, build);
-        k_out.resize(cache_elems * 2);
-        v_out.resize(cache_elems * 2);
-        cuda_->kv_to_host(k_out.data(), k_mem, k_out.size());
-        cuda_->kv_to_host(v_out.data(), v_mem, v_out.size());
-        return out;
-      };
-      std::vector<uint8_t> kf, vf, ku, vu;
-      const auto fused = run(kf, vf);
-      std::vector<float> apart;
-      {
-        RopeEpilogueOff off;
-        apart = run(ku, vu);
-      }
+      const EpilogueRuns runs =
+          with_and_without_rope_epilogue(*cuda_, build, k_mem, v_mem, cache_elems * 2);
+      const auto &fused = runs.out, &apart = runs.out_apart;
+      const auto &kf = runs.k, &vf = runs.v, &ku = runs.k_apart, &vu = runs.v_apart;
       ASSERT_EQ(fused.size(), apart.size()) << what;
       // A padding token's output is unused (it attends to another sequence's rows).
       std::vector<float> f2 = fused, a2 = apart;
