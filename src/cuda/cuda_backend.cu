@@ -743,6 +743,12 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     }
     return -1;
   };
+  // The four nodes to launch after node `from` (where the rope epilogues below take the ropes of
+  // q and k and the K and V stores), or false where fewer are left in reach.
+  auto next_four = [&](int from, int(&j)[4]) {
+    for (int& x : j) x = from = from >= 0 ? next_open(from) : -1;
+    return from >= 0;
+  };
 
   // The rope epilogue of one token's q, k and v products (MatVecRope), whose nodes are
   // same[0..2] (already marked launched; v's weight in v_type): where the next four nodes to
@@ -753,12 +759,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // which none of its outputs may overlap. Returns whether it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
                            DType v_type, int64_t k) {
-    const int jq = next_open(same[0]);
-    const int jk = jq >= 0 ? next_open(jq) : -1;
-    const int js = jk >= 0 ? next_open(jk) : -1;
-    const int jv = js >= 0 ? next_open(js) : -1;
-    if (jv < 0) return false;
-    const Tensor *rq = nodes[jq], *rk = nodes[jk], *ks = nodes[js], *vs = nodes[jv];
+    int j[4];
+    if (!next_four(same[0], j)) return false;
+    const Tensor *rq = nodes[j[0]], *rk = nodes[j[1]], *ks = nodes[j[2]], *vs = nodes[j[3]];
     const Tensor *q = nodes[same[0]], *kp = nodes[same[1]], *v = nodes[same[2]];
     const int hd = rq->params[kRopeHeadDim];
     const bool ok =
@@ -787,7 +790,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
     if (!launch_mat_vec_rope(l, type, v_type, parts, k, buf.act, r)) return false;
-    done[jq] = done[jk] = done[js] = done[jv] = 1;
+    for (int x : j) done[x] = 1;
     return true;
   };
 
@@ -800,12 +803,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // none of its outputs may overlap. Fills r and marks the four launched where they fit.
   auto warp_rope_epilogue = [&](const int* group, int n_parts, int cols, MatMulQRope* r) {
     if (n_parts != 3 || !warp_rope_epilogue_enabled()) return false;
-    const int jq = next_open(group[0]);
-    const int jk = jq >= 0 ? next_open(jq) : -1;
-    const int js = jk >= 0 ? next_open(jk) : -1;
-    const int jv = js >= 0 ? next_open(js) : -1;
-    if (jv < 0) return false;
-    const Tensor *rq = nodes[jq], *rk = nodes[jk], *ks = nodes[js], *vs = nodes[jv];
+    int j[4];
+    if (!next_four(group[0], j)) return false;
+    const int jk = j[1];
+    const Tensor *rq = nodes[j[0]], *rk = nodes[jk], *ks = nodes[j[2]], *vs = nodes[j[3]];
     const Tensor *q = nodes[group[0]], *kp = nodes[group[1]], *v = nodes[group[2]];
     const int hd = rq->params[kRopeHeadDim];
     const bool seqs = ks->op == Op::KvStoreSeqs;
@@ -842,7 +843,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r->n_tokens = cols;
     r->freq_base = rq->param_f(kRopeBase);
     r->freq_scale = rq->param_f(kRopeScale);
-    done[jq] = done[jk] = done[js] = done[jv] = 1;
+    for (int x : j) done[x] = 1;
     return true;
   };
 

@@ -464,13 +464,14 @@ struct MatMulQPart {
 };
 size_t mat_mul_q_partials_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
 size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64_t k, int64_t cols);
+// The most rotated dimensions MatMulQRope takes (the warp kernel's table of the pairs'
+// frequencies).
+constexpr int kQwRopeMaxDims = 256;
 // The rope epilogue of a few tokens' q, k and v products (parts 0, 1 and 2, q's and k's rows
 // whole heads) on the warp-pipelined kernel: q rotated (normal mode) into q_out, k rotated into
 // the F16 K cache only, v into its product's output and the F16 V cache, each token t (column)
 // at position pos[t] and cache row kv_store_row(first_row, slots, t, n_tokens, rows), with the
 // rope and K/V store kernels' bits. launch_mat_mul_q takes it for Int8Warp products only.
-// Rotated dimensions up to kQwRopeMaxDims (the warp kernel's table of the pairs' frequencies).
-constexpr int kQwRopeMaxDims = 256;
 struct MatMulQRope {
   const int32_t* pos = nullptr;
   const float* freq_factors = nullptr;

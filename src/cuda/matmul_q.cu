@@ -373,10 +373,11 @@ struct QPart {
   float* dst;
   float* partials;
   int n, rb;
+  int index;  // the part: 0, 1 or 2
 };
 __device__ __forceinline__ QPart block_part(const QParts& p, int b) {
   const int i = b >= p.first[2] ? 2 : b >= p.first[1] ? 1 : 0;
-  return {p.w[i], p.dst[i], p.partials[i], p.n[i], b - p.first[i]};
+  return {p.w[i], p.dst[i], p.partials[i], p.n[i], b - p.first[i], i};
 }
 __device__ __forceinline__ QPart block_part(const QParts& p) {
   return block_part(p, static_cast<int>(blockIdx.x));
@@ -727,10 +728,10 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
 __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double* freqs, int part,
                                               int n, float* dst, int row, int col, float x,
                                               float other) {
-  const int64_t kv = kv_store_row(r.first_row, r.slots, col, r.n_tokens, r.rows);
   const int64_t at = static_cast<int64_t>(col) * n + row;
   if (part == 2) {
     dst[at] = x;
+    const int64_t kv = kv_store_row(r.first_row, r.slots, col, r.n_tokens, r.rows);
     if (kv >= 0) static_cast<__half*>(r.v_cache)[kv * n + row] = __float2half_rn(x);
     return;
   }
@@ -748,10 +749,12 @@ __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double
       y = y0;
     }
   }
-  if (part == 0)
+  if (part == 0) {
     r.q_out[at] = y;
-  else if (kv >= 0)
-    static_cast<__half*>(r.k_cache)[kv * n + row] = __float2half_rn(y);
+    return;
+  }
+  const int64_t kv = kv_store_row(r.first_row, r.slots, col, r.n_tokens, r.rows);
+  if (kv >= 0) static_cast<__half*>(r.k_cache)[kv * n + row] = __float2half_rn(y);
 }
 
 // The warp-pipelined kernel. Block x takes row blocks x, x + gridDim.x, ...: with a grid of
@@ -788,10 +791,12 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
       static_cast<int>((row_blocks - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x);
   const int total = mine * count;  // the warp's stages over all its row blocks
   uint8_t* ring = smem + warp * kStages * T::kStage;
+  // The warps' sums (two buffers of kRed, see finish), then with ROPE the pairs' frequencies,
+  // worked out while the kernel before this one still runs (the first row block's barrier comes
+  // before any read).
+  constexpr int kRed = kQwWarps * NT * 4 * 32;
   float* red = reinterpret_cast<float*>(smem + kQwWarps * kStages * T::kStage);
-  // ROPE: the pairs' frequencies (after the sums' buffers), worked out while the kernel before
-  // this one still runs; the first row block's barrier comes before any read.
-  double* freqs = reinterpret_cast<double*>(red + 2 * kQwWarps * NT * 4 * 32);
+  double* freqs = reinterpret_cast<double*>(red + 2 * kRed);
   if constexpr (ROPE) {
     for (int p = threadIdx.x; p < rope.n_dims / 2; p += kQwThreads)
       freqs[p] = rope_freq(p, rope.n_dims, rope.freq_base);
@@ -903,7 +908,6 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
   // qw_rope_store. acc and off start again for the next. Every warp comes here `mine` times, but
   // from different places (a warp without stages from the loop at the end), so the barrier is the
   // unaligned form, which allows that.
-  constexpr int kRed = kQwWarps * NT * 4 * 32;
   static_assert(NT * 4 <= kQwWarps, "a warp for each element of each column tile");
   auto finish = [&]() {
     float* rbuf = red + (r & 1) * kRed;
@@ -916,8 +920,7 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
       }
     __barrier_sync(0);
     if (warp < NT * 4) {
-      const int b = static_cast<int>(blockIdx.x + r * gridDim.x);
-      const QPart part = block_part(parts, b);
+      const QPart part = block_part(parts, static_cast<int>(blockIdx.x + r * gridDim.x));
       const int nt = warp / 4, e = warp % 4;
       float v = rbuf[warp * 32 + lane];
 #pragma unroll
@@ -926,9 +929,8 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
       const int col = nt * 8 + 2 * t + (e & 1);
       if constexpr (ROPE) {
         const float other = __shfl_xor_sync(0xffffffffu, v, 4);
-        const int pi = b >= parts.first[2] ? 2 : b >= parts.first[1] ? 1 : 0;
         if (row < part.n && col < cols)
-          qw_rope_store(rope, freqs, pi, part.n, part.dst, row, col, v, other);
+          qw_rope_store(rope, freqs, part.index, part.n, part.dst, row, col, v, other);
       } else if (row < part.n && col < cols) {
         part.dst[static_cast<int64_t>(col) * part.n + row] = v;
       }
