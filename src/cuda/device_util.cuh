@@ -136,6 +136,15 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// A load, after pdl_wait, of what an earlier kernel wrote (an activation), through L1. Never
+// __ldg for such data: the read-only path (ld.global.nc) promises that nothing writes the data
+// while the kernel runs, and ptxas then may and does move the load above griddepcontrol.wait, into
+// the time the kernel before still writes it (the warp-pipelined products' rope epilogue read
+// stale activation tiles so on an H200, in CUDA graphs only). ld.global.ca stays after the wait.
+template <typename T>
+__device__ __forceinline__ T load_after_wait(const T* p) {
+  return __ldca(p);
+}
 // Kernels let the next one launch at once: on an H200 that beat triggering the mat-vecs after
 // their loads (SmolLM2 shape, patch tg128 1210 against 1086 tok/s; the large mat-vecs' sweep in
 // BENCHMARKS.md).

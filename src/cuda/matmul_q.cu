@@ -892,8 +892,8 @@ __global__ void __launch_bounds__(kQwThreads, NT == 1 ? 2 : 1)
     for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        bb[j][nt] = __ldg(reinterpret_cast<const uint2*>(pa + (nt * nb + j) * 256));
-        xx[j][nt] = __ldg(reinterpret_cast<const float4*>(px + (nt * nb + j) * 8));
+        bb[j][nt] = load_after_wait(reinterpret_cast<const uint2*>(pa + (nt * nb + j) * 256));
+        xx[j][nt] = load_after_wait(reinterpret_cast<const float4*>(px + (nt * nb + j) * 8));
       }
   };
   constexpr bool kAhead = NT == 1;

@@ -176,13 +176,13 @@ struct PieceAct {
 
 template <int TYPE>
 __device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, PieceAct& x) {
-  const int4 lo = __ldg(reinterpret_cast<const int4*>(ap));
+  const int4 lo = load_after_wait(reinterpret_cast<const int4*>(ap));
   x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
   if constexpr (PieceInfo<TYPE>::kPer32 == 1) {
-    const int4 hi = __ldg(reinterpret_cast<const int4*>(ap) + 1);
+    const int4 hi = load_after_wait(reinterpret_cast<const int4*>(ap) + 1);
     x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
   }
-  x.ad = __ldg(dp);
+  x.ad = load_after_wait(dp);
   if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
 #pragma unroll
     for (int& a : x.a) a = static_cast<int>(__byte_perm(static_cast<uint32_t>(a), 0, kIQ4ActOrder));
@@ -825,7 +825,7 @@ __global__ void __launch_bounds__(kMvThreads)
           const float4* xp = reinterpret_cast<const float4*>(x + t * k + v * E);
 #pragma unroll
           for (int e4 = 0; e4 < E / 4; ++e4) {
-            const float4 xv = __ldg(xp + e4);
+            const float4 xv = load_after_wait(xp + e4);
 #pragma unroll
             for (int j = 0; j < RW; ++j) {
               acc[j][t] += wf[j][4 * e4] * xv.x + wf[j][4 * e4 + 1] * xv.y +
