@@ -392,11 +392,10 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
 // GGRAPH_CUDA_ROPE_EPILOGUE=0).
 void set_rope_epilogue(bool on);
 bool rope_epilogue_enabled();
-// The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): off unless
-// GGRAPH_CUDA_WARP_ROPE_EPILOGUE=1 (or this test hook), and then only with the one above on. Its
-// op tests give the ropes' launch's bits, but over a short prompt the CUDA graph modes do not yet
-// give the plain launches' logits with it (test_cuda_graphs), so it waits until that is found.
-void set_warp_rope_epilogue(bool on);
+// The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): on unless
+// GGRAPH_CUDA_WARP_ROPE_EPILOGUE=0 (or this test hook, which returns the setting it replaced),
+// and then only with the one above on.
+bool set_warp_rope_epilogue(bool on);
 bool warp_rope_epilogue_enabled();
 // The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
 // pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight

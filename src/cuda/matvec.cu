@@ -1676,13 +1676,14 @@ void set_rope_epilogue(bool on) { rope_epilogue_flag() = on; }
 bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
 
 bool& warp_rope_epilogue_flag() {
-  static bool on = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_WARP_ROPE_EPILOGUE");
-    return e && std::strcmp(e, "1") == 0;
-  }();
+  static bool on = env_switch_on("GGRAPH_CUDA_WARP_ROPE_EPILOGUE");
   return on;
 }
-void set_warp_rope_epilogue(bool on) { warp_rope_epilogue_flag() = on; }
+bool set_warp_rope_epilogue(bool on) {
+  const bool was = warp_rope_epilogue_flag();
+  warp_rope_epilogue_flag() = on;
+  return was;
+}
 bool warp_rope_epilogue_enabled() { return warp_rope_epilogue_flag() && rope_epilogue_flag(); }
 
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,

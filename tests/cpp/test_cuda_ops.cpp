@@ -1971,10 +1971,11 @@ EpilogueRuns with_and_without_rope_epilogue(Backend& be, const Build& build, voi
   r.out_apart = run(r.k_apart, r.v_apart);
   return r;
 }
-// The warp-pipelined products' rope epilogue (off by default) on for a test's scope.
+// The warp-pipelined products' rope epilogue on for a test's scope (whatever
+// GGRAPH_CUDA_WARP_ROPE_EPILOGUE says).
 struct WarpRopeEpilogueOn {
-  WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(true); }
-  ~WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(false); }
+  bool was = cuda::set_warp_rope_epilogue(true);
+  ~WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(was); }
 };
 
 struct SeqsLayer {
@@ -2243,13 +2244,14 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   // v in the other format of a pair that one launch takes (a K-quant mix's fallbacks).
   EXPECT_EQ(count(normal(false, DType::Q8_0, 1, DType::Q5_0)), std::make_pair(1, 0));
   // Several tokens too where the warp-pipelined kernel takes their products (4 to 16 tokens,
-  // MatMulQRope) and its epilogue is switched on, not on the kernels past it.
+  // MatMulQRope), not on the kernels past it, nor with that epilogue switched off.
   {
     WarpRopeEpilogueOn on;
     EXPECT_EQ(count(normal(false, DType::Q4_1, 4)), std::make_pair(1, 0));
     EXPECT_GE(count(normal(false, DType::Q4_1, 32)).second, 1);
+    cuda::set_warp_rope_epilogue(false);
+    EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);
   }
-  EXPECT_GE(count(normal(false, DType::Q4_1, 4)).second, 1);  // off by default
   // Not where the ropes are NeoX's (pairs of rows half a head apart) or v is in a format no
   // launch pairs with q's (the products go out in two launches); nor when it is off.
   EXPECT_EQ(count(LayerGraph(1, 20, true)), std::make_pair(1, 1));
