@@ -71,6 +71,34 @@ def test_every_mode_stays_bitwise_equal_over_a_4096_token_conversation(smol_shap
     assert models["patch"].graph_stats["captures"] <= 2
 
 
+def test_every_mode_gives_bitwise_the_logits_of_plain_launches_for_decode_batches(smol_shape):
+    # Batches of 2, 3, 8 and 20 sessions (the size classes of 2, 4, 8 and 32: the mat-vecs, the
+    # warp-pipelined products with their rope epilogue into the pools, the half kernel), now and
+    # then without the first session: every mode gives the plain launches' bits.
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 49152, size=int(n)).tolist() for n in rng.integers(1, 40, size=20)]
+    plan = [2, 2, 3, 3, 3, 8, 8, 8, 20, 20, 20]
+
+    def run(mode):
+        m = ggraph.Model(smol_shape, device="cuda", n_ctx=256, n_seq_max=20, cuda_graphs=mode)
+        seqs = [m] + [m.session() for _ in prompts[1:]]
+        for s, p in zip(seqs, prompts, strict=True):
+            s.eval(p)
+        out = []
+        for step, size in enumerate(plan):
+            members = list(range(size))
+            if step % 3 == 1 and size > 2:
+                members = members[1:]
+            toks = [(7 * step + 13 * i) % 49152 for i in members]
+            out.append(np.array(m.decode_batch([(seqs[i], t) for i, t in zip(members, toks)])))
+        return out
+
+    ref = run("off")
+    for mode in MODES[1:]:
+        for step, (a, b) in enumerate(zip(ref, run(mode), strict=True)):
+            assert np.array_equal(a, b), f"{mode}: batch step {step} differs from off mode"
+
+
 def test_counters_follow_each_mode(smol_shape):
     n = 64
     for mode in ("recapture", "update", "patch"):
