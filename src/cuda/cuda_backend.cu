@@ -316,9 +316,10 @@ void validate_node(const Tensor* t) {
                  "weight " + shape_str(w) + " and activation " + shape_str(x) + " disagree on k");
       if (is_quantized(w->type) && w->ne[0] % 32 != 0)
         bad_node(t, "k = " + std::to_string(w->ne[0]) + " is not a multiple of 32");
-      // Quantized weights are uploaded in the backend's own layout (weight_layout.h), which the
-      // products read, and may be read before the wait for the kernel before (DESIGN.md).
-      if (is_quantized(w->type) && w->storage != Storage::Weight)
+      // Weights are uploaded in the backend's own layout (weight_layout.h, quantized ones), which
+      // the products read, through the read-only path and from before the wait for the kernel
+      // before (DESIGN.md): a matrix that a step writes could be read before it is written.
+      if (w->storage != Storage::Weight)
         bad_node(t, std::string("a ") + dtype_name(w->type) +
                         " matrix must be a model weight, found one the graph computes or caches");
       if (w->ne[1] > (1 << 30) || x->ne[1] > (1 << 30)) bad_node(t, "too large");
