@@ -316,10 +316,9 @@ void validate_node(const Tensor* t) {
                  "weight " + shape_str(w) + " and activation " + shape_str(x) + " disagree on k");
       if (is_quantized(w->type) && w->ne[0] % 32 != 0)
         bad_node(t, "k = " + std::to_string(w->ne[0]) + " is not a multiple of 32");
-      // Weights are uploaded in the backend's own layout (weight_layout.h, quantized ones), which
-      // the products read, through the read-only path and from before the wait for the kernel
-      // before (DESIGN.md): a matrix that a step writes could be read before it is written.
-      if (w->storage != Storage::Weight)
+      // Quantized weights are uploaded in the backend's own layout (weight_layout.h), which the
+      // products read, and may be read before the wait for the kernel before (DESIGN.md).
+      if (is_quantized(w->type) && w->storage != Storage::Weight)
         bad_node(t, std::string("a ") + dtype_name(w->type) +
                         " matrix must be a model weight, found one the graph computes or caches");
       if (w->ne[1] > (1 << 30) || x->ne[1] > (1 << 30)) bad_node(t, "too large");
@@ -919,6 +918,18 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const Tensor* x = t->src[1];
         const int64_t k = w->ne[0];
         const int cols = static_cast<int>(x->ne[1]);
+        // The products read their matrices through the read-only path, which ptxas may move
+        // above the wait for the kernel before: the product of a matrix the graph computes (a
+        // float one; a quantized one must be a weight) launches without programmatic
+        // dependence, so that it starts once every kernel before it has finished.
+        struct LaunchInOrder {
+          Launcher& l;
+          const bool was;
+          LaunchInOrder(Launcher& launcher, bool on) : l(launcher), was(launcher.pdl) {
+            if (on) l.pdl = false;
+          }
+          ~LaunchInOrder() { l.pdl = was; }
+        } in_order(l, w->storage != Storage::Weight);
         // The 8-bit form of x in the workspace, unless it is there already.
         auto prepare_q8 = [&]() {
           if (prepared == x && prepared_form == Form::Q8) return;
