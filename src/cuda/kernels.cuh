@@ -389,8 +389,8 @@ static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has n
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
                          const uint8_t* ws, const MatVecRope& rope);
 // Test hook: turns the rope epilogue on or off (the default: on, unless
-// GGRAPH_CUDA_ROPE_EPILOGUE=0).
-void set_rope_epilogue(bool on);
+// GGRAPH_CUDA_ROPE_EPILOGUE=0); returns the setting it replaced.
+bool set_rope_epilogue(bool on);
 bool rope_epilogue_enabled();
 // The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): on unless
 // GGRAPH_CUDA_WARP_ROPE_EPILOGUE=0 (or this test hook, which returns the setting it replaced),

@@ -1672,7 +1672,11 @@ bool& rope_epilogue_flag() {
   return on;
 }
 
-void set_rope_epilogue(bool on) { rope_epilogue_flag() = on; }
+bool set_rope_epilogue(bool on) {
+  const bool was = rope_epilogue_flag();
+  rope_epilogue_flag() = on;
+  return was;
+}
 bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
 
 bool& warp_rope_epilogue_flag() {

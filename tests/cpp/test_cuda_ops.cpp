@@ -1946,8 +1946,8 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
 // ropes' and the stores' nodes. v_type: v's format (the others are Q4_0).
 // The rope epilogues off for a test's scope.
 struct RopeEpilogueOff {
-  RopeEpilogueOff() { cuda::set_rope_epilogue(false); }
-  ~RopeEpilogueOff() { cuda::set_rope_epilogue(true); }
+  bool was = cuda::set_rope_epilogue(false);
+  ~RopeEpilogueOff() { cuda::set_rope_epilogue(was); }
 };
 // A build's output and its K and V caches (`bytes` each at k_mem and v_mem, which the build sets)
 // as a run on `be` leaves them, with the rope epilogues as they are and then off.
