@@ -91,11 +91,13 @@ def test_every_mode_gives_bitwise_the_logits_of_plain_launches_for_decode_batche
                 members = members[1:]
             toks = [(7 * step + 13 * i) % 49152 for i in members]
             out.append(np.array(m.decode_batch([(seqs[i], t) for i, t in zip(members, toks)])))
-        return out
+        return out, m.graph_stats
 
-    ref = run("off")
+    ref, _ = run("off")
     for mode in MODES[1:]:
-        for step, (a, b) in enumerate(zip(ref, run(mode), strict=True)):
+        got, stats = run(mode)
+        assert stats["captures"] > 0 and stats["replays"] > 0, (mode, stats)
+        for step, (a, b) in enumerate(zip(ref, got, strict=True)):
             assert np.array_equal(a, b), f"{mode}: batch step {step} differs from off mode"
 
 

@@ -97,12 +97,13 @@ def test_golden_prompts_decoded_as_one_batch_keep_their_greedy_tokens(smollm2, g
     # batch's products may add their sums in another order than one sequence's (on CUDA, batches
     # of 4 or more take the tensor cores), so the bars are the golden ones, against each prompt
     # run alone: the same first four greedy tokens (llama.cpp's too); and fed its tokens alone,
-    # the batch's first logits after the prompt within cosine 0.995 of those alone (the golden
-    # logits bar), the same top token at 90% of the steps or more (the teacher-forced bar), and
-    # the steps' cosines 0.995 on average. Not every step: an 8-bit activation block whose sums
-    # differ in the last bits may round another way, and such flips add up over the steps (on an
-    # H200 one prompt's 31st step was 0.9928, every earlier one of all four above 0.995). The
-    # CPU's batch gives the bits of each sequence alone.
+    # the first batched step's logits within cosine 0.995 of those alone (the golden logits
+    # bar), the same top token at 90% of the steps or more (the teacher-forced bar), and the
+    # batched steps' cosines 0.995 on average and none below 0.98 (wrong inputs land far lower:
+    # every third teacher token wrong gives 0.82 on average). Not 0.995 at every step: an 8-bit
+    # activation block whose sums differ in the last bits may round another way, and such flips
+    # add up over the steps (on an H200 one prompt's 31st step was 0.9928, every earlier one of
+    # all four above 0.995). The CPU's batch gives the bits of each sequence alone.
     if device == "cuda" and not cuda_available():
         pytest.skip("no CUDA device (or a build without CUDA): the CUDA batch run is skipped")
     greedy, _ = golden
@@ -143,6 +144,9 @@ def test_golden_prompts_decoded_as_one_batch_keep_their_greedy_tokens(smollm2, g
             agree[j] += int(np.argmax(lg)) == own[j][i]
         logits = list(m.decode_batch([(s, t[i]) for s, t in zip(seqs, own, strict=True)]))
     for g, a, c in zip(greedy, agree, cosines, strict=True):
-        assert c[0] >= 0.995, f"{g['prompt']!r}: first step's cosine {c[0]:.5f}"
-        assert np.mean(c) >= 0.995, f"{g['prompt']!r}: mean cosine {np.mean(c):.5f}, steps {c}"
+        batched = c[1:]  # step 0's logits are the prompt's own eval
+        assert batched[0] >= 0.995, f"{g['prompt']!r}: first batched step's cosine {batched[0]:.5f}"
+        assert np.mean(batched) >= 0.995 and min(batched) >= 0.98, (
+            f"{g['prompt']!r}: batched steps' cosines {np.round(batched, 5).tolist()}"
+        )
         assert a >= 0.9 * steps, f"{g['prompt']!r}: top token alone at {a} of {steps} steps"
