@@ -1,7 +1,7 @@
 """tools/check_pdl_order.py's reading of PTX and SASS (the ctest that runs it on the built CUDA
 objects needs cuobjdump): a read-only load that the SASS has before ACQBULK and the PTX has
-after griddepcontrol.wait is reported; one the PTX has before the wait too, or one after the
-wait in both, is not."""
+after griddepcontrol.wait is reported, and a kernel that never waits; a load the PTX has
+before the wait too, or one after the wait in both, is not."""
 
 import importlib.util
 import os
@@ -38,6 +38,11 @@ ret;
 griddepcontrol.wait;
 ld.global.nc.u32 %r1, [%rd1];
 }
+.visible .entry never(
+)
+{
+ld.global.u32 %r1, [%rd1];
+}
 """
 
 SASS = """
@@ -54,12 +59,16 @@ SASS = """
 
 
 def test_counts_read_only_loads_before_the_wait_in_ptx_and_sass():
-    assert tool.ptx_loads_before_wait(PTX) == {"moved": 0, "kept": 1, "after": 0}
+    assert tool.ptx_loads_before_wait(PTX) == {"moved": 0, "kept": 1, "after": 0, "never": None}
     assert tool.sass_loads_before_wait(SASS) == {"moved": 1, "kept": 1, "after": 0}
 
 
-def test_reports_only_the_load_that_ptxas_moved_above_the_wait(monkeypatch):
+def test_reports_the_load_that_ptxas_moved_above_the_wait_and_a_kernel_that_never_waits(
+    monkeypatch,
+):
     monkeypatch.setattr(tool, "dump", lambda tools, obj, what: PTX if what == "-ptx" else SASS)
     checked, bad = tool.check(["x.cu.o"], ("cuobjdump", "nvdisasm"))
-    assert checked == 2  # "kept" loads before the wait by design: not checked
-    assert len(bad) == 1 and bad[0].startswith("x.cu.o: moved: 1 read-only load")
+    assert checked == 3  # "kept" loads before the wait by design: not checked
+    assert len(bad) == 2
+    assert bad[0].startswith("x.cu.o: moved: 1 read-only load")
+    assert bad[1] == "x.cu.o: never: no griddepcontrol.wait in the PTX"
