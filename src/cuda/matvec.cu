@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -1672,22 +1673,14 @@ bool& rope_epilogue_flag() {
   return on;
 }
 
-bool set_rope_epilogue(bool on) {
-  const bool was = rope_epilogue_flag();
-  rope_epilogue_flag() = on;
-  return was;
-}
+bool set_rope_epilogue(bool on) { return std::exchange(rope_epilogue_flag(), on); }
 bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
 
 bool& warp_rope_epilogue_flag() {
   static bool on = env_switch_on("GGRAPH_CUDA_WARP_ROPE_EPILOGUE");
   return on;
 }
-bool set_warp_rope_epilogue(bool on) {
-  const bool was = warp_rope_epilogue_flag();
-  warp_rope_epilogue_flag() = on;
-  return was;
-}
+bool set_warp_rope_epilogue(bool on) { return std::exchange(warp_rope_epilogue_flag(), on); }
 bool warp_rope_epilogue_enabled() { return warp_rope_epilogue_flag() && rope_epilogue_flag(); }
 
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,

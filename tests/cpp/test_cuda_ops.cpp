@@ -1941,9 +1941,6 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
 }
 
-// A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
-// ropes, the K/V stores by slots, the attention), planned but not run; the products', the
-// ropes' and the stores' nodes. v_type: v's format (the others are Q4_0).
 // The rope epilogues off for a test's scope.
 struct RopeEpilogueOff {
   bool was = cuda::set_rope_epilogue(false);
@@ -1978,6 +1975,9 @@ struct WarpRopeEpilogueOn {
   ~WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(was); }
 };
 
+// A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
+// ropes, the K/V stores by slots, the attention), planned but not run; the products', the
+// ropes' and the stores' nodes. v_type: v's format (the others are Q4_0).
 struct SeqsLayer {
   Graph g;
   std::vector<int32_t> tokens, positions, slots;
@@ -2221,7 +2221,6 @@ bool holds_pointer(const cuda::KernelLaunch& k, const void* p) {
   return false;
 }
 
-// Turns the rope epilogue off for a scope.
 // One token's q, k and v products (one format), grouped in one launch, take their ropes and
 // K/V stores into that launch's epilogue, in the model builder's order (the products first,
 // then a rope factors leaf or none, the ropes, the stores); otherwise the ropes' launch stays.
