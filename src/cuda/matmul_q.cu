@@ -116,12 +116,14 @@ struct Q8Shape<8> {
 // The half kernel's tiles: eight warps a block (the k-split warps, WK = 8 / WM, share a stage's
 // blocks), since a product's few row blocks leave too few warps to hide its latencies with
 // four; each warp owns MT row tiles of 16, so that each activation fragment it loads serves MT
-// products; from 17 columns a block of a product of 4,096 rows or more takes 128 rows (four
-// warps of rows, two of k), so that each staged activation byte serves more rows (4-8% faster
-// than 64 rows on the 7B shape; smaller products take QhNarrow's 64); the
-// activation stage is twice the int8 kernel's bytes, so the widest tiles take fewer stages. Stages
-// are at least 8 blocks (WeightTile checks): a K-quant stage is whole 256-blocks, and a row's
-// quants a stage span the 128 bytes of its swizzle.
+// products; from 17 columns a block of a product of 4,096 rows or more takes 128 rows, so that
+// each staged activation byte serves more rows (4-8% faster than 64 rows on the 7B shape;
+// smaller products take QhNarrow's 64), as eight warps of one row tile each: with four warps of
+// two row tiles (and two warps of k), a warp's accumulators at 64 columns spilled, and the 7B
+// shape's decode batch of 64 ran 10% slower (BENCHMARKS.md). The activation stage is twice the
+// int8 kernel's bytes, so the widest tiles take fewer stages. Stages are at least 8 blocks
+// (WeightTile checks): a K-quant stage is whole 256-blocks, and a row's quants a stage span the
+// 128 bytes of its swizzle.
 template <int NT>
 struct QhShape;
 template <>
@@ -134,20 +136,20 @@ struct QhShape<2> {
 };
 template <>
 struct QhShape<4> {
-  static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 3;
+  static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 3;
 };
 template <>
 struct QhShape<8> {
-  static constexpr int kWM = 4, kMT = 2, kSB = 8, kStages = 2;
+  static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 2;
 };
 // 17 to 64 columns for products of fewer than kQhWideRows rows, whose 128-row blocks would be
 // too few (with k split over at most kMaxSplits) or partly empty (SmolLM2's 576 and 192), and
 // where a block cannot take QhShape's 100 KB or more (sm_86, sm_89: 99 KiB): QhShape's tile with
-// two warps of rows instead of four, 64 rows a block.
+// two warps of rows of two row tiles each, 64 rows a block.
 template <int NT>
 struct QhNarrow : QhShape<NT> {
   static_assert(NT >= 4, "the narrow tiles are those of 17 to 64 columns");
-  static constexpr int kWM = 2;
+  static constexpr int kWM = 2, kMT = 2;
 };
 constexpr int kQhWarps = 8;
 
