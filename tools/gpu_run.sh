@@ -15,7 +15,8 @@
 # of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
 # /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
 # (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more),
-# AB_ROUNDS times (default 2), with AB_ARGS added to each bench (e.g. "--kv-type q8_0"). The
+# AB_ROUNDS times (default 2), with AB_ARGS added to each bench (e.g. "--kv-type q8_0"); with
+# AB_BATCH (batch sizes, e.g. "32,64"), decode batches instead (tools/batch_bench.py --tg 32). The
 # abenv stage does the same within this build: tg128 as built against tg128 with the settings
 # AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"), in turns.
 set -uo pipefail
@@ -78,6 +79,15 @@ ab_turns() {
   make_shape_files $models
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for m in $models; do
+      if [ -n "${AB_BATCH:-}" ]; then
+        for ((i = 0; i < ${#sides[@]}; i += 2)); do
+          echo "round $round, ${sides[i]}, $(basename "$m"), -b $AB_BATCH" | tee -a "$OUT/ab.md"
+          # shellcheck disable=SC2086  # the settings, one word each
+          env ${sides[i + 1]} python3 tools/batch_bench.py -m "$m" -b "$AB_BATCH" --tg 32 \
+            --device cuda 2>&1 | grep -E "^\| [0-9]|Error|error" | tee -a "$OUT/ab.md"
+        done
+        continue
+      fi
       for d in ${AB_DEPTHS:-0 0,4096}; do
         for ((i = 0; i < ${#sides[@]}; i += 2)); do
           echo "round $round, ${sides[i]}, $(basename "$m"), -d $d" | tee -a "$OUT/ab.md"
