@@ -274,10 +274,13 @@ QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
 // A thread's share of a stage's copies: a grid of R rows (weight rows or activation columns) by
 // kChunks chunks of BYTES bytes, from a source whose rows lie `stride` bytes apart and in which
 // each 32-block of k takes kAdvance bytes of a row. The thread copies chunk ch = tid % kChunks of
-// rows tid / kChunks + i * kStep. Where its first chunk lies is worked out once, so that a stage
-// costs an address, a test and the copy a chunk: worked out again at each stage, by divisions and
-// 64-bit products, the loads' integer work was most of the int8 kernel's instructions at 8
-// columns.
+// rows tid / kChunks + i * kStep. What its copies share is worked out once: where its first
+// chunk lies, how many of its rows hold data; a stage then costs, a chunk, a pointer step, a test
+// and the copy (worked out again at each stage, by divisions and 64-bit products, the loads'
+// integer work was most of the int8 kernel's instructions at 8 columns, and a seventh of the half
+// kernel's stage at 64 columns). Where a thread's rows are a multiple of 8 apart, dst (below) must
+// place row r + 8 a fixed distance after row r, whatever the chunk: the swizzles here depend on a
+// row's low three bits only, so that each copy's place is the first's plus a constant.
 // Rows from `rows` on and blocks from k's end on arrive as zeros.
 template <int R, int kChunks, int BYTES, int kAdvance, int kThreads>
 struct StageCopy {
@@ -290,14 +293,14 @@ struct StageCopy {
   const uint8_t* base;   // the source (a valid address for copies that read nothing)
   const uint8_t* first;  // the thread's first chunk, stage at block 0
   size_t step;           // source bytes from one of a thread's chunks to the next
-  int rows;
+  int left;              // rows with data from the thread's first on (may be 0 or less)
 
   __device__ __forceinline__ StageCopy(const void* src, size_t stride, int row0, int rows_with_data)
       : base(static_cast<const uint8_t*>(src)),
         first(base + (static_cast<size_t>(row0) + threadIdx.x / kChunks) * stride +
               threadIdx.x % kChunks * BYTES),
         step(stride * kStep),
-        rows(rows_with_data) {}
+        left(rows_with_data - static_cast<int>(threadIdx.x / kChunks)) {}
 
   // The stage of blocks b0 .. (nb: k's blocks) into buf: chunk ch of row r at buf + dst(r, ch).
   template <class Dst>
@@ -306,12 +309,18 @@ struct StageCopy {
     const int ch = static_cast<int>(threadIdx.x) % kChunks;
     const bool in_k = b0 + ch * BYTES / kAdvance < nb;
     const uint8_t* p = first + static_cast<size_t>(b0) * kAdvance;
+    // The copies' places: the first's plus a constant (folded at compile time) where the rows
+    // are a multiple of 8 apart.
+    constexpr bool kFixed = kStep % 8 == 0;
+    uint8_t* const at = buf + dst(r0, ch);
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const int r = r0 + i * kStep;
       if (R % kStep != 0 && r >= R) break;  // a grid smaller than the block, or its last rows
-      const bool ok = in_k && r < rows;
-      cp_async_n<BYTES>(buf + dst(r, ch), ok ? p + i * step : base, ok ? BYTES : 0);
+      const bool ok = in_k && i * kStep < left;
+      uint8_t* const to = kFixed ? at + i * (dst(kStep, 0) - dst(0, 0)) : buf + dst(r, ch);
+      cp_async_n<BYTES>(to, ok ? p : base, ok ? BYTES : 0);
+      p += step;
     }
   }
 };
