@@ -40,6 +40,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/stage_copy.h"
 #include "cuda/weight_layout.h"
 
 namespace ggraph::cuda {
@@ -271,59 +272,12 @@ QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
   return {t.rows, row_blocks, splits};
 }
 
-// A thread's share of a stage's copies: a grid of R rows (weight rows or activation columns) by
-// kChunks chunks of BYTES bytes, from a source whose rows lie `stride` bytes apart and in which
-// each 32-block of k takes kAdvance bytes of a row. The thread copies chunk ch = tid % kChunks of
-// rows tid / kChunks + i * kStep. What its copies share is worked out once: where its first
-// chunk lies, how many of its rows hold data; a stage then costs, a chunk, a pointer step, a test
-// and the copy (worked out again at each stage, by divisions and 64-bit products, the loads'
-// integer work was most of the int8 kernel's instructions at 8 columns, and a seventh of the half
-// kernel's stage at 64 columns). Where a thread's rows are a multiple of 8 apart, dst (below) must
-// place row r + 8 a fixed distance after row r, whatever the chunk: the swizzles here depend on a
-// row's low three bits only, so that each copy's place is the first's plus a constant.
-// Rows from `rows` on and blocks from k's end on arrive as zeros.
-template <int R, int kChunks, int BYTES, int kAdvance, int kThreads>
-struct StageCopy {
-  // Rows from one of a thread's chunks to the next.
-  static constexpr int kStep = kThreads / kChunks;
-  static constexpr int kIters = (R + kStep - 1) / kStep;
-  static_assert(kThreads % kChunks == 0, "a thread copies the same chunk of each of its rows");
-  static_assert((kChunks * BYTES) % kAdvance == 0, "a stage's row holds whole 32-blocks");
-
-  const uint8_t* base;   // the source (a valid address for copies that read nothing)
-  const uint8_t* first;  // the thread's first chunk, stage at block 0
-  size_t step;           // source bytes from one of a thread's chunks to the next
-  int left;              // rows with data from the thread's first on (may be 0 or less)
-
-  __device__ __forceinline__ StageCopy(const void* src, size_t stride, int row0, int rows_with_data)
-      : base(static_cast<const uint8_t*>(src)),
-        first(base + (static_cast<size_t>(row0) + threadIdx.x / kChunks) * stride +
-              threadIdx.x % kChunks * BYTES),
-        step(stride * kStep),
-        left(rows_with_data - static_cast<int>(threadIdx.x / kChunks)) {}
-
-  // The stage of blocks b0 .. (nb: k's blocks) into buf: chunk ch of row r at buf + dst(r, ch).
-  template <class Dst>
-  __device__ __forceinline__ void operator()(uint8_t* buf, int b0, int nb, Dst&& dst) const {
-    const int r0 = static_cast<int>(threadIdx.x) / kChunks;
-    const int ch = static_cast<int>(threadIdx.x) % kChunks;
-    const bool in_k = b0 + ch * BYTES / kAdvance < nb;
-    const uint8_t* p = first + static_cast<size_t>(b0) * kAdvance;
-    // The copies' places: the first's plus a constant (folded at compile time) where the rows
-    // are a multiple of 8 apart.
-    constexpr bool kFixed = kStep % 8 == 0;
-    uint8_t* const at = buf + dst(r0, ch);
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int r = r0 + i * kStep;
-      if (R % kStep != 0 && r >= R) break;  // a grid smaller than the block, or its last rows
-      const bool ok = in_k && i * kStep < left;
-      uint8_t* const to = kFixed ? at + i * (dst(kStep, 0) - dst(0, 0)) : buf + dst(r, ch);
-      cp_async_n<BYTES>(to, ok ? p : base, ok ? BYTES : 0);
-      p += step;
-    }
-  }
-};
+// Thread threadIdx.x's copies of a stage (StageCopy's, stage_copy.h), as asynchronous copies.
+template <class SC, class Dst>
+__device__ __forceinline__ void copy_stage(const SC& c, uint8_t* buf, int b0, int nb, Dst dst) {
+  c.copies(buf, b0, nb, static_cast<int>(threadIdx.x), dst,
+           [](uint8_t* to, const uint8_t* from, int n) { cp_async_n<SC::kBytes>(to, from, n); });
+}
 
 // A block's weight rows in a split-layout matrix of n rows and k columns: their quants and
 // scale records (no high bits in these formats), staged SB blocks of 32 at a time.
@@ -340,18 +294,18 @@ struct WeightCopy {
   int nb;  // k's 32-blocks
 
   __device__ __forceinline__ WeightCopy(const uint8_t* w, int n, int k, int row0)
-      : quants(w, static_cast<size_t>(k / 32) * T::kQuantBytes, row0, n - row0),
+      : quants(w, static_cast<size_t>(k / 32) * T::kQuantBytes, row0, n - row0,
+               static_cast<int>(threadIdx.x)),
         scales(w + static_cast<size_t>(n) * (k / 32) * T::kQuantBytes,
                static_cast<size_t>(k / T::kSplit.block_elems) * T::kSplit.scale_bytes, row0,
-               n - row0),
+               n - row0, static_cast<int>(threadIdx.x)),
         nb(k / 32) {}
 
   // Blocks b0 .. b0 + SB - 1 of the rows: quants at sw (a row's 16-byte chunks swizzled by its
   // low three bits), scale records at sws.
   __device__ __forceinline__ void operator()(int b0, uint8_t* sw, uint8_t* sws) const {
-    quants(sw, b0, nb, [](int r, int ch) { return r * T::kRowBytes + ((ch ^ (r & 7)) * 16); });
-    scales(sws, b0, nb,
-           [](int r, int ch) { return r * T::kScaleBytes + ch * (kRecords ? 16 : 4); });
+    copy_stage(quants, sw, b0, nb, SwizzledRows<T::kRowBytes>{});
+    copy_stage(scales, sws, b0, nb, PlainRows < T::kScaleBytes, kRecords ? 16 : 4 > {});
   }
 };
 
@@ -565,9 +519,10 @@ __global__ void __launch_bounds__(kQ8Threads)
   const StageRange range = stage_range(nb, kSB);
   // The columns' 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block); columns
   // from cols on are zeros, which add nothing.
-  const StageCopy<T::kCols, T::kStageK / 16, 16, 32, kQ8Threads> load_act(aq, k, 0, cols);
+  const int tid = static_cast<int>(threadIdx.x);
+  const StageCopy<T::kCols, T::kStageK / 16, 16, 32, kQ8Threads> load_act(aq, k, 0, cols, tid);
   const StageCopy<T::kCols, kSB, 8, 8, kQ8Threads> load_pairs(ads, static_cast<size_t>(nb) * 8, 0,
-                                                              cols);
+                                                              cols, tid);
 
   // Stage s: blocks kSB s .. kSB (s + 1) - 1 of k; those past the row's end (k / 32 blocks) are
   // zeros, which add nothing (their scales and activation pairs are zeros too).
@@ -579,9 +534,8 @@ __global__ void __launch_bounds__(kQ8Threads)
   auto load_stage_a = [&](int s) {
     uint8_t* sa = stage_at(s) + T::kW + T::kWS;
     const int b0 = s * kSB;
-    load_act(sa, b0, nb,
-             [](int col, int ch) { return col * T::kStageK + ((ch ^ (col & 7)) * 16); });
-    load_pairs(sa + T::kA, b0, nb, [](int col, int j) { return (col * kSB + j) * 8; });
+    copy_stage(load_act, sa, b0, nb, SwizzledRows<T::kStageK>{});
+    copy_stage(load_pairs, sa + T::kA, b0, nb, PlainRows<kSB * 8, 8>{});
   };
 
   const int g = lane / 4, t = lane % 4;
@@ -1050,12 +1004,11 @@ __device__ __forceinline__ void half_fragments(uint32_t (&a)[2][4], const uint32
   }
 }
 
-// Where 16-byte chunk c of activation column col lies in the half kernel's stage: c ^
-// act_swizzle(col). Its B loads are 8 bytes, served a half-warp at a time: lanes 0-15 read
-// columns 0-3 of a column tile, lanes 16-31 columns 4-7. The XOR moves a half-warp's four
+// Where 16-byte chunk c of activation column col lies in the half kernel's stage (HalfActColumns,
+// stage_copy.h): c ^ act_swizzle(col). Its B loads are 8 bytes, served a half-warp at a time: lanes
+// 0-15 read columns 0-3 of a column tile, lanes 16-31 columns 4-7. The XOR moves a half-warp's four
 // columns' chunks by 0, 2, 4, 6 (the second half-warp's by 1, 3, 5, 7), so that with the two
 // neighbouring chunks each column's lanes read, a half-warp covers all 32 banks once.
-__device__ __forceinline__ int act_swizzle(int col) { return ((col & 3) << 1) | ((col >> 2) & 1); }
 
 // The half kernel (the file's comment): the int8 kernel's tiles and split-k, the activation in
 // half (columns kp = act_half_pitch(k) apart), the weights decoded in registers.
@@ -1079,7 +1032,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   // A column's stage: kStageK halves in 16-byte chunks of 8 (64 bytes a block), columns kp =
   // act_half_pitch(k) apart; columns from cols on are zeros.
   const StageCopy<T::kCols, kStageK / 8, 16, 64, kThreads> load_act(
-      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols);
+      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols, static_cast<int>(threadIdx.x));
 
   auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
   auto load_stage_w = [&](int s) {
@@ -1087,8 +1040,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
     load_weights(s * kSB, st, st + T::kW);
   };
   auto load_stage_a = [&](int s) {
-    load_act(stage_at(s) + T::kW + T::kWS, s * kSB, nb,
-             [](int col, int ch) { return col * kStageK * 2 + ((ch ^ act_swizzle(col)) * 16); });
+    copy_stage(load_act, stage_at(s) + T::kW + T::kWS, s * kSB, nb, HalfActColumns<kStageK * 2>{});
   };
 
   const int g = lane / 4, t = lane % 4;

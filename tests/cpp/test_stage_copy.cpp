@@ -1,0 +1,116 @@
+// The tensor-core products' stage copies (cuda/stage_copy.h) on the host: every thread's copies
+// against the copy's definition (chunk ch of row r from row0 + r's bytes at ch * BYTES, k's
+// block b0 on, to dst(r, ch); zeros past the rows with data and past k's end), for the tiles the
+// kernels take and a few more.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/stage_copy.h"
+
+namespace gc = ggraph::cuda;
+
+namespace {
+
+struct Copy {
+  long to, from;  // offsets from the stage buffer and from the source
+  int bytes;
+};
+
+template <int R, int C, int B, int A, class Dst>
+void check_copies(Dst dst, const std::string& name) {
+  constexpr int kThreads = 256;
+  static const uint8_t src[1] = {};
+  uint8_t buf[1];
+  int failures = 0;
+  for (size_t stride : {size_t(C) * B * 3, size_t(1152) * 8})
+    for (int row0 : {0, 128})
+      for (int rows : {R, R / 2, 7, R + 5, 0})
+        for (int nb : {64, 100})
+          for (int b0 : {0, 96, 128}) {
+            std::set<std::pair<int, int>> seen;
+            for (int tid = 0; tid < kThreads; ++tid) {
+              const gc::StageCopy<R, C, B, A, kThreads> copy(src, stride, row0, rows, tid);
+              std::vector<Copy> got;
+              copy.copies(buf, b0, nb, tid, dst, [&](uint8_t* to, const uint8_t* from, int n) {
+                got.push_back({long(to - buf), long(from - src), n});
+              });
+              const int r0 = tid / C, ch = tid % C;
+              for (size_t i = 0; i < got.size(); ++i) {
+                const int r = r0 + int(i) * (kThreads / C);
+                const bool data = r < rows && b0 + ch * B / A < nb;
+                const Copy want{
+                    dst(r, ch),
+                    data ? long((size_t(row0) + r) * stride + ch * B + size_t(b0) * A) : 0,
+                    data ? B : 0};
+                const Copy& g = got[i];
+                if ((r >= R || !seen.insert({r, ch}).second || g.to != want.to ||
+                     g.from != want.from || g.bytes != want.bytes) &&
+                    failures++ < 3)
+                  ADD_FAILURE() << name << ": thread " << tid << ", row " << r << ", chunk " << ch
+                                << " (stride " << stride << ", row0 " << row0 << ", rows " << rows
+                                << ", nb " << nb << ", b0 " << b0 << "): to " << g.to << " from "
+                                << g.from << " bytes " << g.bytes << ", expected to " << want.to
+                                << " from " << want.from << " bytes " << want.bytes;
+              }
+            }
+            // Every chunk of every row of the grid, each by one thread.
+            if (seen.size() != size_t(R) * C && failures++ < 3)
+              ADD_FAILURE() << name << ": " << seen.size() << " chunks copied, expected " << R * C;
+          }
+  EXPECT_EQ(failures, 0) << name;
+}
+
+// Rows r and r + 8 a fixed distance apart, whatever the chunk: what StageCopy takes of a layout.
+template <class Dst>
+void check_layout(Dst dst, int chunks, const std::string& name) {
+  const int step = dst(8, 0) - dst(0, 0);
+  for (int r = 0; r < 64; ++r)
+    for (int ch = 0; ch < chunks; ++ch)
+      ASSERT_EQ(dst(r + 8, ch) - dst(r, ch), step) << name << ": row " << r << ", chunk " << ch;
+}
+
+}  // namespace
+
+TEST(StageCopy, HalfKernelWeightsAndActivation) {
+  // Quants (Q4: 16 bytes a block, Q8_0: 32) and scales of the half kernel's tiles: 16 rows of 32
+  // blocks a stage, 32 of 16, 64 and 128 of 8.
+  check_copies<16, 32, 16, 16>(gc::SwizzledRows<512>{}, "quants, 16 rows, 32 blocks");
+  check_copies<16, 64, 16, 32>(gc::SwizzledRows<1024>{}, "Q8_0 quants, 16 rows, 32 blocks");
+  check_copies<32, 16, 16, 16>(gc::SwizzledRows<256>{}, "quants, 32 rows, 16 blocks");
+  check_copies<32, 32, 16, 32>(gc::SwizzledRows<512>{}, "Q8_0 quants, 32 rows, 16 blocks");
+  check_copies<64, 8, 16, 16>(gc::SwizzledRows<128>{}, "quants, 64 rows, 8 blocks");
+  check_copies<128, 8, 16, 16>(gc::SwizzledRows<128>{}, "quants, 128 rows, 8 blocks");
+  check_copies<128, 16, 16, 32>(gc::SwizzledRows<256>{}, "Q8_0 quants, 128 rows, 8 blocks");
+  check_copies<16, 16, 4, 2>(gc::PlainRows<64, 4>{}, "Q4_0 scales, 16 rows, 32 blocks");
+  check_copies<128, 4, 4, 2>(gc::PlainRows<16, 4>{}, "Q4_0 scales, 128 rows, 8 blocks");
+  check_copies<128, 8, 4, 4>(gc::PlainRows<32, 4>{}, "Q4_1 scales, 128 rows, 8 blocks");
+  check_copies<128, 1, 16, 2>(gc::PlainRows<16, 16>{}, "Q4_K records, 128 rows, 8 blocks");
+  check_copies<32, 2, 16, 2>(gc::PlainRows<32, 16>{}, "Q4_K records, 32 rows, 16 blocks");
+  // The activation in half: 8 columns of 32 blocks a stage, 16 of 16, 32 and 64 of 8.
+  check_copies<8, 128, 16, 64>(gc::HalfActColumns<2048>{}, "half activation, 8 columns");
+  check_copies<16, 64, 16, 64>(gc::HalfActColumns<1024>{}, "half activation, 16 columns");
+  check_copies<32, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 32 columns");
+  check_copies<64, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 64 columns");
+}
+
+TEST(StageCopy, Int8KernelActivation) {
+  // 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block).
+  check_copies<8, 64, 16, 32>(gc::SwizzledRows<1024>{}, "8-bit activation, 8 columns");
+  check_copies<16, 32, 16, 32>(gc::SwizzledRows<512>{}, "8-bit activation, 16 columns");
+  check_copies<32, 16, 16, 32>(gc::SwizzledRows<256>{}, "8-bit activation, 32 columns");
+  check_copies<64, 16, 16, 32>(gc::SwizzledRows<256>{}, "8-bit activation, 64 columns");
+  check_copies<8, 32, 8, 8>(gc::PlainRows<256, 8>{}, "pairs, 8 columns");
+  check_copies<32, 8, 8, 8>(gc::PlainRows<64, 8>{}, "pairs, 32 columns");
+  check_copies<64, 8, 8, 8>(gc::PlainRows<64, 8>{}, "pairs, 64 columns");
+}
+
+TEST(StageCopy, LayoutsPlaceRowsEightApartAtAFixedDistance) {
+  check_layout(gc::SwizzledRows<128>{}, 8, "swizzled rows");
+  check_layout(gc::PlainRows<16, 4>{}, 4, "plain rows");
+  check_layout(gc::HalfActColumns<512>{}, 32, "half activation");
+}
