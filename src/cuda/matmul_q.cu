@@ -284,6 +284,7 @@ __device__ __forceinline__ void copy_stage(const SC& c, uint8_t* buf, int b0, in
 template <class T, int kThreads>
 struct WeightCopy {
   static constexpr bool kRecords = T::kSplit.block_elems == 256;  // K-quants: 16-byte records
+  static constexpr int kScaleChunk = kRecords ? 16 : 4;           // bytes a scale copy
   using Quants = StageCopy<T::kRows, T::kRowBytes / 16, 16, T::kQuantBytes, kThreads>;
   using Scales = std::conditional_t<
       kRecords, StageCopy<T::kRows, T::kScaleBytes / 16, 16, T::kSplit.scale_bytes / 8, kThreads>,
@@ -305,7 +306,7 @@ struct WeightCopy {
   // low three bits), scale records at sws.
   __device__ __forceinline__ void operator()(int b0, uint8_t* sw, uint8_t* sws) const {
     copy_stage(quants, sw, b0, nb, SwizzledRows<T::kRowBytes>{});
-    copy_stage(scales, sws, b0, nb, PlainRows < T::kScaleBytes, kRecords ? 16 : 4 > {});
+    copy_stage(scales, sws, b0, nb, PlainRows<T::kScaleBytes, kScaleChunk>{});
   }
 };
 
