@@ -10,7 +10,10 @@ then batched decode steps (`Model.decode_batch`), of which only the last two are
 ncu runs kernels one at a time, so launches do not overlap: the total
 bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on PYTHONPATH
 (tools/gpu_run.sh build). --stalls adds, per kernel, the instructions a launch issues and
-the cycles an issued instruction waited on average for an instruction fetch and for memory.
+the cycles a warp waited on average for each issued instruction, by reason: an instruction
+fetch, global memory, shared memory (and other short-latency units), a full MIO queue, a busy
+math pipe (the tensor cores among them), a fixed-latency dependency, a barrier, and another
+warp issuing instead.
 --warm keeps the caches between kernels (ncu flushes them by default), as a replayed step does:
 the small kernels then take about what they take in a real step, less the launch gaps.
 
@@ -58,6 +61,12 @@ STALLS = {
     "smsp__inst_executed.sum": "instructions",
     "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio": "fetch wait",
     "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "memory wait",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio": "shared wait",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio": "MIO queue",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio": "pipe busy",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "fixed latency",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "barrier",
+    "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio": "not selected",
 }
 
 
