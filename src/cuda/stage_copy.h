@@ -8,8 +8,8 @@
 
 #include "quant.h"  // GGRAPH_HD
 
-// A loop the device compiler unrolls (the host's, in the tests, takes it as it is).
-#if defined(__CUDACC__)
+// A loop the device compiler unrolls (the host compiler takes it as it is).
+#if defined(__CUDA_ARCH__)
 #define GGRAPH_UNROLL _Pragma("unroll")
 #else
 #define GGRAPH_UNROLL
