@@ -114,3 +114,22 @@ TEST(StageCopy, LayoutsPlaceRowsEightApartAtAFixedDistance) {
   check_layout(gc::PlainRows<16, 4>{}, 4, "plain rows");
   check_layout(gc::HalfActColumns<512>{}, 32, "half activation");
 }
+
+// The half kernel's B loads (mat_mul_qh_kernel): lane (g, t) of a warp reads 8 bytes of column g
+// of a column tile, 8 (t & 1) bytes into chunk (c + t / 2) ^ act_swizzle(g) for an even c, a
+// half-warp (four columns) at a time. Every half-warp's 32 words fall in the 32 banks once.
+TEST(StageCopy, HalfActivationLoadsOfAHalfWarpTakeEveryBankOnce) {
+  constexpr int kColumnBytes = 512;  // a column's stage (a multiple of the 128 bytes of 32 banks)
+  const gc::HalfActColumns<kColumnBytes> at;
+  for (int c = 0; c < 16; c += 2)
+    for (int half = 0; half < 2; ++half) {
+      std::set<int> banks;
+      for (int lane = 16 * half; lane < 16 * half + 16; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        const int chunk_at = at(g, c + t / 2);  // the chunk's place, swizzled
+        for (int word = 0; word < 2; ++word)
+          banks.insert((chunk_at + 8 * (t & 1) + 4 * word) / 4 % 32);
+      }
+      EXPECT_EQ(banks.size(), 32u) << "chunk pair " << c << ", half-warp " << half;
+    }
+}
