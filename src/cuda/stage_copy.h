@@ -100,3 +100,5 @@ struct StageCopy {
 };
 
 }  // namespace ggraph::cuda
+
+#undef GGRAPH_UNROLL

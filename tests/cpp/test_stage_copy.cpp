@@ -1,7 +1,7 @@
 // The tensor-core products' stage copies (cuda/stage_copy.h) on the host: every thread's copies
 // against the copy's definition (chunk ch of row r from row0 + r's bytes at ch * BYTES, k's
-// block b0 on, to dst(r, ch); zeros past the rows with data and past k's end), for the tiles the
-// kernels take and a few more.
+// block b0 on, to dst(r, ch); zeros past the rows with data and past k's end), for every tile
+// the kernels take.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -76,35 +76,50 @@ void check_layout(Dst dst, int chunks, const std::string& name) {
 
 }  // namespace
 
-TEST(StageCopy, HalfKernelWeightsAndActivation) {
-  // Quants (Q4: 16 bytes a block, Q8_0: 32) and scales of the half kernel's tiles: 16 rows of 32
-  // blocks a stage, 32 of 16, 64 and 128 of 8.
+TEST(StageCopy, WeightsOfEveryTile) {
+  // Quants (Q4_0, Q4_1, Q4_K: 16 bytes a block; Q8_0: 32) of the tiles of both kernels: 16 rows
+  // of 32 blocks a stage, 32 of 16 and of 8, 64 and 128 of 8.
   check_copies<16, 32, 16, 16>(gc::SwizzledRows<512>{}, "quants, 16 rows, 32 blocks");
   check_copies<16, 64, 16, 32>(gc::SwizzledRows<1024>{}, "Q8_0 quants, 16 rows, 32 blocks");
   check_copies<32, 16, 16, 16>(gc::SwizzledRows<256>{}, "quants, 32 rows, 16 blocks");
   check_copies<32, 32, 16, 32>(gc::SwizzledRows<512>{}, "Q8_0 quants, 32 rows, 16 blocks");
+  check_copies<32, 8, 16, 16>(gc::SwizzledRows<128>{}, "quants, 32 rows, 8 blocks");
   check_copies<64, 8, 16, 16>(gc::SwizzledRows<128>{}, "quants, 64 rows, 8 blocks");
   check_copies<128, 8, 16, 16>(gc::SwizzledRows<128>{}, "quants, 128 rows, 8 blocks");
   check_copies<128, 16, 16, 32>(gc::SwizzledRows<256>{}, "Q8_0 quants, 128 rows, 8 blocks");
+  // Scales: Q4_0's and Q8_0's 2 bytes a block and Q4_1's 4, in 4-byte copies; Q4_K's 16-byte
+  // records of 256-blocks.
   check_copies<16, 16, 4, 2>(gc::PlainRows<64, 4>{}, "Q4_0 scales, 16 rows, 32 blocks");
+  check_copies<32, 8, 4, 2>(gc::PlainRows<32, 4>{}, "Q4_0 scales, 32 rows, 16 blocks");
+  check_copies<32, 4, 4, 2>(gc::PlainRows<16, 4>{}, "Q4_0 scales, 32 rows, 8 blocks");
+  check_copies<64, 4, 4, 2>(gc::PlainRows<16, 4>{}, "Q4_0 scales, 64 rows, 8 blocks");
   check_copies<128, 4, 4, 2>(gc::PlainRows<16, 4>{}, "Q4_0 scales, 128 rows, 8 blocks");
+  check_copies<16, 32, 4, 4>(gc::PlainRows<128, 4>{}, "Q4_1 scales, 16 rows, 32 blocks");
+  check_copies<32, 16, 4, 4>(gc::PlainRows<64, 4>{}, "Q4_1 scales, 32 rows, 16 blocks");
+  check_copies<32, 8, 4, 4>(gc::PlainRows<32, 4>{}, "Q4_1 scales, 32 rows, 8 blocks");
+  check_copies<64, 8, 4, 4>(gc::PlainRows<32, 4>{}, "Q4_1 scales, 64 rows, 8 blocks");
   check_copies<128, 8, 4, 4>(gc::PlainRows<32, 4>{}, "Q4_1 scales, 128 rows, 8 blocks");
-  check_copies<128, 1, 16, 2>(gc::PlainRows<16, 16>{}, "Q4_K records, 128 rows, 8 blocks");
+  check_copies<16, 4, 16, 2>(gc::PlainRows<64, 16>{}, "Q4_K records, 16 rows, 32 blocks");
   check_copies<32, 2, 16, 2>(gc::PlainRows<32, 16>{}, "Q4_K records, 32 rows, 16 blocks");
-  // The activation in half: 8 columns of 32 blocks a stage, 16 of 16, 32 and 64 of 8.
+  check_copies<32, 1, 16, 2>(gc::PlainRows<16, 16>{}, "Q4_K records, 32 rows, 8 blocks");
+  check_copies<64, 1, 16, 2>(gc::PlainRows<16, 16>{}, "Q4_K records, 64 rows, 8 blocks");
+  check_copies<128, 1, 16, 2>(gc::PlainRows<16, 16>{}, "Q4_K records, 128 rows, 8 blocks");
+}
+
+TEST(StageCopy, ActivationsOfEveryTile) {
+  // The half kernel's activation in half: 8 columns of 32 blocks a stage, 16 of 16, 32 and 64
+  // of 8.
   check_copies<8, 128, 16, 64>(gc::HalfActColumns<2048>{}, "half activation, 8 columns");
   check_copies<16, 64, 16, 64>(gc::HalfActColumns<1024>{}, "half activation, 16 columns");
   check_copies<32, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 32 columns");
   check_copies<64, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 64 columns");
-}
-
-TEST(StageCopy, Int8KernelActivation) {
-  // 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block).
+  // The int8 kernel's 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block).
   check_copies<8, 64, 16, 32>(gc::SwizzledRows<1024>{}, "8-bit activation, 8 columns");
   check_copies<16, 32, 16, 32>(gc::SwizzledRows<512>{}, "8-bit activation, 16 columns");
   check_copies<32, 16, 16, 32>(gc::SwizzledRows<256>{}, "8-bit activation, 32 columns");
   check_copies<64, 16, 16, 32>(gc::SwizzledRows<256>{}, "8-bit activation, 64 columns");
   check_copies<8, 32, 8, 8>(gc::PlainRows<256, 8>{}, "pairs, 8 columns");
+  check_copies<16, 16, 8, 8>(gc::PlainRows<128, 8>{}, "pairs, 16 columns");
   check_copies<32, 8, 8, 8>(gc::PlainRows<64, 8>{}, "pairs, 32 columns");
   check_copies<64, 8, 8, 8>(gc::PlainRows<64, 8>{}, "pairs, 64 columns");
 }
