@@ -286,9 +286,9 @@ struct WeightCopy {
   static constexpr bool kRecords = T::kSplit.block_elems == 256;  // K-quants: 16-byte records
   static constexpr int kScaleChunk = kRecords ? 16 : 4;           // bytes a scale copy
   using Quants = StageCopy<T::kRows, T::kRowBytes / 16, 16, T::kQuantBytes, kThreads>;
-  using Scales = std::conditional_t<
-      kRecords, StageCopy<T::kRows, T::kScaleBytes / 16, 16, T::kSplit.scale_bytes / 8, kThreads>,
-      StageCopy<T::kRows, T::kScaleBytes / 4, 4, T::kSplit.scale_bytes, kThreads>>;
+  // A record covers 8 blocks of 32; the other formats' scale bytes are each block's.
+  using Scales = StageCopy<T::kRows, T::kScaleBytes / kScaleChunk, kScaleChunk,
+                           T::kSplit.scale_bytes / (kRecords ? 8 : 1), kThreads>;
   static_assert(!kRecords || T::kSplit.scale_bytes == 16, "a K-quant record is 16 bytes");
   Quants quants;
   Scales scales;
