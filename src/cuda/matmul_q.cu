@@ -341,9 +341,14 @@ struct QPart {
   int n, rb;
   int index;  // the part: 0, 1 or 2
 };
+// Each field is picked by selects among the three, where an index into the parameter arrays had
+// every thread copy them all to local memory first and load its part back (a trip through L1 on
+// the way to the block's first weight loads).
 __device__ __forceinline__ QPart block_part(const QParts& p, int b) {
-  const int i = b >= p.first[2] ? 2 : b >= p.first[1] ? 1 : 0;
-  return {p.w[i], p.dst[i], p.partials[i], p.n[i], b - p.first[i], i};
+  const bool two = b >= p.first[2], one = !two && b >= p.first[1];
+  auto pick = [&](const auto& a) { return two ? a[2] : one ? a[1] : a[0]; };
+  return {pick(p.w), pick(p.dst),       pick(p.partials),
+          pick(p.n), b - pick(p.first), two ? 2 : one ? 1 : 0};
 }
 __device__ __forceinline__ QPart block_part(const QParts& p) {
   return block_part(p, static_cast<int>(blockIdx.x));
