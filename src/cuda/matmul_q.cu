@@ -87,6 +87,25 @@ int target_blocks() {
   return v;
 }
 constexpr int kMaxSplits = 8;
+// GGRAPH_CUDA_MMQ_SPLITS forces every launch's split count (1 to kMaxSplits, at most one a
+// stage), to measure; 0 or unset: the plan's.
+int forced_splits() {
+  static const int v = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_MMQ_SPLITS");
+    const int s = e ? std::atoi(e) : 0;
+    return s >= 1 && s <= kMaxSplits ? s : 0;
+  }();
+  return v;
+}
+// GGRAPH_CUDA_MMQ_PLAN=waves takes wave_splits' count (below) where the block target's would be
+// taken, to measure one against the other in one build.
+bool wave_plan() {
+  static const bool v = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_MMQ_PLAN");
+    return e && std::string(e) == "waves";
+  }();
+  return v;
+}
 
 constexpr bool mma_q_type(int t) {
   return t == kTypeQ4_0 || t == kTypeQ4_1 || t == kTypeQ8_0 || t == kTypeQ4_K;
@@ -264,9 +283,36 @@ int row_blocks_of(const int64_t* n, int n_parts, int rows) {
   for (int p = 0; p < n_parts; ++p) row_blocks += ceil_div(n[p], rows);
   return static_cast<int>(row_blocks);
 }
+// Plans are functions of the shapes alone (the sums' order follows the splits), so the wave
+// model below counts the blocks of an H100 or H200 (132 SMs), not the current GPU's: two an SM,
+// as the kernels' launch bounds promise, or one where a block takes more than half of sm_90's
+// 228 KiB (1 KiB of it reserved a block).
+constexpr int kPlanSms = 132;
+constexpr int plan_blocks_per_sm(size_t smem) { return 2 * (smem + 1024) <= (228 << 10) ? 2 : 1; }
+// A block's fixed cost beside its stages, in stages: its pipeline's first trip to memory and
+// its end (the k-split warps' meeting, the partials and the ticket).
+constexpr int kBlockOverheadStages = 2;
+// The split count (1 to kMaxSplits, at least two stages a split) whose blocks finish first if
+// they run in waves of the resident blocks, each taking its stages and the fixed cost: a
+// product whose blocks would fill one wave and a sliver of a second takes fewer splits, or
+// enough more to even the waves out. Ties go to fewer splits.
+int wave_splits(int row_blocks, int stages, size_t smem) {
+  const int64_t slots = int64_t(kPlanSms) * plan_blocks_per_sm(smem);
+  const int most = std::max(1, std::min(kMaxSplits, stages / 2));
+  int best = 1;
+  int64_t best_cost = std::numeric_limits<int64_t>::max();
+  for (int s = 1; s <= most; ++s) {
+    const int64_t waves = ceil_div(int64_t(row_blocks) * s, slots);
+    const int64_t cost = waves * (ceil_div(stages, s) + kBlockOverheadStages);
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
 QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, t.sb));
   const int row_blocks = row_blocks_of(n, n_parts, t.rows);
+  if (forced_splits()) return {t.rows, row_blocks, std::min(forced_splits(), std::max(1, stages))};
+  if (wave_plan()) return {t.rows, row_blocks, wave_splits(row_blocks, stages, t.smem)};
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
   return {t.rows, row_blocks, splits};

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -217,10 +218,20 @@ __global__ void barrier_kernel(float* x, int phases, unsigned* count, unsigned* 
   }
 }
 
+// Whether a comma-separated list in the environment variable `name` (unset: everything) holds
+// `item`.
+bool env_lists(const char* name, const std::string& item) {
+  const char* e = std::getenv(name);
+  if (!e) return true;
+  const std::string list = std::string(",") + e + ",";
+  return list.find("," + item + ",") != std::string::npos;
+}
+
 }  // namespace
 
 // Sections to run: matvec, decode, matmul, gemm, attention, launch, barrier; all of them by
-// default.
+// default. The decode section's formats and column counts may be narrowed, to measure: e.g.
+// BENCH_TYPES=Q4_0 BENCH_COLS=32,64.
 int main(int argc, char** argv) {
   auto want = [&](const char* section) {
     if (argc < 2) return true;
@@ -331,12 +342,14 @@ int main(int argc, char** argv) {
         "|---|---|---|---|---|---|---|\n");
     const KN shapes[] = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {576, 1536}};
     for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q4_K}) {
+      if (!env_lists("BENCH_TYPES", gc::dtype_name(t))) continue;
       for (KN sh : shapes) {
         if (sh.k % gc::block_elems(t) != 0) continue;
         const auto host = random_weights(t, sh.k, sh.n, rng);
         const std::vector<void*> w = copies_past_l2(host, t);
         const int copies = int(w.size());
         for (int cols : {2, 4, 8, 16, 32, 64}) {
+          if (!env_lists("BENCH_COLS", std::to_string(cols))) continue;
           float* x = device_randn(size_t(sh.k) * cols, rng);
           // Room for three products' outputs, partials and counters: a launch of three parts
           // (q, k and v) is measured too.
@@ -355,7 +368,8 @@ int main(int argc, char** argv) {
           auto report = [&](const std::string& kernel, double ms, int parts = 1) {
             const double bytes = double(host.size()) * parts;
             std::printf("| %s | %lldx%lld%s | %d | %s | %.2f | %.0f | %.0f |\n", gc::dtype_name(t),
-                        (long long)sh.k, (long long)sh.n, parts > 1 ? " x3" : "", cols,
+                        (long long)sh.k, (long long)sh.n,
+                        parts > 1 ? (" x" + std::to_string(parts)).c_str() : "", cols,
                         kernel.c_str(), ms * 1e3, bytes / (ms * 1e-3) / 1e9,
                         100.0 * bytes / (ms * 1e-3) / (copy * 1e12));
           };
@@ -379,19 +393,21 @@ int main(int argc, char** argv) {
               const gc::MatMulQPart part{w[i % copies], sh.n, dst};
               gc::launch_mat_mul_q(l, t, &part, 1, sh.k, ws, cols, partials, counters);
             }));
-            // Three products of the activation in one launch (q, k and v of the 7B shape).
-            if (sh.k == 4096 && sh.n == 4096 && cols >= 8)
-              report(
-                  name,
-                  ev.graph_ms(
-                      s, 200,
-                      [&](int i) {
-                        gc::MatMulQPart parts[3];
-                        for (int p = 0; p < 3; ++p)
-                          parts[p] = {w[(3 * i + p) % copies], sh.n, dst + size_t(p) * sh.n * cols};
-                        gc::launch_mat_mul_q(l, t, parts, 3, sh.k, ws, cols, partials, counters);
-                      }),
-                  3);
+            // Several products of the activation in one launch, as the 7B shape's layers launch
+            // them: q, k and v (4096 x 4096 three times), gate and up (4096 x 11008 twice).
+            const int n_parts = sh.n == 4096 ? 3 : 2;
+            if (sh.k == 4096 && cols >= 8)
+              report(name,
+                     ev.graph_ms(s, 200,
+                                 [&](int i) {
+                                   gc::MatMulQPart parts[3];
+                                   for (int p = 0; p < n_parts; ++p)
+                                     parts[p] = {w[(n_parts * i + p) % copies], sh.n,
+                                                 dst + size_t(p) * sh.n * cols};
+                                   gc::launch_mat_mul_q(l, t, parts, n_parts, sh.k, ws, cols,
+                                                        partials, counters);
+                                 }),
+                     n_parts);
           }
           gc::set_mat_mul_q_everywhere(gc::MatMulQ::None);
           cudaFree(x);
