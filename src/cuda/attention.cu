@@ -346,17 +346,16 @@ constexpr int decode_warps() {
 
 // Keys a split takes at the least: a tile for each warp, and no fewer than kAttnMinSplitKeys
 // where the tiles are long enough.
-template <int DPL>
+template <int DPL, int TILE = decode_tile<DPL>()>
 constexpr int decode_split_keys() {
-  constexpr int kPass = decode_warps<DPL>() * decode_tile<DPL>();
+  constexpr int kPass = decode_warps<DPL>() * TILE;
   return kPass < kAttnMinSplitKeys ? kPass : kAttnMinSplitKeys;
 }
 
-template <int DPL, int G>
+template <int DPL, int G, int TILE = decode_tile<DPL>()>
 constexpr size_t decode_smem_bytes(int head_dim) {
   const size_t staging =
-      decode_warps<DPL>() * (2 * decode_tile<DPL>() * 32 * sizeof(LaneHalves<DPL>) +
-                             G * decode_tile<DPL>() * sizeof(float));
+      decode_warps<DPL>() * (2 * TILE * 32 * sizeof(LaneHalves<DPL>) + G * TILE * sizeof(float));
   const size_t merge = decode_warps<DPL>() * G * (head_dim + 2) * sizeof(float);
   const size_t splits = G * kMaxAttnSplits * sizeof(float);  // attn_merge_splits
   return std::max({staging, merge, splits});
@@ -448,7 +447,7 @@ __device__ __forceinline__ DecodeSpan decode_span(int G, int split_keys, int n_s
 // Q8: the caches hold Q8_0 blocks; a warp stages a tile's head bytes in 8- or 4-byte units, at
 // the same row pitch as the F16 lanes' values (which is larger), and lanes decode their values,
 // their block's scale applied once to each key's partial score and to each probability.
-template <int DPL, int G, bool Q8>
+template <int DPL, int G, bool Q8, int TILE = decode_tile<DPL>()>
 __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     attn_decode_kernel(const float* q, const void* kc, const void* vc, float* out, float* part,
                        int n_head, int n_head_kv, int head_dim, float scale, int n_kv_value,
@@ -456,7 +455,6 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
                        int n_splits, int n_gchunks, int8_t* out_q, float2* out_d, int64_t tiles_k,
                        __half* out_h, int window, unsigned* counters, int cache_rows,
                        const int32_t* slots) {
-  constexpr int TILE = decode_tile<DPL>();
   constexpr int kWarps = decode_warps<DPL>();
   // The scores run 8 keys at a time up to a multiple of 8 past a tile's valid rows, which the
   // staging may leave stale: those keys' scores stay in their own slots (the transposed sums
@@ -467,7 +465,7 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const int t = blockIdx.z;
   const DecodeSpan sp = decode_span(
-      G, decode_split_keys<DPL>(), n_splits, n_gchunks, n_head, n_head_kv,
+      G, decode_split_keys<DPL, TILE>(), n_splits, n_gchunks, n_head, n_head_kv,
       Q8 ? static_cast<int64_t>(n_head_kv) * q8_head_bytes(head_dim)
          : static_cast<int64_t>(n_head_kv) * head_dim * 2,
       window, cache_rows, slots, n_kv_at, n_kv_value, first_pos_at, first_pos_value, kc, vc);
@@ -1274,28 +1272,41 @@ ActQ8 attn_out_q8(const AttentionArgs& a) {
                      a.quant_tiles);
 }
 
-template <int DPL, int G>
+// GGRAPH_CUDA_ATTN_TILE=16 gives the lanes' kernel of 128-dim heads without grouped queries (the
+// decode batches of the 7B shape) 16-key tiles, half the staging a block, to measure.
+bool short_decode_tiles() {
+  static const bool v = [] {
+    const char* e = std::getenv("GGRAPH_CUDA_ATTN_TILE");
+    return e && std::atoi(e) == 16;
+  }();
+  return v;
+}
+
+template <int DPL, int G, int TILE = decode_tile<DPL>()>
 void decode_attention(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                       int32_t n_kv, int32_t first_pos) {
+  if constexpr (DPL == 4 && G == 1 && TILE != 16) {
+    if (short_decode_tiles()) return decode_attention<DPL, G, 16>(l, a, kc, vc, n_kv, first_pos);
+  }
   const int n_gchunks = (a.n_head / a.n_head_kv + G - 1) / G;
   // The batch's tokens are blocks of their own too: a decode batch of 64 sequences fills the GPU
   // with one split each, where splits sized for one token would launch mostly empty blocks.
   const int n_splits = attention_splits(attention_max_keys(a), a.n_head_kv * n_gchunks * a.n_tokens,
-                                        decode_split_keys<DPL>());
+                                        decode_split_keys<DPL, TILE>());
   const dim3 grid(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), block(decode_warps<DPL>() * 32);
   // The output's 8-bit form for the products that read it: each warp's 32 outputs are one
   // quant block when head_dim is a multiple of 32.
   const ActQ8 q8 = attn_out_q8(a);
   auto launch = [&](auto kernel) {
-    l(kernel, grid, block, decode_smem_bytes<DPL, G>(a.head_dim), a.q, kc, vc, a.out, a.partials,
-      a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at, a.first_pos_at,
-      n_splits, n_gchunks, q8.qs, q8.ds, q8.tiles_k, reinterpret_cast<__half*>(a.half_ws), a.window,
-      a.counters, a.cache_rows, a.slots);
+    l(kernel, grid, block, decode_smem_bytes<DPL, G, TILE>(a.head_dim), a.q, kc, vc, a.out,
+      a.partials, a.n_head, a.n_head_kv, a.head_dim, a.scale, n_kv, first_pos, a.n_kv_at,
+      a.first_pos_at, n_splits, n_gchunks, q8.qs, q8.ds, q8.tiles_k,
+      reinterpret_cast<__half*>(a.half_ws), a.window, a.counters, a.cache_rows, a.slots);
   };
   if (a.kv_type == DType::Q8_0) {
-    launch(attn_decode_kernel<DPL, G, true>);
+    launch(attn_decode_kernel<DPL, G, true, TILE>);
   } else {
-    launch(attn_decode_kernel<DPL, G, false>);
+    launch(attn_decode_kernel<DPL, G, false, TILE>);
   }
 }
 
@@ -1404,6 +1415,10 @@ void prepare_decode_dpl() {
   // Each instantiation's largest need, at its largest head_dim.
   for (auto k : {attn_decode_kernel<DPL, 1, false>, attn_decode_kernel<DPL, 1, true>})
     allow_block_smem(k, decode_smem_bytes<DPL, 1>(32 * DPL));
+  if constexpr (DPL == 4) {
+    for (auto k : {attn_decode_kernel<DPL, 1, false, 16>, attn_decode_kernel<DPL, 1, true, 16>})
+      allow_block_smem(k, decode_smem_bytes<DPL, 1, 16>(32 * DPL));
+  }
   if constexpr (DPL < 8) {  // wider heads go one to a block (attention_group)
     for (auto k : {attn_decode_kernel<DPL, 2, false>, attn_decode_kernel<DPL, 2, true>})
       allow_block_smem(k, decode_smem_bytes<DPL, 2>(32 * DPL));
