@@ -284,9 +284,9 @@ int row_blocks_of(const int64_t* n, int n_parts, int rows) {
   return static_cast<int>(row_blocks);
 }
 // Plans are functions of the shapes alone (the sums' order follows the splits), so the wave
-// model below counts the blocks of an H100 or H200 (132 SMs), not the current GPU's: two an SM,
-// as the kernels' launch bounds promise, or one where a block takes more than half of sm_90's
-// 228 KiB (1 KiB of it reserved a block).
+// model below counts the blocks of an H100 or H200 (132 SMs), not the current GPU's: two an SM
+// (the half kernel's launch bounds promise two; the wide tiles' shared memory allows no more),
+// or one where a block takes more than half of sm_90's 228 KiB (1 KiB of it reserved a block).
 constexpr int kPlanSms = 132;
 constexpr int plan_blocks_per_sm(size_t smem) { return 2 * (smem + 1024) <= (228 << 10) ? 2 : 1; }
 // A block's fixed cost beside its stages, in stages: its pipeline's first trip to memory and
