@@ -1396,8 +1396,11 @@ TEST_F(CudaOps, AttentionOverSequencePools) {
                              {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 39}},
                             {4, 1, 256, 2, 530, {1, 0}, {2000, 4}, 512, true},
                             {4, 2, 64, 3, 8, {0, 2}, {50, 3}, 8, true, q8},
-                            // One query head a KV head: the lanes' kernel, at 128 and 256 dims.
+                            // One query head a KV head: the lanes' kernel, at 128 and 256 dims
+                            // (or at 128 the MMA kernel turned around for one query head, under
+                            // GGRAPH_CUDA_ATTN_MHA_MMA=1): one key, part of a tile, splits.
                             {2, 2, 128, 5, 300, {4, 1, 3, 0}, {299, 2, 150, 40}, 0, false, q8},
+                            {3, 3, 128, 4, 300, {2, 0, 3, 1}, {260, 0, 33, 129}, 0, false, f16},
                             {2, 2, 256, 3, 100, {0, 2}, {99, 10}}};
   for (const PoolCase& c : cases) check_attention_seqs(c, rng, chk);
 }
