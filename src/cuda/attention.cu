@@ -1681,13 +1681,14 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
     // B=64 7,608-7,618 against 7,170-7,185); with GQA (the SmolLM2 shape's 3) the MMA kernel
     // wins.
     const bool lanes = a.slots && a.n_head == a.n_head_kv;
-    // GGRAPH_CUDA_ATTN_MHA_MMA=1 gives such batches of 128-dim heads the MMA kernel turned
-    // around for one query head a KV head (mha_scores), to measure against the lanes' kernel.
+    // GGRAPH_CUDA_ATTN_MHA_MMA=1 gives 128-dim heads without grouped queries (such batches, and
+    // single tokens, which take the query heads' MMA kernel otherwise) the MMA kernel turned
+    // around for one query head a KV head, to measure.
     static const bool mha_mma = [] {
       const char* e = std::getenv("GGRAPH_CUDA_ATTN_MHA_MMA");
       return e && std::atoi(e) == 1;
     }();
-    if (lanes && mha_mma && a.head_dim == 128 && decode_attention_mma(a.head_dim))
+    if (mha_mma && a.n_head == a.n_head_kv && a.head_dim == 128 && decode_attention_mma(a.head_dim))
       return launch_decode_mma<128, true>(l, a, kc, vc, n_kv, first_pos);
     if (!lanes && decode_attention_mma(a.head_dim)) {
       if (a.head_dim == 64) return launch_decode_mma<64>(l, a, kc, vc, n_kv, first_pos);
