@@ -1011,11 +1011,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   uint32_t qa[D / 16][4];
   uint32_t ql[S::kLowInRegs && !MHA ? D / 16 : 1][4];
   __half* q_low = reinterpret_cast<__half*>(smem_raw + S::tile_bytes(Q8));
+  const float q_scale = scale * 1.4426950408889634f;
+  const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
   if constexpr (MHA) {
     // One query head (mha_scores): q as the B fragments of every column, dims 16 kk + 2t, + 1
     // (b0) and 16 kk + 2t + 8, + 9 (b1); high halves in qa[kk][0..1], low ones in qa[kk][2..3].
-    const float q_scale = scale * 1.4426950408889634f;
-    const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -1025,8 +1025,6 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       }
     }
   } else {
-    const float q_scale = scale * 1.4426950408889634f;
-    const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
