@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -19,10 +20,8 @@ int attention_splits(int max_keys, int kv_blocks, int split_keys) {
   // and splits of at most kAttnMaxSplitKeys keys, so that one long sequence among a batch's
   // short ones (which fill the GPU without splits) does not keep a block for its whole cache.
   // GGRAPH_CUDA_ATTN_BLOCKS sets the target for measuring.
-  static const int target = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_ATTN_BLOCKS");
-    return e && std::atoi(e) > 0 ? std::atoi(e) : kAttnTargetBlocks;
-  }();
+  static const int target =
+      env_int("GGRAPH_CUDA_ATTN_BLOCKS", 1, std::numeric_limits<int>::max(), kAttnTargetBlocks);
   const int fill = (target + kv_blocks - 1) / kv_blocks;
   const int least = (max_keys + kAttnMaxSplitKeys - 1) / kAttnMaxSplitKeys;
   const int most = (max_keys + split_keys - 1) / split_keys;
@@ -1070,32 +1069,33 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
           if (ms * 16 + g + 8 >= n_valid) s[ms][2] = kNegInf;
         }
       }
-    }
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < (MHA ? 0 : D / 16); ++kk) {
-      uint32_t lo[4];
-      if constexpr (S::kLowInRegs) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t lo[4];
+        if constexpr (S::kLowInRegs) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
-      } else {
-        ldmatrix_x4(lo, q_low_frag + kk * 16);
+          for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
+        } else {
+          ldmatrix_x4(lo, q_low_frag + kk * 16);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
+          mma_16816(s[2 * np], qa[kk], b[0], b[1]);
+          mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
+          mma_16816(s[2 * np], lo, b[0], b[1]);
+          mma_16816(s[2 * np + 1], lo, b[2], b[3]);
+        }
       }
+      if (n_valid < BK) {
 #pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
-        mma_16816(s[2 * np], qa[kk], b[0], b[1]);
-        mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
-        mma_16816(s[2 * np], lo, b[0], b[1]);
-        mma_16816(s[2 * np + 1], lo, b[2], b[3]);
-      }
-    }
-    if (!MHA && n_valid < BK) {
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
+        }
       }
     }
     if (more) {
@@ -1139,20 +1139,22 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       for (int i = 0; i < D / 16; ++i)
         rp[2 + 16 * i + g] = o[i][0], rp[2 + 16 * i + g + 8] = o[i][2];
     }
-  }
+  } else {
 #pragma unroll
-  for (int r = 0; r < (MHA ? 0 : 2); ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const int row = g + 8 * r;
-    if (row >= n_g) continue;
-    float* rp = merge + (warp * G + row) * rec;
-    if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+      const int row = g + 8 * r;
+      if (row >= n_g) continue;
+      float* rp = merge + (warp * G + row) * rec;
+      if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
 #pragma unroll
-    for (int i = 0; i < DT; ++i)
-      *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) =
-          make_float2(o[i][2 * r], o[i][2 * r + 1]);
+      for (int i = 0; i < DT; ++i)
+        *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) =
+            make_float2(o[i][2 * r], o[i][2 * r + 1]);
+    }
   }
+
   __syncthreads();
   if constexpr (CL) {
     decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, merge + S::merge_floats(), t,
@@ -1400,10 +1402,7 @@ ActQ8 attn_out_q8(const AttentionArgs& a) {
 // GGRAPH_CUDA_ATTN_TILE=16 gives the lanes' kernel of 128-dim heads without grouped queries (the
 // decode batches of the 7B shape) 16-key tiles, half the staging a block, to measure.
 bool short_decode_tiles() {
-  static const bool v = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_ATTN_TILE");
-    return e && std::atoi(e) == 16;
-  }();
+  static const bool v = env_int("GGRAPH_CUDA_ATTN_TILE", 16, 16, 0) == 16;
   return v;
 }
 
@@ -1682,10 +1681,7 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
     // GGRAPH_CUDA_ATTN_MHA_MMA=1 gives 128-dim heads without grouped queries (such batches, and
     // single tokens, which take the query heads' MMA kernel otherwise) the MMA kernel turned
     // around for one query head a KV head, to measure.
-    static const bool mha_mma = [] {
-      const char* e = std::getenv("GGRAPH_CUDA_ATTN_MHA_MMA");
-      return e && std::atoi(e) == 1;
-    }();
+    static const bool mha_mma = env_int("GGRAPH_CUDA_ATTN_MHA_MMA", 1, 1, 0) == 1;
     if (mha_mma && a.n_head == a.n_head_kv && a.head_dim == 128 && decode_attention_mma(a.head_dim))
       return launch_decode_mma<128, true>(l, a, kc, vc, n_kv, first_pos);
     if (!lanes && decode_attention_mma(a.head_dim)) {

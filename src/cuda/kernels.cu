@@ -240,11 +240,7 @@ int64_t& norm_cluster_min_width() {
 // warp-pipelined products read the norm's 8-bit column tiles; GGRAPH_CUDA_NORM_CLUSTER_COLS=N
 // sets another bound, to measure (1: one column only).
 int64_t norm_cluster_max_cols() {
-  static const int64_t cols = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_NORM_CLUSTER_COLS");
-    const int64_t v = e ? std::atoll(e) : 0;
-    return v >= 1 && v <= 4096 ? v : int64_t(16);
-  }();
+  static const int64_t cols = env_int("GGRAPH_CUDA_NORM_CLUSTER_COLS", 1, 4096, 16);
   return cols;
 }
 template <int C>
@@ -802,6 +798,12 @@ void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cac
 bool env_switch_on(const char* name) {
   const char* e = std::getenv(name);
   return !(e && std::strcmp(e, "0") == 0);
+}
+
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* e = std::getenv(name);
+  const int v = e ? std::atoi(e) : 0;
+  return e && v >= lo && v <= hi ? v : fallback;
 }
 
 bool use_programmatic_launch(const cudaDeviceProp& prop) {

@@ -420,6 +420,9 @@ void prepare_kernels();
 // Whether the environment leaves the switch `name` on: unset, or set to anything but "0" (the
 // GGRAPH_CUDA_* settings that turn a path off to measure or test without it).
 bool env_switch_on(const char* name);
+// The integer the environment variable `name` holds where it lies in [lo, hi]; fallback where it
+// is unset, not a number or out of range (the settings that measurements vary).
+int env_int(const char* name, int lo, int hi, int fallback);
 // Whether to launch with programmatic dependent launch on this GPU: sm_90 or newer, kernels
 // built to begin with griddepcontrol.wait (sm_90 code), and not GGRAPH_CUDA_PDL=0 (to compare).
 bool use_programmatic_launch(const cudaDeviceProp& prop);

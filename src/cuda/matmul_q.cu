@@ -79,22 +79,14 @@ constexpr int kQ8Threads = 32 * kQ8Warps;
 constexpr int kTargetBlocks = 256;
 // GGRAPH_CUDA_MMQ_BLOCKS sets another target, to measure.
 int target_blocks() {
-  static const int v = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_MMQ_BLOCKS");
-    const int b = e ? std::atoi(e) : 0;
-    return b >= 1 && b <= 4096 ? b : kTargetBlocks;
-  }();
+  static const int v = env_int("GGRAPH_CUDA_MMQ_BLOCKS", 1, 4096, kTargetBlocks);
   return v;
 }
 constexpr int kMaxSplits = 8;
 // GGRAPH_CUDA_MMQ_SPLITS forces every launch's split count (1 to kMaxSplits, at most one a
 // stage), to measure; 0 or unset: the plan's.
 int forced_splits() {
-  static const int v = [] {
-    const char* e = std::getenv("GGRAPH_CUDA_MMQ_SPLITS");
-    const int s = e ? std::atoi(e) : 0;
-    return s >= 1 && s <= kMaxSplits ? s : 0;
-  }();
+  static const int v = env_int("GGRAPH_CUDA_MMQ_SPLITS", 1, kMaxSplits, 0);
   return v;
 }
 // GGRAPH_CUDA_MMQ_PLAN=waves takes wave_splits' count (below) where the block target's would be
@@ -1203,15 +1195,10 @@ constexpr int kQwMaxCols = 16;
 // mat-vec up to 8 columns while the warp kernel's activation tiles took a launch of their own;
 // with their producers writing them (GGRAPH_CUDA_TILE_OUTPUT), the SmolLM2 shape's decode batch
 // of 8 ran 13-16% faster on the warp kernel.
-int env_cols(const char* name, int fallback) {
-  const char* e = std::getenv(name);
-  const int c = e ? std::atoi(e) : 0;
-  return c >= 1 && c <= kMatMulQMaxCols ? c : fallback;
-}
 MatMulQ measured_choice(int64_t k, int64_t cols) {
   static const bool warp = env_switch_on("GGRAPH_CUDA_MMQ_WARP");
   if (warp && cols >= 4 && cols <= kQwMaxCols) return MatMulQ::Int8Warp;
-  static const int half_from = env_cols("GGRAPH_CUDA_MMQ_MIN", 9);
+  static const int half_from = env_int("GGRAPH_CUDA_MMQ_MIN", 1, kMatMulQMaxCols, 9);
   if (cols >= half_from && (cols <= 32 || k >= 2048)) return MatMulQ::Half;
   return k >= 2048 && cols >= 8 ? MatMulQ::Int8 : MatMulQ::None;
 }
