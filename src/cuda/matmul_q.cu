@@ -74,10 +74,10 @@ namespace {
 
 constexpr int kQ8Warps = 8;
 constexpr int kQ8Threads = 32 * kQ8Warps;
-// Split-k: a product of few row blocks splits k over enough blocks to make about this many in
-// all (a constant, so that the plan depends on the shape alone).
+// The split-k plan before load_splits (below), kept to measure against it: a product of few row
+// blocks splits k over enough blocks to make about this many in all.
 constexpr int kTargetBlocks = 256;
-// GGRAPH_CUDA_MMQ_BLOCKS sets another target, to measure.
+// GGRAPH_CUDA_MMQ_BLOCKS sets another target (with GGRAPH_CUDA_MMQ_PLAN=target), to measure.
 int target_blocks() {
   static const int v = env_int("GGRAPH_CUDA_MMQ_BLOCKS", 1, 4096, kTargetBlocks);
   return v;
@@ -89,12 +89,12 @@ int forced_splits() {
   static const int v = env_int("GGRAPH_CUDA_MMQ_SPLITS", 1, kMaxSplits, 0);
   return v;
 }
-// GGRAPH_CUDA_MMQ_PLAN=waves takes wave_splits' count (below) where the block target's would be
+// GGRAPH_CUDA_MMQ_PLAN=target takes the block target's count (below) where load_splits' would be
 // taken, to measure one against the other in one build.
-bool wave_plan() {
+bool target_plan() {
   static const bool v = [] {
     const char* e = std::getenv("GGRAPH_CUDA_MMQ_PLAN");
-    return e && std::string(e) == "waves";
+    return e && std::string(e) == "target";
   }();
   return v;
 }
@@ -275,27 +275,28 @@ int row_blocks_of(const int64_t* n, int n_parts, int rows) {
   for (int p = 0; p < n_parts; ++p) row_blocks += ceil_div(n[p], rows);
   return static_cast<int>(row_blocks);
 }
-// Plans are functions of the shapes alone (the sums' order follows the splits), so the wave
-// model below counts the blocks of an H100 or H200 (132 SMs), not the current GPU's: two an SM
-// (the half kernel's launch bounds promise two; the wide tiles' shared memory allows no more),
-// or one where a block takes more than half of sm_90's 228 KiB (1 KiB of it reserved a block).
+// Plans are functions of the shapes alone (the sums' order follows the splits), so the model
+// below counts the SMs of an H100 or H200, not the current GPU's.
 constexpr int kPlanSms = 132;
-constexpr int plan_blocks_per_sm(size_t smem) { return 2 * (smem + 1024) <= (228 << 10) ? 2 : 1; }
 // A block's fixed cost beside its stages, in stages: its pipeline's first trip to memory and
 // its end (the k-split warps' meeting, the partials and the ticket).
 constexpr int kBlockOverheadStages = 2;
-// The split count (1 to kMaxSplits, at least two stages a split) whose blocks finish first if
-// they run in waves of the resident blocks, each taking its stages and the fixed cost: a
-// product whose blocks would fill one wave and a sliver of a second takes fewer splits, or
-// enough more to even the waves out. Ties go to fewer splits.
-int wave_splits(int row_blocks, int stages, size_t smem) {
-  const int64_t slots = int64_t(kPlanSms) * plan_blocks_per_sm(smem);
+// The split count (1 to kMaxSplits, at least two stages a split) that leaves the least work on
+// the busiest SM: the blocks spread evenly over the SMs, the blocks an SM holds at once share its
+// throughput, and each block costs its stages and the fixed cost. A launch of at most one block
+// an SM costs 5/3 as much (nothing beside a block hides its latencies). The 7B shape's q/k/v at
+// 32 and 64 columns, 96 row blocks of 16 stages, take 4 splits (3 blocks on the busiest SM of a
+// quarter of k each, against 3 of a third at 3 splits), 21-24% faster than the block target's 3;
+// ties go to fewer splits (BENCHMARKS.md, "split-k plan").
+int load_splits(int row_blocks, int stages) {
   const int most = std::max(1, std::min(kMaxSplits, stages / 2));
   int best = 1;
   int64_t best_cost = std::numeric_limits<int64_t>::max();
   for (int s = 1; s <= most; ++s) {
-    const int64_t waves = ceil_div(int64_t(row_blocks) * s, slots);
-    const int64_t cost = waves * (ceil_div(stages, s) + kBlockOverheadStages);
+    const int64_t blocks = int64_t(row_blocks) * s;
+    const int64_t cost = ceil_div(blocks, int64_t(kPlanSms)) *
+                         (ceil_div(stages, s) + kBlockOverheadStages) *
+                         (blocks <= kPlanSms ? 5 : 3);
     if (cost < best_cost) best = s, best_cost = cost;
   }
   return best;
@@ -304,7 +305,7 @@ QPlan q_plan(const TileSpec& t, const int64_t* n, int n_parts, int64_t k) {
   const int stages = static_cast<int>(ceil_div(k / 32, t.sb));
   const int row_blocks = row_blocks_of(n, n_parts, t.rows);
   if (forced_splits()) return {t.rows, row_blocks, std::min(forced_splits(), std::max(1, stages))};
-  if (wave_plan()) return {t.rows, row_blocks, wave_splits(row_blocks, stages, t.smem)};
+  if (!target_plan()) return {t.rows, row_blocks, load_splits(row_blocks, stages)};
   int splits = static_cast<int>(ceil_div(target_blocks(), row_blocks));
   splits = std::max(1, std::min({splits, kMaxSplits, stages / 2}));
   return {t.rows, row_blocks, splits};
