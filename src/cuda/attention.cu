@@ -715,87 +715,6 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
   }
 }
 
-// One query head of a KV head (no grouped queries: the 7B shape's decode batches) on the MMA
-// turned around: a tile's keys are the MMA's rows and the head's dims its columns. The scores
-// S^T = K q take 16 keys as A (K's rows by ldmatrix) against q as B, the same in all 8 columns:
-// lane (g, t) ends with the scores of keys g and g + 8 of each 16 (s[ms][0], s[ms][2], repeated
-// in [1], [3]). The output O^T = V^T P takes 16 dims of V as A (ldmatrix transposed) against the
-// probabilities as B, so that a lane's accumulators are dims g and g + 8 of each 16 (o[i][0],
-// o[i][2]). Where the query heads' kernel uses one of its 16 rows, this one keeps a quarter of
-// the accumulators and q's fragments, and runs half the MMAs. As there, q and P are each split
-// into two halves (split_half2) and multiplied twice.
-//
-// Scores of NS groups of 16 keys (rows P halves apart at k, the lane's ldmatrix offset included)
-// over KT steps of 16 dims, q's halves in qa (the body's q fragments).
-template <int NS, int KT, int P>
-__device__ __forceinline__ void mha_scores(const __half* k, const uint32_t (&qa)[KT][4],
-                                           float (&s)[2 * NS][4]) {
-#pragma unroll
-  for (int ms = 0; ms < NS; ++ms) {
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, k + ms * 16 * P + kk * 16);
-      mma_16816(s[ms], a, qa[kk][0], qa[kk][1]);
-      mma_16816(s[ms], a, qa[kk][2], qa[kk][3]);
-    }
-  }
-}
-
-// The online softmax of those scores: the tile's maximum over a column's lanes (each key once),
-// the scores turned into probabilities, l (this lane's keys' share) and o rescaled.
-template <int NS, int DT>
-__device__ __forceinline__ void mha_softmax(float (&s)[2 * NS][4], float& m, float& l,
-                                            float (&o)[2 * DT][4]) {
-  float mx = m;
-#pragma unroll
-  for (int ms = 0; ms < NS; ++ms) mx = fmaxf(mx, fmaxf(s[ms][0], s[ms][2]));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-  const float base = mx == kNegInf ? 0.0f : mx;  // nothing valid yet
-  const float alpha = exp2f(m - base);
-  m = mx;
-  float sum = 0.0f;
-#pragma unroll
-  for (int ms = 0; ms < NS; ++ms) {
-    s[ms][0] = exp2f(s[ms][0] - base);
-    s[ms][2] = exp2f(s[ms][2] - base);
-    sum += s[ms][0] + s[ms][2];
-  }
-  l = l * alpha + sum;
-#pragma unroll
-  for (int i = 0; i < DT; ++i)
-    o[i][0] *= alpha, o[i][1] *= alpha, o[i][2] *= alpha, o[i][3] *= alpha;
-}
-
-// o += V^T P over NS groups of 16 keys: lane (g, t)'s B fragment is the probabilities of keys 2t,
-// 2t + 1 (b0) and 2t + 8, 2t + 9 (b1), which lanes 8t (keys 2t, 2t + 8) and 8t + 4 (2t + 1, 2t +
-// 9) hold; V's rows P halves apart at v (the lane's transposed ldmatrix offset included), DT
-// groups of 16 dims.
-template <int NS, int DT, int P>
-__device__ __forceinline__ void mha_pv(const float (&s)[2 * NS][4], const __half* v,
-                                       float (&o)[2 * DT][4], int tig) {
-#pragma unroll
-  for (int ms = 0; ms < NS; ++ms) {
-    uint32_t hi, lo;
-    split_half2(s[ms][0], s[ms][2], hi, lo);
-    const uint32_t hi0 = __shfl_sync(0xffffffffu, hi, 8 * tig);
-    const uint32_t hi1 = __shfl_sync(0xffffffffu, hi, 8 * tig + 4);
-    const uint32_t lo0 = __shfl_sync(0xffffffffu, lo, 8 * tig);
-    const uint32_t lo1 = __shfl_sync(0xffffffffu, lo, 8 * tig + 4);
-    const uint32_t bh0 = __byte_perm(hi0, hi1, 0x5410), bh1 = __byte_perm(hi0, hi1, 0x7632);
-    const uint32_t bl0 = __byte_perm(lo0, lo1, 0x5410), bl1 = __byte_perm(lo0, lo1, 0x7632);
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, v + ms * 16 * P + i * 16);
-      mma_16816(o[i], a, bh0, bh1);
-      mma_16816(o[i], a, bl0, bl1);
-    }
-  }
-}
-
 // ---- Flash-decoding on tensor cores ---------------------------------------------------------
 //
 // Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each
@@ -869,11 +788,9 @@ constexpr int cluster_warps() {
       first_pos_at, n_splits, n_gchunks, out_q, out_d, tiles_k, out_h, window, counters,          \
       cache_rows, slots
 
-template <int D, bool Q8, int W, bool CL, bool MHA = false>
+template <int D, bool Q8, int W, bool CL>
 __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   using S = DecodeMma<D, W, CL>;
-  static_assert(!MHA || (!CL && S::kLowInRegs),
-                "one query head a block: 64 or 128 dims, no cluster");
   constexpr int BK = S::kKeys, P = S::kPitch, RP = S::kRawPitch, kWarps = S::kWarps;
   constexpr int G = S::kRows;
   constexpr int NT = BK / 8;  // score fragments of 8 keys
@@ -1008,22 +925,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // zeros. At 256 dims the low halves go to shared memory ([16][P] after the tiles), where each
   // step of the scores reads them back as a fragment.
   uint32_t qa[D / 16][4];
-  uint32_t ql[S::kLowInRegs && !MHA ? D / 16 : 1][4];
+  uint32_t ql[S::kLowInRegs ? D / 16 : 1][4];
   __half* q_low = reinterpret_cast<__half*>(smem_raw + S::tile_bytes(Q8));
-  const float q_scale = scale * 1.4426950408889634f;
-  const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
-  if constexpr (MHA) {
-    // One query head (mha_scores): q as the B fragments of every column, dims 16 kk + 2t, + 1
-    // (b0) and 16 kk + 2t + 8, + 9 (b1); high halves in qa[kk][0..1], low ones in qa[kk][2..3].
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float2 v = *reinterpret_cast<const float2*>(qt + kk * 16 + 8 * h);
-        split_half2(v.x * q_scale, v.y * q_scale, qa[kk][h], qa[kk][2 + h]);
-      }
-    }
-  } else {
+  {
+    const float q_scale = scale * 1.4426950408889634f;
+    const float* qt = q + (static_cast<int64_t>(t) * n_head + h_first) * D + 2 * tig;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -1060,52 +966,38 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     float s[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-    if constexpr (MHA) {
-      mha_scores<BK / 16, D / 16, P>(ks + v_off, qa, s);
-      if (n_valid < BK) {
 #pragma unroll
-        for (int ms = 0; ms < BK / 16; ++ms) {
-          if (ms * 16 + g >= n_valid) s[ms][0] = kNegInf;
-          if (ms * 16 + g + 8 >= n_valid) s[ms][2] = kNegInf;
-        }
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t lo[4];
+      if constexpr (S::kLowInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
+      } else {
+        ldmatrix_x4(lo, q_low_frag + kk * 16);
       }
-    } else {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t lo[4];
-        if constexpr (S::kLowInRegs) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
-        } else {
-          ldmatrix_x4(lo, q_low_frag + kk * 16);
-        }
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
-          mma_16816(s[2 * np], qa[kk], b[0], b[1]);
-          mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
-          mma_16816(s[2 * np], lo, b[0], b[1]);
-          mma_16816(s[2 * np + 1], lo, b[2], b[3]);
-        }
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
+        mma_16816(s[2 * np], qa[kk], b[0], b[1]);
+        mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
+        mma_16816(s[2 * np], lo, b[0], b[1]);
+        mma_16816(s[2 * np + 1], lo, b[2], b[3]);
       }
-      if (n_valid < BK) {
+    }
+    if (n_valid < BK) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
-        }
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
       }
     }
     if (more) {
       __syncwarp();  // every lane's K fragments read
       tile_stage(tile + kTileStep, k_head, ks, raw_k);
     }
-    if constexpr (MHA)
-      mha_softmax<BK / 16, D / 16>(s, m[0], l[0], o);
-    else
-      frag_softmax(s, m, l, o);
+    frag_softmax(s, m, l, o);
 
     if (more)
       cp_async_wait<1>();  // this tile's V, with the next K still coming
@@ -1113,10 +1005,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       cp_async_wait<0>();
     __syncwarp();
     decode(raw, vs);
-    if constexpr (MHA)
-      mha_pv<BK / 16, D / 16, P>(s, vs + k_off, o, tig);
-    else
-      frag_pv<P, true>(s, vs + v_off, o);
+    frag_pv<P, true>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged over it
     if (more) tile_stage(tile + kTileStep, v_head, vs, raw);
   }
@@ -1125,36 +1014,19 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   __syncthreads();
   float* merge = reinterpret_cast<float*>(smem_raw);  // [kWarps][G][D + 2]
   constexpr int rec = D + 2;
-  if constexpr (MHA) {
-    // The head's record (row 0): l summed over the lanes of one column, which hold each key
-    // once; output dims 16 i + g and 16 i + g + 8 from column 0's lanes.
-    float lt = l[0];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 4);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 8);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 16);
-    float* rp = merge + warp * G * rec;
-    if (lane == 0) rp[0] = m[0] == kNegInf ? kNegInf : m[0] * 0.6931471805599453f, rp[1] = lt;
-    if (tig == 0) {
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i)
-        rp[2 + 16 * i + g] = o[i][0], rp[2 + 16 * i + g + 8] = o[i][2];
-    }
-  } else {
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int row = g + 8 * r;
+    if (row >= n_g) continue;
+    float* rp = merge + (warp * G + row) * rec;
+    if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-      const int row = g + 8 * r;
-      if (row >= n_g) continue;
-      float* rp = merge + (warp * G + row) * rec;
-      if (tig == 0) rp[0] = m[r] == kNegInf ? kNegInf : m[r] * 0.6931471805599453f, rp[1] = l[r];
-#pragma unroll
-      for (int i = 0; i < DT; ++i)
-        *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) =
-            make_float2(o[i][2 * r], o[i][2 * r + 1]);
-    }
+    for (int i = 0; i < DT; ++i)
+      *reinterpret_cast<float2*>(rp + 2 + i * 8 + 2 * tig) =
+          make_float2(o[i][2 * r], o[i][2 * r + 1]);
   }
-
   __syncthreads();
   if constexpr (CL) {
     decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, merge + S::merge_floats(), t,
@@ -1167,10 +1039,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   }
 }
 
-template <int D, bool Q8, bool MHA = false>
+template <int D, bool Q8>
 __global__ void __launch_bounds__(DecodeMma<D>::kWarps * 32)
     attn_decode_mma_kernel(GGRAPH_DECODE_MMA_PARAMS) {
-  decode_mma_body<D, Q8, DecodeMma<D>::kWarps, false, MHA>(GGRAPH_DECODE_MMA_ARGS);
+  decode_mma_body<D, Q8, DecodeMma<D>::kWarps, false>(GGRAPH_DECODE_MMA_ARGS);
 }
 
 // The cluster's size is the kernel's own (compiled for sm_90 and later only; other GPUs never
@@ -1449,7 +1321,7 @@ ClusterSupport& cluster_support() {
 }
 constexpr int dim_index(int d) { return d == 64 ? 0 : d == 128 ? 1 : 2; }
 
-template <int D, bool MHA = false>
+template <int D>
 void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, const void* vc,
                        int32_t n_kv, int32_t first_pos) {
   using S = DecodeMma<D>;
@@ -1473,7 +1345,7 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
   // tokens, cache rows, window) alone, never the step's depth.
   const ClusterSupport& cs = cluster_support();
   using SC = DecodeMma<D, cluster_warps<D>(), true>;
-  if (!MHA && cs.mode != 0 && kv_blocks <= cs.clusters[dim_index(D)][is_q8] &&
+  if (cs.mode != 0 && kv_blocks <= cs.clusters[dim_index(D)][is_q8] &&
       max_keys > SC::split_keys() && max_keys <= kAttnClusterSplits * SC::split_keys()) {
     launch(
         is_q8 ? attn_decode_mma_cluster_kernel<D, true> : attn_decode_mma_cluster_kernel<D, false>,
@@ -1482,7 +1354,7 @@ void launch_decode_mma(Launcher& l, const AttentionArgs& a, const void* kc, cons
     return;
   }
   const int n_splits = attention_splits(max_keys, kv_blocks, S::split_keys());
-  launch(is_q8 ? attn_decode_mma_kernel<D, true, MHA> : attn_decode_mma_kernel<D, false, MHA>,
+  launch(is_q8 ? attn_decode_mma_kernel<D, true> : attn_decode_mma_kernel<D, false>,
          dim3(a.n_head_kv * n_gchunks, n_splits, a.n_tokens), dim3(S::kWarps * 32),
          S::smem_bytes(is_q8), n_splits);
 }
@@ -1491,10 +1363,6 @@ template <int D>
 void prepare_decode_mma() {
   allow_block_smem(attn_decode_mma_kernel<D, false>, DecodeMma<D>::smem_bytes(false));
   allow_block_smem(attn_decode_mma_kernel<D, true>, DecodeMma<D>::smem_bytes(true));
-  if constexpr (D == 128) {
-    allow_block_smem(attn_decode_mma_kernel<D, false, true>, DecodeMma<D>::smem_bytes(false));
-    allow_block_smem(attn_decode_mma_kernel<D, true, true>, DecodeMma<D>::smem_bytes(true));
-  }
   using SC = DecodeMma<D, cluster_warps<D>(), true>;
   allow_block_smem(attn_decode_mma_cluster_kernel<D, false>, SC::smem_bytes(false));
   allow_block_smem(attn_decode_mma_cluster_kernel<D, true>, SC::smem_bytes(true));
@@ -1680,12 +1548,6 @@ void launch_attention(Launcher& l, const AttentionArgs& a) {
     // B=64 7,608-7,618 against 7,170-7,185); with GQA (the SmolLM2 shape's 3) the MMA kernel
     // wins.
     const bool lanes = a.slots && a.n_head == a.n_head_kv;
-    // GGRAPH_CUDA_ATTN_MHA_MMA=1 gives 128-dim heads without grouped queries (such batches, and
-    // single tokens, which take the query heads' MMA kernel otherwise) the MMA kernel turned
-    // around for one query head a KV head, to measure.
-    static const bool mha_mma = env_int("GGRAPH_CUDA_ATTN_MHA_MMA", 1, 1, 0) == 1;
-    if (mha_mma && a.n_head == a.n_head_kv && a.head_dim == 128 && decode_attention_mma(a.head_dim))
-      return launch_decode_mma<128, true>(l, a, kc, vc, n_kv, first_pos);
     if (!lanes && decode_attention_mma(a.head_dim)) {
       if (a.head_dim == 64) return launch_decode_mma<64>(l, a, kc, vc, n_kv, first_pos);
       if (a.head_dim == 128) return launch_decode_mma<128>(l, a, kc, vc, n_kv, first_pos);

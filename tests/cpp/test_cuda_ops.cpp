@@ -1396,9 +1396,8 @@ TEST_F(CudaOps, AttentionOverSequencePools) {
                              {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 39}},
                             {4, 1, 256, 2, 530, {1, 0}, {2000, 4}, 512, true},
                             {4, 2, 64, 3, 8, {0, 2}, {50, 3}, 8, true, q8},
-                            // One query head a KV head: the lanes' kernel, at 128 and 256 dims
-                            // (or at 128 the MMA kernel turned around for one query head, under
-                            // GGRAPH_CUDA_ATTN_MHA_MMA=1): one key, part of a tile, splits.
+                            // One query head a KV head: the lanes' kernel, at 128 dims (16-key
+                            // tiles) and 256: one key, part of a tile, splits.
                             {2, 2, 128, 5, 300, {4, 1, 3, 0}, {299, 2, 150, 40}, 0, false, q8},
                             {3, 3, 128, 4, 300, {2, 0, 3, 1}, {260, 0, 33, 129}, 0, false, f16},
                             {2, 2, 256, 3, 100, {0, 2}, {99, 10}}};
@@ -2590,6 +2589,33 @@ TEST(CudaLaunchPlan, SplitCountFollowsTheCacheSizeAndFillsTheGpu) {
             << max_keys << " keys over " << kv_blocks << " blocks: " << s << " splits";
         last = s;
       }
+    }
+}
+
+// The products' k splits at 32 and 64 columns (the half kernel's 128-row blocks, 16 stages of k
+// 4096), as their partials' size shows: the split count that leaves the busiest SM least work,
+// which the sweep of every count on an H200 found fastest for each of the 7B shape's launches
+// (BENCHMARKS.md, "split-k plan"). q/k/v's 96 row blocks take 4 splits (3 by the old block
+// target, 21-24% slower), gate/up's 172 take 2, and the 32 of the output and down products 8.
+TEST(CudaLaunchPlan, ProductSplitsLeaveTheBusiestSmLeastWork) {
+  struct Case {
+    std::vector<int64_t> n;
+    int64_t k;
+    int splits;
+  };
+  const Case cases[] = {{{4096, 4096, 4096}, 4096, 4},
+                        {{11008, 11008}, 4096, 2},
+                        {{4096}, 4096, 8},
+                        {{4096}, 11008, 8}};
+  for (int64_t cols : {32, 64})
+    for (const Case& c : cases) {
+      ASSERT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, c.k, cols), cuda::MatMulQ::Half);
+      int64_t rows = 0;
+      for (int64_t n : c.n) rows += n;
+      const size_t bytes = cuda::mat_mul_q_partials_bytes(DType::Q4_0, c.n.data(),
+                                                          static_cast<int>(c.n.size()), c.k, cols);
+      EXPECT_EQ(bytes, size_t(c.splits) * cols * rows * sizeof(float))
+          << rows << " rows, k " << c.k << ", " << cols << " columns";
     }
 }
 
