@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench, kernels, profile, llamacpp, refbench, batchbench,
-# ab, abenv.
+# Stages: build, test, sanitize, golden, bench, kernels, sweep, profile, llamacpp, refbench,
+# batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
 # Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
@@ -164,6 +164,20 @@ for stage in "$@"; do
       # KERNELS names the sections (matvec, decode, matmul, gemm, attention, launch, barrier); all
       # by default.
       "$BUILD"/ggraph_bench_cuda ${KERNELS:-} 2>&1 | tee "$OUT/kernels.log" | tail -${KERNELS_TAIL:-30}
+      ;;
+    sweep)
+      # ggraph_bench_cuda's KERNELS sections (default decode) under each of SWEEP's settings in
+      # turn (space-separated VAR=value, "-" for none), SWEEP_ROUNDS times (default 2), rows
+      # matching SWEEP_GREP (default the half products'), e.g. SWEEP="- GGRAPH_CUDA_MMQ_HALF_WN=2"
+      # BENCH_TYPES=Q4_0 BENCH_COLS=32,64.
+      for round in $(seq "${SWEEP_ROUNDS:-2}"); do
+        for setting in ${SWEEP:?sweep needs SWEEP}; do
+          echo "round $round, $setting" | tee -a "$OUT/sweep.md"
+          # shellcheck disable=SC2086  # the sections, one word each
+          env ${setting/#-/X=} "$BUILD"/ggraph_bench_cuda ${KERNELS:-decode} 2>&1 |
+            grep -E "${SWEEP_GREP:-\| half \|}" | tee -a "$OUT/sweep.md"
+        done
+      done
       ;;
     profile)
       # Nsight Compute's view of one launch of each kernel named in PROFILE (';'-separated
