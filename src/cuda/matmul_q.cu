@@ -138,25 +138,25 @@ struct Q8Shape<8> {
 // 128 bytes of its swizzle.
 template <int NT>
 struct QhShape;
+// Every warp takes all the tile's columns (QhColSplit splits them over two).
+struct QhOneWarpOfColumns {
+  static constexpr int kWN = 1;
+};
 template <>
-struct QhShape<1> {
+struct QhShape<1> : QhOneWarpOfColumns {
   static constexpr int kWM = 1, kMT = 1, kSB = 32, kStages = 4;
-  static constexpr int kWN = 1;  // warps across the columns (QhColSplit)
 };
 template <>
-struct QhShape<2> {
+struct QhShape<2> : QhOneWarpOfColumns {
   static constexpr int kWM = 1, kMT = 2, kSB = 16, kStages = 3;
-  static constexpr int kWN = 1;
 };
 template <>
-struct QhShape<4> {
+struct QhShape<4> : QhOneWarpOfColumns {
   static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 3;
-  static constexpr int kWN = 1;
 };
 template <>
-struct QhShape<8> {
+struct QhShape<8> : QhOneWarpOfColumns {
   static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 2;
-  static constexpr int kWN = 1;
 };
 // 17 to 64 columns for products of fewer than kQhWideRows rows, whose 128-row blocks would be
 // too few (with k split over at most kMaxSplits) or partly empty (SmolLM2's 576 and 192), and
@@ -1116,7 +1116,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   // With c = 4 c4 + 2 st2 (even; c & ~7 and c & 7 constants once unrolled) that chunk is
   // 4 kPerWarp wk + (c & ~7) + (((c & 7) | t/2) ^ act_swizzle(g)): the XOR changes only the low
   // three bits, and 4 kPerWarp wk is a multiple of 8. So four offsets, one for each c & 7.
-  // A warp of columns' first column tile starts NW tiles of 8 columns in.
+  // Warp wn of the columns reads column tiles wn NW .. wn NW + NW - 1.
   int b_off[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
