@@ -129,12 +129,9 @@ for stage in "$@"; do
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
-      # The products' kernels that only a switch selects: the one-row-block warp kernel, the half
-      # kernel's column-split tiles.
-      for setting in GGRAPH_CUDA_MMQ_WARP_PERSIST=0 GGRAPH_CUDA_MMQ_HALF_WN=2; do
-        env $setting "$BUILD"/ggraph_cuda_tests --gtest_filter='CudaOps.MulMat*' 2>&1 | tail -2 |
-          sed "s/^/$setting: /" | tee -a "$OUT/op-suite.log"
-      done
+      # The products' kernels that only a switch selects: the one-row-block warp kernel.
+      GGRAPH_CUDA_MMQ_WARP_PERSIST=0 "$BUILD"/ggraph_cuda_tests --gtest_filter='CudaOps.MulMat*' \
+        2>&1 | tail -2 | tee -a "$OUT/op-suite.log"
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_graphs.py \
         tests/python/test_cuda_backend.py tests/python/test_archs.py 2>&1 |
         tee "$OUT/pytest-cuda.log" | tail -30
@@ -168,7 +165,7 @@ for stage in "$@"; do
     sweep)
       # ggraph_bench_cuda's KERNELS sections (default decode) under each of SWEEP's settings in
       # turn (space-separated VAR=value, "-" for none), SWEEP_ROUNDS times (default 2), rows
-      # matching SWEEP_GREP (default the half products'), e.g. SWEEP="- GGRAPH_CUDA_MMQ_HALF_WN=2"
+      # matching SWEEP_GREP (default the half products'), e.g. SWEEP="- GGRAPH_CUDA_MMQ_SPLITS=4"
       # BENCH_TYPES=Q4_0 BENCH_COLS=32,64.
       for round in $(seq "${SWEEP_ROUNDS:-2}"); do
         for setting in ${SWEEP:?sweep needs SWEEP}; do

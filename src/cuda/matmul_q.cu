@@ -138,24 +138,20 @@ struct Q8Shape<8> {
 // 128 bytes of its swizzle.
 template <int NT>
 struct QhShape;
-// Every warp takes all the tile's columns (QhColSplit splits them over two).
-struct QhOneWarpOfColumns {
-  static constexpr int kWN = 1;
-};
 template <>
-struct QhShape<1> : QhOneWarpOfColumns {
+struct QhShape<1> {
   static constexpr int kWM = 1, kMT = 1, kSB = 32, kStages = 4;
 };
 template <>
-struct QhShape<2> : QhOneWarpOfColumns {
+struct QhShape<2> {
   static constexpr int kWM = 1, kMT = 2, kSB = 16, kStages = 3;
 };
 template <>
-struct QhShape<4> : QhOneWarpOfColumns {
+struct QhShape<4> {
   static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 3;
 };
 template <>
-struct QhShape<8> : QhOneWarpOfColumns {
+struct QhShape<8> {
   static constexpr int kWM = 8, kMT = 1, kSB = 8, kStages = 2;
 };
 // 17 to 64 columns for products of fewer than kQhWideRows rows, whose 128-row blocks would be
@@ -166,17 +162,6 @@ template <int NT>
 struct QhNarrow : QhShape<NT> {
   static_assert(NT >= 4, "the narrow tiles are those of 17 to 64 columns");
   static constexpr int kWM = 2, kMT = 2;
-};
-// The wide tile as four warps of rows of two row tiles each, by two warps of columns, to
-// measure (GGRAPH_CUDA_MMQ_HALF_WN=2): the same 128-row blocks, stages and plan, but each
-// activation fragment a warp loads from shared memory serves two row tiles, where QhShape's
-// warps each load every column's fragments for one (the B loads are half the shared memory
-// traffic a product's MMA takes); a warp holds half the columns' accumulators, so two row
-// tiles fit its registers.
-template <int NT>
-struct QhColSplit : QhShape<NT> {
-  static_assert(NT >= 4, "the column-split tiles are those of 17 to 64 columns");
-  static constexpr int kWM = 4, kMT = 2, kWN = 2;
 };
 constexpr int kQhWarps = 8;
 
@@ -456,17 +441,14 @@ __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&&
 // (counters: a ticket a row block, left at zero) adds them in split order, so that the result
 // does not depend on which finished last. acc is the m16n8 accumulator layout of each column
 // tile: rows g and g + 8, columns 2t and 2t + 1; warp (wm, wk) holds row tiles wm MT .. wm MT +
-// MT - 1. With WN warps across the columns (warp wm + WM wn, no k-split warps), acc is warp
-// wn's NT column tiles, from wn NT on.
-template <int WM, int WK, int MT, int NT, int kThreads, int WN = 1>
+// MT - 1.
+template <int WM, int WK, int MT, int NT, int kThreads>
 __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* smem, int n, int cols,
                                             int rb, float* dst, float* partials,
                                             unsigned* counters) {
-  static_assert(WN == 1 || WK == 1, "warps split the columns or k, not both");
   constexpr int kRows = 16 * WM * MT, kTiles = MT * NT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp % WM, wk = WN > 1 ? 0 : warp / WM, g = lane / 4, t = lane % 4;
-  const int col0 = WN > 1 ? warp / WM * NT * 8 : 0;
+  const int wm = warp % WM, wk = warp / WM, g = lane / 4, t = lane % 4;
   const int row0 = rb * kRows;
   __syncthreads();  // the stages' memory is free from here on
   if constexpr (WK > 1) {
@@ -505,7 +487,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* sm
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = row0 + (wm * MT + mt) * 16 + g + (i >= 2 ? 8 : 0);
-          const int col = col0 + nt * 8 + 2 * t + (i & 1);
+          const int col = nt * 8 + 2 * t + (i & 1);
           if (row < n && col < cols) out[static_cast<int64_t>(col) * n + row] = acc[mt][nt][i];
         }
       }
@@ -1079,9 +1061,7 @@ template <int TYPE, int NT, class S = QhShape<NT>>
 __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
     mat_mul_qh_kernel(QParts parts, int k, const __half* act, int cols, unsigned* counters) {
   using T = QhTile<TYPE, NT, S>;
-  // WK: warps sharing a stage's blocks; WN: warps across the columns, NW column tiles each.
-  constexpr int WM = T::kWM, MT = T::kMT, WN = S::kWN, WK = kQhWarps / (WM * WN), NW = NT / WN;
-  static_assert(WM * WN * WK == kQhWarps && NW * WN == NT, "the warps cover the tile");
+  constexpr int WM = T::kWM, MT = T::kMT, WK = kQhWarps / WM;  // WK: warps sharing a stage
   constexpr int kThreads = T::kThreads;
   constexpr int kSB = T::kSB, kStages = T::kStages, kStageK = T::kStageK;
   constexpr int kPerWarp = kSB / WK;
@@ -1089,7 +1069,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp % WM, wn = warp / WM % WN, wk = warp / (WM * WN);
+  const int wm = warp % WM, wk = warp / WM;
   const QPart part = block_part(parts);
   const WeightCopy<T, kThreads> load_weights(part.w, part.n, k, part.rb * T::kRows);
   const int nb = k / 32;
@@ -1116,13 +1096,12 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   // With c = 4 c4 + 2 st2 (even; c & ~7 and c & 7 constants once unrolled) that chunk is
   // 4 kPerWarp wk + (c & ~7) + (((c & 7) | t/2) ^ act_swizzle(g)): the XOR changes only the low
   // three bits, and 4 kPerWarp wk is a multiple of 8. So four offsets, one for each c & 7.
-  // Warp wn of the columns reads column tiles wn NW .. wn NW + NW - 1.
   int b_off[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    b_off[i] = (wn * NW * 8 + g) * kStageK * 2 + 8 * (t & 1) +
+    b_off[i] = g * kStageK * 2 + 8 * (t & 1) +
                (4 * kPerWarp * wk + (((2 * i) | (t >> 1)) ^ act_swizzle(g))) * 16;
-  float acc[MT][NW][4] = {};
+  float acc[MT][NT][4] = {};
 
   run_stages<kStages>(range, load_stage_w, load_stage_a, [&](int s) {
     const uint8_t* st = stage_at(s);
@@ -1172,7 +1151,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
         for (int st2 = 0; st2 < 2; ++st2) {
           const int c = 4 * (jp + h) + 2 * st2;
 #pragma unroll
-          for (int nt = 0; nt < NW; ++nt) {
+          for (int nt = 0; nt < NT; ++nt) {
             const uint2 b = *reinterpret_cast<const uint2*>(sa + nt * 8 * kStageK * 2 +
                                                             (c & ~7) * 16 + b_off[(c & 7) / 2]);
 #pragma unroll
@@ -1183,8 +1162,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
     }
   });
   pdl_trigger();
-  finish_tile<WM, WK, MT, NW, kThreads, WN>(acc, smem, part.n, cols, part.rb, part.dst,
-                                            part.partials, counters);
+  finish_tile<WM, WK, MT, NT, kThreads>(acc, smem, part.n, cols, part.rb, part.dst, part.partials,
+                                        counters);
 }
 
 // GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, no kernel; int8 or all, the int8
@@ -1227,12 +1206,6 @@ MatMulQ measured_choice(int64_t k, int64_t cols) {
 
 // Whether a block takes the tile (16: the kernels' static shared memory).
 bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
-
-// Whether the wide half tiles split their columns over two warps (QhColSplit), to measure.
-bool qh_col_split() {
-  static const bool v = env_int("GGRAPH_CUDA_MMQ_HALF_WN", 1, 2, 1) == 2;
-  return v;
-}
 
 // Whether a product of n rows takes the narrow half tile.
 constexpr int64_t kQhWideRows = 4096;
@@ -1299,12 +1272,9 @@ void set_smem() {
   }
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
-  if constexpr (NT >= 4) {
+  if constexpr (NT >= 4)
     allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                      QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
-    allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhColSplit<NT>>,
-                     QhTile<TYPE, NT, QhColSplit<NT>>::kSmem);
-  }
 }
 
 template <int TYPE>
@@ -1477,9 +1447,6 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
             if (qh_narrow<TYPE, NT>(rows))
               return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                             QhTile<TYPE, NT, QhNarrow<NT>>{});
-            if (qh_col_split())
-              return launch(mat_mul_qh_kernel<TYPE, NT, QhColSplit<NT>>,
-                            QhTile<TYPE, NT, QhColSplit<NT>>{});
           }
           launch(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>{});
         } else {
