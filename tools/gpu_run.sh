@@ -129,9 +129,12 @@ for stage in "$@"; do
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
-      # The products' kernels that only a switch selects: the one-row-block warp kernel.
-      GGRAPH_CUDA_MMQ_WARP_PERSIST=0 "$BUILD"/ggraph_cuda_tests --gtest_filter='CudaOps.MulMat*' \
-        2>&1 | tail -2 | tee -a "$OUT/op-suite.log"
+      # The products' kernels that only a switch selects here: the one-row-block warp kernel, the
+      # wide half tiles' mma.sync kernel (the warpgroup kernel's, on sm_90).
+      for setting in GGRAPH_CUDA_MMQ_WARP_PERSIST=0 GGRAPH_CUDA_MMQ_WGMMA=0; do
+        env $setting "$BUILD"/ggraph_cuda_tests --gtest_filter='CudaOps.MulMat*' 2>&1 | tail -2 |
+          sed "s/^/$setting: /" | tee -a "$OUT/op-suite.log"
+      done
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_graphs.py \
         tests/python/test_cuda_backend.py tests/python/test_archs.py 2>&1 |
         tee "$OUT/pytest-cuda.log" | tail -30

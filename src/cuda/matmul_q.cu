@@ -405,7 +405,9 @@ __device__ __forceinline__ QPart block_part(const QParts& p) {
 // than any other), one a stage of the first kStages, then one an iteration (empty in the first):
 // stage s's is the newest but kStages - 1 among the first kStages, and the newest but kStages - 2
 // after them.
-template <int kStages, class LoadW, class LoadA, class Compute>
+// kAsyncReads: compute reads the stage through the async proxy (wgmma), so each thread orders
+// its landed copies (the generic proxy's writes) before that proxy's reads ahead of the barrier.
+template <int kStages, bool kAsyncReads = false, class LoadW, class LoadA, class Compute>
 __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&& load_a,
                                            Compute&& compute) {
 #pragma unroll
@@ -424,6 +426,7 @@ __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&&
       cp_async_wait<kStages - 1>();
     else
       cp_async_wait<kStages - 2>();
+    if constexpr (kAsyncReads) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     if (s > r.begin && s + kStages - 1 < r.end) {
       load_w(s + kStages - 1);
@@ -1166,6 +1169,158 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
                                         counters);
 }
 
+// ---- The warpgroup form of the half kernel (sm_90a) -------------------------------------------
+//
+// The wide half tiles (QhShape<4> and <8>: eight warps of one 16-row tile each, 128 rows a
+// block) as two warpgroups of 64 rows whose products are wgmma's: each warp decodes its rows'
+// A fragments in registers exactly as the half kernel does, and one wgmma a 16-element step
+// multiplies the warpgroup's 64 rows by the stage's 32 or 64 columns read from shared memory by
+// the tensor cores themselves, where the half kernel loads eight B fragments a step into every
+// warp's registers and issues eight mma.sync. The activation stage is wgmma's K-major layout
+// with the 128-byte swizzle (SwizzledKSegments), in k's own order: each lane gathers the quant
+// bytes of k 2t, 2t + 1, 2t + 8 and 2t + 9 of its rows (two 32-bit loads and a byte permute),
+// which half_fragments turns into the standard A fragments. The weights, stages, plan and end
+// are the half kernel's. A block decodes block j + 1's fragments while block j's wgmma's run
+// (two sets of A registers, wgmma.wait_group 1), and waits for all of a stage's before the
+// barrier that lets its buffer be refilled.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// d += a * b for the warpgroup: a 64x16 (each warp's 16 rows, mma.sync's A fragment), b 16xN
+// from shared memory (desc), d mma.sync's m16n8 accumulators of each column tile in turn.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4],
+                                                uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], const uint32_t (&a)[4],
+                                                uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+template <int N>
+__device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (N == 64)
+    wgmma_m64n64k16(d, a, desc);
+  else
+    wgmma_m64n32k16(d, a, desc);
+}
+// The descriptor of a K-major operand with the 128-byte swizzle at smem: 8-row groups 1,024
+// bytes apart (the leading offset unused).
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (uint64_t(1) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+#endif
+
+template <int TYPE, int NT>
+__global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
+    mat_mul_qg_kernel(QParts parts, int k, const __half* act, int cols, unsigned* counters) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = QhTile<TYPE, NT>;
+  static_assert(T::kWM == 8 && T::kMT == 1 && NT >= 4, "two warpgroups of four row tiles");
+  constexpr int kThreads = T::kThreads, kSB = T::kSB, kStages = T::kStages;
+  constexpr int kStageK = T::kStageK, N = T::kCols;
+  static_assert((T::kW + T::kWS) % 1024 == 0 && T::kStage % 1024 == 0,
+                "each stage's activation starts a swizzle atom");
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  // wgmma's swizzle follows the address bits: the stages start on a 1,024-byte boundary.
+  uint8_t* const smem =
+      smem_raw + ((1024 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024) % 1024);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const QPart part = block_part(parts);
+  const WeightCopy<T, kThreads> load_weights(part.w, part.n, k, part.rb * T::kRows);
+  const int nb = k / 32;
+  const StageRange range = stage_range(nb, kSB);
+  const StageCopy<N, kStageK / 8, 16, 64, kThreads> load_act(
+      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols, static_cast<int>(threadIdx.x));
+
+  auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
+  auto load_stage_w = [&](int s) {
+    uint8_t* st = stage_at(s);
+    load_weights(s * kSB, st, st + T::kW);
+  };
+  auto load_stage_a = [&](int s) {
+    copy_stage(load_act, stage_at(s) + T::kW + T::kWS, s * kSB, nb, SwizzledKSegments<N>{});
+  };
+
+  const int g = lane / 4, t = lane % 4;
+  const int r = warp * 16 + g;  // the lane's rows r and r + 8
+  // Lane t's quant bytes 2t, 2t + 1 (word t / 2 of a 16-byte chunk) and 2t + 8, 2t + 9 (word
+  // t / 2 + 2), as one word.
+  const int word = (t >> 1) * 4;
+  const uint32_t pick = (t & 1) ? 0x7632u : 0x5410u;
+  auto gather = [&](const uint8_t* row, int ch) {
+    const uint8_t* c = row + ((ch ^ (r & 7)) * 16) + word;
+    return __byte_perm(*reinterpret_cast<const uint32_t*>(c),
+                       *reinterpret_cast<const uint32_t*>(c + 8), pick);
+  };
+  float acc[1][NT][4] = {};
+  float(&d)[N / 2] = reinterpret_cast<float(&)[N / 2]>(acc);
+
+  run_stages<kStages, true>(range, load_stage_w, load_stage_a, [&](int s) {
+    const uint8_t* sw = stage_at(s);
+    const uint8_t* sws = sw + T::kW;
+    const uint64_t desc = wgmma_desc(sws + T::kWS);
+    const uint8_t* row = sw + r * T::kRowBytes;
+    const uint8_t* row8 = row + 8 * T::kRowBytes;
+    uint32_t a[2][2][4];
+#pragma unroll
+    for (int j = 0; j < kSB; ++j) {
+      uint32_t xg[2] = {}, xg8[2] = {};
+      if constexpr (T::kQuantBytes == 16) {
+        xg[0] = gather(row, j);
+        xg8[0] = gather(row8, j);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          xg[h] = gather(row, 2 * j + h);
+          xg8[h] = gather(row8, 2 * j + h);
+        }
+      }
+      half_fragments<TYPE>(a[j & 1], xg, xg8,
+                           block_scale_half<TYPE>(sws + r * T::kScaleBytes, j),
+                           block_scale_half<TYPE>(sws + (r + 8) * T::kScaleBytes, j));
+      wgmma_fence();
+#pragma unroll
+      for (int st2 = 0; st2 < 2; ++st2) {
+        // k 32 j + 16 st2 of the stage: segment j / 2, 2 (32 j + 16 st2) % 128 bytes in.
+        const int at = (j / 2) * N * 128 + ((j & 1) * 64 + st2 * 32);
+        wgmma_step<N>(d, a[j & 1][st2], desc + (at >> 4));
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+  });
+  pdl_trigger();
+  finish_tile<8, 1, 1, NT, kThreads>(acc, smem, part.n, cols, part.rb, part.dst, part.partials,
+                                     counters);
+#else
+  __trap();  // launched only where sm_90a's code runs (qg_available)
+#endif
+}
+
 // GGRAPH_CUDA_MMQ: unset, the measured choice (below); 0, no kernel; int8 or all, the int8
 // kernel for every product it can take; half, the half kernel for every one; warp, the
 // warp-pipelined kernel for every one it can take (up to kQwMaxCols columns).
@@ -1263,6 +1418,34 @@ int sm_count() {
   return v;
 }
 
+// Whether the wide half tiles take the warpgroup kernel (mat_mul_qg_kernel): a build with
+// sm_90a's code (GGRAPH_CUDA_SM90A) on a GPU of compute capability 9.0, which runs it, unless
+// GGRAPH_CUDA_MMQ_WGMMA=0 keeps the half kernel. H200, the 7B shape's decode batches: B=64
+// 11,132-11,145 tok/s against 8,956-9,031, B=32 7,499-7,506 against 6,717-6,719 (BENCHMARKS.md).
+bool qg_available() {
+#if defined(GGRAPH_CUDA_SM90A)
+  static const bool v = [] {
+    if (!env_switch_on("GGRAPH_CUDA_MMQ_WGMMA")) return false;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major == 9 && minor == 0;
+  }();
+  return v;
+#else
+  return false;
+#endif
+}
+// Its shared memory: the half kernel's and room to start the stages on a 1,024-byte boundary.
+template <int TYPE, int NT>
+constexpr size_t qg_smem() {
+  return static_cast<size_t>(QhTile<TYPE, NT>::kSmem) + 1024;
+}
+
 template <int TYPE, int NT>
 void set_smem() {
   if constexpr (NT <= 2) {
@@ -1272,9 +1455,11 @@ void set_smem() {
   }
   allow_block_smem(mat_mul_q8_kernel<TYPE, NT>, Q8Tile<TYPE, NT>::kSmem);
   allow_block_smem(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
-  if constexpr (NT >= 4)
+  if constexpr (NT >= 4) {
     allow_block_smem(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                      QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
+    if (qg_available()) allow_block_smem(mat_mul_qg_kernel<TYPE, NT>, qg_smem<TYPE, NT>());
+  }
 }
 
 template <int TYPE>
@@ -1447,6 +1632,12 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
             if (qh_narrow<TYPE, NT>(rows))
               return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
                             QhTile<TYPE, NT, QhNarrow<NT>>{});
+            if (qg_available()) {
+              l(mat_mul_qg_kernel<TYPE, NT>, grid, dim3(QhTile<TYPE, NT>::kThreads),
+                qg_smem<TYPE, NT>(), qp, static_cast<int>(k), reinterpret_cast<const __half*>(ws),
+                cols, counters);
+              return;
+            }
           }
           launch(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>{});
         } else {

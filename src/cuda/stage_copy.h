@@ -29,6 +29,18 @@ struct SwizzledRows {
   GGRAPH_HD int operator()(int r, int ch) const { return r * ROW + ((ch ^ (r & 7)) * 16); }
 };
 
+// The warpgroup kernel's activation (wgmma's B operand, K-major with the 128-byte swizzle):
+// COLS columns of a stage, their k in 64-element segments; a segment is COLS rows of 128 bytes
+// (the column's 64 halves), its 16-byte chunks XORed by the column's low three bits, so that
+// eight columns make one 1024-byte swizzle atom. Chunk ch of column col is chunk ch % 8 of
+// segment ch / 8.
+template <int COLS>
+struct SwizzledKSegments {
+  GGRAPH_HD int operator()(int col, int ch) const {
+    return (ch >> 3) * (COLS * 128) + col * 128 + (((ch & 7) ^ (col & 7)) * 16);
+  }
+};
+
 // Rows of ROW bytes of BYTES-byte chunks in order (scale records, activation pairs).
 template <int ROW, int BYTES>
 struct PlainRows {

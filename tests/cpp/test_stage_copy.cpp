@@ -113,6 +113,9 @@ TEST(StageCopy, ActivationsOfEveryTile) {
   check_copies<16, 64, 16, 64>(gc::HalfActColumns<1024>{}, "half activation, 16 columns");
   check_copies<32, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 32 columns");
   check_copies<64, 32, 16, 64>(gc::HalfActColumns<512>{}, "half activation, 64 columns");
+  // The warpgroup kernel's: 32 and 64 columns of 8 blocks in swizzled 64-element segments.
+  check_copies<32, 32, 16, 64>(gc::SwizzledKSegments<32>{}, "K segments, 32 columns");
+  check_copies<64, 32, 16, 64>(gc::SwizzledKSegments<64>{}, "K segments, 64 columns");
   // The int8 kernel's 8-bit values (32 bytes a block) and (d, d * sum) pairs (8 bytes a block).
   check_copies<8, 64, 16, 32>(gc::SwizzledRows<1024>{}, "8-bit activation, 8 columns");
   check_copies<16, 32, 16, 32>(gc::SwizzledRows<512>{}, "8-bit activation, 16 columns");
@@ -128,6 +131,21 @@ TEST(StageCopy, LayoutsPlaceRowsEightApartAtAFixedDistance) {
   check_layout(gc::SwizzledRows<128>{}, 8, "swizzled rows");
   check_layout(gc::PlainRows<16, 4>{}, 4, "plain rows");
   check_layout(gc::HalfActColumns<512>{}, 32, "half activation");
+  check_layout(gc::SwizzledKSegments<64>{}, 32, "K segments");
+}
+
+// wgmma's 128-byte swizzle, applied by the hardware to an address: bits 4-6 XORed with bits 7-9.
+// SwizzledKSegments places each chunk where that swizzle puts the chunk of the plain K-major
+// layout (a segment's column at 128 bytes a column, its chunks in order), the segments' starts
+// being multiples of 1024.
+TEST(StageCopy, KSegmentsAreTheHardwareSwizzleOfTheKMajorLayout) {
+  const gc::SwizzledKSegments<64> at;
+  for (int col = 0; col < 64; ++col)
+    for (int ch = 0; ch < 32; ++ch) {
+      const int plain = (ch >> 3) * 64 * 128 + col * 128 + (ch & 7) * 16;
+      const int swizzled = plain ^ (((plain >> 7) & 7) << 4);
+      ASSERT_EQ(at(col, ch), swizzled) << "column " << col << ", chunk " << ch;
+    }
 }
 
 // The half kernel's B loads (mat_mul_qh_kernel): lane (g, t) of a warp reads 8 bytes of column g
