@@ -11,8 +11,10 @@ them may be launched early). Kernels that load weights that way
 before the wait by design (the mat-vecs) are not checked: every other load of theirs after the
 wait reads weights too, or activations through L1 (`load_after_wait`).
 
-Reads sm_90's PTX and SASS from each object (CMake's CUDA architecture "90" puts both there);
-objects without them (host code) are passed over. Exit status: 0 when no kernel reads
+Reads sm_90's PTX and SASS from each object (the build's architecture 90 puts sm_90a's PTX and
+SASS there, and compute_90's PTX; where a kernel has both PTX forms, sm_90a's, the SASS's own
+source, counts: the warpgroup kernel is a stub in compute_90's); objects without them (host
+code) are passed over. Exit status: 0 when no kernel reads
 early, 1 when some do (listed), 77 when cuobjdump or nvdisasm is missing or no object holds
 sm_90 code, so that ctest counts the check as skipped.
 """
@@ -61,14 +63,24 @@ def dump(tools: tuple[str, str], obj: str, what: str) -> str:
 
 
 def ptx_loads_before_wait(ptx: str) -> dict[str, int | None]:
-    """Each kernel's read-only loads before the wait, in the PTX; None where it never waits."""
-    out = {}
-    entries = list(re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx))
-    for i, m in enumerate(entries):
-        # To the next kernel (cuobjdump's PTX has no indentation to find a body's end by).
-        body = ptx[m.end() : entries[i + 1].start() if i + 1 < len(entries) else len(ptx)]
-        wait = body.find("griddepcontrol.wait")
-        out[m.group(1)] = len(re.findall(r"\bld\.global\.nc\b", body[:wait])) if wait >= 0 else None
+    """Each kernel's read-only loads before the wait, in the PTX; None where it never waits.
+    Where the dump holds several PTX targets, an arch-specific one's (sm_90a) kernels win."""
+    out: dict[str, int | None] = {}
+    targets = list(re.finditer(r"^\.target\s+(\S+)", ptx, re.M)) or [None]
+    for ti, t in enumerate(targets):
+        start = t.start() if t else 0
+        end = targets[ti + 1].start() if ti + 1 < len(targets) else len(ptx)
+        section = ptx[start:end]
+        specific = bool(t) and t.group(1).rstrip(",").endswith("a")
+        entries = list(re.finditer(r"\.entry\s+(\S+?)\s*\(", section))
+        for i, m in enumerate(entries):
+            # To the next kernel (cuobjdump's PTX has no indentation to find a body's end by).
+            end_i = entries[i + 1].start() if i + 1 < len(entries) else len(section)
+            body = section[m.end() : end_i]
+            wait = body.find("griddepcontrol.wait")
+            loads = len(re.findall(r"\bld\.global\.nc\b", body[:wait])) if wait >= 0 else None
+            if specific or m.group(1) not in out:
+                out[m.group(1)] = loads
     return out
 
 
