@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -1060,6 +1061,16 @@ void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, c
   const quant_impl::AttnRowsFn f = kernels().attn_rows;
   (f != nullptr && hd % 8 == 0 ? f : quant_impl::attn_rows_portable)(
       q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+}
+
+bool has_attention_rows_f16(int hd) { return kernels().attn_rows_f16 != nullptr && hd % 8 == 0; }
+
+void attention_rows_f16(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+                        const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
+                        float scale, float* scores, float* mx, float* sum, float* acc) {
+  if (!has_attention_rows_f16(hd))
+    throw std::logic_error("attention_rows_f16: the running kernels have no F16 form");
+  kernels().attn_rows_f16(q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
 }
 
 size_t act_row_size(DType weight_type, int64_t n) {

@@ -250,6 +250,15 @@ void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, c
                     int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                     float* mx, float* sum, float* acc);
 
+// attention_rows over an F16 cache read in place (k and v rows ks and vs elements apart), with
+// the bits attention_rows gives over the rows decoded to floats. Only where
+// has_attention_rows_f16(hd): the running kernels have that form (else the caller decodes the
+// rows first).
+bool has_attention_rows_f16(int hd);
+void attention_rows_f16(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+                        const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
+                        float scale, float* scores, float* mx, float* sum, float* acc);
+
 // The instruction sets the hot loops use on the running CPU ("avx2 fma f16c"), or "scalar".
 const char* cpu_features();
 // Selects the portable kernels (true) or the best the CPU offers (false); for tests that compare

@@ -84,6 +84,10 @@ constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64_t ks,
                             const float* v, int64_t vs, int n, const int* b, const int* e,
                             float scale, float* scores, float* mx, float* sum, float* acc);
+// The same over an F16 cache, read in place (element strides).
+using AttnRowsF16Fn = void (*)(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+                               const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
+                               float scale, float* scores, float* mx, float* sum, float* acc);
 // One attention row's softmax over its keys [b, e) of the n scores in w: the max in *mx and the
 // sum of exp(w - max) in *sum (-inf and 0 when the row has no keys); w becomes the weights, 0
 // outside [b, e).
@@ -109,6 +113,8 @@ struct Kernels {
   ToFloatFn to_float[kTypeSlots];
   // Attention rows for heads a multiple of 8 wide; null: the portable kernel.
   AttnRowsFn attn_rows;
+  // The same over an F16 cache in place; null: the caller decodes its rows to floats first.
+  AttnRowsF16Fn attn_rows_f16;
 };
 
 // The portable kernels (quant.cpp).

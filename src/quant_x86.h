@@ -1197,20 +1197,23 @@ constexpr int kAttnAhead = 8;
 
 // Weighted values of NR rows (weights w, n apart; zero outside each row's keys) over keys [pb, pe)
 // for dimensions [d0, d0 + 8 DB): each row's lanes add one key after another, so a row's result
-// does not depend on the rows beside it. One load of a value vector serves every row.
-template <int NR, int DB>
-inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
+// does not depend on the rows beside it. One load of a value vector serves every row. The cache
+// rows are L's elements (F32, or F16 converted exactly as they load), vs elements apart.
+template <class L, int NR, int DB>
+inline void attn_values_x86(const float* w, int n, const uint8_t* v, int64_t vs, int pb, int pe,
                             int d0, float* acc, int hd) {
   __m256 a[NR][DB];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < DB; ++i) a[r][i] = _mm256_setzero_ps();
+  const int64_t row = vs * int64_t(L::kSize);
   for (int p = pb; p < pe; ++p) {
-    const float* vp = v + int64_t(p) * vs + d0;
+    const uint8_t* vp = v + p * row + d0 * int64_t(L::kSize);
     // A cache's rows lie a stride apart (a head's part of each): ask for the ones ahead.
-    _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * vs), _MM_HINT_T0);
-    if (DB > 2) _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * vs + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * row), _MM_HINT_T0);
+    if (DB * 8 * L::kSize > 64)
+      _mm_prefetch(reinterpret_cast<const char*>(vp + kAttnAhead * row + 64), _MM_HINT_T0);
     __m256 x[DB];
-    for (int i = 0; i < DB; ++i) x[i] = _mm256_loadu_ps(vp + 8 * i);
+    for (int i = 0; i < DB; ++i) x[i] = L::load(vp + 8 * i * L::kSize);
     for (int r = 0; r < NR; ++r) {
       const __m256 wr = _mm256_broadcast_ss(w + int64_t(r) * n + p);
       for (int i = 0; i < DB; ++i) a[r][i] = _mm256_fmadd_ps(wr, x[i], a[r][i]);
@@ -1220,30 +1223,31 @@ inline void attn_values_x86(const float* w, int n, const float* v, int64_t vs, i
     for (int i = 0; i < DB; ++i) _mm256_storeu_ps(acc + int64_t(r) * hd + d0 + 8 * i, a[r][i]);
 }
 
-template <int NR>
-inline void attn_values_rows_x86(const float* w, int n, const float* v, int64_t vs, int pb, int pe,
-                                 float* acc, int hd) {
+template <class L, int NR>
+inline void attn_values_rows_x86(const float* w, int n, const uint8_t* v, int64_t vs, int pb,
+                                 int pe, float* acc, int hd) {
   int d0 = 0;
-  for (; d0 + 32 <= hd; d0 += 32) attn_values_x86<NR, 4>(w, n, v, vs, pb, pe, d0, acc, hd);
-  for (; d0 < hd; d0 += 8) attn_values_x86<NR, 1>(w, n, v, vs, pb, pe, d0, acc, hd);
+  for (; d0 + 32 <= hd; d0 += 32) attn_values_x86<L, NR, 4>(w, n, v, vs, pb, pe, d0, acc, hd);
+  for (; d0 < hd; d0 += 8) attn_values_x86<L, NR, 1>(w, n, v, vs, pb, pe, d0, acc, hd);
 }
 
 // Scores eight keys at a time, one row after another (the eight keys' rows stay in L1): each
 // key's dot product in lanes of 8 over d, then hsum8. The last block repeats its last key where
-// the chunk ends, and keeps only the real ones.
-void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
-                   int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
-                   float* mx, float* sum, float* acc) {
+// the chunk ends, and keeps only the real ones. K and V rows are L's elements, ks and vs apart.
+template <class L>
+void attn_rows_x86_t(const float* q, int R, int hd, const uint8_t* k, int64_t ks, const uint8_t* v,
+                     int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                     float* mx, float* sum, float* acc) {
   const __m256 vscale = _mm256_set1_ps(scale);
+  const int64_t krow = ks * int64_t(L::kSize);
   for (int p0 = 0; p0 < n; p0 += 8) {
-    const float* kp[8];
-    for (int j = 0; j < 8; ++j) kp[j] = k + int64_t(std::min(p0 + j, n - 1)) * ks;
+    const uint8_t* kp[8];
+    for (int j = 0; j < 8; ++j) kp[j] = k + std::min(p0 + j, n - 1) * krow;
     // The next eight keys' rows, a stride apart (a head's part of each), asked for ahead.
     if (p0 + 8 < n)
       for (int j = 0; j < 8; ++j) {
-        const char* row =
-            reinterpret_cast<const char*>(k + int64_t(std::min(p0 + 8 + j, n - 1)) * ks);
-        for (int off = 0; off < hd * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+        const char* row = reinterpret_cast<const char*>(k + std::min(p0 + 8 + j, n - 1) * krow);
+        for (int off = 0; off < hd * int(L::kSize); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
       }
     for (int r = 0; r < R; ++r) {
       const float* qr = q + int64_t(r) * hd;
@@ -1251,14 +1255,15 @@ void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, co
              a7 = a0;
       for (int d = 0; d < hd; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qr + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[0] + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[1] + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[2] + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[3] + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[4] + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[5] + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[6] + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[7] + d), a7);
+        const int64_t at = d * int64_t(L::kSize);
+        a0 = _mm256_fmadd_ps(qv, L::load(kp[0] + at), a0);
+        a1 = _mm256_fmadd_ps(qv, L::load(kp[1] + at), a1);
+        a2 = _mm256_fmadd_ps(qv, L::load(kp[2] + at), a2);
+        a3 = _mm256_fmadd_ps(qv, L::load(kp[3] + at), a3);
+        a4 = _mm256_fmadd_ps(qv, L::load(kp[4] + at), a4);
+        a5 = _mm256_fmadd_ps(qv, L::load(kp[5] + at), a5);
+        a6 = _mm256_fmadd_ps(qv, L::load(kp[6] + at), a6);
+        a7 = _mm256_fmadd_ps(qv, L::load(kp[7] + at), a7);
       }
       const __m256 s = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
       float* out = scores + int64_t(r) * n + p0;
@@ -1283,12 +1288,30 @@ void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, co
     const float* w = scores + int64_t(r0) * n;
     float* a = acc + int64_t(r0) * hd;
     if (nr == 3)
-      attn_values_rows_x86<3>(w, n, v, vs, pb, pe, a, hd);
+      attn_values_rows_x86<L, 3>(w, n, v, vs, pb, pe, a, hd);
     else if (nr == 2)
-      attn_values_rows_x86<2>(w, n, v, vs, pb, pe, a, hd);
+      attn_values_rows_x86<L, 2>(w, n, v, vs, pb, pe, a, hd);
     else
-      attn_values_rows_x86<1>(w, n, v, vs, pb, pe, a, hd);
+      attn_values_rows_x86<L, 1>(w, n, v, vs, pb, pe, a, hd);
   }
+}
+
+void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+                   int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
+                   float* mx, float* sum, float* acc) {
+  attn_rows_x86_t<LoadF32>(q, R, hd, reinterpret_cast<const uint8_t*>(k), ks,
+                           reinterpret_cast<const uint8_t*>(v), vs, n, b, e, scale, scores, mx, sum,
+                           acc);
+}
+
+// The same over an F16 cache read in place: each element converted exactly as it loads, so the
+// bits are those of attn_rows_x86 over the rows decoded to floats.
+void attn_rows_f16_x86(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+                       const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
+                       float scale, float* scores, float* mx, float* sum, float* acc) {
+  attn_rows_x86_t<LoadF16>(q, R, hd, reinterpret_cast<const uint8_t*>(k), ks,
+                           reinterpret_cast<const uint8_t*>(v), vs, n, b, e, scale, scores, mx, sum,
+                           acc);
 }
 
 }  // namespace

@@ -412,6 +412,9 @@ class CpuBackend final : public Backend {
     const float* qd = f32(q);
     float* out = f32(t);
     const bool f32_cache = kc->type == DType::F32;
+    // An F16 cache is read in place where the kernels take it (attention_rows_f16), else its
+    // rows are decoded to floats first.
+    const bool f16_in_place = kc->type == DType::F16 && has_attention_rows_f16(hd);
     const size_t row_bytes = kc->nb[1];
     // Per (token, head, chunk) of a source with several chunks: max, sum, then hd weighted
     // values, each source's from part_start[i] on.
@@ -463,8 +466,11 @@ class CpuBackend final : public Backend {
     // vb, ks and vs floats apart): one call for all the tokens' query heads. A row's sums run in
     // the same order whichever tokens share its task, so a prompt and the same tokens one at a
     // time give the same bits.
+    // kh and vh (not null): the rows are an F16 cache's, read in place (ks and vs elements
+    // apart); else kb and vb's floats.
     auto token_rows = [&](const AttnSource& s, int j0, int j1, int hk, int c, int lo, int hi,
-                          const float* kb, int64_t ks, const float* vb, int64_t vs) {
+                          const float* kb, int64_t ks, const float* vb, int64_t vs,
+                          const uint16_t* kh, const uint16_t* vh) {
       thread_local std::vector<float> qs, sc, ac, m, sm;
       thread_local std::vector<int> bs, es;
       const int n = std::max(0, hi - lo);
@@ -486,8 +492,12 @@ class CpuBackend final : public Backend {
       ac.resize(size_t(R) * hd);
       m.resize(R);
       sm.resize(R);
-      attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
-                     m.data(), sm.data(), ac.data());
+      if (kh != nullptr)
+        attention_rows_f16(qs.data(), R, hd, kh, ks, vh, vs, n, bs.data(), es.data(), scale,
+                           sc.data(), m.data(), sm.data(), ac.data());
+      else
+        attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
+                       m.data(), sm.data(), ac.data());
       for (int j = j0; j < j1; ++j)
         for (int g = 0; g < group; ++g) {
           const int r = (j - j0) * group + g;
@@ -513,6 +523,8 @@ class CpuBackend final : public Backend {
       thread_local std::vector<float> kbuf, vbuf;
       const float* kb = nullptr;
       const float* vb = nullptr;
+      const uint16_t* kh = nullptr;
+      const uint16_t* vh = nullptr;
       int64_t ks = 0, vs = 0;
       if (hi > lo) {
         // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
@@ -525,7 +537,12 @@ class CpuBackend final : public Backend {
         vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
         // (K and V are of one type and width: Graph::attention_node.)
         ks = vs = int64_t(row_bytes / 4);
-        if (!f32_cache || kv_row(lo, rows) + n > rows) {
+        const bool in_place = kv_row(lo, rows) + n <= rows;
+        if (f16_in_place && in_place) {
+          kh = reinterpret_cast<const uint16_t*>(kb);
+          vh = reinterpret_cast<const uint16_t*>(vb);
+          ks = vs = int64_t(row_bytes / 2);
+        } else if (!f32_cache || !in_place) {
           kbuf.resize(size_t(n) * hd);
           vbuf.resize(size_t(n) * hd);
           const size_t head_bytes = row_size(kc->type, hd);
@@ -545,7 +562,7 @@ class CpuBackend final : public Backend {
           kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
         }
       }
-      token_rows(s, j0, j1, hk, c, lo, hi, kb, ks, vb, vs);
+      token_rows(s, j0, j1, hk, c, lo, hi, kb, ks, vb, vs, kh, vh);
     };
     pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
     if (attn_part_start_[size_t(n_src)] == 0) return;  // no source has several chunks

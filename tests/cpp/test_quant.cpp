@@ -865,6 +865,40 @@ TEST_P(AttentionRows, SameBitsWhateverTheOtherRowsAndTheChunkStart) {
   }
 }
 
+// An F16 cache read in place (attention_rows_f16, in the kernel sets that have it) gives the bits
+// of attention_rows over the same rows decoded to floats: each element converts exactly.
+TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
+  std::mt19937 rng(43);
+  int checked = 0;
+  for (int hd : {64, 128, 256}) {
+    if (!has_attention_rows_f16(hd)) continue;
+    for (int n : {1, 7, 8, 9, 203}) {
+      AttnCase c = random_attn_case(7, hd, n, rng);
+      std::vector<uint16_t> kh(c.k.size()), vh(c.v.size());
+      for (size_t i = 0; i < c.k.size(); ++i) c.k[i] = f16_to_f32(kh[i] = f32_to_f16(c.k[i]));
+      for (size_t i = 0; i < c.v.size(); ++i) c.v[i] = f16_to_f32(vh[i] = f32_to_f16(c.v[i]));
+      const float scale = 1.0f / std::sqrt(float(hd));
+      const AttnOut want = run_attention_rows(c, scale);
+      AttnOut got = want;
+      attention_rows_f16(c.q.data(), c.R, hd, kh.data(), c.ks, vh.data(), c.vs, n, c.b.data(),
+                         c.e.data(), scale, got.scores.data(), got.mx.data(), got.sum.data(),
+                         got.acc.data());
+      for (int r = 0; r < c.R; ++r) {
+        const std::string where =
+            "hd " + std::to_string(hd) + " n " + std::to_string(n) + " row " + std::to_string(r);
+        EXPECT_EQ(float_bits(got.mx[r]), float_bits(want.mx[r])) << where;
+        EXPECT_EQ(float_bits(got.sum[r]), float_bits(want.sum[r])) << where;
+        for (int d = 0; d < hd; ++d)
+          ASSERT_EQ(float_bits(got.acc[size_t(r) * hd + d]),
+                    float_bits(want.acc[size_t(r) * hd + d]))
+              << where << " dimension " << d;
+      }
+      ++checked;
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, AttentionRows,
                          ::testing::Values(KernelSet::kScalar, KernelSet::kAvx2,
                                            KernelSet::kAvx512),
