@@ -2,8 +2,10 @@
 // kernel table chosen at run time. Not part of the engine's interface.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "quant.h"
 
@@ -88,6 +90,26 @@ using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64
 using AttnRowsF16Fn = void (*)(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
                                const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                                float scale, float* scores, float* mx, float* sum, float* acc);
+// quant.h's silu_mul.
+using SiluMulFn = void (*)(const float* g, const float* u, float* y, int64_t n);
+namespace {
+// quant.h's silu_mul of one element (internal linkage: each kernel set compiles its own copy).
+inline float silu_mul_one(float g, float u) {
+  const float x = std::min(std::max(-g, -87.0f), 88.0f);
+  // The nearest integer m to x log2(e) (by adding and taking away 1.5 * 2^23), then r = x - m ln 2
+  // with ln 2 in two parts (m times the first is exact), |r| <= ln(2) / 2.
+  const float m = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
+  const float r = (x - m * 0.693145751953125f) - m * 1.428606765330187e-06f;
+  const float p =
+      1.0f +
+      r * (1.0f + r * (0.5f + r * (0.16666667f +
+                                   r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(m) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return g / (1.0f + p * scale) * u;
+}
+}  // namespace
 // One attention row's softmax over its keys [b, e) of the n scores in w: the max in *mx and the
 // sum of exp(w - max) in *sum (-inf and 0 when the row has no keys); w becomes the weights, 0
 // outside [b, e).
@@ -115,6 +137,8 @@ struct Kernels {
   AttnRowsFn attn_rows;
   // The same over an F16 cache in place; null: the caller decodes its rows to floats first.
   AttnRowsF16Fn attn_rows_f16;
+  // The gated unit's silu(g) * u; null: the portable loop.
+  SiluMulFn silu_mul;
 };
 
 // The portable kernels (quant.cpp).

@@ -1314,6 +1314,39 @@ void attn_rows_f16_x86(const float* q, int R, int hd, const uint16_t* k, int64_t
                            acc);
 }
 
+// quant.h's silu_mul, eight elements a step: silu_mul_one's steps, the polynomial in fused
+// multiply-adds.
+void silu_mul_x86(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+  const __m256 log2e = _mm256_set1_ps(1.4426950408889634f), round = _mm256_set1_ps(12582912.0f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693145751953125f);
+  const __m256 ln2_lo = _mm256_set1_ps(1.428606765330187e-06f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 c2 = _mm256_set1_ps(0.5f), c3 = _mm256_set1_ps(0.16666667f),
+               c4 = _mm256_set1_ps(0.041666668f), c5 = _mm256_set1_ps(0.008333334f),
+               c6 = _mm256_set1_ps(0.0013888889f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    // max and min take their second operand where the first is NaN: a NaN g gives -87 here, and
+    // NaN below (g itself is the numerator).
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), lo), hi);
+    const __m256 m = _mm256_sub_ps(_mm256_fmadd_ps(x, log2e, round), round);
+    const __m256 r = _mm256_fnmadd_ps(m, ln2_lo, _mm256_fnmadd_ps(m, ln2_hi, x));
+    __m256 p = _mm256_fmadd_ps(r, c6, c5);
+    p = _mm256_fmadd_ps(r, p, c4);
+    p = _mm256_fmadd_ps(r, p, c3);
+    p = _mm256_fmadd_ps(r, p, c2);
+    p = _mm256_fmadd_ps(r, p, one);
+    p = _mm256_fmadd_ps(r, p, one);
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(m), _mm256_set1_epi32(127)), 23));
+    const __m256 e = _mm256_fmadd_ps(p, scale, one);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, e), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) y[i] = silu_mul_one(g[i], u[i]);
+}
+
 }  // namespace
 }  // namespace quant_impl
 }  // namespace ggraph

@@ -234,7 +234,7 @@ class CpuBackend final : public Backend {
           y[i] = 0.5f * x * (1.0f + std::tanh(c * x * (1.0f + 0.044715f * x * x))) * u[i];
         }
       } else {
-        for (int64_t i = b; i < e; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        silu_mul(g + b, u + b, y + b, e - b);
       }
     });
   }

@@ -899,6 +899,32 @@ TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
 }
 
+// The gated unit's silu(g) * u against a float64 evaluation, in every kernel set: across the
+// range where exp(-g) is finite in float and past the clamp on both sides, in runs that are not
+// multiples of the vector width.
+TEST_P(AttentionRows, SiluMulMatchesFloat64Reference) {
+  std::mt19937 rng(44);
+  std::uniform_real_distribution<float> wide(-120.0f, 120.0f), narrow(-8.0f, 8.0f);
+  for (int n : {1, 7, 8, 13, 1000}) {
+    std::vector<float> g(n), u(n), y(n);
+    for (int i = 0; i < n; ++i) {
+      g[i] = i % 3 == 0 ? wide(rng) : narrow(rng);
+      u[i] = narrow(rng);
+    }
+    if (n > 8) g[0] = 0.0f, g[1] = -87.5f, g[2] = 88.5f, g[3] = -1e-30f;
+    silu_mul(g.data(), u.data(), y.data(), n);
+    for (int i = 0; i < n; ++i) {
+      const double want = double(g[i]) / (1.0 + std::exp(-double(g[i]))) * u[i];
+      ASSERT_NEAR(y[i], want, 1e-6 * std::fabs(want) + 1e-38 * std::fabs(double(g[i]) * u[i]))
+          << "n " << n << ", g " << g[i] << ", u " << u[i];
+    }
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN(), one = 1.0f;
+  float out = 0.0f;
+  silu_mul(&nan, &one, &out, 1);
+  EXPECT_TRUE(std::isnan(out));
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, AttentionRows,
                          ::testing::Values(KernelSet::kScalar, KernelSet::kAvx2,
                                            KernelSet::kAvx512),
