@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
@@ -1431,18 +1432,27 @@ int sm_count() {
 // 11,132-11,145 tok/s against 8,956-9,031, B=32 7,499-7,506 against 6,717-6,719 (BENCHMARKS.md).
 bool qg_available() {
 #if defined(GGRAPH_CUDA_SM90A)
-  static const bool v = [] {
-    if (!env_switch_on("GGRAPH_CUDA_MMQ_WGMMA")) return false;
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major == 9 && minor == 0;
-  }();
-  return v;
+  static const bool on = env_switch_on("GGRAPH_CUDA_MMQ_WGMMA");
+  if (!on) return false;
+  // Per device (a process may drive GPUs of several kinds): 0 not yet asked, 1 yes, 2 no.
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int k = dev >= 0 && dev < kDevices ? known[dev].load(std::memory_order_relaxed) : 0;
+  if (k == 0) {
+    int major = 0, minor = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    k = ok && major == 9 && minor == 0 ? 1 : 2;
+    if (dev >= 0 && dev < kDevices) known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k == 1;
 #else
   return false;
 #endif

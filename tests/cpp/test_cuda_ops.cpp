@@ -596,6 +596,16 @@ TEST_F(CudaOps, MulMatDecodeBatchesOnTensorCores) {
       for (int64_t cols : {2, 8, 13, 32, 64})
         check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
     }
+    if (kind == MatMulQ::Half) {
+      // The wide tiles (on sm_90 the warpgroup kernel) over several stages of every format:
+      // 4,160 rows of k = 1,024 and 1,280 (four and five stages, k split two ways).
+      for (Shape s : {Shape{1024, 4160}, Shape{1280, 4160}}) {
+        for (int64_t cols : {17, 64}) {
+          check_mul_mat(DType::Q4_1, s.ne0, s.ne1, cols, rng, chk);
+          check_random_blocks(DType::Q4_K, s.ne0, s.ne1, cols, rng, chk);
+        }
+      }
+    }
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 576, cuda::kMatMulQMaxCols + 1), MatMulQ::None);
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q4_0, 96, 8), MatMulQ::None);  // k not whole 64s
     EXPECT_EQ(cuda::mat_mul_q_kind(DType::Q6_K, 4096, 8), MatMulQ::None);
