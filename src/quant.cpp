@@ -1063,9 +1063,9 @@ void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, c
       q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
 }
 
-void silu_mul(const float* g, const float* u, float* y, int64_t n) {
-  if (const quant_impl::SiluMulFn f = kernels().silu_mul) return f(g, u, y, n);
-  for (int64_t i = 0; i < n; ++i) y[i] = quant_impl::silu_mul_one(g[i], u[i]);
+void glu_mul(const float* g, const float* u, float* y, int64_t n, bool gelu) {
+  if (const quant_impl::GluMulFn f = kernels().glu_mul) return f(g, u, y, n, gelu);
+  for (int64_t i = 0; i < n; ++i) y[i] = quant_impl::glu_mul_one(g[i], u[i], gelu);
 }
 
 bool has_attention_rows_f16(int hd) { return kernels().attn_rows_f16 != nullptr && hd % 8 == 0; }

@@ -259,12 +259,13 @@ void attention_rows_f16(const float* q, int R, int hd, const uint16_t* k, int64_
                         const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                         float scale, float* scores, float* mx, float* sum, float* acc);
 
-// y = silu(g) * u = g / (1 + exp(-g)) * u over n elements (SwiGLU's gated unit): exp(-g) as
-// 2^m e^r, m the nearest integer to -g log2(e) and e^r (|r| <= ln(2) / 2) its Taylor polynomial of
-// degree 6, -g held to [-87, 88] (where g < -88 the result is within e^-88 |g u|, about
-// 1e-38 |g u|, of the exact one); within 1e-6 of the exact value relative. In lanes of 8 where
-// the CPU has AVX2.
-void silu_mul(const float* g, const float* u, float* y, int64_t n);
+// y = act(g) * u over n elements (a gated unit): act(g) = g sigmoid(a), a = g for SiLU (SwiGLU) and
+// a = 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU's tanh form (GeGLU: 0.5 g (1 + tanh(a / 2))).
+// exp(-a) is 2^m e^r, m the nearest integer to -a log2(e) and e^r (|r| <= ln(2) / 2) its Taylor
+// polynomial of degree 6, -a held to [-87, 88] (where a > 88 the result is within e^-88 |g u|,
+// about 1e-38 |g u|, of the exact one); within 1e-6 of the exact value relative. In lanes of 8
+// where the CPU has AVX2.
+void glu_mul(const float* g, const float* u, float* y, int64_t n, bool gelu);
 
 // The instruction sets the hot loops use on the running CPU ("avx2 fma f16c"), or "scalar".
 const char* cpu_features();

@@ -34,7 +34,7 @@ Kernels make_kernels() {
   k.to_float[slot(DType::Q8_0)] = to_float_q8_0_x86;
   k.attn_rows = attn_rows_x86;
   k.attn_rows_f16 = attn_rows_f16_x86;
-  k.silu_mul = silu_mul_x86;
+  k.glu_mul = glu_mul_x86;
   return k;
 }
 

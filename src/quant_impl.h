@@ -90,12 +90,17 @@ using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64
 using AttnRowsF16Fn = void (*)(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
                                const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                                float scale, float* scores, float* mx, float* sum, float* acc);
-// quant.h's silu_mul.
-using SiluMulFn = void (*)(const float* g, const float* u, float* y, int64_t n);
+// quant.h's glu_mul.
+using GluMulFn = void (*)(const float* g, const float* u, float* y, int64_t n, bool gelu);
 namespace {
-// quant.h's silu_mul of one element (internal linkage: each kernel set compiles its own copy).
-inline float silu_mul_one(float g, float u) {
-  const float x = std::min(std::max(-g, -87.0f), 88.0f);
+// The argument a of glu_mul's sigmoid: g for SiLU, 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU's
+// tanh form (0.5 (1 + tanh(z)) is sigmoid(2 z)).
+inline float glu_arg(float g, bool gelu) {
+  return gelu ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+}
+// quant.h's glu_mul of one element (internal linkage: each kernel set compiles its own copy).
+inline float glu_mul_one(float g, float u, bool gelu) {
+  const float x = std::min(std::max(-glu_arg(g, gelu), -87.0f), 88.0f);
   // The nearest integer m to x log2(e) (by adding and taking away 1.5 * 2^23), then r = x - m ln 2
   // with ln 2 in two parts (m times the first is exact), |r| <= ln(2) / 2.
   const float m = (x * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
@@ -137,8 +142,8 @@ struct Kernels {
   AttnRowsFn attn_rows;
   // The same over an F16 cache in place; null: the caller decodes its rows to floats first.
   AttnRowsF16Fn attn_rows_f16;
-  // The gated unit's silu(g) * u; null: the portable loop.
-  SiluMulFn silu_mul;
+  // The gated unit's act(g) * u; null: the portable loop.
+  GluMulFn glu_mul;
 };
 
 // The portable kernels (quant.cpp).

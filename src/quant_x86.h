@@ -1314,9 +1314,10 @@ void attn_rows_f16_x86(const float* q, int R, int hd, const uint16_t* k, int64_t
                            acc);
 }
 
-// quant.h's silu_mul, eight elements a step: silu_mul_one's steps, the polynomial in fused
+// quant.h's glu_mul, eight elements a step: glu_mul_one's steps, the polynomial in fused
 // multiply-adds.
-void silu_mul_x86(const float* g, const float* u, float* y, int64_t n) {
+template <bool kGelu>
+void glu_mul_x86_t(const float* g, const float* u, float* y, int64_t n) {
   const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
   const __m256 log2e = _mm256_set1_ps(1.4426950408889634f), round = _mm256_set1_ps(12582912.0f);
   const __m256 ln2_hi = _mm256_set1_ps(0.693145751953125f);
@@ -1328,9 +1329,15 @@ void silu_mul_x86(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 a = gv;
+    if constexpr (kGelu) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+      a = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                        _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, gv));
+    }
     // max and min take their second operand where the first is NaN: a NaN g gives -87 here, and
     // NaN below (g itself is the numerator).
-    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), lo), hi);
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), lo), hi);
     const __m256 m = _mm256_sub_ps(_mm256_fmadd_ps(x, log2e, round), round);
     const __m256 r = _mm256_fnmadd_ps(m, ln2_lo, _mm256_fnmadd_ps(m, ln2_hi, x));
     __m256 p = _mm256_fmadd_ps(r, c6, c5);
@@ -1344,7 +1351,10 @@ void silu_mul_x86(const float* g, const float* u, float* y, int64_t n) {
     const __m256 e = _mm256_fmadd_ps(p, scale, one);
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, e), _mm256_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) y[i] = silu_mul_one(g[i], u[i]);
+  for (; i < n; ++i) y[i] = glu_mul_one(g[i], u[i], kGelu);
+}
+void glu_mul_x86(const float* g, const float* u, float* y, int64_t n, bool gelu) {
+  (gelu ? glu_mul_x86_t<true> : glu_mul_x86_t<false>)(g, u, y, n);
 }
 
 }  // namespace

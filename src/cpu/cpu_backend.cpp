@@ -225,18 +225,8 @@ class CpuBackend final : public Backend {
     const bool gelu = t->params[0] == kGluGelu;
     // Tasks of 4,096 elements or more (an exponential each): a decode batch of 8 of a 1,536-wide
     // feed-forward splits, one token does not.
-    parallel(t->n_elements(), 1 << 12, [&](int64_t b, int64_t e) {
-      if (gelu) {
-        // The tanh approximation, as the models using GeGLU were trained with.
-        const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-        for (int64_t i = b; i < e; ++i) {
-          const float x = g[i];
-          y[i] = 0.5f * x * (1.0f + std::tanh(c * x * (1.0f + 0.044715f * x * x))) * u[i];
-        }
-      } else {
-        silu_mul(g + b, u + b, y + b, e - b);
-      }
-    });
+    parallel(t->n_elements(), 1 << 12,
+             [&](int64_t b, int64_t e) { glu_mul(g + b, u + b, y + b, e - b, gelu); });
   }
 
   void softcap(const Tensor* t) {

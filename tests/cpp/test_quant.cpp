@@ -899,30 +899,39 @@ TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
 }
 
-// The gated unit's silu(g) * u against a float64 evaluation, in every kernel set: across the
-// range where exp(-g) is finite in float and past the clamp on both sides, in runs that are not
-// multiples of the vector width.
-TEST_P(AttentionRows, SiluMulMatchesFloat64Reference) {
+// The gated units' act(g) * u (SiLU; GELU's tanh form) against float64 evaluations of their
+// definitions, in every kernel set: across the range where exp is finite in float and past the
+// clamp on both sides, in runs that are not multiples of the vector width.
+TEST_P(AttentionRows, GluMulMatchesFloat64Reference) {
   std::mt19937 rng(44);
   std::uniform_real_distribution<float> wide(-120.0f, 120.0f), narrow(-8.0f, 8.0f);
-  for (int n : {1, 7, 8, 13, 1000}) {
-    std::vector<float> g(n), u(n), y(n);
-    for (int i = 0; i < n; ++i) {
-      g[i] = i % 3 == 0 ? wide(rng) : narrow(rng);
-      u[i] = narrow(rng);
+  for (bool gelu : {false, true}) {
+    for (int n : {1, 7, 8, 13, 1000}) {
+      std::vector<float> g(n), u(n), y(n);
+      for (int i = 0; i < n; ++i) {
+        g[i] = i % 3 == 0 ? wide(rng) : narrow(rng);
+        u[i] = narrow(rng);
+      }
+      if (n > 8) g[0] = 0.0f, g[1] = -87.5f, g[2] = 88.5f, g[3] = -1e-30f, g[4] = 1e-4f;
+      glu_mul(g.data(), u.data(), y.data(), n, gelu);
+      for (int i = 0; i < n; ++i) {
+        const double x = g[i];
+        // GELU's tanh form 0.5 x (1 + tanh(a / 2)) as x / (1 + exp(-a)), the same function
+        // without the cancellation 1 + tanh suffers in float64 where a < -37. Its argument a is
+        // rounded in float (a few roundings, relative), which moves the result by that error
+        // times |a| (1 - sigmoid(a)).
+        const double a = gelu ? 1.5957691216057308 * (x + 0.044715 * x * x * x) : x;
+        const double want = x / (1.0 + std::exp(-a)) * u[i];
+        const double a_error = gelu ? 4e-7 * std::fabs(a) / (1.0 + std::exp(a)) : 0.0;
+        ASSERT_NEAR(y[i], want, (1e-6 + a_error) * std::fabs(want) + 1e-38 * std::fabs(x * u[i]))
+            << (gelu ? "gelu" : "silu") << ", n " << n << ", g " << g[i] << ", u " << u[i];
+      }
     }
-    if (n > 8) g[0] = 0.0f, g[1] = -87.5f, g[2] = 88.5f, g[3] = -1e-30f;
-    silu_mul(g.data(), u.data(), y.data(), n);
-    for (int i = 0; i < n; ++i) {
-      const double want = double(g[i]) / (1.0 + std::exp(-double(g[i]))) * u[i];
-      ASSERT_NEAR(y[i], want, 1e-6 * std::fabs(want) + 1e-38 * std::fabs(double(g[i]) * u[i]))
-          << "n " << n << ", g " << g[i] << ", u " << u[i];
-    }
+    const float nan = std::numeric_limits<float>::quiet_NaN(), one = 1.0f;
+    float out = 0.0f;
+    glu_mul(&nan, &one, &out, 1, gelu);
+    EXPECT_TRUE(std::isnan(out)) << (gelu ? "gelu" : "silu");
   }
-  const float nan = std::numeric_limits<float>::quiet_NaN(), one = 1.0f;
-  float out = 0.0f;
-  silu_mul(&nan, &one, &out, 1);
-  EXPECT_TRUE(std::isnan(out));
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, AttentionRows,
