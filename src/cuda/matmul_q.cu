@@ -439,6 +439,37 @@ __device__ __forceinline__ void run_stages(StageRange r, LoadW&& load_w, LoadA&&
   cp_async_wait<0>();
 }
 
+// The half kernels' stages: a block's weight rows and the activation's columns in layout Act
+// (HalfActColumns, SwizzledKSegments), stage s in buffer (s - begin) % kStages of smem.
+template <class T, class Act>
+struct HalfStages {
+  WeightCopy<T, T::kThreads> weights;
+  // A column's stage: kStageK halves in 16-byte chunks of 8 (64 bytes a block), columns kp =
+  // act_half_pitch(k) apart; columns from cols on are zeros.
+  StageCopy<T::kCols, T::kStageK / 8, 16, 64, T::kThreads> act;
+  int nb;
+  StageRange range;
+  uint8_t* smem;
+
+  __device__ __forceinline__ HalfStages(const QPart& part, int k, const __half* a, int cols,
+                                        uint8_t* buf)
+      : weights(part.w, part.n, k, part.rb * T::kRows),
+        act(a, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols, static_cast<int>(threadIdx.x)),
+        nb(k / 32),
+        range(stage_range(k / 32, T::kSB)),
+        smem(buf) {}
+  __device__ __forceinline__ uint8_t* at(int s) const {
+    return smem + ((s - range.begin) % T::kStages) * T::kStage;
+  }
+  __device__ __forceinline__ void load_w(int s) const {
+    uint8_t* st = at(s);
+    weights(s * T::kSB, st, st + T::kW);
+  }
+  __device__ __forceinline__ void load_a(int s) const {
+    copy_stage(act, at(s) + T::kW + T::kWS, s * T::kSB, nb, Act{});
+  }
+};
+
 // The end of a tile: the k-split warps' sums meet in shared memory (the stages' memory, free by
 // then) in the order of their splits, and the block's rows go to dst, or, split over the grid
 // (gridDim.y > 1), to partials [split][col][row]; then the last split of a row block to finish
@@ -1075,22 +1106,9 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp % WM, wk = warp / WM;
   const QPart part = block_part(parts);
-  const WeightCopy<T, kThreads> load_weights(part.w, part.n, k, part.rb * T::kRows);
-  const int nb = k / 32;
-  const StageRange range = stage_range(nb, kSB);
-  // A column's stage: kStageK halves in 16-byte chunks of 8 (64 bytes a block), columns kp =
-  // act_half_pitch(k) apart; columns from cols on are zeros.
-  const StageCopy<T::kCols, kStageK / 8, 16, 64, kThreads> load_act(
-      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols, static_cast<int>(threadIdx.x));
-
-  auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
-  auto load_stage_w = [&](int s) {
-    uint8_t* st = stage_at(s);
-    load_weights(s * kSB, st, st + T::kW);
-  };
-  auto load_stage_a = [&](int s) {
-    copy_stage(load_act, stage_at(s) + T::kW + T::kWS, s * kSB, nb, HalfActColumns<kStageK * 2>{});
-  };
+  const HalfStages<T, HalfActColumns<kStageK * 2>> stages(part, k, act, cols, smem);
+  auto load_stage_w = [&](int s) { stages.load_w(s); };
+  auto load_stage_a = [&](int s) { stages.load_a(s); };
 
   const int g = lane / 4, t = lane % 4;
   const int mi = lane / 8, ri = lane % 8;
@@ -1107,8 +1125,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT, S>::kThreads, 2)
                (4 * kPerWarp * wk + (((2 * i) | (t >> 1)) ^ act_swizzle(g))) * 16;
   float acc[MT][NT][4] = {};
 
-  run_stages<kStages>(range, load_stage_w, load_stage_a, [&](int s) {
-    const uint8_t* st = stage_at(s);
+  run_stages<kStages>(stages.range, load_stage_w, load_stage_a, [&](int s) {
+    const uint8_t* st = stages.at(s);
     const uint8_t* sw = st;
     const uint8_t* sws = st + T::kW;
     const uint8_t* sa = sws + T::kWS;
@@ -1248,7 +1266,7 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
   using T = QhTile<TYPE, NT>;
   static_assert(T::kWM == 8 && T::kMT == 1 && NT >= 4, "two warpgroups of four row tiles");
   constexpr int kThreads = T::kThreads, kSB = T::kSB, kStages = T::kStages;
-  constexpr int kStageK = T::kStageK, N = T::kCols;
+  constexpr int N = T::kCols;
   static_assert((T::kW + T::kWS) % 1024 == 0 && T::kStage % 1024 == 0,
                 "each stage's activation starts a swizzle atom");
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -1258,20 +1276,9 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const QPart part = block_part(parts);
-  const WeightCopy<T, kThreads> load_weights(part.w, part.n, k, part.rb * T::kRows);
-  const int nb = k / 32;
-  const StageRange range = stage_range(nb, kSB);
-  const StageCopy<N, kStageK / 8, 16, 64, kThreads> load_act(
-      act, static_cast<size_t>(act_half_pitch(k)) * 2, 0, cols, static_cast<int>(threadIdx.x));
-
-  auto stage_at = [&](int s) { return smem + ((s - range.begin) % kStages) * T::kStage; };
-  auto load_stage_w = [&](int s) {
-    uint8_t* st = stage_at(s);
-    load_weights(s * kSB, st, st + T::kW);
-  };
-  auto load_stage_a = [&](int s) {
-    copy_stage(load_act, stage_at(s) + T::kW + T::kWS, s * kSB, nb, SwizzledKSegments<N>{});
-  };
+  const HalfStages<T, SwizzledKSegments<N>> stages(part, k, act, cols, smem);
+  auto load_stage_w = [&](int s) { stages.load_w(s); };
+  auto load_stage_a = [&](int s) { stages.load_a(s); };
 
   const int g = lane / 4, t = lane % 4;
   const int r = warp * 16 + g;  // the lane's rows r and r + 8
@@ -1287,8 +1294,8 @@ __global__ void __launch_bounds__(QhTile<TYPE, NT>::kThreads, 2)
   float acc[1][NT][4] = {};
   float(&d)[N / 2] = reinterpret_cast<float(&)[N / 2]>(acc);
 
-  run_stages<kStages, true>(range, load_stage_w, load_stage_a, [&](int s) {
-    const uint8_t* sw = stage_at(s);
+  run_stages<kStages, true>(stages.range, load_stage_w, load_stage_a, [&](int s) {
+    const uint8_t* sw = stages.at(s);
     const uint8_t* sws = sw + T::kW;
     const uint64_t desc = wgmma_desc(sws + T::kWS);
     const uint8_t* row = sw + r * T::kRowBytes;
