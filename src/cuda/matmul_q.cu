@@ -1377,12 +1377,18 @@ MatMulQ measured_choice(int64_t k, int64_t cols) {
 // Whether a block takes the tile (16: the kernels' static shared memory).
 bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
 
-// Whether a product of n rows takes the narrow half tile.
+bool qg_available();
+// The warpgroup kernel's shared memory beyond the tile's: room to start its stages on a
+// 1,024-byte boundary.
+constexpr size_t kQgAlignRoom = 1024;
+// Whether a product of n rows takes the narrow half tile: fewer rows, or a wide tile (with the
+// warpgroup kernel's alignment room where it runs) that a block cannot hold.
 constexpr int64_t kQhWideRows = 4096;
 template <int TYPE, int NT>
 bool qh_narrow(int64_t n) {
   if constexpr (NT >= 4) {
-    return n < kQhWideRows || !tile_fits(QhTile<TYPE, NT>::kSmem);
+    return n < kQhWideRows ||
+           !tile_fits(size_t(QhTile<TYPE, NT>::kSmem) + (qg_available() ? kQgAlignRoom : 0));
   } else {
     return false;
   }
@@ -1467,7 +1473,7 @@ bool qg_available() {
 // Its shared memory: the half kernel's and room to start the stages on a 1,024-byte boundary.
 template <int TYPE, int NT>
 constexpr size_t qg_smem() {
-  return static_cast<size_t>(QhTile<TYPE, NT>::kSmem) + 1024;
+  return static_cast<size_t>(QhTile<TYPE, NT>::kSmem) + kQgAlignRoom;
 }
 
 template <int TYPE, int NT>
