@@ -1378,17 +1378,20 @@ MatMulQ measured_choice(int64_t k, int64_t cols) {
 bool tile_fits(size_t smem) { return smem + 16 <= max_block_smem(); }
 
 bool qg_available();
-// The warpgroup kernel's shared memory beyond the tile's: room to start its stages on a
+// The warpgroup kernel's shared memory: the half tile's and room to start the stages on a
 // 1,024-byte boundary.
-constexpr size_t kQgAlignRoom = 1024;
-// Whether a product of n rows takes the narrow half tile: fewer rows, or a wide tile (with the
-// warpgroup kernel's alignment room where it runs) that a block cannot hold.
+template <int TYPE, int NT>
+constexpr size_t qg_smem() {
+  return static_cast<size_t>(QhTile<TYPE, NT>::kSmem) + 1024;
+}
+// Whether a product of n rows takes the narrow half tile: fewer rows, or a wide tile (the
+// warpgroup kernel's where it runs) that a block cannot hold.
 constexpr int64_t kQhWideRows = 4096;
 template <int TYPE, int NT>
 bool qh_narrow(int64_t n) {
   if constexpr (NT >= 4) {
     return n < kQhWideRows ||
-           !tile_fits(size_t(QhTile<TYPE, NT>::kSmem) + (qg_available() ? kQgAlignRoom : 0));
+           !tile_fits(qg_available() ? qg_smem<TYPE, NT>() : QhTile<TYPE, NT>::kSmem);
   } else {
     return false;
   }
@@ -1469,11 +1472,6 @@ bool qg_available() {
 #else
   return false;
 #endif
-}
-// Its shared memory: the half kernel's and room to start the stages on a 1,024-byte boundary.
-template <int TYPE, int NT>
-constexpr size_t qg_smem() {
-  return static_cast<size_t>(QhTile<TYPE, NT>::kSmem) + kQgAlignRoom;
 }
 
 template <int TYPE, int NT>
@@ -1653,23 +1651,18 @@ void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_p
       with_col_tiles(cols, [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         if (kind == MatMulQ::Half) {
-          auto launch = [&](auto kernel, auto tile) {
-            using T = decltype(tile);
-            l(kernel, grid, dim3(T::kThreads), static_cast<size_t>(T::kSmem), qp,
-              static_cast<int>(k), reinterpret_cast<const __half*>(ws), cols, counters);
+          // (Every half tile and the warpgroup kernel take kQhWarps warps.)
+          auto launch = [&](auto kernel, size_t smem) {
+            l(kernel, grid, dim3(32 * kQhWarps), smem, qp, static_cast<int>(k),
+              reinterpret_cast<const __half*>(ws), cols, counters);
           };
           if constexpr (NT >= 4) {
             if (qh_narrow<TYPE, NT>(rows))
               return launch(mat_mul_qh_kernel<TYPE, NT, QhNarrow<NT>>,
-                            QhTile<TYPE, NT, QhNarrow<NT>>{});
-            if (qg_available()) {
-              l(mat_mul_qg_kernel<TYPE, NT>, grid, dim3(QhTile<TYPE, NT>::kThreads),
-                qg_smem<TYPE, NT>(), qp, static_cast<int>(k), reinterpret_cast<const __half*>(ws),
-                cols, counters);
-              return;
-            }
+                            QhTile<TYPE, NT, QhNarrow<NT>>::kSmem);
+            if (qg_available()) return launch(mat_mul_qg_kernel<TYPE, NT>, qg_smem<TYPE, NT>());
           }
-          launch(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>{});
+          launch(mat_mul_qh_kernel<TYPE, NT>, QhTile<TYPE, NT>::kSmem);
         } else {
           const ActQ8 q = act_q8(const_cast<uint8_t*>(ws), k, cols);
           l(mat_mul_q8_kernel<TYPE, NT>, grid, dim3(kQ8Threads),
