@@ -60,6 +60,30 @@ class FreeList {
 };
 }  // namespace
 
+int norm_fold_reach(const std::vector<Tensor*>& nodes, int i) {
+  const Tensor* norm = nodes[size_t(i)];
+  if (norm->op != Op::RmsNorm || norm->ne[1] != 1 || norm->params[kNormGroup] != norm->ne[0])
+    return i;
+  const int n = static_cast<int>(nodes.size());
+  int reach = i;
+  std::vector<const Tensor*> level = {norm}, next;
+  for (int depth = 0; depth < 3 && !level.empty(); ++depth) {
+    next.clear();
+    for (int j = i + 1; j < n; ++j) {
+      const Tensor* t = nodes[size_t(j)];
+      for (const Tensor* s : t->src) {
+        if (s && std::find(level.begin(), level.end(), s) != level.end()) {
+          next.push_back(t);
+          reach = std::max(reach, j);
+          break;
+        }
+      }
+    }
+    level.swap(next);
+  }
+  return reach;
+}
+
 void plan(Graph& graph) {
   const auto& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
@@ -68,6 +92,20 @@ void plan(Graph& graph) {
     for (const Tensor* s : t->src)
       if (s) last_use[s->index] = std::max(last_use[s->index], t->index);
   if (graph.output()) last_use[graph.output()->index] = n;  // never freed
+  // Room for a backend to fold a decode step's norms into the products after them.
+  for (int i = 0; i < n; ++i) {
+    const int reach = norm_fold_reach(nodes, i);
+    if (reach == i) continue;
+    const Tensor* in = nodes[size_t(i)]->src[0];
+    auto keep = [&](const Tensor* s) {
+      if (s) last_use[s->index] = std::max(last_use[s->index], reach);
+    };
+    keep(in);
+    if (in->op == Op::Add && in->ne[1] == 1) {
+      keep(in->src[0]);
+      keep(in->src[1]);
+    }
+  }
 
   size_t input = 0;
   FreeList scratch;

@@ -24,6 +24,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/graph_executor.h"
 #include "cuda/kernels.cuh"
+#include "planner.h"
 #include "sampling_math.h"
 
 namespace ggraph {
@@ -605,8 +606,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // kernel does not read everything first: several columns or wide rows).
   // pre (with add): the norm node whose weighted result is add's second input; add then takes
   // its input unnormalized and the kernel normalizes it (one column in registers only).
-  auto launch_norm = [&](int ri, const Tensor* add, const Tensor* pre = nullptr,
-                         const Tensor* pre_w = nullptr) {
+  auto launch_norm_now = [&](int ri, const Tensor* add, const Tensor* pre = nullptr,
+                             const Tensor* pre_w = nullptr) {
     const Tensor* r = nodes[ri];
     // A grouped norm (per-head q/k norms) runs as a norm of as many short columns.
     const int64_t group = r->params[kNormGroup];
@@ -659,6 +660,96 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     done[ri] = 1;
     if (w) done[mi] = 1;
     return true;
+  };
+
+  // A one-column norm put off for the products right after it to work out (NormFold): the
+  // weighted result they read, the norm's node, the residual add it takes (or none), the
+  // products' node and the fold's arguments. x is null when none is.
+  struct PendingFold {
+    const Tensor* x = nullptr;
+    int ri = -1, pi = -1;
+    const Tensor* add = nullptr;
+    NormFold f;
+  } fold;
+  // Puts norm ri (with the add before it, or none) off where the next node to launch after its
+  // weight multiply is a one-column product of quantized weights reading the result, and no node
+  // up to norm_fold_reach writes where the fold reads (the planner keeps those inputs
+  // allocated). Whether that product's launch takes it is decided there (fold_for).
+  auto defer_norm = [&](int ri, const Tensor* add) {
+    const Tensor* r = nodes[ri];
+    const int64_t ne0 = r->ne[0];
+    if (r->ne[1] != 1 || r->params[kNormGroup] != ne0 || ne0 % 32 != 0 || ne0 > 1024 ||
+        uses[ri] != 1 || r == graph.output())
+      return false;
+    const int mi = next_op(ri);
+    const Tensor* mul = mi < n ? nodes[mi] : nullptr;
+    if (!mul || done[mi] || mul->op != Op::Mul || mul->src[0] != r || mul->src[1] == r ||
+        mul == graph.output())
+      return false;
+    const Tensor* w = mul->src[1];
+    if (w->storage != Storage::Weight || w->type != DType::F32 || w->ne[0] != ne0 ||
+        w->ne[1] != 1 || (add && scratch_overlap(mul, add)))
+      return false;
+    const int pi = next_op(mi);
+    const Tensor* p = pi < n ? nodes[pi] : nullptr;
+    if (!p || p->op != Op::MulMat || p->src[1] != mul || p->src[0]->ne[0] != ne0 ||
+        !is_quantized(p->src[0]->type) || mat_mul_q_kind(p->src[0]->type, ne0, 1) != MatMulQ::None)
+      return false;
+    const Tensor* reads[2] = {add ? add->src[0] : r->src[0], add ? add->src[1] : nullptr};
+    const int reach = norm_fold_reach(nodes, ri);
+    for (int j = ri + 1; j <= reach; ++j) {
+      for (const Tensor* s : reads) {
+        if (s && scratch_overlap(nodes[j], s)) return false;
+      }
+    }
+    for (const Tensor* s : reads) {
+      if (s && add && scratch_overlap(add, s)) return false;
+    }
+    fold.x = mul;
+    fold.ri = ri;
+    fold.pi = pi;
+    fold.add = add;
+    fold.f = NormFold{fptr(reads[0]),
+                      reads[1] ? fptr(reads[1]) : nullptr,
+                      add ? fptr(add) : nullptr,
+                      fptr(w),
+                      r->param_f(kNormEps),
+                      static_cast<int>(ne0)};
+    done[ri] = done[mi] = 1;
+    return true;
+  };
+  // Launches the norm put off, if one is (its products then read the 8-bit form it leaves).
+  auto flush_norm = [&]() {
+    if (!fold.x) return;
+    const PendingFold f = fold;
+    fold = PendingFold{};
+    done[f.ri] = done[next_op(f.ri)] = 0;
+    // Recorded at the node it would have gone out at: the add's, or the norm's.
+    const int node = l.node;
+    l.node = f.add ? pos(f.add) : f.ri;
+    if (!launch_norm_now(f.ri, f.add))
+      throw std::logic_error("launch_graph: a norm put off for its products would not launch");
+    l.node = node;
+  };
+  // The fold for a launch of product x whose launch reads x `readers` times, of formats type and
+  // type_b: where every reader of x is in it and its kernel takes the fold. Otherwise the norm
+  // goes out first (and nullptr).
+  auto fold_for = [&](const Tensor* x, int readers, DType type, DType type_b) -> const NormFold* {
+    if (!fold.x || fold.x != x) return nullptr;
+    const int p = pos(x);
+    if (p >= 0 && readers == uses[p] && mat_vec_folds_norm(type, type_b, x->ne[0])) return &fold.f;
+    flush_norm();
+    return nullptr;
+  };
+  // After a launch that took the fold.
+  auto fold_taken = [&](const NormFold* f) {
+    if (f) fold = PendingFold{};
+  };
+  // The norm's kernel, or the fold above (nothing to launch yet).
+  auto launch_norm = [&](int ri, const Tensor* add, const Tensor* pre = nullptr,
+                         const Tensor* pre_w = nullptr) {
+    if (!pre && defer_norm(ri, add)) return true;
+    return launch_norm_now(ri, add, pre, pre_w);
   };
 
   // How a two-tensor rope launch reads (rope_token_fits, rope_reads_first): kRopeAll, every read
@@ -759,6 +850,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // which none of its outputs may overlap. Returns whether it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
                            DType v_type, int64_t k) {
+    const Tensor* act_in = nodes[same[0]]->src[1];
     int j[4];
     if (!next_four(same[0], j)) return false;
     const Tensor *rq = nodes[j[0]], *rk = nodes[j[1]], *ks = nodes[j[2]], *vs = nodes[j[3]];
@@ -776,6 +868,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         kv_target(ks)->ne[0] == kp->ne[0] && kv_target(vs)->ne[0] == v->ne[0] &&
         kv_target(vs)->ne[1] == kv_target(ks)->ne[1] && kv_target(vs)->data != kv_target(ks)->data;
     if (!ok) return false;
+    const NormFold* f = fold_for(act_in, 3, type, v_type);
     MatVecRope r;
     r.pos = static_cast<const int32_t*>(ptr(rq->src[1]));
     r.freq_factors = rq->src[2] ? fptr(rq->src[2]) : nullptr;
@@ -789,7 +882,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
-    if (!launch_mat_vec_rope(l, type, v_type, parts, k, buf.act, r)) return false;
+    if (!launch_mat_vec_rope(l, type, v_type, parts, k, buf.act, r, f)) return false;
+    fold_taken(f);
     for (int x : j) done[x] = 1;
     return true;
   };
@@ -850,6 +944,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   for (int i = 0; i < n; ++i) {
     const Tensor* t = nodes[i];
     if (done[i]) continue;
+    if (fold.x && i != fold.pi && t->op != Op::Leaf) flush_norm();
     l.node = i;
     switch (t->op) {
       case Op::Leaf:
@@ -932,6 +1027,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         } in_order(l, w->storage != Storage::Weight);
         // The 8-bit form of x in the workspace, unless it is there already.
         auto prepare_q8 = [&]() {
+          if (fold.x == x) flush_norm();
           if (prepared == x && prepared_form == Form::Q8) return;
           launch_quantize_act(l, fptr(x), k, cols, buf.act);
           prepared = x;
@@ -996,7 +1092,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
           break;
         }
-        if (is_quantized(w->type)) prepare_q8();
+        // With a norm put off for these products, the 8-bit activation is the launch's own work
+        // (fold_for), or the norm's once it goes out.
+        if (is_quantized(w->type) && fold.x != x) prepare_q8();
         // Mat-vecs of the same activation and weight format close together (q, k, v; gate, up)
         // go out as one launch at the first of them, where that moves no write over memory
         // that the nodes in between still use.
@@ -1037,13 +1135,17 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             if (rope_epilogue(trio, parts, w->type, nodes[other]->src[0]->type, k)) break;
             done[other] = 0;
           }
-          if (launch_mat_vec_mixed(l, w->type, nodes[other]->src[0]->type, parts, n_parts, k,
-                                   buf.act)) {
+          const DType other_type = nodes[other]->src[0]->type;
+          const NormFold* f = fold_for(x, n_parts + 1, w->type, other_type);
+          if (launch_mat_vec_mixed(l, w->type, other_type, parts, n_parts, k, buf.act, f)) {
+            fold_taken(f);
             done[other] = 1;
             break;
           }
         }
-        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols);
+        const NormFold* f = fold_for(x, n_parts, w->type, w->type);
+        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols, f);
+        fold_taken(f);
         break;
       }
       case Op::Rope: {
@@ -1215,6 +1317,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         break;  // rejected by validate_graph
     }
   }
+  flush_norm();
 }
 
 namespace {

@@ -350,17 +350,42 @@ struct MatVecPart {
   // for the kernel before it (programmatic dependent launch), which may be what writes others.
   bool fixed = false;
 };
+// The norm before one column's quantized products, worked out by the products' kernel instead of
+// a launch of its own: the activation is rms_norm(src + add) * w (add optional; eps; ne0
+// values), each warp making its 8-bit blocks itself, bit for bit what launch_rms_norm and its
+// quantization would leave in ws; one warp stores src + add to sum_out (optional). Only where
+// mat_vec_folds_norm says the launch takes it; none of the launch's writes may overlap src or
+// add. No padding: a launch's arguments compare bytewise from step to step.
+struct NormFold {
+  const float* src = nullptr;
+  const float* add = nullptr;
+  float* sum_out = nullptr;
+  const float* w = nullptr;  // a model weight, one column of ne0
+  float eps = 0.0f;
+  int ne0 = 0;
+};
+static_assert(sizeof(NormFold) == 4 * sizeof(void*) + 8, "NormFold has no padding");
+// Whether one column's products of k = ne0 values in format type (and type_b, for the other
+// part of a launch_mat_vec_mixed or launch_mat_vec_rope pair; type itself otherwise) take a
+// NormFold: k a multiple of 32 up to 1,024 (a lane a 32 of the activation, the norm's one-block
+// kernel a thread a value), formats of 16 bytes of quants a 32, the register-resident kernel
+// (its capacity measured, no shape forced), and the fold on (off unless GGRAPH_CUDA_NORM_FOLD=1
+// or set_norm_fold turns it on).
+bool mat_vec_folds_norm(DType type, DType type_b, int64_t k);
+// Test hook: turns the fold on or off; returns the setting it replaced.
+bool set_norm_fold(bool on);
 // Up to 3 weights of the same type and k that share one activation (q, k, v) in one launch.
 // Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act); float
-// types read x directly.
+// types read x directly. fold (one column): the activation from the norm before, as NormFold
+// says, instead of ws.
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                    const float* x, const uint8_t* ws, int cols);
+                    const float* x, const uint8_t* ws, int cols, const NormFold* fold = nullptr);
 // One column of parts[0, n_a) (one or two) in format type_a and parts[n_a] in type_b, sharing
 // the 8-bit activation in ws (q and k in one format, v in another, as K-quant mixes make them),
 // in one launch. False, with nothing launched, where that pair of formats or that row length
 // has no such kernel: the caller then launches them apart.
 bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
-                          int64_t k, const uint8_t* ws);
+                          int64_t k, const uint8_t* ws, const NormFold* fold = nullptr);
 // The ropes and the K/V stores of one token in the epilogue of its q, k and v products (parts
 // 0, 1 and 2 of one launch): pairs of adjacent rows of q and k rotate (the rope's normal mode;
 // pairs past n_dims are copied) into q_out and k_out, as launch_rope rotates them, bit for bit;
@@ -387,7 +412,7 @@ static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has n
 // have no such kernel, or GGRAPH_CUDA_ROPE_EPILOGUE=0 (set_rope_epilogue) turned it off: the caller
 // then launches the products and the ropes apart.
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
-                         const uint8_t* ws, const MatVecRope& rope);
+                         const uint8_t* ws, const MatVecRope& rope, const NormFold* fold = nullptr);
 // Test hook: turns the rope epilogue on or off (the default: on, unless
 // GGRAPH_CUDA_ROPE_EPILOGUE=0); returns the setting it replaced.
 bool set_rope_epilogue(bool on);

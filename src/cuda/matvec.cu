@@ -175,15 +175,10 @@ struct PieceAct {
   int sum_lo, sum_hi;
 };
 
+// What every path to a piece's activation does last: IQ4's word order, and the sums over each
+// half for the formats with a scale per 16.
 template <int TYPE>
-__device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, PieceAct& x) {
-  const int4 lo = load_after_wait(reinterpret_cast<const int4*>(ap));
-  x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
-  if constexpr (PieceInfo<TYPE>::kPer32 == 1) {
-    const int4 hi = load_after_wait(reinterpret_cast<const int4*>(ap) + 1);
-    x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
-  }
-  x.ad = load_after_wait(dp);
+__device__ __forceinline__ void finish_piece_act(PieceAct& x) {
   if constexpr (TYPE == kTypeIQ4_NL || TYPE == kTypeIQ4_XS) {
 #pragma unroll
     for (int& a : x.a) a = static_cast<int>(__byte_perm(static_cast<uint32_t>(a), 0, kIQ4ActOrder));
@@ -199,10 +194,83 @@ __device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* d
 }
 
 template <int TYPE>
+__device__ __forceinline__ void load_piece_act(const int8_t* ap, const float2* dp, PieceAct& x) {
+  const int4 lo = load_after_wait(reinterpret_cast<const int4*>(ap));
+  x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
+  if constexpr (PieceInfo<TYPE>::kPer32 == 1) {
+    const int4 hi = load_after_wait(reinterpret_cast<const int4*>(ap) + 1);
+    x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
+  }
+  x.ad = load_after_wait(dp);
+  finish_piece_act<TYPE>(x);
+}
+
+template <int TYPE>
 __device__ __forceinline__ void zero_piece_act(PieceAct& x) {
   for (int& v : x.a) v = 0;
   x.ad = make_float2(0.0f, 0.0f);
   x.sum_lo = x.sum_hi = 0;
+}
+
+// A lane's piece of a one-column activation of ne0 = 32 * pieces <= 1024 values (a format of
+// one piece a 32, kPer32 == 1; lane l takes piece l) made from the float input of the norm before
+// it, as the rows kernels take it with a NormFold: the 8-bit blocks of rms_norm(src + add) * w,
+// worked out once a block, bit for bit what launch_rms_norm's one-block kernel (a thread a value)
+// and its quantization write. Warp j of the block takes pieces j, j + kMvqWarps, ...: a piece's
+// 32 values are one warp's, as a warp of that kernel holds them, so each piece's sum of squares
+// is that warp's (warp_sum's butterfly) and their total the kernel's, and each block quantizes as
+// quantize_warp_block does, into shared memory. Every thread of the block must call it. The
+// grid's first block also stores src + add to sum_out.
+template <int TYPE>
+__device__ __forceinline__ void fold_block_act(const NormFold& f, PieceAct& x) {
+  static_assert(PieceInfo<TYPE>::kPer32 == 1, "a whole 32 a piece");
+  constexpr int kMax = 32 / kMvqWarps;  // pieces a warp at most
+  __shared__ int4 qs[64];
+  __shared__ float2 ds[32];
+  __shared__ float partial[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int pieces = f.ne0 / 32;
+  float v[kMax], w[kMax];
+#pragma unroll
+  for (int j = 0; j < kMax; ++j) {
+    const int p = warp + kMvqWarps * j, i = 32 * p + lane;
+    v[j] = w[j] = 0.0f;
+    if (p < pieces) {
+      v[j] = load_after_wait(f.src + i);
+      if (f.add) v[j] = __fadd_rn(v[j], load_after_wait(f.add + i));
+      w[j] = __ldg(f.w + i);
+      if (f.sum_out && blockIdx.x == 0) f.sum_out[i] = v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMax; ++j) {
+    const int p = warp + kMvqWarps * j;
+    if (p < pieces) {
+      const float s = warp_sum(__fmul_rn(v[j], v[j]));
+      if (lane == 0) partial[p] = s;
+    }
+  }
+  __syncthreads();
+  const float total = warp_sum(lane < pieces ? partial[lane] : 0.0f);
+  const float scale = 1.0f / sqrtf(total / static_cast<float>(f.ne0) + f.eps);
+#pragma unroll
+  for (int j = 0; j < kMax; ++j) {
+    const int p = warp + kMvqWarps * j;
+    if (p < pieces) {
+      quantize_warp_block(__fmul_rn(__fmul_rn(v[j], scale), w[j]), 32 * p + lane,
+                          reinterpret_cast<int8_t*>(qs), ds);
+    }
+  }
+  __syncthreads();
+  if (lane < pieces) {
+    const int4 lo = qs[2 * lane], hi = qs[2 * lane + 1];
+    x.a[0] = lo.x, x.a[1] = lo.y, x.a[2] = lo.z, x.a[3] = lo.w;
+    x.a[4] = hi.x, x.a[5] = hi.y, x.a[6] = hi.z, x.a[7] = hi.w;
+    x.ad = ds[lane];
+    finish_piece_act<TYPE>(x);
+  } else {
+    zero_piece_act<TYPE>(x);
+  }
 }
 
 // Piece `piece` of column t of the activation.
@@ -568,13 +636,19 @@ __global__ void __launch_bounds__(kMvqThreads)
 // once. The activation crosses L1 once per warp instead of once per row, and a small matrix
 // needs few blocks: the SmolLM2-sized mat-vecs measured faster this way.
 
+// Whether a rows kernel of this format and pieces a lane takes a NormFold: rows of one piece a
+// lane, each a whole 32 of the activation.
+template <int TYPE, int PL>
+constexpr bool kFoldsNorm = PL == 1 && PieceInfo<TYPE>::kPer32 == 1;
+
 // Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below). ROPE (R
 // even, every part's rows even in number): the rows' pairs go through rope_epilogue_pair.
 template <int TYPE, int PL, int R, bool ROPE = false>
 __device__ __forceinline__ void mat_vec_q_rows_body(
     const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1, int n2, float* d0,
     float* d1, float* d2, int n_warps, int gw, int nb, const int8_t* aq, const float2* ads,
-    int64_t k, int prefetch, const MatVecRope& rope = MatVecRope{}, int first_part = 0) {
+    int64_t k, int prefetch, const NormFold& fold, const MatVecRope& rope = MatVecRope{},
+    int first_part = 0) {
   static_assert(!ROPE || R % 2 == 0, "the rope epilogue takes pairs of rows");
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
@@ -617,13 +691,24 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
   pdl_begin();
   if (!prefetch && g0 < n_rows) load_rows(g0);
   PieceAct x[PL];
+  // With a NormFold, the norm before the products is worked out here, once a block (fold.src
+  // is the same for the whole grid: every thread takes part).
+  bool folded = false;
+  if constexpr (kFoldsNorm<TYPE, PL>) {
+    if (fold.src) {
+      fold_block_act<TYPE>(fold, x[0]);
+      folded = true;
+    }
+  }
+  if (!folded) {
 #pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    const int p = lane + 32 * i;
-    if (p < n_pieces)
-      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
-    else
-      zero_piece_act<TYPE>(x[i]);
+    for (int i = 0; i < PL; ++i) {
+      const int p = lane + 32 * i;
+      if (p < n_pieces)
+        load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
+      else
+        zero_piece_act<TYPE>(x[i]);
+    }
   }
   while (g0 < n_rows) {
     float sums[R];
@@ -661,10 +746,11 @@ template <int TYPE, int PL, int R>
 __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
                           int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
-                          const int8_t* aq, const float2* ads, int64_t k, int prefetch) {
+                          const int8_t* aq, const float2* ads, int64_t k, int prefetch,
+                          NormFold fold) {
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   mat_vec_q_rows_body<TYPE, PL, R>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq, ads, k,
-                                   prefetch);
+                                   prefetch, fold);
 }
 
 // The rope epilogue's variant (one token's q, k and v).
@@ -673,10 +759,10 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0,
                                int n1, int n2, float* d0, float* d1, float* d2, int n_warps, int nb,
                                const int8_t* aq, const float2* ads, int64_t k, int prefetch,
-                               MatVecRope rope) {
+                               NormFold fold, MatVecRope rope) {
   const int gw = blockIdx.x * kMvqWarps + threadIdx.x / 32;
   mat_vec_q_rows_body<TYPE, PL, R, true>(w0, w1, w2, n0, n1, n2, d0, d1, d2, n_warps, gw, nb, aq,
-                                         ads, k, prefetch, rope);
+                                         ads, k, prefetch, fold, rope);
 }
 
 // Two formats in one launch, as mat_vec_q_mixed_kernel: format A's warps take parts 0 and 1
@@ -686,15 +772,15 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_mixed_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0,
                                 int n1, int n2, float* d0, float* d1, float* d2, int n_warps_a,
                                 int n_warps_b, int blk_b, int nb, const int8_t* aq,
-                                const float2* ads, int64_t k, int prefetch) {
+                                const float2* ads, int64_t k, int prefetch, NormFold fold) {
   const int warp = threadIdx.x / 32;
   if (static_cast<int>(blockIdx.x) < blk_b)
     mat_vec_q_rows_body<TA, PLA, R>(w0, w1, w1, n0, n1, 0, d0, d1, d1, n_warps_a,
-                                    blockIdx.x * kMvqWarps + warp, nb, aq, ads, k, prefetch);
+                                    blockIdx.x * kMvqWarps + warp, nb, aq, ads, k, prefetch, fold);
   else
     mat_vec_q_rows_body<TB, PLB, R>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
                                     (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
-                                    prefetch);
+                                    prefetch, fold);
 }
 // With the rope epilogue (q and k in format A, v in B: B's rows are part 2).
 template <int TA, int PLA, int TB, int PLB, int R>
@@ -703,16 +789,16 @@ __global__ void __launch_bounds__(kMvqThreads)
                                      int n0, int n1, int n2, float* d0, float* d1, float* d2,
                                      int n_warps_a, int n_warps_b, int blk_b, int nb,
                                      const int8_t* aq, const float2* ads, int64_t k, int prefetch,
-                                     MatVecRope rope) {
+                                     NormFold fold, MatVecRope rope) {
   const int warp = threadIdx.x / 32;
   if (static_cast<int>(blockIdx.x) < blk_b)
     mat_vec_q_rows_body<TA, PLA, R, true>(w0, w1, w1, n0, n1, 0, d0, d1, d1, n_warps_a,
                                           blockIdx.x * kMvqWarps + warp, nb, aq, ads, k, prefetch,
-                                          rope);
+                                          fold, rope);
   else
     mat_vec_q_rows_body<TB, PLB, R, true>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
                                           (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
-                                          prefetch, rope, 2);
+                                          prefetch, fold, rope, 2);
 }
 
 // Warps of one instantiation (ROPE: its rope epilogue's) resident on the whole device at once
@@ -916,7 +1002,8 @@ MatVecConfig& mat_vec_override() {
 // kernel's capacity decides it, so the sums are the plain launch's; the variant's sizes the grid).
 template <int TYPE, int PL, int R>
 bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k,
-                           const int8_t* aq, const float2* ads, const MatVecRope* rope = nullptr) {
+                           const int8_t* aq, const float2* ads, const MatVecRope* rope,
+                           const NormFold* fold) {
   const int plain = rows_kernel_slots<TYPE, PL, R>();
   if (plain == 0) return false;
   const int own = rope ? rows_kernel_slots<TYPE, PL, R, true>() : 0;
@@ -928,22 +1015,29 @@ bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, in
   const int n_warps = static_cast<int>(std::min<int64_t>(ceil_div(n_rows, R), slots));
   const dim3 grid(static_cast<unsigned>(ceil_div(n_warps, kMvqWarps)));
   const int nb = static_cast<int>(k / 32), prefetch = all_fixed(parts, n_parts) ? 1 : 0;
+  const NormFold f = fold ? *fold : NormFold{};
   if (rope)
     l(mat_vec_q_rows_rope_kernel<TYPE, PL, R>, grid, dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2],
-      n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch, *rope);
+      n[0], n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch, f, *rope);
   else
     l(mat_vec_q_rows_kernel<TYPE, PL, R>, grid, dim3(kMvqThreads), 0, g.w[0], g.w[1], g.w[2], n[0],
-      n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch);
+      n[1], n[2], g.dst[0], g.dst[1], g.dst[2], n_warps, nb, aq, ads, k, prefetch, f);
   return true;
 }
 
-// The register-resident kernel for rows of up to 64 pieces; false past that.
+// The register-resident kernel for rows of up to 64 pieces; false past that. With a NormFold
+// (the norm before worked out by the kernel: rows of one piece a lane, kFoldsNorm), false where
+// that kernel does not take it.
 template <int TYPE>
 bool mat_vec_q_rows(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const int8_t* aq,
-                    const float2* ads, const MatVecRope* rope = nullptr) {
+                    const float2* ads, const MatVecRope* rope = nullptr,
+                    const NormFold* fold = nullptr) {
   const int64_t per_lane = ceil_div(k / 32 * PieceInfo<TYPE>::kPer32, 32);
-  if (per_lane <= 1) return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads, rope);
-  if (per_lane <= 2) return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads, rope);
+  if (per_lane <= 1 && (!fold || kFoldsNorm<TYPE, 1>))
+    return mat_vec_q_rows_launch<TYPE, 1, 2>(l, parts, n_parts, k, aq, ads, rope, fold);
+  if (fold) return false;
+  if (per_lane <= 2)
+    return mat_vec_q_rows_launch<TYPE, 2, 2>(l, parts, n_parts, k, aq, ads, rope, nullptr);
   return false;
 }
 
@@ -975,7 +1069,7 @@ int mat_vec_overlap(const MatVecPart* parts, int n_parts) {
 // launched) where a kernel shape is forced. With rope (n_a 2): the rope epilogue too.
 template <int TA, int TB>
 bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, const uint8_t* ws,
-                     const MatVecRope* rope = nullptr) {
+                     const MatVecRope* rope, const NormFold* fold) {
   if (mat_vec_override().rows != 0 || n_a < 1 || n_a > 2 || (rope && n_a != 2)) return false;
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
   // Slots: part 0 (and 1) of A, an empty part 1 when A has one, then B.
@@ -998,16 +1092,18 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
       const int blk_b = static_cast<int>(ceil_div(wa, kMvqWarps));
       const int blocks = blk_b + static_cast<int>(ceil_div(wb, kMvqWarps));
       const int prefetch = all_fixed(parts, n_a + 1) ? 1 : 0;
+      if (fold && !(pa <= 32 && pb <= 32 && kFoldsNorm<TA, 1> && kFoldsNorm<TB, 1>)) return false;
+      const NormFold f = fold ? *fold : NormFold{};
       auto go = [&](auto plain, auto with_rope) {
         const auto w0 = static_cast<const uint8_t*>(slot[0].w);
         const auto w1 = static_cast<const uint8_t*>(slot[1].w);
         const auto w2 = static_cast<const uint8_t*>(slot[2].w);
         if (rope)
           l(with_rope, dim3(blocks), dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst,
-            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch, *rope);
+            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch, f, *rope);
         else
           l(plain, dim3(blocks), dim3(kMvqThreads), 0, w0, w1, w2, n0, n1, n2, slot[0].dst,
-            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch);
+            slot[1].dst, slot[2].dst, wa, wb, blk_b, nb, act.qs, act.ds, k, prefetch, f);
       };
       if (pa <= 32 && pb <= 32)
         go(mat_vec_q_rows_mixed_kernel<TA, 1, TB, 1, R>,
@@ -1025,6 +1121,7 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
     }
   }
   // Otherwise (longer rows, or the device's capacity not yet known) each format's block shape.
+  if (fold) return false;
   using A = MatVecShape<TA>;
   using B = MatVecShape<TB>;
   constexpr int kA = kMvqWarps / A::KS * A::R, kB = kMvqWarps / B::KS * B::R;  // rows a block
@@ -1050,7 +1147,8 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
 }
 
 template <int TYPE, int NCOLS>
-void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws) {
+void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws,
+               const NormFold* fold) {
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, NCOLS);
   const int8_t* aq = act.qs;
   const float2* ads = act.ds;
@@ -1061,8 +1159,9 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     // Measured on an H200 (BENCHMARKS.md): short rows run fastest with the activation in
     // registers; longer rows take MatVecShape's.
     if (c.rows == 0 && n_pieces <= kRowsKernelPieces &&
-        mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads))
+        mat_vec_q_rows<TYPE>(l, parts, n_parts, k, aq, ads, nullptr, fold))
       return;
+    if (fold) throw std::logic_error("mat-vec: no kernel here takes the norm before it");
     using S = MatVecShape<TYPE>;
     if (c.rows == 0) c = MatVecConfig{S::R, S::U, S::KS};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
@@ -1088,6 +1187,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
                             std::to_string(c.ksplit) + " k splits");
     }
   } else {
+    if (fold) throw std::logic_error("mat-vec: a norm folds into one column's products only");
     mat_vec_q_launch<TYPE, NCOLS, 1, 2, 2>(l, parts, n_parts, k, aq, ads, overlap);
   }
 }
@@ -1096,13 +1196,15 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
 // them (the same sums, bit for bit); false where a kernel shape is forced.
 template <int TYPE>
 bool mat_vec_q_rope(Launcher& l, const MatVecPart* parts, int64_t k, const uint8_t* ws,
-                    const MatVecRope& rope) {
+                    const MatVecRope& rope, const NormFold* fold) {
   if (mat_vec_override().rows != 0) return false;
   const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
   const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
   const int nb = static_cast<int>(k / 32);
-  if (n_pieces <= kRowsKernelPieces && mat_vec_q_rows<TYPE>(l, parts, 3, k, act.qs, act.ds, &rope))
+  if (n_pieces <= kRowsKernelPieces &&
+      mat_vec_q_rows<TYPE>(l, parts, 3, k, act.qs, act.ds, &rope, fold))
     return true;
+  if (fold) return false;
   using S = MatVecShape<TYPE>;
   const GroupArgs g = group_args(parts, 3, kMvqWarps / S::KS * S::R);
   l(mat_vec_q_rope_kernel<TYPE, S::R, S::U, S::KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0],
@@ -1129,13 +1231,15 @@ void mat_vec_f(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
 
 template <int NCOLS>
 void mat_vec_cols(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                  const float* x, const uint8_t* ws) {
+                  const float* x, const uint8_t* ws, const NormFold* fold) {
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (is_split_type(TYPE))
-      mat_vec_q<TYPE, NCOLS>(l, parts, n_parts, k, ws);
-    else
+    if constexpr (is_split_type(TYPE)) {
+      mat_vec_q<TYPE, NCOLS>(l, parts, n_parts, k, ws, fold);
+    } else {
+      if (fold) throw std::logic_error("mat-vec: a norm folds into quantized products only");
       mat_vec_f<TYPE, NCOLS>(l, parts, n_parts, k, x);
+    }
   });
 }
 
@@ -1656,11 +1760,11 @@ void prepare_kernels() {
 // Q6_K), and their fallbacks for rows that are not whole 256-blocks (Q5_0; v in Q8_0). False
 // for other pairs.
 bool mixed_pair(DType type_a, DType type_b, const MatVecPart* parts, int n_a, int64_t k,
-                const uint8_t* ws, const MatVecRope* rope, Launcher& l) {
-#define GGRAPH_MIXED_PAIR(A, B)                                                                   \
-  if (type_a == DType::A && type_b == DType::B)                                                   \
-    return mat_vec_q_mixed<static_cast<int>(DType::A), static_cast<int>(DType::B)>(l, parts, n_a, \
-                                                                                   k, ws, rope);
+                const uint8_t* ws, const MatVecRope* rope, const NormFold* fold, Launcher& l) {
+#define GGRAPH_MIXED_PAIR(A, B)                                                     \
+  if (type_a == DType::A && type_b == DType::B)                                     \
+    return mat_vec_q_mixed<static_cast<int>(DType::A), static_cast<int>(DType::B)>( \
+        l, parts, n_a, k, ws, rope, fold);
   GGRAPH_MIXED_PAIR(Q4_K, Q6_K)
   GGRAPH_MIXED_PAIR(Q5_K, Q6_K)
   GGRAPH_MIXED_PAIR(Q5_0, Q8_0)
@@ -1684,41 +1788,66 @@ bool set_warp_rope_epilogue(bool on) { return std::exchange(warp_rope_epilogue_f
 bool warp_rope_epilogue_enabled() { return warp_rope_epilogue_flag() && rope_epilogue_flag(); }
 
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
-                         const uint8_t* ws, const MatVecRope& rope) {
+                         const uint8_t* ws, const MatVecRope& rope, const NormFold* fold) {
   if (!rope_epilogue_flag() || !is_quantized(type)) return false;
-  if (v_type != type) return mixed_pair(type, v_type, parts, 2, k, ws, &rope, l);
+  if (v_type != type) return mixed_pair(type, v_type, parts, 2, k, ws, &rope, fold, l);
   bool launched = false;
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (is_split_type(TYPE)) launched = mat_vec_q_rope<TYPE>(l, parts, k, ws, rope);
+    if constexpr (is_split_type(TYPE)) launched = mat_vec_q_rope<TYPE>(l, parts, k, ws, rope, fold);
   });
   return launched;
 }
 
+// Off unless GGRAPH_CUDA_NORM_FOLD=1: on an H200 the SmolLM2 shape's decode ran 18% slower with
+// it (BENCHMARKS.md), each block's warps working several 32s' reductions in turn.
+bool& norm_fold_flag() {
+  static bool on = env_int("GGRAPH_CUDA_NORM_FOLD", 0, 1, 0) == 1;
+  return on;
+}
+
+bool set_norm_fold(bool on) { return std::exchange(norm_fold_flag(), on); }
+
+bool mat_vec_folds_norm(DType type, DType type_b, int64_t k) {
+  if (!norm_fold_flag() || k % 32 != 0 || k > 1024 || mat_vec_override().rows != 0) return false;
+  auto folds = [&](DType t) {
+    bool ok = false;
+    with_weight_type(t, "mul_mat", [&](auto tc) {
+      constexpr int TYPE = decltype(tc)::value;
+      if constexpr (is_split_type(TYPE)) {
+        if constexpr (kFoldsNorm<TYPE, 1>) ok = rows_kernel_slots<TYPE, 1, 2>() > 0;
+      }
+    });
+    return ok;
+  };
+  return folds(type) && (type_b == type || folds(type_b));
+}
+
 bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecPart* parts, int n_a,
-                          int64_t k, const uint8_t* ws) {
-  return mixed_pair(type_a, type_b, parts, n_a, k, ws, nullptr, l);
+                          int64_t k, const uint8_t* ws, const NormFold* fold) {
+  return mixed_pair(type_a, type_b, parts, n_a, k, ws, nullptr, fold, l);
 }
 
 void launch_mat_vec(Launcher& l, DType type, const MatVecPart* parts, int n_parts, int64_t k,
-                    const float* x, const uint8_t* ws, int cols) {
+                    const float* x, const uint8_t* ws, int cols, const NormFold* fold) {
+  if (fold && cols != 1) throw std::logic_error("mat-vec: a norm folds into one column only");
   switch (cols) {
     case 1:
-      return mat_vec_cols<1>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<1>(l, type, parts, n_parts, k, x, ws, fold);
     case 2:
-      return mat_vec_cols<2>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<2>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 3:
-      return mat_vec_cols<3>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<3>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 4:
-      return mat_vec_cols<4>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<4>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 5:
-      return mat_vec_cols<5>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<5>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 6:
-      return mat_vec_cols<6>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<6>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 7:
-      return mat_vec_cols<7>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<7>(l, type, parts, n_parts, k, x, ws, nullptr);
     case 8:
-      return mat_vec_cols<8>(l, type, parts, n_parts, k, x, ws);
+      return mat_vec_cols<8>(l, type, parts, n_parts, k, x, ws, nullptr);
     default:
       throw ArgumentError("mul_mat: the mat-vec path takes 1 to " + std::to_string(kMatVecMaxCols) +
                           " columns, got " + std::to_string(cols));

@@ -1883,8 +1883,16 @@ void expect_qkv_launches(const LayerGraph& lg, int q, int k, int v) {
   EXPECT_EQ(launches_of(rec, lg.wv), v);
 }
 
+// The norm's fold into the products after it (NormFold) off for a test's scope.
+struct NormFoldOff {
+  bool was = cuda::set_norm_fold(false);
+  ~NormFoldOff() { cuda::set_norm_fold(was); }
+};
+
 TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   {
+    // (With the norm's own launch: NormFoldedIntoItsProductsEqualsTheNormsLaunch has the fold.)
+    NormFoldOff off;
     LayerGraph lg(1, 20, /*products_first=*/true);
     const auto rec = lg.launches();
     // The residual add before the second layer's norm launches the norm too, which multiplies
@@ -2353,6 +2361,140 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     g.set_output(build(g, *cuda_));
     plan(g);
     EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), rope_q), 0) << what;
+  }
+}
+
+// The norm folded into the products after it (NormFold) against the norm's own launch: two
+// decode layers of one token and the output product (each norm with its weight; the residual
+// adds; q, k and v with their ropes and stores; gate and up; down), the logits and both caches
+// equal bit for bit with the fold on and off. Formats of one piece a 32 at rows of 18 to 32
+// pieces fold every norm; a Q8_0 v (two pieces a 32) keeps the attention norms' launch, and so
+// does a row of 48 pieces.
+TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
+  struct FoldOn {
+    bool was = cuda::set_norm_fold(true);
+    ~FoldOn() { cuda::set_norm_fold(was); }
+  } on;
+  std::mt19937 rng(47);
+  struct Case {
+    DType type, v_type;
+    int n_embd, n_head, n_head_kv, hd, n_ff;
+    int folds;  // norms expected folded: 5 (two layers' two and the output's), 3, or 0
+  };
+  const Case cases[] = {
+      {DType::Q4_1, DType::Q4_1, 576, 9, 3, 64, 1536, 5},
+      {DType::Q4_K, DType::Q6_K, 768, 12, 4, 64, 2048, 5},
+      {DType::IQ4_NL, DType::IQ4_NL, 1024, 8, 2, 128, 2048, 5},
+      {DType::Q5_0, DType::Q8_0, 576, 9, 3, 64, 1536, 3},
+      {DType::Q4_0, DType::Q4_0, 1536, 12, 2, 128, 4096, 0},
+  };
+  for (const Case& c : cases) {
+    const int kv_w = c.n_head_kv * c.hd, n_past = 29, rows = 64, n_vocab = 3000;
+    const std::string what = std::string(type_name(c.type)) + "/" + type_name(c.v_type) +
+                             " n_embd " + std::to_string(c.n_embd);
+    struct Layer {
+      std::vector<uint8_t> q, k, v, o, gate, up, down;
+      std::vector<float> attn_norm, ffn_norm;
+    };
+    auto norm_weight = [&]() {
+      auto w = randn(size_t(c.n_embd), rng, 0.2f);
+      for (auto& x : w) x += 1.0f;
+      return w;
+    };
+    Layer layers[2];
+    for (Layer& L : layers) {
+      L.q = random_blocks(c.type, c.n_embd, c.n_embd, rng);
+      L.k = random_blocks(c.type, c.n_embd, kv_w, rng);
+      L.v = random_blocks(c.v_type, c.n_embd, kv_w, rng);
+      L.o = random_blocks(c.type, c.n_embd, c.n_embd, rng);
+      L.gate = random_blocks(c.type, c.n_embd, c.n_ff, rng);
+      L.up = random_blocks(c.type, c.n_embd, c.n_ff, rng);
+      L.down = random_blocks(c.type, c.n_ff, c.n_embd, rng);
+      L.attn_norm = norm_weight();
+      L.ffn_norm = norm_weight();
+    }
+    const auto out_w = random_blocks(c.type, c.n_embd, n_vocab, rng);
+    const auto out_norm = norm_weight();
+    auto x = randn(size_t(c.n_embd), rng);
+    std::vector<int32_t> pos = {n_past}, ids;
+    std::vector<uint8_t> k0(size_t(kv_w) * rows * 2), v0(k0.size());
+    const auto k16 = randn_f16(size_t(kv_w) * rows, rng), v16 = randn_f16(k0.size() / 2, rng);
+    std::memcpy(k0.data(), k16.data(), k0.size());
+    std::memcpy(v0.data(), v16.data(), v0.size());
+    void* k_mem[2] = {};
+    void* v_mem[2] = {};
+    std::vector<const Tensor*> norms;
+    Build build = [&](Graph& g, Backend& be) {
+      norms.clear();
+      Tensor* p = g.input_i32(1, pos.data(), "pos");
+      Tensor* h = activations(g, be, x, c.n_embd, 1, ids);
+      auto norm = [&](Tensor* in, const std::vector<float>& w, const char* name) {
+        Tensor* r = g.rms_norm(in, 1e-5f);
+        norms.push_back(r);
+        return g.mul(r, upload(g, be, DType::F32, c.n_embd, 1, w.data(), name));
+      };
+      auto mat = [&](DType t, int64_t k, int64_t n, const std::vector<uint8_t>& b, Tensor* a) {
+        return g.mul_mat(upload(g, be, t, k, n, b.data(), "w"), a);
+      };
+      for (int il = 0; il < 2; ++il) {
+        const Layer& L = layers[il];
+        Tensor* kc = kv_cache_with(g, be, DType::F16, k0, kv_w, rows, "k");
+        Tensor* vc = kv_cache_with(g, be, DType::F16, v0, kv_w, rows, "v");
+        k_mem[il] = kc->data;
+        v_mem[il] = vc->data;
+        Tensor* a = norm(h, L.attn_norm, "attn_norm");
+        Tensor* q = mat(c.type, c.n_embd, c.n_embd, L.q, a);
+        Tensor* k = mat(c.type, c.n_embd, kv_w, L.k, a);
+        Tensor* v = mat(c.v_type, c.n_embd, kv_w, L.v, a);
+        q = g.rope(q, p, c.n_head, c.hd, c.hd, kRopeNormal, 10000.0f);
+        k = g.rope(k, p, c.n_head_kv, c.hd, c.hd, kRopeNormal, 10000.0f);
+        g.kv_store(kc, k, n_past);
+        g.kv_store(vc, v, n_past);
+        Tensor* att = g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd,
+                                  1.0f / std::sqrt(float(c.hd)), n_past + 1, n_past);
+        h = g.add(h, mat(c.type, c.n_embd, c.n_embd, L.o, att));
+        Tensor* f = norm(h, L.ffn_norm, "ffn_norm");
+        Tensor* gate = mat(c.type, c.n_embd, c.n_ff, L.gate, f);
+        Tensor* up = mat(c.type, c.n_embd, c.n_ff, L.up, f);
+        h = g.add(h, mat(c.type, c.n_ff, c.n_embd, L.down, g.swiglu(gate, up)));
+      }
+      return mat(c.type, c.n_embd, n_vocab, out_w, norm(h, out_norm, "output_norm"));
+    };
+    auto run = [&](std::vector<uint8_t>(&caches)[4]) {
+      auto out = run_on(*cuda_, build);
+      for (int i = 0; i < 4; ++i) {
+        caches[i].resize(k0.size());
+        cuda_->kv_to_host(caches[i].data(), i < 2 ? k_mem[i] : v_mem[i - 2], k0.size());
+      }
+      return out;
+    };
+    std::vector<uint8_t> folded_kv[4], apart_kv[4];
+    const auto folded = run(folded_kv);
+    std::vector<float> apart;
+    {
+      const bool was = cuda::set_norm_fold(false);
+      apart = run(apart_kv);
+      cuda::set_norm_fold(was);
+    }
+    ASSERT_EQ(folded.size(), apart.size()) << what;
+    EXPECT_EQ(std::memcmp(folded.data(), apart.data(), folded.size() * sizeof(float)), 0) << what;
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(folded_kv[i] == apart_kv[i]) << "cache " << i << what;
+    EXPECT_FALSE(folded_kv[0] == k0) << "the K store ran: " << what;
+    // Against the CPU, so that both paths being wrong alike would show.
+    EXPECT_LT(rel_err(folded, run_on(*cpu_, build)), 5e-2) << what;
+    // The norms the products took in (none launched), as the runs planned them.
+    Graph g;
+    g.set_output(build(g, *cuda_));
+    plan(g);
+    const auto rec = LayerGraph::launches_of_graph(g);
+    // (A norm with the residual add before it launches at the add's node.)
+    int folded_norms = 0;
+    for (const Tensor* r : norms) {
+      const Tensor* in = r->src[0];
+      folded_norms +=
+          launches_of(rec, r) == 0 && (in->op != Op::Add || launches_of(rec, in) == 0) ? 1 : 0;
+    }
+    EXPECT_EQ(folded_norms, c.folds) << what;
   }
 }
 

@@ -200,7 +200,8 @@ def test_graph_read_with_cuda_python_holds_the_steps_kv_position(smol_shape):
         m.eval([5 + t])
         steps.append((n_past, _kernel_nodes(drv, m.cuda_graph_handle())))
     first = steps[0][1]
-    assert len(first) >= 30 * 8, "fewer kernel nodes than the model has ops"
+    # Six launches a layer at least (q/k/v with its norm, attention, o, gate/up, glu, down).
+    assert len(first) >= 30 * 6, "fewer kernel nodes than the model has ops"
     record_node = None
     for (_, before), (n_past, after) in zip(steps, steps[1:]):
         assert after.keys() == before.keys(), "patching must not add or remove nodes"
