@@ -230,37 +230,43 @@ __device__ __forceinline__ void fold_block_act(const NormFold& f, PieceAct& x) {
   __shared__ float partial[32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int pieces = f.ne0 / 32;
-  float v[kMax], w[kMax];
-#pragma unroll
-  for (int j = 0; j < kMax; ++j) {
-    const int p = warp + kMvqWarps * j, i = 32 * p + lane;
-    v[j] = w[j] = 0.0f;
-    if (p < pieces) {
-      v[j] = load_after_wait(f.src + i);
-      if (f.add) v[j] = __fadd_rn(v[j], load_after_wait(f.add + i));
-      w[j] = __ldg(f.w + i);
-      if (f.sum_out && blockIdx.x == 0) f.sum_out[i] = v[j];
-    }
-  }
+  // A warp's 32s side by side (zeros past the pieces), so that their reductions interleave.
+  float v[kMax], w[kMax], sq[kMax];
+  int64_t at[kMax];
+  bool ok[kMax];
 #pragma unroll
   for (int j = 0; j < kMax; ++j) {
     const int p = warp + kMvqWarps * j;
-    if (p < pieces) {
-      const float s = warp_sum(__fmul_rn(v[j], v[j]));
-      if (lane == 0) partial[p] = s;
+    ok[j] = p < pieces;
+    at[j] = 32 * p + lane;
+    v[j] = w[j] = 0.0f;
+    if (ok[j]) {
+      v[j] = load_after_wait(f.src + at[j]);
+      if (f.add) v[j] = __fadd_rn(v[j], load_after_wait(f.add + at[j]));
+      w[j] = __ldg(f.w + at[j]);
+      if (f.sum_out && blockIdx.x == 0) f.sum_out[at[j]] = v[j];
+    }
+    sq[j] = __fmul_rn(v[j], v[j]);
+  }
+  // warp_sum of each, its butterfly step by step for all of them at once.
+#pragma unroll
+  for (int level = 0; level < 5; ++level) {
+#pragma unroll
+    for (int j = 0; j < kMax; ++j) sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], 16 >> level);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kMax; ++j) {
+      if (ok[j]) partial[warp + kMvqWarps * j] = sq[j];
     }
   }
   __syncthreads();
   const float total = warp_sum(lane < pieces ? partial[lane] : 0.0f);
   const float scale = 1.0f / sqrtf(total / static_cast<float>(f.ne0) + f.eps);
+  float r[kMax];
 #pragma unroll
-  for (int j = 0; j < kMax; ++j) {
-    const int p = warp + kMvqWarps * j;
-    if (p < pieces) {
-      quantize_warp_block(__fmul_rn(__fmul_rn(v[j], scale), w[j]), 32 * p + lane,
-                          reinterpret_cast<int8_t*>(qs), ds);
-    }
-  }
+  for (int j = 0; j < kMax; ++j) r[j] = __fmul_rn(__fmul_rn(v[j], scale), w[j]);
+  quantize_warp_blocks<kMax>(r, at, ok, reinterpret_cast<int8_t*>(qs), ds);
   __syncthreads();
   if (lane < pieces) {
     const int4 lo = qs[2 * lane], hi = qs[2 * lane + 1];
@@ -1800,7 +1806,7 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
 }
 
 // Off unless GGRAPH_CUDA_NORM_FOLD=1: on an H200 the SmolLM2 shape's decode ran 18% slower with
-// it (BENCHMARKS.md), each block's warps working several 32s' reductions in turn.
+// it (BENCHMARKS.md) when each block's warps worked several 32s' reductions in turn.
 bool& norm_fold_flag() {
   static bool on = env_int("GGRAPH_CUDA_NORM_FOLD", 0, 1, 0) == 1;
   return on;
