@@ -1805,8 +1805,9 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
   return launched;
 }
 
-// Off unless GGRAPH_CUDA_NORM_FOLD=1: on an H200 the SmolLM2 shape's decode ran 18% slower with
-// it (BENCHMARKS.md) when each block's warps worked several 32s' reductions in turn.
+// Off unless GGRAPH_CUDA_NORM_FOLD=1: on an H200 the SmolLM2 shape's decode ran 15-17% slower
+// with it (BENCHMARKS.md): the norm's work lengthens the products' start, where its own launch
+// overlapped it.
 bool& norm_fold_flag() {
   static bool on = env_int("GGRAPH_CUDA_NORM_FOLD", 0, 1, 0) == 1;
   return on;
