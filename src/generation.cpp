@@ -166,7 +166,7 @@ bool Generation::next(std::string* text, GeneratedToken* token,
         ++common;
       if (common == prompt_.size()) --common;
       if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
-      prefilled_ = common;
+      prefilled_ = cached_ = common;
     }
     if (defer_ || prefill_chunk_ > 0) chain_ = 1;
     const size_t rest = prompt_.size() - prefilled_;

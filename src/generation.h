@@ -101,6 +101,9 @@ class Generation {
 
   StopReason stop_reason() const { return reason_; }
   int n_generated() const { return n_generated_; }
+  // Prompt tokens the cache already held (the prefix it shares with the prompt, kept rather
+  // than evaluated again); 0 until the prompt starts going in.
+  size_t cached_tokens() const { return cached_; }
   // The context's sequence this generation runs on (selected when it began).
   int sequence() const { return seq_; }
 
@@ -125,6 +128,7 @@ class Generation {
   bool defer_ = false;
   int prefill_chunk_ = 0;
   size_t prefilled_ = 0;          // prompt tokens in the cache so far (once the prefix is settled)
+  size_t cached_ = 0;             // of them, those the cache held before (cached_tokens)
   std::vector<int32_t> pending_;  // tokens left for the caller to evaluate (deferred)
   int seq_ = 0;                   // the context's sequence this generation runs on
   int32_t presampled_ = -1;       // presample()'s token, for the next next(); -1: none

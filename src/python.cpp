@@ -664,6 +664,7 @@ PYBIND11_MODULE(_core, m) {
                                return py::str(r);
                              })
       .def_property_readonly("n_generated", &Generation::n_generated)
+      .def_property_readonly("cached_tokens", &Generation::cached_tokens)
       .def("close", &Generation::close)
       .def("set_defer", &Generation::set_defer, py::arg("defer"))
       .def("set_prefill_chunk", &Generation::set_prefill_chunk, py::arg("tokens"))

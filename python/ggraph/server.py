@@ -7,8 +7,11 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/c
 "stream": true as server-sent events). The HTTP layer parses, streams and formats; the engine
 thread owns the model and runs up to N generations at once, each on a session of its own (a KV
 cache of n_ctx tokens each), a step of each in turn; more requests wait in arrival order for a
-free one. A stream whose client goes away is cancelled at its next token. Malformed requests
-get a 400 in OpenAI's error shape, and the server goes on serving.
+free one. A request takes the free session whose cache holds the longest prefix of its prompt (a
+conversation's earlier turns, a shared system prompt) where that is half of it or more, else the
+session freed longest ago; its usage reports the prefix it found as
+prompt_tokens_details.cached_tokens. A stream whose client goes away is cancelled at its next
+token. Malformed requests get a 400 in OpenAI's error shape, and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import sys
 import threading
 import time
 import uuid
+
+import numpy as np
 
 from ggraph import _core
 from ggraph.model import GeneratedToken
@@ -51,6 +56,7 @@ class _Job:
     def __init__(self, loop, ids, max_tokens, stop, logprobs, sampling):
         self.loop, self.ids, self.max_tokens = loop, ids, max_tokens
         self.stop, self.logprobs, self.sampling = stop, logprobs, sampling
+        self.cached = 0  # prompt tokens its sequence's cache held already (set before "done")
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -161,6 +167,7 @@ class Engine:
         for entry, (step, n_generated, stop_reason) in zip(live, steps):
             job, seq = entry[0], entry[1]
             seq.n_generated, seq.stop_reason = n_generated, stop_reason
+            job.cached = entry[2].cached_tokens
             if isinstance(step, BaseException):  # the request's failure, not the server's
                 self._post(job, ("error", step))
                 finished.append(entry)
@@ -205,7 +212,7 @@ class Engine:
                 if job.cancelled.is_set():  # its client left while it waited
                     job.emit(("done", ("cancelled", 0)))
                     continue
-                seq = self._free.pop()
+                seq = self._take_free(job.ids)
                 try:
                     active.append([job, seq, *self._start(job, seq)])
                 except Exception as e:
@@ -217,6 +224,22 @@ class Engine:
                 active.remove(entry)
                 self._finish(entry[0], entry[1])
             self._flush()
+
+    def _take_free(self, ids):
+        """The free sequence to run prompt ids on: the one whose cache holds the longest prefix
+        of it (a conversation's earlier turns, a shared system prompt) where that is at least
+        half the prompt, so that the least of it is evaluated again; otherwise the one freed
+        longest ago, whose cache is the least likely to be asked for again (a new conversation
+        should not push out another's history for a few shared tokens)."""
+        want = np.asarray(ids)
+        best, best_len = 0, -1
+        for i, seq in enumerate(self._free):  # freed longest ago first
+            have = np.asarray(seq._tokens[: len(want)], dtype=want.dtype)
+            differ = np.flatnonzero(have != want[: len(have)])
+            common = int(differ[0]) if len(differ) else len(have)
+            if common >= best_len:
+                best, best_len = i, common
+        return self._free.pop(best if 2 * best_len >= len(want) else 0)
 
     def _finish(self, job: _Job, seq) -> None:
         with self._lock:
@@ -409,6 +432,8 @@ def create_app(model, model_name: str, parallel: int = 1):
             "prompt_tokens": n_prompt,
             "completion_tokens": n_completion,
             "total_tokens": n_prompt + n_completion,
+            # The prompt's prefix that its sequence's cache held already, as OpenAI reports it.
+            "prompt_tokens_details": {"cached_tokens": job.cached},
         }
 
     async def handle(request: Request, chat: bool):

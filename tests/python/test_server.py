@@ -190,6 +190,37 @@ def test_eight_concurrent_streams_each_get_their_own_answer(client, local):
     assert got == want
 
 
+def test_a_conversations_next_turn_finds_its_history_in_a_session(client):
+    """Turn one of a conversation, then another conversation, then the first's turn two: the
+    second conversation takes another session (it shares only the template's first tokens with
+    the first), so turn two finds its whole history cached, and usage reports it."""
+
+    def ask(messages):
+        return client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=6, temperature=0
+        )
+
+    first = [
+        {"role": "system", "content": "You answer briefly. This conversation is about the sea."},
+        {"role": "user", "content": "Name a fish that lives in cold water."},
+    ]
+    r1 = ask(first)
+    r2 = ask(
+        [
+            {"role": "system", "content": "Keep it short. We talk about mountains and snow."},
+            {"role": "user", "content": "Name a high peak."},
+        ]
+    )
+    assert r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens // 2
+    second = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And one from warm water?"},
+    ]
+    r3 = ask(second)
+    cached = r3.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens <= cached < r3.usage.prompt_tokens
+
+
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
     bad = [
         {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
