@@ -9,7 +9,7 @@ thread owns the model and runs up to N generations at once, each on a session of
 cache of n_ctx tokens each), a step of each in turn; more requests wait in arrival order for a
 free one. A request takes the free session whose cache holds the longest prefix of its prompt (a
 conversation's earlier turns, a shared system prompt) where that is half of it or more, else the
-session freed longest ago; its usage reports the prefix it found as
+least recently used one; its usage reports the prefix it found as
 prompt_tokens_details.cached_tokens. A stream whose client goes away is cancelled at its next
 token. Malformed requests get a 400 in OpenAI's error shape, and the server goes on serving.
 """
@@ -228,16 +228,18 @@ class Engine:
     def _take_free(self, ids):
         """The free sequence to run prompt ids on: the one whose cache holds the longest prefix
         of it (a conversation's earlier turns, a shared system prompt) where that is at least
-        half the prompt, so that the least of it is evaluated again; otherwise the one freed
-        longest ago, whose cache is the least likely to be asked for again (a new conversation
-        should not push out another's history for a few shared tokens)."""
+        half the prompt, so that the least of it is evaluated again; otherwise, and among
+        equals, the one freed longest ago (least recently used), whose cache is the least likely
+        to be asked for again: a new conversation does not push out another's history for a few
+        shared tokens."""
         want = np.asarray(ids)
         best, best_len = 0, -1
         for i, seq in enumerate(self._free):  # freed longest ago first
-            have = np.asarray(seq._tokens[: len(want)], dtype=want.dtype)
-            differ = np.flatnonzero(have != want[: len(have)])
-            common = int(differ[0]) if len(differ) else len(have)
-            if common >= best_len:
+            held = np.asarray(seq._tokens, dtype=want.dtype)
+            n = min(len(held), len(want))
+            differ = np.flatnonzero(held[:n] != want[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > best_len:
                 best, best_len = i, common
         return self._free.pop(best if 2 * best_len >= len(want) else 0)
 
