@@ -3,11 +3,14 @@ concurrent streaming clients send a fixed number of chat requests between them; 
 aggregate generation speed and the time to first token and between tokens (p50 / p99).
 
     python tools/serve_load.py [--url http://127.0.0.1:8080/v1] [-c 8] [-n 32] [--max-tokens 64]
-                               [--completions] [-p PROCESSES]
+                               [--turns T] [--completions] [-p PROCESSES]
 
 Each request asks for max_tokens at temperature 0.8 with its own seed; the aggregate counts the
 completion tokens the server reports in each stream's usage, and the latencies come from the
 stream's chunks that carry text.
+--turns T makes the requests conversations of T turns (each turn's messages are the ones
+before, the answer and "Go on."), and adds the share of prompt tokens the server reported as
+cached (usage.prompt_tokens_details.cached_tokens) and the later turns' time to first token.
 --completions sends text completions instead of chats, for a model without a chat template
 (the random-weight files of `python -m ggraph.testing`). The clients are threads spread over
 -p processes (default: one for every four clients), so that parsing thousands of chunks a
@@ -40,6 +43,7 @@ def run_share(args, clients: int, next_request, barrier, results) -> None:
     client = OpenAI(base_url=args.url, api_key="none", max_retries=0, timeout=600)
     lock = threading.Lock()
     ttft, itl, usage, errors = [], [], [0], []
+    later_ttft, prompt = [], [0, 0]  # turns after the first; prompt tokens, cached ones
 
     def worker():
         try:
@@ -54,39 +58,56 @@ def run_share(args, clients: int, next_request, barrier, results) -> None:
                 i = next_request.value
                 if i >= args.requests:
                     return
-                next_request.value += 1
-            t0 = time.perf_counter()
-            last = None
-            request = dict(
-                model=args.model,
-                max_tokens=args.max_tokens,
-                temperature=0.8,
-                seed=i,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
+                next_request.value += args.turns
             text = f"Tell me a short story, number {i}."
-            if args.completions:
-                stream = client.completions.create(prompt=text, **request)
-            else:
-                messages = [{"role": "user", "content": text}]
-                stream = client.chat.completions.create(messages=messages, **request)
-            for chunk in stream:
-                if chunk.usage is not None:
-                    with lock:
-                        usage[0] += chunk.usage.completion_tokens
-                if not chunk.choices:
-                    continue
-                choice = chunk.choices[0]
-                if not (choice.text if args.completions else choice.delta.content):
-                    continue
-                now = time.perf_counter()
+            messages = [{"role": "user", "content": text}]
+            for turn in range(min(args.turns, args.requests - i)):
+                answer = request(i + turn, text, messages, turn > 0)
+                messages += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "Go on."},
+                ]
+
+    def request(i, text, messages, later):
+        t0 = time.perf_counter()
+        last = None
+        request = dict(
+            model=args.model,
+            max_tokens=args.max_tokens,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        if args.completions:
+            stream = client.completions.create(prompt=text, **request)
+        else:
+            stream = client.chat.completions.create(messages=messages, **request)
+        pieces = []
+        for chunk in stream:
+            if chunk.usage is not None:
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
                 with lock:
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append(now - last)
-                last = now
+                    usage[0] += chunk.usage.completion_tokens
+                    prompt[0] += chunk.usage.prompt_tokens
+                    prompt[1] += getattr(details, "cached_tokens", None) or 0
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            piece = choice.text if args.completions else choice.delta.content
+            if not piece:
+                continue
+            pieces.append(piece)
+            now = time.perf_counter()
+            with lock:
+                if last is None:
+                    ttft.append(now - t0)
+                    if later:
+                        later_ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+            last = now
+        return "".join(pieces)
 
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     barrier.wait()  # every process ready: the clients start together
@@ -97,7 +118,7 @@ def run_share(args, clients: int, next_request, barrier, results) -> None:
         t.join()
     end = time.time()
     busy = (time.process_time() - cpu) / max(end - start, 1e-9)
-    results.put((ttft, itl, usage[0], start, end, busy, errors))
+    results.put((ttft, itl, usage[0], start, end, busy, errors, later_ttft, prompt))
 
 
 def main() -> int:
@@ -107,9 +128,12 @@ def main() -> int:
     ap.add_argument("-n", "--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--turns", type=int, default=1, help="turns a conversation (chats)")
     ap.add_argument("--completions", action="store_true", help="/v1/completions, not chats")
     ap.add_argument("-p", "--processes", type=int, default=0, help="client processes")
     args = ap.parse_args()
+    if args.turns < 1 or (args.turns > 1 and args.completions):
+        ap.error("--turns takes 1 or more, and chats only")
 
     procs = args.processes or (args.concurrency + 3) // 4
     procs = max(1, min(procs, args.concurrency, args.requests))
@@ -154,6 +178,15 @@ def main() -> int:
         f"{1e3 * statistics.median(ttft):.0f} / {1e3 * percentile(ttft, 99):.0f} | "
         f"{1e3 * statistics.median(itl):.1f} / {1e3 * percentile(itl, 99):.1f} |"
     )
+    if args.turns > 1:
+        later = [v for sh in shares for v in sh[7]]
+        n_prompt, n_cached = sum(sh[8][0] for sh in shares), sum(sh[8][1] for sh in shares)
+        print(
+            f"prompt tokens {n_prompt}, cached {n_cached} "
+            f"({100 * n_cached / max(n_prompt, 1):.0f}%); "
+            f"later turns' TTFT p50 / p99 {1e3 * statistics.median(later):.0f} / "
+            f"{1e3 * percentile(later, 99):.0f} ms"
+        )
     busiest = max(sh[5] for sh in shares)
     print(f"{procs} client processes; the busiest used {100 * busiest:.0f}% of a core")
     return 0
