@@ -9,8 +9,9 @@ Each request asks for max_tokens at temperature 0.8 with its own seed; the aggre
 completion tokens the server reports in each stream's usage, and the latencies come from the
 stream's chunks that carry text.
 --turns T makes the requests conversations of T turns (each turn's messages are the ones
-before, the answer and "Go on."), and adds the share of prompt tokens the server reported as
-cached (usage.prompt_tokens_details.cached_tokens) and the later turns' time to first token.
+before, the answer and "Go on."), and adds the later turns' time to first token. The share of
+prompt tokens the server reported as cached (usage.prompt_tokens_details.cached_tokens) is
+printed after the table.
 --completions sends text completions instead of chats, for a model without a chat template
 (the random-weight files of `python -m ggraph.testing`). The clients are threads spread over
 -p processes (default: one for every four clients), so that parsing thousands of chunks a
@@ -178,15 +179,15 @@ def main() -> int:
         f"{1e3 * statistics.median(ttft):.0f} / {1e3 * percentile(ttft, 99):.0f} | "
         f"{1e3 * statistics.median(itl):.1f} / {1e3 * percentile(itl, 99):.1f} |"
     )
+    n_prompt, n_cached = sum(sh[8][0] for sh in shares), sum(sh[8][1] for sh in shares)
+    line = f"prompt tokens {n_prompt}, cached {n_cached} ({100 * n_cached / max(n_prompt, 1):.0f}%)"
     if args.turns > 1:
         later = [v for sh in shares for v in sh[7]]
-        n_prompt, n_cached = sum(sh[8][0] for sh in shares), sum(sh[8][1] for sh in shares)
-        print(
-            f"prompt tokens {n_prompt}, cached {n_cached} "
-            f"({100 * n_cached / max(n_prompt, 1):.0f}%); "
-            f"later turns' TTFT p50 / p99 {1e3 * statistics.median(later):.0f} / "
+        line += (
+            f"; later turns' TTFT p50 / p99 {1e3 * statistics.median(later):.0f} / "
             f"{1e3 * percentile(later, 99):.0f} ms"
         )
+    print(line)
     busiest = max(sh[5] for sh in shares)
     print(f"{procs} client processes; the busiest used {100 * busiest:.0f}% of a core")
     return 0

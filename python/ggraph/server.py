@@ -86,11 +86,24 @@ class Engine:
     its events: a sequence's own fields belong to its next job by the time the event loop
     reads them."""
 
-    def __init__(self, model, parallel: int = 1, prefill_chunk: int = 32):
+    # Prompt tokens that another sequence's cache must hold beyond a job's own to be copied
+    # over rather than evaluated again (share_prefixes).
+    SHARE_MIN = 32
+
+    def __init__(
+        self, model, parallel: int = 1, prefill_chunk: int = 32, share_prefixes: bool | None = None
+    ):
         self.model = model
         # A new request's prompt goes in this many tokens a step, between the others' tokens
         # (chunked prefill), when others may be running.
         self.prefill_chunk = prefill_chunk if parallel > 1 else 0
+        # A prompt's prefix that another sequence's cache holds is copied (save_state and
+        # load_state) instead of evaluated again, and a job whose prompt starts as a running
+        # one's still going in waits for it. On the CPU, where a prompt token costs far more than
+        # its cache rows' copy; not on CUDA, where the copy goes through the host.
+        if share_prefixes is None:
+            share_prefixes = not model.device.startswith("cuda")
+        self.share_prefixes = share_prefixes and parallel > 1
         self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -198,28 +211,45 @@ class Engine:
 
     def _run(self) -> None:
         active = []  # [job, its sequence, its generator]
+        held = []  # jobs waiting for a running job's prompt that starts as theirs (_awaits)
         closing = False
         while True:
-            # New jobs while a sequence is free; wait for one only when nothing runs.
+            # New jobs while a sequence is free (held ones first, in arrival order); wait for
+            # one only when nothing runs.
             while self._free and not closing:
-                try:
-                    job = self._jobs.get(block=not active)
-                except queue.Empty:
-                    break
-                if job is None:
-                    closing = True
-                    break
+                for job in [j for j in held if j.cancelled.is_set()]:
+                    held.remove(job)
+                    job.emit(("done", ("cancelled", 0)))
+                job = next((j for j in held if not self._awaits(j, active)), None)
+                if job is not None:
+                    held.remove(job)
+                else:
+                    try:
+                        job = self._jobs.get(block=not active)
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        closing = True
+                        break
+                    if self._awaits(job, active):
+                        held.append(job)
+                        continue
                 if job.cancelled.is_set():  # its client left while it waited
                     job.emit(("done", ("cancelled", 0)))
                     continue
                 seq = self._take_free(job.ids)
                 try:
+                    self._share_prefix(job, seq, active)
                     active.append([job, seq, *self._start(job, seq)])
                 except Exception as e:
                     job.emit(("error", e))
                     self._finish(job, seq)
-            if closing and not active:
-                return
+            if closing:
+                for job in held:
+                    job.emit(("done", ("cancelled", 0)))
+                held = []
+                if not active:
+                    return
             for entry in self._step(active):
                 active.remove(entry)
                 self._finish(entry[0], entry[1])
@@ -235,13 +265,57 @@ class Engine:
         want = np.asarray(ids)
         best, best_len = 0, -1
         for i, seq in enumerate(self._free):  # freed longest ago first
-            held = np.asarray(seq._tokens, dtype=want.dtype)
-            n = min(len(held), len(want))
-            differ = np.flatnonzero(held[:n] != want[:n])
-            common = int(differ[0]) if len(differ) else n
+            common = self._common(seq, want)
             if common > best_len:
                 best, best_len = i, common
         return self._free.pop(best if 2 * best_len >= len(want) else 0)
+
+    @staticmethod
+    def _common(seq_or_ids, want) -> int:
+        """The length of the prefix that a sequence's cache (or a list of ids) shares with want
+        (an array)."""
+        ids = seq_or_ids if isinstance(seq_or_ids, list) else seq_or_ids._tokens
+        have = np.asarray(ids, dtype=want.dtype)
+        n = min(len(have), len(want))
+        differ = np.flatnonzero(have[:n] != want[:n])
+        return int(differ[0]) if len(differ) else n
+
+    def _awaits(self, job: _Job, active) -> bool:
+        """Whether a running job's prompt, still going in, shares at least SHARE_MIN tokens with
+        job's, more than any sequence's cache holds: job then waits for it (share_prefixes), to
+        copy that prefix rather than evaluate it alongside. The wait lasts a step for each
+        prefill_chunk tokens of it at most."""
+        if not self.share_prefixes or not active:
+            return False
+        want = np.asarray(job.ids)
+        have = max(self._common(seq, want) for seq in self._free + [e[1] for e in active])
+        # (A running job whose cache held its share would make `have` as large.)
+        for e in active:
+            shared = self._common(e[0].ids, want)
+            if shared >= self.SHARE_MIN and shared > have:
+                return True
+        return False
+
+    def _share_prefix(self, job: _Job, seq, active) -> None:
+        """Copies into seq the cache of the sequence (free or running) that holds the longest
+        prefix of job's prompt, where that is SHARE_MIN tokens more than seq's own (whose rows
+        it replaces), and keeps that prefix (share_prefixes)."""
+        if not self.share_prefixes:
+            return
+        want = np.asarray(job.ids)
+        own = self._common(seq, want)
+        best, best_len = None, own + self.SHARE_MIN - 1
+        for other in self._free + [e[1] for e in active]:
+            n = self._common(other, want)
+            if n > best_len:
+                best, best_len = other, n
+        if best is None:
+            return
+        try:
+            seq.load_state(best.save_state())
+            seq.rewind(best_len)
+        except Exception:  # noqa: BLE001 (a ring's rows past its window, say)
+            pass  # an optimization only: the prompt goes in as it is
 
     def _finish(self, job: _Job, seq) -> None:
         with self._lock:

@@ -275,10 +275,10 @@ def test_sigterm_stops_the_server_cleanly(server):
     assert "ggraph serve: stopped" in proc.log.read()
 
 
-def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, **engine):
+def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, cached=None, **engine):
     """Runs greedy jobs of `prompts` through an Engine over a model of engine['parallel']
     sequences; returns each job's (text, done event), and every event's (job, kind) in the
-    order the engine sent them."""
+    order the engine sent them. cached (a list): gets each job's cached prompt tokens."""
     import asyncio
 
     from ggraph.server import Engine, _Job
@@ -314,6 +314,8 @@ def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, **engine):
                     pieces.append(value[0])
                 elif kind == "done":
                     out.append(("".join(pieces), value))
+                    if cached is not None:
+                        cached.append(job.cached)
                     break
                 else:
                     raise value
@@ -344,6 +346,23 @@ def test_the_engine_runs_jobs_in_turns_on_sessions(tiny_model):
     first_done = order.index((0, "done"))
     assert (1, "token") in order[:first_done] and (2, "token") in order[:first_done]
     assert order.index((3, "token")) > min(order.index((i, "done")) for i in range(3))
+
+
+def test_jobs_that_start_alike_share_the_first_ones_prompt(tiny_model):
+    """Three jobs at once whose prompts share 40 tokens: the second and third wait for the
+    first's prompt to go in, then copy its cache's shared rows instead of evaluating them, and
+    each text is still the one a model of its own generates. Without sharing, nothing is
+    cached."""
+    shared = [(7 * i + 3) % 250 + 1 for i in range(40)]
+    prompts = [shared + [11, 12], shared + [200, 3, 4], shared + [99]]
+    alone = _alone_texts(tiny_model, prompts, 10, 96)
+    for share, want in ((True, [0, 40, 40]), (False, [0, 0, 0])):
+        cached = []
+        results, _ = _run_engine(
+            tiny_model, prompts, 10, 96, cached=cached, parallel=3, share_prefixes=share
+        )
+        assert [text for text, _ in results] == alone
+        assert cached == want, share
 
 
 def test_the_engines_jobs_sample_as_generations_of_their_own(tiny_model):
