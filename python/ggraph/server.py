@@ -10,7 +10,8 @@ cache of n_ctx tokens each), a step of each in turn; more requests wait in arriv
 free one. A request takes the free session whose cache holds the longest prefix of its prompt (a
 conversation's earlier turns, a shared system prompt) where that is half of it or more, else the
 least recently used one; its usage reports the prefix it found as
-prompt_tokens_details.cached_tokens. A stream whose client goes away is cancelled at its next
+prompt_tokens_details.cached_tokens. On the CPU a longer prefix in another session's cache is
+copied over (Engine.share_prefixes). A stream whose client goes away is cancelled at its next
 token. Malformed requests get a 400 in OpenAI's error shape, and the server goes on serving.
 """
 
