@@ -181,8 +181,8 @@ def main() -> int:
     )
     n_prompt, n_cached = sum(sh[8][0] for sh in shares), sum(sh[8][1] for sh in shares)
     line = f"prompt tokens {n_prompt}, cached {n_cached} ({100 * n_cached / max(n_prompt, 1):.0f}%)"
-    if args.turns > 1:
-        later = [v for sh in shares for v in sh[7]]
+    later = [v for sh in shares for v in sh[7]]
+    if later:
         line += (
             f"; later turns' TTFT p50 / p99 {1e3 * statistics.median(later):.0f} / "
             f"{1e3 * percentile(later, 99):.0f} ms"

@@ -102,9 +102,13 @@ class Engine:
         # load_state) instead of evaluated again, and a job whose prompt starts as a running
         # one's still going in waits for it. On the CPU, where a prompt token costs far more than
         # its cache rows' copy; not on CUDA, where the copy goes through the host.
+        # Not with sliding-window rings either, whose rewound copy would have to be repaired.
         if share_prefixes is None:
-            share_prefixes = not model.device.startswith("cuda")
+            share_prefixes = not model.device.startswith("cuda") and not any(
+                k.endswith(".attention.sliding_window") for k in model.metadata
+            )
         self.share_prefixes = share_prefixes and parallel > 1
+        self._tokens: dict = {}  # id(sequence) -> its cache's tokens, read once a pass
         self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -215,15 +219,19 @@ class Engine:
         held = []  # jobs waiting for a running job's prompt that starts as theirs (_awaits)
         closing = False
         while True:
+            self._tokens = {}  # the sequences' caches may have moved since the last pass
+            for job in [j for j in held if j.cancelled.is_set()]:
+                held.remove(job)
+                job.emit(("done", ("cancelled", 0)))
             # New jobs while a sequence is free (held ones first, in arrival order); wait for
-            # one only when nothing runs.
+            # one only when nothing runs. A free sequence stays for each held job, which waits
+            # a few steps only.
             while self._free and not closing:
-                for job in [j for j in held if j.cancelled.is_set()]:
-                    held.remove(job)
-                    job.emit(("done", ("cancelled", 0)))
                 job = next((j for j in held if not self._awaits(j, active)), None)
                 if job is not None:
                     held.remove(job)
+                elif len(self._free) <= len(held):
+                    break
                 else:
                     try:
                         job = self._jobs.get(block=not active)
@@ -238,7 +246,11 @@ class Engine:
                 if job.cancelled.is_set():  # its client left while it waited
                     job.emit(("done", ("cancelled", 0)))
                     continue
-                seq = self._take_free(job.ids)
+                try:
+                    seq = self._take_free(job.ids)
+                except Exception as e:  # (reading the caches' tokens)
+                    job.emit(("error", e))
+                    continue
                 try:
                     self._share_prefix(job, seq, active)
                     active.append([job, seq, *self._start(job, seq)])
@@ -263,7 +275,7 @@ class Engine:
         equals, the one freed longest ago (least recently used), whose cache is the least likely
         to be asked for again: a new conversation does not push out another's history for a few
         shared tokens."""
-        want = np.asarray(ids)
+        want = np.asarray(ids, dtype=np.int64)
         best, best_len = 0, -1
         for i, seq in enumerate(self._free):  # freed longest ago first
             common = self._common(seq, want)
@@ -271,12 +283,20 @@ class Engine:
                 best, best_len = i, common
         return self._free.pop(best if 2 * best_len >= len(want) else 0)
 
-    @staticmethod
-    def _common(seq_or_ids, want) -> int:
+    def _held(self, seq) -> np.ndarray:
+        """The tokens seq's cache holds, read once a pass of the engine's loop."""
+        have = self._tokens.get(id(seq))
+        if have is None:
+            have = self._tokens[id(seq)] = np.asarray(seq._tokens, dtype=np.int64)
+        return have
+
+    def _common(self, seq_or_ids, want) -> int:
         """The length of the prefix that a sequence's cache (or a list of ids) shares with want
         (an array)."""
-        ids = seq_or_ids if isinstance(seq_or_ids, list) else seq_or_ids._tokens
-        have = np.asarray(ids, dtype=want.dtype)
+        if hasattr(seq_or_ids, "_tokens"):
+            have = self._held(seq_or_ids)
+        else:
+            have = np.asarray(seq_or_ids, dtype=np.int64)
         n = min(len(have), len(want))
         differ = np.flatnonzero(have[:n] != want[:n])
         return int(differ[0]) if len(differ) else n
@@ -288,12 +308,14 @@ class Engine:
         prefill_chunk tokens of it at most."""
         if not self.share_prefixes or not active:
             return False
-        want = np.asarray(job.ids)
-        have = max(self._common(seq, want) for seq in self._free + [e[1] for e in active])
-        # (A running job whose cache held its share would make `have` as large.)
+        want = np.asarray(job.ids, dtype=np.int64)
+        own = max((self._common(seq, want) for seq in self._free), default=0)
+        have = max([own] + [self._common(e[1], want) for e in active])
+        # (A running job whose cache held its share would make `have` as large.) Waits only
+        # where _share_prefix would then copy: SHARE_MIN tokens past a free sequence's own.
         for e in active:
             shared = self._common(e[0].ids, want)
-            if shared >= self.SHARE_MIN and shared > have:
+            if shared > have and shared >= own + self.SHARE_MIN:
                 return True
         return False
 
@@ -303,19 +325,21 @@ class Engine:
         it replaces), and keeps that prefix (share_prefixes)."""
         if not self.share_prefixes:
             return
-        want = np.asarray(job.ids)
+        want = np.asarray(job.ids, dtype=np.int64)
         own = self._common(seq, want)
         best, best_len = None, own + self.SHARE_MIN - 1
         for other in self._free + [e[1] for e in active]:
             n = self._common(other, want)
-            if n > best_len:
+            # The copy takes the whole cache: not one many times the prefix it gives.
+            if n > best_len and len(self._held(other)) <= 16 * n:
                 best, best_len = other, n
         if best is None:
             return
+        self._tokens.pop(id(seq), None)
         try:
             seq.load_state(best.save_state())
             seq.rewind(best_len)
-        except Exception:  # noqa: BLE001 (a ring's rows past its window, say)
+        except Exception:  # noqa: BLE001
             pass  # an optimization only: the prompt goes in as it is
 
     def _finish(self, job: _Job, seq) -> None:

@@ -365,6 +365,20 @@ def test_jobs_that_start_alike_share_the_first_ones_prompt(tiny_model):
         assert cached == want, share
 
 
+def test_a_held_job_keeps_a_sequence_from_later_jobs(tiny_model):
+    """Two sequences: the second job waits for the first's shared prompt, and the third (nothing
+    shared) may not take the sequence the second waits for: the second's tokens come before the
+    third's, which starts once a sequence frees up."""
+    shared = [(5 * i + 2) % 250 + 1 for i in range(40)]
+    prompts = [shared + [11, 12], shared + [200, 3], [17, 18, 19]]
+    cached = []
+    results, order = _run_engine(tiny_model, prompts, 8, 96, cached=cached, parallel=2)
+    assert [text for text, _ in results] == _alone_texts(tiny_model, prompts, 8, 96)
+    assert cached[:2] == [0, 40]
+    assert order.index((1, "token")) < order.index((2, "token"))
+    assert order.index((2, "token")) > min(order.index((i, "done")) for i in range(2))
+
+
 def test_the_engines_jobs_sample_as_generations_of_their_own(tiny_model):
     """Sampled jobs (each its seed and settings, and penalties over its own history), whose tokens
     a batched step presamples on several threads: each text is the one a model of its own
