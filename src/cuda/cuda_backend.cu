@@ -692,8 +692,12 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       return false;
     const int pi = next_op(mi);
     const Tensor* p = pi < n ? nodes[pi] : nullptr;
+    // (With the fold off, or a format no launch folds, the norm goes out at once: no deferral
+    // that fold_for would only undo.)
     if (!p || p->op != Op::MulMat || p->src[1] != mul || p->src[0]->ne[0] != ne0 ||
-        !is_quantized(p->src[0]->type) || mat_mul_q_kind(p->src[0]->type, ne0, 1) != MatMulQ::None)
+        !is_quantized(p->src[0]->type) ||
+        mat_mul_q_kind(p->src[0]->type, ne0, 1) != MatMulQ::None ||
+        !mat_vec_folds_norm(p->src[0]->type, p->src[0]->type, ne0))
       return false;
     const Tensor* reads[2] = {add ? add->src[0] : r->src[0], add ? add->src[1] : nullptr};
     const int reach = norm_fold_reach(nodes, ri);
