@@ -218,9 +218,9 @@ __device__ __forceinline__ void zero_piece_act(PieceAct& x) {
 // worked out once a block, bit for bit what launch_rms_norm's one-block kernel (a thread a value)
 // and its quantization write. Warp j of the block takes pieces j, j + kMvqWarps, ...: a piece's
 // 32 values are one warp's, as a warp of that kernel holds them, so each piece's sum of squares
-// is that warp's (warp_sum's butterfly) and their total the kernel's, and each block quantizes as
-// quantize_warp_block does, into shared memory. Every thread of the block must call it. The
-// grid's first block also stores src + add to sum_out.
+// is that warp's (warp_sum's butterfly, the warp's pieces side by side) and their total the
+// kernel's, and the warp quantizes its pieces together (quantize_warp_blocks) into shared memory.
+// Every thread of the block must call it. The grid's first block also stores src + add to sum_out.
 template <int TYPE>
 __device__ __forceinline__ void fold_block_act(const NormFold& f, PieceAct& x) {
   static_assert(PieceInfo<TYPE>::kPer32 == 1, "a whole 32 a piece");
