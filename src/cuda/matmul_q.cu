@@ -1442,33 +1442,63 @@ int sm_count() {
   return v;
 }
 
+// Writes 1 where the code running is sm_90a's, which alone has the warpgroup kernel's body: a
+// GPU of compute capability 9.0 runs the compute_90 PTX instead (its stub, which traps) when the
+// driver compiles PTX for it, as it does under CUDA_FORCE_PTX_JIT=1.
+__global__ void sm90a_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+// Per device (a process may drive GPUs of several kinds): 0 not yet asked, 1 yes, 2 no.
+constexpr int kQgDevices = 64;
+std::atomic<int> qg_known[kQgDevices] = {};
+
+// Whether the current device runs the warpgroup kernel, asked once a device (prepare_kernels,
+// before any capture): compute capability 9.0 and sm_90a's code loaded.
+void probe_qg() {
+#if defined(GGRAPH_CUDA_SM90A)
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kQgDevices) {
+    cudaGetLastError();
+    return;
+  }
+  if (qg_known[dev].load(std::memory_order_relaxed) != 0) return;
+  int major = 0, minor = 0, ran = 0;
+  int* flag = nullptr;
+  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+            major == 9 && minor == 0;
+  if (ok && cudaMalloc(&flag, sizeof(int)) == cudaSuccess) {
+    sm90a_probe_kernel<<<1, 1>>>(flag);
+    ok = cudaMemcpy(&ran, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && ran == 1;
+    cudaFree(flag);
+  } else {
+    ok = false;
+  }
+  cudaGetLastError();
+  qg_known[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
+#endif
+}
+
 // Whether the wide half tiles take the warpgroup kernel (mat_mul_qg_kernel): a build with
-// sm_90a's code (GGRAPH_CUDA_SM90A) on a GPU of compute capability 9.0, which runs it, unless
-// GGRAPH_CUDA_MMQ_WGMMA=0 keeps the half kernel. H200, the 7B shape's decode batches: B=64
-// 11,132-11,145 tok/s against 8,956-9,031, B=32 7,499-7,506 against 6,717-6,719 (BENCHMARKS.md).
+// sm_90a's code (GGRAPH_CUDA_SM90A) on a GPU of compute capability 9.0 that runs it (probe_qg),
+// unless GGRAPH_CUDA_MMQ_WGMMA=0 keeps the half kernel. H200, the 7B shape's decode batches:
+// B=64 11,132-11,145 tok/s against 8,956-9,031, B=32 7,499-7,506 against 6,717-6,719
+// (BENCHMARKS.md). A device not yet probed takes the half kernel.
 bool qg_available() {
 #if defined(GGRAPH_CUDA_SM90A)
   static const bool on = env_switch_on("GGRAPH_CUDA_MMQ_WGMMA");
   if (!on) return false;
-  // Per device (a process may drive GPUs of several kinds): 0 not yet asked, 1 yes, 2 no.
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
-  int k = dev >= 0 && dev < kDevices ? known[dev].load(std::memory_order_relaxed) : 0;
-  if (k == 0) {
-    int major = 0, minor = 0;
-    const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-    if (!ok) cudaGetLastError();
-    k = ok && major == 9 && minor == 0 ? 1 : 2;
-    if (dev >= 0 && dev < kDevices) known[dev].store(k, std::memory_order_relaxed);
-  }
-  return k == 1;
+  return dev >= 0 && dev < kQgDevices && qg_known[dev].load(std::memory_order_relaxed) == 1;
 #else
   return false;
 #endif
@@ -1581,6 +1611,7 @@ size_t mat_mul_q_counters_bytes(DType type, const int64_t* n, int n_parts, int64
 }
 
 void prepare_mat_mul_q_kernels() {
+  probe_qg();
   set_q_smem<kTypeQ4_0>();
   set_q_smem<kTypeQ4_1>();
   set_q_smem<kTypeQ8_0>();
