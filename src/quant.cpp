@@ -546,7 +546,11 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
       check_blocks(t, n, 1, "quantize_row");
       uint16_t* h = static_cast<uint16_t*>(dst);
       if (t == DType::F16) {
-        for (int64_t i = 0; i < n; ++i) h[i] = f32_to_f16(src[i]);
+        if (const quant_impl::F16FromFloatFn fn = kernels().f16_from_float) {
+          fn(src, h, n);
+        } else {
+          for (int64_t i = 0; i < n; ++i) h[i] = f32_to_f16(src[i]);
+        }
       } else {
         for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(src[i]);
       }

@@ -28,6 +28,7 @@ Kernels make_kernels() {
   k.prepare[slot(ActLayout::kQ8K)] = prepare_q8k_x86;
   k.prepare[slot(ActLayout::kQ8)] = prepare_q8_x86;
   k.to_float[slot(DType::F16)] = to_float_f16_x86;
+  k.f16_from_float = f16_from_float_x86;
   k.to_float[slot(DType::Q8_0)] = to_float_q8_0_x86;
   k.attn_rows = attn_rows_x86;
   k.attn_rows_f16 = attn_rows_f16_x86;

@@ -92,6 +92,8 @@ using AttnRowsF16Fn = void (*)(const float* q, int R, int hd, const uint16_t* k,
                                float scale, float* scores, float* mx, float* sum, float* acc);
 // quant.h's glu_mul.
 using GluMulFn = void (*)(const float* g, const float* u, float* y, int64_t n, bool gelu);
+// n floats to F16, each as f32_to_f16 gives it.
+using F16FromFloatFn = void (*)(const float* src, uint16_t* dst, int64_t n);
 namespace {
 // The argument a of glu_mul's sigmoid: g for SiLU, 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU's
 // tanh form (0.5 (1 + tanh(z)) is sigmoid(2 z)).
@@ -144,6 +146,8 @@ struct Kernels {
   AttnRowsF16Fn attn_rows_f16;
   // The gated unit's act(g) * u; null: the portable loop.
   GluMulFn glu_mul;
+  // F16 rows (the KV cache's stores); null: f32_to_f16 a value at a time.
+  F16FromFloatFn f16_from_float;
 };
 
 // The portable kernels (quant.cpp).

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -1085,6 +1086,44 @@ TEST(KernelDispatch, QuantizedFormatsGiveScalarBitsOnEveryInstructionSet) {
           }
         }
       }
+    }
+  }
+}
+
+// F16 rows (the KV cache's stores) are f32_to_f16's bits on every instruction set: random
+// numbers of every exponent, the edges of the half range, and NaNs with their payloads, over a
+// length that leaves a tail past the vectors.
+TEST(KernelDispatch, F16RowsGiveScalarBitsOnEveryInstructionSet) {
+  KernelModeGuard guard;
+  std::mt19937 rng(73);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffffffffu);
+  std::vector<float> x(4099);
+  for (float& v : x) v = bits_float(bits(rng));
+  const float edges[] = {0.0f,
+                         -0.0f,
+                         65504.0f,
+                         65519.99f,
+                         65520.0f,
+                         -65520.0f,
+                         5.9604645e-8f,
+                         2.9802322e-8f,
+                         2.9802326e-8f,
+                         6.1035156e-5f,
+                         1e-45f,
+                         std::numeric_limits<float>::infinity(),
+                         bits_float(0x7f800001),
+                         bits_float(0xffc12345),
+                         std::numeric_limits<float>::quiet_NaN()};
+  for (size_t i = 0; i < std::size(edges); ++i) x[3 * i + 1] = edges[i];
+  for (const quant_impl::Kernels* set : {&quant_impl::scalar_kernels(), quant_impl::avx2_kernels(),
+                                         quant_impl::avx512_kernels(), quant_impl::amx_kernels()}) {
+    if (!quant_impl::cpu_supports(set)) continue;
+    quant_impl::use_kernels(set);
+    std::vector<uint16_t> h(x.size());
+    quantize_row(DType::F16, x.data(), h.data(), static_cast<int64_t>(x.size()));
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(h[i], f32_to_f16(x[i]))
+          << set->features << ": element " << i << " (" << std::hexfloat << x[i] << ")";
     }
   }
 }
