@@ -1446,6 +1446,7 @@ int sm_count() {
 // GPU of compute capability 9.0 runs the compute_90 PTX instead (its stub, which traps) when the
 // driver compiles PTX for it, as it does under CUDA_FORCE_PTX_JIT=1.
 __global__ void sm90a_probe_kernel(int* out) {
+  pdl_wait();  // (launched alone; every kernel waits before its first access)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   *out = 1;
 #else
