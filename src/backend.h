@@ -45,6 +45,8 @@ class Backend {
   virtual void kv_from_host(void* kv, const void* host, size_t bytes) {
     std::memcpy(kv, host, bytes);
   }
+  // A copy between two places of alloc_kv's memory (one sequence's rows into another's).
+  virtual void kv_copy(void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); }
   // Sizes the scratch and input buffers once per context, from the largest graph it will run.
   virtual void reserve(size_t scratch_bytes, size_t input_bytes) = 0;
   // Copies the graph's inputs in, runs every node, copies the output tensor (F32) to `out`.

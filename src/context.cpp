@@ -680,6 +680,46 @@ std::vector<uint8_t> Context::save_state() const {
   return out;
 }
 
+void Context::copy_prefix(int from, int n) {
+  if (from < 0 || from >= n_seq_max() || !seqs_[size_t(from)].open)
+    throw ArgumentError("copy_prefix: expected an open sequence id, got " + std::to_string(from));
+  if (from == cur_)
+    throw ArgumentError(
+        "copy_prefix: sequence " + std::to_string(from) +
+        " is the one selected; expected another (rewind keeps a prefix of its own)");
+  const Sequence& src = seqs_[size_t(from)];
+  if (n < 0 || n > src.n_past)
+    throw ArgumentError("copy_prefix: expected a length in [0, " + std::to_string(src.n_past) +
+                        "] (sequence " + std::to_string(from) + "'s tokens), got " +
+                        std::to_string(n));
+  for (int w : model_->layer_window)
+    if (w > 0)
+      throw ArgumentError(
+          "copy_prefix: this model has sliding-window layers, whose rings keep other positions "
+          "than a prefix");
+  const KvCache& kv = live().kv;
+  try {
+    for (int l = 0; l < kv.n_layer; ++l) {
+      // Both caches have one layout, so their runs pair up in order.
+      std::vector<const void*> runs;
+      const int here = cur_;
+      cur_ = from;
+      kv_runs(l, 0, n, [&](void* cache, size_t, size_t) { runs.push_back(cache); });
+      cur_ = here;
+      size_t i = 0;
+      kv_runs(l, 0, n, [&](void* cache, size_t, size_t bytes) {
+        backend_->kv_copy(cache, runs[i++], bytes);
+      });
+    }
+  } catch (...) {
+    reset();  // a device failure half-way: the old rows are gone, so the sequence is emptied
+    throw;
+  }
+  live().tokens.assign(src.tokens.begin(), src.tokens.begin() + n);
+  live().n_past = n;
+  live().kv_lost = 0;
+}
+
 void Context::load_state(const uint8_t* data, size_t size) {
   const KvCache& kv = live().kv;
   StateHeader h{};

@@ -120,6 +120,12 @@ class Context {
   // ArgumentError naming what does not match.
   std::vector<uint8_t> save_state() const;
   void load_state(const uint8_t* data, size_t size);
+  // Replaces the selected sequence's tokens and KV cache with the first n of open sequence
+  // `from` (another one), copying the rows on the device: a prompt's prefix that another
+  // sequence holds, without evaluating it again or passing through the host. Throws
+  // ArgumentError, changing nothing, for a sequence that is not open or is this one, n past
+  // its tokens, or a model with sliding-window layers (their rings keep other positions).
+  void copy_prefix(int from, int n);
   // The tokens the KV cache holds, in order (n_past of them).
   const std::vector<int32_t>& tokens() const { return live().tokens; }
   // Those of sequence seq, selected or not (an open one).

@@ -786,6 +786,13 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              c.load_state(static_cast<const uint8_t*>(b.ptr), size_t(b.size));
            })
+      .def(
+          "copy_prefix",
+          [](Context& c, int from, int n) {
+            py::gil_scoped_release release;
+            c.copy_prefix(from, n);
+          },
+          py::arg("from_seq"), py::arg("n"))
       .def("cancel", &Context::cancel, py::arg("seq") = 0)
       .def_property_readonly("n_past", &Context::n_past)
       .def_property_readonly("n_ctx", &Context::n_ctx)

@@ -399,6 +399,21 @@ class Model:
             self._ctx.rewind(int(n))
             self._last_logits = None
 
+    def copy_prefix(self, other: Model, n: int) -> None:
+        """Replaces this sequence's tokens and KV cache with the first n of `other`'s, another
+        session of the same model (or the model itself): a prompt's prefix that other holds goes
+        in without being evaluated again, its cache rows copied on the device. Refused with a
+        ValueError, changing nothing, for another model's session, this session itself, n past
+        other's tokens, or a model with sliding-window layers."""
+        if getattr(other, "_ctx", None) is not self._ctx:
+            raise ValueError("copy_prefix: expected a session of the same model")
+        seq = other._lock.seq
+        if seq is None:
+            raise ValueError("copy_prefix: that session is closed")
+        with self._changing():
+            self._ctx.copy_prefix(seq, int(n))
+            self._last_logits = None
+
     def cancel(self) -> None:
         """Stops the eval in progress (a long prompt) before its next chunk of n_batch tokens,
         from any thread, without waiting for the model's lock; the stopped call raises

@@ -98,11 +98,11 @@ class Engine:
         # A new request's prompt goes in this many tokens a step, between the others' tokens
         # (chunked prefill), when others may be running.
         self.prefill_chunk = prefill_chunk if parallel > 1 else 0
-        # A prompt's prefix that another sequence's cache holds is copied (save_state and
-        # load_state) instead of evaluated again, and a job whose prompt starts as a running
-        # one's still going in waits for it. On the CPU, where a prompt token costs far more than
-        # its cache rows' copy; not on CUDA, where the copy goes through the host.
-        # Not with sliding-window rings either, whose rewound copy would have to be repaired.
+        # A prompt's prefix that another sequence's cache holds is copied (copy_prefix: its
+        # rows alone, on the device) instead of evaluated again, and a job whose prompt starts
+        # as a running one's still going in waits for it. On the CPU, where a prompt token costs
+        # far more than its cache rows' copy; not yet on CUDA, where it is not measured. Not
+        # with sliding-window rings either, which keep other positions than a prefix.
         if share_prefixes is None:
             share_prefixes = not model.device.startswith("cuda") and not any(
                 k.endswith(".attention.sliding_window") for k in model.metadata
@@ -330,15 +330,13 @@ class Engine:
         best, best_len = None, own + self.SHARE_MIN - 1
         for other in self._free + [e[1] for e in active]:
             n = self._common(other, want)
-            # The copy takes the whole cache: not one many times the prefix it gives.
-            if n > best_len and len(self._held(other)) <= 16 * n:
+            if n > best_len:
                 best, best_len = other, n
         if best is None:
             return
         self._tokens.pop(id(seq), None)
         try:
-            seq.load_state(best.save_state())
-            seq.rewind(best_len)
+            seq.copy_prefix(best, best_len)
         except Exception:  # noqa: BLE001
             pass  # an optimization only: the prompt goes in as it is
 

@@ -1558,6 +1558,11 @@ class CudaBackend : public Backend {
     GGRAPH_CUDA_CHECK(cudaMemcpyAsync(kv, host, bytes, cudaMemcpyHostToDevice, stream_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  void kv_copy(void* dst, const void* src, size_t bytes) override {
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
+    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
   void reserve(size_t scratch_bytes, size_t input_bytes) override {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));

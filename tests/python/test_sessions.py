@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import cuda_available
+from test_archs import write_arch
 
 import ggraph
 from ggraph import _core
@@ -540,3 +541,55 @@ def test_cuda_prompt_in_the_batch_equals_its_eval(tmp_path, prompt_len):
         want = np.asarray(ref._ctx.eval(prompt + [first[1], 5], False))
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < 1e-2, f"relative error {err:.2e}"
+
+
+def test_a_copied_prefix_continues_as_the_prompt_evaluated(tiny_model, device):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1, n_seq_max=4)
+    s, t = m.session(), m.session()
+    s.eval(A)
+    t.eval(B)  # a history of its own, which the copy replaces
+    t.copy_prefix(s, 6)
+    assert (t.n_past, t._tokens) == (6, A[:6])
+    got = [t.eval([4, 4]), t.eval([9])]
+    # A session that evaluates the same 6 tokens, then the same calls.
+    u = m.session()
+    u.eval(A[:6])
+    want = [u.eval([4, 4]), u.eval([9])]
+    for g, w in zip(got, want):
+        if device == "cpu":  # the rows' bits do not depend on the batch that made them
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+    # The source goes on as before.
+    assert s._tokens == A
+    np.testing.assert_allclose(s.eval([3]), _alone(tiny_model, device, A, [3])[1], atol=1e-3)
+
+
+def test_copy_prefix_refuses_what_it_cannot_copy_and_changes_nothing(tiny_model, tmp_path):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=4)
+    s, t = m.session(), m.session()
+    s.eval(A)
+    t.eval(B)
+    other = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    other.eval(A)
+    closed = m.session()
+    closed.close()
+    for source, n, says in [
+        (t, 2, "another"),
+        (s, len(A) + 1, "length"),
+        (s, -1, "length"),
+        (other, 2, "same model"),
+        (closed, 0, "closed"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            t.copy_prefix(source, n)
+        assert t._tokens == B
+    np.testing.assert_array_equal(t.eval([6]), _alone(tiny_model, "cpu", B, [6])[1])
+    # Sliding-window layers keep rings of other positions than a prefix.
+    path = tmp_path / "gemma3.gguf"
+    write_arch(path, "gemma3", "F32", seed=3)
+    g = ggraph.Model(str(path), device="cpu", n_ctx=64, n_seq_max=2)
+    h = g.session()
+    g.eval([1, 2, 3])
+    with pytest.raises(ValueError, match="sliding-window"):
+        h.copy_prefix(g, 2)
