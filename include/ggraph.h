@@ -187,6 +187,12 @@ GGRAPH_API int32_t ggraph_detokenize(ggraph_model* model, const int32_t* tokens,
                                      int render_special, char* buf, int32_t size);
 /* Keeps the first n_keep tokens of the context and forgets the rest. */
 GGRAPH_API int ggraph_rewind(ggraph_model* model, int32_t n_keep);
+/* Replaces model's tokens and KV cache with the first n of `from`'s, another session of the
+ * same model (or the model itself): a prompt's prefix that `from` holds, its cache rows copied
+ * on the device instead of evaluated again. GGRAPH_ERR_ARGUMENT, changing nothing, for a
+ * session of another model, model itself, n past from's tokens, or a model with sliding-window
+ * layers. */
+GGRAPH_API int ggraph_copy_prefix(ggraph_model* model, const ggraph_model* from, int32_t n);
 
 /* ---- State ------------------------------------------------------------------------------
  * A context's tokens and KV cache rows, to resume a conversation later or elsewhere: in a

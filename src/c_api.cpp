@@ -440,6 +440,16 @@ int ggraph_rewind(ggraph_model* m, int32_t n_keep) {
   });
 }
 
+int ggraph_copy_prefix(ggraph_model* m, const ggraph_model* from, int32_t n) {
+  return guarded(m, [&] {
+    if (!from || from->shared != m->shared)
+      throw ggraph::ArgumentError("copy_prefix: expected a session of the same model");
+    m->ctx->copy_prefix(from->seq, n);
+    m->logits.clear();
+    return GGRAPH_OK;
+  });
+}
+
 int64_t ggraph_save_state(ggraph_model* m, void* buf, size_t size) {
   int64_t n = 0;
   const int rc = guarded(m, [&] {

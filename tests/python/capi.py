@@ -97,6 +97,7 @@ _SIGNATURES = {
         [_M, _IDS, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p, ctypes.c_int32],
     ),
     "ggraph_rewind": (ctypes.c_int, [_M, ctypes.c_int32]),
+    "ggraph_copy_prefix": (ctypes.c_int, [_M, _M, ctypes.c_int32]),
     "ggraph_default_generate_params": (GenParams, []),
     "ggraph_generate": (
         ctypes.c_int,

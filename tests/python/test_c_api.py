@@ -199,6 +199,36 @@ def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
     np.testing.assert_array_equal(got_m, other.eval([9, 10]))
 
 
+def test_c_api_copy_prefix_starts_a_session_from_anothers_tokens(lib, tiny_model):
+    p = params(lib, device=b"cpu", n_ctx=64, n_threads=1, n_seq_max=3)
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    assert m, err.value
+    other = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
+    s = lib.ggraph_session_open(m)
+    try:
+        n_vocab = lib.ggraph_n_vocab(m)
+        prompt = [5, 17, 42, 8, 99, 3]
+        assert lib.ggraph_eval(m, _ids(prompt), len(prompt), None) == 0
+        assert lib.ggraph_eval(s, _ids([1, 2]), 2, None) == 0
+        # Refused: itself, another model's sequence, past the source's tokens; nothing changes.
+        assert lib.ggraph_copy_prefix(s, s, 1) == -2
+        assert lib.ggraph_copy_prefix(s, other, 1) == -2
+        assert b"same model" in lib.ggraph_last_error(s)
+        assert lib.ggraph_copy_prefix(s, m, 7) == -2
+        assert lib.ggraph_n_past(s) == 2
+        assert lib.ggraph_copy_prefix(s, m, 4) == 0
+        assert lib.ggraph_n_past(s) == 4
+        out = (ctypes.c_float * n_vocab)()
+        assert lib.ggraph_eval(s, _ids([9]), 1, out) == 0
+        alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+        alone.eval(prompt[:4])
+        np.testing.assert_array_equal(np.array(out), alone.eval([9]))
+    finally:
+        for h in (s, m, other):
+            lib.ggraph_free(h)
+
+
 def test_c_api_decode_batch_equals_each_sequences_own_step(lib, tiny_model):
     """One step of a model and two sessions through ggraph_decode_batch: each row is that
     sequence's own next step, each samples from its own row, and a refused batch changes
