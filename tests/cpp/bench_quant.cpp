@@ -200,6 +200,12 @@ void bench_tiles(DType type, int64_t k, int64_t rows, int tile_rows, int n_cols,
 // tied 49152 x 576 Q8_0 output matrix. Only the mat-muls are timed, split over threads by rows.
 struct ModelWeights {
   std::vector<Matrix> ms;
+  // Weights (k x rows) of all the matrices.
+  int64_t params() const {
+    int64_t n = 0;
+    for (const Matrix& m : ms) n += m.k * m.rows;
+    return n;
+  }
 };
 
 ModelWeights smollm2_weights(std::mt19937& rng) {
@@ -325,6 +331,14 @@ int main(int argc, char** argv) {
       std::printf("  decode, %d thread(s), calls of %3d rows: %6.2f ms/token = %6.1f tok/s\n",
                   threads, tile_rows, t * 1e3, 1.0 / t);
     }
+  }
+  // A decode batch's products read each weight once a step, where the tiles above reuse a
+  // block's weights from the cache over the column groups: the gap between the two is what the
+  // weights' trip from memory costs the tiles.
+  for (int threads : {1, 2}) {
+    const double t = model_pass(w, 8, threads, 64, 8, true, rng);
+    std::printf("  decode batch of 8, %d thread(s), tiles 64x8: %6.2f ms/step = %6.1f GFLOP/s\n",
+                threads, t * 1e3, 2.0 * 8 * double(w.params()) / t / 1e9);
   }
   const int prompt_tiles[][2] = {{16, 4}, {64, 4}, {64, 8}};
   for (const auto& tile : prompt_tiles) {
