@@ -697,19 +697,14 @@ void Context::copy_prefix(int from, int n) {
       throw ArgumentError(
           "copy_prefix: this model has sliding-window layers, whose rings keep other positions "
           "than a prefix");
+  // Without rings, position p lies at row p of every layer: rows [0, n) of K and of V are one
+  // run each.
   const KvCache& kv = live().kv;
+  const size_t bytes = size_t(n) * kv.row_bytes();
   try {
-    for (int l = 0; l < kv.n_layer; ++l) {
-      // Both caches have one layout, so their runs pair up in order.
-      std::vector<const void*> runs;
-      const int here = cur_;
-      cur_ = from;
-      kv_runs(l, 0, n, [&](void* cache, size_t, size_t) { runs.push_back(cache); });
-      cur_ = here;
-      size_t i = 0;
-      kv_runs(l, 0, n, [&](void* cache, size_t, size_t bytes) {
-        backend_->kv_copy(cache, runs[i++], bytes);
-      });
+    for (size_t l = 0; l < size_t(kv.n_layer); ++l) {
+      backend_->kv_copy(kv.k[l], src.kv.k[l], bytes);
+      backend_->kv_copy(kv.v[l], src.kv.v[l], bytes);
     }
   } catch (...) {
     reset();  // a device failure half-way: the old rows are gone, so the sequence is emptied
