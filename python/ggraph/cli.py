@@ -110,7 +110,14 @@ def cmd_serve(args):
         raise ValueError(f"--parallel: expected 1 to 256 requests at once, got {args.parallel}")
     model = _load(args, n_seq_max=args.parallel)
     name = args.model or "smollm2"
-    serve(model, os.path.basename(name), host=args.host, port=args.port, parallel=args.parallel)
+    serve(
+        model,
+        os.path.basename(name),
+        host=args.host,
+        port=args.port,
+        parallel=args.parallel,
+        share_prefixes=args.share_prefixes,
+    )
     return 0
 
 
@@ -243,6 +250,13 @@ def build_parser():
         type=int,
         default=1,
         help="requests served at once, each with a KV cache of its own (1)",
+    )
+    s.add_argument(
+        "--share-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="copy a prompt's prefix that another request's cache holds instead of evaluating "
+        "it again (default: on; never with sliding-window layers)",
     )
     s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="describe a GGUF file")

@@ -1,7 +1,7 @@
 """`ggraph serve`: an OpenAI-compatible HTTP server over one model (starlette + uvicorn).
 
     ggraph serve [-m MODEL] [--host 127.0.0.1] [--port 8080] [--device auto] [-c N_CTX]
-                 [--parallel N]
+                 [--parallel N] [--no-share-prefixes]
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions (with
 "stream": true as server-sent events). The HTTP layer parses, streams and formats; the engine
@@ -10,9 +10,10 @@ cache of n_ctx tokens each), a step of each in turn; more requests wait in arriv
 free one. A request takes the free session whose cache holds the longest prefix of its prompt (a
 conversation's earlier turns, a shared system prompt) where that is half of it or more, else the
 least recently used one; its usage reports the prefix it found as
-prompt_tokens_details.cached_tokens. On the CPU a longer prefix in another session's cache is
-copied over (Engine.share_prefixes). A stream whose client goes away is cancelled at its next
-token. Malformed requests get a 400 in OpenAI's error shape, and the server goes on serving.
+prompt_tokens_details.cached_tokens. A longer prefix in another session's cache is copied over
+(Engine.share_prefixes; --no-share-prefixes turns it off). A stream whose client goes away is
+cancelled at its next token. Malformed requests get a 400 in OpenAI's error shape, and the server
+goes on serving.
 """
 
 from __future__ import annotations
@@ -100,14 +101,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk if parallel > 1 else 0
         # A prompt's prefix that another sequence's cache holds is copied (copy_prefix: its
         # rows alone, on the device) instead of evaluated again, and a job whose prompt starts
-        # as a running one's still going in waits for it. On the CPU, where a prompt token costs
-        # far more than its cache rows' copy; not yet on CUDA, where it is not measured. Not
-        # with sliding-window rings either, which keep other positions than a prefix.
-        if share_prefixes is None:
-            share_prefixes = not model.device.startswith("cuda") and not any(
-                k.endswith(".attention.sliding_window") for k in model.metadata
-            )
-        self.share_prefixes = share_prefixes and parallel > 1
+        # as a running one's still going in waits for it. On by default (BENCHMARKS: the CPU
+        # and CUDA servers). Never with sliding-window rings, which keep other positions than
+        # a prefix.
+        rings = any(k.endswith(".attention.sliding_window") for k in model.metadata)
+        share = True if share_prefixes is None else share_prefixes
+        self.share_prefixes = share and parallel > 1 and not rings
         self._tokens: dict = {}  # id(sequence) -> its cache's tokens, read once a pass
         self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
@@ -480,16 +479,17 @@ def _chat_logprob(model, step):
     return item
 
 
-def create_app(model, model_name: str, parallel: int = 1):
+def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool | None = None):
     """The starlette application serving `model` (a ggraph.Model) as `model_name`, running up to
-    `parallel` requests at once (the model must hold that many sequences: n_seq_max)."""
+    `parallel` requests at once (the model must hold that many sequences: n_seq_max).
+    share_prefixes: copy a prompt's prefix from another sequence's cache (Engine); None: on."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    engine = Engine(model, parallel)
+    engine = Engine(model, parallel, share_prefixes=share_prefixes)
     created = int(time.time())
 
     def error(status, message, kind="invalid_request_error", param=None, code=None):
@@ -738,7 +738,12 @@ def _completion_logprobs(model, steps, at: int = 0) -> dict:
 
 
 def serve(
-    model, model_name: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1
+    model,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    parallel: int = 1,
+    share_prefixes: bool | None = None,
 ) -> None:
     """Serves until SIGINT or SIGTERM; a request in flight is cancelled at its next token."""
     try:
@@ -747,7 +752,7 @@ def serve(
         raise ImportError(
             'ggraph serve needs starlette and uvicorn: pip install "ggraph-llm[serve]"'
         ) from None
-    app = create_app(model, model_name, parallel)
+    app = create_app(model, model_name, parallel, share_prefixes)
     # The engine thread wants the GIL back after each step; with Python's default switch
     # interval (5 ms) the event loop's thread, busy with the streams, may keep it that long
     # while the GPU waits for the next step.

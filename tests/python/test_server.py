@@ -412,3 +412,19 @@ def test_a_long_prompt_goes_in_by_chunks_while_another_job_streams(tiny_model):
     # before the long job's first.
     first_long = order.index((1, "token"))
     assert order[:first_long].count((0, "token")) >= 8
+
+
+def test_engines_share_prefixes_unless_told_not_to_or_one_sequence(tiny_model):
+    """Sharing is on by default on every device with several sequences, and off when asked,
+    with one sequence, or over sliding-window rings (`ggraph serve --no-share-prefixes` passes
+    False)."""
+    from ggraph.cli import build_parser
+    from ggraph.server import Engine
+
+    assert build_parser().parse_args(["serve"]).share_prefixes is None
+    assert build_parser().parse_args(["serve", "--no-share-prefixes"]).share_prefixes is False
+    model = ggraph.Model(tiny_model, device="cpu", n_ctx=32, n_threads=1, n_seq_max=3)
+    for parallel, share, want in ((2, None, True), (2, False, False), (1, None, False)):
+        eng = Engine(model, parallel, share_prefixes=share)
+        assert eng.share_prefixes is want, (parallel, share)
+        eng.close()
