@@ -174,7 +174,7 @@ def cmd_bench(args):
     return bench.main_args(args)
 
 
-def _add_model_args(p, sampling=True):
+def _add_model_args(p, sampling=True, kv_default="auto"):
     p.add_argument(
         "-m",
         "--model",
@@ -189,7 +189,7 @@ def _add_model_args(p, sampling=True):
         help="context length; 0 = the training length; default 2048, or the training length "
         "where shorter",
     )
-    add_context_arguments(p)
+    add_context_arguments(p, kv_default)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-n", "--n-predict", type=int, default=128)
     if sampling:
@@ -201,13 +201,13 @@ def _add_model_args(p, sampling=True):
         p.add_argument("--seed", type=int, default=None)
 
 
-def add_context_arguments(p):
-    """The KV cache's options, shared by generate, chat and bench."""
+def add_context_arguments(p, kv_default="auto"):
+    """The KV cache's options, shared by generate, chat, serve and bench."""
     p.add_argument(
         "--kv-type",
-        default="auto",
-        help="KV cache elements: auto (default: f32 on the CPU, f16 on CUDA), f32, f16 "
-        "or q8_0 (CPU)",
+        default=kv_default,
+        help="KV cache elements: auto (f32 on the CPU, f16 on CUDA), f32, f16 or q8_0 "
+        f"(default: {kv_default})",
     )
     p.add_argument(
         "--allow-longer-context",
@@ -242,7 +242,9 @@ def build_parser():
     c.add_argument("--system", help="system message")
     c.set_defaults(func=cmd_chat, n_predict=512)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    _add_model_args(s, sampling=False)
+    # F16 caches on every device: half the memory a session, and on the CPU a decode batch's
+    # attention over half the bytes (BENCHMARKS: the server's F16 caches).
+    _add_model_args(s, sampling=False, kv_default="f16")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument(

@@ -85,8 +85,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def local(smollm2):
-    """The library in this process, for the expected outputs."""
-    return ggraph.Model(smollm2, device="cpu", n_ctx=N_CTX)
+    """The library in this process, for the expected outputs (with `ggraph serve`'s default
+    F16 cache)."""
+    return ggraph.Model(smollm2, device="cpu", n_ctx=N_CTX, kv_type="f16")
 
 
 def _chat_reference(local, content, max_tokens):
