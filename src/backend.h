@@ -29,6 +29,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
   virtual bool is_cuda() const { return false; }
+  // Whether compute may fold a one-column norm into the products after it, reading its inputs
+  // after its own node (planner.h: plan's fold_room).
+  virtual bool folds_norms() const { return false; }
 
   // Makes the bytes of a weight [ne0, ne1] of `type` available to kernels; returns the address
   // kernels read. The CPU backend reads the file mapping in place; the CUDA backend copies to

@@ -175,7 +175,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   Graph worst;
   Batch b;
   build(worst, b, n_batch_, n_batch_, 0);
-  plan(worst);
+  plan(worst, backend_->folds_norms());
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
   if (seqs_.size() > 1) {
     // And the largest decode batch a step runs as one graph (a server's batch may carry new
@@ -239,7 +239,7 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
       graph->set_output(graph->sample(graph->output(), config, buffer, j));
     }
     graph->chain = k;
-    plan(*graph);
+    plan(*graph, backend_->folds_norms());
     fit_reserved(*graph);
     c.graph = std::move(graph);  // only once built: a failed build leaves none behind
   }
@@ -289,7 +289,7 @@ void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_
   b.slots = in.slots.data();
   b.n_seqs = static_cast<int>(m);
   model_->build(graph, b, live().kv);
-  plan(graph);
+  plan(graph, backend_->folds_norms());
 }
 
 size_t Context::batch_class(size_t m) const {
@@ -545,7 +545,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
       auto graph = std::make_unique<Graph>();
       Batch b;
       build(*graph, b, chunk, n_out, n_past);
-      plan(*graph);
+      plan(*graph, backend_->folds_norms());
       live().step_graph = std::move(graph);
       live().step_tokens = chunk;
       live().step_outputs = n_out;
@@ -812,7 +812,7 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
     Graph graph;
     Batch b;
     build(graph, b, n_tok, n_tok, 0, /*embeddings=*/true);
-    plan(graph);
+    plan(graph, backend_->folds_norms());
     std::copy(tokens, tokens + n, live().in_tokens.begin());
     backend_->compute(graph, out.data());
   } catch (...) {

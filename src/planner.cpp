@@ -84,7 +84,7 @@ int norm_fold_reach(const std::vector<Tensor*>& nodes, int i) {
   return reach;
 }
 
-void plan(Graph& graph) {
+void plan(Graph& graph, bool fold_room) {
   const auto& nodes = graph.nodes();
   const int n = static_cast<int>(nodes.size());
   std::vector<int> last_use(n, -1);
@@ -93,7 +93,7 @@ void plan(Graph& graph) {
       if (s) last_use[s->index] = std::max(last_use[s->index], t->index);
   if (graph.output()) last_use[graph.output()->index] = n;  // never freed
   // Room for a backend to fold a decode step's norms into the products after them.
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; fold_room && i < n; ++i) {
     const int reach = norm_fold_reach(nodes, i);
     if (reach == i) continue;
     const Tensor* in = nodes[size_t(i)]->src[0];

@@ -10,11 +10,12 @@ constexpr size_t kPlanAlignment = 256;
 
 // Assigns Tensor::offset for scratch tensors and inputs; sets graph.scratch_size/input_size.
 // Scratch is reused once a tensor's last reader has run; the output is never reused.
-// A one-column norm's input, and the inputs of the residual add it reads, stay allocated until
-// node norm_fold_reach has run: a backend may work the norm out inside the kernel of the
-// products that read its weighted result (CUDA's NormFold), which reads them while it writes
-// the products and what the products' readers would (their ropes and stores, in its epilogue).
-void plan(Graph& graph);
+// With fold_room (a backend whose folds_norms() is true), a one-column norm's input, and the
+// inputs of the residual add it reads, stay allocated until node norm_fold_reach has run: the
+// backend may work the norm out inside the kernel of the products that read its weighted result
+// (CUDA's NormFold), which reads them while it writes the products and what the products'
+// readers would (their ropes and stores, in its epilogue).
+void plan(Graph& graph, bool fold_room = false);
 
 // For the one-column norm at nodes[i] (op RmsNorm over whole columns), the last of its readers,
 // their readers and theirs (the weight multiply, the products, their ropes and stores); i

@@ -1483,6 +1483,7 @@ class CudaBackend : public Backend {
 
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
+  bool folds_norms() const override { return norm_fold_enabled(); }
   std::shared_ptr<HostPool> host_pool() override { return host_pool_; }
 
   void* upload_weight(const void* host, size_t bytes, DType type, int64_t ne0, int64_t ne1,

@@ -374,6 +374,7 @@ static_assert(sizeof(NormFold) == 4 * sizeof(void*) + 8, "NormFold has no paddin
 bool mat_vec_folds_norm(DType type, DType type_b, int64_t k);
 // Test hook: turns the fold on or off; returns the setting it replaced.
 bool set_norm_fold(bool on);
+bool norm_fold_enabled();
 // Up to 3 weights of the same type and k that share one activation (q, k, v) in one launch.
 // Quantized types read the 8-bit activation from ws (prepared by launch_quantize_act); float
 // types read x directly. fold (one column): the activation from the norm before, as NormFold

@@ -1815,6 +1815,8 @@ bool& norm_fold_flag() {
 
 bool set_norm_fold(bool on) { return std::exchange(norm_fold_flag(), on); }
 
+bool norm_fold_enabled() { return norm_fold_flag(); }
+
 bool mat_vec_folds_norm(DType type, DType type_b, int64_t k) {
   if (!norm_fold_flag() || k % 32 != 0 || k > 1024 || mat_vec_override().rows != 0) return false;
   auto folds = [&](DType t) {

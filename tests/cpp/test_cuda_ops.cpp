@@ -67,7 +67,7 @@ std::vector<float> run_on(Backend& be, const Build& build) {
   Graph g;
   Tensor* out = build(g, be);
   g.set_output(out);
-  plan(g);
+  plan(g, be.folds_norms());
   be.reserve(g.scratch_size, g.input_size);
   if (be.is_cuda()) cuda_poison_buffers(be, 0xFF);
   std::vector<float> result(out->n_elements(), NAN);
@@ -2485,7 +2485,7 @@ TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
     // The norms the products took in (none launched), as the runs planned them.
     Graph g;
     g.set_output(build(g, *cuda_));
-    plan(g);
+    plan(g, cuda_->folds_norms());
     const auto rec = LayerGraph::launches_of_graph(g);
     // (A norm with the residual add before it launches at the add's node.)
     int folded_norms = 0;

@@ -551,5 +551,37 @@ TEST(Planner, EqualTopologiesGetEqualOffsetsAndLiveTensorsNeverOverlap) {
   EXPECT_LT(a.scratch_size, size_t(20) * 64 * 3 * 4 + 20 * kPlanAlignment);
 }
 
+// A one-column norm after a residual add, its weight, and the products of its result: with
+// fold_room the add's inputs and result stay allocated through the products' readers (a fold
+// reads them there); without it the planner takes their room back as soon as it may.
+TEST(Planner, KeepsANormsInputsForAFoldOnlyWhenAsked) {
+  std::vector<float> w(64 * 64, 0.5f), table(64 * 10, 1.0f), wn(64, 1.0f);
+  std::vector<int32_t> id1 = {1}, id2 = {2};
+  for (bool fold_room : {false, true}) {
+    Graph g;
+    Tensor* t = g.weight(DType::F32, 64, 10, table.data(), "t");
+    Tensor* x = g.get_rows(t, g.input_i32(1, id1.data(), "id1"));
+    Tensor* y = g.get_rows(t, g.input_i32(1, id2.data(), "id2"));
+    Tensor* a = g.add(x, y);
+    Tensor* r = g.rms_norm(a, 1e-5f);
+    Tensor* m = g.mul(r, g.weight(DType::F32, 64, 1, wn.data(), "wn"));
+    Tensor* p = g.mul_mat(g.weight(DType::F32, 64, 64, w.data(), "w"), m);
+    Tensor* q = g.mul_mat(g.weight(DType::F32, 64, 64, w.data(), "w2"), m);
+    g.set_output(g.add(g.add(p, q), g.get_rows(t, g.input_i32(1, id1.data(), "id3"))));
+    plan(g, fold_room);
+    const int reach = norm_fold_reach(g.nodes(), r->index);
+    ASSERT_GT(reach, q->index);
+    bool overlapped = false;
+    for (int j = r->index + 1; j <= reach; ++j) {
+      const Tensor* n = g.nodes()[size_t(j)];
+      if (n->storage != Storage::Scratch) continue;
+      for (const Tensor* kept : {x, y, a})
+        overlapped |=
+            n->offset < kept->offset + kept->nbytes() && kept->offset < n->offset + n->nbytes();
+    }
+    EXPECT_EQ(overlapped, !fold_room) << "fold_room " << fold_room;
+  }
+}
+
 }  // namespace
 }  // namespace ggraph
