@@ -104,7 +104,8 @@ GGRAPH_API int ggraph_decode_batch(ggraph_model* const* seqs, const int32_t* tok
 GGRAPH_API void ggraph_reset(ggraph_model* model);
 /* Stops the ggraph_eval in progress on model (from any thread, without waiting): a long input
  * stops before its next chunk of tokens and that eval returns GGRAPH_ERR_CANCELLED with the
- * model as it was. No effect when no eval is running. */
+ * model as it was. An eval that has been called and still waits for another call on the model
+ * counts as in progress. No effect when no eval is running. */
 GGRAPH_API void ggraph_cancel(ggraph_model* model);
 
 /* Samples from the last eval's logits, with the context's tokens as penalty history.
@@ -116,7 +117,7 @@ GGRAPH_API int32_t ggraph_sample(ggraph_model* model, const ggraph_sampling* sam
 GGRAPH_API int32_t ggraph_tokenize(ggraph_model* model, const char* text, size_t len, int add_bos,
                                    int special, int32_t* tokens, int32_t max_tokens);
 /* Writes a token's bytes (not NUL-terminated); returns their count, or the size needed when
- * larger than size, or a negative error code. */
+ * larger than size (>= 0), or a negative error code. */
 GGRAPH_API int32_t ggraph_token_to_piece(ggraph_model* model, int32_t token, char* buf,
                                          int32_t size);
 

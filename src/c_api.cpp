@@ -1,5 +1,7 @@
 // The C API: a thin shell over Context that turns exceptions into error codes. Calls on one
 // model are serialized by its mutex; the last error is per thread.
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -82,12 +84,17 @@ int guarded(ggraph_model* m, F&& fn) {
 // Reads of a model's fixed sizes and position, under its mutex.
 template <typename F>
 int32_t locked_read(const ggraph_model* m, int32_t fallback, F&& fn) {
-  if (!m) return fallback;
+  t_error.clear();
+  if (!m) {
+    t_error = "model is NULL";
+    return fallback;
+  }
   std::lock_guard<std::mutex> lock(m->mutex);
   try {
     m->ctx->select_sequence(m->seq);
     return fn();
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    t_error = e.what();
     return fallback;
   }
 }
@@ -204,6 +211,9 @@ int ggraph_is_end_of_generation(const ggraph_model* m, int32_t token) {
 }
 
 int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits) {
+  // The cancel requests so far, read before the call waits for the model: one made while it
+  // waits stops it.
+  const uint64_t epoch = m ? m->ctx->cancel_epoch(m->seq) : 0;
   return guarded(m, [&] {
     if (!tokens && n) throw ggraph::ArgumentError("ggraph_eval: tokens is NULL");
     // The capacity first: the caller's buffer is read only once n is known to fit.
@@ -212,7 +222,7 @@ int ggraph_eval(ggraph_model* m, const int32_t* tokens, size_t n, float* logits)
       throw ggraph::ArgumentError(
           "ggraph_eval: " + std::to_string(n) + " tokens do not fit: the context holds " +
           std::to_string(m->ctx->n_ctx()) + " and has " + std::to_string(room) + " left");
-    m->ctx->clear_cancel();
+    m->ctx->arm_cancel(epoch);
     m->logits = m->ctx->eval(tokens, n, false);
     if (logits) std::memcpy(logits, m->logits.data(), m->logits.size() * sizeof(float));
     return GGRAPH_OK;
@@ -266,10 +276,12 @@ int ggraph_decode_batch(ggraph_model* const* seqs, const int32_t* tokens, size_t
 }
 
 void ggraph_cancel(ggraph_model* m) {
+  t_error.clear();
   if (m) m->ctx->cancel(m->seq);  // lock-free: the eval in progress holds the mutex
 }
 
 void ggraph_reset(ggraph_model* m) {
+  t_error.clear();
   if (!m) return;
   std::lock_guard<std::mutex> lock(m->mutex);
   m->ctx->select_sequence(m->seq);
@@ -321,6 +333,9 @@ int32_t ggraph_token_to_piece(ggraph_model* m, int32_t token, char* buf, int32_t
     const auto& tok = m->ctx->tokenizer();
     ggraph::check_token_ids(&token, 1, tok.n_vocab(), "ggraph_token_to_piece");
     const std::string piece = tok.token_to_piece(token);
+    if (size < 0)
+      throw ggraph::ArgumentError("ggraph_token_to_piece: size must be >= 0, got " +
+                                  std::to_string(size));
     if (buf && int64_t(piece.size()) <= size) std::memcpy(buf, piece.data(), piece.size());
     return int(piece.size());
   });
@@ -345,6 +360,7 @@ ggraph_generate_params ggraph_default_generate_params(void) {
 
 int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
                     const ggraph_generate_params* params, ggraph_step_fn on_step, void* user) {
+  const uint64_t epoch = m ? m->ctx->cancel_epoch(m->seq) : 0;  // as ggraph_eval's
   return guarded(m, [&] {
     if (!prompt && n) throw ggraph::ArgumentError("ggraph_generate: prompt is NULL");
     if (n > size_t(m->ctx->n_ctx()))
@@ -383,6 +399,10 @@ int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
       o.stop.emplace_back(in.stop[i]);
     }
     ggraph::Generation gen(*m->ctx, std::vector<int32_t>(prompt, prompt + n), std::move(o));
+    m->ctx->arm_cancel(epoch);
+    // However it ends (a callback's stop, an error part of the way), the last eval's logits are
+    // no longer the context's: ggraph_sample then asks for an eval.
+    m->logits.clear();
     std::string text;
     ggraph::GeneratedToken tok;
     std::vector<ggraph_token_logprob> top;
@@ -395,7 +415,6 @@ int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
         return int(GGRAPH_STOP_CALLBACK);
       }
     }
-    m->logits.clear();  // the last eval's logits are the generation's own
     switch (gen.stop_reason()) {
       case ggraph::StopReason::kEos:
         return int(GGRAPH_STOP_EOS);
@@ -493,12 +512,22 @@ int ggraph_load_state_file(ggraph_model* m, const char* path) {
     if (!f)
       throw ggraph::ArgumentError(std::string("ggraph_load_state_file: cannot read ") + path +
                                   ": " + std::strerror(errno));
-    std::vector<uint8_t> data;
-    uint8_t chunk[1 << 16];
-    size_t got = 0;
-    while ((got = std::fread(chunk, 1, sizeof chunk, f)) > 0)
-      data.insert(data.end(), chunk, chunk + got);
-    const bool failed = std::ferror(f) != 0;
+    // A regular file no larger than this context's largest state: not a device or a pipe,
+    // which could feed bytes without end.
+    struct stat st;
+    const bool regular = fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode);
+    const size_t most = m->ctx->max_state_bytes();
+    if (!regular || uint64_t(st.st_size) > most) {
+      std::fclose(f);
+      const std::string what = !regular ? " is not a regular file"
+                                        : " holds " + std::to_string(st.st_size) +
+                                              " bytes; a state of this context takes at most " +
+                                              std::to_string(most);
+      throw ggraph::ArgumentError(std::string("ggraph_load_state_file: ") + path + what);
+    }
+    std::vector<uint8_t> data(size_t(st.st_size));
+    const size_t got = data.empty() ? 0 : std::fread(data.data(), 1, data.size(), f);
+    const bool failed = std::ferror(f) != 0 || got != data.size();
     std::fclose(f);
     if (failed)
       throw ggraph::ArgumentError(std::string("ggraph_load_state_file: reading ") + path +

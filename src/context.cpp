@@ -155,7 +155,8 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     throw ArgumentError("n_seq_max must be 1 to " + std::to_string(kMaxSequences) + ", got " +
                         std::to_string(o.n_seq_max));
   seqs_.resize(size_t(o.n_seq_max));
-  cancels_.reset(new std::atomic<bool>[seqs_.size()]());
+  cancels_.reset(new std::atomic<uint64_t>[seqs_.size()]());
+  armed_.assign(seqs_.size(), 0);
   // A windowed layer reads at most its window's rows and writes one batch's: a ring of
   // window + n_batch - 1 rows holds both, where that is shorter than the context. Every
   // windowed layer takes the largest window's ring, so that one position per sequence
@@ -639,6 +640,12 @@ void Context::kv_runs(
       p += n;
     }
   }
+}
+
+size_t Context::max_state_bytes() const {
+  const KvCache& kv = live().kv;
+  return sizeof(StateHeader) + size_t(n_ctx_) * sizeof(int32_t) +
+         size_t(kv.n_layer) * (sizeof(uint32_t) + 2 * size_t(n_ctx_) * kv.row_bytes());
 }
 
 std::vector<uint8_t> Context::save_state() const {

@@ -90,15 +90,29 @@ class Context {
   std::vector<float> embed(const int32_t* tokens, size_t n);
   int64_t n_embd() const { return model_->n_embd; }
   // Asks the operation in progress (an eval: at its next chunk; a Generation: at its next
-  // step) to stop; any thread may call it at any time (lock-free). Callers clear a stale
-  // request when an operation starts (clear_cancel); take_cancel consumes a pending one.
-  // Each sequence has its own request: cancel(seq) stops that sequence's operation only
+  // step) to stop; any thread may call it at any time (lock-free). Requests are counted per
+  // sequence: an operation stops for those made after the count it was armed with. A caller
+  // reads the count (cancel_epoch, lock-free) when its call begins, before it waits for the
+  // context, and arms the operation with it (arm_cancel), so that a cancel made while the call
+  // waits stops it; clear_cancel arms with the count as it is now (older requests are stale).
+  // take_cancel consumes a pending request. cancel(seq) stops that sequence's operation only
   // (ignored for a sequence the context does not have); the others act on the selected one.
   void cancel(int seq = 0) {
-    if (seq >= 0 && seq < n_seq_max()) cancels_[size_t(seq)].store(true, std::memory_order_relaxed);
+    if (seq >= 0 && seq < n_seq_max())
+      cancels_[size_t(seq)].fetch_add(1, std::memory_order_relaxed);
   }
-  void clear_cancel() { cancels_[size_t(cur_)].store(false, std::memory_order_relaxed); }
-  bool take_cancel() { return cancels_[size_t(cur_)].exchange(false, std::memory_order_relaxed); }
+  uint64_t cancel_epoch(int seq) const {
+    return seq >= 0 && seq < n_seq_max() ? cancels_[size_t(seq)].load(std::memory_order_relaxed)
+                                         : 0;
+  }
+  void arm_cancel(uint64_t epoch) { armed_[size_t(cur_)] = epoch; }
+  void clear_cancel() { arm_cancel(cancel_epoch(cur_)); }
+  bool take_cancel() {
+    const uint64_t now = cancel_epoch(cur_);
+    if (now == armed_[size_t(cur_)]) return false;
+    armed_[size_t(cur_)] = now;
+    return true;
+  }
   void reset() {
     live().n_past = 0;
     live().kv_lost = 0;
@@ -119,6 +133,8 @@ class Context {
   // cache's element type. load_state checks all of it before it changes anything, and throws
   // ArgumentError naming what does not match.
   std::vector<uint8_t> save_state() const;
+  // The most bytes a state of this context takes (every position of the context held).
+  size_t max_state_bytes() const;
   void load_state(const uint8_t* data, size_t size);
   // Replaces the selected sequence's tokens and KV cache with the first n of open sequence
   // `from` (another one), copying the rows on the device: a prompt's prefix that another
@@ -225,7 +241,8 @@ class Context {
   // Re-evaluates the selected sequence's tokens from position 0 (needs_repair); stopped or
   // failed, it leaves them to be re-evaluated again.
   void repair(const std::function<bool()>& interrupted = nullptr);
-  std::unique_ptr<std::atomic<bool>[]> cancels_;  // a request per sequence (cancel)
+  std::unique_ptr<std::atomic<uint64_t>[]> cancels_;  // requests made, per sequence (cancel)
+  std::vector<uint64_t> armed_;  // the count each sequence's operation stops past
   // A sampled chain's graph (decode_sampled) and the host inputs its input tensors point at:
   // the first token, each step's position, the sampling config; n_past, the position it was
   // built or last shifted for.

@@ -728,7 +728,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("seqs"), py::arg("tokens"))
       .def(
           "eval",
-          [](Context& c, const py::handle& tokens, bool all_logits) {
+          [](Context& c, const py::handle& tokens, bool all_logits, int64_t cancel_epoch) {
             std::vector<int32_t> ids = to_ids(tokens, "eval");
             std::vector<float> logits;
             // Ctrl-C stops a long input between chunks: the pending signal's KeyboardInterrupt
@@ -739,7 +739,12 @@ PYBIND11_MODULE(_core, m) {
               interrupted = PyErr_CheckSignals() != 0;
               return interrupted;
             };
-            c.clear_cancel();
+            // Cancels after the count the caller read before it waited for the model stop it
+            // (Context::cancel_epoch); without one, those made before this call are stale.
+            if (cancel_epoch >= 0)
+              c.arm_cancel(uint64_t(cancel_epoch));
+            else
+              c.clear_cancel();
             try {
               py::gil_scoped_release release;
               logits = c.eval(ids.data(), ids.size(), all_logits, check_signals);
@@ -754,7 +759,8 @@ PYBIND11_MODULE(_core, m) {
               return py::array_t<float>({py::ssize_t(ids.size()), n_vocab}, heap->data(), owner);
             return py::array_t<float>({n_vocab}, heap->data(), owner);
           },
-          py::arg("tokens"), py::arg("all_logits") = false)
+          py::arg("tokens"), py::arg("all_logits") = false, py::arg("cancel_epoch") = -1)
+      .def("cancel_epoch", &Context::cancel_epoch, py::arg("seq"))
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("tokens", [](const Context& c) { return c.tokens(); })

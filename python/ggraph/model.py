@@ -415,8 +415,9 @@ class Model:
             self._last_logits = None
 
     def cancel(self) -> None:
-        """Stops the eval in progress (a long prompt) before its next chunk of n_batch tokens,
-        from any thread, without waiting for the model's lock; the stopped call raises
+        """Stops the eval in progress (a long prompt; also one still waiting for another call on
+        the model) before its next chunk of n_batch tokens, from any thread, without waiting
+        for the model's lock; the stopped call raises
         ggraph.Cancelled and changes nothing (Ctrl-C stops it the same way, raising
         KeyboardInterrupt). A generation checks between tokens: break out of
         it instead, or press Ctrl-C, which stops either."""
@@ -486,13 +487,17 @@ class Model:
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends tokens to the context; returns the last position's logits (n_vocab,), or
         every position's (n_tokens, n_vocab) with all_logits. A refused call changes nothing."""
+        # The cancel requests so far, read before waiting for the lock: cancel() while this
+        # call waits for another on the model stops it too.
+        seq = self._lock.seq
+        epoch = self._ctx.cancel_epoch(seq) if seq is not None else -1
         with self._changing():
-            return self._eval(tokens, all_logits)
+            return self._eval(tokens, all_logits, epoch)
 
-    def _eval(self, tokens, all_logits: bool = False) -> np.ndarray:
+    def _eval(self, tokens, all_logits: bool = False, cancel_epoch: int = -1) -> np.ndarray:
         # Holding the lock. The context reads the ids once (any iterable of integers) and
         # refuses a bad call before it changes anything.
-        logits = self._ctx.eval(tokens, all_logits)
+        logits = self._ctx.eval(tokens, all_logits, cancel_epoch)
         self._last_logits = logits if not all_logits else logits[-1]
         return logits
 

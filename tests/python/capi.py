@@ -70,6 +70,7 @@ _M = ctypes.c_void_p
 _IDS = ctypes.POINTER(ctypes.c_int32)
 _SIGNATURES = {
     "ggraph_default_params": (Params, []),
+    "ggraph_default_sampling": (Sampling, []),
     "ggraph_load": (
         _M,
         [ctypes.c_char_p, ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_size_t],
@@ -97,6 +98,10 @@ _SIGNATURES = {
         [_M, _IDS, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p, ctypes.c_int32],
     ),
     "ggraph_rewind": (ctypes.c_int, [_M, ctypes.c_int32]),
+    "ggraph_token_to_piece": (
+        ctypes.c_int32,
+        [_M, ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32],
+    ),
     "ggraph_copy_prefix": (ctypes.c_int, [_M, _M, ctypes.c_int32]),
     "ggraph_default_generate_params": (GenParams, []),
     "ggraph_generate": (
@@ -105,6 +110,8 @@ _SIGNATURES = {
     ),
     "ggraph_save_state": (ctypes.c_int64, [_M, ctypes.c_void_p, ctypes.c_size_t]),
     "ggraph_load_state": (ctypes.c_int, [_M, ctypes.c_void_p, ctypes.c_size_t]),
+    "ggraph_save_state_file": (ctypes.c_int, [_M, ctypes.c_char_p]),
+    "ggraph_load_state_file": (ctypes.c_int, [_M, ctypes.c_char_p]),
 }
 
 

@@ -2,6 +2,7 @@
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -317,3 +318,73 @@ def test_c_api_swa_full_keeps_the_same_logits(lib, tmp_path):
     with pytest.warns(RuntimeWarning):
         ring, full = ggraph.Model(str(path), **kw), ggraph.Model(str(path), swa_full=True, **kw)
     assert ring.kv_bytes < full.kv_bytes
+
+
+def test_c_api_cancel_reaches_an_eval_still_waiting_for_the_model(lib, smollm2):
+    """A session's eval that waits for another call on the model is in progress: a cancel made
+    meanwhile stops it (before its second chunk), and the other call is untouched."""
+    p = params(lib, device=b"cpu", n_ctx=2048, n_threads=1, n_seq_max=2)
+    err = ctypes.create_string_buffer(256)
+    m = lib.ggraph_load(smollm2.encode(), ctypes.byref(p), err, 256)
+    assert m, err.value
+    s = lib.ggraph_session_open(m)
+    assert s
+    try:
+        rcs = {}
+
+        def ev(name, h, n):
+            rcs[name] = lib.ggraph_eval(h, _ids([100 + i % 1000 for i in range(n)]), n, None)
+
+        first = threading.Thread(target=ev, args=("model", m, 1100))
+        first.start()
+        time.sleep(0.3)  # the model's eval holds it for seconds
+        second = threading.Thread(target=ev, args=("session", s, 600))
+        second.start()
+        time.sleep(0.3)  # the session's eval waits for the model
+        lib.ggraph_cancel(s)
+        first.join()
+        second.join()
+        assert rcs == {"model": 0, "session": -5}  # GGRAPH_ERR_CANCELLED
+        assert (lib.ggraph_n_past(m), lib.ggraph_n_past(s)) == (1100, 0)
+        # A cancel made while no eval runs stops nothing later.
+        lib.ggraph_cancel(s)
+        assert lib.ggraph_eval(s, _ids([1, 2, 3]), 3, None) == 0
+    finally:
+        lib.ggraph_free(s)
+        lib.ggraph_free(m)
+
+
+def test_c_api_every_call_leaves_the_last_error_its_own(lib, tiny_model):
+    m, err = _load(lib, tiny_model)
+    assert m, err
+    try:
+        assert lib.ggraph_rewind(m, -1) == -2
+        assert lib.ggraph_last_error(m)
+        assert lib.ggraph_n_past(m) == 0
+        assert lib.ggraph_last_error(m) == b""  # the read succeeded
+        assert lib.ggraph_n_past(None) == 0
+        assert lib.ggraph_last_error(None) == b"model is NULL"
+        buf = ctypes.create_string_buffer(16)
+        assert lib.ggraph_token_to_piece(m, 5, buf, -1) == -2
+        assert b"size" in lib.ggraph_last_error(m)
+    finally:
+        lib.ggraph_free(m)
+
+
+def test_c_api_load_state_file_refuses_endless_and_oversized_files(lib, tiny_model, tmp_path):
+    m, err = _load(lib, tiny_model, n_ctx=32)
+    assert m, err
+    try:
+        assert lib.ggraph_eval(m, _ids([1, 2, 3]), 3, None) == 0
+        assert lib.ggraph_load_state_file(m, b"/dev/zero") == -2
+        assert b"not a regular file" in lib.ggraph_last_error(m)
+        big = tmp_path / "big.state"
+        big.write_bytes(b"\0" * (8 << 20))  # more than any state of a 32-token context
+        assert lib.ggraph_load_state_file(m, str(big).encode()) == -2
+        assert b"at most" in lib.ggraph_last_error(m)
+        assert lib.ggraph_n_past(m) == 3  # unchanged
+        good = tmp_path / "good.state"
+        assert lib.ggraph_save_state_file(m, str(good).encode()) == 0
+        assert lib.ggraph_load_state_file(m, str(good).encode()) == 0
+    finally:
+        lib.ggraph_free(m)

@@ -200,3 +200,20 @@ def test_embedding_keeps_the_conversation(tiny_model):
     ref = ggraph.Model(tiny_model, device="auto", n_ctx=128)
     ref.eval([1, 2, 3, 4])
     np.testing.assert_array_equal(m.eval([5]), ref.eval([5]))
+
+
+def test_c_sample_after_a_generation_its_callback_stopped_asks_for_an_eval(capi):
+    """The last eval's logits belong to the context before a generation: after one that its
+    callback stopped, ggraph_sample refuses rather than sample them."""
+    lib, model = capi
+    lib.ggraph_reset(model)
+    assert lib.ggraph_eval(model, (ctypes.c_int32 * 3)(1, 20, 30), 3, None) == 0
+    greedy = lib.ggraph_default_sampling()
+    greedy.temperature = 0.0
+    assert lib.ggraph_sample(model, ctypes.byref(greedy)) >= 0
+    p = lib.ggraph_default_generate_params()
+    p.temperature, p.max_tokens = 0.0, 8
+    rc, _, tokens = _generate(lib, model, [40, 50], p, stop_after=1)
+    assert rc == 6 and len(tokens) == 1  # GGRAPH_STOP_CALLBACK
+    assert lib.ggraph_sample(model, ctypes.byref(greedy)) == -2
+    assert b"eval first" in lib.ggraph_last_error(model)

@@ -3,6 +3,7 @@ of its own would, whatever the others do between its calls, on every device."""
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -592,3 +593,31 @@ def test_copy_prefix_refuses_what_it_cannot_copy_and_changes_nothing(tiny_model,
     g.eval([1, 2, 3])
     with pytest.raises(ValueError, match="sliding-window"):
         h.copy_prefix(g, 2)
+
+
+def test_cancel_stops_a_sessions_eval_that_waits_for_the_model(smollm2):
+    """An eval waiting for another call on the model is in progress: cancel() meanwhile stops
+    it (before its second chunk), and the other call goes on to its end."""
+    m = ggraph.Model(smollm2, device="cpu", n_ctx=2048, n_threads=1, n_seq_max=2)
+    s = m.session()
+    out = {}
+
+    def run(name, seq, n):
+        try:
+            seq.eval([100 + i % 1000 for i in range(n)])
+            out[name] = "done"
+        except ggraph.Cancelled:
+            out[name] = "cancelled"
+
+    first = threading.Thread(target=run, args=("model", m, 1100))  # seconds on one thread
+    first.start()
+    time.sleep(0.3)
+    second = threading.Thread(target=run, args=("session", s, 600))  # two chunks
+    second.start()
+    time.sleep(0.3)  # the session's eval waits for the model's
+    assert first.is_alive()
+    s.cancel()
+    first.join()
+    second.join()
+    assert out == {"model": "done", "session": "cancelled"}
+    assert (m.n_past, s.n_past) == (1100, 0)
