@@ -110,6 +110,9 @@ class Engine:
         self._tokens: dict = {}  # id(sequence) -> its cache's tokens, read once a pass
         self._free = [model] + [model.session() for _ in range(parallel - 1)]
         self._jobs: queue.Queue = queue.Queue()
+        # Set at shutdown (close, or the server's signal): running jobs end at their next token
+        # and waiting ones never start. A plain attribute, which a signal handler may set.
+        self.stopping = False
         self._lock = threading.Lock()
         self._running: dict = {}  # job -> its sequence, while it runs
         # A step's events, handed to the event loop together (one wake-up a step, not a token).
@@ -128,6 +131,7 @@ class Engine:
                 seq.cancel()  # also stops a long prompt between its chunks
 
     def close(self) -> None:
+        self.stopping = True
         with self._lock:
             for job, seq in self._running.items():
                 job.cancelled.set()
@@ -219,13 +223,24 @@ class Engine:
         closing = False
         while True:
             self._tokens = {}  # the sequences' caches may have moved since the last pass
+            if self.stopping:
+                closing = self._stop(active, held) or closing
+                held = []
+                if not active:
+                    if closing:
+                        return
+                    job = self._jobs.get()  # close()'s sentinel, or a request that came late
+                    if job is None:
+                        return
+                    job.emit(("done", ("cancelled", 0)))
+                    continue
             for job in [j for j in held if j.cancelled.is_set()]:
                 held.remove(job)
                 job.emit(("done", ("cancelled", 0)))
             # New jobs while a sequence is free (held ones first, in arrival order); wait for
             # one only when nothing runs. A free sequence stays for each held job, which waits
             # a few steps only.
-            while self._free and not closing:
+            while self._free and not closing and not self.stopping:
                 job = next((j for j in held if not self._awaits(j, active)), None)
                 if job is not None:
                     held.remove(job)
@@ -266,6 +281,27 @@ class Engine:
                 active.remove(entry)
                 self._finish(entry[0], entry[1])
             self._flush()
+
+    def _stop(self, active, held) -> bool:
+        """At shutdown: cancels the running jobs (they end at their next token) and ends the
+        held and queued ones unstarted; whether close()'s sentinel came among them."""
+        for job, seq, *_ in active:
+            if not job.cancelled.is_set():
+                job.cancelled.set()
+                seq.cancel()
+        closing = False
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                closing = True
+                break
+            held.append(job)
+        for job in held:
+            job.emit(("done", ("cancelled", 0)))
+        return closing
 
     def _take_free(self, ids):
         """The free sequence to run prompt ids on: the one whose cache holds the longest prefix
@@ -465,14 +501,27 @@ def _chat_request(body, model):
 # ---- Responses ---------------------------------------------------------------------------------
 
 
+def _token_bytes(model, token: int) -> bytes:
+    return model._ctx.token_to_piece(token)
+
+
 def _token_text(model, token: int) -> str:
-    return model.detokenize([token])
+    """A token's text, or for a token that holds part of a UTF-8 character, its bytes written
+    as OpenAI writes them ("bytes:\\xe2\\x80")."""
+    piece = _token_bytes(model, token)
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 def _chat_logprob(model, step):
     def entry(token, logprob):
-        text = _token_text(model, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": _token_text(model, token),
+            "logprob": logprob,
+            "bytes": list(_token_bytes(model, token)),
+        }
 
     item = entry(step.token, step.logprob)
     item["top_logprobs"] = [entry(t, lp) for t, lp in step.top]
@@ -485,8 +534,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
     share_prefixes: copy a prompt's prefix from another sequence's cache (Engine); None: on."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     engine = Engine(model, parallel, share_prefixes=share_prefixes)
@@ -538,7 +587,9 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
     async def handle(request: Request, chat: bool):
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except ClientDisconnect:  # it left before its request arrived: nobody to answer
+            return Response(status_code=400)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object")
@@ -561,7 +612,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
         obj = "chat.completion" if chat else "text_completion"
 
         if not stream:
-            texts, steps, finish, n_completion = [], [], None, 0
+            texts, steps, offsets, finish, n_completion = [], [], [], None, 0
+            sent = 0  # characters of text so far
 
             async def watch():  # a client that leaves cancels its generation
                 while not await request.is_disconnected():
@@ -572,9 +624,11 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
             try:
                 async for kind, value in events(job):
                     if kind == "token":
-                        texts.append(value[0])
                         if value[1] is not None:
                             steps.append(value[1])
+                            offsets.append(sent)
+                        texts.append(value[0])
+                        sent += len(value[0])
                     else:
                         reason, n_completion = value
                         finish = _FINISH.get(reason, "stop")
@@ -598,7 +652,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                 choice = {
                     "index": 0,
                     "text": text,
-                    "logprobs": _completion_logprobs(model, steps)
+                    "logprobs": _completion_logprobs(model, steps, offsets)
                     if logprobs is not None
                     else None,
                     "finish_reason": finish,
@@ -639,8 +693,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                         if step is not None and chat:
                             lp = {"content": [_chat_logprob(model, step)]}
                         elif step is not None:
-                            lp = _completion_logprobs(model, [step], offset)
-                            offset += len(lp["tokens"][0])
+                            lp = _completion_logprobs(model, [step], [offset])
+                        offset += len(text)
                         if not text and lp is None:
                             continue
                         if chat:
@@ -704,7 +758,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        engine.close()  # cancels a generation still running
+        # Off the event loop, which delivers the cancelled jobs' last events meanwhile.
+        await asyncio.to_thread(engine.close)
         print("ggraph serve: stopped", file=sys.stderr, flush=True)
 
     app = Starlette(
@@ -721,19 +776,15 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
     return app
 
 
-def _completion_logprobs(model, steps, at: int = 0) -> dict:
-    """The legacy completions' logprobs object for the generated tokens, the first at offset
-    `at` of the completion's text."""
-    tokens = [_token_text(model, s.token) for s in steps]
-    offsets = []
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
+def _completion_logprobs(model, steps, offsets) -> dict:
+    """The legacy completions' logprobs object for the generated tokens, each at its offset of
+    the completion's text (the characters sent before it: a token that ends part of a UTF-8
+    character sends its text with the next one)."""
     return {
-        "tokens": tokens,
+        "tokens": [_token_text(model, s.token) for s in steps],
         "token_logprobs": [s.logprob for s in steps],
         "top_logprobs": [{_token_text(model, t): lp for t, lp in s.top} for s in steps],
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }
 
 
@@ -758,7 +809,16 @@ def serve(
     # while the GPU waits for the next step.
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, _SWITCH_INTERVAL))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.engine.stopping = True  # what runs ends at its next token
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+    )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        Server(config).run()
     finally:
         sys.setswitchinterval(interval)

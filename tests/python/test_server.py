@@ -240,10 +240,11 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2", prompt=[10**9])
-    req = urllib.request.Request(server[1] + "/v1/completions", data=b"{not json", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req)
-    assert e.value.code == 400 and "error" in json.load(e.value)
+    for data in (b"{not json", b"[" * 5000 + b"]" * 5000):  # the second nests past recursion
+        req = urllib.request.Request(server[1] + "/v1/completions", data=data, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+        assert e.value.code == 400 and "error" in json.load(e.value)
     r = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     r = client.chat.completions.create(
@@ -267,13 +268,39 @@ def test_a_dropped_stream_is_cancelled_and_the_server_goes_on(client, local, ser
     assert cancelled and int(cancelled[-1].split()[-2]) < 400
 
 
-def test_sigterm_stops_the_server_cleanly(server):
+def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client, server):
+    """Four streams run (the server's --parallel 4) and a fifth waits when SIGTERM comes: each
+    ends with its last chunk (the waiting one unstarted), and the server stops within a second
+    or two rather than after its graceful timeout, with nothing in its log but its stop."""
     proc, _ = server
+    ended = {}
+
+    def stream(i):
+        try:
+            s = client.completions.create(
+                model="smollm2", prompt=f"Story number {i}:", max_tokens=400, temperature=1,
+                seed=i, stream=True,
+            )  # fmt: skip
+            ended[i] = sum(1 for _ in s)
+        except Exception as e:  # a stream cut off without its end
+            ended[i] = repr(e)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     # The server shuts down (its engine stopped), then ends as SIGTERM's default would.
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    stopped_in = time.monotonic() - t0
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(n, int) for n in ended.values()) and len(ended) == 5, ended
+    assert stopped_in < 4, stopped_in
     proc.log.seek(0)
-    assert "ggraph serve: stopped" in proc.log.read()
+    log = proc.log.read()
+    assert "ggraph serve: stopped" in log and "Traceback" not in log, log
 
 
 def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, cached=None, **engine):
@@ -429,3 +456,24 @@ def test_engines_share_prefixes_unless_told_not_to_or_one_sequence(tiny_model):
         eng = Engine(model, parallel, share_prefixes=share)
         assert eng.share_prefixes is want, (parallel, share)
         eng.close()
+
+
+def test_logprobs_of_tokens_that_hold_part_of_a_character(local):
+    """A token that holds part of a UTF-8 character: its chat logprob's bytes are its own (all
+    of them together spell the text), and its legacy token string is its bytes as OpenAI
+    writes them, so that alternatives of different bytes keep different keys."""
+    import types
+
+    from ggraph.server import _chat_logprob, _completion_logprobs
+
+    text = "🎉 ok"
+    ids = local.tokenize(text, add_bos=False)
+    steps = [types.SimpleNamespace(token=t, logprob=-0.5, top=[(t, -0.5)]) for t in ids]
+    entries = [_chat_logprob(local, s) for s in steps]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == text.encode()
+    partial = [e for e in entries if e["token"].startswith("bytes:")]
+    assert partial and all("\ufffd" not in e["token"] for e in entries)
+    assert partial[0]["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in partial[0]["bytes"])
+    legacy = _completion_logprobs(local, steps, [0, 0, 0, 1, 2][: len(steps)])
+    assert legacy["tokens"] == [e["token"] for e in entries]
+    assert [list(d) for d in legacy["top_logprobs"]] == [[e["token"]] for e in entries]
