@@ -761,6 +761,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("tokens"), py::arg("all_logits") = false, py::arg("cancel_epoch") = -1)
       .def("cancel_epoch", &Context::cancel_epoch, py::arg("seq"))
+      .def_property_readonly("max_state_bytes", &Context::max_state_bytes)
       .def("reset", &Context::reset)
       .def("rewind", &Context::rewind, py::arg("n"))
       .def_property_readonly("tokens", [](const Context& c) { return c.tokens(); })

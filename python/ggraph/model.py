@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -388,7 +389,17 @@ class Model:
         next."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
             with open(state, "rb") as f:
-                state = f.read()
+                # A regular file no larger than this context's largest state: not a device or
+                # a pipe, which could feed bytes without end.
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError(f"load_state: {state} is not a regular file")
+                if st.st_size > self._ctx.max_state_bytes:
+                    raise ValueError(
+                        f"load_state: {state} holds {st.st_size} bytes; a state of this context "
+                        f"takes at most {self._ctx.max_state_bytes}"
+                    )
+                state = f.read(st.st_size)
         with self._changing():
             self._ctx.load_state(state)
             self._last_logits = None

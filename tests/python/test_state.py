@@ -59,6 +59,24 @@ def test_states_that_do_not_belong_are_refused(model, tiny_models):
         small.load_state(good)
 
 
+def test_state_files_that_could_not_be_states_are_refused_unread(model, tmp_path):
+    """A path to a device (bytes without end) or to a file larger than any state of this
+    context is refused before it is read."""
+    model.eval([1, 2, 3])
+    with pytest.raises(ValueError, match="not a regular file"):
+        model.load_state("/dev/zero")
+    big = tmp_path / "big.state"
+    with open(big, "wb") as f:
+        f.truncate(model._ctx.max_state_bytes + 1)
+    with pytest.raises(ValueError, match="at most"):
+        model.load_state(big)
+    assert model.n_past == 3
+    model.save_state(tmp_path / "good.state")
+    model.reset()
+    model.load_state(tmp_path / "good.state")
+    assert model._tokens == [1, 2, 3]
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs a GPU beside the CPU")
 def test_a_state_moves_between_devices_with_its_kv_type_only(tiny_model):
     cpu = ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="f32")
