@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
+import re
 import stat
 import threading
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -129,6 +132,8 @@ def _check_messages(messages) -> list:
             raise ValueError(f"chat: each message needs 'role' and 'content', got {m!r}")
         if not isinstance(m["content"], str):
             raise ValueError(f"chat: a message's content must be text, got {m['content']!r}")
+        if not isinstance(m["role"], str):
+            raise ValueError(f"chat: a message's role must be text, got {m['role']!r}")
     return messages
 
 
@@ -212,14 +217,24 @@ class _SequenceLock:
         try:
             if self.seq is None:
                 raise ValueError("this session is closed")
+            # A nested entry (a signal handler or finalizer run while this thread holds the
+            # lock) must give the outer call its own sequence back.
+            prev = self._ctx.sequence
             self._ctx.select_sequence(self.seq)
         except BaseException:
             self.base.release()
             raise
+        self._prev = getattr(self, "_prev", [])
+        self._prev.append(prev)
         return self
 
     def __exit__(self, *exc):
-        self.base.release()
+        try:
+            prev = self._prev.pop()
+            with contextlib.suppress(ValueError):  # that sequence was closed meanwhile
+                self._ctx.select_sequence(prev)
+        finally:
+            self.base.release()
         return False
 
 
@@ -374,6 +389,8 @@ class Model:
     def save_state(self, path: str | os.PathLike | None = None) -> bytes | None:
         """The context's tokens and KV cache as bytes, or written to `path`: a conversation to
         resume later with load_state, on a model of the same file with the same kv_type."""
+        if path is not None:
+            path = os.fspath(path)  # not an int: open() would take it for a descriptor
         with self._lock:
             state = self._ctx.save_state()
         if path is None:
@@ -388,6 +405,7 @@ class Model:
         ValueError, and the context is left as it was. No logits are kept: eval or generate
         next."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
+            state = os.fspath(state)  # not an int: open() would take it for a descriptor
             with open(state, "rb") as f:
                 # A regular file no larger than this context's largest state: not a device or
                 # a pipe, which could feed bytes without end.
@@ -407,7 +425,7 @@ class Model:
     def rewind(self, n: int) -> None:
         """Keeps the first n tokens of the context and forgets the rest."""
         with self._changing():
-            self._ctx.rewind(int(n))
+            self._ctx.rewind(operator.index(n))  # an integer: 1.5 or "3" is a TypeError
             self._last_logits = None
 
     def copy_prefix(self, other: Model, n: int) -> None:
@@ -422,7 +440,7 @@ class Model:
         if seq is None:
             raise ValueError("copy_prefix: that session is closed")
         with self._changing():
-            self._ctx.copy_prefix(seq, int(n))
+            self._ctx.copy_prefix(seq, operator.index(n))
             self._last_logits = None
 
     def cancel(self) -> None:
@@ -649,9 +667,10 @@ class Model:
         finally:
             # A loop left early (break, close, an error in the caller): the context keeps what a
             # step at a time would have left, if it is still this generation's.
-            with self._lock:
-                if self._epoch == epoch:
-                    gen.close()
+            with self._lock.base:
+                if self._epoch == epoch:  # (closing a session moves its epoch)
+                    with self._lock:
+                        gen.close()
 
     def apply_chat_template(
         self, messages: Sequence[dict], add_generation_prompt=True, tokenize: bool = False
@@ -682,24 +701,31 @@ class Model:
         # Content that reads as control tokens is tokenized as plain text instead: the rendered
         # text is cut around each such content, and only the template's pieces parse specials.
         risky = [
-            m["content"]
-            for m in messages
+            i
+            for i, m in enumerate(messages)
             if self.tokenize(m["content"], add_bos=False, special=True)
             != self.tokenize(m["content"], add_bos=False, special=False)
         ]
         if not risky:
             return ids
-        pieces, pos = [], 0
-        for content in risky:
-            at = text.find(content, pos)
-            if at < 0:
-                raise ValueError(
-                    "chat: a message holds control-token text and the template transforms it, "
-                    "so it cannot be kept out of the control tokens"
-                )
-            pieces += [(text[pos:at], True), (content, False)]
-            pos = at + len(content)
-        pieces.append((text[pos:], True))
+        # Render again with a unique marker in place of each such content, so that the content's
+        # own place is cut out (not the first match, which may be the template's own markers).
+        tag = uuid.uuid4().hex
+        marked = [dict(m) for m in messages]
+        for i in risky:
+            marked[i]["content"] = f"<{tag}:{i}>"
+        marked_text = render_chat_template(
+            template, marked, add_generation_prompt=add_generation_prompt, **specials
+        )
+        parts = re.split(f"<{tag}:(\\d+)>", marked_text)
+        pieces = []
+        for j, part in enumerate(parts):
+            pieces.append((messages[int(part)]["content"], False) if j % 2 else (part, True))
+        if "".join(p for p, _ in pieces) != text or len(parts) != 2 * len(risky) + 1:
+            raise ValueError(
+                "chat: a message holds control-token text and the template transforms it, "
+                "so it cannot be kept out of the control tokens"
+            )
         out = self.tokenize("", add_bos=add_bos)  # the bos the whole text would have begun with
         for piece, special in pieces:
             if piece:

@@ -120,7 +120,10 @@ def test_rewind_and_states_stay_within_a_session(tiny_model):
     m.eval(A)
     s.eval(B)
     state = s.save_state()
-    s.rewind(2)
+    for bad in (1.5, "2"):  # not integers: refused, nothing rewound
+        with pytest.raises(TypeError):
+            s.rewind(bad)
+    s.rewind(np.int64(2))
     assert (m.n_past, s.n_past) == (len(A), 2)
     expected = m.eval([4])
     m.rewind(len(A))
@@ -621,3 +624,39 @@ def test_cancel_stops_a_sessions_eval_that_waits_for_the_model(smollm2):
     second.join()
     assert out == {"model": "done", "session": "cancelled"}
     assert (m.n_past, s.n_past) == (1100, 0)
+
+
+def test_closing_a_session_under_its_suspended_generator_leaves_the_generator_quiet(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1, n_seq_max=2)
+    s = m.session()
+    g = s.generate([1, 2], max_tokens=10, temperature=0)
+    next(g)
+    s.close()
+    g.close()  # nothing to put back: the session is gone
+    with m.session() as s2:
+        for _ in s2.generate([1, 2], max_tokens=10, temperature=0):
+            break
+
+
+def test_a_signal_handler_reading_the_model_leaves_a_sessions_eval_its_own(smollm2):
+    """Python runs signal handlers between an eval's chunks, under the model's (re-entrant)
+    lock: a handler that reads the model selects its sequence, and the session's eval must get
+    its own back."""
+    import signal
+
+    m = ggraph.Model(smollm2, device="cpu", n_ctx=256, n_batch=4, n_threads=1, n_seq_max=2)
+    s = m.session()
+    prompt = list(range(1000, 1200))
+    ref = s.eval(prompt).copy()
+    s.reset()
+    reads = []
+    old = signal.signal(signal.SIGALRM, lambda *a: reads.append(m.n_past))
+    signal.setitimer(signal.ITIMER_REAL, 0.005, 0.005)
+    try:
+        out = s.eval(prompt)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert reads  # the handler ran during the eval
+    assert (s.n_past, m.n_past) == (200, 0)
+    np.testing.assert_array_equal(out, ref)

@@ -112,3 +112,13 @@ def test_c_api_state_round_trip(tiny_model):
         assert lib.ggraph_load_state(m, buf, need - 1) == -2 and lib.ggraph_n_past(m) == 3
     finally:
         lib.ggraph_free(m)
+
+
+def test_state_paths_are_paths_not_descriptors(model, tmp_path):
+    """An int is not a path: open() would take it for a file descriptor, write the state there
+    and close it."""
+    with open(tmp_path / "other", "wb") as f:
+        for call in (model.save_state, model.load_state):
+            with pytest.raises(TypeError):
+                call(f.fileno())
+        f.write(b"still open")
