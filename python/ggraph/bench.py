@@ -152,9 +152,11 @@ def format_markdown(rows):
 
 def add_arguments(p):
     p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("-p", "--n-prompt", type=int, default=512)
-    p.add_argument("-n", "--n-gen", type=int, default=128)
-    p.add_argument("-r", "--repetitions", type=int, default=5)
+    from ggraph.cli import INT32_MAX, _int_in
+
+    p.add_argument("-p", "--n-prompt", type=_int_in(0, INT32_MAX), default=512)
+    p.add_argument("-n", "--n-gen", type=_int_in(0, INT32_MAX), default=128)
+    p.add_argument("-r", "--repetitions", type=_int_in(1, 1_000_000), default=5)
     p.add_argument(
         "-d", "--n-depth", default="0", help="comma-separated context depths to test at (0,4096)"
     )
@@ -178,6 +180,12 @@ def main_args(args):
         depths = [int(d) for d in str(args.n_depth).split(",") if d.strip()] or [0]
     except ValueError:
         raise ValueError(f"-d: expected comma-separated integers, got {args.n_depth!r}") from None
+    if not modes:
+        raise ValueError("--cuda-graphs: expected at least one mode")
+    if args.n_prompt == 0 and args.n_gen == 0:
+        raise ValueError("nothing to measure: -p and -n are both 0")
+    if any(not 0 <= d <= 2**31 - 1 for d in depths):
+        raise ValueError(f"-d: expected depths from 0 to {2**31 - 1}, got {args.n_depth!r}")
     rows = run_bench(
         path,
         args.n_prompt,

@@ -8,6 +8,30 @@ import sys
 import time
 
 
+def _int_in(lo, hi):
+    """An argparse type: an integer from lo to hi (a usage error, not a traceback, otherwise)."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo} to {hi}, got {value}")
+        return value
+
+    return parse
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _utf8(text, what):
+    from ggraph.model import _utf8
+
+    return _utf8(text, what)
+
+
 def _load(args, n_seq_max: int = 1):
     from ggraph.model import Model
 
@@ -33,9 +57,21 @@ def _sampling(args):
     }
 
 
+def _check_sampling(args):
+    from ggraph import _core
+
+    _core.validate_sampling(**_sampling(args))
+
+
 def cmd_generate(args):
+    _utf8(args.prompt, "the prompt")
+    for s in args.stop or []:
+        _utf8(s, "--stop")
+    _check_sampling(args)
     model = _load(args)
     ids = model.tokenize(args.prompt)
+    if not ids:
+        raise ValueError("the prompt is empty (it gives no tokens and the model adds no BOS)")
     t0 = time.perf_counter()
     model.eval(ids)  # the prompt, timed on its own; generate() finds it in the cache
     t_prompt = time.perf_counter() - t0
@@ -65,7 +101,12 @@ def cmd_generate(args):
 
 
 def cmd_chat(args):
+    if sys.stdin is None:
+        raise ValueError("chat: standard input is closed")
+    _check_sampling(args)
     model = _load(args)
+    if not model.chat_template:
+        raise ValueError(f"chat: {args.model or 'the model'} has no chat template (use generate)")
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -85,6 +126,11 @@ def cmd_chat(args):
             messages = messages[:1] if args.system else []
             continue
         if not line.strip():
+            continue
+        try:
+            _utf8(line, "the message")
+        except ValueError as e:
+            print(f"[{e}]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         reply = []
@@ -184,21 +230,21 @@ def _add_model_args(p, sampling=True, kv_default="auto"):
     p.add_argument(
         "-c",
         "--n-ctx",
-        type=int,
+        type=_int_in(0, INT32_MAX),
         default=None,
         help="context length; 0 = the training length; default 2048, or the training length "
         "where shorter",
     )
     add_context_arguments(p, kv_default)
-    p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("-n", "--n-predict", type=int, default=128)
+    p.add_argument("-t", "--threads", type=_int_in(0, 1024), default=None)
+    p.add_argument("-n", "--n-predict", type=_int_in(0, INT32_MAX), default=128)
     if sampling:
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-        p.add_argument("--top-k", type=int, default=40)
+        p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=40)
         p.add_argument("--top-p", type=float, default=0.95)
         p.add_argument("--min-p", type=float, default=0.05)
         p.add_argument("--repeat-penalty", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=None)
 
 
 def add_context_arguments(p, kv_default="auto"):
@@ -246,7 +292,7 @@ def build_parser():
     # attention over half the bytes (BENCHMARKS: the server's F16 caches).
     _add_model_args(s, sampling=False, kv_default="f16")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--port", type=_int_in(0, 65535), default=8080)
     s.add_argument(
         "--parallel",
         type=int,
@@ -284,6 +330,9 @@ def main(argv=None):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # output to a full disk, a closed descriptor, ...
+        print(f"ggraph: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: the work stops where it was, without a traceback (130 = 128 + SIGINT).
         print(file=sys.stderr)

@@ -125,6 +125,17 @@ def _check_keys(params):
         )
 
 
+def _utf8(text, what: str):
+    """text itself, where it is a str that UTF-8 can encode: not one with lone surrogates (the
+    undecodable bytes of argv or stdin, or JSON's "\\ud800"), which the core cannot take."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} is not valid UTF-8 (it holds a lone surrogate)") from None
+    return text
+
+
 def _check_messages(messages) -> list:
     messages = list(messages)
     for m in messages:
@@ -546,7 +557,9 @@ class Model:
 
     # -- text --------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list:
-        return self._ctx.tokenize(text, add_bos=add_bos, special=special)
+        return self._ctx.tokenize(
+            _utf8(text, "tokenize: the text"), add_bos=add_bos, special=special
+        )
 
     def detokenize(self, ids: Sequence[int], render_special: bool = False) -> str:
         return self._ctx.detokenize(list(ids), render_special=render_special)
@@ -605,6 +618,8 @@ class Model:
     def _new_generation(self, ids, max_tokens, stops, logprobs, ignore_eos, sampling, chain=None):
         """A generation of ids on this sequence, and the epoch it runs in: starting one
         invalidates the generators before it. Called under the lock."""
+        for text in stops:
+            _utf8(text, "generate: a stop string")
         gen = _core.Generation(
             self._ctx,
             ids,

@@ -168,3 +168,36 @@ def test_rewind_keeps_a_prefix(tiny_model):
         m.rewind(9)
     m.rewind(3)
     np.testing.assert_allclose(m.eval([4]), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "--seed", str(2**63), "hi"),
+        ("generate", "-c", "3000000000", "hi"),
+        ("generate", "--top-k", "3000000000", "hi"),
+        ("generate", "--temperature", "-1", "hi"),
+        ("generate", ""),
+        ("chat",),  # the tiny model has no chat template
+        ("bench", "-r", "0"),
+        ("bench", "-p", "0", "-n", "0"),
+        ("bench", "-d", "99999999999"),
+        ("serve", "--port", "70000"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(tiny_model, args):
+    r = ggraph_cmd(args[0], "-m", tiny_model, "--device", "cpu", *args[1:], input="hi\n")
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr and "error" in r.stderr, r.stderr
+    assert r.stdout == ""  # refused before anything was generated
+
+
+def test_undecodable_text_and_unwritable_output_are_one_line_errors(tiny_model):
+    cmd = [sys.executable, "-m", "ggraph", "generate", "-m", tiny_model, "--device", "cpu"]
+    r = subprocess.run([*cmd, b"\xff\xfe"], capture_output=True, timeout=600)
+    assert r.returncode != 0 and b"Traceback" not in r.stderr and b"UTF-8" in r.stderr
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [*cmd, "-n", "4", "hi"], stdout=full, stderr=subprocess.PIPE, timeout=600
+        )
+    assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr

@@ -240,6 +240,16 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2", prompt=[10**9])
+    # Lone surrogates, which JSON may escape but UTF-8 cannot hold, in a stop string and a
+    # prompt: refused as bad requests.
+    for data in (
+        b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\ud800"]}',
+        b'{"prompt": "a lone \\udc80 surrogate", "max_tokens": 2}',
+    ):
+        req = urllib.request.Request(server[1] + "/v1/completions", data=data, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+        assert e.value.code == 400 and "UTF-8" in json.load(e.value)["error"]["message"]
     for data in (b"{not json", b"[" * 5000 + b"]" * 5000):  # the second nests past recursion
         req = urllib.request.Request(server[1] + "/v1/completions", data=data, method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
