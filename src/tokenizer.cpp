@@ -108,6 +108,17 @@ class VocabTokenizer : public Tokenizer {
   int32_t read_id(const GGUFFile& file, const std::string& key, int32_t def) const;
 
   std::vector<int32_t> specials_;  // control, unknown and user-defined tokens, longest first
+  // A trie of the specials' texts (node 0 the root; each node's children sorted by byte), and
+  // the node each entry of specials_ ends at: one pass over a text finds which specials occur
+  // in it, where a search of the text for each special costs as many passes as there are
+  // specials (thousands in some vocabularies, most of them starting with '<').
+  std::vector<std::vector<std::pair<uint8_t, int32_t>>> trie_;
+  std::vector<int32_t> special_node_;
+  int32_t trie_child(int32_t node, uint8_t c) const {
+    const auto& next = trie_[size_t(node)];
+    auto it = std::lower_bound(next.begin(), next.end(), std::make_pair(c, int32_t(-1)));
+    return it != next.end() && it->first == c ? it->second : -1;
+  }
 };
 
 VocabTokenizer::VocabTokenizer(const GGUFFile& file, const std::string& model) {
@@ -147,6 +158,23 @@ VocabTokenizer::VocabTokenizer(const GGUFFile& file, const std::string& model) {
   }
   std::stable_sort(specials_.begin(), specials_.end(),
                    [this](int32_t a, int32_t b) { return texts_[a].size() > texts_[b].size(); });
+  trie_.emplace_back();
+  for (const int32_t id : specials_) {
+    int32_t node = 0;
+    for (const char ch : texts_[id]) {
+      const uint8_t c = static_cast<uint8_t>(ch);
+      int32_t child = trie_child(node, c);
+      if (child < 0) {
+        child = static_cast<int32_t>(trie_.size());
+        auto& next = trie_[size_t(node)];
+        next.insert(std::lower_bound(next.begin(), next.end(), std::make_pair(c, int32_t(-1))),
+                    {c, child});
+        trie_.emplace_back();
+      }
+      node = child;
+    }
+    special_node_.push_back(node);
+  }
 
   const bool spm = model == "llama";
   bos_ = read_id(file, "tokenizer.ggml.bos_token_id", spm ? 1 : -1);
@@ -192,11 +220,23 @@ std::vector<Fragment> VocabTokenizer::split_special(const std::string& text,
   // over a shorter one it contains. User-defined tokens always match (they are ordinary
   // vocabulary that the model was trained to see whole); control and unknown tokens only when
   // asked to.
+  // The trie's nodes the text reaches from any position: a special occurs where its end node
+  // is among them.
+  std::vector<uint8_t> reached(trie_.size(), 0);
+  for (size_t i = 0; i < text.size(); ++i) {
+    int32_t node = 0;
+    for (size_t j = i; j < text.size(); ++j) {
+      node = trie_child(node, static_cast<uint8_t>(text[j]));
+      if (node < 0) break;
+      reached[size_t(node)] = 1;
+    }
+  }
   std::vector<Fragment> next;
-  for (const int32_t id : specials_) {
+  for (size_t k = 0; k < specials_.size(); ++k) {
+    const int32_t id = specials_[k];
     if (!parse_special && types_[id] != kUserDefined) continue;
+    if (!reached[size_t(special_node_[k])]) continue;
     const std::string& s = texts_[id];
-    if (text.find(s) == std::string::npos) continue;
     next.clear();
     for (const Fragment& f : frags) {
       if (f.token >= 0) {
