@@ -1,6 +1,7 @@
 #include "blocks.h"
 
 #include <cstdio>
+#include <cstring>
 
 namespace ggraph {
 
@@ -44,7 +45,24 @@ float ModelLoader::positive(const std::string& k, float fallback) const {
 const GGUFTensorInfo& ModelLoader::find(const std::string& name) const {
   const GGUFTensorInfo* t = file.tensor(name);
   if (!t) throw GGUFError("tensor '" + name + "' is missing from the file");
+  used_.insert(name);
   return *t;
+}
+
+void ModelLoader::check_all_used() const {
+  size_t unused = 0;
+  const GGUFTensorInfo* first = nullptr;
+  for (const GGUFTensorInfo& t : file.tensors())
+    if (!used_.count(t.name)) {
+      ++unused;
+      if (!first) first = &t;
+    }
+  if (first)
+    throw GGUFError("tensor '" + first->name + "' is not used by " + arch + " with block_count " +
+                    std::to_string(file.get_int(key("block_count"), 0)) + " (" +
+                    std::to_string(unused) + " of the file's " +
+                    std::to_string(file.tensors().size()) +
+                    " tensors unused): expected exactly the tensors the architecture reads");
 }
 
 void ModelLoader::check_type(const GGUFTensorInfo& t) const {
@@ -145,8 +163,11 @@ Hparams read_hparams(const ModelLoader& ld) {
                       std::to_string(w));
     hp.window = int(w);
   }
-  const std::string scaling = ld.file.get_string(ld.key("rope.scaling.type"), "none");
-  const double factor = ld.file.get_float(ld.key("rope.scaling.factor"), 1.0);
+  // As llama.cpp reads them: the factor, or the older rope.scale_linear; a type of linear when
+  // the file names none.
+  const double factor = ld.file.get_float(ld.key("rope.scaling.factor"),
+                                          ld.file.get_float(ld.key("rope.scale_linear"), 1.0));
+  const std::string scaling = ld.file.get_string(ld.key("rope.scaling.type"), "linear");
   const bool unscaled = scaling == "none" || factor == 1.0 || factor == 0.0;
   if (!unscaled && (scaling != "linear" || !(factor > 0.0) || !std::isfinite(factor)))
     throw GGUFError("metadata " + ld.key("rope.scaling.type") + " '" + scaling + "' with factor " +
@@ -308,7 +329,18 @@ void GraphContext::logits(Tensor* x, const Weight& output_norm, const Weight& ou
 }
 
 Weight load_rope_freqs(ModelLoader& ld, const Hparams& hp) {
-  return ld.vector("rope_freqs.weight", hp.n_rot / 2, /*optional=*/true);
+  Weight w = ld.vector("rope_freqs.weight", hp.n_rot / 2, /*optional=*/true);
+  // Each pair's angle is divided by its factor: a factor of 0, below 0 or not finite gives NaN
+  // or wrong positions.
+  if (const GGUFTensorInfo* t = ld.file.tensor("rope_freqs.weight"))
+    for (int64_t i = 0; i < t->ne[0]; ++i) {
+      float f;
+      std::memcpy(&f, t->data + i * sizeof(float), sizeof f);
+      if (!(f > 0.0f) || !std::isfinite(f))
+        throw GGUFError("tensor 'rope_freqs.weight': expected finite positive factors, found " +
+                        num(f) + " at " + std::to_string(i));
+    }
+  return w;
 }
 
 std::unique_ptr<Model> load_pre_norm_decoder(const GGUFFile& file, Backend& backend,
@@ -331,6 +363,7 @@ std::unique_ptr<Model> load_pre_norm_decoder(const GGUFFile& file, Backend& back
   m->rope_freqs = load_rope_freqs(ld, hp);
   m->output_norm = ld.vector("output_norm.weight", hp.n_embd);
   m->output = load_output(ld, hp, m->tok_embd);
+  ld.check_all_used();
   describe(*m, hp, ld);
   return m;
 }

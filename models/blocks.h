@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,11 +49,16 @@ class ModelLoader {
   std::vector<Weight> split_rows(const std::string& name, int64_t ne0,
                                  const std::vector<int64_t>& parts);
 
+  // Refuses a file with tensors the architecture has not loaded (layers past block_count, a
+  // fused tensor where separate ones were read): the model would run without them.
+  void check_all_used() const;
+
   const GGUFFile& file;
   const std::string arch;
   size_t weight_bytes = 0;  // bytes of every tensor loaded so far
 
  private:
+  mutable std::set<std::string> used_;  // the tensors find() returned
   const GGUFTensorInfo& find(const std::string& name) const;
   void check_type(const GGUFTensorInfo& t) const;
   Weight upload(const GGUFTensorInfo& t, size_t offset, size_t bytes, int64_t ne0, int64_t ne1,

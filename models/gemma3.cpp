@@ -77,6 +77,7 @@ std::unique_ptr<Model> load_gemma3(const GGUFFile& file, Backend& backend) {
   }
   m->output_norm = ld.vector("output_norm.weight", E);
   m->output = load_output(ld, hp, m->tok_embd);
+  ld.check_all_used();
   describe(*m, hp, ld);
   for (int il = 0; il < hp.n_layer; ++il) m->layer_window[size_t(il)] = m->layers[il].opts.window;
   return m;

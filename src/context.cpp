@@ -67,14 +67,23 @@ class CheckBackend final : public Backend {
   }
 };
 
+// The tokenizer's ids are the model's rows: a vocabulary of another size gives ids the model
+// has no row for (an end-of-generation token it never samples), or rows no token reaches.
+void check_vocab(const Tokenizer& tok, const Model& model) {
+  if (tok.n_vocab() != model.n_vocab)
+    throw GGUFError("tokenizer.ggml.tokens has " + std::to_string(tok.n_vocab()) +
+                    " tokens but token_embd.weight has " + std::to_string(model.n_vocab) +
+                    " rows: expected one token a row");
+}
+
 }  // namespace
 
 std::string check_model_file(const std::string& path) {
   try {
     auto file = GGUFFile::open(path);
     CheckBackend backend;
-    load_model(*file, backend);
-    Tokenizer::from_gguf(*file);
+    const auto model = load_model(*file, backend);
+    check_vocab(*Tokenizer::from_gguf(*file), *model);
   } catch (const GGUFError& e) {
     return e.what();
   }
@@ -105,9 +114,10 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   model_ = load_model(*file_, *backend_);
   // The vocabulary is read and checked now: a broken one fails the load, not a later call. A
   // file without one (weights only) loads, and tokenizing with it says why it cannot.
-  if (file_->has("tokenizer.ggml.model"))
+  if (file_->has("tokenizer.ggml.model")) {
     tokenizer_ = Tokenizer::from_gguf(*file_);
-  else
+    check_vocab(*tokenizer_, *model_);
+  } else
     tokenizer_error_ = file_->path() + ": the file has no tokenizer (no 'tokenizer.ggml.model')";
   // Attention reads one head's slice of a row: with Q8_0 each head must be whole blocks.
   const int64_t block = type_traits(kv_type).block_size;

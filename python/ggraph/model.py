@@ -569,9 +569,13 @@ class Model:
         """The file's tokenizer.chat_template, or the architecture's built-in turn format when
         the file has none (BUILTIN_CHAT_TEMPLATES); None when there is neither."""
         md = self._ctx.metadata
-        return md.get("tokenizer.chat_template") or BUILTIN_CHAT_TEMPLATES.get(
-            md.get("general.architecture")
-        )
+        template = md.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(
+                "tokenizer.chat_template: expected a string, found "
+                f"{type(template).__name__} {template!r:.60}"
+            )
+        return template or BUILTIN_CHAT_TEMPLATES.get(md.get("general.architecture"))
 
     @property
     def _tokens(self) -> list[int]:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import ggraph
+from ggraph import _core
 
 
 def _patched(src, dst, old: bytes, new: bytes):
@@ -130,3 +131,114 @@ def test_use_mmap_false_reads_the_file_and_survives_its_truncation(tmp_path, tin
     mapped.reset()
     np.testing.assert_array_equal(read.eval([1, 2, 3]), mapped.eval([1, 2, 3]))
     assert read.tokenize("hello") == mapped.tokenize("hello")
+
+
+def _tiny_llama(path, meta_edit=None, tensor_edit=None):
+    """A tiny F32 llama through ggraph.testing's own layout, its metadata and tensors edited."""
+    import numpy as np
+
+    from ggraph import testing as T
+
+    shape = T.resolve_shape("tiny", weight_type="F32")
+    meta = T.llama_metadata(shape, "tiny", "F32")
+    rng = np.random.default_rng(0)
+    tensors = {
+        n: T.Tensor(n, (0.1 * rng.standard_normal(int(np.prod(s)))).astype(np.float32), t, s)
+        for n, t, s in T.llama_tensor_layout(shape)
+    }
+    if meta_edit:
+        meta_edit(meta)
+    if tensor_edit:
+        tensor_edit(tensors)
+    T.write_gguf(str(path), meta, list(tensors.values()))
+    return str(path)
+
+
+def test_tensors_the_architecture_does_not_read_are_refused(tmp_path):
+    """Layers past block_count, or a tensor of a form the architecture does not read, would be
+    silently left out of the model."""
+    import numpy as np
+
+    from ggraph.testing import Tensor, Typed
+
+    fewer = _tiny_llama(
+        tmp_path / "fewer.gguf",
+        meta_edit=lambda m: m.update({"llama.block_count": Typed("uint32", 1)}),
+    )
+
+    def extra(t):
+        t["blk.0.attn_qkv.weight"] = Tensor(
+            "blk.0.attn_qkv.weight", np.zeros(64 * 128, np.float32), "F32", [64, 128]
+        )
+
+    for path, name in (
+        (fewer, "blk.1."),
+        (_tiny_llama(tmp_path / "x.gguf", tensor_edit=extra), "blk.0.attn_qkv"),
+    ):
+        with pytest.raises(ggraph.GGUFError, match=f"tensor '{name}.*not used"):
+            ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+        assert "not used" in _core.check_model_file(path)
+
+
+def test_a_vocabulary_of_another_size_than_the_embedding_is_refused(tmp_path):
+    from ggraph.testing import Typed
+
+    def fewer(m):
+        del m["llama.vocab_size"]
+        for key, kind in (
+            ("tokenizer.ggml.tokens", "string"),
+            ("tokenizer.ggml.token_type", "int32"),
+        ):
+            m[key] = Typed("array", m[key].value[:300], kind)
+
+    path = _tiny_llama(tmp_path / "v.gguf", meta_edit=fewer)
+    with pytest.raises(ggraph.GGUFError, match="300 tokens but token_embd.weight has 320 rows"):
+        ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+
+
+def test_rope_scaling_reads_as_llama_cpp_reads_it(tmp_path):
+    """A factor without a type is linear, and the older rope.scale_linear key is its factor."""
+    import numpy as np
+
+    from ggraph.testing import Typed
+
+    def logits(name, keys):
+        path = _tiny_llama(tmp_path / f"{name}.gguf", meta_edit=lambda m: m.update(keys))
+        m = ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+        return m.eval(list(range(1, 30)), all_logits=True)
+
+    four = Typed("float32", 4.0)
+    plain = logits("plain", {})
+    linear = logits(
+        "linear", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": four}
+    )
+    assert not np.array_equal(plain, linear)
+    np.testing.assert_array_equal(logits("untyped", {"llama.rope.scaling.factor": four}), linear)
+    np.testing.assert_array_equal(logits("old", {"llama.rope.scale_linear": four}), linear)
+
+
+def test_rope_freqs_must_be_finite_and_positive(tmp_path):
+    import numpy as np
+
+    from ggraph.testing import Tensor
+
+    for values in (np.zeros(8, np.float32), np.full(8, -1.0, np.float32)):
+
+        def freqs(t, values=values):
+            t["rope_freqs.weight"] = Tensor("rope_freqs.weight", values, "F32", [8])
+
+        path = _tiny_llama(tmp_path / "f.gguf", tensor_edit=freqs)
+        with pytest.raises(ggraph.GGUFError, match="rope_freqs.weight.*finite positive"):
+            ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+
+
+def test_a_chat_template_that_is_not_text_is_a_clear_error(tmp_path):
+    from ggraph.testing import Typed
+
+    path = _tiny_llama(
+        tmp_path / "t.gguf",
+        meta_edit=lambda m: m.update({"tokenizer.chat_template": Typed("uint32", 7)}),
+    )
+    m = ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+    with pytest.raises(ValueError, match="chat_template: expected a string"):
+        list(m.chat([{"role": "user", "content": "hi"}], max_tokens=2))
