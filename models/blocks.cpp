@@ -123,6 +123,12 @@ std::vector<Weight> ModelLoader::split_rows(const std::string& name, int64_t ne0
 
 Hparams read_hparams(const ModelLoader& ld) {
   Hparams hp;
+  // Mixture-of-experts files (Mixtral's expert_count) name their feed-forward tensors otherwise:
+  // said so, rather than that a dense tensor is missing.
+  if (ld.has("expert_count") && ld.file.get_int(ld.key("expert_count")) > 0)
+    throw GGUFError("metadata " + ld.key("expert_count") + " " +
+                    std::to_string(ld.file.get_int(ld.key("expert_count"))) +
+                    ": mixture-of-experts models are not supported yet (expected a dense model)");
   hp.n_layer = int(ld.size("block_count"));
   hp.n_embd = int(ld.size("embedding_length"));
   hp.n_ff = int(ld.size("feed_forward_length"));

@@ -36,7 +36,7 @@ def _load(args, n_seq_max: int = 1):
     from ggraph.model import Model
 
     return Model(
-        args.model,
+        _utf8(args.model, "the model path") if args.model else args.model,
         device=args.device,
         n_ctx=args.n_ctx,
         n_threads=args.threads,
@@ -174,10 +174,12 @@ def cmd_info(args):
     from ggraph._core import check_model_file
     from ggraph.model import BUILTIN_CHAT_TEMPLATES, resolve_model
 
-    args.file = resolve_model(args.file)
+    args.file = resolve_model(_utf8(args.file, "the model path"))
     info = read_metadata(args.file)
     md = info["metadata"]
     arch = md.get("general.architecture", "?")
+    if not isinstance(arch, str):  # a malformed file: shown, and check_model_file says why
+        arch = repr(arch)
     counts = Counter(t[1] for t in info["tensors"])
     size = sum(t[3] for t in info["tensors"])
     n_params = 0
@@ -207,8 +209,12 @@ def cmd_info(args):
             print(f"{key + ':':<26}{md[f'{arch}.{key}']}")
     tok = md.get("tokenizer.ggml.model", "none")
     print(f"tokenizer:      {tok} (pre: {md.get('tokenizer.ggml.pre', '-')})")
-    builtin = "built-in" if md.get("general.architecture") in BUILTIN_CHAT_TEMPLATES else "no"
-    print(f"chat template:  {'yes' if md.get('tokenizer.chat_template') else builtin}")
+    builtin = "built-in" if arch in BUILTIN_CHAT_TEMPLATES else "no"
+    template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        print(f"chat template:  no ({type(template).__name__}, not text)")
+    else:
+        print(f"chat template:  {'yes' if template else builtin}")
     reason = check_model_file(args.file)
     print("runs in ggraph: " + ("yes" if not reason else f"no: {reason}"))
     return 0

@@ -242,3 +242,28 @@ def test_a_chat_template_that_is_not_text_is_a_clear_error(tmp_path):
     m = ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
     with pytest.raises(ValueError, match="chat_template: expected a string"):
         list(m.chat([{"role": "user", "content": "hi"}], max_tokens=2))
+
+
+def test_a_mixture_of_experts_file_says_so_and_info_shows_malformed_fields(tmp_path):
+    from ggraph.testing import Typed
+
+    path = _tiny_llama(
+        tmp_path / "moe.gguf",
+        meta_edit=lambda m: m.update({"llama.expert_count": Typed("uint32", 4)}),
+    )
+    with pytest.raises(ggraph.GGUFError, match="mixture-of-experts"):
+        ggraph.Model(path, device="cpu", n_ctx=64, n_threads=1)
+    odd = _tiny_llama(
+        tmp_path / "odd.gguf",
+        meta_edit=lambda m: m.update(
+            {
+                "general.architecture": Typed("array", ["llama", "x"], "string"),
+                "tokenizer.chat_template": Typed("uint32", 7),
+            }
+        ),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "ggraph", "info", odd], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "chat template:  no (int" in r.stdout and "runs in ggraph: no" in r.stdout
