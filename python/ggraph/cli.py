@@ -111,7 +111,8 @@ def cmd_chat(args):
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print(
-        "ggraph chat: type a message; /exit or Ctrl-D to leave, /reset to start over.",
+        "ggraph chat: type a message; /exit or Ctrl-D to leave, /reset to start over, Ctrl-C "
+        "to stop a reply.",
         file=sys.stderr,
     )
     while True:
@@ -142,6 +143,10 @@ def cmd_chat(args):
         except ValueError as e:  # the conversation outgrew the context
             print(f"\n[{e}; /reset to start over]", file=sys.stderr)
             messages.pop()
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat: what came of it stays
+            print("\n[interrupted]", file=sys.stderr)
+            messages.append({"role": "assistant", "content": "".join(reply)})
             continue
         sys.stdout.write("\n")
         if model.stop_reason == "context_full":

@@ -201,3 +201,25 @@ def test_undecodable_text_and_unwritable_output_are_one_line_errors(tiny_model):
             [*cmd, "-n", "4", "hi"], stdout=full, stderr=subprocess.PIPE, timeout=600
         )
     assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_the_chat_goes_on(smollm2):
+    import signal
+    import time
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ggraph", "chat", "--device", "cpu", "-n", "1500"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    p.stdin.write("Write a very long story about a dragon and a knight, in many chapters.\n")
+    p.stdin.flush()
+    first = p.stdout.read(1)  # the reply has begun
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate("What is 2+2?\n/exit\n", timeout=300)
+    assert first and p.returncode == 0, err
+    assert "[interrupted]" in err and "Traceback" not in err
