@@ -636,6 +636,7 @@ class Model:
             **sampling,
         )
         self._epoch += 1
+        self._last_logits = None  # the generation moves the context past the last eval's logits
         return gen, self._epoch
 
     @contextlib.contextmanager

@@ -187,3 +187,12 @@ def test_chain_graphs_of_each_length_serve_again_at_other_positions(tiny_model, 
         got, ctx_got = tokens_of(m, prompt, 8, **settings)
         assert [t for t, _ in got] == [t for t, _ in want]
         assert ctx_got[0] == ctx_want[0]
+
+
+def test_sample_after_a_generation_asks_for_an_eval(tiny_model):
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=128, n_threads=1)
+    m.eval([1, 2, 3])
+    m.sample(temperature=0)
+    list(m.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True))
+    with pytest.raises(ValueError, match="no logits"):
+        m.sample(temperature=0)
