@@ -330,12 +330,12 @@ int32_t ggraph_tokenize(ggraph_model* m, const char* text, size_t len, int add_b
 
 int32_t ggraph_token_to_piece(ggraph_model* m, int32_t token, char* buf, int32_t size) {
   return guarded(m, [&] {
-    const auto& tok = m->ctx->tokenizer();
-    ggraph::check_token_ids(&token, 1, tok.n_vocab(), "ggraph_token_to_piece");
-    const std::string piece = tok.token_to_piece(token);
     if (size < 0)
       throw ggraph::ArgumentError("ggraph_token_to_piece: size must be >= 0, got " +
                                   std::to_string(size));
+    const auto& tok = m->ctx->tokenizer();
+    ggraph::check_token_ids(&token, 1, tok.n_vocab(), "ggraph_token_to_piece");
+    const std::string piece = tok.token_to_piece(token);
     if (buf && int64_t(piece.size()) <= size) std::memcpy(buf, piece.data(), piece.size());
     return int(piece.size());
   });

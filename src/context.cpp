@@ -186,7 +186,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   Graph worst;
   Batch b;
   build(worst, b, n_batch_, n_batch_, 0);
-  plan(worst, backend_->folds_norms());
+  plan_graph(worst);
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
   if (seqs_.size() > 1) {
     // And the largest decode batch a step runs as one graph (a server's batch may carry new
@@ -250,7 +250,7 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
       graph->set_output(graph->sample(graph->output(), config, buffer, j));
     }
     graph->chain = k;
-    plan(*graph, backend_->folds_norms());
+    plan_graph(*graph);
     fit_reserved(*graph);
     c.graph = std::move(graph);  // only once built: a failed build leaves none behind
   }
@@ -300,7 +300,7 @@ void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_
   b.slots = in.slots.data();
   b.n_seqs = static_cast<int>(m);
   model_->build(graph, b, live().kv);
-  plan(graph, backend_->folds_norms());
+  plan_graph(graph);
 }
 
 size_t Context::batch_class(size_t m) const {
@@ -556,7 +556,7 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
       auto graph = std::make_unique<Graph>();
       Batch b;
       build(*graph, b, chunk, n_out, n_past);
-      plan(*graph, backend_->folds_norms());
+      plan_graph(*graph);
       live().step_graph = std::move(graph);
       live().step_tokens = chunk;
       live().step_outputs = n_out;
@@ -651,6 +651,8 @@ void Context::kv_runs(
     }
   }
 }
+
+void Context::plan_graph(Graph& graph) const { plan(graph, backend_->folds_norms()); }
 
 size_t Context::max_state_bytes() const {
   const KvCache& kv = live().kv;
@@ -829,7 +831,7 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
     Graph graph;
     Batch b;
     build(graph, b, n_tok, n_tok, 0, /*embeddings=*/true);
-    plan(graph, backend_->folds_norms());
+    plan_graph(graph);
     std::copy(tokens, tokens + n, live().in_tokens.begin());
     backend_->compute(graph, out.data());
   } catch (...) {

@@ -241,6 +241,8 @@ class Context {
   // Re-evaluates the selected sequence's tokens from position 0 (needs_repair); stopped or
   // failed, it leaves them to be re-evaluated again.
   void repair(const std::function<bool()>& interrupted = nullptr);
+  // Plans a graph's memory, with room for the backend to fold norms where it does.
+  void plan_graph(Graph& graph) const;
   std::unique_ptr<std::atomic<uint64_t>[]> cancels_;  // requests made, per sequence (cancel)
   std::vector<uint64_t> armed_;  // the count each sequence's operation stops past
   // A sampled chain's graph (decode_sampled) and the host inputs its input tensors point at:

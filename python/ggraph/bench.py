@@ -184,8 +184,10 @@ def main_args(args):
         raise ValueError("--cuda-graphs: expected at least one mode")
     if args.n_prompt == 0 and args.n_gen == 0:
         raise ValueError("nothing to measure: -p and -n are both 0")
-    if any(not 0 <= d <= 2**31 - 1 for d in depths):
-        raise ValueError(f"-d: expected depths from 0 to {2**31 - 1}, got {args.n_depth!r}")
+    from ggraph.cli import INT32_MAX
+
+    if any(not 0 <= d <= INT32_MAX for d in depths):
+        raise ValueError(f"-d: expected depths from 0 to {INT32_MAX}, got {args.n_depth!r}")
     rows = run_bench(
         path,
         args.n_prompt,

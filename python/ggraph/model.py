@@ -222,6 +222,7 @@ class _SequenceLock:
         self.base = base
         self._ctx = ctx
         self.seq = seq
+        self._prev = []  # the sequence each nested entry found selected, restored at its exit
 
     def __enter__(self):
         self.base.acquire()
@@ -235,7 +236,6 @@ class _SequenceLock:
         except BaseException:
             self.base.release()
             raise
-        self._prev = getattr(self, "_prev", [])
         self._prev.append(prev)
         return self
 

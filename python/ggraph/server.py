@@ -501,27 +501,23 @@ def _chat_request(body, model):
 # ---- Responses ---------------------------------------------------------------------------------
 
 
-def _token_bytes(model, token: int) -> bytes:
-    return model._ctx.token_to_piece(token)
-
-
-def _token_text(model, token: int) -> str:
+def _piece_text(piece: bytes) -> str:
     """A token's text, or for a token that holds part of a UTF-8 character, its bytes written
     as OpenAI writes them ("bytes:\\xe2\\x80")."""
-    piece = _token_bytes(model, token)
     try:
         return piece.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
+def _token_text(model, token: int) -> str:
+    return _piece_text(model._ctx.token_to_piece(token))
+
+
 def _chat_logprob(model, step):
     def entry(token, logprob):
-        return {
-            "token": _token_text(model, token),
-            "logprob": logprob,
-            "bytes": list(_token_bytes(model, token)),
-        }
+        piece = model._ctx.token_to_piece(token)
+        return {"token": _piece_text(piece), "logprob": logprob, "bytes": list(piece)}
 
     item = entry(step.token, step.logprob)
     item["top_logprobs"] = [entry(t, lp) for t, lp in step.top]
