@@ -90,6 +90,8 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
 
 int32_t Generation::next_chained(float* logprob) {
   if (chain_next_ == chain_tokens_.size()) {
+    if (relaunch_) ctx_.rewind(ctx_.n_past() - 1);
+    relaunch_ = false;
     const int base = ctx_.n_past();
     const int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
     std::vector<int32_t> tokens(static_cast<size_t>(k));
@@ -123,6 +125,31 @@ void Generation::settle_chain(bool stopped, bool evaluate_last) {
     ctx_.eval(&chain_first_, 1, false);
   chain_tokens_.clear();
   chain_next_ = 0;
+}
+
+void Generation::settle() {
+  if (over_ || chain_next_ == 0) return;
+  const int given = static_cast<int>(chain_next_);
+  const int k = static_cast<int>(chain_tokens_.size());
+  if (given < k) {
+    // The last token given stays evaluated and the sample after it stays next; the launch
+    // after that starts from it, with the draws the samples dropped here took.
+    const int dropped = k - given - 1;
+    if (ctx_.n_past() > chain_base_ + given + 1) ctx_.rewind(chain_base_ + given + 1);
+    const SamplingParams& p = sampler_.params();
+    if (!sample_is_greedy(p.temperature, p.top_k))
+      sampler_.set_draws(sampler_.draws() - static_cast<uint64_t>(dropped));
+    chain_tokens_.resize(static_cast<size_t>(given + 1));
+    chain_logprobs_.resize(static_cast<size_t>(given + 1));
+    chain_first_ = chain_tokens_.back();
+  } else if (ctx_.n_past() < ctx_.n_ctx()) {
+    // Every sample given: the last one evaluated, as a step at a time has it.
+    ctx_.eval(&chain_first_, 1, false);
+    relaunch_ = true;
+    chain_tokens_.clear();
+    chain_logprobs_.clear();
+    chain_next_ = 0;
+  }
 }
 
 void Generation::close() {

@@ -99,6 +99,13 @@ class Generation {
   // chain may have evaluated tokens past them). next() then returns false.
   void close();
 
+  // Leaves the context as a step at a time would have it after the tokens given so far, where a
+  // chain evaluated past them, without ending the generation: next() goes on with the tokens it
+  // would have given (the same draws). For a caller that reads or changes the context between
+  // steps (Python's Model, while a loop broken out of keeps its generator); needs the
+  // generation's sequence selected.
+  void settle();
+
   StopReason stop_reason() const { return reason_; }
   int n_generated() const { return n_generated_; }
   // Prompt tokens the cache already held (the prefix it shares with the prompt, kept rather
@@ -142,6 +149,9 @@ class Generation {
   // The context's n_past before the last launch (for the first token, one less than after the
   // prompt: as if a chain of one had evaluated the prompt's last token).
   int chain_base_ = 0;
+  // settle() evaluated the last launch's last sample, which the next launch evaluates again
+  // from its own position.
+  bool relaunch_ = false;
   StopReason reason_ = StopReason::kNone;
   int n_generated_ = 0;
 };

@@ -321,13 +321,14 @@ class Model:
         # it moved since it started stops with an error instead of continuing from foreign state.
         self._lock = _SequenceLock(threading.RLock(), self._ctx, 0)
         self._epoch = 0
+        self._live = None  # (the last generation started, its epoch): see _settle
         self.stop_reason: str | None = None
         self.n_generated = 0  # tokens sampled by the last generate/chat
 
     # -- state -------------------------------------------------------------------------------
     @property
     def n_past(self) -> int:
-        with self._lock:
+        with self._settled():
             return self._ctx.n_past
 
     @property
@@ -402,7 +403,7 @@ class Model:
         resume later with load_state, on a model of the same file with the same kv_type."""
         if path is not None:
             path = os.fspath(path)  # not an int: open() would take it for a descriptor
-        with self._lock:
+        with self._settled():
             state = self._ctx.save_state()
         if path is None:
             return state
@@ -451,6 +452,8 @@ class Model:
         if seq is None:
             raise ValueError("copy_prefix: that session is closed")
         with self._changing():
+            with other._settled():  # its tokens as given, without a chain's look-ahead
+                pass
             self._ctx.copy_prefix(seq, operator.index(n))
             self._last_logits = None
 
@@ -504,6 +507,9 @@ class Model:
             seqs = [who._lock.seq for who, _ in pairs]
             if None in seqs:
                 raise ValueError("this session is closed")
+            for who, _ in pairs:
+                with who._settled():
+                    pass
             logits = self._ctx.decode_batch(seqs, [t for _, t in pairs])
             for i, (who, _) in enumerate(pairs):
                 who._epoch += 1
@@ -547,7 +553,7 @@ class Model:
         penalty_last_n (window over the context's tokens), seed."""
         _check_keys(params)
         _core.validate_sampling(**params)
-        with self._lock:
+        with self._settled():
             if logits is None:
                 if self._last_logits is None:
                     raise ValueError("sample: no logits yet; call eval first or pass logits")
@@ -580,7 +586,7 @@ class Model:
     @property
     def _tokens(self) -> list[int]:
         """The tokens the KV cache holds, in order."""
-        with self._lock:
+        with self._settled():
             return self._ctx.tokens
 
     def generate(
@@ -637,7 +643,27 @@ class Model:
         )
         self._epoch += 1
         self._last_logits = None  # the generation moves the context past the last eval's logits
+        self._live = (gen, self._epoch)
         return gen, self._epoch
+
+    def _settle(self) -> None:
+        """Under the lock: the live generation, if a chain of it evaluated past the tokens it
+        gave (a loop broken out of while its generator lives on), takes those back, so that
+        the context holds what a step at a time would have left. It stays valid and goes on
+        with the same tokens."""
+        if self._live is not None:
+            gen, epoch = self._live
+            if epoch == self._epoch:
+                gen.settle()
+            else:
+                self._live = None  # the context moved on: no longer its
+
+    @contextlib.contextmanager
+    def _settled(self):
+        """Holds the lock for a call that reads the context, settled first (_settle)."""
+        with self._lock:
+            self._settle()
+            yield
 
     @contextlib.contextmanager
     def _changing(self):
@@ -645,6 +671,7 @@ class Model:
         and then invalidates the generators before it. A refused call changes nothing, so it
         invalidates nothing; a call that failed half-way (a device error) still does."""
         with self._lock:
+            self._settle()
             before = self._ctx.n_past
             try:
                 yield
@@ -773,6 +800,7 @@ class Session(Model):
         self._lock = _SequenceLock(base, self._ctx, seq)
         self._last_logits = None
         self._epoch = 0
+        self._live = None
         self.stop_reason = None
         self.n_generated = 0
 

@@ -196,3 +196,52 @@ def test_sample_after_a_generation_asks_for_an_eval(tiny_model):
     list(m.generate([1, 2, 3], max_tokens=3, temperature=0, ignore_eos=True))
     with pytest.raises(ValueError, match="no logits"):
         m.sample(temperature=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stop_after", [1, 3, 8, 9, 12])
+def test_a_held_generator_between_steps_shows_the_context_of_a_step_at_a_time(
+    tiny_model, device, stop_after
+):
+    # A loop broken out of while its generator is still referenced: the chain's look-ahead is
+    # taken back before anything reads or changes the context, and the generator goes on with
+    # the tokens it would have given (the same draws).
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [1, 17, 42, 99, 7]
+    settings = dict(max_tokens=24, logprobs=0, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
+    runs = []
+    for chain in (1, 8):
+        m.reset()
+        gen = m.generate(prompt, chain=chain, **settings)
+        got = [next(gen).token for _ in range(stop_after)]
+        seen = (m.n_past, m._tokens, len(m.save_state()))
+        rest = [t.token for t in gen if t.token >= 0]
+        m.reset()
+        gen = m.generate(prompt, chain=chain, **settings)
+        for _ in range(stop_after):
+            next(gen)
+        after = m.eval([3]).tolist()  # the generator is still referenced
+        runs.append((got, seen, rest, after))
+        del gen
+    (got1, seen1, rest1, after1), (got8, seen8, rest8, after8) = runs
+    assert got8 == got1
+    assert seen8 == seen1
+    assert seen8[:2] == (len(prompt) + stop_after, prompt + got8)
+    assert rest8 == rest1 and len(got8 + rest8) == 24
+    assert after8 == pytest.approx(after1, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device):
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [2, 30, 31]
+    settings = dict(max_tokens=20, logprobs=0, ignore_eos=True, temperature=1.0, seed=11)
+    want = [t.token for t in m.generate(prompt, chain=1, **settings) if t.token >= 0]
+    got = []
+    for t in m.generate(prompt, chain=8, **settings):
+        if t.token >= 0:
+            got.append(t.token)
+            assert m.n_past == len(prompt) + len(got)
+            assert m.n_past == len(prompt) + len(got)  # a second settle changes nothing
+    assert got == want
+    assert m._tokens == prompt + want
