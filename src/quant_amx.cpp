@@ -33,13 +33,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Keeps a product from being fused into the addition that consumes it (quant_x86.h's
-// materialize, for 512-bit registers).
-inline __m512 materialize512(__m512 v) {
-  __asm__("" : "+v"(v));
-  return v;
-}
-
 // Fewer columns than this keep the VNNI register tiles (measured: at four columns the tiles'
 // trips through memory cost what they save).
 constexpr int kMinCols = 6;

@@ -49,6 +49,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#if defined(__AVX512F__)
+// materialize for 512-bit registers.
+inline __m512 materialize512(__m512 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+#endif
+
 // Sum of lanes 1, 3, 5 and 7: (l1 + l5) + (l3 + l7).
 inline float odd_lane_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

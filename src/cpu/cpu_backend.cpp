@@ -272,25 +272,32 @@ class CpuBackend final : public Backend {
       pool_.parallel_for(n_tasks, body);
       return;
     }
-    // Tasks of at most 64 rows, as many a thread: with 64 always, a decode batch's products of
-    // 192 or 576 rows (SmolLM2's k, v, q, o and down) split 3 or 9 ways and left a thread idle a
-    // third or a ninth of the time. (A tile's shape does not change its values.)
-    constexpr int64_t kMaxRows = 64, kCols = 8;
+    // Rows in whole groups of 16 (the AVX512 tiles' row groups; a tile's shape does not change
+    // its values). A decode batch (up to kBatchCols columns): each thread one run of rows in one
+    // call, so that its weights stream in order (the kernels request the lines of the rows after
+    // those they work on). Prompts: tasks of up to 64 rows and every column, in a count the
+    // threads divide where one exists (products of 192 or 576 rows in tasks of 64 left a thread
+    // idle a third or a ninth of the time); a task's rows are read once for all its columns.
+    constexpr int64_t kGroup = 16, kMaxGroups = 4, kBatchCols = 8;
     const int64_t threads = std::max<int64_t>(1, pool_.size());
-    const int64_t n_row_tasks =
-        threads * std::max<int64_t>(1, (n_rows + kMaxRows * threads - 1) / (kMaxRows * threads));
-    const int64_t rows_per_task = ((n_rows + n_row_tasks - 1) / n_row_tasks + 3) / 4 * 4;
-    const int64_t row_tiles = (n_rows + rows_per_task - 1) / rows_per_task;
-    const int64_t col_tiles = (n_cols + kCols - 1) / kCols;
-    // Consecutive tasks share weight rows, so a tile of weights stays in cache across columns.
+    const int64_t groups = (n_rows + kGroup - 1) / kGroup;
+    int64_t per = (groups + threads - 1) / threads;  // groups a task
+    if (n_cols > kBatchCols) {
+      per = std::min<int64_t>(kMaxGroups, per);
+      for (int64_t g = per; g >= 1; --g)
+        if ((groups + g - 1) / g % threads == 0) {
+          per = g;
+          break;
+        }
+    }
+    const int64_t rows_per_task = per * kGroup;
     std::function<void(int)> body = [&](int task) {
-      const int64_t r0 = (task / col_tiles) * rows_per_task, c0 = (task % col_tiles) * kCols;
-      const int nr = int(std::min(rows_per_task, n_rows - r0)),
-                nc = int(std::min(kCols, n_cols - c0));
-      mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, nr, act + c0 * act_row, act_row, nc,
-                   out + c0 * n_rows + r0, size_t(n_rows));
+      const int64_t r0 = task * rows_per_task;
+      const int nr = int(std::min(rows_per_task, n_rows - r0));
+      mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, nr, act, act_row, int(n_cols), out + r0,
+                   size_t(n_rows));
     };
-    pool_.parallel_for(int(row_tiles * col_tiles), body);
+    pool_.parallel_for(int((n_rows + rows_per_task - 1) / rows_per_task), body);
   }
 
   void rope(const Tensor* t) {

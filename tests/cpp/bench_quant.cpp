@@ -236,9 +236,9 @@ double model_pass(const ModelWeights& w, int n_cols, int n_threads, int tile_row
       if (!with_output && m.rows == 49152) continue;
       const Activations& a = m.k == 576 ? a576 : a1536;
       const int64_t r0 = m.rows * tid / n_threads, r1 = m.rows * (tid + 1) / n_threads;
-      if (n_cols == 1 && tile_rows == 0) {
+      if (tile_rows == 0) {
         ggraph::mul_mat_tile(m.type, m.k, m.data.data() + r0 * m.stride, m.stride, int(r1 - r0),
-                             a.data.data(), a.stride, 1, out.data() + r0, m.rows);
+                             a.data.data(), a.stride, n_cols, out.data() + r0, m.rows);
         continue;
       }
       for (int64_t r = r0; r < r1; r += tile_rows) {
@@ -336,11 +336,14 @@ int main(int argc, char** argv) {
   // block's weights from the cache over the column groups: the gap between the two is what the
   // weights' trip from memory costs the tiles.
   for (int threads : {1, 2}) {
-    const double t = model_pass(w, 8, threads, 64, 8, true, rng);
-    std::printf("  decode batch of 8, %d thread(s), tiles 64x8: %6.2f ms/step = %6.1f GFLOP/s\n",
-                threads, t * 1e3, 2.0 * 8 * double(w.params()) / t / 1e9);
+    for (int tile_rows : {0, 64}) {
+      const double t = model_pass(w, 8, threads, tile_rows, 8, true, rng);
+      std::printf("  decode batch of 8, %d thread(s), %s: %6.2f ms/step = %6.1f GFLOP/s\n", threads,
+                  tile_rows ? "calls of 64 rows  " : "each thread's rows", t * 1e3,
+                  2.0 * 8 * double(w.params()) / t / 1e9);
+    }
   }
-  const int prompt_tiles[][2] = {{16, 4}, {64, 4}, {64, 8}};
+  const int prompt_tiles[][2] = {{16, 4}, {64, 4}, {64, 8}, {64, 512}};
   for (const auto& tile : prompt_tiles) {
     const double t = model_pass(w, 512, 2, tile[0], tile[1], false, rng);
     std::printf("  prompt 512, 2 threads, tiles %dx%d, no output matrix: %6.1f tok/s\n", tile[0],
