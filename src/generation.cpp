@@ -142,8 +142,10 @@ void Generation::settle() {
     chain_tokens_.resize(static_cast<size_t>(given + 1));
     chain_logprobs_.resize(static_cast<size_t>(given + 1));
     chain_first_ = chain_tokens_.back();
-  } else if (ctx_.n_past() < ctx_.n_ctx()) {
+  } else {
     // Every sample given: the last one evaluated, as a step at a time has it.
+    if (ctx_.n_past() > chain_base_ + k) ctx_.rewind(chain_base_ + k);
+    if (ctx_.n_past() >= ctx_.n_ctx()) return;
     ctx_.eval(&chain_first_, 1, false);
     relaunch_ = true;
     chain_tokens_.clear();

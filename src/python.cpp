@@ -666,7 +666,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("n_generated", &Generation::n_generated)
       .def_property_readonly("cached_tokens", &Generation::cached_tokens)
       .def("close", &Generation::close)
-      .def("settle", &Generation::settle)
+      .def("settle", &Generation::settle, py::call_guard<py::gil_scoped_release>())
       .def("set_defer", &Generation::set_defer, py::arg("defer"))
       .def("set_prefill_chunk", &Generation::set_prefill_chunk, py::arg("tokens"))
       .def_property_readonly("pending_token", &Generation::pending_token)

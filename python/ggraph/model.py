@@ -628,6 +628,7 @@ class Model:
     def _new_generation(self, ids, max_tokens, stops, logprobs, ignore_eos, sampling, chain=None):
         """A generation of ids on this sequence, and the epoch it runs in: starting one
         invalidates the generators before it. Called under the lock."""
+        self._settle()  # the generation before this one, if it was left between steps
         for text in stops:
             _utf8(text, "generate: a stop string")
         gen = _core.Generation(
@@ -653,10 +654,14 @@ class Model:
         with the same tokens."""
         if self._live is not None:
             gen, epoch = self._live
-            if epoch == self._epoch:
-                gen.settle()
-            else:
+            if epoch != self._epoch:
                 self._live = None  # the context moved on: no longer its
+                return
+            try:
+                gen.settle()
+            except BaseException:
+                self._live = None  # (a failed settle does not block the calls after it)
+                raise
 
     @contextlib.contextmanager
     def _settled(self):

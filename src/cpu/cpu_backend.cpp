@@ -275,13 +275,16 @@ class CpuBackend final : public Backend {
     // Rows in whole groups of 16 (the AVX512 tiles' row groups; a tile's shape does not change
     // its values). A decode batch (up to kBatchCols columns): each thread one run of rows in one
     // call, so that its weights stream in order (the kernels request the lines of the rows after
-    // those they work on). Prompts: tasks of up to 64 rows and every column, in a count the
-    // threads divide where one exists (products of 192 or 576 rows in tasks of 64 left a thread
-    // idle a third or a ninth of the time); a task's rows are read once for all its columns.
+    // those they work on). Prompts: tasks of up to 64 rows, in a count the threads divide where
+    // one exists (products of 192 or 576 rows in tasks of 64 left a thread idle a third or a
+    // ninth of the time), with every column, so that a task's rows are read once for all of
+    // them; where that leaves fewer than two tasks a thread (many threads, few rows), the
+    // columns split too, in runs of kBatchCols, a row task's column runs one after another.
     constexpr int64_t kGroup = 16, kMaxGroups = 4, kBatchCols = 8;
     const int64_t threads = std::max<int64_t>(1, pool_.size());
     const int64_t groups = (n_rows + kGroup - 1) / kGroup;
     int64_t per = (groups + threads - 1) / threads;  // groups a task
+    int64_t cols_per_task = n_cols;
     if (n_cols > kBatchCols) {
       per = std::min<int64_t>(kMaxGroups, per);
       for (int64_t g = per; g >= 1; --g)
@@ -289,15 +292,22 @@ class CpuBackend final : public Backend {
           per = g;
           break;
         }
+      const int64_t row_tasks = (groups + per - 1) / per;
+      if (row_tasks < 2 * threads) {
+        const int64_t splits = (2 * threads + row_tasks - 1) / row_tasks;
+        cols_per_task = (n_cols + splits * kBatchCols - 1) / (splits * kBatchCols) * kBatchCols;
+      }
     }
     const int64_t rows_per_task = per * kGroup;
+    const int64_t col_tasks = (n_cols + cols_per_task - 1) / cols_per_task;
     std::function<void(int)> body = [&](int task) {
-      const int64_t r0 = task * rows_per_task;
+      const int64_t r0 = task / col_tasks * rows_per_task, c0 = task % col_tasks * cols_per_task;
       const int nr = int(std::min(rows_per_task, n_rows - r0));
-      mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, nr, act, act_row, int(n_cols), out + r0,
-                   size_t(n_rows));
+      const int nc = int(std::min(cols_per_task, n_cols - c0));
+      mul_mat_tile(wt, k, wd + r0 * w_stride, w_stride, nr, act + c0 * act_row, act_row, nc,
+                   out + c0 * n_rows + r0, size_t(n_rows));
     };
-    pool_.parallel_for(int((n_rows + rows_per_task - 1) / rows_per_task), body);
+    pool_.parallel_for(int((n_rows + rows_per_task - 1) / rows_per_task * col_tasks), body);
   }
 
   void rope(const Tensor* t) {

@@ -245,3 +245,25 @@ def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device):
             assert m.n_past == len(prompt) + len(got)  # a second settle changes nothing
     assert got == want
     assert m._tokens == prompt + want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_new_generation_settles_the_one_left_between_steps(tiny_model, device):
+    # A generation started (and not stepped) while another is held between steps: the held
+    # one's look-ahead is gone before anything reads the context.
+    m = ggraph.Model(tiny_model, device=device, n_ctx=256)
+    prompt = [1, 17, 42, 99, 7]
+    settings = dict(max_tokens=24, logprobs=0, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
+    seen = []
+    for chain in (1, 8):
+        m.reset()
+        held = m.generate(prompt, chain=chain, **settings)
+        got = [next(held).token for _ in range(3)]
+        m.generate([5, 6], max_tokens=4)  # made, never stepped
+        seen.append((got, m.n_past, m._tokens, m.eval([3]).tolist()))
+        del held
+    (got1, past1, toks1, next1), (got8, past8, toks8, next8) = seen
+    assert got8 == got1
+    assert past8 == past1 == len(prompt) + 3
+    assert toks8 == toks1 == prompt + got1
+    assert next8 == pytest.approx(next1, abs=1e-4)
