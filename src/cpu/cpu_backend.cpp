@@ -310,24 +310,72 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(int((n_rows + rows_per_task - 1) / rows_per_task * col_tasks), body);
   }
 
-  void rope(const Tensor* t) {
-    const float* x = f32(t->src[0]);
+  // A rope's cos and sin of each token's angles ([token][n_dims]), kept for the ropes after it
+  // with the same positions and parameters: a step's q and k of every layer share one (Gemma's
+  // two bases, two).
+  struct RopeTable {
+    std::vector<int32_t> pos;
+    std::vector<float> factors;
+    int n_dims = 0;
+    double base = 0, scale = 0;
+    bool has_factors = false;
+    std::vector<float> cs;
+  };
+
+  const std::vector<float>& rope_table(const Tensor* t) {
+    const int64_t n_tok = t->ne[1];
     const int32_t* pos = i32(t->src[1]);
-    float* y = f32(t);
-    const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
-    const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
+    const int n_dims = t->params[kRopeNDims];
     const double base = t->param_f(kRopeBase), scale = t->param_f(kRopeScale);
     const float* factors = t->src[2] ? f32(t->src[2]) : nullptr;
-    const int64_t width = t->ne[0];
-    parallel(t->ne[1], 4, [&](int64_t b, int64_t e) {
-      std::vector<float> cs(n_dims);
+    auto same = [&](const RopeTable& r) {
+      return r.n_dims == n_dims && r.base == base && r.scale == scale &&
+             r.has_factors == (factors != nullptr) &&
+             (!factors || std::equal(r.factors.begin(), r.factors.end(), factors)) &&
+             r.pos.size() == size_t(n_tok) && std::equal(r.pos.begin(), r.pos.end(), pos);
+    };
+    for (int i = 0; i < 2; ++i) {
+      if (same(rope_tables_[i])) {
+        if (i == 1) std::swap(rope_tables_[0], rope_tables_[1]);  // most recent first
+        return rope_tables_[0].cs;
+      }
+    }
+    std::swap(rope_tables_[0], rope_tables_[1]);
+    RopeTable& r = rope_tables_[0];
+    r.pos.assign(pos, pos + n_tok);
+    r.has_factors = factors != nullptr;
+    if (factors)
+      r.factors.assign(factors, factors + n_dims / 2);
+    else
+      r.factors.clear();
+    r.n_dims = n_dims;
+    r.base = base;
+    r.scale = scale;
+    r.cs.resize(size_t(n_tok) * size_t(n_dims));
+    parallel(n_tok, 4, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
+        float* cs = r.cs.data() + j * n_dims;
         for (int i = 0; i < n_dims / 2; ++i) {
           double theta = pos[j] * scale * std::pow(base, -2.0 * i / n_dims);
           if (factors) theta /= factors[i];
           cs[2 * i] = float(std::cos(theta));
           cs[2 * i + 1] = float(std::sin(theta));
         }
+      }
+    });
+    return r.cs;
+  }
+
+  void rope(const Tensor* t) {
+    const float* x = f32(t->src[0]);
+    float* y = f32(t);
+    const int n_head = t->params[kRopeNHead], head_dim = t->params[kRopeHeadDim];
+    const int n_dims = t->params[kRopeNDims], mode = t->params[kRopeMode];
+    const int64_t width = t->ne[0];
+    const float* table = rope_table(t).data();
+    parallel(t->ne[1], 4, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const float* cs = table + j * n_dims;
         for (int h = 0; h < n_head; ++h) {
           const float* xr = x + j * width + h * head_dim;
           float* yr = y + j * width + h * head_dim;
@@ -625,6 +673,7 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::unique_ptr<Sampler> sampler_;  // Sample ops' buffers
   std::vector<AttnSource> attn_sources_;
+  RopeTable rope_tables_[2];
   std::vector<int> attn_task_start_, attn_token_src_;
   std::vector<size_t> attn_part_start_;
   Buffer scratch_, input_;
