@@ -19,7 +19,8 @@ namespace ggraph {
 
 namespace {
 
-// About 100 microseconds of spinning before a worker sleeps.
+// Spins before a worker sleeps: 20,000 pauses, about 0.1 ms where a pause takes 5 ns and 0.5 ms
+// on Zen 4 (26 ns a pause), which covers the host's work between two decode steps.
 constexpr int kSpinIterations = 20000;
 
 // ctl: the loop's generation (high 32 bits), whether workers may still join it (bit 31) and how
