@@ -1074,12 +1074,12 @@ void glu_mul(const float* g, const float* u, float* y, int64_t n, bool gelu) {
 
 bool has_attention_rows_f16(int hd) { return kernels().attn_rows_f16 != nullptr && hd % 8 == 0; }
 
-void attention_rows_f16(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+void attention_rows_f16(const float* q, int R, int H, int hd, const uint16_t* k, int64_t ks,
                         const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                         float scale, float* scores, float* mx, float* sum, float* acc) {
   if (!has_attention_rows_f16(hd))
     throw std::logic_error("attention_rows_f16: the running kernels have no F16 form");
-  kernels().attn_rows_f16(q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+  kernels().attn_rows_f16(q, R, H, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
 }
 
 size_t act_row_size(DType weight_type, int64_t n) {

@@ -86,8 +86,8 @@ constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64_t ks,
                             const float* v, int64_t vs, int n, const int* b, const int* e,
                             float scale, float* scores, float* mx, float* sum, float* acc);
-// The same over an F16 cache, read in place (element strides).
-using AttnRowsF16Fn = void (*)(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+// The same over an F16 cache, read in place (element strides), for H heads of R rows each.
+using AttnRowsF16Fn = void (*)(const float* q, int R, int H, int hd, const uint16_t* k, int64_t ks,
                                const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                                float scale, float* scores, float* mx, float* sum, float* acc);
 // quant.h's glu_mul.

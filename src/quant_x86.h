@@ -1259,28 +1259,40 @@ inline void attn_values_rows_x86(const float* w, int n, const uint8_t* v, int64_
 // Scores eight keys at a time, one row after another (the eight keys' rows stay in L1): each
 // key's dot product in lanes of 8 over d, then hsum8. The last block repeats its last key where
 // the chunk ends, and keeps only the real ones. K and V rows are L's elements, ks and vs apart.
+// H heads of R rows each (row h R + r; head h's keys and values hd elements into each cache
+// row): each block of eight keys is scored for every head while its rows are in L1, and with
+// several heads the blocks' whole rows, values too, are asked for ahead, so that the cache's rows
+// stream from memory once rather than one head's slice of each at a time.
 template <class L>
-void attn_rows_x86_t(const float* q, int R, int hd, const uint8_t* k, int64_t ks, const uint8_t* v,
-                     int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
-                     float* mx, float* sum, float* acc) {
+void attn_rows_x86_t(const float* q, int R, int H, int hd, const uint8_t* k, int64_t ks,
+                     const uint8_t* v, int64_t vs, int n, const int* b, const int* e, float scale,
+                     float* scores, float* mx, float* sum, float* acc) {
   const __m256 vscale = _mm256_set1_ps(scale);
-  const int64_t krow = ks * int64_t(L::kSize);
+  const int64_t krow = ks * int64_t(L::kSize), vrow = vs * int64_t(L::kSize);
+  const int64_t head = int64_t(hd) * int64_t(L::kSize);  // a head's bytes in a row
+  const int rows = R * H;
   for (int p0 = 0; p0 < n; p0 += 8) {
     const uint8_t* kp[8];
     for (int j = 0; j < 8; ++j) kp[j] = k + std::min(p0 + j, n - 1) * krow;
-    // The next eight keys' rows, a stride apart (a head's part of each), asked for ahead.
+    // The next eight keys' rows, a stride apart (the heads' part of each), asked for ahead.
     if (p0 + 8 < n)
       for (int j = 0; j < 8; ++j) {
-        const char* row = reinterpret_cast<const char*>(k + std::min(p0 + 8 + j, n - 1) * krow);
-        for (int off = 0; off < hd * int(L::kSize); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+        const int64_t at = std::min(p0 + 8 + j, n - 1);
+        const char* row = reinterpret_cast<const char*>(k + at * krow);
+        for (int off = 0; off < H * head; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+        if (H > 1) {
+          const char* vr = reinterpret_cast<const char*>(v + at * vrow);
+          for (int off = 0; off < H * head; off += 64) _mm_prefetch(vr + off, _MM_HINT_T0);
+        }
       }
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const float* qr = q + int64_t(r) * hd;
+      const int64_t hk = (r / R) * head;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
              a7 = a0;
       for (int d = 0; d < hd; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qr + d);
-        const int64_t at = d * int64_t(L::kSize);
+        const int64_t at = hk + d * int64_t(L::kSize);
         a0 = _mm256_fmadd_ps(qv, L::load(kp[0] + at), a0);
         a1 = _mm256_fmadd_ps(qv, L::load(kp[1] + at), a1);
         a2 = _mm256_fmadd_ps(qv, L::load(kp[2] + at), a2);
@@ -1304,37 +1316,41 @@ void attn_rows_x86_t(const float* q, int R, int hd, const uint8_t* k, int64_t ks
   // Softmax per row; weights outside the row's keys become 0, so rows of different ranges can
   // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a, for the finite
   // values a cache holds).
-  for (int r = 0; r < R; ++r) softmax_row(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
-  for (int r0 = 0; r0 < R; r0 += 3) {
-    const int nr = std::min(3, R - r0);
-    int pb = n, pe = 0;
-    for (int r = r0; r < r0 + nr; ++r)
-      if (e[r] > b[r]) pb = std::min(pb, b[r]), pe = std::max(pe, e[r]);
-    const float* w = scores + int64_t(r0) * n;
-    float* a = acc + int64_t(r0) * hd;
-    if (nr == 3)
-      attn_values_rows_x86<L, 3>(w, n, v, vs, pb, pe, a, hd);
-    else if (nr == 2)
-      attn_values_rows_x86<L, 2>(w, n, v, vs, pb, pe, a, hd);
-    else
-      attn_values_rows_x86<L, 1>(w, n, v, vs, pb, pe, a, hd);
+  for (int r = 0; r < rows; ++r)
+    softmax_row(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
+  for (int h = 0; h < H; ++h) {
+    const uint8_t* vh = v + h * head;
+    for (int r0 = h * R; r0 < (h + 1) * R; r0 += 3) {
+      const int nr = std::min(3, (h + 1) * R - r0);
+      int pb = n, pe = 0;
+      for (int r = r0; r < r0 + nr; ++r)
+        if (e[r] > b[r]) pb = std::min(pb, b[r]), pe = std::max(pe, e[r]);
+      const float* w = scores + int64_t(r0) * n;
+      float* a = acc + int64_t(r0) * hd;
+      if (nr == 3)
+        attn_values_rows_x86<L, 3>(w, n, vh, vs, pb, pe, a, hd);
+      else if (nr == 2)
+        attn_values_rows_x86<L, 2>(w, n, vh, vs, pb, pe, a, hd);
+      else
+        attn_values_rows_x86<L, 1>(w, n, vh, vs, pb, pe, a, hd);
+    }
   }
 }
 
 void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
                    int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                    float* mx, float* sum, float* acc) {
-  attn_rows_x86_t<LoadF32>(q, R, hd, reinterpret_cast<const uint8_t*>(k), ks,
+  attn_rows_x86_t<LoadF32>(q, R, 1, hd, reinterpret_cast<const uint8_t*>(k), ks,
                            reinterpret_cast<const uint8_t*>(v), vs, n, b, e, scale, scores, mx, sum,
                            acc);
 }
 
 // The same over an F16 cache read in place: each element converted exactly as it loads, so the
 // bits are those of attn_rows_x86 over the rows decoded to floats.
-void attn_rows_f16_x86(const float* q, int R, int hd, const uint16_t* k, int64_t ks,
+void attn_rows_f16_x86(const float* q, int R, int H, int hd, const uint16_t* k, int64_t ks,
                        const uint16_t* v, int64_t vs, int n, const int* b, const int* e,
                        float scale, float* scores, float* mx, float* sum, float* acc) {
-  attn_rows_x86_t<LoadF16>(q, R, hd, reinterpret_cast<const uint8_t*>(k), ks,
+  attn_rows_x86_t<LoadF16>(q, R, H, hd, reinterpret_cast<const uint8_t*>(k), ks,
                            reinterpret_cast<const uint8_t*>(v), vs, n, b, e, scale, scores, mx, sum,
                            acc);
 }

@@ -480,10 +480,17 @@ class CpuBackend final : public Backend {
     attn_token_src_.resize(size_t(n_tok));
     attn_task_start_[0] = 0;
     attn_part_start_[0] = 0;
+    // Over an F16 cache read in place, a task takes every KV head where that still leaves four
+    // tasks a thread (a decode batch's sequences): the rows of its keys then come from memory once
+    // for all the heads, not one head's slice of each at a time.
+    int64_t merged = 0;
+    for (int i = 0; i < n_src; ++i) merged += int64_t(srcs[i].n_blocks()) * srcs[i].n_chunks();
+    const int heads_a_task = f16_in_place && merged >= 4 * int64_t(pool_.size()) ? n_head_kv : 1;
+    const int head_tasks = n_head_kv / heads_a_task;
     for (int i = 0; i < n_src; ++i) {
       const AttnSource& s = srcs[i];
       attn_task_start_[size_t(i) + 1] =
-          attn_task_start_[size_t(i)] + s.n_blocks() * n_head_kv * s.n_chunks();
+          attn_task_start_[size_t(i)] + s.n_blocks() * head_tasks * s.n_chunks();
       attn_part_start_[size_t(i) + 1] =
           attn_part_start_[size_t(i)] +
           (s.n_chunks() > 1 ? size_t(s.n_tok) * n_head * s.n_chunks() * part : 0);
@@ -517,47 +524,52 @@ class CpuBackend final : public Backend {
         std::copy(a, a + hd, pp + 2);
       }
     };
-    // Tokens [j0, j1) of source s against keys [lo, hi) of chunk c of KV head hk (rows kb and
-    // vb, ks and vs floats apart): one call for all the tokens' query heads. A row's sums run in
-    // the same order whichever tokens share its task, so a prompt and the same tokens one at a
-    // time give the same bits.
+    // Tokens [j0, j1) of source s against keys [lo, hi) of chunk c of KV heads [hk, hk + nh)
+    // (rows kb and vb, ks and vs floats apart, at the first head's part): one call for all the
+    // tokens' query heads. A row's sums run in the same order whichever tokens and heads share
+    // its task, so a prompt and the same tokens one at a time give the same bits.
     // kh and vh (not null): the rows are an F16 cache's, read in place (ks and vs elements
-    // apart); else kb and vb's floats.
-    auto token_rows = [&](const AttnSource& s, int j0, int j1, int hk, int c, int lo, int hi,
-                          const float* kb, int64_t ks, const float* vb, int64_t vs,
+    // apart; several heads only so); else kb and vb's floats.
+    auto token_rows = [&](const AttnSource& s, int j0, int j1, int hk, int nh, int c, int lo,
+                          int hi, const float* kb, int64_t ks, const float* vb, int64_t vs,
                           const uint16_t* kh, const uint16_t* vh) {
       thread_local std::vector<float> qs, sc, ac, m, sm;
       thread_local std::vector<int> bs, es;
       const int n = std::max(0, hi - lo);
-      const int R = (j1 - j0) * group;
-      qs.resize(size_t(R) * hd);
-      bs.resize(R);
-      es.resize(R);
+      const int R = (j1 - j0) * group;  // rows a head
+      qs.resize(size_t(R) * nh * hd);
+      bs.resize(size_t(R) * nh);
+      es.resize(size_t(R) * nh);
       for (int j = j0; j < j1; ++j) {
         int start, len;
         keys(s, j, &start, &len);
         const int b = std::max(start, c * kAttnChunk) - lo;
         const int e = std::max(b, std::min(len, (c + 1) * kAttnChunk) - lo);
-        const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk) * group * hd;
-        std::copy(qr, qr + size_t(group) * hd, qs.begin() + size_t(j - j0) * group * hd);
-        for (int g = 0; g < group; ++g) bs[(j - j0) * group + g] = b, es[(j - j0) * group + g] = e;
+        for (int h = 0; h < nh; ++h) {
+          const float* qr = qd + int64_t(j) * q->ne[0] + int64_t(hk + h) * group * hd;
+          const size_t row = size_t(h) * R + size_t(j - j0) * group;
+          std::copy(qr, qr + size_t(group) * hd, qs.begin() + row * hd);
+          for (int g = 0; g < group; ++g) bs[row + g] = b, es[row + g] = e;
+        }
       }
       // The kernel sets every row's max, sum and values, rows without keys (n = 0) included.
-      sc.resize(size_t(R) * std::max(n, 1));
-      ac.resize(size_t(R) * hd);
-      m.resize(R);
-      sm.resize(R);
+      const int rows = R * nh;
+      sc.resize(size_t(rows) * std::max(n, 1));
+      ac.resize(size_t(rows) * hd);
+      m.resize(rows);
+      sm.resize(rows);
       if (kh != nullptr)
-        attention_rows_f16(qs.data(), R, hd, kh, ks, vh, vs, n, bs.data(), es.data(), scale,
+        attention_rows_f16(qs.data(), R, nh, hd, kh, ks, vh, vs, n, bs.data(), es.data(), scale,
                            sc.data(), m.data(), sm.data(), ac.data());
       else
         attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
                        m.data(), sm.data(), ac.data());
-      for (int j = j0; j < j1; ++j)
-        for (int g = 0; g < group; ++g) {
-          const int r = (j - j0) * group + g;
-          emit(s, j, hk * group + g, c, m[r], sm[r], ac.data() + size_t(r) * hd);
-        }
+      for (int h = 0; h < nh; ++h)
+        for (int j = j0; j < j1; ++j)
+          for (int g = 0; g < group; ++g) {
+            const int r = h * R + (j - j0) * group + g;
+            emit(s, j, (hk + h) * group + g, c, m[r], sm[r], ac.data() + size_t(r) * hd);
+          }
     };
     std::function<void(int)> body = [&](int task) {
       const int i = int(std::upper_bound(attn_task_start_.begin(), attn_task_start_.end(), task) -
@@ -566,8 +578,8 @@ class CpuBackend final : public Backend {
       const AttnSource& s = srcs[i];
       const int local = task - attn_task_start_[size_t(i)], n_chunks = s.n_chunks();
       const int c = local % n_chunks;
-      const int hk = local / n_chunks % n_head_kv;
-      const int j0 = s.j0 + local / n_chunks / n_head_kv * kAttnTokens;
+      const int hk0 = local / n_chunks % head_tasks * heads_a_task;
+      const int j0 = s.j0 + local / n_chunks / head_tasks * kAttnTokens;
       const int j1 = std::min(s.j0 + s.n_tok, j0 + kAttnTokens);
       // The keys any of the tokens reads in this chunk: from the first token's start (starts
       // and ends grow with the position) to the last token's end.
@@ -575,49 +587,60 @@ class CpuBackend final : public Backend {
       keys(s, j0, &start0, &len0);
       keys(s, j1 - 1, &start1, &len1);
       const int lo = std::max(start0, c * kAttnChunk), hi = std::min(len1, (c + 1) * kAttnChunk);
-      thread_local std::vector<float> kbuf, vbuf;
-      const float* kb = nullptr;
-      const float* vb = nullptr;
-      const uint16_t* kh = nullptr;
-      const uint16_t* vh = nullptr;
-      int64_t ks = 0, vs = 0;
-      if (hi > lo) {
-        // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
-        // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks). Positions
-        // that wrap around a ring cache's end are gathered like decoded rows.
-        const int n = hi - lo;
-        const size_t at = row_size(kc->type, int64_t(hk) * hd);
-        const int64_t rows = s.rows;
-        kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
-        vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
-        // (K and V are of one type and width: Graph::attention_node.)
-        ks = vs = int64_t(row_bytes / 4);
-        const bool in_place = kv_row(lo, rows) + n <= rows;
-        if (f16_in_place && in_place) {
-          kh = reinterpret_cast<const uint16_t*>(kb);
-          vh = reinterpret_cast<const uint16_t*>(vb);
-          ks = vs = int64_t(row_bytes / 2);
-        } else if (!f32_cache || !in_place) {
-          kbuf.resize(size_t(n) * hd);
-          vbuf.resize(size_t(n) * hd);
-          const size_t head_bytes = row_size(kc->type, hd);
-          const RowDecoder decode = row_decoder(kc->type);
-          const int64_t head_blocks = hd / type_traits(kc->type).block_size;
-          for (int p = lo; p < hi; ++p) {
-            const size_t r = size_t(kv_row(p, rows)), ahead = size_t(kv_row(p + 8, rows));
-            // Each head's slice is a cache row apart from the next: fetched ahead by hand.
-            if (p + 8 < hi)
-              for (size_t b = 0; b < head_bytes; b += 64) {
-                __builtin_prefetch(s.k + ahead * row_bytes + at + b);
-                __builtin_prefetch(s.v + ahead * row_bytes + at + b);
-              }
-            decode(s.k + r * row_bytes + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
-            decode(s.v + r * row_bytes + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
-          }
-          kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
-        }
+      if (heads_a_task > 1 && hi > lo && kv_row(lo, s.rows) + (hi - lo) <= s.rows) {
+        // Every head at once, over the F16 rows in place.
+        const size_t first =
+            size_t(kv_row(lo, s.rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
+        token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
+                   nullptr, int64_t(row_bytes / 2), reinterpret_cast<const uint16_t*>(s.k + first),
+                   reinterpret_cast<const uint16_t*>(s.v + first));
+        return;
       }
-      token_rows(s, j0, j1, hk, c, lo, hi, kb, ks, vb, vs, kh, vh);
+      for (int hk = hk0; hk < hk0 + heads_a_task; ++hk) {
+        thread_local std::vector<float> kbuf, vbuf;
+        const float* kb = nullptr;
+        const float* vb = nullptr;
+        const uint16_t* kh = nullptr;
+        const uint16_t* vh = nullptr;
+        int64_t ks = 0, vs = 0;
+        if (hi > lo) {
+          // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
+          // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks). Positions
+          // that wrap around a ring cache's end are gathered like decoded rows.
+          const int n = hi - lo;
+          const size_t at = row_size(kc->type, int64_t(hk) * hd);
+          const int64_t rows = s.rows;
+          kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
+          vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
+          // (K and V are of one type and width: Graph::attention_node.)
+          ks = vs = int64_t(row_bytes / 4);
+          const bool in_place = kv_row(lo, rows) + n <= rows;
+          if (f16_in_place && in_place) {
+            kh = reinterpret_cast<const uint16_t*>(kb);
+            vh = reinterpret_cast<const uint16_t*>(vb);
+            ks = vs = int64_t(row_bytes / 2);
+          } else if (!f32_cache || !in_place) {
+            kbuf.resize(size_t(n) * hd);
+            vbuf.resize(size_t(n) * hd);
+            const size_t head_bytes = row_size(kc->type, hd);
+            const RowDecoder decode = row_decoder(kc->type);
+            const int64_t head_blocks = hd / type_traits(kc->type).block_size;
+            for (int p = lo; p < hi; ++p) {
+              const size_t r = size_t(kv_row(p, rows)), ahead = size_t(kv_row(p + 8, rows));
+              // Each head's slice is a cache row apart from the next: fetched ahead by hand.
+              if (p + 8 < hi)
+                for (size_t b = 0; b < head_bytes; b += 64) {
+                  __builtin_prefetch(s.k + ahead * row_bytes + at + b);
+                  __builtin_prefetch(s.v + ahead * row_bytes + at + b);
+                }
+              decode(s.k + r * row_bytes + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
+              decode(s.v + r * row_bytes + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
+            }
+            kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
+          }
+        }
+        token_rows(s, j0, j1, hk, 1, c, lo, hi, kb, ks, vb, vs, kh, vh);
+      }
     };
     pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
     if (attn_part_start_[size_t(n_src)] == 0) return;  // no source has several chunks

@@ -881,7 +881,7 @@ TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
       const float scale = 1.0f / std::sqrt(float(hd));
       const AttnOut want = run_attention_rows(c, scale);
       AttnOut got = want;
-      attention_rows_f16(c.q.data(), c.R, hd, kh.data(), c.ks, vh.data(), c.vs, n, c.b.data(),
+      attention_rows_f16(c.q.data(), c.R, 1, hd, kh.data(), c.ks, vh.data(), c.vs, n, c.b.data(),
                          c.e.data(), scale, got.scores.data(), got.mx.data(), got.sum.data(),
                          got.acc.data());
       for (int r = 0; r < c.R; ++r) {
@@ -895,6 +895,55 @@ TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
               << where << " dimension " << d;
       }
       ++checked;
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
+}
+
+// Several heads in one call (each row attending to its head's slice of the cache rows) give the
+// bits of one call a head.
+TEST_P(AttentionRows, F16HeadsInOneCallGiveTheBitsOfOneCallAHead) {
+  std::mt19937 rng(47);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int checked = 0;
+  for (int hd : {64, 128}) {
+    if (!has_attention_rows_f16(hd)) continue;
+    for (int H : {2, 3, 8}) {
+      for (int R : {1, 3, 4}) {
+        for (int n : {1, 9, 203}) {
+          const int64_t ks = int64_t(H) * hd + 8;  // rows a little wider than the heads
+          std::vector<uint16_t> k(size_t(n) * ks), v(size_t(n) * ks);
+          for (auto& x : k) x = f32_to_f16(normal(rng));
+          for (auto& x : v) x = f32_to_f16(normal(rng));
+          const int rows = H * R;
+          std::vector<float> q(size_t(rows) * hd);
+          for (auto& x : q) x = normal(rng);
+          std::vector<int> b(rows), e(rows);
+          for (int r = 0; r < rows; ++r) {
+            b[r] = int(rng() % unsigned(n));
+            e[r] = b[r] + 1 + int(rng() % unsigned(n - b[r]));
+          }
+          const float scale = 1.0f / std::sqrt(float(hd));
+          std::vector<float> sc(size_t(rows) * n), mx(rows), sum(rows), acc(size_t(rows) * hd);
+          attention_rows_f16(q.data(), R, H, hd, k.data(), ks, v.data(), ks, n, b.data(), e.data(),
+                             scale, sc.data(), mx.data(), sum.data(), acc.data());
+          for (int h = 0; h < H; ++h) {
+            std::vector<float> sc1(size_t(R) * n), mx1(R), sum1(R), acc1(size_t(R) * hd);
+            attention_rows_f16(q.data() + size_t(h) * R * hd, R, 1, hd, k.data() + h * hd, ks,
+                               v.data() + h * hd, ks, n, b.data() + h * R, e.data() + h * R, scale,
+                               sc1.data(), mx1.data(), sum1.data(), acc1.data());
+            const std::string where = "hd " + std::to_string(hd) + " H " + std::to_string(H) +
+                                      " R " + std::to_string(R) + " n " + std::to_string(n) +
+                                      " head " + std::to_string(h);
+            ASSERT_EQ(0, std::memcmp(mx1.data(), mx.data() + h * R, R * sizeof(float))) << where;
+            ASSERT_EQ(0, std::memcmp(sum1.data(), sum.data() + h * R, R * sizeof(float))) << where;
+            ASSERT_EQ(0, std::memcmp(acc1.data(), acc.data() + size_t(h) * R * hd,
+                                     acc1.size() * sizeof(float)))
+                << where;
+          }
+          ++checked;
+        }
+      }
     }
   }
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";

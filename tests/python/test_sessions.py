@@ -660,3 +660,19 @@ def test_a_signal_handler_reading_the_model_leaves_a_sessions_eval_its_own(smoll
     assert reads  # the handler ran during the eval
     assert (s.n_past, m.n_past) == (200, 0)
     np.testing.assert_array_equal(out, ref)
+
+
+def test_decode_batch_over_f16_caches_gives_each_sequences_own_bits(tiny_model):
+    """A CPU decode batch of eight over F16 caches on two threads takes every KV head of a
+    sequence in one attention task (its cache rows read once); each sequence's logits are the
+    bits of its own step, one head a task."""
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=96, n_threads=2, n_seq_max=8, kv_type="f16")
+    seqs = [m] + [m.session() for _ in range(7)]
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(5 + 9 * i)] for i in range(8)]
+    for who, p in zip(seqs, prompts):
+        who.eval(p)
+    batch = m.decode_batch([(who, 11) for who in seqs])
+    for row, p in enumerate(prompts):
+        ref = ggraph.Model(tiny_model, device="cpu", n_ctx=96, n_threads=1, kv_type="f16")
+        ref.eval(p)
+        np.testing.assert_array_equal(batch[row], ref.eval([11]))
