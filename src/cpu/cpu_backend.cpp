@@ -403,7 +403,8 @@ class CpuBackend final : public Backend {
                    n);
   }
 
-  // A task is up to kAttnTokens tokens, one KV head and one chunk of kAttnChunk keys: the query
+  // A task is up to kAttnTokens tokens, one KV head (over an F16 cache read in place, every KV
+  // head where that leaves enough tasks: attend) and one chunk of kAttnChunk keys: the query
   // heads that share the KV head (GQA) read each key and value row once together, a chunk of an
   // F16 or Q8_0 cache is decoded once for all the task's tokens (a prompt at depth reads it
   // kAttnTokens times less), and a decode step at depth spreads over the threads by chunks.
