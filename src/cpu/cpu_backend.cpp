@@ -342,13 +342,13 @@ class CpuBackend final : public Backend {
     }
     std::swap(rope_tables_[0], rope_tables_[1]);
     RopeTable& r = rope_tables_[0];
+    r.n_dims = 0;  // matches nothing until the table is whole (an exception leaves it so)
     r.pos.assign(pos, pos + n_tok);
     r.has_factors = factors != nullptr;
     if (factors)
       r.factors.assign(factors, factors + n_dims / 2);
     else
       r.factors.clear();
-    r.n_dims = n_dims;
     r.base = base;
     r.scale = scale;
     r.cs.resize(size_t(n_tok) * size_t(n_dims));
@@ -363,6 +363,7 @@ class CpuBackend final : public Backend {
         }
       }
     });
+    r.n_dims = n_dims;
     return r.cs;
   }
 
@@ -413,6 +414,7 @@ class CpuBackend final : public Backend {
   // count, so the result is the same bits whatever the threads.
   static constexpr int kAttnChunk = 256;
   static constexpr int kAttnTokens = 16;
+  static constexpr int kAttnMergeTokens = 4;
 
   // Keys for a run of query tokens: a cache's K and V rows (`rows` of them, position p in row
   // kv_row(p, rows)), the attention length, the first query's position, and the run's tokens
@@ -481,17 +483,21 @@ class CpuBackend final : public Backend {
     attn_token_src_.resize(size_t(n_tok));
     attn_task_start_[0] = 0;
     attn_part_start_[0] = 0;
-    // Over an F16 cache read in place, a task takes every KV head where that still leaves four
-    // tasks a thread (a decode batch's sequences): the rows of its keys then come from memory once
-    // for all the heads, not one head's slice of each at a time.
+    // Over an F16 cache read in place, a decoding token's task (a source of at most
+    // kAttnMergeTokens tokens) takes every KV head where that still leaves four tasks a thread (a
+    // decode batch's sequences, one sequence's chunks at depth): the rows of its keys then come
+    // from memory once for all the heads, not one head's slice of each at a time. (A prompt's
+    // blocks keep a head a task: their scores for every head would outgrow the caches.)
     int64_t merged = 0;
     for (int i = 0; i < n_src; ++i) merged += int64_t(srcs[i].n_blocks()) * srcs[i].n_chunks();
-    const int heads_a_task = f16_in_place && merged >= 4 * int64_t(pool_.size()) ? n_head_kv : 1;
-    const int head_tasks = n_head_kv / heads_a_task;
+    const bool merge_heads = f16_in_place && merged >= 4 * int64_t(pool_.size());
+    attn_heads_.resize(size_t(n_src));
     for (int i = 0; i < n_src; ++i) {
       const AttnSource& s = srcs[i];
+      attn_heads_[size_t(i)] = merge_heads && s.n_tok <= kAttnMergeTokens ? n_head_kv : 1;
       attn_task_start_[size_t(i) + 1] =
-          attn_task_start_[size_t(i)] + s.n_blocks() * head_tasks * s.n_chunks();
+          attn_task_start_[size_t(i)] +
+          s.n_blocks() * (n_head_kv / attn_heads_[size_t(i)]) * s.n_chunks();
       attn_part_start_[size_t(i) + 1] =
           attn_part_start_[size_t(i)] +
           (s.n_chunks() > 1 ? size_t(s.n_tok) * n_head * s.n_chunks() * part : 0);
@@ -579,6 +585,7 @@ class CpuBackend final : public Backend {
       const AttnSource& s = srcs[i];
       const int local = task - attn_task_start_[size_t(i)], n_chunks = s.n_chunks();
       const int c = local % n_chunks;
+      const int heads_a_task = attn_heads_[size_t(i)], head_tasks = n_head_kv / heads_a_task;
       const int hk0 = local / n_chunks % head_tasks * heads_a_task;
       const int j0 = s.j0 + local / n_chunks / head_tasks * kAttnTokens;
       const int j1 = std::min(s.j0 + s.n_tok, j0 + kAttnTokens);
@@ -698,7 +705,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<Sampler> sampler_;  // Sample ops' buffers
   std::vector<AttnSource> attn_sources_;
   RopeTable rope_tables_[2];
-  std::vector<int> attn_task_start_, attn_token_src_;
+  std::vector<int> attn_task_start_, attn_token_src_, attn_heads_;
   std::vector<size_t> attn_part_start_;
   Buffer scratch_, input_;
   size_t scratch_size_ = 0, input_size_ = 0;
