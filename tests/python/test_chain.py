@@ -198,6 +198,17 @@ def test_sample_after_a_generation_asks_for_an_eval(tiny_model):
         m.sample(temperature=0)
 
 
+HELD_PROMPT = [1, 17, 42, 99, 7]
+HELD_SETTINGS = dict(max_tokens=24, logprobs=0, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
+
+
+def held(model, chain, n):
+    """A generation of HELD_PROMPT from an empty context, left after n tokens: (it, tokens)."""
+    model.reset()
+    gen = model.generate(HELD_PROMPT, chain=chain, **HELD_SETTINGS)
+    return gen, [next(gen).token for _ in range(n)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stop_after", [1, 3, 8, 9, 12])
 def test_a_held_generator_between_steps_shows_the_context_of_a_step_at_a_time(
@@ -207,26 +218,19 @@ def test_a_held_generator_between_steps_shows_the_context_of_a_step_at_a_time(
     # taken back before anything reads or changes the context, and the generator goes on with
     # the tokens it would have given (the same draws).
     m = ggraph.Model(tiny_model, device=device, n_ctx=256)
-    prompt = [1, 17, 42, 99, 7]
-    settings = dict(max_tokens=24, logprobs=0, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
     runs = []
     for chain in (1, 8):
-        m.reset()
-        gen = m.generate(prompt, chain=chain, **settings)
-        got = [next(gen).token for _ in range(stop_after)]
+        gen, got = held(m, chain, stop_after)
         seen = (m.n_past, m._tokens, len(m.save_state()))
         rest = [t.token for t in gen if t.token >= 0]
-        m.reset()
-        gen = m.generate(prompt, chain=chain, **settings)
-        for _ in range(stop_after):
-            next(gen)
+        gen, _ = held(m, chain, stop_after)
         after = m.eval([3]).tolist()  # the generator is still referenced
         runs.append((got, seen, rest, after))
         del gen
     (got1, seen1, rest1, after1), (got8, seen8, rest8, after8) = runs
     assert got8 == got1
     assert seen8 == seen1
-    assert seen8[:2] == (len(prompt) + stop_after, prompt + got8)
+    assert seen8[:2] == (len(HELD_PROMPT) + stop_after, HELD_PROMPT + got8)
     assert rest8 == rest1 and len(got8 + rest8) == 24
     assert after8 == pytest.approx(after1, abs=1e-4)
 
@@ -252,18 +256,14 @@ def test_a_new_generation_settles_the_one_left_between_steps(tiny_model, device)
     # A generation started (and not stepped) while another is held between steps: the held
     # one's look-ahead is gone before anything reads the context.
     m = ggraph.Model(tiny_model, device=device, n_ctx=256)
-    prompt = [1, 17, 42, 99, 7]
-    settings = dict(max_tokens=24, logprobs=0, ignore_eos=True, temperature=0.8, top_k=40, seed=3)
     seen = []
     for chain in (1, 8):
-        m.reset()
-        held = m.generate(prompt, chain=chain, **settings)
-        got = [next(held).token for _ in range(3)]
+        gen, got = held(m, chain, 3)
         m.generate([5, 6], max_tokens=4)  # made, never stepped
         seen.append((got, m.n_past, m._tokens, m.eval([3]).tolist()))
-        del held
+        del gen
     (got1, past1, toks1, next1), (got8, past8, toks8, next8) = seen
     assert got8 == got1
-    assert past8 == past1 == len(prompt) + 3
-    assert toks8 == toks1 == prompt + got1
+    assert past8 == past1 == len(HELD_PROMPT) + 3
+    assert toks8 == toks1 == HELD_PROMPT + got1
     assert next8 == pytest.approx(next1, abs=1e-4)
