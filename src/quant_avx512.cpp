@@ -90,8 +90,8 @@ struct GroupTile {
     }
     thread_local std::vector<Block> blocks;
     blocks.resize(size_t(nb));
-    alignas(64) int32_t offs[16], inv[16];
-    for (int e = 0; e < 16; ++e) {
+    alignas(64) int32_t offs[kGroupRows], inv[kGroupRows];
+    for (int e = 0; e < kGroupRows; ++e) {
       offs[e] = static_cast<int32_t>(group_lane_row(e) * w_stride);
       inv[group_lane_row(e)] = e;
     }

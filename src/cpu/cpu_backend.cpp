@@ -595,10 +595,13 @@ class CpuBackend final : public Backend {
       keys(s, j0, &start0, &len0);
       keys(s, j1 - 1, &start1, &len1);
       const int lo = std::max(start0, c * kAttnChunk), hi = std::min(len1, (c + 1) * kAttnChunk);
-      if (heads_a_task > 1 && hi > lo && kv_row(lo, s.rows) + (hi - lo) <= s.rows) {
-        // Every head at once, over the F16 rows in place.
+      // (K and V are of one type and width: Graph::attention_node.)
+      const int64_t rows = s.rows;
+      const bool in_place = kv_row(lo, rows) + (hi - lo) <= rows;
+      if (f16_in_place && in_place && hi > lo) {
+        // An F16 cache read in place: the task's heads in one call.
         const size_t first =
-            size_t(kv_row(lo, s.rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
+            size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
         token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
                    nullptr, int64_t(row_bytes / 2), reinterpret_cast<const uint16_t*>(s.k + first),
                    reinterpret_cast<const uint16_t*>(s.v + first));
@@ -608,8 +611,6 @@ class CpuBackend final : public Backend {
         thread_local std::vector<float> kbuf, vbuf;
         const float* kb = nullptr;
         const float* vb = nullptr;
-        const uint16_t* kh = nullptr;
-        const uint16_t* vh = nullptr;
         int64_t ks = 0, vs = 0;
         if (hi > lo) {
           // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
@@ -617,17 +618,10 @@ class CpuBackend final : public Backend {
           // that wrap around a ring cache's end are gathered like decoded rows.
           const int n = hi - lo;
           const size_t at = row_size(kc->type, int64_t(hk) * hd);
-          const int64_t rows = s.rows;
           kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
           vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
-          // (K and V are of one type and width: Graph::attention_node.)
           ks = vs = int64_t(row_bytes / 4);
-          const bool in_place = kv_row(lo, rows) + n <= rows;
-          if (f16_in_place && in_place) {
-            kh = reinterpret_cast<const uint16_t*>(kb);
-            vh = reinterpret_cast<const uint16_t*>(vb);
-            ks = vs = int64_t(row_bytes / 2);
-          } else if (!f32_cache || !in_place) {
+          if (!f32_cache || !in_place) {
             kbuf.resize(size_t(n) * hd);
             vbuf.resize(size_t(n) * hd);
             const size_t head_bytes = row_size(kc->type, hd);
@@ -647,7 +641,7 @@ class CpuBackend final : public Backend {
             kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
           }
         }
-        token_rows(s, j0, j1, hk, 1, c, lo, hi, kb, ks, vb, vs, kh, vh);
+        token_rows(s, j0, j1, hk, 1, c, lo, hi, kb, ks, vb, vs, nullptr, nullptr);
       }
     };
     pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
