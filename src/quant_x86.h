@@ -1217,6 +1217,74 @@ inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m25
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// quant_impl's softmax_row in lanes of 8, with its bits: the max of a row is the same whichever
+// order finds it, and each exponential takes softmax_exp's steps (its multiplies rounded on their
+// own, not fused), lane j summing the elements j, j + 8, ... and the tail added to lane 0, as
+// there. Compilers do not vectorize that loop (its select and float-to-int steps), and at one
+// exponential in ten cycles the softmax was half of a decode task's time.
+inline void softmax_row_x86(float* w, int n, int b, int e, float* mx, float* sum) {
+  if (e <= b) {
+    softmax_row(w, n, b, e, mx, sum);
+    return;
+  }
+  float m = -INFINITY;
+  int p = b;
+  if (e - b >= 8) {
+    // max(x, m) keeps m where x is NaN, as std::max(m, x) does.
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; p + 8 <= e; p += 8) vm = _mm256_max_ps(_mm256_loadu_ps(w + p), vm);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vm);
+    for (float x : lanes) m = std::max(m, x);
+  }
+  for (; p < e; ++p) m = std::max(m, w[p]);
+  *mx = m;
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f);
+  const __m256 log2e = _mm256_set1_ps(1.4426950408889634f), one = _mm256_set1_ps(1.0f);
+  const __m256 c1 = _mm256_set1_ps(0.6931471825f), c2 = _mm256_set1_ps(0.2402264923f),
+               c3 = _mm256_set1_ps(0.0555041087f), c4 = _mm256_set1_ps(0.0096181291f),
+               c5 = _mm256_set1_ps(0.0013333558f), c6 = _mm256_set1_ps(0.0001540353f);
+  // exp(d) for d = x - m, 0 where d < -87 (false for NaN, as the scalar test is).
+  auto exp8 = [&](__m256 d) {
+    // max(-87, d) is std::max(d, -87.0f): d where d is NaN.
+    const __m256 t = materialize(_mm256_mul_ps(_mm256_max_ps(lo, d), log2e));
+    const __m256 fl = _mm256_floor_ps(t);
+    const __m256 f = _mm256_sub_ps(t, fl);
+    __m256 q = materialize(_mm256_mul_ps(f, c6));
+    q = materialize(_mm256_mul_ps(f, _mm256_add_ps(c5, q)));
+    q = materialize(_mm256_mul_ps(f, _mm256_add_ps(c4, q)));
+    q = materialize(_mm256_mul_ps(f, _mm256_add_ps(c3, q)));
+    q = materialize(_mm256_mul_ps(f, _mm256_add_ps(c2, q)));
+    q = materialize(_mm256_mul_ps(f, _mm256_add_ps(c1, q)));
+    q = _mm256_add_ps(one, q);
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fl), _mm256_set1_epi32(127)), 23));
+    return _mm256_andnot_ps(_mm256_cmp_ps(d, lo, _CMP_LT_OQ), materialize(_mm256_mul_ps(q, scale)));
+  };
+  __m256 acc = _mm256_setzero_ps();
+  float* s = w + b;
+  const int count = e - b;
+  int i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 r = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, r);
+    acc = _mm256_add_ps(acc, r);
+  }
+  alignas(32) float a[8];
+  _mm256_store_ps(a, acc);
+  if (i < count) {
+    // The last few in the same steps, added to lane 0 one after another.
+    alignas(32) float t[8];
+    std::fill(t, t + 8, m);
+    std::copy(s + i, s + count, t);
+    _mm256_store_ps(t, exp8(_mm256_sub_ps(_mm256_load_ps(t), vm)));
+    for (int j = 0; i + j < count; ++j) a[0] += (s[i + j] = t[j]);
+  }
+  *sum = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+  std::fill(w, w + b, 0.0f);
+  std::fill(w + e, w + n, 0.0f);
+}
+
 // Cache rows ahead that the attention's value loop asks for.
 constexpr int kAttnAhead = 8;
 
@@ -1317,7 +1385,7 @@ void attn_rows_x86_t(const float* q, int R, int H, int hd, const uint8_t* k, int
   // share the value loads below (a zero weight adds nothing: fma(0, v, a) is a, for the finite
   // values a cache holds).
   for (int r = 0; r < rows; ++r)
-    softmax_row(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
+    softmax_row_x86(scores + int64_t(r) * n, n, b[r], e[r], &mx[r], &sum[r]);
   for (int h = 0; h < H; ++h) {
     const uint8_t* vh = v + h * head;
     for (int r0 = h * R; r0 < (h + 1) * R; r0 += 3) {

@@ -866,6 +866,44 @@ TEST_P(AttentionRows, SameBitsWhateverTheOtherRowsAndTheChunkStart) {
   }
 }
 
+// Every kernel set's softmax takes the portable one's steps: with scores that every order of
+// summation gets exactly (small integers, a power-of-two scale) and values of 0 and 1 (each
+// weighted value exact), the maxima, sums and weighted values equal the scalar set's bit for
+// bit, over rows of every length around the vector width and scores far below the max.
+TEST_P(AttentionRows, SoftmaxGivesThePortableBits) {
+  std::mt19937 rng(43);
+  std::uniform_int_distribution<int> small(-6, 6), bit(0, 1);
+  for (int n : {1, 5, 8, 13, 16, 203}) {
+    AttnCase c{6, 64, n, 72, 80, {}, {}, {}, {}, {}};
+    c.q.resize(size_t(c.R) * c.hd);
+    c.k.resize(size_t(n) * c.ks);
+    c.v.resize(size_t(n) * c.vs);
+    for (float& x : c.q) x = float(small(rng));
+    for (float& x : c.k) x = float(small(rng));
+    for (float& x : c.v) x = float(bit(rng));
+    // Row 5's last key scores far above the others: most of its exponentials underflow to 0.
+    for (int d = 0; d < c.hd; ++d) c.q[size_t(5) * c.hd + d] = 6.0f;
+    for (int d = 0; d < c.hd; ++d) c.k[size_t(n - 1) * c.ks + d] = 6.0f;
+    for (int r = 0; r < c.R; ++r) {
+      c.b.push_back(r == 3 ? n / 3 : 0);
+      c.e.push_back(r == 4 ? n - n / 4 : n);
+    }
+    const AttnOut got = run_attention_rows(c, 0.125f);
+    quant_impl::use_kernels(kernels_of(KernelSet::kScalar));
+    const AttnOut want = run_attention_rows(c, 0.125f);
+    quant_impl::use_kernels(kernels_of(GetParam()));
+    for (int r = 0; r < c.R; ++r) {
+      const std::string where = "n " + std::to_string(n) + " row " + std::to_string(r);
+      EXPECT_EQ(float_bits(got.mx[r]), float_bits(want.mx[r])) << where;
+      EXPECT_EQ(float_bits(got.sum[r]), float_bits(want.sum[r])) << where;
+      for (int d = 0; d < c.hd; ++d)
+        ASSERT_EQ(float_bits(got.acc[size_t(r) * c.hd + d]),
+                  float_bits(want.acc[size_t(r) * c.hd + d]))
+            << where << " dimension " << d;
+    }
+  }
+}
+
 // An F16 cache read in place (attention_rows_f16, in the kernel sets that have it) gives the bits
 // of attention_rows over the same rows decoded to floats: each element converts exactly.
 TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
