@@ -920,6 +920,12 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     tile_stage(first_tile, v_head, vs, raw);
   }
   pdl_begin();
+  // A first tile with this step's rows is requested before q's loads, so that the two trips to
+  // memory overlap (the 7B shape's tg128 on an H200: 628-630 tok/s against 618-620).
+  if (first_tile < k_end && !first_early) {
+    tile_stage(first_tile, k_head, ks, raw_k);
+    tile_stage(first_tile, v_head, vs, raw);
+  }
   // The A fragments of q (rows: the block's heads; columns: dims), straight from global memory,
   // pre-scaled (scores in base 2) and split into high and low halves; rows past the heads are
   // zeros. At 256 dims the low halves go to shared memory ([16][P] after the tiles), where each
@@ -948,14 +954,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     if constexpr (!S::kLowInRegs) __syncthreads();
   }
   const __half* q_low_frag = q_low + (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
-  if (!Q8 && first_tile < k_end && !first_early) {
-    tile_stage(first_tile, k_head, ks, raw_k);
-    tile_stage(first_tile, v_head, vs, raw);
-  }
   for (int tile = first_tile; tile < k_end; tile += kTileStep) {
     const int n_valid = min(BK, k_end - tile);
     const bool more = !Q8 && tile + kTileStep < k_end;
-    if (Q8 && (tile != first_tile || !first_early)) {
+    if (Q8 && tile != first_tile) {
       tile_stage(tile, k_head, ks, raw_k);
       tile_stage(tile, v_head, vs, raw);
     }
