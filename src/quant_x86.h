@@ -1342,15 +1342,17 @@ void attn_rows_x86_t(const float* q, int R, int H, int hd, const uint8_t* k, int
   for (int p0 = 0; p0 < n; p0 += 8) {
     const uint8_t* kp[8];
     for (int j = 0; j < 8; ++j) kp[j] = k + std::min(p0 + j, n - 1) * krow;
-    // The next eight keys' rows, a stride apart (the heads' part of each), asked for ahead.
+    // The next eight keys' rows, a stride apart (the heads' part of each), asked for ahead into
+    // L2 (T1): into L1 (T0), a task of 256 keys over rows in memory took 1.5x as long, and one
+    // sequence after 2,048 tokens decoded 1.18x slower.
     if (p0 + 8 < n)
       for (int j = 0; j < 8; ++j) {
         const int64_t at = std::min(p0 + 8 + j, n - 1);
         const char* row = reinterpret_cast<const char*>(k + at * krow);
-        for (int off = 0; off < H * head; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+        for (int off = 0; off < H * head; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
         if (H > 1) {
           const char* vr = reinterpret_cast<const char*>(v + at * vrow);
-          for (int off = 0; off < H * head; off += 64) _mm_prefetch(vr + off, _MM_HINT_T0);
+          for (int off = 0; off < H * head; off += 64) _mm_prefetch(vr + off, _MM_HINT_T1);
         }
       }
     for (int r = 0; r < rows; ++r) {
