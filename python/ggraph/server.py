@@ -197,7 +197,9 @@ class Engine:
                 finished.append(entry)
             else:
                 text, token, logprob, top = step
-                if job.logprobs is None:
+                # The end-of-generation token is not part of the completion: it gets no
+                # logprob entry (OpenAI's API gives it none), only the text it releases.
+                if job.logprobs is None or stop_reason == "eos":
                     if text:
                         self._post(job, ("token", (text, None)))
                 elif token >= 0 or text:

@@ -135,6 +135,40 @@ def test_completion_with_logprobs_equals_the_library(client, local):
     assert "".join(c.logprobs.tokens) == local.detokenize([s.token for s in steps])
 
 
+def test_chat_logprobs_leave_out_the_end_of_generation_token(client, local):
+    """A reply that ends at the end-of-generation token: its logprob entries are the reply's
+    tokens, streamed or not, and none is the end token's."""
+    want, reason = _chat_reference(local, "What is 2+2?", 40)
+    assert reason == "eos"
+    n_reply = local.n_generated - 1  # the end token is drawn, and counted in the usage
+    end = "<|im_end|>"  # SmolLM2's end-of-generation token
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is 2+2?"}],
+            max_tokens=40,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=stream,
+        )
+        if stream:
+            chunks = list(r)
+            entries = [
+                e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+            ]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            entries = r.choices[0].logprobs.content
+            content = r.choices[0].message.content
+            finish = r.choices[0].finish_reason
+        assert finish == "stop" and content == want
+        assert [e.token for e in entries if e.token == end] == []
+        assert "".join(e.token for e in entries) == want
+        assert len(entries) == n_reply
+
+
 def test_streaming_equals_non_streaming(client):
     messages = [{"role": "user", "content": "Name three fruits."}]
     whole = client.chat.completions.create(
