@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from capi import Sampling, load_library, params
 from capi import ids as _ids
+from conftest import cuda_available
 
 import ggraph
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +166,11 @@ def test_c_api_cancel_stops_a_long_input_from_another_thread(lib, smollm2):
         lib.ggraph_free(m)
 
 
-def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
-    p = params(lib, n_ctx=64, n_threads=1, n_seq_max=3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model, device):
+    # Against single-sequence models of the same device and n_ctx (CUDA's attention splits
+    # follow it).
+    p = params(lib, device=device.encode(), n_ctx=64, n_threads=1, n_seq_max=3)
     err = ctypes.create_string_buffer(256)
     m = lib.ggraph_load(tiny_model.encode(), ctypes.byref(p), err, 256)
     assert m, err.value
@@ -180,7 +186,7 @@ def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
     assert s1 and s2
     assert not lib.ggraph_session_open(m)
     assert b"all 3 sequences" in lib.ggraph_last_error(m)
-    alone = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+    alone = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1)
     want = [alone.eval([5, 6, 7]), alone.eval([8])]
     got_m = ev(m, [9, 10])
     got = [ev(s1, [5, 6, 7])]
@@ -196,7 +202,7 @@ def test_c_api_sessions_are_models_of_their_own_over_one_load(lib, tiny_model):
     assert s3 and lib.ggraph_n_past(s3) == 0
     lib.ggraph_free(s3)
     lib.ggraph_free(s1)
-    other = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_threads=1)
+    other = ggraph.Model(tiny_model, device=device, n_ctx=64, n_threads=1)
     np.testing.assert_array_equal(got_m, other.eval([9, 10]))
 
 
