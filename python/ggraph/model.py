@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import functools
 import operator
 import os
 import re
 import stat
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
@@ -155,49 +158,64 @@ TEMPLATE_MAX_SECONDS = 5.0
 TEMPLATE_MAX_EXTRA_CHARS = 1 << 20
 
 
-def render_chat_template(template: str, messages: list, **variables) -> str:
-    """Renders a chat template in jinja2's sandbox, with transformers' helpers (raise_exception,
-    strftime_now) and bounds on its loops, time and output; every failure is a ValueError."""
-    import datetime
-    import time
+# The budget of the render running on this thread (render_chat_template's bounds), read by the
+# helpers the cached templates call.
+_render_budget = threading.local()
 
-    import jinja2
+
+def _check_budget():
+    b = _render_budget
+    b.steps += 1
+    if b.steps > TEMPLATE_MAX_STEPS or (b.steps % 1024 == 0 and time.monotonic() > b.deadline):
+        raise ValueError(
+            f"chat template: the render passed its bound ({TEMPLATE_MAX_STEPS} loop steps "
+            f"or {TEMPLATE_MAX_SECONDS:g} s)"
+        )
+
+
+def _bounded_range(*args):
+    for i in range(*args):
+        _check_budget()
+        yield i
+
+
+def _raise_exception(message):
+    raise ValueError(f"chat template: {message}")
+
+
+def _strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str):
+    """A chat template compiled once (1.6 ms for SmolLM2's, where a render takes 0.02 ms) in
+    jinja2's sandbox, with transformers' helpers and the bounded range; a syntax error raises
+    (and is not cached)."""
     import jinja2.sandbox
-
-    deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
-    steps = [0]
-
-    def check_budget():
-        steps[0] += 1
-        if steps[0] > TEMPLATE_MAX_STEPS or (steps[0] % 1024 == 0 and time.monotonic() > deadline):
-            raise ValueError(
-                f"chat template: the render passed its bound ({TEMPLATE_MAX_STEPS} loop steps "
-                f"or {TEMPLATE_MAX_SECONDS:g} s)"
-            )
-
-    def bounded_range(*args):
-        for i in range(*args):
-            check_budget()
-            yield i
-
-    def raise_exception(message):
-        raise ValueError(f"chat template: {message}")
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals.update(
-        raise_exception=raise_exception, strftime_now=strftime_now, range=bounded_range
+        raise_exception=_raise_exception, strftime_now=_strftime_now, range=_bounded_range
     )
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: list, **variables) -> str:
+    """Renders a chat template in jinja2's sandbox, with transformers' helpers (raise_exception,
+    strftime_now) and bounds on its loops, time and output; every failure is a ValueError."""
+    import jinja2
+
+    _render_budget.steps = 0
+    _render_budget.deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
     limit = TEMPLATE_MAX_EXTRA_CHARS + 2 * sum(len(m["content"]) for m in messages)
     try:
         out, size = [], 0
-        for chunk in env.from_string(template).generate(messages=messages, **variables):
+        for chunk in _compiled_template(template).generate(messages=messages, **variables):
             size += len(chunk)
             if size > limit:
                 raise ValueError(f"chat template: the render passed {limit} characters")
-            check_budget()
+            _check_budget()
             out.append(chunk)
         return "".join(out)
     except jinja2.TemplateError as e:

@@ -90,6 +90,31 @@ def test_renders_are_bounded_in_steps_and_size():
     assert time.monotonic() - start < 60  # not a speed target: the renders end
 
 
+def test_a_compiled_template_serves_renders_on_several_threads_each_with_its_own_bound():
+    # The template is compiled once and shared; each render's loop budget is its own: a
+    # runaway render on one thread fails while the others, of the same template, succeed.
+    import threading
+
+    template = "{% for i in range(messages[0]['n']) %}{{ i % 10 }}{% endfor %}"
+    results, errors = {}, {}
+
+    def render(k, n):
+        try:
+            results[k] = render_chat_template(template, [{"role": "user", "content": "", "n": n}])
+        except ValueError as e:
+            errors[k] = str(e)
+
+    threads = [threading.Thread(target=render, args=(k, 2000 + k)) for k in range(4)]
+    threads.append(threading.Thread(target=render, args=(9, 10**8)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(4):
+        assert results[k] == "".join(str(i % 10) for i in range(2000 + k))
+    assert list(errors) == [9] and "bound" in errors[9]
+
+
 def test_strftime_now_is_provided():
     year = str(datetime.datetime.now().year)
     assert render_chat_template("{{ strftime_now('%Y') }}", MSG) in (year, str(int(year) + 1))
