@@ -483,14 +483,16 @@ class CpuBackend final : public Backend {
     attn_token_src_.resize(size_t(n_tok));
     attn_task_start_[0] = 0;
     attn_part_start_[0] = 0;
-    // Over an F16 cache read in place, a decoding token's task (a source of at most
-    // kAttnMergeTokens tokens) takes every KV head where that still leaves four tasks a thread (a
-    // decode batch's sequences, one sequence's chunks at depth): the rows of its keys then come
-    // from memory once for all the heads, not one head's slice of each at a time. (A prompt's
-    // blocks keep a head a task: their scores for every head would outgrow the caches.)
+    // Over an F16 cache read in place, or a Q8_0 cache, a decoding token's task (a source of at
+    // most kAttnMergeTokens tokens) takes every KV head where that still leaves four tasks a
+    // thread (a decode batch's sequences, one sequence's chunks at depth): the rows of its keys
+    // then come from memory once for all the heads, not one head's slice of each at a time (a
+    // Q8_0 task decodes its whole rows once). (A prompt's blocks keep a head a task: their
+    // scores for every head would outgrow the caches.)
     int64_t merged = 0;
     for (int i = 0; i < n_src; ++i) merged += int64_t(srcs[i].n_blocks()) * srcs[i].n_chunks();
-    const bool merge_heads = f16_in_place && merged >= 4 * int64_t(pool_.size());
+    const bool merge_heads =
+        (f16_in_place || kc->type == DType::Q8_0) && merged >= 4 * int64_t(pool_.size());
     attn_heads_.resize(size_t(n_src));
     for (int i = 0; i < n_src; ++i) {
       const AttnSource& s = srcs[i];
@@ -536,7 +538,7 @@ class CpuBackend final : public Backend {
     // tokens' query heads. A row's sums run in the same order whichever tokens and heads share
     // its task, so a prompt and the same tokens one at a time give the same bits.
     // kh and vh (not null): the rows are an F16 cache's, read in place (ks and vs elements
-    // apart; several heads only so); else kb and vb's floats.
+    // apart); else kb and vb's floats, head h's hd elements into each row.
     auto token_rows = [&](const AttnSource& s, int j0, int j1, int hk, int nh, int c, int lo,
                           int hi, const float* kb, int64_t ks, const float* vb, int64_t vs,
                           const uint16_t* kh, const uint16_t* vh) {
@@ -569,8 +571,13 @@ class CpuBackend final : public Backend {
         attention_rows_f16(qs.data(), R, nh, hd, kh, ks, vh, vs, n, bs.data(), es.data(), scale,
                            sc.data(), m.data(), sm.data(), ac.data());
       else
-        attention_rows(qs.data(), R, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale, sc.data(),
-                       m.data(), sm.data(), ac.data());
+        for (int h = 0; h < nh; ++h) {
+          const size_t r0 = size_t(h) * R;
+          attention_rows(qs.data() + r0 * hd, R, hd, kb + int64_t(h) * hd, ks, vb + int64_t(h) * hd,
+                         vs, n, bs.data() + r0, es.data() + r0, scale,
+                         sc.data() + r0 * std::max(n, 1), m.data() + r0, sm.data() + r0,
+                         ac.data() + r0 * hd);
+        }
       for (int h = 0; h < nh; ++h)
         for (int j = j0; j < j1; ++j)
           for (int g = 0; g < group; ++g) {
@@ -605,6 +612,25 @@ class CpuBackend final : public Backend {
         token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
                    nullptr, int64_t(row_bytes / 2), reinterpret_cast<const uint16_t*>(s.k + first),
                    reinterpret_cast<const uint16_t*>(s.v + first));
+        return;
+      }
+      if (heads_a_task > 1 && in_place && hi > lo) {
+        // A Q8_0 cache's chunk for every head: its whole rows decoded once (each decoded value
+        // is the float a head's own decode gives), then one head after another over them.
+        thread_local std::vector<float> kbuf, vbuf;
+        const int n = hi - lo, width = heads_a_task * hd;
+        kbuf.resize(size_t(n) * width);
+        vbuf.resize(size_t(n) * width);
+        const size_t first =
+            size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
+        const RowDecoder decode = row_decoder(kc->type);
+        const int64_t blocks = width / type_traits(kc->type).block_size;
+        for (int p = 0; p < n; ++p) {
+          decode(s.k + first + size_t(p) * row_bytes, kbuf.data() + size_t(p) * width, blocks);
+          decode(s.v + first + size_t(p) * row_bytes, vbuf.data() + size_t(p) * width, blocks);
+        }
+        token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, kbuf.data(), width, vbuf.data(), width,
+                   nullptr, nullptr);
         return;
       }
       for (int hk = hk0; hk < hk0 + heads_a_task; ++hk) {

@@ -662,17 +662,25 @@ def test_a_signal_handler_reading_the_model_leaves_a_sessions_eval_its_own(smoll
     np.testing.assert_array_equal(out, ref)
 
 
-def test_decode_batch_over_f16_caches_gives_each_sequences_own_bits(tiny_model):
-    """A CPU decode batch of eight over F16 caches on two threads takes every KV head of a
-    sequence in one attention task (its cache rows read once); each sequence's logits are the
-    bits of its own step, one head a task."""
-    m = ggraph.Model(tiny_model, device="cpu", n_ctx=96, n_threads=2, n_seq_max=8, kv_type="f16")
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_decode_batch_over_f16_and_q8_caches_gives_each_sequences_own_bits(tmp_path, kv_type):
+    """A CPU decode batch of eight over F16 or Q8_0 caches on two threads takes every KV head of
+    a sequence in one attention task (its cache rows read, or decoded, once); each sequence's
+    logits are the bits of its own step, one head a task. Heads 32 wide, two KV heads: a Q8_0
+    head is one block."""
+    from ggraph.testing import write_random_gguf
+
+    path = str(tmp_path / "heads32.gguf")
+    write_random_gguf(
+        path, shape="tiny", weight_type="Q4_1", seed=5, n_embd=128, n_head=4, n_head_kv=2
+    )
+    m = ggraph.Model(path, device="cpu", n_ctx=96, n_threads=2, n_seq_max=8, kv_type=kv_type)
     seqs = [m] + [m.session() for _ in range(7)]
     prompts = [[1 + (i * 7 + j) % 50 for j in range(5 + 9 * i)] for i in range(8)]
     for who, p in zip(seqs, prompts):
         who.eval(p)
     batch = m.decode_batch([(who, 11) for who in seqs])
     for row, p in enumerate(prompts):
-        ref = ggraph.Model(tiny_model, device="cpu", n_ctx=96, n_threads=1, kv_type="f16")
+        ref = ggraph.Model(path, device="cpu", n_ctx=96, n_threads=1, kv_type=kv_type)
         ref.eval(p)
         np.testing.assert_array_equal(batch[row], ref.eval([11]))
