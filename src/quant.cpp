@@ -1062,9 +1062,21 @@ const char* cpu_features() { return kernels().features; }
 void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
                     int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                     float* mx, float* sum, float* acc) {
+  attention_rows_heads(q, R, 1, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+}
+
+void attention_rows_heads(const float* q, int R, int H, int hd, const float* k, int64_t ks,
+                          const float* v, int64_t vs, int n, const int* b, const int* e,
+                          float scale, float* scores, float* mx, float* sum, float* acc) {
   const quant_impl::AttnRowsFn f = kernels().attn_rows;
-  (f != nullptr && hd % 8 == 0 ? f : quant_impl::attn_rows_portable)(
-      q, R, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+  if (f != nullptr && hd % 8 == 0)
+    return f(q, R, H, hd, k, ks, v, vs, n, b, e, scale, scores, mx, sum, acc);
+  for (int h = 0; h < H; ++h) {
+    const int64_t r0 = int64_t(h) * R;
+    quant_impl::attn_rows_portable(q + r0 * hd, R, hd, k + int64_t(h) * hd, ks, v + int64_t(h) * hd,
+                                   vs, n, b + r0, e + r0, scale, scores + r0 * n, mx + r0, sum + r0,
+                                   acc + r0 * hd);
+  }
 }
 
 void glu_mul(const float* g, const float* u, float* y, int64_t n, bool gelu) {

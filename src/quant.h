@@ -250,6 +250,14 @@ void attention_rows(const float* q, int R, int hd, const float* k, int64_t ks, c
                     int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                     float* mx, float* sum, float* acc);
 
+// attention_rows for H heads at once over float rows: rows [h R, h R + R) (q, b, e, scores, mx,
+// sum, acc in that order; scores n apart) attend to head h's keys and values, hd
+// elements into each row (h hd), as H calls of attention_rows would, bit for bit; in the x86
+// kernel sets one call reads each key's row once for all the heads.
+void attention_rows_heads(const float* q, int R, int H, int hd, const float* k, int64_t ks,
+                          const float* v, int64_t vs, int n, const int* b, const int* e,
+                          float scale, float* scores, float* mx, float* sum, float* acc);
+
 // attention_rows over an F16 cache read in place (k and v rows ks and vs elements apart), with
 // the bits attention_rows gives over the rows decoded to floats, for H heads at once: rows
 // [h R, h R + R) (q, b, e, scores, mx, sum, acc in that order) attend to head h's keys and values,

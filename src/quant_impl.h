@@ -82,8 +82,8 @@ void to_float_iq4_xs(const void* blocks, float* dst, int64_t n);
 constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
 
-// quant.h's attention_rows.
-using AttnRowsFn = void (*)(const float* q, int R, int hd, const float* k, int64_t ks,
+// quant.h's attention_rows_heads (attention_rows: H = 1).
+using AttnRowsFn = void (*)(const float* q, int R, int H, int hd, const float* k, int64_t ks,
                             const float* v, int64_t vs, int n, const int* b, const int* e,
                             float scale, float* scores, float* mx, float* sum, float* acc);
 // The same over an F16 cache, read in place (element strides), for H heads of R rows each.

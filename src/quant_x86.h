@@ -1407,10 +1407,10 @@ void attn_rows_x86_t(const float* q, int R, int H, int hd, const uint8_t* k, int
   }
 }
 
-void attn_rows_x86(const float* q, int R, int hd, const float* k, int64_t ks, const float* v,
+void attn_rows_x86(const float* q, int R, int H, int hd, const float* k, int64_t ks, const float* v,
                    int64_t vs, int n, const int* b, const int* e, float scale, float* scores,
                    float* mx, float* sum, float* acc) {
-  attn_rows_x86_t<LoadF32>(q, R, 1, hd, reinterpret_cast<const uint8_t*>(k), ks,
+  attn_rows_x86_t<LoadF32>(q, R, H, hd, reinterpret_cast<const uint8_t*>(k), ks,
                            reinterpret_cast<const uint8_t*>(v), vs, n, b, e, scale, scores, mx, sum,
                            acc);
 }

@@ -483,16 +483,15 @@ class CpuBackend final : public Backend {
     attn_token_src_.resize(size_t(n_tok));
     attn_task_start_[0] = 0;
     attn_part_start_[0] = 0;
-    // Over an F16 cache read in place, or a Q8_0 cache, a decoding token's task (a source of at
-    // most kAttnMergeTokens tokens) takes every KV head where that still leaves four tasks a
-    // thread (a decode batch's sequences, one sequence's chunks at depth): the rows of its keys
-    // then come from memory once for all the heads, not one head's slice of each at a time (a
-    // Q8_0 task decodes its whole rows once). (A prompt's blocks keep a head a task: their
-    // scores for every head would outgrow the caches.)
+    // A decoding token's task (a source of at most kAttnMergeTokens tokens) takes every KV head
+    // where that still leaves four tasks a thread (a decode batch's sequences, one sequence's
+    // chunks at depth): the rows of its keys then come from memory once for all the heads, not
+    // one head's slice of each at a time (F32 and F16 caches read in place, a Q8_0 task decoding
+    // its whole rows once). (A prompt's blocks keep a head a task: their scores for every head
+    // would outgrow the caches.)
     int64_t merged = 0;
     for (int i = 0; i < n_src; ++i) merged += int64_t(srcs[i].n_blocks()) * srcs[i].n_chunks();
-    const bool merge_heads =
-        (f16_in_place || kc->type == DType::Q8_0) && merged >= 4 * int64_t(pool_.size());
+    const bool merge_heads = merged >= 4 * int64_t(pool_.size());
     attn_heads_.resize(size_t(n_src));
     for (int i = 0; i < n_src; ++i) {
       const AttnSource& s = srcs[i];
@@ -571,13 +570,8 @@ class CpuBackend final : public Backend {
         attention_rows_f16(qs.data(), R, nh, hd, kh, ks, vh, vs, n, bs.data(), es.data(), scale,
                            sc.data(), m.data(), sm.data(), ac.data());
       else
-        for (int h = 0; h < nh; ++h) {
-          const size_t r0 = size_t(h) * R;
-          attention_rows(qs.data() + r0 * hd, R, hd, kb + int64_t(h) * hd, ks, vb + int64_t(h) * hd,
-                         vs, n, bs.data() + r0, es.data() + r0, scale,
-                         sc.data() + r0 * std::max(n, 1), m.data() + r0, sm.data() + r0,
-                         ac.data() + r0 * hd);
-        }
+        attention_rows_heads(qs.data(), R, nh, hd, kb, ks, vb, vs, n, bs.data(), es.data(), scale,
+                             sc.data(), m.data(), sm.data(), ac.data());
       for (int h = 0; h < nh; ++h)
         for (int j = j0; j < j1; ++j)
           for (int g = 0; g < group; ++g) {
@@ -605,24 +599,30 @@ class CpuBackend final : public Backend {
       // (K and V are of one type and width: Graph::attention_node.)
       const int64_t rows = s.rows;
       const bool in_place = kv_row(lo, rows) + (hi - lo) <= rows;
+      // The task's first row, at its first head.
+      const size_t first =
+          size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
       if (f16_in_place && in_place && hi > lo) {
         // An F16 cache read in place: the task's heads in one call.
-        const size_t first =
-            size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
         token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
                    nullptr, int64_t(row_bytes / 2), reinterpret_cast<const uint16_t*>(s.k + first),
                    reinterpret_cast<const uint16_t*>(s.v + first));
         return;
       }
       if (heads_a_task > 1 && in_place && hi > lo) {
-        // A Q8_0 cache's chunk for every head: its whole rows decoded once (each decoded value
-        // is the float a head's own decode gives), then one head after another over them.
+        // Every head in one call: an F32 cache's rows in place, another's whole rows decoded
+        // once (each decoded value is the float a head's own decode gives).
+        if (f32_cache) {
+          token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi,
+                     reinterpret_cast<const float*>(s.k + first), int64_t(row_bytes / 4),
+                     reinterpret_cast<const float*>(s.v + first), int64_t(row_bytes / 4), nullptr,
+                     nullptr);
+          return;
+        }
         thread_local std::vector<float> kbuf, vbuf;
         const int n = hi - lo, width = heads_a_task * hd;
         kbuf.resize(size_t(n) * width);
         vbuf.resize(size_t(n) * width);
-        const size_t first =
-            size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
         const RowDecoder decode = row_decoder(kc->type);
         const int64_t blocks = width / type_traits(kc->type).block_size;
         for (int p = 0; p < n; ++p) {

@@ -987,6 +987,51 @@ TEST_P(AttentionRows, F16HeadsInOneCallGiveTheBitsOfOneCallAHead) {
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
 }
 
+// attention_rows_heads: H heads of float rows in one call give the bits of attention_rows a
+// head (every kernel set, head sizes with and without a vector kernel).
+TEST_P(AttentionRows, FloatHeadsInOneCallGiveTheBitsOfOneCallAHead) {
+  std::mt19937 rng(48);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int hd : {64, 36}) {
+    for (int H : {2, 3}) {
+      for (int R : {1, 3}) {
+        for (int n : {1, 9, 203}) {
+          const int64_t ks = int64_t(H) * hd + 8;  // rows a little wider than the heads
+          std::vector<float> k(size_t(n) * ks), v(size_t(n) * ks);
+          for (auto& x : k) x = normal(rng);
+          for (auto& x : v) x = normal(rng);
+          const int rows = H * R;
+          std::vector<float> q(size_t(rows) * hd);
+          for (auto& x : q) x = normal(rng);
+          std::vector<int> b(rows), e(rows);
+          for (int r = 0; r < rows; ++r) {
+            b[r] = int(rng() % unsigned(n));
+            e[r] = b[r] + 1 + int(rng() % unsigned(n - b[r]));
+          }
+          const float scale = 1.0f / std::sqrt(float(hd));
+          std::vector<float> sc(size_t(rows) * n), mx(rows), sum(rows), acc(size_t(rows) * hd);
+          attention_rows_heads(q.data(), R, H, hd, k.data(), ks, v.data(), ks, n, b.data(),
+                               e.data(), scale, sc.data(), mx.data(), sum.data(), acc.data());
+          for (int h = 0; h < H; ++h) {
+            std::vector<float> sc1(size_t(R) * n), mx1(R), sum1(R), acc1(size_t(R) * hd);
+            attention_rows(q.data() + size_t(h) * R * hd, R, hd, k.data() + h * hd, ks,
+                           v.data() + h * hd, ks, n, b.data() + h * R, e.data() + h * R, scale,
+                           sc1.data(), mx1.data(), sum1.data(), acc1.data());
+            const std::string where = "hd " + std::to_string(hd) + " H " + std::to_string(H) +
+                                      " R " + std::to_string(R) + " n " + std::to_string(n) +
+                                      " head " + std::to_string(h);
+            ASSERT_EQ(0, std::memcmp(mx1.data(), mx.data() + h * R, R * sizeof(float))) << where;
+            ASSERT_EQ(0, std::memcmp(sum1.data(), sum.data() + h * R, R * sizeof(float))) << where;
+            ASSERT_EQ(0, std::memcmp(acc1.data(), acc.data() + size_t(h) * R * hd,
+                                     acc1.size() * sizeof(float)))
+                << where;
+          }
+        }
+      }
+    }
+  }
+}
+
 // The gated units' act(g) * u (SiLU; GELU's tanh form) against float64 evaluations of their
 // definitions, in every kernel set: across the range where exp is finite in float and past the
 // clamp on both sides, in runs that are not multiples of the vector width.

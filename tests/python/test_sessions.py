@@ -662,10 +662,10 @@ def test_a_signal_handler_reading_the_model_leaves_a_sessions_eval_its_own(smoll
     np.testing.assert_array_equal(out, ref)
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_decode_batch_over_f16_and_q8_caches_gives_each_sequences_own_bits(tmp_path, kv_type):
-    """A CPU decode batch of eight over F16 or Q8_0 caches on two threads takes every KV head of
-    a sequence in one attention task (its cache rows read, or decoded, once); each sequence's
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+def test_decode_batch_over_each_cache_type_gives_each_sequences_own_bits(tmp_path, kv_type):
+    """A CPU decode batch of eight on two threads takes every KV head of a sequence in one
+    attention task (its cache rows read, or decoded, once), over every cache type; each sequence's
     logits are the bits of its own step, one head a task. Heads 32 wide, two KV heads: a Q8_0
     head is one block."""
     from ggraph.testing import write_random_gguf
