@@ -938,51 +938,63 @@ TEST_P(AttentionRows, F16CacheInPlaceGivesTheBitsOfItsDecodedRows) {
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
 }
 
-// Several heads in one call (each row attending to its head's slice of the cache rows) give the
-// bits of one call a head.
+// H heads of R rows against n keys in one call, `all(q, k, v, ks, b, e, outputs)`, give the bits
+// of one call a head, `one(h, ...)` (head h's rows and its slice of the cache rows); Elem: the
+// cache's element, made from a float by to_elem.
+template <class Elem, class ToElem, class All, class One>
+void expect_heads_in_one_call(int hd, int H, int R, int n, std::mt19937& rng, ToElem to_elem,
+                              All all, One one) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t ks = int64_t(H) * hd + 8;  // rows a little wider than the heads
+  std::vector<Elem> k(size_t(n) * ks), v(size_t(n) * ks);
+  for (auto& x : k) x = to_elem(normal(rng));
+  for (auto& x : v) x = to_elem(normal(rng));
+  const int rows = H * R;
+  std::vector<float> q(size_t(rows) * hd);
+  for (auto& x : q) x = normal(rng);
+  std::vector<int> b(rows), e(rows);
+  for (int r = 0; r < rows; ++r) {
+    b[r] = int(rng() % unsigned(n));
+    e[r] = b[r] + 1 + int(rng() % unsigned(n - b[r]));
+  }
+  std::vector<float> sc(size_t(rows) * n), mx(rows), sum(rows), acc(size_t(rows) * hd);
+  all(q.data(), k.data(), v.data(), ks, b.data(), e.data(), sc.data(), mx.data(), sum.data(),
+      acc.data());
+  for (int h = 0; h < H; ++h) {
+    std::vector<float> sc1(size_t(R) * n), mx1(R), sum1(R), acc1(size_t(R) * hd);
+    one(q.data() + size_t(h) * R * hd, k.data() + h * hd, v.data() + h * hd, ks, b.data() + h * R,
+        e.data() + h * R, sc1.data(), mx1.data(), sum1.data(), acc1.data());
+    const std::string where = "hd " + std::to_string(hd) + " H " + std::to_string(H) + " R " +
+                              std::to_string(R) + " n " + std::to_string(n) + " head " +
+                              std::to_string(h);
+    ASSERT_EQ(0, std::memcmp(mx1.data(), mx.data() + h * R, R * sizeof(float))) << where;
+    ASSERT_EQ(0, std::memcmp(sum1.data(), sum.data() + h * R, R * sizeof(float))) << where;
+    ASSERT_EQ(
+        0, std::memcmp(acc1.data(), acc.data() + size_t(h) * R * hd, acc1.size() * sizeof(float)))
+        << where;
+  }
+}
+
+// Several heads in one call over an F16 cache read in place (each row attending to its head's
+// slice of the cache rows) give the bits of one call a head.
 TEST_P(AttentionRows, F16HeadsInOneCallGiveTheBitsOfOneCallAHead) {
   std::mt19937 rng(47);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   int checked = 0;
   for (int hd : {64, 128}) {
     if (!has_attention_rows_f16(hd)) continue;
-    for (int H : {2, 3, 8}) {
-      for (int R : {1, 3, 4}) {
+    const float scale = 1.0f / std::sqrt(float(hd));
+    for (int H : {2, 3, 8})
+      for (int R : {1, 3, 4})
         for (int n : {1, 9, 203}) {
-          const int64_t ks = int64_t(H) * hd + 8;  // rows a little wider than the heads
-          std::vector<uint16_t> k(size_t(n) * ks), v(size_t(n) * ks);
-          for (auto& x : k) x = f32_to_f16(normal(rng));
-          for (auto& x : v) x = f32_to_f16(normal(rng));
-          const int rows = H * R;
-          std::vector<float> q(size_t(rows) * hd);
-          for (auto& x : q) x = normal(rng);
-          std::vector<int> b(rows), e(rows);
-          for (int r = 0; r < rows; ++r) {
-            b[r] = int(rng() % unsigned(n));
-            e[r] = b[r] + 1 + int(rng() % unsigned(n - b[r]));
-          }
-          const float scale = 1.0f / std::sqrt(float(hd));
-          std::vector<float> sc(size_t(rows) * n), mx(rows), sum(rows), acc(size_t(rows) * hd);
-          attention_rows_f16(q.data(), R, H, hd, k.data(), ks, v.data(), ks, n, b.data(), e.data(),
-                             scale, sc.data(), mx.data(), sum.data(), acc.data());
-          for (int h = 0; h < H; ++h) {
-            std::vector<float> sc1(size_t(R) * n), mx1(R), sum1(R), acc1(size_t(R) * hd);
-            attention_rows_f16(q.data() + size_t(h) * R * hd, R, 1, hd, k.data() + h * hd, ks,
-                               v.data() + h * hd, ks, n, b.data() + h * R, e.data() + h * R, scale,
-                               sc1.data(), mx1.data(), sum1.data(), acc1.data());
-            const std::string where = "hd " + std::to_string(hd) + " H " + std::to_string(H) +
-                                      " R " + std::to_string(R) + " n " + std::to_string(n) +
-                                      " head " + std::to_string(h);
-            ASSERT_EQ(0, std::memcmp(mx1.data(), mx.data() + h * R, R * sizeof(float))) << where;
-            ASSERT_EQ(0, std::memcmp(sum1.data(), sum.data() + h * R, R * sizeof(float))) << where;
-            ASSERT_EQ(0, std::memcmp(acc1.data(), acc.data() + size_t(h) * R * hd,
-                                     acc1.size() * sizeof(float)))
-                << where;
-          }
+          auto call = [&](int heads) {
+            return [=](const float* q, const uint16_t* k, const uint16_t* v, int64_t ks,
+                       const int* b, const int* e, float* sc, float* mx, float* sum, float* acc) {
+              attention_rows_f16(q, R, heads, hd, k, ks, v, ks, n, b, e, scale, sc, mx, sum, acc);
+            };
+          };
+          expect_heads_in_one_call<uint16_t>(hd, H, R, n, rng, f32_to_f16, call(H), call(1));
           ++checked;
         }
-      }
-    }
   }
   if (checked == 0) GTEST_SKIP() << "these kernels have no F16 form (the rows are decoded first)";
 }
@@ -991,44 +1003,22 @@ TEST_P(AttentionRows, F16HeadsInOneCallGiveTheBitsOfOneCallAHead) {
 // head (every kernel set, head sizes with and without a vector kernel).
 TEST_P(AttentionRows, FloatHeadsInOneCallGiveTheBitsOfOneCallAHead) {
   std::mt19937 rng(48);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int hd : {64, 36}) {
-    for (int H : {2, 3}) {
-      for (int R : {1, 3}) {
+    const float scale = 1.0f / std::sqrt(float(hd));
+    for (int H : {2, 3})
+      for (int R : {1, 3})
         for (int n : {1, 9, 203}) {
-          const int64_t ks = int64_t(H) * hd + 8;  // rows a little wider than the heads
-          std::vector<float> k(size_t(n) * ks), v(size_t(n) * ks);
-          for (auto& x : k) x = normal(rng);
-          for (auto& x : v) x = normal(rng);
-          const int rows = H * R;
-          std::vector<float> q(size_t(rows) * hd);
-          for (auto& x : q) x = normal(rng);
-          std::vector<int> b(rows), e(rows);
-          for (int r = 0; r < rows; ++r) {
-            b[r] = int(rng() % unsigned(n));
-            e[r] = b[r] + 1 + int(rng() % unsigned(n - b[r]));
-          }
-          const float scale = 1.0f / std::sqrt(float(hd));
-          std::vector<float> sc(size_t(rows) * n), mx(rows), sum(rows), acc(size_t(rows) * hd);
-          attention_rows_heads(q.data(), R, H, hd, k.data(), ks, v.data(), ks, n, b.data(),
-                               e.data(), scale, sc.data(), mx.data(), sum.data(), acc.data());
-          for (int h = 0; h < H; ++h) {
-            std::vector<float> sc1(size_t(R) * n), mx1(R), sum1(R), acc1(size_t(R) * hd);
-            attention_rows(q.data() + size_t(h) * R * hd, R, hd, k.data() + h * hd, ks,
-                           v.data() + h * hd, ks, n, b.data() + h * R, e.data() + h * R, scale,
-                           sc1.data(), mx1.data(), sum1.data(), acc1.data());
-            const std::string where = "hd " + std::to_string(hd) + " H " + std::to_string(H) +
-                                      " R " + std::to_string(R) + " n " + std::to_string(n) +
-                                      " head " + std::to_string(h);
-            ASSERT_EQ(0, std::memcmp(mx1.data(), mx.data() + h * R, R * sizeof(float))) << where;
-            ASSERT_EQ(0, std::memcmp(sum1.data(), sum.data() + h * R, R * sizeof(float))) << where;
-            ASSERT_EQ(0, std::memcmp(acc1.data(), acc.data() + size_t(h) * R * hd,
-                                     acc1.size() * sizeof(float)))
-                << where;
-          }
+          auto all = [&](const float* q, const float* k, const float* v, int64_t ks, const int* b,
+                         const int* e, float* sc, float* mx, float* sum, float* acc) {
+            attention_rows_heads(q, R, H, hd, k, ks, v, ks, n, b, e, scale, sc, mx, sum, acc);
+          };
+          auto one = [&](const float* q, const float* k, const float* v, int64_t ks, const int* b,
+                         const int* e, float* sc, float* mx, float* sum, float* acc) {
+            attention_rows(q, R, hd, k, ks, v, ks, n, b, e, scale, sc, mx, sum, acc);
+          };
+          expect_heads_in_one_call<float>(
+              hd, H, R, n, rng, [](float x) { return x; }, all, one);
         }
-      }
-    }
   }
 }
 
