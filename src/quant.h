@@ -258,12 +258,9 @@ void attention_rows_heads(const float* q, int R, int H, int hd, const float* k, 
                           const float* v, int64_t vs, int n, const int* b, const int* e,
                           float scale, float* scores, float* mx, float* sum, float* acc);
 
-// attention_rows over an F16 cache read in place (k and v rows ks and vs elements apart), with
-// the bits attention_rows gives over the rows decoded to floats, for H heads at once: rows
-// [h R, h R + R) (q, b, e, scores, mx, sum, acc in that order) attend to head h's keys and values,
-// hd elements into each row (h hd), as H calls of R rows would, bit for bit; one call reads the
-// cache's rows once for all the heads. Only where has_attention_rows_f16(hd): the running
-// kernels have that form (else the caller decodes the rows first).
+// attention_rows_heads over an F16 cache read in place (k and v rows ks and vs elements apart),
+// with the bits it gives over the rows decoded to floats. Only where has_attention_rows_f16(hd):
+// the running kernels have that form (else the caller decodes the rows first).
 bool has_attention_rows_f16(int hd);
 void attention_rows_f16(const float* q, int R, int H, int hd, const uint16_t* k, int64_t ks,
                         const uint16_t* v, int64_t vs, int n, const int* b, const int* e,

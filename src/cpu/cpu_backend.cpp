@@ -602,16 +602,17 @@ class CpuBackend final : public Backend {
       // The task's first row, at its first head.
       const size_t first =
           size_t(kv_row(lo, rows)) * row_bytes + row_size(kc->type, int64_t(hk0) * hd);
-      if (f16_in_place && in_place && hi > lo) {
-        // An F16 cache read in place: the task's heads in one call.
-        token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
-                   nullptr, int64_t(row_bytes / 2), reinterpret_cast<const uint16_t*>(s.k + first),
-                   reinterpret_cast<const uint16_t*>(s.v + first));
-        return;
-      }
-      if (heads_a_task > 1 && in_place && hi > lo) {
-        // Every head in one call: an F32 cache's rows in place, another's whole rows decoded
-        // once (each decoded value is the float a head's own decode gives).
+      if (in_place && hi > lo) {
+        // The task's heads in one call: an F16 cache's rows or an F32 cache's read in place,
+        // another's whole rows decoded once for every head (each decoded value is the float a
+        // head's own decode gives).
+        if (f16_in_place) {
+          token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, nullptr, int64_t(row_bytes / 2),
+                     nullptr, int64_t(row_bytes / 2),
+                     reinterpret_cast<const uint16_t*>(s.k + first),
+                     reinterpret_cast<const uint16_t*>(s.v + first));
+          return;
+        }
         if (f32_cache) {
           token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi,
                      reinterpret_cast<const float*>(s.k + first), int64_t(row_bytes / 4),
@@ -619,55 +620,51 @@ class CpuBackend final : public Backend {
                      nullptr);
           return;
         }
-        thread_local std::vector<float> kbuf, vbuf;
-        const int n = hi - lo, width = heads_a_task * hd;
-        kbuf.resize(size_t(n) * width);
-        vbuf.resize(size_t(n) * width);
-        const RowDecoder decode = row_decoder(kc->type);
-        const int64_t blocks = width / type_traits(kc->type).block_size;
-        for (int p = 0; p < n; ++p) {
-          decode(s.k + first + size_t(p) * row_bytes, kbuf.data() + size_t(p) * width, blocks);
-          decode(s.v + first + size_t(p) * row_bytes, vbuf.data() + size_t(p) * width, blocks);
+        if (heads_a_task > 1) {
+          thread_local std::vector<float> kbuf, vbuf;
+          const int n = hi - lo, width = heads_a_task * hd;
+          kbuf.resize(size_t(n) * width);
+          vbuf.resize(size_t(n) * width);
+          const RowDecoder decode = row_decoder(kc->type);
+          const int64_t blocks = width / type_traits(kc->type).block_size;
+          for (int p = 0; p < n; ++p) {
+            decode(s.k + first + size_t(p) * row_bytes, kbuf.data() + size_t(p) * width, blocks);
+            decode(s.v + first + size_t(p) * row_bytes, vbuf.data() + size_t(p) * width, blocks);
+          }
+          token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, kbuf.data(), width, vbuf.data(),
+                     width, nullptr, nullptr);
+          return;
         }
-        token_rows(s, j0, j1, hk0, heads_a_task, c, lo, hi, kbuf.data(), width, vbuf.data(), width,
-                   nullptr, nullptr);
-        return;
       }
       for (int hk = hk0; hk < hk0 + heads_a_task; ++hk) {
         thread_local std::vector<float> kbuf, vbuf;
         const float* kb = nullptr;
         const float* vb = nullptr;
-        int64_t ks = 0, vs = 0;
         if (hi > lo) {
-          // The chunk's rows of this KV head: read in place from an F32 cache, else decoded
-          // into rows of hd floats first (a Q8_0 head is whole blocks: Context checks). Positions
-          // that wrap around a ring cache's end are gathered like decoded rows.
+          // The chunk's rows of this KV head decoded into rows of hd floats (a Q8_0 head is
+          // whole blocks: Context checks); positions that wrap around a ring cache's end are
+          // gathered so too.
           const int n = hi - lo;
           const size_t at = row_size(kc->type, int64_t(hk) * hd);
-          kb = reinterpret_cast<const float*>(s.k + size_t(kv_row(lo, rows)) * row_bytes + at);
-          vb = reinterpret_cast<const float*>(s.v + size_t(kv_row(lo, rows)) * row_bytes + at);
-          ks = vs = int64_t(row_bytes / 4);
-          if (!f32_cache || !in_place) {
-            kbuf.resize(size_t(n) * hd);
-            vbuf.resize(size_t(n) * hd);
-            const size_t head_bytes = row_size(kc->type, hd);
-            const RowDecoder decode = row_decoder(kc->type);
-            const int64_t head_blocks = hd / type_traits(kc->type).block_size;
-            for (int p = lo; p < hi; ++p) {
-              const size_t r = size_t(kv_row(p, rows)), ahead = size_t(kv_row(p + 8, rows));
-              // Each head's slice is a cache row apart from the next: fetched ahead by hand.
-              if (p + 8 < hi)
-                for (size_t b = 0; b < head_bytes; b += 64) {
-                  __builtin_prefetch(s.k + ahead * row_bytes + at + b);
-                  __builtin_prefetch(s.v + ahead * row_bytes + at + b);
-                }
-              decode(s.k + r * row_bytes + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
-              decode(s.v + r * row_bytes + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
-            }
-            kb = kbuf.data(), vb = vbuf.data(), ks = vs = hd;
+          kbuf.resize(size_t(n) * hd);
+          vbuf.resize(size_t(n) * hd);
+          const size_t head_bytes = row_size(kc->type, hd);
+          const RowDecoder decode = row_decoder(kc->type);
+          const int64_t head_blocks = hd / type_traits(kc->type).block_size;
+          for (int p = lo; p < hi; ++p) {
+            const size_t r = size_t(kv_row(p, rows)), ahead = size_t(kv_row(p + 8, rows));
+            // Each head's slice is a cache row apart from the next: fetched ahead by hand.
+            if (p + 8 < hi)
+              for (size_t b = 0; b < head_bytes; b += 64) {
+                __builtin_prefetch(s.k + ahead * row_bytes + at + b);
+                __builtin_prefetch(s.v + ahead * row_bytes + at + b);
+              }
+            decode(s.k + r * row_bytes + at, kbuf.data() + size_t(p - lo) * hd, head_blocks);
+            decode(s.v + r * row_bytes + at, vbuf.data() + size_t(p - lo) * hd, head_blocks);
           }
+          kb = kbuf.data(), vb = vbuf.data();
         }
-        token_rows(s, j0, j1, hk, 1, c, lo, hi, kb, ks, vb, vs, nullptr, nullptr);
+        token_rows(s, j0, j1, hk, 1, c, lo, hi, kb, hd, vb, hd, nullptr, nullptr);
       }
     };
     pool_.parallel_for(attn_task_start_[size_t(n_src)], body);
