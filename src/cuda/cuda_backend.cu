@@ -143,10 +143,11 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf) {
 // The forms the products read at the workspace's start (8-bit blocks, half), and the
 // warp-pipelined product's column tiles after them: the tiles of one activation and the other
 // form of the same activation, which a product of another format beside it reads (a K-quant
-// mix's v), are both kept.
+// mix's v), are both kept. Last, the 8-bit blocks a gate/up launch's gated unit writes
+// (MatVecGlu) while its blocks still read their own activation in the first region.
 namespace {
 struct ActWorkspace {
-  size_t forms = 0, tiles = 0;
+  size_t forms = 0, tiles = 0, glu = 0;
 };
 ActWorkspace act_workspace(const Graph& graph) {
   ActWorkspace need;
@@ -164,14 +165,19 @@ ActWorkspace act_workspace(const Graph& graph) {
       need.forms = std::max(need.forms, act_q8_bytes(k, cols));
     }
   }
+  for (const Tensor* t : graph.nodes()) {
+    if (t->op == Op::Glu && t->ne[1] == 1 && t->ne[0] % 32 == 0)
+      need.glu = std::max(need.glu, act_q8_bytes(t->ne[0], 1));
+  }
   need.forms = (need.forms + 255) / 256 * 256;
+  need.tiles = (need.tiles + 255) / 256 * 256;
   return need;
 }
 }  // namespace
 
 size_t act_workspace_bytes(const Graph& graph) {
   const ActWorkspace need = act_workspace(graph);
-  return need.forms + need.tiles;
+  return need.forms + need.tiles + need.glu;
 }
 
 size_t act_tiles_offset(const Graph& graph) { return act_workspace(graph).forms; }
@@ -549,7 +555,12 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // The activation whose column tiles (the warp-pipelined product's form) lie after the other
   // forms (act_tiles_offset), where nothing else writes.
   const Tensor* prepared_tiles = nullptr;
-  uint8_t* tiles = buf.act ? buf.act + act_tiles_offset(graph) : nullptr;
+  const ActWorkspace ws_need = act_workspace(graph);
+  uint8_t* tiles = buf.act ? buf.act + ws_need.forms : nullptr;
+  // Where the prepared activation's 8-bit form lies: the workspace's start, or the gated unit's
+  // region when a gate/up launch wrote it (glu_epilogue).
+  uint8_t* q8_at = buf.act;
+  uint8_t* glu_q8 = buf.act && ws_need.glu > 0 ? buf.act + ws_need.forms + ws_need.tiles : nullptr;
 
   // Nodes already launched as part of an earlier node's kernel.
   std::vector<char> done(n, 0);
@@ -571,6 +582,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       return nullptr;
     prepared = x;
     prepared_form = Form::Q8;
+    q8_at = buf.act;
     return buf.act;
   };
   // The same for the column tiles, where warp-pipelined products read x and no quantized
@@ -886,9 +898,44 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
-    if (!launch_mat_vec_rope(l, type, v_type, parts, k, buf.act, r, f)) return false;
+    if (!launch_mat_vec_rope(l, type, v_type, parts, k, q8_at, r, f)) return false;
     fold_taken(f);
     for (int x : j) done[x] = 1;
+    return true;
+  };
+
+  // The gated unit in the epilogue of one token's gate and up products (MatVecGlu), whose nodes
+  // are same[0] and same[1] (already marked launched): where the next node to launch is the glu
+  // of exactly those two, which nothing else reads. The products then exist nowhere but in
+  // registers. The glu's 8-bit form, where quantized mat-vecs read it, goes to the workspace's
+  // own region for it (the launch still reads its activation at q8_at). Returns whether it
+  // launched them.
+  auto glu_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type, int64_t k) {
+    const int gi = next_open(same[1]);
+    if (gi < 0) return false;
+    const Tensor* g = nodes[gi];
+    const Tensor *gate = nodes[same[0]], *up = nodes[same[1]];
+    const int p = pos(g);
+    if (g->op != Op::Glu || g->src[0] != gate || g->src[1] != up || g->ne[1] != 1 ||
+        g->ne[0] % 32 != 0 || uses[same[0]] != 1 || uses[same[1]] != 1 || gate == graph.output() ||
+        up == graph.output() || p < 0 || half_read[p] || tile_read[p] ||
+        (q8_read[p] && !glu_q8 && buf.act))
+      return false;
+    MatVecGlu a;
+    a.dst = fptr(g);
+    a.act = g->params[0];
+    if (q8_read[p] && glu_q8) {
+      const ActQ8 q = act_q8(glu_q8, g->ne[0], 1);
+      a.qs = q.qs;
+      a.ds = q.ds;
+    }
+    if (!launch_mat_vec_glu(l, type, parts, k, q8_at, a)) return false;
+    done[gi] = 1;
+    if (q8_read[p]) {
+      prepared = g;
+      prepared_form = Form::Q8;
+      q8_at = glu_q8;
+    }
     return true;
   };
 
@@ -1036,6 +1083,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           launch_quantize_act(l, fptr(x), k, cols, buf.act);
           prepared = x;
           prepared_form = Form::Q8;
+          q8_at = buf.act;
         };
         // The activation's half form in the workspace, unless it is there already.
         auto prepare_half = [&](Form form) {
@@ -1067,7 +1115,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           MatMulQRope rope;
           const bool with_rope =
               q == MatMulQ::Int8Warp && warp_rope_epilogue(group, n_parts, cols, &rope);
-          launch_mat_mul_q(l, w->type, parts, n_parts, k, q == MatMulQ::Int8Warp ? tiles : buf.act,
+          launch_mat_mul_q(l, w->type, parts, n_parts, k,
+                           q == MatMulQ::Int8Warp ? tiles
+                           : q == MatMulQ::Int8   ? q8_at
+                                                  : buf.act,
                            cols, buf.attn, buf.attn_counters, with_rope ? &rope : nullptr);
           break;
         }
@@ -1130,6 +1181,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         if (n_parts == 3 && other < 0 && cols == 1 && is_quantized(w->type) &&
             rope_epilogue(same, parts, w->type, w->type, k))
           break;
+        if (n_parts == 2 && other < 0 && cols == 1 && is_quantized(w->type) && fold.x != x &&
+            glu_epilogue(same, parts, w->type, k))
+          break;
         if (other >= 0 && n_parts < 3) {
           parts[n_parts] = part_of(nodes[other]);
           if (n_parts == 2) {
@@ -1141,14 +1195,14 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
           const DType other_type = nodes[other]->src[0]->type;
           const NormFold* f = fold_for(x, n_parts + 1, w->type, other_type);
-          if (launch_mat_vec_mixed(l, w->type, other_type, parts, n_parts, k, buf.act, f)) {
+          if (launch_mat_vec_mixed(l, w->type, other_type, parts, n_parts, k, q8_at, f)) {
             fold_taken(f);
             done[other] = 1;
             break;
           }
         }
         const NormFold* f = fold_for(x, n_parts, w->type, w->type);
-        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), buf.act, cols, f);
+        launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), q8_at, cols, f);
         fold_taken(f);
         break;
       }

@@ -55,6 +55,20 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The gated unit's value of one element: act(gate) * up, with act SiLU or (GELU true) GELU's
+// tanh approximation, as the CPU backend computes them. The glu kernel and the gate/up
+// products' epilogue both take it, so that their results agree bit for bit.
+template <bool GELU>
+__device__ __forceinline__ float glu_value(float g, float up) {
+  float a;
+  if constexpr (GELU) {
+    a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
+  } else {
+    a = g / (1.0f + expf(-g));
+  }
+  return a * up;
+}
+
 // The 8-bit activation blocks the quantized mat-vecs read, N at once: in block j the warp's 32
 // elements y[j] of one block (stored at i[j], the same i[j] / 32 in every lane: see q8_index)
 // become q = round(y / d), d = max|y| / 127, and block i[j] / 32's ds = (d, d * sum(q)). Every lane

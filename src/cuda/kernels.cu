@@ -277,15 +277,7 @@ __global__ void glu_kernel(const float* gate, const float* up, float* dst, int64
   pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float g = gate[i];
-  float a;
-  if constexpr (ACT == kGluGelu) {
-    // The tanh approximation, as the CPU backend computes it.
-    a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g)));
-  } else {
-    a = g / (1.0f + expf(-g));
-  }
-  const float v = a * up[i];
+  const float v = glu_value<ACT == kGluGelu>(gate[i], up[i]);
   dst[i] = v;
   if (ho) ho[i] = __float2half_rn(v);
   if (qs) quantize_warp_block(v, q8_index(i, tiles_k), qs, ds);

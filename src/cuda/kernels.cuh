@@ -423,6 +423,29 @@ bool rope_epilogue_enabled();
 // and then only with the one above on.
 bool set_warp_rope_epilogue(bool on);
 bool warp_rope_epilogue_enabled();
+// The gated unit in the epilogue of one column's gate and up products (parts 0 and 1 of one
+// launch, one quantized format, n rows each, n a multiple of 32): dst[i] = act(gate[i]) * up[i]
+// (act kGluSilu or kGluGelu, glu_value), and with qs set its 8-bit blocks at qs/ds (plain
+// layout), bit for bit what the products, launch_glu and its quantization leave. The products
+// themselves are not written. qs must not be the activation ws the products read: blocks that
+// finish early write it while others still read theirs. No padding: a launch's arguments
+// compare bytewise from step to step.
+struct MatVecGlu {
+  float* dst = nullptr;
+  int8_t* qs = nullptr;
+  float2* ds = nullptr;
+  int act = 0;
+  int unused = 0;
+};
+static_assert(sizeof(MatVecGlu) == 3 * sizeof(void*) + 8, "MatVecGlu has no padding");
+// Launches it for rows of up to 64 pieces (the register-resident mat-vec's); false, with nothing
+// launched, for longer rows, a forced kernel shape, or where GGRAPH_CUDA_GLU_EPILOGUE=0
+// (set_glu_epilogue) turned it off: the caller then launches the products and the glu apart.
+bool launch_mat_vec_glu(Launcher& l, DType type, const MatVecPart* parts, int64_t k,
+                        const uint8_t* ws, const MatVecGlu& glu);
+// Test hook: turns the glu epilogue on or off (the default: on, unless
+// GGRAPH_CUDA_GLU_EPILOGUE=0); returns the setting it replaced.
+bool set_glu_epilogue(bool on);
 // The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
 // pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight
 // format and row length; benchmarks and tests set others.

@@ -647,6 +647,54 @@ __global__ void __launch_bounds__(kMvqThreads)
 template <int TYPE, int PL>
 constexpr bool kFoldsNorm = PL == 1 && PieceInfo<TYPE>::kPer32 == 1;
 
+// Issues a lane's loads of row `row` of matrix w (n rows of n_pieces pieces): pieces lane,
+// lane + 32, ... (zeros past the row's end).
+template <int TYPE, int PL>
+__device__ __forceinline__ void load_row_pieces(PieceRegs<TYPE> (&v)[PL], const uint8_t* w, int n,
+                                                int row, int n_pieces, int lane) {
+  using P = PieceInfo<TYPE>;
+  const size_t first = static_cast<size_t>(row) * n_pieces;
+  const uint4* q = reinterpret_cast<const uint4*>(w) + first;
+  const uint8_t* high = w + static_cast<size_t>(n) * n_pieces * 16;
+  const uint8_t* h = high + first * P::kHighBytes;
+  const uint8_t* s = high + static_cast<size_t>(n) * n_pieces * P::kHighBytes +
+                     first / P::kPerScale * P::kScaleBytes;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int p = lane + 32 * i;
+    if (p < n_pieces)
+      load_piece<TYPE>(v[i], q + p, h + p * P::kHighBytes, s + p / P::kPerScale * P::kScaleBytes,
+                       lane % 8);
+    else
+      zero_piece<TYPE>(v[i]);
+  }
+}
+
+// A lane's pieces of a one-column activation (zeros past the row's end).
+template <int TYPE, int PL>
+__device__ __forceinline__ void load_lane_act(PieceAct (&x)[PL], const int8_t* aq,
+                                              const float2* ads, int64_t k, int nb, int n_pieces,
+                                              int lane) {
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int p = lane + 32 * i;
+    if (p < n_pieces)
+      load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
+    else
+      zero_piece_act<TYPE>(x[i]);
+  }
+}
+
+// A row's sum over the warp from the lanes' pieces (every lane gets it).
+template <int TYPE, int PL>
+__device__ __forceinline__ float row_sum(const PieceRegs<TYPE> (&v)[PL], const PieceAct (&x)[PL],
+                                         int lane) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[i], lane % 8, x[i], acc);
+  return warp_sum(acc);
+}
+
 // Warp gw of n_warps walking the rows of parts 0.. (the body of the kernels below). ROPE (R
 // even, every part's rows even in number): the rows' pairs go through rope_epilogue_pair.
 template <int TYPE, int PL, int R, bool ROPE = false>
@@ -658,7 +706,6 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
   static_assert(!ROPE || R % 2 == 0, "the rope epilogue takes pairs of rows");
   using P = PieceInfo<TYPE>;
   const int lane = threadIdx.x % 32;
-  const int sub = lane % 8;  // pieces lane + 32 i: a fixed sub-block of a K-quant block
   const int n_rows = n0 + n1 + n2;
   const int n_pieces = nb * P::kPer32;
   PieceRegs<TYPE> v[R][PL];
@@ -673,21 +720,7 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
       const int n = g < n0 ? n0 : g < n0 + n1 ? n1 : n2;
       row[j] = g < n0 ? g : g < n0 + n1 ? g - n0 : g - n0 - n1;
       dst[j] = g < n0 ? d0 : g < n0 + n1 ? d1 : d2;
-      const size_t first = static_cast<size_t>(row[j]) * n_pieces;
-      const uint4* q = reinterpret_cast<const uint4*>(w) + first;
-      const uint8_t* high = w + static_cast<size_t>(n) * n_pieces * 16;
-      const uint8_t* h = high + first * P::kHighBytes;
-      const uint8_t* s = high + static_cast<size_t>(n) * n_pieces * P::kHighBytes +
-                         first / P::kPerScale * P::kScaleBytes;
-#pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int p = lane + 32 * i;
-        if (p < n_pieces)
-          load_piece<TYPE>(v[j][i], q + p, h + p * P::kHighBytes,
-                           s + p / P::kPerScale * P::kScaleBytes, sub);
-        else
-          zero_piece<TYPE>(v[j][i]);
-      }
+      load_row_pieces<TYPE, PL>(v[j], w, n, row[j], n_pieces, lane);
     }
   };
   // Fixed weights: the first rows' are requested before waiting for the grid before this one,
@@ -706,26 +739,13 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
       folded = true;
     }
   }
-  if (!folded) {
-#pragma unroll
-    for (int i = 0; i < PL; ++i) {
-      const int p = lane + 32 * i;
-      if (p < n_pieces)
-        load_piece_act<TYPE>(aq, ads, k, nb, 0, p, x[i]);
-      else
-        zero_piece_act<TYPE>(x[i]);
-    }
-  }
+  if (!folded) load_lane_act<TYPE, PL>(x, aq, ads, k, nb, n_pieces, lane);
   while (g0 < n_rows) {
     float sums[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int i = 0; i < PL; ++i) piece_dot<TYPE>(v[j][i], sub, x[i], acc);
-      acc = warp_sum(acc);
-      sums[j] = acc;
-      if (!ROPE && lane == 0 && g0 + j < n_rows) dst[j][row[j]] = acc;
+      sums[j] = row_sum<TYPE, PL>(v[j], x, lane);
+      if (!ROPE && lane == 0 && g0 + j < n_rows) dst[j][row[j]] = sums[j];
     }
     if constexpr (ROPE) {
       if (lane == 0) {
@@ -805,6 +825,55 @@ __global__ void __launch_bounds__(kMvqThreads)
     mat_vec_q_rows_body<TB, PLB, R, true>(w2, w2, w2, n2, 0, 0, d2, d2, d2, n_warps_b,
                                           (blockIdx.x - blk_b) * kMvqWarps + warp, nb, aq, ads, k,
                                           prefetch, fold, rope, 2);
+}
+
+// ---- The gated unit in the epilogue of gate and up (MatVecGlu) --------------------------------
+//
+// A block owns 32 outputs, one 8-bit block of the result: each of its 64 / R warps takes R / 2 of
+// them, the same R / 2 rows of gate and of up, its R rows' loads in flight at once. A row's sum is
+// the rows kernel's (row_sum: the same pieces a lane, the same butterfly), so the products keep
+// their bits; the block's warps leave their values in shared memory, and its first warp writes
+// the 32 results and quantizes them as the glu kernel's warps do.
+template <int R>
+constexpr int kGluThreads = 32 * 64 / R;
+
+// Rows of at most 32 * PL pieces (the register-resident kernel's): the activation's pieces in
+// registers, every row's loads issued at once.
+template <int TYPE, int PL, int R, bool GELU>
+__global__ void __launch_bounds__(kGluThreads<R>)
+    mat_vec_q_rows_glu_kernel(const uint8_t* gate, const uint8_t* up, int n, int nb,
+                              const int8_t* aq, const float2* ads, int64_t k, int prefetch,
+                              MatVecGlu glu) {
+  static_assert(R % 2 == 0 && 64 % R == 0, "a warp takes R / 2 rows of gate and of up");
+  constexpr int kOut = R / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int o0 = blockIdx.x * 32 + warp * kOut;
+  const int n_pieces = nb * PieceInfo<TYPE>::kPer32;
+  PieceRegs<TYPE> v[R][PL];
+  auto load_rows = [&]() {
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      load_row_pieces<TYPE, PL>(v[j], j < kOut ? gate : up, n, o0 + j % kOut, n_pieces, lane);
+  };
+  if (prefetch) load_rows();
+  pdl_begin();
+  if (!prefetch) load_rows();
+  PieceAct x[PL];
+  load_lane_act<TYPE, PL>(x, aq, ads, k, nb, n_pieces, lane);
+  float sums[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) sums[j] = row_sum<TYPE, PL>(v[j], x, lane);
+  __shared__ float out[32];
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kOut; ++j) out[warp * kOut + j] = glu_value<GELU>(sums[j], sums[kOut + j]);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const float y = out[lane];
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  glu.dst[i] = y;
+  if (glu.qs) quantize_warp_block(y, i, glu.qs, glu.ds);
 }
 
 // Warps of one instantiation (ROPE: its rope epilogue's) resident on the whole device at once
@@ -1216,6 +1285,47 @@ bool mat_vec_q_rope(Launcher& l, const MatVecPart* parts, int64_t k, const uint8
   l(mat_vec_q_rope_kernel<TYPE, S::R, S::U, S::KS>, dim3(g.total), dim3(kMvqThreads), 0, g.w[0],
     g.w[1], g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, nb,
     act.qs, act.ds, k, mat_vec_overlap(parts, 3), rope);
+  return true;
+}
+
+// Rows a warp of the register-resident glu kernel takes (one of gate, one of up: blocks of 32
+// warps). Measured on an H200 (BENCHMARKS.md), SmolLM2 shape: 2 rows 2,142-2,206 tok/s, 4 rows
+// 2,118-2,176, 8 rows 2,126-2,133.
+constexpr int kGluRows = 2;
+
+// gate and up (parts 0 and 1) of one column with the gated unit in the epilogue, for rows
+// mat_vec_q gives the register-resident rows kernel (at most kRowsKernelPieces pieces), with its
+// sums bit for bit. (That kernel also needs the device's capacity, which prepare_kernels
+// measures before any launch; a launch recorded without a device is planned as a device would
+// run it.) False, with nothing launched, for longer rows, which keep the glu's launch: a block of
+// kMvqWarps warps would take its 32 outputs in eight passes of rows or more.
+template <int TYPE>
+bool mat_vec_q_glu(Launcher& l, const MatVecPart* parts, int64_t k, const uint8_t* ws,
+                   const MatVecGlu& glu) {
+  const int64_t n = parts[0].n;
+  const int64_t n_pieces = k / 32 * PieceInfo<TYPE>::kPer32;
+  const int pl = n_pieces <= 32 ? 1 : 2;  // mat_vec_q_rows's pieces a lane
+  if (mat_vec_override().rows != 0 || n % 32 != 0 || parts[1].n != n || n > (int64_t{1} << 30) ||
+      n_pieces > kRowsKernelPieces)
+    return false;
+  const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
+  const int nb = static_cast<int>(k / 32), ni = static_cast<int>(n);
+  const auto gate = static_cast<const uint8_t*>(parts[0].w);
+  const auto up = static_cast<const uint8_t*>(parts[1].w);
+  const int prefetch = all_fixed(parts, 2) ? 1 : 0;
+  const bool gelu = glu.act == kGluGelu;
+  auto go = [&](auto kernel) {
+    l(kernel, dim3(static_cast<unsigned>(n / 32)), dim3(kGluThreads<kGluRows>), 0, gate, up, ni, nb,
+      act.qs, act.ds, k, prefetch, glu);
+  };
+  if (pl == 1 && gelu)
+    go(mat_vec_q_rows_glu_kernel<TYPE, 1, kGluRows, true>);
+  else if (pl == 1)
+    go(mat_vec_q_rows_glu_kernel<TYPE, 1, kGluRows, false>);
+  else if (gelu)
+    go(mat_vec_q_rows_glu_kernel<TYPE, 2, kGluRows, true>);
+  else
+    go(mat_vec_q_rows_glu_kernel<TYPE, 2, kGluRows, false>);
   return true;
 }
 
@@ -1801,6 +1911,24 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
     if constexpr (is_split_type(TYPE)) launched = mat_vec_q_rope<TYPE>(l, parts, k, ws, rope, fold);
+  });
+  return launched;
+}
+
+bool& glu_epilogue_flag() {
+  static bool on = env_switch_on("GGRAPH_CUDA_GLU_EPILOGUE");
+  return on;
+}
+
+bool set_glu_epilogue(bool on) { return std::exchange(glu_epilogue_flag(), on); }
+
+bool launch_mat_vec_glu(Launcher& l, DType type, const MatVecPart* parts, int64_t k,
+                        const uint8_t* ws, const MatVecGlu& glu) {
+  if (!glu_epilogue_flag() || !is_quantized(type)) return false;
+  bool launched = false;
+  with_weight_type(type, "mul_mat", [&](auto tc) {
+    constexpr int TYPE = decltype(tc)::value;
+    if constexpr (is_split_type(TYPE)) launched = mat_vec_q_glu<TYPE>(l, parts, k, ws, glu);
   });
   return launched;
 }

@@ -1764,6 +1764,7 @@ struct LayerGraph {
   std::vector<int32_t> tokens, positions;
   Tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *gate = nullptr, *up = nullptr;
   Tensor *down = nullptr, *attn_norm_mul = nullptr, *attention = nullptr, *wo = nullptr;
+  Tensor* glu = nullptr;
   Tensor *rope_q = nullptr, *rope_k = nullptr, *store_k = nullptr, *store_v = nullptr;
 
   // q/k head norms (Qwen 3, Gemma 3) after the products, when set
@@ -1831,7 +1832,8 @@ struct LayerGraph {
       Tensor* f = g.mul(g.rms_norm(x, 1e-5f), ffn_norm_w);
       gate = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "gate"), f);
       up = g.mul_mat(weight(DType::Q4_1, n_embd, n_ff, "up"), f);
-      down = g.mul_mat(weight(DType::Q4_1, n_ff, n_embd, "down"), g.swiglu(gate, up));
+      glu = g.swiglu(gate, up);
+      down = g.mul_mat(weight(DType::Q4_1, n_ff, n_embd, "down"), glu);
       x = g.add(x, down);
     }
     g.set_output(g.mul_mat(weight(DType::Q8_0, n_embd, 49152, "output"), x));
@@ -1918,11 +1920,19 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
   {
     // In the llama order, gate and up are adjacent: one launch for both, reading the 8-bit
-    // activation that the FFN norm wrote.
-    LayerGraph lg(1, 20);
-    const auto rec = lg.launches();
-    EXPECT_EQ(launches_of(rec, lg.gate), 1);
-    EXPECT_EQ(launches_of(rec, lg.up), 0);
+    // activation that the FFN norm wrote, with the glu in its epilogue (MatVecGlu); down reads
+    // the 8-bit form that the epilogue wrote (no launch of its own). With the epilogue off, the
+    // glu is a launch that writes that form.
+    for (bool on : {true, false}) {
+      const bool was = cuda::set_glu_epilogue(on);
+      LayerGraph lg(1, 20);
+      const auto rec = lg.launches();
+      cuda::set_glu_epilogue(was);
+      expect_launches(rec, {{lg.gate, 1}, {lg.up, 0}, {lg.glu, on ? 0 : 1}, {lg.down, 1}});
+    }
+    // Several tokens keep the glu's launch.
+    LayerGraph lg(4, 20);
+    EXPECT_EQ(launches_of(lg.launches(), lg.glu), 1);
   }
   {
     // A prompt of 32 tokens takes the half kernel, on the half form the norm writes beside its
@@ -2279,6 +2289,38 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   EXPECT_EQ(count(normal(true)), std::make_pair(1, 1));
 }
 
+// One token's gate and up products (one quantized format) take the glu after them into their
+// launch's epilogue (MatVecGlu) where the rows kernel takes them (rows of up to 64 pieces): not
+// for longer rows, nor for two tokens, nor where something else reads gate, nor when it is off.
+TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
+  auto glu_launches = [](DType type, int n_embd, int n_ff, int n_tokens = 1,
+                         bool gate_read = false) {
+    Graph g;
+    FakeWeights fw;
+    std::vector<int32_t> tokens(n_tokens, 1);
+    Tensor* x = g.get_rows(fw.weight(g, DType::F32, n_embd, 16, "embd"),
+                           g.input_i32(n_tokens, tokens.data(), "tokens"));
+    Tensor* gate = g.mul_mat(fw.weight(g, type, n_embd, n_ff, "gate"), x);
+    Tensor* up = g.mul_mat(fw.weight(g, type, n_embd, n_ff, "up"), x);
+    Tensor* glu = g.swiglu(gate, up);
+    Tensor* down = g.mul_mat(fw.weight(g, type, n_ff, n_embd, "down"), glu);
+    g.set_output(gate_read ? g.add(down, g.mul_mat(fw.weight(g, type, n_ff, n_embd, "w"), gate))
+                           : down);
+    plan(g);
+    return launches_of(LayerGraph::launches_of_graph(g), glu);
+  };
+  EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536), 0);
+  EXPECT_EQ(glu_launches(DType::Q4_0, 2048, 8192), 0);
+  EXPECT_EQ(glu_launches(DType::Q8_0, 1024, 4096), 0);
+  EXPECT_EQ(glu_launches(DType::Q4_0, 4096, 11008), 1);
+  EXPECT_EQ(glu_launches(DType::Q8_0, 2048, 8192), 1);
+  EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536, 2), 1);
+  EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536, 1, true), 1);
+  const bool was = cuda::set_glu_epilogue(false);
+  EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536), 1);
+  cuda::set_glu_epilogue(was);
+}
+
 // The rope epilogue against the ropes' launch, on the GPU: the attention over the caches it
 // writes and the caches' bytes equal, bit for bit, those of the products, ropes and stores
 // launched apart. Every kernel shape it takes (rows held in registers at one and two pieces a
@@ -2495,6 +2537,86 @@ TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
           launches_of(rec, r) == 0 && (in->op != Op::Add || launches_of(rec, in) == 0) ? 1 : 0;
     }
     EXPECT_EQ(folded_norms, c.folds) << what;
+  }
+}
+
+// The glu epilogue off for a test's scope.
+struct GluEpilogueOff {
+  bool was = cuda::set_glu_epilogue(false);
+  ~GluEpilogueOff() { cuda::set_glu_epilogue(was); }
+};
+
+// A feed-forward block of one token (gate and up of x, their glu, down), built for both backends.
+struct FeedForward {
+  DType type, down_type;
+  int n_embd, n_ff;
+  bool gelu;
+  std::vector<uint8_t> gate, up, down;
+  std::vector<float> x;
+  std::vector<int32_t> ids;  // the activations' (none), alive while a graph reads them
+  Tensor* glu = nullptr;
+  FeedForward(DType t, DType dt, int e, int f, bool g, std::mt19937& rng)
+      : type(t), down_type(dt), n_embd(e), n_ff(f), gelu(g) {
+    gate = random_blocks(type, n_embd, n_ff, rng);
+    up = random_blocks(type, n_embd, n_ff, rng);
+    down = random_blocks(down_type, n_ff, n_embd, rng);
+    x = randn(size_t(n_embd), rng);
+  }
+  Build build() {
+    return [this](Graph& g, Backend& be) {
+      Tensor* a = activations(g, be, x, n_embd, 1, ids);
+      Tensor* gt = g.mul_mat(upload(g, be, type, n_embd, n_ff, gate.data(), "gate"), a);
+      Tensor* ut = g.mul_mat(upload(g, be, type, n_embd, n_ff, up.data(), "up"), a);
+      glu = gelu ? g.geglu(gt, ut) : g.swiglu(gt, ut);
+      return g.mul_mat(upload(g, be, down_type, n_ff, n_embd, down.data(), "down"), glu);
+    };
+  }
+  std::string what() const {
+    return std::string(type_name(type)) + "/" + type_name(down_type) + " " +
+           std::to_string(n_embd) + "x" + std::to_string(n_ff) + (gelu ? " gelu" : " silu");
+  }
+};
+
+// The gated unit in the epilogue of one token's gate and up products (MatVecGlu) against the
+// glu's own launch: down's result equals, bit for bit, that of the products and the glu launched
+// apart (so the gated unit's float and 8-bit forms do). Every kernel shape it takes: rows held
+// in registers at one and two pieces a lane; SiLU and GELU; a down product of floats, which
+// reads the float form. Longer rows keep the glu's launch.
+TEST_F(CudaOps, GluEpilogueOfTheGateUpProductsEqualsTheGluLaunch) {
+  std::mt19937 rng(53);
+  struct Case {
+    DType type, down_type;
+    int n_embd, n_ff;
+    bool gelu, fused;
+  };
+  const Case cases[] = {
+      {DType::Q4_1, DType::Q4_1, 576, 1536, false, true},    // rows, a piece a lane
+      {DType::Q4_K, DType::Q6_K, 768, 2048, true, true},     // rows, a piece a lane
+      {DType::Q5_0, DType::Q8_0, 640, 2048, true, true},     // rows, a piece a lane
+      {DType::Q4_0, DType::Q4_0, 2048, 1024, false, true},   // rows, two pieces a lane
+      {DType::Q8_0, DType::F16, 1024, 512, false, true},     // rows, two pieces a lane
+      {DType::Q4_0, DType::Q8_0, 4096, 1024, false, false},  // longer rows: not taken
+  };
+  for (const Case& c : cases) {
+    FeedForward ff(c.type, c.down_type, c.n_embd, c.n_ff, c.gelu, rng);
+    const Build build = ff.build();
+    const auto fused = run_on(*cuda_, build);
+    std::vector<float> apart;
+    {
+      GluEpilogueOff off;
+      apart = run_on(*cuda_, build);
+    }
+    ASSERT_EQ(fused.size(), apart.size()) << ff.what();
+    EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0)
+        << ff.what();
+    // Against the CPU, so that both paths being wrong alike would show (its K-quant products
+    // quantize the activation in blocks of 256, not 32: a wider bar, as for the norm fold).
+    EXPECT_LT(rel_err(fused, run_on(*cpu_, build)), 5e-2) << ff.what();
+    // And the epilogue did take the glu (the graph as the runs planned it).
+    Graph g;
+    g.set_output(build(g, *cuda_));
+    plan(g);
+    EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), ff.glu), c.fused ? 0 : 1) << ff.what();
   }
 }
 
