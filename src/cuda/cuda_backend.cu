@@ -84,18 +84,25 @@ bool scratch_overlap(const Tensor* a, const Tensor* b) {
   return a->offset < b_end && b->offset < a_end;
 }
 
+// Whether the write of out may move before the nodes after node i and before node j: none of
+// them reads or writes memory that out overlaps. Nodes marked in `done` (already part of a
+// launch, when given) are passed over.
+bool write_moves_before(const std::vector<Tensor*>& nodes, int i, int j, const Tensor* out,
+                        const std::vector<char>* done = nullptr) {
+  for (int m = i + 1; m < j; ++m) {
+    const Tensor* between = nodes[m];
+    if (between->op == Op::Leaf || (done && (*done)[m])) continue;
+    if (scratch_overlap(out, between)) return false;
+    for (const Tensor* s : between->src)
+      if (s && scratch_overlap(out, s)) return false;
+  }
+  return true;
+}
+
 // Whether product node j may go out in the launch of node i before it: no node between them
 // reads or writes memory that j's output overlaps (j's write moves before them).
 bool joins_launch_of(const std::vector<Tensor*>& nodes, int i, int j) {
-  const Tensor* c = nodes[j];
-  for (int m = i + 1; m < j; ++m) {
-    const Tensor* between = nodes[m];
-    if (between->op == Op::Leaf) continue;
-    if (scratch_overlap(c, between)) return false;
-    for (const Tensor* s : between->src)
-      if (s && scratch_overlap(c, s)) return false;
-  }
-  return true;
+  return write_moves_before(nodes, i, j, nodes[j]);
 }
 
 // GGRAPH_CUDA_MMQ_GROUP=0 launches each tensor-core product alone, to measure.
@@ -906,7 +913,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
   // The gated unit in the epilogue of one token's gate and up products (MatVecGlu), whose nodes
   // are same[0] and same[1] (already marked launched): where the next node to launch is the glu
-  // of exactly those two, which nothing else reads. The products then exist nowhere but in
+  // of exactly those two, which nothing else reads, and the glu's output lies clear of the nodes
+  // between gate and it that go out after this launch. The products then exist nowhere but in
   // registers. The glu's 8-bit form, where quantized mat-vecs read it, goes to the workspace's
   // own region for it (the launch still reads its activation at q8_at). Returns whether it
   // launched them.
@@ -921,6 +929,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         up == graph.output() || p < 0 || half_read[p] || tile_read[p] ||
         (q8_read[p] && !glu_q8 && buf.act))
       return false;
+    // The glu's write moves before the nodes between gate and it that go out later.
+    if (!write_moves_before(nodes, same[0], gi, g, &done)) return false;
     MatVecGlu a;
     a.dst = fptr(g);
     a.act = g->params[0];
