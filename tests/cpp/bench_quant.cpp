@@ -16,6 +16,10 @@
 #include "quant.h"
 #include "quant_impl.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using ggraph::DType;
@@ -147,6 +151,41 @@ void bench_stream(double min_s) {
   std::printf("  plain read of 256 MB                        %7.2f GB/s  (checksum %llu)\n",
               double(buf.size() * 8) / t / 1e9, (unsigned long long)(sink % 10));
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The 8-bit dot instruction's own rate on this core (vpdpbusd on 512-bit registers, 8
+// independent chains, 64 multiply-adds each): the ceiling of the AVX512-VNNI tiles, to judge
+// their GFLOP/s against. Nothing where the CPU lacks it. Returns a checksum of the chains.
+constexpr int kVnniChains = 8, kVnniSteps = 1 << 16;
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) int vnni_steps(int seed) {
+  __m512i acc[kVnniChains];
+  for (int j = 0; j < kVnniChains; ++j) acc[j] = _mm512_set1_epi32(seed + j);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
+  for (int i = 0; i < kVnniSteps; ++i) {
+    for (int j = 0; j < kVnniChains; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+    asm volatile(""
+                 : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]),
+                   "+v"(acc[5]), "+v"(acc[6]), "+v"(acc[7]));
+  }
+  alignas(64) int32_t lanes[16];
+  int sum = 0;
+  for (int j = 0; j < kVnniChains; ++j) {
+    _mm512_store_si512(lanes, acc[j]);
+    sum += lanes[0];
+  }
+  return sum;
+}
+void bench_vnni_peak(double min_s) {
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return;
+  int sink = 0;
+  const double t = time_per_call([&] { sink += vnni_steps(sink & 1); }, min_s);
+  std::printf(
+      "  8-bit dots (vpdpbusd, 512 bits), the tiles' ceiling  %7.1f GFLOP/s  (checksum %d)\n",
+      2.0 * 64 * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
+}
+#else
+void bench_vnni_peak(double) {}
+#endif
 
 // Mat-vec over `copies` distinct matrices in turn, so that with enough copies the weights come
 // from memory as in decoding a model larger than the last-level cache.
@@ -300,6 +339,7 @@ int main(int argc, char** argv) {
   }
 
   std::printf("tiles of every format, 1 thread (k=1536, 576 rows, tiles 64x4 and 64x8):\n");
+  bench_vnni_peak(min_s);
   for (DType t : {DType::Q4_0, DType::Q5_0, DType::Q8_0, DType::IQ4_NL, DType::Q2_K, DType::Q3_K,
                   DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS}) {
     for (int nc : {4, 8}) bench_tiles(t, 1536, 576, 64, nc, min_s, rng);
