@@ -916,7 +916,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // of exactly those two, which nothing else reads, and the glu's output lies clear of the nodes
   // between gate and it that go out after this launch. The products then exist nowhere but in
   // registers. The glu's 8-bit form, where quantized mat-vecs read it, goes to the workspace's
-  // own region for it (the launch still reads its activation at q8_at). Returns whether it
+  // own region for it (the launch still reads its activation at q8_at; not where that is the
+  // region itself, a glu's result whose products feed another glu). Returns whether it
   // launched them.
   auto glu_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type, int64_t k) {
     const int gi = next_open(same[1]);
@@ -927,7 +928,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     if (g->op != Op::Glu || g->src[0] != gate || g->src[1] != up || g->ne[1] != 1 ||
         g->ne[0] % 32 != 0 || uses[same[0]] != 1 || uses[same[1]] != 1 || gate == graph.output() ||
         up == graph.output() || p < 0 || half_read[p] || tile_read[p] ||
-        (q8_read[p] && !glu_q8 && buf.act))
+        (q8_read[p] && !glu_q8 && buf.act) || (glu_q8 && q8_at == glu_q8))
       return false;
     // The glu's write moves before the nodes between gate and it that go out later.
     if (!write_moves_before(nodes, same[0], gi, g, &done)) return false;

@@ -2319,6 +2319,38 @@ TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
   const bool was = cuda::set_glu_epilogue(false);
   EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536), 1);
   cuda::set_glu_epilogue(was);
+  // A glu whose products read an earlier fused glu's result keeps its launch: its 8-bit input
+  // lies in the region the epilogue writes. The fused launch reads apart from where it writes.
+  Graph g;
+  FakeWeights fw;
+  std::vector<int32_t> tokens(1, 1);
+  Tensor* x = g.get_rows(fw.weight(g, DType::F32, 576, 16, "embd"),
+                         g.input_i32(1, tokens.data(), "tokens"));
+  auto ffn = [&](Tensor* in, int64_t k, int64_t n) {
+    Tensor* gate = g.mul_mat(fw.weight(g, DType::Q4_1, k, n, "gate"), in);
+    Tensor* up = g.mul_mat(fw.weight(g, DType::Q4_1, k, n, "up"), in);
+    return g.swiglu(gate, up);
+  };
+  Tensor* glu1 = ffn(x, 576, 1536);
+  Tensor* glu2 = ffn(glu1, 1536, 576);
+  g.set_output(g.mul_mat(fw.weight(g, DType::Q4_1, 576, 576, "down"), glu2));
+  plan(g);
+  const auto rec = LayerGraph::launches_of_graph(g);
+  EXPECT_EQ(launches_of(rec, glu1), 0);
+  EXPECT_EQ(launches_of(rec, glu2), 1);
+  int fused = 0;
+  for (const auto& k : rec) {
+    if (k.func != reinterpret_cast<const void*>(rec[0].func) && k.n_args == 9 &&
+        k.arg_size[8] == sizeof(cuda::MatVecGlu)) {
+      uint64_t in = 0;
+      cuda::MatVecGlu glu;
+      std::memcpy(&in, k.args + k.arg_offset[4], sizeof in);
+      std::memcpy(&glu, k.args + k.arg_offset[8], sizeof glu);
+      EXPECT_NE(in, reinterpret_cast<uintptr_t>(glu.qs));
+      ++fused;
+    }
+  }
+  EXPECT_EQ(fused, 1);
 }
 
 // The rope epilogue against the ropes' launch, on the GPU: the attention over the caches it
