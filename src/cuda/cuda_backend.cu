@@ -187,8 +187,6 @@ size_t act_workspace_bytes(const Graph& graph) {
   return need.forms + need.tiles + need.glu;
 }
 
-size_t act_tiles_offset(const Graph& graph) { return act_workspace(graph).forms; }
-
 namespace {
 bool& tile_output() {
   static bool on = env_switch_on("GGRAPH_CUDA_TILE_OUTPUT");
@@ -560,7 +558,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   const Tensor* prepared = nullptr;
   Form prepared_form = Form::Q8;
   // The activation whose column tiles (the warp-pipelined product's form) lie after the other
-  // forms (act_tiles_offset), where nothing else writes.
+  // forms (ActWorkspace), where nothing else writes.
   const Tensor* prepared_tiles = nullptr;
   const ActWorkspace ws_need = act_workspace(graph);
   uint8_t* tiles = buf.act ? buf.act + ws_need.forms : nullptr;

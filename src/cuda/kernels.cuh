@@ -152,8 +152,6 @@ void* tensor_ptr(const Tensor* t, const DeviceBuffers& buf);
 
 // Workspace sizes a graph needs (computed on the host from shapes; never depends on kv values).
 size_t act_workspace_bytes(const Graph& graph);
-// Where in that workspace the warp-pipelined product's column tiles lie (after the other forms).
-size_t act_tiles_offset(const Graph& graph);
 // Whether the producer of an activation that only warp-pipelined products read among the
 // quantized ones (a norm, a glu, a decode attention) writes its column tiles itself, so that no
 // launch_quantize_act_tiles goes out before the products (on by default; GGRAPH_CUDA_TILE_OUTPUT=0
