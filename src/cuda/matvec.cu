@@ -1297,8 +1297,9 @@ constexpr int kGluRows = 2;
 // mat_vec_q gives the register-resident rows kernel (at most kRowsKernelPieces pieces), with its
 // sums bit for bit. (That kernel also needs the device's capacity, which prepare_kernels
 // measures before any launch; a launch recorded without a device is planned as a device would
-// run it.) False, with nothing launched, for longer rows, which keep the glu's launch: a block of
-// kMvqWarps warps would take its 32 outputs in eight passes of rows or more.
+// run it.) False, with nothing launched, for longer rows, which keep the glu's launch: their
+// products' body in blocks of 8 or 16 warps over gate's and up's rows in passes measured 4-7%
+// slower on an H200 (BENCHMARKS.md).
 template <int TYPE>
 bool mat_vec_q_glu(Launcher& l, const MatVecPart* parts, int64_t k, const uint8_t* ws,
                    const MatVecGlu& glu) {
