@@ -300,11 +300,9 @@ int32_t ggraph_sample(ggraph_model* m, const ggraph_sampling* s) {
     p.min_p = in.min_p;
     p.repeat_penalty = in.repeat_penalty;
     p.seed = in.seed;
-    ggraph::validate(p);
-    ggraph::Sampler sampler(p);
     const std::vector<int32_t>& history = m->ctx->tokens();
-    return int(sampler.sample(m->logits.data(), int32_t(m->logits.size()), history.data(),
-                              history.size()));
+    return int(ggraph::sample_once(p, m->logits.data(), int32_t(m->logits.size()), history.data(),
+                                   history.size()));
   });
 }
 

@@ -519,8 +519,7 @@ PYBIND11_MODULE(_core, m) {
         if (kw.contains("history")) history = kw["history"];
         std::vector<int32_t> hist =
             history.is_none() ? std::vector<int32_t>{} : to_ids(history, "history");
-        Sampler s(p);
-        return s.sample(logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
+        return sample_once(p, logits.data(), int32_t(logits.shape(0)), hist.data(), hist.size());
       },
       py::arg("logits"));
 

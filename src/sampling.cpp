@@ -1,6 +1,7 @@
 #include "sampling.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -34,17 +35,29 @@ template <typename T>
                       format_value(static_cast<Wide>(value)));
 }
 
+// The entropy source is read once a process (opening it costs more than a whole greedy
+// draw); each seed then mixes it with the clock and a counter (splitmix64's finalizer), so that
+// seeds asked for at once still differ.
 uint64_t fresh_seed() {
-  uint64_t seed =
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  try {
-    std::random_device device;
-    seed ^= (static_cast<uint64_t>(device()) << 32) ^ device();
-  } catch (const std::exception&) {
-    // No entropy source on this platform: the clock alone still differs between runs.
-  }
+  static const uint64_t entropy = [] {
+    uint64_t e = 0;
+    try {
+      std::random_device device;
+      e = (static_cast<uint64_t>(device()) << 32) ^ device();
+    } catch (const std::exception&) {
+      // No entropy source on this platform: the clock alone still differs between runs.
+    }
+    return e;
+  }();
+  static std::atomic<uint64_t> counter{0};
+  uint64_t z =
+      entropy ^ static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  z += 0x9E3779B97F4A7C15ull * (counter.fetch_add(1, std::memory_order_relaxed) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
   // The sentinel would mean "random" again if the caller passed seed() back to reseed().
-  return seed == kRandomSeed ? 0 : seed;
+  return z == kRandomSeed ? 0 : z;
 }
 
 constexpr int kBuckets = 1024;
@@ -130,6 +143,14 @@ void Sampler::reseed(uint64_t seed) {
   draws_ = 0;
 }
 
+int32_t sample_once(const SamplingParams& params, const float* logits, int32_t n_vocab,
+                    const int32_t* history, size_t n_history) {
+  thread_local Sampler sampler{SamplingParams{}};
+  sampler.set_params(params);
+  sampler.reseed(params.seed);
+  return sampler.sample(logits, n_vocab, history, n_history);
+}
+
 void Sampler::reserve(int32_t n_vocab) {
   const size_t n = static_cast<size_t>(n_vocab);
   if (logits_.size() >= n) return;
@@ -141,13 +162,16 @@ void Sampler::reserve(int32_t n_vocab) {
   counts_.resize(n, 0);
 }
 
+bool Sampler::penalizes(size_t n_history) const {
+  const SamplingParams& p = params_;
+  return p.penalty_last_n != 0 && n_history != 0 &&
+         (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
+}
+
 void Sampler::apply_penalties(float* logits, int32_t n_vocab, const int32_t* history,
                               size_t n_history) {
   const SamplingParams& p = params_;
-  if (p.penalty_last_n == 0 || n_history == 0) return;
-  if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) {
-    return;
-  }
+  if (!penalizes(n_history)) return;
   if (logits == nullptr || n_vocab <= 0) invalid("n_vocab", "> 0 with non-null logits", n_vocab);
   if (history == nullptr) invalid("history", "non-null when n_history > 0", n_history);
   const size_t window =
@@ -428,8 +452,17 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
   if (logits == nullptr || n_vocab <= 0) invalid("n_vocab", "> 0 with non-null logits", n_vocab);
   if (n_vocab > kMaxSampleVocab)
     invalid("n_vocab", "at most 2^23", static_cast<long long>(n_vocab));
-  reserve(n_vocab);
   const size_t n_all = static_cast<size_t>(n_vocab);
+  if (sample_is_greedy(params_.temperature, params_.top_k) && !penalizes(n_history)) {
+    // The first highest logit, read in place (max_of passes NaN over, as -inf would be).
+    const float max_logit = max_of(logits, n_all);
+    if (!(max_logit > -kInf)) {
+      throw ArgumentError("sampling: expected a logit above -inf, got " + std::to_string(n_vocab) +
+                          " logits all NaN or -inf");
+    }
+    return static_cast<int32_t>(std::find(logits, logits + n_all, max_logit) - logits);
+  }
+  reserve(n_vocab);
   float* work = logits_.data();
   for (size_t i = 0; i < n_all; ++i) work[i] = std::isnan(logits[i]) ? -kInf : logits[i];
   apply_penalties(work, n_vocab, history, n_history);

@@ -111,6 +111,8 @@ class Sampler {
   void apply_penalties(float* logits, int32_t n_vocab, const int32_t* history, size_t n_history);
 
  private:
+  // Whether a history of n_history tokens changes any logit under these parameters.
+  bool penalizes(size_t n_history) const;
   void reserve(int32_t n_vocab);
   size_t select_top_k(int32_t n_vocab, size_t k);
   size_t cut_top_p(size_t n, uint64_t target);
@@ -128,5 +130,11 @@ class Sampler {
   std::vector<int32_t> scratch_;     // top-p's narrowing subsets
   std::vector<int32_t> counts_;      // by token id; all zero between calls
 };
+
+// One draw as a new Sampler(params) would make it (a stream of params.seed from its start), on
+// a sampler kept for the calling thread, so that a loop that samples a token at a time this way
+// allocates its work buffers once, not every call.
+int32_t sample_once(const SamplingParams& params, const float* logits, int32_t n_vocab,
+                    const int32_t* history, size_t n_history);
 
 }  // namespace ggraph

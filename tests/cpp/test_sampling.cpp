@@ -683,5 +683,74 @@ TEST(SamplingBuffers, VocabularySizeMayChangeBetweenCalls) {
   EXPECT_EQ(sampler.sample(small.data(), 3, nullptr, 0), 1);
 }
 
+// Greedy sampling without penalties reads the logits in place: the same token as argmax over
+// the rows it takes (ties, NaN, infinities, lengths around the 8-wide steps), the same error
+// when nothing is above -inf.
+TEST(SamplingGreedy, InPlaceEqualsArgmax) {
+  Sampler greedy(unfiltered(0.0f, 1));
+  std::mt19937 gen(21);
+  for (int32_t n : {1, 7, 8, 9, 31, 4097}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> v = normal_logits(n, 2.0f, uint32_t(n * 100 + trial));
+      for (float& x : v) {
+        const uint32_t r = gen() % 16;
+        if (r == 0) x = kNaN;
+        if (r == 1) x = -kInf;
+        if (r == 2) x = 1.5f;  // ties
+        if (r == 3 && trial % 5 == 0) x = kInf;
+      }
+      if (trial == 19) std::fill(v.begin(), v.end(), kNaN);
+      if (std::none_of(v.begin(), v.end(), [](float x) { return x > -kInf; })) {
+        EXPECT_THROW(greedy.sample(v.data(), n, nullptr, 0), ArgumentError) << n;
+        continue;
+      }
+      EXPECT_EQ(greedy.sample(v.data(), n, nullptr, 0), argmax(v.data(), n)) << n << " " << trial;
+    }
+  }
+}
+
+// sample_once (the library's one-shot draws: ggraph.sample, Model.sample, ggraph_sample) gives
+// what a new Sampler of the same parameters gives, call after call, whatever the calls before
+// it asked: other parameters, another vocabulary, a call refused for its history.
+TEST(SamplingOnce, EachCallEqualsANewSampler) {
+  const std::vector<float> big = normal_logits(3000, 1.5f, 31);
+  const std::vector<float> small = normal_logits(40, 1.0f, 32);
+  std::vector<int32_t> history(100);
+  for (size_t i = 0; i < history.size(); ++i) history[i] = int32_t(i * 7 % 40);
+  std::vector<SamplingParams> params;
+  params.push_back(unfiltered(0.0f, 1));
+  params.push_back(unfiltered(0.9f, 5));
+  SamplingParams p;  // the defaults: top-k, top-p and min-p
+  p.seed = 9;
+  params.push_back(p);
+  p.repeat_penalty = 1.3f;
+  p.frequency_penalty = 0.2f;
+  params.push_back(p);
+  p.temperature = 0.0f;  // greedy over penalized logits
+  params.push_back(p);
+  for (int round = 0; round < 3; ++round) {
+    for (const SamplingParams& q : params) {
+      for (const std::vector<float>* v : {&big, &small}) {
+        const int32_t n = int32_t(v->size());
+        Sampler fresh(q);
+        EXPECT_EQ(sample_once(q, v->data(), n, history.data(), history.size()),
+                  fresh.sample(v->data(), n, history.data(), history.size()));
+      }
+    }
+    // A history id outside the small vocabulary, inside the window: refused, and the next
+    // draws are unchanged by it.
+    EXPECT_THROW(sample_once(params[3], small.data(), 5, history.data(), history.size()),
+                 ArgumentError);
+  }
+}
+
+TEST(SamplingSeed, RandomSeedsDifferFromCallToCall) {
+  std::vector<uint64_t> seeds;
+  for (int i = 0; i < 1000; ++i) seeds.push_back(Sampler(SamplingParams{}).seed());
+  std::sort(seeds.begin(), seeds.end());
+  EXPECT_EQ(std::adjacent_find(seeds.begin(), seeds.end()), seeds.end());
+  EXPECT_EQ(std::count(seeds.begin(), seeds.end(), kRandomSeed), 0);
+}
+
 }  // namespace
 }  // namespace ggraph
