@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -524,9 +525,12 @@ PYBIND11_MODULE(_core, m) {
       py::arg("logits"));
 
   // Validation as a plain function: the Python side checks parameters before constructing,
-  // so that a bad value is reported without unwinding through a constructor.
-  m.def("validate_sampling",
-        [](const py::kwargs& kw) { sampling_params(kw, "validate_sampling"); });
+  // so that a bad value is reported without unwinding through a constructor. Returns how many
+  // of the latest tokens the penalties read (0: none; a call that samples needs no history).
+  m.def("validate_sampling", [](const py::kwargs& kw) {
+    return sample_history_window(sampling_params(kw, "validate_sampling"),
+                                 std::numeric_limits<int>::max());
+  });
 
   py::class_<Sampler>(m, "Sampler")
       .def(py::init([](const py::kwargs& kw) {

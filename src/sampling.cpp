@@ -163,9 +163,7 @@ void Sampler::reserve(int32_t n_vocab) {
 }
 
 bool Sampler::penalizes(size_t n_history) const {
-  const SamplingParams& p = params_;
-  return p.penalty_last_n != 0 && n_history != 0 &&
-         (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
+  return n_history != 0 && sample_history_window(params_, 1) > 0;
 }
 
 void Sampler::apply_penalties(float* logits, int32_t n_vocab, const int32_t* history,

@@ -570,13 +570,13 @@ class Model:
         (0 = greedy), top_k, top_p, min_p, repeat_penalty, frequency_penalty, presence_penalty,
         penalty_last_n (window over the context's tokens), seed."""
         _check_keys(params)
-        _core.validate_sampling(**params)
+        window = _core.validate_sampling(**params)  # the latest tokens the penalties read
         with self._settled():
             if logits is None:
                 if self._last_logits is None:
                     raise ValueError("sample: no logits yet; call eval first or pass logits")
                 logits = self._last_logits
-            history = self._ctx.tokens
+            history = self._ctx.tokens[-window:] if window > 0 else None
         return _core.sample(np.asarray(logits, dtype=np.float32), history=history, **params)
 
     # -- text --------------------------------------------------------------------------------

@@ -404,3 +404,22 @@ def test_parameter_of_the_wrong_type_is_a_type_error_naming_it():
         ggraph.sample(np.zeros(2, dtype=np.float32), temperature="hot")
     with pytest.raises(TypeError, match="top_k"):
         ggraph.make_sampler(top_k=[3])
+
+
+def test_model_sample_penalizes_the_context_tokens_in_its_window(tiny_model):
+    """Model.sample reads the context's latest tokens for the penalties, as many as
+    penalty_last_n asks (all for -1), and none when no penalty applies."""
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
+    m.eval([5, 6, 7, 8])
+    logits = np.zeros(m.n_vocab, dtype=np.float32)
+    logits[[5, 8, 9]] = [3.0, 2.0, 1.0]
+    greedy = dict(temperature=0.0, repeat_penalty=10.0)
+    # Token 5 lies outside a window of 2; token 8 inside it; the whole context holds both.
+    assert m.sample(logits, penalty_last_n=2, **greedy) == 5
+    assert m.sample(logits, penalty_last_n=-1, **greedy) == 9
+    logits[5] = 1.5
+    assert m.sample(logits, penalty_last_n=2, **greedy) == 5
+    assert m.sample(logits, penalty_last_n=4, **greedy) == 9
+    # No penalty: the plain argmax, whatever the window.
+    assert m.sample(logits, temperature=0.0, penalty_last_n=2) == 8
+    assert m.sample(logits, temperature=0.0, repeat_penalty=10.0, penalty_last_n=0) == 8
