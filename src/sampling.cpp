@@ -75,6 +75,16 @@ float max_of(const float* values, size_t n) {
   return *std::max_element(m, m + 8);
 }
 
+// The highest of n logits (NaN passed over, as -inf would be); an error when none is above -inf.
+float highest_logit(const float* logits, size_t n) {
+  const float m = max_of(logits, n);
+  if (!(m > -kInf)) {
+    throw ArgumentError("sampling: expected a logit above -inf, got " + std::to_string(n) +
+                        " logits all NaN or -inf");
+  }
+  return m;
+}
+
 // Larger logit first, lower id first among equal logits: a strict total order, so every
 // selection algorithm (and every standard library) keeps the same set in the same order.
 struct ByLogitDescending {
@@ -452,23 +462,15 @@ int32_t Sampler::sample(const float* logits, int32_t n_vocab, const int32_t* his
     invalid("n_vocab", "at most 2^23", static_cast<long long>(n_vocab));
   const size_t n_all = static_cast<size_t>(n_vocab);
   if (sample_is_greedy(params_.temperature, params_.top_k) && !penalizes(n_history)) {
-    // The first highest logit, read in place (max_of passes NaN over, as -inf would be).
-    const float max_logit = max_of(logits, n_all);
-    if (!(max_logit > -kInf)) {
-      throw ArgumentError("sampling: expected a logit above -inf, got " + std::to_string(n_vocab) +
-                          " logits all NaN or -inf");
-    }
+    // The first highest logit, read in place.
+    const float max_logit = highest_logit(logits, n_all);
     return static_cast<int32_t>(std::find(logits, logits + n_all, max_logit) - logits);
   }
   reserve(n_vocab);
   float* work = logits_.data();
   for (size_t i = 0; i < n_all; ++i) work[i] = std::isnan(logits[i]) ? -kInf : logits[i];
   apply_penalties(work, n_vocab, history, n_history);
-  float max_logit = max_of(work, n_all);
-  if (!(max_logit > -kInf)) {
-    throw ArgumentError("sampling: expected a logit above -inf, got " + std::to_string(n_vocab) +
-                        " logits all NaN or -inf");
-  }
+  float max_logit = highest_logit(work, n_all);
   const SamplingParams& p = params_;
   if (sample_is_greedy(p.temperature, p.top_k)) {
     return static_cast<int32_t>(std::find(work, work + n_all, max_logit) - work);
