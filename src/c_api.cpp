@@ -1,7 +1,5 @@
 // The C API: a thin shell over Context that turns exceptions into error codes. Calls on one
 // model are serialized by its mutex; the last error is per thread.
-#include <sys/stat.h>
-
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -510,27 +508,13 @@ int ggraph_load_state_file(ggraph_model* m, const char* path) {
     if (!f)
       throw ggraph::ArgumentError(std::string("ggraph_load_state_file: cannot read ") + path +
                                   ": " + std::strerror(errno));
-    // A regular file no larger than this context's largest state: not a device or a pipe,
-    // which could feed bytes without end.
-    struct stat st;
-    const bool regular = fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode);
-    const size_t most = m->ctx->max_state_bytes();
-    if (!regular || uint64_t(st.st_size) > most) {
+    try {
+      m->ctx->load_state_file(fileno(f), path);
+    } catch (...) {
       std::fclose(f);
-      const std::string what = !regular ? " is not a regular file"
-                                        : " holds " + std::to_string(st.st_size) +
-                                              " bytes; a state of this context takes at most " +
-                                              std::to_string(most);
-      throw ggraph::ArgumentError(std::string("ggraph_load_state_file: ") + path + what);
+      throw;
     }
-    std::vector<uint8_t> data(size_t(st.st_size));
-    const size_t got = data.empty() ? 0 : std::fread(data.data(), 1, data.size(), f);
-    const bool failed = std::ferror(f) != 0 || got != data.size();
     std::fclose(f);
-    if (failed)
-      throw ggraph::ArgumentError(std::string("ggraph_load_state_file: reading ") + path +
-                                  " failed");
-    m->ctx->load_state(data.data(), data.size());
     m->logits.clear();
     return GGRAPH_OK;
   });

@@ -1,6 +1,10 @@
 #include "context.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <numeric>
@@ -732,6 +736,27 @@ void Context::copy_prefix(int from, int n) {
   live().tokens.assign(src.tokens.begin(), src.tokens.begin() + n);
   live().n_past = n;
   live().kv_lost = 0;
+}
+
+void Context::load_state_file(int fd, const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+    throw ArgumentError("load_state: " + path + " is not a regular file");
+  const size_t most = max_state_bytes();
+  if (uint64_t(st.st_size) > most)
+    throw ArgumentError("load_state: " + path + " holds " + std::to_string(st.st_size) +
+                        " bytes; a state of this context takes at most " + std::to_string(most));
+  std::vector<uint8_t> data(size_t(st.st_size));
+  size_t got = 0;
+  while (got < data.size()) {
+    const ssize_t n = pread(fd, data.data() + got, data.size() - got, off_t(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      throw ArgumentError("load_state: reading " + path + " failed" +
+                          (n < 0 ? std::string(": ") + std::strerror(errno) : " (file shrank)"));
+    got += size_t(n);
+  }
+  load_state(data.data(), data.size());
 }
 
 void Context::load_state(const uint8_t* data, size_t size) {

@@ -136,6 +136,10 @@ class Context {
   // The most bytes a state of this context takes (every position of the context held).
   size_t max_state_bytes() const;
   void load_state(const uint8_t* data, size_t size);
+  // load_state of the file open at descriptor fd (named path in errors): refused, unread, where
+  // it is not a regular file (a device or a pipe could feed bytes without end) or holds more
+  // than max_state_bytes.
+  void load_state_file(int fd, const std::string& path);
   // Replaces the selected sequence's tokens and KV cache with the first n of open sequence
   // `from` (another one), copying the rows on the device: a prompt's prefix that another
   // sequence holds, without evaluating it again or passing through the host. Throws

@@ -797,6 +797,11 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release release;
              c.load_state(static_cast<const uint8_t*>(b.ptr), size_t(b.size));
            })
+      .def("load_state_file",
+           [](Context& c, int fd, const std::string& path) {
+             py::gil_scoped_release release;
+             c.load_state_file(fd, path);
+           })
       .def(
           "copy_prefix",
           [](Context& c, int from, int n) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench, kernels, sweep, profile, llamacpp, refbench,
+# Stages: build, test, sanitize, golden, bench, kernels, sweep, profile, steps, llamacpp, refbench,
 # batchbench, ab, abenv.
-# Logs land in $OUT (default build/gpu-logs).
+# Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
+# "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
 # Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
 # .pieces/NAME.partNN and .pieces/NAME.sha256; see assemble below). llama.cpp's source for the
@@ -121,7 +122,8 @@ for stage in "$@"; do
         -DGGRAPH_BUILD_TESTS=ON -DCMAKE_PREFIX_PATH=/tmp/gtest \
         -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
         -DPython_EXECUTABLE="$(command -v python3)" >>"$OUT/build.log" 2>&1 &&
-        cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1 ||
+        cmake --build "$BUILD" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} \
+          >>"$OUT/build.log" 2>&1 ||
         { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
       rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib
       cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp "$BUILD"/_core*.so /tmp/ggraph-py/ggraph/
@@ -191,6 +193,17 @@ for stage in "$@"; do
           "$BUILD"/ggraph_bench_cuda ${KERNELS:-} >"$OUT/profile-$i.txt" 2>&1
         grep -E "^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers|Achieved Occ|Issued Warp|No Eligible|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
           "$OUT/profile-$i.txt" | head -24
+      done
+      ;;
+    steps)
+      # Each kernel of one warm decode step of STEP_MODELS (default the SmolLM2 and 7B Q4_0
+      # shapes) at STEP_PAST tokens of context, with its stall reasons (tools/kernel_times.py).
+      models=${STEP_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
+      make_shape_files $models
+      for m in $models; do
+        echo "## $(basename "$m"), past ${STEP_PAST:-64}" | tee -a "$OUT/steps.md"
+        python3 tools/kernel_times.py "$m" --warm --stalls --past "${STEP_PAST:-64}" 2>&1 |
+          tee -a "$OUT/steps.md" | head -${STEPS_HEAD:-40}
       done
       ;;
     llamacpp)

@@ -9,7 +9,6 @@ import functools
 import operator
 import os
 import re
-import stat
 import threading
 import time
 import uuid
@@ -435,19 +434,12 @@ class Model:
         ValueError, and the context is left as it was. No logits are kept: eval or generate
         next."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
-            state = os.fspath(state)  # not an int: open() would take it for a descriptor
-            with open(state, "rb") as f:
-                # A regular file no larger than this context's largest state: not a device or
-                # a pipe, which could feed bytes without end.
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise ValueError(f"load_state: {state} is not a regular file")
-                if st.st_size > self._ctx.max_state_bytes:
-                    raise ValueError(
-                        f"load_state: {state} holds {st.st_size} bytes; a state of this context "
-                        f"takes at most {self._ctx.max_state_bytes}"
-                    )
-                state = f.read(st.st_size)
+            path = os.fspath(state)  # not an int: open() would take it for a descriptor
+            # The core refuses, unread, a file that is not regular or is larger than any state.
+            with open(path, "rb") as f, self._changing():
+                self._ctx.load_state_file(f.fileno(), os.fsdecode(path))
+                self._last_logits = None
+            return
         with self._changing():
             self._ctx.load_state(state)
             self._last_logits = None

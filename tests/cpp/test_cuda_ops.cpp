@@ -452,9 +452,14 @@ void check_mul_mat(DType t, int64_t k, int64_t n, int64_t cols, std::mt19937& rn
 
 // Random blocks of a format whose f16 fields (the scales, at the start or end of a block) are
 // small, so that products stay finite; the other bytes (quants, sub-block scales) are random.
+// Float formats get random values (random bits would hold infinities and NaNs).
 std::vector<uint8_t> random_blocks(DType t, int64_t k, int64_t n, std::mt19937& rng) {
-  std::uniform_int_distribution<int> byte(0, 255);
   const TypeTraits& tr = type_traits(t);
+  if (tr.block_size == 1) {
+    std::vector<float> deq;
+    return quantize(t, randn(size_t(k) * n, rng, 0.05f), k, n, deq);
+  }
+  std::uniform_int_distribution<int> byte(0, 255);
   std::vector<uint8_t> bytes(row_size(t, k) * n);
   for (auto& v : bytes) v = uint8_t(byte(rng));
   const size_t nblocks = bytes.size() / tr.type_size;
