@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "cuda/device_util.cuh"
@@ -796,6 +798,19 @@ int env_int(const char* name, int lo, int hi, int fallback) {
   const char* e = std::getenv(name);
   const int v = e ? std::atoi(e) : 0;
   return e && v >= lo && v <= hi ? v : fallback;
+}
+
+void prefer_carveout(const void* func) {
+  static const int carveout = env_int("GGRAPH_CUDA_CARVEOUT", 0, 100, -1);
+  if (carveout < 0) return;
+  static std::mutex mu;
+  static std::unordered_set<const void*> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert(func).second) return;
+  // A kernel not built for this GPU fails here and at its launch, which reports it.
+  if (cudaFuncSetAttribute(func, cudaFuncAttributePreferredSharedMemoryCarveout, carveout) !=
+      cudaSuccess)
+    cudaGetLastError();
 }
 
 bool use_programmatic_launch(const cudaDeviceProp& prop) {

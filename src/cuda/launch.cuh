@@ -33,6 +33,11 @@ void allow_block_smem(Kernel kernel, size_t bytes) {
                        static_cast<int>(bytes));
 }
 
+// GGRAPH_CUDA_CARVEOUT=P (0-100, a measurement setting): every kernel launched prefers P% of the
+// SM's unified L1/shared memory as shared memory (cudaFuncAttributePreferredSharedMemoryCarveout),
+// set once a function; unset leaves the driver's choice.
+void prefer_carveout(const void* func);
+
 // One kernel launch with its arguments copied out, in launch order. Fixed-size storage: a
 // decode step records hundreds of these and must not allocate.
 struct KernelLaunch {
@@ -121,6 +126,7 @@ class Launcher {
       k.arg_bytes = total;
     }
     if (execute) {
+      prefer_carveout(func);
       if (pdl) {
         cudaLaunchAttribute attr = {};
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
