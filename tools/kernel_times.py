@@ -13,7 +13,8 @@ bounds a graph replay's GPU time from above. Needs ncu and the ggraph package on
 the cycles a warp waited on average for each issued instruction, by reason: an instruction
 fetch, global memory, shared memory (and other short-latency units), a full MIO queue, a busy
 math pipe (the tensor cores among them), a fixed-latency dependency, a barrier, and another
-warp issuing instead.
+warp issuing instead; and the shared-memory configuration its blocks ran under, with the dynamic
+shared memory a block asked for.
 --warm keeps the caches between kernels (ncu flushes them by default), as a replayed step does:
 the small kernels then take about what they take in a real step, less the launch gaps.
 
@@ -67,7 +68,12 @@ STALLS = {
     "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "fixed latency",
     "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "barrier",
     "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio": "not selected",
+    # An SM runs blocks of kernels of one shared-memory configuration at a time: a kernel whose
+    # configuration differs from the one before waits for the SM to empty.
+    "launch__shared_mem_config_size": "smem config KiB",
+    "launch__shared_mem_per_block_dynamic": "dynamic smem KiB",
 }
+KIB = {"byte": 1 / 1024, "Kbyte": 1000 / 1024, "Mbyte": 1e6 / 1024, "KB": 1.0, "MB": 1024.0}
 
 
 def short_name(name: str) -> str:
@@ -178,7 +184,8 @@ def main() -> int:
     extra = collections.defaultdict(lambda: collections.defaultdict(float))
     for r in rows:
         if r["Metric Name"] != TIME:
-            extra[r["ID"]][r["Metric Name"]] = float(r["Metric Value"].replace(",", "") or 0)
+            value = float(r["Metric Value"].replace(",", "") or 0)
+            extra[r["ID"]][r["Metric Name"]] = value * KIB.get(r["Metric Unit"], 1.0)
     rows = [r for r in rows if r["Metric Name"] == TIME]
     names = [r["Kernel Name"] for r in rows]
     starts = [i for i, n in enumerate(names) if "kv_params_kernel" in n]
