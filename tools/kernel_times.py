@@ -73,7 +73,7 @@ STALLS = {
     "launch__shared_mem_config_size": "smem config KiB",
     "launch__shared_mem_per_block_dynamic": "dynamic smem KiB",
 }
-KIB = {"byte": 1 / 1024, "Kbyte": 1000 / 1024, "Mbyte": 1e6 / 1024, "KB": 1.0, "MB": 1024.0}
+KIB = {"": 1 / 1024, "B": 1 / 1024, "byte": 1 / 1024, "bytes": 1 / 1024, "Kbyte": 1000 / 1024}
 
 
 def short_name(name: str) -> str:
@@ -185,7 +185,9 @@ def main() -> int:
     for r in rows:
         if r["Metric Name"] != TIME:
             value = float(r["Metric Value"].replace(",", "") or 0)
-            extra[r["ID"]][r["Metric Name"]] = value * KIB.get(r["Metric Unit"], 1.0)
+            if r["Metric Name"].startswith("launch__shared_mem"):
+                value *= KIB.get(r["Metric Unit"], 1 / 1024)
+            extra[r["ID"]][r["Metric Name"]] = value
     rows = [r for r in rows if r["Metric Name"] == TIME]
     names = [r["Kernel Name"] for r in rows]
     starts = [i for i, n in enumerate(names) if "kv_params_kernel" in n]

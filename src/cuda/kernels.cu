@@ -801,15 +801,27 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 }
 
 void prefer_carveout(const void* func) {
-  static const int carveout = env_int("GGRAPH_CUDA_CARVEOUT", 0, 100, -1);
-  if (carveout < 0) return;
+  // -2: unset. On sm_90 every kernel prefers all of the SM's shared memory: an SM runs blocks of
+  // one shared-memory configuration at a time, and a decode step's kernels asked for 8 to 164
+  // KiB (the products little, the decode attention much), so that the attention's blocks waited
+  // for SMs to empty and reconfigure, not launching early beside the products (BENCHMARKS.md,
+  // "one shared-memory configuration"). Other GPUs keep the driver's choice, unmeasured.
+  static const int setting = env_int("GGRAPH_CUDA_CARVEOUT", -1, 100, -2);
   static std::mutex mu;
   static std::unordered_set<const void*> done;
   std::lock_guard<std::mutex> lock(mu);
   if (!done.insert(func).second) return;
+  int carveout = setting;
+  if (carveout == -2) {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      cudaGetLastError();
+    carveout = major == 9 ? 100 : -1;
+  }
   // A kernel not built for this GPU fails here and at its launch, which reports it.
-  if (cudaFuncSetAttribute(func, cudaFuncAttributePreferredSharedMemoryCarveout, carveout) !=
-      cudaSuccess)
+  if (carveout >= 0 && cudaFuncSetAttribute(func, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            carveout) != cudaSuccess)
     cudaGetLastError();
 }
 

@@ -33,9 +33,10 @@ void allow_block_smem(Kernel kernel, size_t bytes) {
                        static_cast<int>(bytes));
 }
 
-// GGRAPH_CUDA_CARVEOUT=P (0-100, a measurement setting): every kernel launched prefers P% of the
-// SM's unified L1/shared memory as shared memory (cudaFuncAttributePreferredSharedMemoryCarveout),
-// set once a function; unset leaves the driver's choice.
+// The share of the SM's unified L1/shared memory that a kernel prefers as shared memory
+// (cudaFuncAttributePreferredSharedMemoryCarveout), set once a function before its first launch:
+// all of it on sm_90, the driver's choice elsewhere; GGRAPH_CUDA_CARVEOUT=P (0-100) sets P% for
+// every kernel, -1 the driver's choice (measurement settings).
 void prefer_carveout(const void* func);
 
 // One kernel launch with its arguments copied out, in launch order. Fixed-size storage: a
