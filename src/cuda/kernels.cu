@@ -7,9 +7,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
-#include <unordered_set>
 #include <utility>
 
 #include "cuda/device_util.cuh"
@@ -807,15 +807,20 @@ void prefer_carveout(const void* func) {
   // for SMs to empty and reconfigure, not launching early beside the products (BENCHMARKS.md,
   // "one shared-memory configuration"). Other GPUs keep the driver's choice, unmeasured.
   static const int setting = env_int("GGRAPH_CUDA_CARVEOUT", -1, 100, -2);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  // A function's attributes are its own on each device.
   static std::mutex mu;
-  static std::unordered_set<const void*> done;
+  static std::set<std::pair<const void*, int>> done;
   std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert(func).second) return;
+  if (!done.emplace(func, device).second) return;
   int carveout = setting;
   if (carveout == -2) {
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
       cudaGetLastError();
     carveout = major == 9 ? 100 : -1;
   }
