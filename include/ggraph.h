@@ -41,7 +41,7 @@ typedef struct {
   int n_ctx;
   int n_threads;           /* CPU threads; 0 = all cores; at most 1024 */
   const char* cuda_graphs; /* "patch" (default), "update", "recapture", "off" */
-  /* the KV cache's elements: "auto" (default: f32 on the CPU, f16 on CUDA), "f32" (CPU), "f16",
+  /* the KV cache's elements: "auto" (default: f16), "f32" (CPU), "f16",
    * "q8_0" */
   const char* kv_type;
   /* 1: accept an n_ctx past the model's training context (quality usually drops there);

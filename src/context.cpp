@@ -47,10 +47,11 @@ constexpr struct {
   DType type;
 } kKvTypes[] = {{"f32", DType::F32}, {"f16", DType::F16}, {"q8_0", DType::Q8_0}};
 
-// "auto": F32 on the CPU, the reference backend (its attention reads F32 rows in place), and F16
-// on CUDA.
-DType kv_type_from_name(const std::string& name, bool cuda) {
-  if (name == "auto") return cuda ? DType::F16 : DType::F32;
+// "auto": F16 on every device, as llama.cpp keeps its cache: half the memory of F32, and on the
+// CPU decode at depth reads half the bytes (its attention converts F16 rows as it loads them,
+// exactly; BENCHMARKS.md, "the attention's values over an F16 cache").
+DType kv_type_from_name(const std::string& name) {
+  if (name == "auto") return DType::F16;
   for (const auto& t : kKvTypes)
     if (name == t.name) return t.type;
   throw ArgumentError("kv_type: expected 'auto', 'f32', 'f16' or 'q8_0', got '" + name + "'");
@@ -107,10 +108,9 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   if (o.n_threads < 0 || o.n_threads > kMaxThreads)
     throw ArgumentError("n_threads must be 0 (automatic) to " + std::to_string(kMaxThreads) +
                         ", got " + std::to_string(o.n_threads));
-  kv_type_from_name(o.kv_type, false);  // a bad name fails before the file is read
+  const DType kv_type = kv_type_from_name(o.kv_type);  // a bad name fails before the file is read
   file_ = GGUFFile::open(path, o.use_mmap);
   backend_ = make_backend(o, &device_);
-  const DType kv_type = kv_type_from_name(o.kv_type, backend_->is_cuda());
   // The CUDA kernels read F16 and Q8_0 caches.
   if (backend_->is_cuda() && kv_type != DType::F16 && kv_type != DType::Q8_0)
     throw ArgumentError("kv_type '" + o.kv_type +

@@ -263,8 +263,7 @@ def add_context_arguments(p, kv_default="auto"):
     p.add_argument(
         "--kv-type",
         default=kv_default,
-        help="KV cache elements: auto (f32 on the CPU, f16 on CUDA), f32, f16 or q8_0 "
-        f"(default: {kv_default})",
+        help=f"KV cache elements: auto (f16), f32, f16 or q8_0 (default: {kv_default})",
     )
     p.add_argument(
         "--allow-longer-context",

@@ -274,7 +274,7 @@ class Model:
     means 2048, or the training context where that is shorter. A longer one than
     the model was trained with is refused unless allow_longer_context=True (then a
     RuntimeWarning says so: quality usually drops past the training length).
-    kv_type: the KV cache's element type: "auto" (default: "f32" on the CPU, "f16" on CUDA),
+    kv_type: the KV cache's element type: "auto" (default: "f16"),
     "f16", "f32" (the CPU only) or "q8_0" (8-bit blocks of 32 with a scale, a quarter of f32's
     memory; on CUDA for heads a multiple of 64 wide). See BENCHMARKS.md for what each costs in
     quality and speed.

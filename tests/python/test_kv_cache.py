@@ -69,11 +69,15 @@ def test_decoding_step_by_step_equals_one_prompt_for_every_type(heads32, kv_type
     np.testing.assert_allclose(steps, whole, rtol=1e-4, atol=1e-4)
 
 
-def test_the_default_kv_type_is_f32_on_the_cpu(tiny_model):
+def test_the_default_kv_type_is_f16_on_the_cpu(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
-    assert m.kv_type == "f32"
-    assert "kv_type='f32'" in repr(m)
-    assert ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="auto").kv_type == "f32"
+    assert m.kv_type == "f16"
+    assert "kv_type='f16'" in repr(m)
+    assert ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="auto").kv_type == "f16"
+    assert (
+        m._ctx.max_state_bytes
+        < ggraph.Model(tiny_model, device="cpu", n_ctx=64, kv_type="f32")._ctx.max_state_bytes
+    )
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
