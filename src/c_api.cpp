@@ -504,17 +504,11 @@ int ggraph_save_state_file(ggraph_model* m, const char* path) {
 int ggraph_load_state_file(ggraph_model* m, const char* path) {
   return guarded(m, [&] {
     if (!path) throw ggraph::ArgumentError("ggraph_load_state_file: path is NULL");
-    FILE* f = std::fopen(path, "rb");
+    const std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path, "rb"), &std::fclose);
     if (!f)
       throw ggraph::ArgumentError(std::string("ggraph_load_state_file: cannot read ") + path +
                                   ": " + std::strerror(errno));
-    try {
-      m->ctx->load_state_file(fileno(f), path);
-    } catch (...) {
-      std::fclose(f);
-      throw;
-    }
-    std::fclose(f);
+    m->ctx->load_state_file(fileno(f.get()), path);
     m->logits.clear();
     return GGRAPH_OK;
   });

@@ -807,6 +807,7 @@ void prefer_carveout(const void* func) {
   // for SMs to empty and reconfigure, not launching early beside the products (BENCHMARKS.md,
   // "one shared-memory configuration"). Other GPUs keep the driver's choice, unmeasured.
   static const int setting = env_int("GGRAPH_CUDA_CARVEOUT", -1, 100, -2);
+  if (setting == -1) return;  // the driver's choice everywhere
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
