@@ -19,7 +19,7 @@
 # AB_ROUNDS times (default 2), with AB_ARGS added to each bench (e.g. "--kv-type q8_0"); with
 # AB_BATCH (batch sizes, e.g. "32,64"), decode batches instead (tools/batch_bench.py --tg 32). The
 # abenv stage does the same within this build: tg128 as built against tg128 with the settings
-# AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"), in turns.
+# AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"; several sides separated by ';'), in turns.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -277,7 +277,11 @@ for stage in "$@"; do
       ab_turns this "PYTHONPATH=/tmp/ggraph-py:/tmp/site" ref "PYTHONPATH=/tmp/ref-py:/tmp/site"
       ;;
     abenv)
-      ab_turns built "" "${AB_ENV:?abenv needs AB_ENV}" "$AB_ENV"
+      # AB_ENV may name several sides, separated by ';'.
+      IFS=';' read -ra envs <<<"${AB_ENV:?abenv needs AB_ENV}"
+      sides=(built "")
+      for e in "${envs[@]}"; do sides+=("$e" "$e"); done
+      ab_turns "${sides[@]}"
       ;;
   esac
   echo "== $stage: $(($(date +%s) - s)) s"
