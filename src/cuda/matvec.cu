@@ -38,8 +38,18 @@ __device__ __forceinline__ PartSel select_part(const uint8_t* w0, const uint8_t*
 // The rope epilogue (MatVecRope) of rows row and row + 1 (row even) of part `part` (0 q, 1 k,
 // 2 v; n rows, output dst), whose products are x0 and x1: the rope kernel's rotation and K/V
 // stores of that pair, bit for bit (kernels.cu's rope_slot and rope_write, one token, normal mode).
-__device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
-                                                   int row, float x0, float x1) {
+// The rope angle of that pair (none for v, or past the rotated dimensions: rotate false).
+__device__ __forceinline__ void rope_pair_angle(const MatVecRope& r, int part, int row, float& sf,
+                                                float& cf, bool& rotate) {
+  const int i0 = row % r.head_dim;
+  rotate = part != 2 && i0 < r.n_dims;
+  if (rotate)
+    rope_angle(*r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
+}
+// The same with the angle given (rope_pair_angle's).
+__device__ __forceinline__ void rope_epilogue_pair_at(const MatVecRope& r, int part, int n,
+                                                      float* dst, int row, float x0, float x1,
+                                                      float sf, float cf, bool rotate) {
   const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * n + row;
   if (part == 2) {
     dst[row] = x0;
@@ -49,13 +59,8 @@ __device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part
     c[1] = __float2half_rn(x1);
     return;
   }
-  const int i0 = row % r.head_dim;
   float y0 = x0, y1 = x1;
-  if (i0 < r.n_dims) {
-    float sf, cf;
-    rope_angle(*r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
-    rope_rotate(x0, x1, sf, cf, y0, y1);
-  }
+  if (rotate) rope_rotate(x0, x1, sf, cf, y0, y1);
   float* out = part == 0 ? r.q_out : r.k_out;
   out[row] = y0;
   out[row + 1] = y1;
@@ -64,6 +69,13 @@ __device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part
     c[0] = __float2half_rn(y0);
     c[1] = __float2half_rn(y1);
   }
+}
+__device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
+                                                   int row, float x0, float x1) {
+  float sf = 0.0f, cf = 1.0f;
+  bool rotate = false;
+  rope_pair_angle(r, part, row, sf, cf, rotate);
+  rope_epilogue_pair_at(r, part, n, dst, row, x0, x1, sf, cf, rotate);
 }
 
 // ---- Quantized mat-vec ------------------------------------------------------------------------
@@ -507,6 +519,30 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   if (!prefetch && base < n_pieces) load();
   const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
   const float2* dp = ads + (base + lane) / P::kPer32;
+  // ROPE: the angles of the pairs this lane rotates in the epilogue (one warp's lane 0 takes all
+  // of a KS == 1 warp's, lane j of the first of KS warps pair j / 2), worked out here, while the
+  // weights and the first activation words (asked into L1 first) are on their way: each is a
+  // few hundred double-precision instructions, which at the end held the block's SM slot with no
+  // loads in flight.
+  constexpr int kPairs = ROPE && KS == 1 ? R / 2 : 1;
+  float rsf[kPairs], rcf[kPairs];
+  bool rrot[kPairs];
+  if constexpr (ROPE) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + u * 32 + lane < n_pieces)
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ap + u * 32 * P::kActBytes));
+    }
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      rsf[p] = 0.0f, rcf[p] = 1.0f, rrot[p] = false;
+      const int row = KS == 1 ? row0 + 2 * p : row0 + lane;
+      const bool mine = KS == 1 ? lane == 0 : ks == 0 && lane < R && lane % 2 == 0;
+      if (mine && row < part.n) rope_pair_angle(rope, part.index, row, rsf[p], rcf[p], rrot[p]);
+      // Here, not sunk to the epilogue that uses them.
+      asm volatile("" : "+f"(rsf[p]), "+f"(rcf[p]));
+    }
+  }
   // One round's dot products; a full round (every lane has all U pieces) without bounds checks,
   // which lets the activation loads of all columns be issued together.
   auto dot_round = [&](auto full) {
@@ -561,7 +597,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
 #pragma unroll
       for (int j = 0; j < R; j += 2) {
         if (row0 + j < part.n)
-          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]);
+          rope_epilogue_pair_at(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1],
+                                rsf[j / 2], rcf[j / 2], rrot[j / 2]);
       }
     }
   }
@@ -575,7 +612,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         for (int i = 0; i < KS; ++i) v += partial[warp + i][min(lane, R - 1)];
         const float next = __shfl_down_sync(0xffffffffu, v, 1);
         if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
-          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
+          rope_epilogue_pair_at(rope, part.index, part.n, part.dst, row0 + lane, v, next, rsf[0],
+                                rcf[0], rrot[0]);
       }
     } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
