@@ -402,7 +402,9 @@ struct MatVecRope {
   float* k_out = nullptr;
   int head_dim = 0, n_dims = 0, rows = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
-  int unused = 0;
+  // 1: the block-shaped products work out their angles right after the wait, while their loads
+  // are on their way, instead of at the end (GGRAPH_CUDA_ROPE_ANGLE_EARLY=1; set by the launch).
+  int early_angle = 0;
 };
 static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has no padding");
 // One column of parts[0..2] (q, k, v; q and k in one quantized format, v in it too or in the
@@ -415,6 +417,9 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
 // Test hook: turns the rope epilogue on or off (the default: on, unless
 // GGRAPH_CUDA_ROPE_EPILOGUE=0); returns the setting it replaced.
 bool set_rope_epilogue(bool on);
+// Test hook: the rope epilogue's angles early (MatVecRope::early_angle) or not; returns the
+// setting it replaced.
+bool set_rope_angle_early(bool on);
 bool rope_epilogue_enabled();
 // The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): on unless
 // GGRAPH_CUDA_WARP_ROPE_EPILOGUE=0 (or this test hook, which returns the setting it replaced),

@@ -2385,11 +2385,20 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q5_K, 1536, 12, 2, 128, 128, false, 0, DType::Q6_K},
       {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0},
   };
-  for (const Case& c : cases) {
+  // Each case with the epilogue's angles worked out at its end and after the wait.
+  struct AngleEarly {
+    bool was;
+    explicit AngleEarly(bool on) : was(cuda::set_rope_angle_early(on)) {}
+    ~AngleEarly() { cuda::set_rope_angle_early(was); }
+  };
+  for (int run = 0; run < 2 * int(std::size(cases)); ++run) {
+    const Case& c = cases[run / 2];
+    const AngleEarly early(run % 2 == 1);
     const int kv_w = c.n_head_kv * c.hd, n_past = c.ring > 0 ? 1000 : 37;
     const int rows = c.ring > 0 ? c.ring : n_past + 8, window = c.ring > 0 ? 64 : 0;
     const std::string what = std::string(type_name(c.type)) + "/" + type_name(c.v_type) +
-                             " n_embd " + std::to_string(c.n_embd) + " hd " + std::to_string(c.hd);
+                             " n_embd " + std::to_string(c.n_embd) + " hd " + std::to_string(c.hd) +
+                             (run % 2 ? " (angles early)" : "");
     auto bq = random_blocks(c.type, c.n_embd, c.n_embd, rng);
     auto bk = random_blocks(c.type, c.n_embd, kv_w, rng);
     const DType v_type = c.v_type == DType::F32 ? c.type : c.v_type;
