@@ -785,6 +785,26 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
     }
   }
   if (!folded) load_lane_act<TYPE, PL>(x, aq, ads, k, nb, n_pieces, lane);
+  // With rope.early_angle, lane 0 works out the rope angles of rows g0.. while their weights or
+  // the activation are on their way (mat_vec_q_body's reason), not after their sums.
+  constexpr int kPairs = ROPE ? R / 2 : 1;
+  float rsf[kPairs], rcf[kPairs];
+  bool rrot[kPairs];
+  auto part_of = [&](int g) { return g < n0 ? 0 : g < n0 + n1 ? 1 : 2; };  // of this body's parts
+  auto early_angles = [&]() {
+    if constexpr (ROPE) {
+      if (!rope.early_angle || lane != 0) return;
+#pragma unroll
+      for (int p = 0; p < kPairs; ++p) {
+        rsf[p] = 0.0f, rcf[p] = 1.0f, rrot[p] = false;
+        if (g0 + 2 * p < n_rows)
+          rope_pair_angle(rope, first_part + part_of(g0 + 2 * p), row[2 * p], rsf[p], rcf[p],
+                          rrot[p]);
+        asm volatile("" : "+f"(rsf[p]), "+f"(rcf[p]));  // here, not sunk to the epilogue
+      }
+    }
+  };
+  early_angles();
   while (g0 < n_rows) {
     float sums[R];
 #pragma unroll
@@ -798,18 +818,22 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
         for (int j = 0; j < R; j += 2) {
           const int g = g0 + j;
           if (g < n_rows) {
-            const int part = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;  // of this body's parts
-            rope_epilogue_pair(rope, first_part + part,
-                               part == 0   ? n0
-                               : part == 1 ? n1
-                                           : n2,
-                               dst[j], row[j], sums[j], sums[j + 1]);
+            const int part = part_of(g);
+            const int n = part == 0 ? n0 : part == 1 ? n1 : n2;
+            if (rope.early_angle)
+              rope_epilogue_pair_at(rope, first_part + part, n, dst[j], row[j], sums[j],
+                                    sums[j + 1], rsf[j / 2], rcf[j / 2], rrot[j / 2]);
+            else
+              rope_epilogue_pair(rope, first_part + part, n, dst[j], row[j], sums[j], sums[j + 1]);
           }
         }
       }
     }
     g0 += n_warps * R;
-    if (g0 < n_rows) load_rows(g0);
+    if (g0 < n_rows) {
+      load_rows(g0);
+      early_angles();
+    }
   }
 }
 
