@@ -402,8 +402,10 @@ struct MatVecRope {
   float* k_out = nullptr;
   int head_dim = 0, n_dims = 0, rows = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
-  // 1: the block-shaped products work out their angles right after the wait, while their loads
-  // are on their way, instead of at the end (GGRAPH_CUDA_ROPE_ANGLE_EARLY=1; set by the launch).
+  // 1: the register-resident rows kernels work out a row pair's angle while its loads are on
+  // their way, instead of after its sums (set by the launch: on unless
+  // GGRAPH_CUDA_ROPE_ANGLE_EARLY=0). The block-shaped products keep theirs at the end: early
+  // there measured 4% slower on the 7B shape (BENCHMARKS.md).
   int early_angle = 0;
 };
 static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has no padding");

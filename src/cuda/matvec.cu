@@ -519,35 +519,6 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   if (!prefetch && base < n_pieces) load();
   const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
   const float2* dp = ads + (base + lane) / P::kPer32;
-  // ROPE: the angles of the pairs this lane rotates in the epilogue (one warp's lane 0 takes all
-  // of a KS == 1 warp's, lane j of the first of KS warps pair j / 2). Each is a few hundred
-  // double-precision instructions; with rope.early_angle they are worked out here, while the
-  // weights and the first activation words (asked into L1 first) are on their way, instead of in
-  // the epilogue, where the block holds its SM slot with no loads in flight.
-  constexpr int kPairs = ROPE && KS == 1 ? R / 2 : 1;
-  float rsf[kPairs], rcf[kPairs];
-  bool rrot[kPairs];
-#pragma unroll
-  for (int p = 0; p < kPairs; ++p) rsf[p] = 0.0f, rcf[p] = 1.0f, rrot[p] = false;
-  // The rope epilogue's angle of pair p at row (given early, or worked out now).
-  auto angle = [&](int p, int row) {
-    if (!rope.early_angle) rope_pair_angle(rope, part.index, row, rsf[p], rcf[p], rrot[p]);
-  };
-  if (ROPE && rope.early_angle) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + u * 32 + lane < n_pieces)
-        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ap + u * 32 * P::kActBytes));
-    }
-#pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      const int row = KS == 1 ? row0 + 2 * p : row0 + lane;
-      const bool mine = KS == 1 ? lane == 0 : ks == 0 && lane < R && lane % 2 == 0;
-      if (mine && row < part.n) rope_pair_angle(rope, part.index, row, rsf[p], rcf[p], rrot[p]);
-      // Here, not sunk to the epilogue that uses them.
-      asm volatile("" : "+f"(rsf[p]), "+f"(rcf[p]));
-    }
-  }
   // One round's dot products; a full round (every lane has all U pieces) without bounds checks,
   // which lets the activation loads of all columns be issued together.
   auto dot_round = [&](auto full) {
@@ -601,10 +572,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < R; j += 2) {
-        if (row0 + j < part.n) angle(j / 2, row0 + j);
         if (row0 + j < part.n)
-          rope_epilogue_pair_at(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1],
-                                rsf[j / 2], rcf[j / 2], rrot[j / 2]);
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]);
       }
     }
   }
@@ -617,10 +586,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         float v = 0.0f;
         for (int i = 0; i < KS; ++i) v += partial[warp + i][min(lane, R - 1)];
         const float next = __shfl_down_sync(0xffffffffu, v, 1);
-        if (lane < R && lane % 2 == 0 && row0 + lane < part.n) angle(0, row0 + lane);
         if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
-          rope_epilogue_pair_at(rope, part.index, part.n, part.dst, row0 + lane, v, next, rsf[0],
-                                rcf[0], rrot[0]);
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
       }
     } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
@@ -1974,7 +1941,7 @@ bool set_warp_rope_epilogue(bool on) { return std::exchange(warp_rope_epilogue_f
 bool warp_rope_epilogue_enabled() { return warp_rope_epilogue_flag() && rope_epilogue_flag(); }
 
 bool& rope_angle_early_flag() {
-  static bool on = env_int("GGRAPH_CUDA_ROPE_ANGLE_EARLY", 0, 1, 0) == 1;
+  static bool on = env_switch_on("GGRAPH_CUDA_ROPE_ANGLE_EARLY");
   return on;
 }
 bool set_rope_angle_early(bool on) { return std::exchange(rope_angle_early_flag(), on); }
