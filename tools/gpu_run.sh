@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build, test, sanitize, golden, bench, kernels, sweep, profile, steps, llamacpp, refbench,
-# batchbench, ab, abenv.
+# Stages: build (or prebuilt), test, sanitize, golden, bench, kernels, sweep, profile, steps,
+# llamacpp, refbench, batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
@@ -128,6 +128,13 @@ for stage in "$@"; do
       rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib
       cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp "$BUILD"/_core*.so /tmp/ggraph-py/ggraph/
       cp "$BUILD"/libggraph.so /tmp/ggraph-py/ggraph/lib/
+      ;;
+    prebuilt)
+      # The package and the CUDA op tests built on another machine for this one's Python
+      # (tools/prebuild.sh, carried as .carry/prebuilt): no build here.
+      rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib "$BUILD"
+      cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp .carry/prebuilt/_core*.so /tmp/ggraph-py/ggraph/
+      cp .carry/prebuilt/ggraph_cuda_tests "$BUILD"/ && chmod +x "$BUILD"/ggraph_cuda_tests
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"

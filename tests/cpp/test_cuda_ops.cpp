@@ -2385,7 +2385,8 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q5_K, 1536, 12, 2, 128, 128, false, 0, DType::Q6_K},
       {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0},
   };
-  // Each case with the epilogue's angles worked out at its end and after the wait.
+  // Each case with the rows kernels' angles worked out after their sums and while their loads
+  // are on their way (MatVecRope::early_angle).
   struct AngleEarly {
     bool was;
     explicit AngleEarly(bool on) : was(cuda::set_rope_angle_early(on)) {}
