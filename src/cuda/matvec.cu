@@ -753,7 +753,8 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
   }
   if (!folded) load_lane_act<TYPE, PL>(x, aq, ads, k, nb, n_pieces, lane);
   // With rope.early_angle, lane 0 works out the rope angles of rows g0.. while their weights or
-  // the activation are on their way (mat_vec_q_body's reason), not after their sums.
+  // the activation are on their way, not after their sums: each is a few hundred
+  // double-precision instructions, which there lie on the launch's critical path.
   constexpr int kPairs = ROPE ? R / 2 : 1;
   float rsf[kPairs], rcf[kPairs];
   bool rrot[kPairs];
