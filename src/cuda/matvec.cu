@@ -788,11 +788,10 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
           if (g < n_rows) {
             const int part = part_of(g);
             const int n = part == 0 ? n0 : part == 1 ? n1 : n2;
-            if (rope.early_angle)
-              rope_epilogue_pair_at(rope, first_part + part, n, dst[j], row[j], sums[j],
-                                    sums[j + 1], rsf[j / 2], rcf[j / 2], rrot[j / 2]);
-            else
-              rope_epilogue_pair(rope, first_part + part, n, dst[j], row[j], sums[j], sums[j + 1]);
+            if (!rope.early_angle)
+              rope_pair_angle(rope, first_part + part, row[j], rsf[j / 2], rcf[j / 2], rrot[j / 2]);
+            rope_epilogue_pair_at(rope, first_part + part, n, dst[j], row[j], sums[j], sums[j + 1],
+                                  rsf[j / 2], rcf[j / 2], rrot[j / 2]);
           }
         }
       }
