@@ -102,6 +102,14 @@ ab_turns() {
   done
 }
 
+# The Python package at /tmp/ggraph-py from the sources and DIR's extension (and its C library,
+# where DIR has one).
+install_package() {
+  rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib
+  cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp "$1"/_core*.so /tmp/ggraph-py/ggraph/
+  if [ -f "$1"/libggraph.so ]; then cp "$1"/libggraph.so /tmp/ggraph-py/ggraph/lib/; fi
+}
+
 # Waits (at most 450 s) for the llama.cpp build that stage llamacpp started, if it did.
 wait_llama_cpp() {
   [ -f /tmp/llama.cpp-build.log ] || return 0
@@ -125,16 +133,14 @@ for stage in "$@"; do
         cmake --build "$BUILD" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} \
           >>"$OUT/build.log" 2>&1 ||
         { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
-      rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib
-      cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp "$BUILD"/_core*.so /tmp/ggraph-py/ggraph/
-      cp "$BUILD"/libggraph.so /tmp/ggraph-py/ggraph/lib/
+      install_package "$BUILD"
       ;;
     prebuilt)
       # The package and the CUDA op tests built on another machine for this one's Python
       # (tools/prebuild.sh, carried as .carry/prebuilt): no build here.
-      rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib "$BUILD"
-      cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp .carry/prebuilt/_core*.so /tmp/ggraph-py/ggraph/
-      cp .carry/prebuilt/ggraph_cuda_tests "$BUILD"/ && chmod +x "$BUILD"/ggraph_cuda_tests
+      install_package .carry/prebuilt
+      mkdir -p "$BUILD" && cp .carry/prebuilt/ggraph_cuda_tests "$BUILD"/
+      chmod +x "$BUILD"/ggraph_cuda_tests
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
