@@ -903,6 +903,14 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
+    for (int t = 0; t < buf.n_rope_tables; ++t) {
+      const RopeTable& rt = buf.rope_tables[t];
+      if (rt.freq_base == r.freq_base && rt.freq_scale == r.freq_scale &&
+          rt.freq_factors == r.freq_factors && rt.n_dims == r.n_dims) {
+        r.table = rt.data;
+        r.table_rows = rt.rows;
+      }
+    }
     if (!launch_mat_vec_rope(l, type, v_type, parts, k, q8_at, r, f)) return false;
     fold_taken(f);
     for (int x : j) done[x] = 1;
@@ -1677,6 +1685,7 @@ class CudaBackend : public Backend {
       ensure(sample_work_, sample_work_bytes_, sample_workspace_bytes(graph), "sampling");
       plan_reuse(graph, &reuse_);
       prepare_blas(graph);
+      prepare_rope_tables(graph);
     }
 
     for (int i : reuse_.inputs) {
@@ -1703,6 +1712,8 @@ class CudaBackend : public Backend {
     buf.blas = blas_.get();
     buf.wdeq = static_cast<uint8_t*>(wdeq_);
     buf.wdeq_bytes = wdeq_bytes_;
+    buf.rope_tables = rope_tables_.data();
+    buf.n_rope_tables = static_cast<int>(rope_tables_.size());
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
@@ -1844,6 +1855,53 @@ class CudaBackend : public Backend {
     if (ensure(wdeq_, wdeq_bytes_, need, "weights decoded for cuBLAS")) forget_blas_graphs();
   }
 
+  // The rope angle tables of the graph's rope configurations (RopeTable), for positions up to
+  // its largest KV cache's rows and at most kRopeTableBytes each: made once, before any capture.
+  // Where the memory is short the kernels work their angles out instead.
+  static constexpr size_t kRopeTableBytes = size_t(16) << 20;
+  void prepare_rope_tables(const Graph& graph) {
+    int64_t rows = 0;
+    for (const Tensor* t : graph.nodes()) {
+      if (t->op == Op::KvStore && kv_target(t)) rows = std::max(rows, kv_target(t)->ne[1]);
+      if (t->op == Op::KvStoreSeqs) rows = std::max<int64_t>(rows, t->params[kKvSeqRows]);
+    }
+    for (const Tensor* t : graph.nodes()) {
+      if (t->op != Op::Rope || t->params[kRopeNDims] < 2 || rows == 0) continue;
+      RopeTable want;
+      want.freq_base = t->param_f(kRopeBase);
+      want.freq_scale = t->param_f(kRopeScale);
+      want.freq_factors = t->src[2] ? static_cast<const float*>(t->src[2]->data) : nullptr;
+      want.n_dims = t->params[kRopeNDims];
+      const int64_t per_row = int64_t(want.n_dims / 2) * sizeof(float2);
+      want.rows = static_cast<int>(std::min<int64_t>(rows, kRopeTableBytes / per_row));
+      bool have = false;
+      for (const RopeTable& h : rope_tables_)
+        have = have || (h.freq_base == want.freq_base && h.freq_scale == want.freq_scale &&
+                        h.freq_factors == want.freq_factors && h.n_dims == want.n_dims &&
+                        h.rows >= want.rows);
+      if (have || (want.freq_factors && t->src[2]->storage != Storage::Weight)) continue;
+      void* p = nullptr;
+      if (cudaMalloc(&p, size_t(want.rows) * per_row) != cudaSuccess) {
+        cudaGetLastError();  // no table: the kernels work the angles out
+        continue;
+      }
+      allocations_.push_back(p);
+      want.data = static_cast<float2*>(p);
+      launch_rope_table(want.data, want.rows, want.n_dims, want.freq_base, want.freq_scale,
+                        want.freq_factors, stream_);
+      // A smaller table of the same configuration gives way (its memory stays until the end).
+      rope_tables_.erase(std::remove_if(rope_tables_.begin(), rope_tables_.end(),
+                                        [&](const RopeTable& h) {
+                                          return h.freq_base == want.freq_base &&
+                                                 h.freq_scale == want.freq_scale &&
+                                                 h.freq_factors == want.freq_factors &&
+                                                 h.n_dims == want.n_dims;
+                                        }),
+                         rope_tables_.end());
+      rope_tables_.push_back(want);
+    }
+  }
+
   // cuBLAS's nodes in a captured graph keep the addresses they were captured with, and the
   // executor neither records nor patches them: when a buffer they read or write moves, every
   // executable is dropped (this happens on the first steps of a context, not in its run).
@@ -1917,6 +1975,7 @@ class CudaBackend : public Backend {
   size_t attn_counters_bytes_ = 0;
   void* sample_work_ = nullptr;  // the sample kernel's workspace
   size_t sample_work_bytes_ = 0;
+  std::vector<RopeTable> rope_tables_;  // prepare_rope_tables
 };
 
 }  // namespace

@@ -686,6 +686,29 @@ bool rope_split_on() {
 }
 }  // namespace
 
+namespace {
+__global__ void rope_table_kernel(float2* table, int rows, int n_dims, float freq_base,
+                                  float freq_scale, const float* freq_factors) {
+  const int half = n_dims / 2;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(rows) * half) return;
+  const int p = static_cast<int>(i / half), f = static_cast<int>(i % half);
+  float sf, cf;
+  rope_angle(p, f, n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+  table[i] = make_float2(sf, cf);
+}
+}  // namespace
+
+void launch_rope_table(float2* table, int rows, int n_dims, float freq_base, float freq_scale,
+                       const float* freq_factors, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(rows) * (n_dims / 2);
+  if (n <= 0) return;
+  constexpr int kThreads = 256;
+  rope_table_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      table, rows, n_dims, freq_base, freq_scale, freq_factors);
+  GGRAPH_CUDA_CHECK(cudaGetLastError());
+}
+
 int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
   return static_cast<int64_t>(n_head + n_head1 * (with_kv ? 2 : 1)) * (head_dim / 2);
 }

@@ -132,6 +132,15 @@ class Blas;
 
 // ---- Buffers a graph's kernels address --------------------------------------------------------
 
+// The rope angles of one configuration at positions [0, rows) (launch_rope_table), kept by the
+// backend for as long as it lives.
+struct RopeTable {
+  float freq_base = 0.0f, freq_scale = 1.0f;
+  const float* freq_factors = nullptr;
+  int n_dims = 0, rows = 0;
+  float2* data = nullptr;
+};
+
 struct DeviceBuffers {
   uint8_t* scratch = nullptr;
   uint8_t* input = nullptr;
@@ -145,6 +154,8 @@ struct DeviceBuffers {
   const Blas* blas = nullptr;         // cuBLAS for the prompt products it takes (blas.h), or none
   uint8_t* wdeq = nullptr;            // a chunk of a quantized weight decoded for it
   size_t wdeq_bytes = 0;
+  const RopeTable* rope_tables = nullptr;  // n_rope_tables of them (the rope configurations')
+  int n_rope_tables = 0;
 };
 
 // Device address of a tensor's data.
@@ -279,6 +290,11 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
                  const RopeKvStore* kv = nullptr, const float* freq_factors = nullptr,
                  float freq_scale = 1.0f, const RopeHeadNorm* norm = nullptr);
+// The rope angles of every pair at positions [0, rows): table[p * (n_dims / 2) + i] is pair i's
+// (sin, cos) at position p, rope_angle's bits. Filled once on `stream`, outside any capture, for
+// the kernels that read angles instead of working them out (MatVecRope::table).
+void launch_rope_table(float2* table, int rows, int n_dims, float freq_base, float freq_scale,
+                       const float* freq_factors, cudaStream_t stream);
 // Whether a rope launch of q (n_head heads) and k (n_head1) can take their head norms: one
 // token, every pair in one block (w0 or w1 may be null: that tensor is not normalized).
 constexpr int kRopeNormMaxPairs = 8192;
@@ -402,13 +418,19 @@ struct MatVecRope {
   float* k_out = nullptr;
   int head_dim = 0, n_dims = 0, rows = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
-  // 1: the register-resident rows kernels work out a row pair's angle while its loads are on
-  // their way, instead of after its sums (set by the launch: on unless
-  // GGRAPH_CUDA_ROPE_ANGLE_EARLY=0). The block-shaped products keep theirs at the end: early
-  // there measured 4% slower on the 7B shape (BENCHMARKS.md).
+  // 1: the register-resident rows kernels take a row pair's angle (from the table, or worked
+  // out) while its loads are on their way, instead of after its sums; the block-shaped products
+  // take theirs early only from the table (working it out early there measured 4% slower on the
+  // 7B shape, BENCHMARKS.md). Set by the launch: on unless GGRAPH_CUDA_ROPE_ANGLE_EARLY=0.
   int early_angle = 0;
+  // Each pair's (sin, cos) at positions [0, table_rows), n_dims / 2 pairs a position, as
+  // rope_angle gives them (launch_rope_table): a load instead of a few hundred double-precision
+  // instructions. Positions past it, or no table, work the angle out.
+  const float2* table = nullptr;
+  int table_rows = 0;
+  int unused = 0;  // keeps the struct free of padding
 };
-static_assert(sizeof(MatVecRope) == 7 * sizeof(void*) + 6 * 4, "MatVecRope has no padding");
+static_assert(sizeof(MatVecRope) == 8 * sizeof(void*) + 8 * 4, "MatVecRope has no padding");
 // One column of parts[0..2] (q, k, v; q and k in one quantized format, v in it too or in the
 // other of a pair launch_mat_vec_mixed takes; q's and k's rows whole heads, v's even in number)
 // with the rope epilogue. False, with nothing launched, where the formats or a forced kernel shape
@@ -422,6 +444,9 @@ bool set_rope_epilogue(bool on);
 // Test hook: the rope epilogue's angles early (MatVecRope::early_angle) or not; returns the
 // setting it replaced.
 bool set_rope_angle_early(bool on);
+// Test hook: the rope epilogue's angles from the table given it (MatVecRope::table; on unless
+// GGRAPH_CUDA_ROPE_TABLE=0) or worked out; returns the setting it replaced.
+bool set_rope_table(bool on);
 bool rope_epilogue_enabled();
 // The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): on unless
 // GGRAPH_CUDA_WARP_ROPE_EPILOGUE=0 (or this test hook, which returns the setting it replaced),

@@ -43,7 +43,7 @@ void prefer_carveout(const void* func);
 // decode step records hundreds of these and must not allocate.
 struct KernelLaunch {
   static constexpr int kMaxArgs = 24;
-  static constexpr int kMaxArgBytes = 256;
+  static constexpr int kMaxArgBytes = 320;
   const void* func = nullptr;
   dim3 grid, block;
   size_t smem = 0;

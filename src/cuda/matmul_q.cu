@@ -768,7 +768,7 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
 }
 
 // The rope epilogue's store of element (row, col) of part `part` (n rows, output dst), x its
-// sum and other its pair's (row ^ 1): rope_epilogue_pair's, for token col of several. freqs: the
+// sum and other its pair's (row ^ 1): rope_epilogue_pair_at's, for token col of several. freqs: the
 // pairs' rope_freq.
 __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double* freqs, int part,
                                               int n, float* dst, int row, int col, float x,
