@@ -862,6 +862,19 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return from >= 0;
   };
 
+  // The angle table of rope node r's configuration (prepare_rope_tables), or none.
+  auto rope_table_of = [&](const Tensor* r) -> const RopeTable* {
+    if (!rope_table_enabled()) return nullptr;
+    const float* factors = r->src[2] ? fptr(r->src[2]) : nullptr;
+    for (int t = 0; t < buf.n_rope_tables; ++t) {
+      const RopeTable& rt = buf.rope_tables[t];
+      if (rt.freq_base == r->param_f(kRopeBase) && rt.freq_scale == r->param_f(kRopeScale) &&
+          rt.freq_factors == factors && rt.n_dims == r->params[kRopeNDims])
+        return &rt;
+    }
+    return nullptr;
+  };
+
   // The rope epilogue of one token's q, k and v products (MatVecRope), whose nodes are
   // same[0..2] (already marked launched; v's weight in v_type): where the next four nodes to
   // launch are the ropes of q and k (normal mode, the same positions and parameters: ropes_pair;
@@ -903,13 +916,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);
     r.freq_base = rq->param_f(kRopeBase);
     r.freq_scale = rq->param_f(kRopeScale);
-    for (int t = 0; t < buf.n_rope_tables; ++t) {
-      const RopeTable& rt = buf.rope_tables[t];
-      if (rt.freq_base == r.freq_base && rt.freq_scale == r.freq_scale &&
-          rt.freq_factors == r.freq_factors && rt.n_dims == r.n_dims) {
-        r.table = rt.data;
-        r.table_rows = rt.rows;
-      }
+    if (const RopeTable* rt = rope_table_of(rq)) {
+      r.table = rt->data;
+      r.table_rows = rt->rows;
     }
     if (!launch_mat_vec_rope(l, type, v_type, parts, k, q8_at, r, f)) return false;
     fold_taken(f);
@@ -1300,6 +1309,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         const bool norms = hn != head_norms.end();
         if (norms && pair != nodes[next_op(i)])
           throw std::logic_error("launch_graph: head norms taken for ropes that did not pair");
+        const RopeTable* table = rope_table_of(t);
         launch_rope(l, fptr(norms ? hn->second.q_in : t->src[0]),
                     static_cast<const int32_t*>(ptr(t->src[1])), fptr(t), t->params[kRopeNHead],
                     t->params[kRopeHeadDim], t->params[kRopeNDims], t->params[kRopeMode],
@@ -1308,7 +1318,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
                     pair && !k_cache_only ? fptr(pair) : nullptr,
                     pair ? pair->params[kRopeNHead] : 0, with_kv ? &kv : nullptr,
                     t->src[2] ? fptr(t->src[2]) : nullptr, t->param_f(kRopeScale),
-                    norms ? &hn->second.norm : nullptr);
+                    norms ? &hn->second.norm : nullptr, table ? table->data : nullptr,
+                    table ? table->rows : 0);
         break;
       }
       case Op::KvStore: {

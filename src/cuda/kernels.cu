@@ -391,7 +391,8 @@ __device__ __forceinline__ void rope_write(const RopeSlot& r, float x0, float x1
   const float *src0, float *dst0, int n_head0, const float *src1, float *dst1, int n_head1,     \
       int head_dim, int n_dims, int mode, __half *k_cache, const float *v_src, __half *v_cache, \
       const int32_t *pos, float freq_base, const int32_t *first_row_at, int kv_rows,            \
-      const float *freq_factors, float freq_scale, const int32_t *slots
+      const float *freq_factors, float freq_scale, const int32_t *slots, const float2 *table,   \
+      int table_rows
 #define GGRAPH_ROPE_ARGS                                                                       \
   const RopeArgs a {                                                                           \
     src0, dst0, n_head0, src1, dst1, n_head1, head_dim, n_dims, mode, k_cache, v_src, v_cache, \
@@ -410,7 +411,8 @@ __global__ void rope_kernel(GGRAPH_ROPE_PARAMS) {
   const float x0 = r.x[r.i0], x1 = r.x[r.i1];
   float sf = 0.0f, cf = 1.0f;
   if (!r.copy && r.rotate)
-    rope_angle(pos[t], r.freq_i, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+    rope_angle_from(table, table_rows, pos[t], r.freq_i, a.n_dims, freq_base, freq_scale,
+                    freq_factors, sf, cf);
   rope_write(r, x0, x1, sf, cf);
 }
 
@@ -464,7 +466,8 @@ __global__ void __launch_bounds__(1024)
   }
   if (static_cast<int>(threadIdx.x) < half_dim) {
     float sf, cf;
-    rope_angle(pos[t], p, a.n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+    rope_angle_from(table, table_rows, pos[t], p, a.n_dims, freq_base, freq_scale, freq_factors, sf,
+                    cf);
     angle[p] = make_float2(sf, cf);
   }
   __syncthreads();
@@ -716,7 +719,8 @@ int64_t rope_slots(int n_head, int head_dim, int n_head1, bool with_kv) {
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1, float* dst1, int n_head1, const RopeKvStore* kv,
-                 const float* freq_factors, float freq_scale, const RopeHeadNorm* norm) {
+                 const float* freq_factors, float freq_scale, const RopeHeadNorm* norm,
+                 const float2* table, int table_rows) {
   if (!src1) n_head1 = 0;
   RopeArgs a{src,
              dst,
@@ -761,13 +765,13 @@ void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, 
       dim3(n_tokens, static_cast<unsigned>(split)), dim3(rope_token_threads(block_heads, head_dim)),
       0, a.src0, a.dst0, a.n_head0, a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode,
       a.k_cache, a.v_src, a.v_cache, pos, freq_base, first_row, a.kv_rows, freq_factors, freq_scale,
-      seq_slots, n_heads, split_heads, norm ? norm->w0 : nullptr, norm && src1 ? norm->w1 : nullptr,
-      norm ? norm->eps : 0.0f);
+      seq_slots, table, table_rows, n_heads, split_heads, norm ? norm->w0 : nullptr,
+      norm && src1 ? norm->w1 : nullptr, norm ? norm->eps : 0.0f);
     return;
   }
   l(rope_kernel, dim3(ceil_div(slots, 128), n_tokens), dim3(128), 0, a.src0, a.dst0, a.n_head0,
     a.src1, a.dst1, a.n_head1, a.head_dim, a.n_dims, a.mode, a.k_cache, a.v_src, a.v_cache, pos,
-    freq_base, first_row, a.kv_rows, freq_factors, freq_scale, seq_slots);
+    freq_base, first_row, a.kv_rows, freq_factors, freq_scale, seq_slots, table, table_rows);
 }
 
 bool rope_norm_fits(int n_tokens, int n_head, int n_head1, int head_dim) {

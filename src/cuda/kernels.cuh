@@ -284,12 +284,14 @@ struct RopeHeadNorm {
 };
 // With src1 given, also rotates src1 (n_head1 heads, the same positions) into dst1: q and k in
 // one launch; with kv given too, the K and V stores as well (dst1 may then be null: k rotated
-// into the cache only); with norm, the head norms too (one token only: rope_norm_fits).
+// into the cache only); with norm, the head norms too (one token only: rope_norm_fits). table:
+// the angles at positions [0, table_rows) (launch_rope_table), or none (worked out).
 void launch_rope(Launcher& l, const float* src, const int32_t* pos, float* dst, int n_head,
                  int head_dim, int n_dims, int mode, float freq_base, int n_tokens,
                  const float* src1 = nullptr, float* dst1 = nullptr, int n_head1 = 0,
                  const RopeKvStore* kv = nullptr, const float* freq_factors = nullptr,
-                 float freq_scale = 1.0f, const RopeHeadNorm* norm = nullptr);
+                 float freq_scale = 1.0f, const RopeHeadNorm* norm = nullptr,
+                 const float2* table = nullptr, int table_rows = 0);
 // The rope angles of every pair at positions [0, rows): table[p * (n_dims / 2) + i] is pair i's
 // (sin, cos) at position p, rope_angle's bits. Filled once on `stream`, outside any capture, for
 // the kernels that read angles instead of working them out (MatVecRope::table).
@@ -444,9 +446,11 @@ bool set_rope_epilogue(bool on);
 // Test hook: the rope epilogue's angles early (MatVecRope::early_angle) or not; returns the
 // setting it replaced.
 bool set_rope_angle_early(bool on);
-// Test hook: the rope epilogue's angles from the table given it (MatVecRope::table; on unless
-// GGRAPH_CUDA_ROPE_TABLE=0) or worked out; returns the setting it replaced.
+// Whether rope launches and the rope epilogue take their angles from the backend's tables
+// (RopeTable; on unless GGRAPH_CUDA_ROPE_TABLE=0) or work them out. Test hook: sets it,
+// returns the setting it replaced.
 bool set_rope_table(bool on);
+bool rope_table_enabled();
 bool rope_epilogue_enabled();
 // The same epilogue for several tokens on the warp-pipelined products (MatMulQRope): on unless
 // GGRAPH_CUDA_WARP_ROPE_EPILOGUE=0 (or this test hook, which returns the setting it replaced),

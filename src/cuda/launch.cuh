@@ -42,7 +42,7 @@ void prefer_carveout(const void* func);
 // One kernel launch with its arguments copied out, in launch order. Fixed-size storage: a
 // decode step records hundreds of these and must not allocate.
 struct KernelLaunch {
-  static constexpr int kMaxArgs = 24;
+  static constexpr int kMaxArgs = 32;
   static constexpr int kMaxArgBytes = 320;
   const void* func = nullptr;
   dim3 grid, block;

@@ -44,15 +44,9 @@ __device__ __forceinline__ void rope_pair_angle(const MatVecRope& r, int part, i
                                                 float& cf, bool& rotate) {
   const int i0 = row % r.head_dim;
   rotate = part != 2 && i0 < r.n_dims;
-  if (!rotate) return;
-  const int32_t p = *r.pos;
-  if (r.table && p >= 0 && p < r.table_rows) {
-    const float2 a = r.table[static_cast<int64_t>(p) * (r.n_dims / 2) + i0 / 2];
-    sf = a.x;
-    cf = a.y;
-  } else {
-    rope_angle(p, i0 / 2, r.n_dims, r.freq_base, r.freq_scale, r.freq_factors, sf, cf);
-  }
+  if (rotate)
+    rope_angle_from(r.table, r.table_rows, *r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale,
+                    r.freq_factors, sf, cf);
 }
 // The angle of that pair from the table, where the pair rotates and the table holds the
 // position: true, with (sf, cf) loaded; else false (rope_pair_angle gives it).
@@ -1987,13 +1981,13 @@ bool& rope_table_flag() {
   return on;
 }
 bool set_rope_table(bool on) { return std::exchange(rope_table_flag(), on); }
+bool rope_table_enabled() { return rope_table_flag(); }
 
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
                          const uint8_t* ws, const MatVecRope& given, const NormFold* fold) {
   if (!rope_epilogue_flag() || !is_quantized(type)) return false;
   MatVecRope rope = given;
   rope.early_angle = rope_angle_early_flag() ? 1 : 0;
-  if (!rope_table_flag()) rope.table = nullptr, rope.table_rows = 0;
   if (v_type != type) return mixed_pair(type, v_type, parts, 2, k, ws, &rope, fold, l);
   bool launched = false;
   with_weight_type(type, "mul_mat", [&](auto tc) {
