@@ -1014,6 +1014,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r->n_tokens = cols;
     r->freq_base = rq->param_f(kRopeBase);
     r->freq_scale = rq->param_f(kRopeScale);
+    if (const RopeTable* rt = rope_table_of(rq)) {
+      r->table = rt->data;
+      r->table_rows = rt->rows;
+    }
     for (int x : j) done[x] = 1;
     return true;
   };

@@ -567,7 +567,11 @@ struct MatMulQRope {
   float* q_out = nullptr;
   int head_dim = 0, n_dims = 0, rows = 0, n_tokens = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
+  const float2* table = nullptr;  // the angles at positions [0, table_rows), as MatVecRope's
+  int table_rows = 0;
+  int unused = 0;  // keeps the struct free of padding
 };
+static_assert(sizeof(MatMulQRope) == 8 * sizeof(void*) + 8 * 4, "MatMulQRope has no padding");
 void launch_mat_mul_q(Launcher& l, DType type, const MatMulQPart* parts, int n_parts, int64_t k,
                       const uint8_t* ws, int cols, float* partials, unsigned* counters,
                       const MatMulQRope* rope = nullptr);

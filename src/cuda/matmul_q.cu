@@ -768,8 +768,8 @@ __device__ __forceinline__ void qw_stage(const uint8_t* st, int lm_at, int lm_at
 }
 
 // The rope epilogue's store of element (row, col) of part `part` (n rows, output dst), x its
-// sum and other its pair's (row ^ 1): rope_epilogue_pair_at's, for token col of several. freqs: the
-// pairs' rope_freq.
+// sum and other its pair's (row ^ 1): rope_epilogue_pair_at's, for token col of several, the
+// angle from r.table where it holds the position, else from freqs (the pairs' rope_freq).
 __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double* freqs, int part,
                                               int n, float* dst, int row, int col, float x,
                                               float other) {
@@ -784,8 +784,14 @@ __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double
   float y = x;
   if (i0 < r.n_dims) {
     float sf, cf, y0, y1;
-    rope_angle_of(r.pos[col], freqs[i0 / 2], i0 / 2, r.n_dims, r.freq_scale, r.freq_factors, sf,
-                  cf);
+    const int32_t p = r.pos[col];
+    if (r.table && p >= 0 && p < r.table_rows) {
+      const float2 a = r.table[static_cast<int64_t>(p) * (r.n_dims / 2) + i0 / 2];
+      sf = a.x;
+      cf = a.y;
+    } else {
+      rope_angle_of(p, freqs[i0 / 2], i0 / 2, r.n_dims, r.freq_scale, r.freq_factors, sf, cf);
+    }
     if (row & 1) {
       rope_rotate(other, x, sf, cf, y0, y1);
       y = y1;
