@@ -692,6 +692,7 @@ bool rope_split_on() {
 namespace {
 __global__ void rope_table_kernel(float2* table, int rows, int n_dims, float freq_base,
                                   float freq_scale, const float* freq_factors) {
+  pdl_begin();  // a plain launch before any capture, but every kernel waits (DESIGN.md)
   const int half = n_dims / 2;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<int64_t>(rows) * half) return;

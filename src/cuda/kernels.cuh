@@ -421,9 +421,9 @@ struct MatVecRope {
   int head_dim = 0, n_dims = 0, rows = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
   // 1: the register-resident rows kernels take a row pair's angle (from the table, or worked
-  // out) while its loads are on their way, instead of after its sums; the block-shaped products
-  // take theirs early only from the table (working it out early there measured 4% slower on the
-  // 7B shape, BENCHMARKS.md). Set by the launch: on unless GGRAPH_CUDA_ROPE_ANGLE_EARLY=0.
+  // out) while its loads are on their way, instead of after its sums (set by the launch: on
+  // unless GGRAPH_CUDA_ROPE_ANGLE_EARLY=0). The block-shaped products keep theirs at the end:
+  // early there measured 4% slower on the 7B shape (BENCHMARKS.md).
   int early_angle = 0;
   // Each pair's (sin, cos) at positions [0, table_rows), n_dims / 2 pairs a position, as
   // rope_angle gives them (launch_rope_table): a load instead of a few hundred double-precision

@@ -48,19 +48,6 @@ __device__ __forceinline__ void rope_pair_angle(const MatVecRope& r, int part, i
     rope_angle_from(r.table, r.table_rows, *r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale,
                     r.freq_factors, sf, cf);
 }
-// The angle of that pair from the table, where the pair rotates and the table holds the
-// position: true, with (sf, cf) loaded; else false (rope_pair_angle gives it).
-__device__ __forceinline__ bool rope_pair_table(const MatVecRope& r, int part, int row, float& sf,
-                                                float& cf) {
-  const int i0 = row % r.head_dim;
-  if (part == 2 || i0 >= r.n_dims || !r.table) return false;
-  const int32_t p = *r.pos;
-  if (p < 0 || p >= r.table_rows) return false;
-  const float2 a = r.table[static_cast<int64_t>(p) * (r.n_dims / 2) + i0 / 2];
-  sf = a.x;
-  cf = a.y;
-  return true;
-}
 // The same with the angle given (rope_pair_angle's).
 __device__ __forceinline__ void rope_epilogue_pair_at(const MatVecRope& r, int part, int n,
                                                       float* dst, int row, float x0, float x1,
@@ -84,6 +71,15 @@ __device__ __forceinline__ void rope_epilogue_pair_at(const MatVecRope& r, int p
     c[0] = __float2half_rn(y0);
     c[1] = __float2half_rn(y1);
   }
+}
+
+// The pair's angle and epilogue, one after the other (the block kernels, after their sums).
+__device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
+                                                   int row, float x0, float x1) {
+  float sf = 0.0f, cf = 1.0f;
+  bool rotate = false;
+  rope_pair_angle(r, part, row, sf, cf, rotate);
+  rope_epilogue_pair_at(r, part, n, dst, row, x0, x1, sf, cf, rotate);
 }
 
 // ---- Quantized mat-vec ------------------------------------------------------------------------
@@ -443,7 +439,7 @@ __device__ __forceinline__ void piece_dot(const PieceRegs<TYPE>& r, int j, const
 }
 
 // Block part.local_block of a part's mat-vec: the body of mat_vec_q_kernel and of the mixed
-// kernel below. ROPE (one column, R even): the rows' pairs go through rope_epilogue_pair_at.
+// kernel below. ROPE (one column, R even): the rows' pairs go through rope_epilogue_pair.
 template <int TYPE, int NCOLS, int R, int U, int KS, bool ROPE = false>
 __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, const int8_t* aq,
                                                const float2* ads, int64_t k, int overlap,
@@ -525,30 +521,6 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
   pdl_wait();
   if (early) pdl_trigger();
   if (!prefetch && base < n_pieces) load();
-  // ROPE: the threads of the epilogue (lane 0 for its warp's pairs, or with k splits the even
-  // lanes below R of the first warp of a row group, a pair each) take their pairs' angles from
-  // the table while the loads are on their way (rope.early_angle); the rest work theirs out at
-  // the end.
-  constexpr int kEp = ROPE && KS == 1 ? R / 2 : 1;
-  float esf[kEp], ecf[kEp];
-  bool etab[kEp];
-  auto ep_row = [&](int e) { return KS == 1 ? row0 + 2 * e : row0 + lane; };
-  if constexpr (ROPE) {
-    const bool ep = KS == 1 ? lane == 0 : ks == 0 && lane < R && lane % 2 == 0;
-#pragma unroll
-    for (int e = 0; e < kEp; ++e) {
-      etab[e] = false;
-      if (rope.early_angle && ep && ep_row(e) < part.n)
-        etab[e] = rope_pair_table(rope, part.index, ep_row(e), esf[e], ecf[e]);
-    }
-  }
-  // The epilogue of the pair at ep_row(e) whose sums are x0 and x1.
-  auto rope_pair = [&](int e, float x0, float x1) {
-    float sf = esf[e], cf = ecf[e];
-    bool rotate = true;
-    if (!etab[e]) rope_pair_angle(rope, part.index, ep_row(e), sf, cf, rotate);
-    rope_epilogue_pair_at(rope, part.index, part.n, part.dst, ep_row(e), x0, x1, sf, cf, rotate);
-  };
   const int8_t* ap = aq + static_cast<int64_t>(base + lane) * P::kActBytes;
   const float2* dp = ads + (base + lane) / P::kPer32;
   // One round's dot products; a full round (every lane has all U pieces) without bounds checks,
@@ -604,7 +576,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < R; j += 2) {
-        if (row0 + j < part.n) rope_pair(j / 2, sums[j], sums[j + 1]);
+        if (row0 + j < part.n)
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]);
       }
     }
   }
@@ -617,7 +590,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         float v = 0.0f;
         for (int i = 0; i < KS; ++i) v += partial[warp + i][min(lane, R - 1)];
         const float next = __shfl_down_sync(0xffffffffu, v, 1);
-        if (lane < R && lane % 2 == 0 && row0 + lane < part.n) rope_pair(0, v, next);
+        if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
       }
     } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
