@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build (or prebuilt), test, sanitize, golden, bench, kernels, sweep, profile, steps,
+# Stages: build (or prebuilt), test (or quicktest), sanitize, golden, bench, kernels, sweep, profile, steps,
 # llamacpp, refbench, batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
 # Gemma 3 270M files may arrive in pieces over several calls (`tools/split_model.sh`, then carry
 # .pieces/NAME.partNN and .pieces/NAME.sha256; see assemble below). llama.cpp's source for the
-# reference benchmarks comes as .carry/llama.cpp-src.tar.xz.
+# reference benchmarks comes as .carry/llama.cpp-src.tar.xz (tools/llama_cpp_src.sh makes it).
 # REFBENCH_MODELS may name /tmp/gemma3-shape.gguf: Gemma 3 270M's shape and formats, random
 # weights (tools/gemma3_shape.py), made there.
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
@@ -153,6 +153,16 @@ for stage in "$@"; do
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_graphs.py \
         tests/python/test_cuda_backend.py tests/python/test_archs.py 2>&1 |
         tee "$OUT/pytest-cuda.log" | tail -30
+      ;;
+    quicktest)
+      # The op suite but the products' long sweep (CudaOps.MulMat*), and the CUDA Python tests:
+      # about 100 s, for a change that leaves the product kernels alone.
+      "$BUILD"/ggraph_cuda_tests --gtest_filter='-CudaOps.MulMat*' >"$OUT/op-suite.log" 2>&1
+      grep -E '^\[  (PASSED|FAILED) ' "$OUT/op-suite.log"
+      grep -B3 -A12 'Failure' "$OUT/op-suite.log" | head -60
+      python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda_graphs.py \
+        tests/python/test_cuda_backend.py tests/python/test_archs.py 2>&1 |
+        tee "$OUT/pytest-cuda.log" | tail -5
       ;;
     golden)
       python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_golden.py \
