@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build (or prebuilt), test (or quicktest), sanitize, golden, bench, kernels, sweep, profile, steps,
-# llamacpp, refbench, batchbench, ab, abenv.
+# Stages: build (or prebuilt), test (or quicktest), sanitize, golden, bench, kernels, sweep,
+# profile, steps, llamacpp, refbench, batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
