@@ -183,8 +183,39 @@ void bench_vnni_peak(double min_s) {
       "  8-bit dots (vpdpbusd, 512 bits), the tiles' ceiling  %7.1f GFLOP/s  (checksum %d)\n",
       2.0 * 64 * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
 }
+// The same for the AVX2 tiles: vpmaddubsw (32 byte products summed in pairs) with its 16-bit
+// add, 8 independent chains; an AVX2 tile also widens, scales and unpacks between these.
+__attribute__((target("avx2"))) int maddubs_steps(int seed) {
+  __m256i acc[kVnniChains];
+  for (int j = 0; j < kVnniChains; ++j) acc[j] = _mm256_set1_epi16(short(seed + j));
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);
+  for (int i = 0; i < kVnniSteps; ++i) {
+    for (int j = 0; j < kVnniChains; ++j)
+      acc[j] = _mm256_add_epi16(acc[j], _mm256_maddubs_epi16(a, b));
+    asm volatile(""
+                 : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]), "+x"(acc[4]),
+                   "+x"(acc[5]), "+x"(acc[6]), "+x"(acc[7]));
+  }
+  alignas(32) int16_t lanes[16];
+  int sum = 0;
+  for (int j = 0; j < kVnniChains; ++j) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[j]);
+    sum += lanes[0];
+  }
+  return sum;
+}
+void bench_maddubs_peak(double min_s) {
+  if (!__builtin_cpu_supports("avx2")) return;
+  int sink = 0;
+  const double t = time_per_call([&] { sink += maddubs_steps(sink & 1); }, min_s);
+  std::printf(
+      "  8-bit dots (vpmaddubsw, 256 bits), the AVX2 tiles' ceiling %7.1f GFLOP/s  (checksum "
+      "%d)\n",
+      2.0 * 32 * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
+}
 #else
 void bench_vnni_peak(double) {}
+void bench_maddubs_peak(double) {}
 #endif
 
 // Mat-vec over `copies` distinct matrices in turn, so that with enough copies the weights come
@@ -340,6 +371,7 @@ int main(int argc, char** argv) {
 
   std::printf("tiles of every format, 1 thread (k=1536, 576 rows, tiles 64x4 and 64x8):\n");
   bench_vnni_peak(min_s);
+  bench_maddubs_peak(min_s);
   for (DType t : {DType::Q4_0, DType::Q5_0, DType::Q8_0, DType::IQ4_NL, DType::Q2_K, DType::Q3_K,
                   DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS}) {
     for (int nc : {4, 8}) bench_tiles(t, 1536, 576, 64, nc, min_s, rng);
