@@ -1849,10 +1849,14 @@ struct LayerGraph {
 
   std::vector<cuda::KernelLaunch> launches() const { return launches_of_graph(g); }
 
-  // The launches a planned graph makes, recorded without running (fake device addresses).
-  static std::vector<cuda::KernelLaunch> launches_of_graph(const Graph& g) {
+  // The launches a planned graph makes, recorded without running (fake device addresses), with
+  // the backend's rope angle tables given (or none).
+  static std::vector<cuda::KernelLaunch> launches_of_graph(
+      const Graph& g, const std::vector<cuda::RopeTable>& rope_tables = {}) {
     cuda::validate_graph(g);
     cuda::DeviceBuffers buf;
+    buf.rope_tables = rope_tables.data();
+    buf.n_rope_tables = static_cast<int>(rope_tables.size());
     buf.scratch = reinterpret_cast<uint8_t*>(uintptr_t(0x7000000000));
     buf.input = reinterpret_cast<uint8_t*>(uintptr_t(0x7100000000));
     buf.act = reinterpret_cast<uint8_t*>(uintptr_t(0x7200000000));
@@ -2292,6 +2296,55 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   EXPECT_EQ(count(normal(false, DType::Q8_0)).second, 1);
   RopeEpilogueOff off;
   EXPECT_EQ(count(normal(true)), std::make_pair(1, 1));
+}
+
+// Rope launches and the q/k/v epilogues read the backend's angle table of their configuration
+// (base, scale, factors, rotated dimensions): one token's epilogue, a NeoX rope's launch, a
+// prompt chunk's warp-pipelined epilogue; none with another configuration's table only, nor with
+// the tables switched off.
+TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
+  WarpRopeEpilogueOn warp;
+  const auto* fake = reinterpret_cast<float2*>(uintptr_t(0x7600000000));
+  auto table = [&](float base) {
+    cuda::RopeTable t;
+    t.freq_base = base;
+    t.n_dims = 64;
+    t.rows = 1024;
+    t.data = const_cast<float2*>(fake);
+    return t;
+  };
+  // Launches whose arguments hold the table's address, at the nodes of one layer's products and
+  // ropes.
+  auto reading = [&](const LayerGraph& lg, const std::vector<cuda::RopeTable>& tables) {
+    int n = 0;
+    for (const cuda::KernelLaunch& k : LayerGraph::launches_of_graph(lg.g, tables)) {
+      for (int at = 0; at + 8 <= k.arg_bytes; at += 8)
+        if (std::memcmp(k.args + at, &fake, 8) == 0) {
+          ++n;
+          break;
+        }
+    }
+    return n;
+  };
+  struct Case {
+    const char* what;
+    LayerGraph lg;
+  };
+  Case cases[] = {
+      {"one token, normal ropes (the q/k/v epilogue)",
+       LayerGraph(1, 20, true, false, DType::Q4_1, DType::Q4_1, kRopeNormal)},
+      {"one token, NeoX ropes (their launch)", LayerGraph(1, 20, true)},
+      {"four tokens, normal ropes (the warp-pipelined epilogue)",
+       LayerGraph(4, 20, true, false, DType::Q4_1, DType::Q4_1, kRopeNormal)},
+  };
+  for (const Case& c : cases) {
+    // Two layers, each with its rope launch or epilogue.
+    EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 2) << c.what;
+    EXPECT_EQ(reading(c.lg, {table(500000.0f)}), 0) << c.what;
+    const bool was = cuda::set_rope_table(false);
+    EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 0) << c.what << " (tables off)";
+    cuda::set_rope_table(was);
+  }
 }
 
 // One token's gate and up products (one quantized format) take the glu after them into their
