@@ -1872,9 +1872,10 @@ class CudaBackend : public Backend {
 
   // The rope angle tables of the graph's rope configurations (RopeTable), for positions up to
   // its largest KV cache's rows and at most kRopeTableBytes each: made once, before any capture.
-  // Where the memory is short the kernels work their angles out instead.
+  // Where the memory is short, or the tables are off, the kernels work their angles out.
   static constexpr size_t kRopeTableBytes = size_t(16) << 20;
   void prepare_rope_tables(const Graph& graph) {
+    if (!rope_table_enabled()) return;
     int64_t rows = 0;
     for (const Tensor* t : graph.nodes()) {
       if (t->op == Op::KvStore && kv_target(t)) rows = std::max(rows, kv_target(t)->ne[1]);

@@ -2304,6 +2304,10 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
 // the tables switched off.
 TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
   WarpRopeEpilogueOn warp;
+  struct TablesOn {
+    bool was = cuda::set_rope_table(true);
+    ~TablesOn() { cuda::set_rope_table(was); }
+  } tables_on;
   const auto* fake = reinterpret_cast<float2*>(uintptr_t(0x7600000000));
   auto table = [&](float base) {
     cuda::RopeTable t;
@@ -2341,9 +2345,9 @@ TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
     // Two layers, each with its rope launch or epilogue.
     EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 2) << c.what;
     EXPECT_EQ(reading(c.lg, {table(500000.0f)}), 0) << c.what;
-    const bool was = cuda::set_rope_table(false);
+    cuda::set_rope_table(false);
     EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 0) << c.what << " (tables off)";
-    cuda::set_rope_table(was);
+    cuda::set_rope_table(true);
   }
 }
 
@@ -2417,7 +2421,6 @@ TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
 // lane; blocks of rows with two and four warps a row, and one), partial rotation, rope factors
 // and a ring (its position past the angle table's rows: worked out).
 TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
-  std::mt19937 rng(41);
   struct Case {
     DType type;
     int n_embd, n_head, n_head_kv, hd, n_dims;
@@ -2439,7 +2442,9 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0},
   };
   // Each case with the rows kernels' angles taken after their sums and while their loads are on
-  // their way (MatVecRope::early_angle), each from the backend's angle table and worked out.
+  // their way (MatVecRope::early_angle), each from the backend's angle table and worked out:
+  // the same inputs, and every one of the four the same bits (the table's angles are the
+  // worked-out ones).
   struct AngleEarly {
     bool was;
     explicit AngleEarly(bool on) : was(cuda::set_rope_angle_early(on)) {}
@@ -2450,8 +2455,11 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     explicit AngleTable(bool on) : was(cuda::set_rope_table(on)) {}
     ~AngleTable() { cuda::set_rope_table(was); }
   };
+  std::vector<float> first_out;
+  std::vector<uint8_t> first_k, first_v;
   for (int run = 0; run < 4 * int(std::size(cases)); ++run) {
     const Case& c = cases[run / 4];
+    std::mt19937 rng(41 + run / 4);
     const AngleEarly early(run % 2 == 1);
     const AngleTable table(run % 4 < 2);
     const int kv_w = c.n_head_kv * c.hd, n_past = c.ring > 0 ? 1000 : 37;
@@ -2503,6 +2511,17 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     EXPECT_TRUE(kf == ku) << "K cache: " << what;
     EXPECT_TRUE(vf == vu) << "V cache: " << what;
     EXPECT_FALSE(kf == k0) << "the K store ran: " << what;
+    if (run % 4 == 0) {
+      first_out = fused;
+      first_k = kf;
+      first_v = vf;
+    } else {
+      ASSERT_EQ(fused.size(), first_out.size()) << what;
+      EXPECT_EQ(std::memcmp(fused.data(), first_out.data(), fused.size() * sizeof(float)), 0)
+          << "against the case's first run: " << what;
+      EXPECT_TRUE(kf == first_k) << "K cache against the case's first run: " << what;
+      EXPECT_TRUE(vf == first_v) << "V cache against the case's first run: " << what;
+    }
     // Against the CPU, so that both paths being wrong alike would show: the K and V rows this
     // token stored. (Not the attention's output: these weights give scores in the tens of
     // thousands, whose argmax the two devices' rounding can flip.)
