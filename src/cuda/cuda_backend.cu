@@ -73,6 +73,21 @@ const Tensor* cache_of(const Tensor* t) { return t->op == Op::KvStore ? kv_targe
 
 size_t elem_size(DType t) { return block_bytes(t); }
 
+// Rope node t's configuration, the key of its angle table (RopeTable; rows and data unset), with
+// its frequency factors at `factors` (none: null).
+RopeTable rope_config(const Tensor* t, const float* factors) {
+  RopeTable c;
+  c.freq_base = t->param_f(kRopeBase);
+  c.freq_scale = t->param_f(kRopeScale);
+  c.freq_factors = factors;
+  c.n_dims = t->params[kRopeNDims];
+  return c;
+}
+bool same_rope_config(const RopeTable& a, const RopeTable& b) {
+  return a.freq_base == b.freq_base && a.freq_scale == b.freq_scale &&
+         a.freq_factors == b.freq_factors && a.n_dims == b.n_dims;
+}
+
 // How far ahead a mat-vec looks for others of the same activation to launch with it.
 constexpr int kGroupWindow = 6;
 
@@ -865,12 +880,9 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // The angle table of rope node r's configuration (prepare_rope_tables), or none.
   auto rope_table_of = [&](const Tensor* r) -> const RopeTable* {
     if (!rope_table_enabled()) return nullptr;
-    const float* factors = r->src[2] ? fptr(r->src[2]) : nullptr;
+    const RopeTable want = rope_config(r, r->src[2] ? fptr(r->src[2]) : nullptr);
     for (int t = 0; t < buf.n_rope_tables; ++t) {
-      const RopeTable& rt = buf.rope_tables[t];
-      if (rt.freq_base == r->param_f(kRopeBase) && rt.freq_scale == r->param_f(kRopeScale) &&
-          rt.freq_factors == factors && rt.n_dims == r->params[kRopeNDims])
-        return &rt;
+      if (same_rope_config(buf.rope_tables[t], want)) return &buf.rope_tables[t];
     }
     return nullptr;
   };
@@ -1883,18 +1895,13 @@ class CudaBackend : public Backend {
     }
     for (const Tensor* t : graph.nodes()) {
       if (t->op != Op::Rope || t->params[kRopeNDims] < 2 || rows == 0) continue;
-      RopeTable want;
-      want.freq_base = t->param_f(kRopeBase);
-      want.freq_scale = t->param_f(kRopeScale);
-      want.freq_factors = t->src[2] ? static_cast<const float*>(t->src[2]->data) : nullptr;
-      want.n_dims = t->params[kRopeNDims];
+      RopeTable want =
+          rope_config(t, t->src[2] ? static_cast<const float*>(t->src[2]->data) : nullptr);
       const int64_t per_row = int64_t(want.n_dims / 2) * sizeof(float2);
       want.rows = static_cast<int>(std::min<int64_t>(rows, kRopeTableBytes / per_row));
       bool have = false;
       for (const RopeTable& h : rope_tables_)
-        have = have || (h.freq_base == want.freq_base && h.freq_scale == want.freq_scale &&
-                        h.freq_factors == want.freq_factors && h.n_dims == want.n_dims &&
-                        h.rows >= want.rows);
+        have = have || (same_rope_config(h, want) && h.rows >= want.rows);
       if (have || (want.freq_factors && t->src[2]->storage != Storage::Weight)) continue;
       void* p = nullptr;
       if (cudaMalloc(&p, size_t(want.rows) * per_row) != cudaSuccess) {
@@ -1906,14 +1913,10 @@ class CudaBackend : public Backend {
       launch_rope_table(want.data, want.rows, want.n_dims, want.freq_base, want.freq_scale,
                         want.freq_factors, stream_);
       // A smaller table of the same configuration gives way (its memory stays until the end).
-      rope_tables_.erase(std::remove_if(rope_tables_.begin(), rope_tables_.end(),
-                                        [&](const RopeTable& h) {
-                                          return h.freq_base == want.freq_base &&
-                                                 h.freq_scale == want.freq_scale &&
-                                                 h.freq_factors == want.freq_factors &&
-                                                 h.n_dims == want.n_dims;
-                                        }),
-                         rope_tables_.end());
+      rope_tables_.erase(
+          std::remove_if(rope_tables_.begin(), rope_tables_.end(),
+                         [&](const RopeTable& h) { return same_rope_config(h, want); }),
+          rope_tables_.end());
       rope_tables_.push_back(want);
     }
   }

@@ -221,19 +221,24 @@ __device__ __forceinline__ void rope_angle(int32_t pos, int freq_i, int n_dims, 
                 sf, cf);
 }
 
-// rope_angle's (sin, cos) from a table of them (launch_rope_table: n_dims / 2 pairs a position,
-// positions [0, table_rows)) where it holds pos, else worked out.
+// rope_angle's (sin, cos) of pair freq_i at pos from a table of them (launch_rope_table: n_dims / 2
+// pairs a position, positions [0, table_rows)): whether the table holds it.
+__device__ __forceinline__ bool rope_angle_in_table(const float2* table, int table_rows,
+                                                    int32_t pos, int freq_i, int n_dims, float& sf,
+                                                    float& cf) {
+  if (!table || pos < 0 || pos >= table_rows || 2 * freq_i >= n_dims) return false;
+  const float2 a = table[static_cast<int64_t>(pos) * (n_dims / 2) + freq_i];
+  sf = a.x;
+  cf = a.y;
+  return true;
+}
+// The same angle from the table where it holds pos, else worked out.
 __device__ __forceinline__ void rope_angle_from(const float2* table, int table_rows, int32_t pos,
                                                 int freq_i, int n_dims, float freq_base,
                                                 float freq_scale, const float* freq_factors,
                                                 float& sf, float& cf) {
-  if (table && pos >= 0 && pos < table_rows && 2 * freq_i < n_dims) {
-    const float2 a = table[static_cast<int64_t>(pos) * (n_dims / 2) + freq_i];
-    sf = a.x;
-    cf = a.y;
-    return;
-  }
-  rope_angle(pos, freq_i, n_dims, freq_base, freq_scale, freq_factors, sf, cf);
+  if (!rope_angle_in_table(table, table_rows, pos, freq_i, n_dims, sf, cf))
+    rope_angle(pos, freq_i, n_dims, freq_base, freq_scale, freq_factors, sf, cf);
 }
 
 // The rotation of a rope pair by the angle of (sf, cf): each product and sum rounded on its own

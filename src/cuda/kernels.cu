@@ -687,9 +687,7 @@ bool rope_split_on() {
   static const bool on = env_switch_on("GGRAPH_CUDA_ROPE_SPLIT");
   return on;
 }
-}  // namespace
 
-namespace {
 __global__ void rope_table_kernel(float2* table, int rows, int n_dims, float freq_base,
                                   float freq_scale, const float* freq_factors) {
   pdl_begin();  // a plain launch before any capture, but every kernel waits (DESIGN.md)
@@ -708,7 +706,7 @@ void launch_rope_table(float2* table, int rows, int n_dims, float freq_base, flo
   const int64_t n = static_cast<int64_t>(rows) * (n_dims / 2);
   if (n <= 0) return;
   constexpr int kThreads = 256;
-  rope_table_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+  rope_table_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(
       table, rows, n_dims, freq_base, freq_scale, freq_factors);
   GGRAPH_CUDA_CHECK(cudaGetLastError());
 }

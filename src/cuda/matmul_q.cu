@@ -785,13 +785,8 @@ __device__ __forceinline__ void qw_rope_store(const MatMulQRope& r, const double
   if (i0 < r.n_dims) {
     float sf, cf, y0, y1;
     const int32_t p = r.pos[col];
-    if (r.table && p >= 0 && p < r.table_rows) {
-      const float2 a = r.table[static_cast<int64_t>(p) * (r.n_dims / 2) + i0 / 2];
-      sf = a.x;
-      cf = a.y;
-    } else {
+    if (!rope_angle_in_table(r.table, r.table_rows, p, i0 / 2, r.n_dims, sf, cf))
       rope_angle_of(p, freqs[i0 / 2], i0 / 2, r.n_dims, r.freq_scale, r.freq_factors, sf, cf);
-    }
     if (row & 1) {
       rope_rotate(other, x, sf, cf, y0, y1);
       y = y1;

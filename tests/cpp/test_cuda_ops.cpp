@@ -1980,6 +1980,14 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
 }
 
+// A switch of the CUDA backend (one of its test hooks: sets it, returns the setting it replaced)
+// set for a scope.
+template <bool (*kSet)(bool)>
+struct Switched {
+  bool was;
+  explicit Switched(bool on) : was(kSet(on)) {}
+  ~Switched() { kSet(was); }
+};
 // The rope epilogues off for a test's scope.
 struct RopeEpilogueOff {
   bool was = cuda::set_rope_epilogue(false);
@@ -2304,10 +2312,7 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
 // the tables switched off.
 TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
   WarpRopeEpilogueOn warp;
-  struct TablesOn {
-    bool was = cuda::set_rope_table(true);
-    ~TablesOn() { cuda::set_rope_table(was); }
-  } tables_on;
+  const Switched<cuda::set_rope_table> tables_on(true);
   const auto* fake = reinterpret_cast<float2*>(uintptr_t(0x7600000000));
   auto table = [&](float base) {
     cuda::RopeTable t;
@@ -2345,9 +2350,8 @@ TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
     // Two layers, each with its rope launch or epilogue.
     EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 2) << c.what;
     EXPECT_EQ(reading(c.lg, {table(500000.0f)}), 0) << c.what;
-    cuda::set_rope_table(false);
+    const Switched<cuda::set_rope_table> off(false);
     EXPECT_EQ(reading(c.lg, {table(10000.0f)}), 0) << c.what << " (tables off)";
-    cuda::set_rope_table(true);
   }
 }
 
@@ -2445,23 +2449,13 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
   // their way (MatVecRope::early_angle), each from the backend's angle table and worked out:
   // the same inputs, and every one of the four the same bits (the table's angles are the
   // worked-out ones).
-  struct AngleEarly {
-    bool was;
-    explicit AngleEarly(bool on) : was(cuda::set_rope_angle_early(on)) {}
-    ~AngleEarly() { cuda::set_rope_angle_early(was); }
-  };
-  struct AngleTable {
-    bool was;
-    explicit AngleTable(bool on) : was(cuda::set_rope_table(on)) {}
-    ~AngleTable() { cuda::set_rope_table(was); }
-  };
   std::vector<float> first_out;
   std::vector<uint8_t> first_k, first_v;
   for (int run = 0; run < 4 * int(std::size(cases)); ++run) {
     const Case& c = cases[run / 4];
     std::mt19937 rng(41 + run / 4);
-    const AngleEarly early(run % 2 == 1);
-    const AngleTable table(run % 4 < 2);
+    const Switched<cuda::set_rope_angle_early> early(run % 2 == 1);
+    const Switched<cuda::set_rope_table> table(run % 4 < 2);
     const int kv_w = c.n_head_kv * c.hd, n_past = c.ring > 0 ? 1000 : 37;
     const int rows = c.ring > 0 ? c.ring : n_past + 8, window = c.ring > 0 ? 64 : 0;
     const std::string what = std::string(type_name(c.type)) + "/" + type_name(c.v_type) +
