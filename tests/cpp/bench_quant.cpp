@@ -153,10 +153,21 @@ void bench_stream(double min_s) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// The 8-bit dot instruction's own rate on this core (vpdpbusd on 512-bit registers, 8
-// independent chains, 64 multiply-adds each): the ceiling of the AVX512-VNNI tiles, to judge
-// their GFLOP/s against. Nothing where the CPU lacks it. Returns a checksum of the chains.
+// The 8-bit dot instructions' own rates on this core, 8 independent chains: the ceilings of
+// the tiles, to judge their GFLOP/s against. Each steps function returns a checksum of its
+// chains: their first lanes summed.
 constexpr int kVnniChains = 8, kVnniSteps = 1 << 16;
+template <typename Lane, typename V>
+int first_lanes(const V (&acc)[kVnniChains]) {
+  int sum = 0;
+  for (const V& v : acc) {
+    Lane lane;
+    std::memcpy(&lane, &v, sizeof lane);
+    sum += lane;
+  }
+  return sum;
+}
+// The AVX512-VNNI tiles': vpdpbusd on 512-bit registers, 64 multiply-adds each.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) int vnni_steps(int seed) {
   __m512i acc[kVnniChains];
   for (int j = 0; j < kVnniChains; ++j) acc[j] = _mm512_set1_epi32(seed + j);
@@ -167,24 +178,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) int vnni_steps(i
                  : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]),
                    "+v"(acc[5]), "+v"(acc[6]), "+v"(acc[7]));
   }
-  alignas(64) int32_t lanes[16];
-  int sum = 0;
-  for (int j = 0; j < kVnniChains; ++j) {
-    _mm512_store_si512(lanes, acc[j]);
-    sum += lanes[0];
-  }
-  return sum;
+  return first_lanes<int32_t>(acc);
 }
-void bench_vnni_peak(double min_s) {
-  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return;
-  int sink = 0;
-  const double t = time_per_call([&] { sink += vnni_steps(sink & 1); }, min_s);
-  std::printf(
-      "  8-bit dots (vpdpbusd, 512 bits), the tiles' ceiling  %7.1f GFLOP/s  (checksum %d)\n",
-      2.0 * 64 * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
-}
-// The same for the AVX2 tiles: vpmaddubsw (32 byte products summed in pairs) with its 16-bit
-// add, 8 independent chains; an AVX2 tile also widens, scales and unpacks between these.
+// The AVX2 tiles': vpmaddubsw (32 byte products summed in pairs) with its 16-bit add; an AVX2
+// tile also widens, scales and unpacks between these.
 __attribute__((target("avx2"))) int maddubs_steps(int seed) {
   __m256i acc[kVnniChains];
   for (int j = 0; j < kVnniChains; ++j) acc[j] = _mm256_set1_epi16(short(seed + j));
@@ -196,22 +193,23 @@ __attribute__((target("avx2"))) int maddubs_steps(int seed) {
                  : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]), "+x"(acc[4]),
                    "+x"(acc[5]), "+x"(acc[6]), "+x"(acc[7]));
   }
-  alignas(32) int16_t lanes[16];
-  int sum = 0;
-  for (int j = 0; j < kVnniChains; ++j) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[j]);
-    sum += lanes[0];
-  }
-  return sum;
+  return first_lanes<int16_t>(acc);
+}
+// Times `steps` (multiply-adds a chain's step: macs) and prints its rate after `label`.
+void bench_dot_peak(const char* label, int (*steps)(int), int macs, double min_s) {
+  int sink = 0;
+  const double t = time_per_call([&] { sink += steps(sink & 1); }, min_s);
+  std::printf("  %s %7.1f GFLOP/s  (checksum %d)\n", label,
+              2.0 * macs * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
+}
+void bench_vnni_peak(double min_s) {
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return;
+  bench_dot_peak("8-bit dots (vpdpbusd, 512 bits), the tiles' ceiling ", vnni_steps, 64, min_s);
 }
 void bench_maddubs_peak(double min_s) {
   if (!__builtin_cpu_supports("avx2")) return;
-  int sink = 0;
-  const double t = time_per_call([&] { sink += maddubs_steps(sink & 1); }, min_s);
-  std::printf(
-      "  8-bit dots (vpmaddubsw, 256 bits), the AVX2 tiles' ceiling %7.1f GFLOP/s  (checksum "
-      "%d)\n",
-      2.0 * 32 * kVnniChains * kVnniSteps / t / 1e9, sink % 10);
+  bench_dot_peak("8-bit dots (vpmaddubsw, 256 bits), the AVX2 tiles' ceiling", maddubs_steps, 32,
+                 min_s);
 }
 #else
 void bench_vnni_peak(double) {}
