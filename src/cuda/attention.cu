@@ -123,11 +123,33 @@ __device__ __forceinline__ void merge_records(Record record, int n, int d, float
   }
 }
 
-// The warps' records ([kWarps][G][rec]) of head g combined at dimension d (merge_records).
+// The warps' records ([kWarps][G][rec]) of head g combined at dimension d (merge_records), of
+// which only the first n_w (at least 1) hold keys: the others' (m = -inf, l = 0, acc = 0) add
+// nothing, so a block over a short range merges only the warps that read it (one warp's record is
+// the result as it stands; at the SmolLM2 shape's short contexts the cluster kernel's block of 16
+// warps has one or two with keys).
 template <int kWarps, int G>
-__device__ __forceinline__ void combine_warps(const float* merge, int rec, int g, int d, float& mm,
-                                              float& ll, float& a) {
-  merge_records<kWarps>([&](int w) { return merge + (w * G + g) * rec; }, kWarps, d, mm, ll, a);
+__device__ __forceinline__ void combine_warps(const float* merge, int rec, int g, int d, int n_w,
+                                              float& mm, float& ll, float& a) {
+  auto record = [&](int w) { return merge + (w * G + g) * rec; };
+  if (n_w <= 1) {
+    const float* r = record(0);
+    mm = r[0], ll = r[1], a = r[2 + d];
+    return;
+  }
+  if constexpr (kWarps > 2) {
+    if (n_w <= 2) return merge_records<2>(record, n_w, d, mm, ll, a);
+  }
+  if constexpr (kWarps > 4) {
+    if (n_w <= 4) return merge_records<4>(record, n_w, d, mm, ll, a);
+  }
+  merge_records<kWarps>(record, n_w, d, mm, ll, a);
+}
+
+// Warps of a flash-decoding block that read keys of [k_begin, k_end), tile keys a warp in turn
+// (at least 1, for the merge).
+__device__ __forceinline__ int warps_with_keys(int k_begin, int k_end, int tile, int warps) {
+  return max(1, min(warps, (k_end - k_begin + tile - 1) / tile));
 }
 
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
@@ -177,20 +199,21 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
 }
 
 // The end of a flash-decoding block, once each warp has left (m, l, acc) of the block's heads in
-// merge ([kWarps][G][head_dim + 2], m in the natural base; a warp without keys leaves m = -inf)
-// and the block has passed a barrier: threads combine the warps per element and write the output
-// (one split in use) or the split's partials, and the last of the head group's splits to finish
-// (a ticket counter, left at zero again) merges them all. smem: room for attn_merge_splits.
+// merge ([kWarps][G][head_dim + 2], m in the natural base; a warp without keys leaves m = -inf;
+// warps n_w on have none) and the block has passed a barrier: threads combine the warps per element
+// and write the output (one split in use) or the split's partials, and the last of the head group's
+// splits to finish (a ticket counter, left at zero again) merges them all. smem: room for
+// attn_merge_splits.
 template <int kWarps, int G>
-__device__ void decode_block_finish(const float* merge, int t, int h_first, int n_g, int head_dim,
-                                    int n_head, int split, int n_splits, int n_used, float* out,
-                                    __half* out_h, int8_t* out_q, float2* out_d, int64_t tiles_k,
-                                    float* part, unsigned* counters, float* smem) {
+__device__ void decode_block_finish(const float* merge, int n_w, int t, int h_first, int n_g,
+                                    int head_dim, int n_head, int split, int n_splits, int n_used,
+                                    float* out, __half* out_h, int8_t* out_q, float2* out_d,
+                                    int64_t tiles_k, float* part, unsigned* counters, float* smem) {
   const int rec = head_dim + 2;
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm, ll, a;
-    combine_warps<kWarps, G>(merge, rec, g, d, mm, ll, a);
+    combine_warps<kWarps, G>(merge, rec, g, d, n_w, mm, ll, a);
     const int h = h_first + g;
     if (n_used == 1) {
       emit_attn_out(ll > 0.0f ? a / ll : 0.0f,
@@ -228,9 +251,9 @@ __device__ void decode_block_finish(const float* merge, int t, int h_first, int 
 // through L2 four times (partials, fence, ticket, merge), this is two cluster barriers and one
 // trip across the cluster.
 template <int kWarps, int G, int C>
-__device__ void decode_cluster_finish(const float* merge, float* mine, int t, int h_first, int n_g,
-                                      int head_dim, int n_head, int split, int n_used, float* out,
-                                      __half* out_h, int8_t* out_q, float2* out_d,
+__device__ void decode_cluster_finish(const float* merge, int n_w, float* mine, int t, int h_first,
+                                      int n_g, int head_dim, int n_head, int split, int n_used,
+                                      float* out, __half* out_h, int8_t* out_q, float2* out_d,
                                       int64_t tiles_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int rec = head_dim + 2;
@@ -241,7 +264,7 @@ __device__ void decode_cluster_finish(const float* merge, float* mine, int t, in
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm, ll, a;
-    combine_warps<kWarps, G>(merge, rec, g, d, mm, ll, a);
+    combine_warps<kWarps, G>(merge, rec, g, d, n_w, mm, ll, a);
     if (n_used == 1) {
       emit(idx, ll > 0.0f ? a / ll : 0.0f);
     } else {
@@ -645,8 +668,9 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
   }
   __syncthreads();
-  decode_block_finish<kWarps, G>(merge, t, h_first, n_g, head_dim, n_head, split, n_splits, n_used,
-                                 out, out_h, out_q, out_d, tiles_k, part, counters,
+  decode_block_finish<kWarps, G>(merge, warps_with_keys(k_begin, k_end, TILE, kWarps), t, h_first,
+                                 n_g, head_dim, n_head, split, n_splits, n_used, out, out_h, out_q,
+                                 out_d, tiles_k, part, counters,
                                  reinterpret_cast<float*>(smem_raw));
 }
 
@@ -1030,13 +1054,14 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
           make_float2(o[i][2 * r], o[i][2 * r + 1]);
   }
   __syncthreads();
+  const int n_w = warps_with_keys(k_begin, k_end, BK, kWarps);
   if constexpr (CL) {
-    decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, merge + S::merge_floats(), t,
+    decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, n_w, merge + S::merge_floats(), t,
                                                          h_first, n_g, D, n_head, split, n_used,
                                                          out, out_h, out_q, out_d, tiles_k);
   } else {
-    decode_block_finish<kWarps, G>(merge, t, h_first, n_g, D, n_head, split, n_splits, n_used, out,
-                                   out_h, out_q, out_d, tiles_k, part, counters,
+    decode_block_finish<kWarps, G>(merge, n_w, t, h_first, n_g, D, n_head, split, n_splits, n_used,
+                                   out, out_h, out_q, out_d, tiles_k, part, counters,
                                    reinterpret_cast<float*>(smem_raw));
   }
 }

@@ -1189,9 +1189,10 @@ TEST_F(CudaOps, AttentionAtContextLengthsUpTo16k) {
 // Few KV heads over caches within a cluster's pass: on sm_90+ the splits of a head group are a
 // cluster of blocks that merge through distributed shared memory; the same cases with the cluster
 // kernel off take the ticket merge through L2. Both against float64: one split in use of a long
-// cache (the cluster's other blocks return), several, caches filling one pass of the cluster's
-// blocks (4,096 keys at 64 dims, 2,048 at 128, 1,024 at 256) and longer ones (the ticket's either
-// way), windows, rings, Q8_0, GQA groups and tokens of one batch.
+// cache (the cluster's other blocks return; of its block's warps one, two or more hold keys),
+// several, caches filling one pass of the cluster's blocks (4,096 keys at 64 dims, 2,048 at 128,
+// 1,024 at 256) and longer ones (the ticket's either way), windows, rings, Q8_0, GQA groups and
+// tokens of one batch.
 TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
   int major = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
@@ -1205,7 +1206,9 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
   std::mt19937 rng(28);
   const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
-  const AttnCase cases[] = {{9, 3, 64, 100, 1, 0, f16, 0, 600},
+  const AttnCase cases[] = {{9, 3, 64, 20, 1, 0, f16, 0, 600},
+                            {9, 3, 64, 50, 1, 0, f16, 0, 600},
+                            {9, 3, 64, 100, 1, 0, f16, 0, 600},
                             {8, 2, 128, 200, 1, 0, f16, 0, 400},
                             {4, 1, 256, 100, 1, 0, f16, 0, 300},
                             {9, 3, 64, 1000, 1},
