@@ -1003,10 +1003,16 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     const bool with_w = mul && mul->op == Op::Mul && !done[mi] && uses[ri] == 1 &&
                         r != graph.output() && mul->src[0] == r && mul->src[1] != r &&
                         mul->src[1]->ne[0] == r->ne[0] && mul->src[1]->ne[1] == 1 &&
-                        mul->src[1]->storage == Storage::Weight;
+                        mul->src[1]->type == DType::F32 && mul->src[1]->storage == Storage::Weight;
     const Tensor* out = with_w ? mul : r;
     const int p = pos(out);
     if (p < 0 || tile_read[p] || half_read[p]) return false;
+    // The sum and the result are written by different threads: apart, or the same memory (a
+    // thread writes a row of both, the result last, where the sum is read no more).
+    if (scratch_overlap(out, add) &&
+        !(out->offset == add->offset && out->type == add->type && out->ne[0] == add->ne[0] &&
+          uses[ai] == 1 && add != graph.output()))
+      return false;
     MatVecNorm a;
     a.resid = fptr(resid);
     a.sum_out = fptr(add);

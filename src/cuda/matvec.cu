@@ -980,7 +980,7 @@ __global__ void GGRAPH_CLUSTER_DIMS(kPnCluster, 1, 1) __launch_bounds__(kPnWarps
   float val = 0.0f;
   if (group_warp) {
     val = vals[warp * 32 + lane];
-    const float sq = warp_sum(val * val);
+    const float sq = warp_sum(__fmul_rn(val, val));  // rounded as the norm kernel's v * v + 0
     if (lane == 0) part[warp] = sq;
   }
   cluster.sync();
@@ -1981,6 +1981,8 @@ void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t f
   GGRAPH_CUDA_CHECK(cudaGetLastError());
 }
 
+static bool norm_epilogue_runs();
+
 void prepare_kernels() {
   int dev = 0, sms = 0;
   const bool have_sms =
@@ -1999,6 +2001,7 @@ void prepare_kernels() {
   prepare_attention_kernels();
   prepare_mat_mul_q_kernels();
   prepare_norm_kernels();
+  norm_epilogue_runs();
   cudaGetLastError();
 }
 
@@ -2085,15 +2088,22 @@ bool& norm_epilogue_flag() {
 
 bool set_norm_epilogue(bool on) { return std::exchange(norm_epilogue_flag(), on); }
 
-// Whether the GPU runs the cluster kernel (its sm_90 build, the cluster size compiled in); true
-// without a device, where launches are only recorded.
-bool norm_epilogue_runs() {
-  static const bool runs = [] {
+static bool device_present() {
+  static const bool present = [] {
     int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      return true;
-    }
+    const bool ok = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+    cudaGetLastError();
+    return ok;
+  }();
+  return present;
+}
+
+// Whether the GPU runs the cluster kernel (its sm_90 build, the cluster size compiled in); true
+// without a device, where launches are only recorded. Asked first by prepare_kernels, outside
+// any capture.
+static bool norm_epilogue_runs() {
+  static const bool runs = [] {
+    if (!device_present()) return true;
     cudaFuncAttributes attr = {};
     const bool ok =
         cudaFuncGetAttributes(&attr, mat_vec_q_rows_norm_kernel<kTypeQ4_0, 1>) == cudaSuccess &&
@@ -2111,7 +2121,14 @@ bool mat_vec_takes_norm(DType type, int64_t n, int64_t k) {
   bool fits = false;
   with_weight_type(type, "mul_mat", [&](auto tc) {
     constexpr int TYPE = decltype(tc)::value;
-    if constexpr (is_split_type(TYPE)) fits = k / 32 * PieceInfo<TYPE>::kPer32 <= kRowsKernelPieces;
+    if constexpr (is_split_type(TYPE)) {
+      // The plain launch's sums are the rows kernel's only where that kernel's capacity is known
+      // (prepare_kernels; without a device, planned as one would run it).
+      const int64_t pieces = k / 32 * PieceInfo<TYPE>::kPer32;
+      const int slots =
+          pieces <= 32 ? rows_kernel_slots<TYPE, 1, 2>() : rows_kernel_slots<TYPE, 2, 2>();
+      fits = pieces <= kRowsKernelPieces && (slots > 0 || !device_present());
+    }
   });
   return fits && norm_epilogue_runs();
 }
