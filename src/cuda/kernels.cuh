@@ -486,8 +486,8 @@ bool set_glu_epilogue(bool on);
 // the norm's launch (rms_norm_kernel, a thread a value) and its quantization leave. The product
 // itself is not written. The launch is one cluster of blocks (sm_90 and later) whose reads all
 // come before any of its writes: the outputs may overlap the inputs (qs the activation the
-// product reads, sum_out resid) in any way. No padding: a launch's arguments compare bytewise
-// from step to step.
+// product reads, sum_out resid) in any way; dst and sum_out are apart or the same memory (the
+// result written last). No padding: a launch's arguments compare bytewise from step to step.
 struct MatVecNorm {
   const float* resid = nullptr;
   float* sum_out = nullptr;
