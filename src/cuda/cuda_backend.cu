@@ -977,65 +977,6 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     return true;
   };
 
-  // The residual add and the norm after one token's product (MatVecNorm), whose node pi is
-  // already marked launched: where the next node to launch is an add of the product and another
-  // column, which nothing else reads of the product, and right after it the norm of that sum
-  // (with its weight multiply where that is next and its weight a model weight). The norm's
-  // result may have its 8-bit form read, not its tiles or half form. The launch reads all it
-  // reads before it writes anything, so no overlap of outputs and inputs stops it. Returns
-  // whether it launched them.
-  auto norm_epilogue = [&](int pi, const MatVecPart& part, DType type, int64_t k) {
-    const Tensor* prod = nodes[pi];
-    const int ai = next_open(pi);
-    if (ai < 0 || prod->ne[1] != 1 || uses[pi] != 1 || prod == graph.output() ||
-        !mat_vec_takes_norm(type, prod->ne[0], k))
-      return false;
-    const Tensor* add = nodes[ai];
-    if (add->op != Op::Add || (add->src[0] == prod) == (add->src[1] == prod)) return false;
-    const Tensor* resid = add->src[0] == prod ? add->src[1] : add->src[0];
-    const int ri = next_op(ai);
-    if (resid->ne[0] != prod->ne[0] || resid->ne[1] != 1 || add->ne[1] != 1 || ri >= n || done[ri])
-      return false;
-    const Tensor* r = nodes[ri];
-    if (r->op != Op::RmsNorm || r->src[0] != add || r->params[kNormGroup] != r->ne[0]) return false;
-    const int mi = next_op(ri);
-    const Tensor* mul = mi < n ? nodes[mi] : nullptr;
-    const bool with_w = mul && mul->op == Op::Mul && !done[mi] && uses[ri] == 1 &&
-                        r != graph.output() && mul->src[0] == r && mul->src[1] != r &&
-                        mul->src[1]->ne[0] == r->ne[0] && mul->src[1]->ne[1] == 1 &&
-                        mul->src[1]->type == DType::F32 && mul->src[1]->storage == Storage::Weight;
-    const Tensor* out = with_w ? mul : r;
-    const int p = pos(out);
-    if (p < 0 || tile_read[p] || half_read[p]) return false;
-    // The sum and the result are written by different threads: apart, or the same memory (a
-    // thread writes a row of both, the result last, where the sum is read no more).
-    if (scratch_overlap(out, add) &&
-        !(out->offset == add->offset && out->type == add->type && out->ne[0] == add->ne[0] &&
-          uses[ai] == 1 && add != graph.output()))
-      return false;
-    MatVecNorm a;
-    a.resid = fptr(resid);
-    a.sum_out = fptr(add);
-    a.w = with_w ? fptr(mul->src[1]) : nullptr;
-    a.dst = fptr(out);
-    a.eps = r->param_f(kNormEps);
-    const Tensor* was = prepared;
-    const Form was_form = prepared_form;
-    uint8_t* const was_at = q8_at;
-    if (uint8_t* q = q8_output(out)) {
-      const ActQ8 f = act_q8(q, out->ne[0], 1);
-      a.qs = f.qs;
-      a.ds = f.ds;
-    }
-    if (!launch_mat_vec_norm(l, type, part, k, was_at, a)) {
-      prepared = was, prepared_form = was_form, q8_at = was_at;
-      return false;
-    }
-    done[ai] = done[ri] = 1;
-    if (with_w) done[mi] = 1;
-    return true;
-  };
-
   // The rope epilogue of a few tokens' q, k and v products on the warp-pipelined kernel
   // (MatMulQRope), whose nodes are group[0..2] (already marked launched): where the next four
   // nodes to launch are the ropes of q and k (normal mode, the same positions and parameters),
@@ -1302,9 +1243,6 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
             break;
           }
         }
-        if (n_parts == 1 && other < 0 && cols == 1 && is_quantized(w->type) && fold.x != x &&
-            norm_epilogue(i, parts[0], w->type, k))
-          break;
         const NormFold* f = fold_for(x, n_parts, w->type, w->type);
         launch_mat_vec(l, w->type, parts, n_parts, k, fptr(x), q8_at, cols, f);
         fold_taken(f);

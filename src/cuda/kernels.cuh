@@ -480,37 +480,6 @@ bool launch_mat_vec_glu(Launcher& l, DType type, const MatVecPart* parts, int64_
 // Test hook: turns the glu epilogue on or off (the default: on, unless
 // GGRAPH_CUDA_GLU_EPILOGUE=0); returns the setting it replaced.
 bool set_glu_epilogue(bool on);
-// The residual add and the norm after one column's product, in the product's launch: sum_out =
-// resid + the product's n rows, dst = rms_norm(sum_out) (eps; times w, one weight column, where
-// set), and with qs set dst's 8-bit blocks at qs/ds (plain layout), bit for bit what the product,
-// the norm's launch (rms_norm_kernel, a thread a value) and its quantization leave. The product
-// itself is not written. The launch is one cluster of blocks (sm_90 and later) whose reads all
-// come before any of its writes: the outputs may overlap the inputs (qs the activation the
-// product reads, sum_out resid) in any way; dst and sum_out are apart or the same memory (the
-// result written last). No padding: a launch's arguments compare bytewise from step to step.
-struct MatVecNorm {
-  const float* resid = nullptr;
-  float* sum_out = nullptr;
-  const float* w = nullptr;  // a model weight, or none
-  float* dst = nullptr;
-  int8_t* qs = nullptr;
-  float2* ds = nullptr;
-  float eps = 0.0f;
-  int unused = 0;
-};
-static_assert(sizeof(MatVecNorm) == 6 * sizeof(void*) + 8, "MatVecNorm has no padding");
-// Whether launch_mat_vec_norm takes a product of n rows of k values in format type: n a multiple
-// of 32 up to 768, rows of up to 64 pieces (the register-resident mat-vec's), a GPU that runs
-// its cluster (or none: a launch recorded without a device is planned as an sm_90 one would run
-// it), no kernel shape forced, and the epilogue on (off unless GGRAPH_CUDA_NORM_EPILOGUE=1 or
-// set_norm_epilogue turns it on).
-bool mat_vec_takes_norm(DType type, int64_t n, int64_t k);
-// Launches part's product (one column, its activation's 8-bit form at ws) with the add and norm
-// after it where mat_vec_takes_norm says so; false, with nothing launched, otherwise.
-bool launch_mat_vec_norm(Launcher& l, DType type, const MatVecPart& part, int64_t k,
-                         const uint8_t* ws, const MatVecNorm& norm);
-// Test hook: turns the norm epilogue on or off; returns the setting it replaced.
-bool set_norm_epilogue(bool on);
 // The quantized mat-vec's shape: rows a warp owns (with the ksplit warps sharing them), 16-byte
 // pieces of each row in flight per lane, warps splitting k. rows 0 picks them from the weight
 // format and row length; benchmarks and tests set others.

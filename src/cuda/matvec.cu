@@ -1,7 +1,5 @@
 // Matrix products with weights: mat-vec kernels for a few columns (decode) and tensor-core tiled
 // kernels for many (prompt). Weights are [k, n] with row n contiguous (k elements).
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -916,93 +914,6 @@ __global__ void __launch_bounds__(kGluThreads<R>)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * 32 + lane;
   glu.dst[i] = y;
   if (glu.qs) quantize_warp_block(y, i, glu.qs, glu.ds);
-}
-
-// ---- The residual add and the norm in the epilogue of one token's product (MatVecNorm) -------
-//
-// One cluster of kPnCluster blocks (sm_90+) takes the whole product: its n / 32 groups of 32 rows
-// are shared out, block b taking groups [b N / C, (b + 1) N / C), and each warp R rows of them
-// (row_sum: the rows kernel's sums, bit for bit), the weights requested before the wait. A group's
-// 32 sums plus the residual are the norm's values; the group's warp takes its sum of squares in
-// the butterfly that rms_norm_kernel's warp of those 32 values does, and after the cluster's
-// barrier every group's warp adds all groups' partials, read from their blocks' shared memory,
-// in the butterfly that kernel's warps add its warps' partials: the scale is the norm launch's bit
-// for bit. Every read of the inputs comes before that barrier and every write after it. The
-// launch replaces a kernel boundary and the norm's own trip through L2 with two cluster barriers.
-constexpr int kPnCluster = 8;
-constexpr int kPnRowsPerWarp = 4;
-constexpr int kPnGroupsPerBlock = 3;
-constexpr int kPnWarps = kPnGroupsPerBlock * 32 / kPnRowsPerWarp;
-constexpr int64_t kPnMaxRows = int64_t{kPnCluster} * kPnGroupsPerBlock * 32;
-
-template <int TYPE, int PL>
-__global__ void GGRAPH_CLUSTER_DIMS(kPnCluster, 1, 1) __launch_bounds__(kPnWarps * 32, 1)
-    mat_vec_q_rows_norm_kernel(const uint8_t* w, int n, int nb, const int8_t* aq, const float2* ads,
-                               int64_t k, int prefetch, MatVecNorm a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  constexpr int R = kPnRowsPerWarp;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_groups = n / 32;
-  const int b = static_cast<int>(cluster.block_rank());
-  const int g0 = b * n_groups / kPnCluster, g1 = (b + 1) * n_groups / kPnCluster;
-  const int first = g0 * 32 + warp * R;  // the warp's rows
-  const bool rows_here = first < g1 * 32;
-  const int n_pieces = nb * PieceInfo<TYPE>::kPer32;
-  // Warp gi < g1 - g0 also takes group g0 + gi's norm, lane j its value j.
-  const bool group_warp = warp < g1 - g0;
-  const int row = (g0 + warp) * 32 + lane;
-  PieceRegs<TYPE> v[R][PL];
-  auto load_rows = [&]() {
-#pragma unroll
-    for (int j = 0; j < R; ++j) load_row_pieces<TYPE, PL>(v[j], w, n, first + j, n_pieces, lane);
-  };
-  const float wv = group_warp && a.w ? a.w[row] : 0.0f;  // a weight: never written
-  if (prefetch && rows_here) load_rows();
-  pdl_begin();
-  if (!prefetch && rows_here) load_rows();
-  __shared__ float vals[kPnGroupsPerBlock * 32];
-  __shared__ float part[kPnGroupsPerBlock];
-  if (rows_here) {
-    PieceAct x[PL];
-    load_lane_act<TYPE, PL>(x, aq, ads, k, nb, n_pieces, lane);
-    float res[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) res[j] = a.resid[first + j];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const float sum = row_sum<TYPE, PL>(v[j], x, lane);
-      if (lane == 0) vals[first - g0 * 32 + j] = res[j] + sum;
-    }
-  }
-  __syncthreads();
-  float val = 0.0f;
-  if (group_warp) {
-    val = vals[warp * 32 + lane];
-    const float sq = warp_sum(__fmul_rn(val, val));  // rounded as the norm kernel's v * v + 0
-    if (lane == 0) part[warp] = sq;
-  }
-  cluster.sync();
-  if (group_warp) {
-    // Lane g reads group g's partial from the block that owns it.
-    float p = 0.0f;
-    if (lane < n_groups) {
-      const int owner = ((lane + 1) * kPnCluster - 1) / n_groups;
-      p = *cluster.map_shared_rank(&part[lane - owner * n_groups / kPnCluster], owner);
-    }
-    const float total = warp_sum(p);
-    const float scale = 1.0f / sqrtf(total / static_cast<float>(n) + a.eps);
-    float r = val * scale;
-    if (a.w) r *= wv;
-    a.sum_out[row] = val;
-    a.dst[row] = r;
-    if (a.qs) quantize_warp_block(r, row, a.qs, a.ds);
-  }
-  cluster.sync();  // every block's partials read before any block exits
-#else
-  __trap();
-#endif
 }
 
 // Warps of one instantiation (ROPE: its rope epilogue's) resident on the whole device at once
@@ -1981,8 +1892,6 @@ void launch_split_weight(DType type, const uint8_t* src, uint8_t* dst, int64_t f
   GGRAPH_CUDA_CHECK(cudaGetLastError());
 }
 
-static bool norm_epilogue_runs();
-
 void prepare_kernels() {
   int dev = 0, sms = 0;
   const bool have_sms =
@@ -2001,7 +1910,6 @@ void prepare_kernels() {
   prepare_attention_kernels();
   prepare_mat_mul_q_kernels();
   prepare_norm_kernels();
-  norm_epilogue_runs();
   cudaGetLastError();
 }
 
@@ -2079,82 +1987,6 @@ bool launch_mat_vec_glu(Launcher& l, DType type, const MatVecPart* parts, int64_
     if constexpr (is_split_type(TYPE)) launched = mat_vec_q_glu<TYPE>(l, parts, k, ws, glu);
   });
   return launched;
-}
-
-bool& norm_epilogue_flag() {
-  static bool on = env_int("GGRAPH_CUDA_NORM_EPILOGUE", 0, 1, 0) == 1;
-  return on;
-}
-
-bool set_norm_epilogue(bool on) { return std::exchange(norm_epilogue_flag(), on); }
-
-static bool device_present() {
-  static const bool present = [] {
-    int devices = 0;
-    const bool ok = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
-    cudaGetLastError();
-    return ok;
-  }();
-  return present;
-}
-
-// Whether the GPU runs the cluster kernel (its sm_90 build, the cluster size compiled in); true
-// without a device, where launches are only recorded. Asked first by prepare_kernels, outside
-// any capture.
-static bool norm_epilogue_runs() {
-  static const bool runs = [] {
-    if (!device_present()) return true;
-    cudaFuncAttributes attr = {};
-    const bool ok =
-        cudaFuncGetAttributes(&attr, mat_vec_q_rows_norm_kernel<kTypeQ4_0, 1>) == cudaSuccess &&
-        attr.ptxVersion >= 90 && attr.requiredClusterWidth == kPnCluster;
-    cudaGetLastError();
-    return ok;
-  }();
-  return runs;
-}
-
-bool mat_vec_takes_norm(DType type, int64_t n, int64_t k) {
-  if (!norm_epilogue_flag() || !is_quantized(type) || mat_vec_override().rows != 0 || n % 32 != 0 ||
-      n <= 0 || n > kPnMaxRows || k % 32 != 0)
-    return false;
-  bool fits = false;
-  with_weight_type(type, "mul_mat", [&](auto tc) {
-    constexpr int TYPE = decltype(tc)::value;
-    if constexpr (is_split_type(TYPE)) {
-      // The plain launch's sums are the rows kernel's only where that kernel's capacity is known
-      // (prepare_kernels; without a device, planned as one would run it).
-      const int64_t pieces = k / 32 * PieceInfo<TYPE>::kPer32;
-      const int slots =
-          pieces <= 32 ? rows_kernel_slots<TYPE, 1, 2>() : rows_kernel_slots<TYPE, 2, 2>();
-      fits = pieces <= kRowsKernelPieces && (slots > 0 || !device_present());
-    }
-  });
-  return fits && norm_epilogue_runs();
-}
-
-bool launch_mat_vec_norm(Launcher& l, DType type, const MatVecPart& part, int64_t k,
-                         const uint8_t* ws, const MatVecNorm& norm) {
-  if (!mat_vec_takes_norm(type, part.n, k)) return false;
-  const ActQ8 act = act_q8(const_cast<uint8_t*>(ws), k, 1);
-  const auto w = static_cast<const uint8_t*>(part.w);
-  const int n = static_cast<int>(part.n), nb = static_cast<int>(k / 32);
-  const int prefetch = part.fixed ? 1 : 0;
-  with_weight_type(type, "mul_mat", [&](auto tc) {
-    constexpr int TYPE = decltype(tc)::value;
-    if constexpr (is_split_type(TYPE)) {
-      auto go = [&](auto kernel) {
-        l(kernel, dim3(kPnCluster), dim3(kPnWarps * 32), 0, w, n, nb, act.qs, act.ds, k, prefetch,
-          norm);
-      };
-      // The rows kernel's pieces a lane (mat_vec_q_rows), so that the sums are its own.
-      if (k / 32 * PieceInfo<TYPE>::kPer32 <= 32)
-        go(mat_vec_q_rows_norm_kernel<TYPE, 1>);
-      else
-        go(mat_vec_q_rows_norm_kernel<TYPE, 2>);
-    }
-  });
-  return true;
 }
 
 // Off unless GGRAPH_CUDA_NORM_FOLD=1: on an H200 the SmolLM2 shape's decode ran 15-17% slower

@@ -2358,36 +2358,6 @@ TEST(CudaLaunchPlan, RopesReadTheAngleTableOfTheirConfiguration) {
   }
 }
 
-// The residual add and the norm after one token's product in the product's launch
-// (MatVecNorm), where the epilogue is on: the output projection's add and the FFN norm, and the
-// first layer's down with the second layer's attention norm, go out with their products; the last
-// layer's add, which the output product reads unnormalized, keeps its launch, and so do several
-// tokens' norms.
-TEST(CudaLaunchPlan, NormEpilogueTakesTheResidualAddAndTheNormOfOneToken) {
-  int devices = 0, major = 9;
-  if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0)
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  cudaGetLastError();
-  if (major < 9) GTEST_SKIP() << "a GPU without thread block clusters plans no epilogue";
-  for (bool on : {true, false}) {
-    Switched<cuda::set_norm_epilogue> s(on);
-    LayerGraph lg(1, 20);
-    const auto rec = lg.launches();
-    const Tensor* o_add = lg.gate->src[1]->src[0]->src[0];
-    const Tensor* down_add = lg.attn_norm_mul->src[0]->src[0];
-    const Tensor* last_add = lg.g.output()->src[1];
-    ASSERT_EQ(o_add->op, Op::Add);
-    ASSERT_EQ(down_add->op, Op::Add);
-    ASSERT_EQ(last_add->op, Op::Add);
-    expect_launches(
-        rec,
-        {{lg.wo, 1}, {o_add, on ? 0 : 1}, {down_add, on ? 0 : 1}, {lg.down, 1}, {last_add, 1}});
-  }
-  Switched<cuda::set_norm_epilogue> s(true);
-  LayerGraph lg(4, 20);
-  EXPECT_EQ(launches_of(lg.launches(), lg.gate->src[1]->src[0]->src[0]), 1);
-}
-
 // One token's gate and up products (one quantized format) take the glu after them into their
 // launch's epilogue (MatVecGlu) where the rows kernel takes them (rows of up to 64 pieces): not
 // for longer rows, nor for two tokens, nor where something else reads gate, nor when it is off.
@@ -2794,79 +2764,6 @@ TEST_F(CudaOps, GluEpilogueOfTheGateUpProductsEqualsTheGluLaunch) {
     g.set_output(build(g, *cuda_));
     plan(g);
     EXPECT_EQ(launches_of(LayerGraph::launches_of_graph(g), ff.glu), c.fused ? 0 : 1) << ff.what();
-  }
-}
-
-// The residual add and the norm in the epilogue of one token's product (MatVecNorm) against the
-// norm's own launch: the residual sum, and a product that reads the normalized result's 8-bit
-// form (or, after an F16 product, its floats), equal bit for bit those of the product and the
-// norm launched apart. Rows held in
-// registers at one and two pieces a lane; the product on either side of the add; with and without
-// the norm's weight; columns of 32 (one block of the cluster with a group of rows, the others
-// none) to 768 (three groups a block). Wider columns keep the norm's launch.
-TEST_F(CudaOps, NormEpilogueOfAProductEqualsTheNormsLaunch) {
-  int major = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  if (major < 9) GTEST_SKIP() << "the epilogue's cluster needs sm_90";
-  Switched<cuda::set_norm_epilogue> on(true);
-  std::mt19937 rng(61);
-  struct Case {
-    DType type;
-    int k, n;
-    bool product_first, weight, fused;
-    bool f16_next = false;  // the next product's format: F16 (else type)
-  };
-  const Case cases[] = {
-      {DType::Q4_1, 576, 576, false, true, true},       // a piece a lane
-      {DType::Q4_1, 576, 576, true, true, true, true},  // the result read as floats
-      {DType::Q4_1, 1536, 576, true, true, true},       // two pieces a lane
-      {DType::Q4_0, 2048, 768, false, false, true},     // two pieces a lane, three groups a block
-      {DType::Q8_0, 512, 32, false, true, true},        // one group
-      {DType::Q5_0, 640, 640, true, true, true},        // a piece a lane
-      {DType::Q4_K, 768, 256, false, true, true},       // a piece a lane
-      {DType::Q4_0, 576, 1024, false, true, false},     // wider: the norm's launch
-  };
-  for (const Case& c : cases) {
-    const std::string what = std::string(type_name(c.type)) + " " + std::to_string(c.k) + "x" +
-                             std::to_string(c.n) + (c.product_first ? " product first" : "") +
-                             (c.weight ? " weighted" : "");
-    const auto w1 = random_blocks(c.type, c.k, c.n, rng);
-    const DType next = c.f16_next ? DType::F16 : c.type;
-    const auto w2 = random_blocks(next, c.n, c.n, rng);
-    const auto x = randn(size_t(c.k), rng);
-    const auto resid = randn(size_t(c.n), rng);
-    const auto nw = randn(size_t(c.n), rng);
-    std::vector<int32_t> ids_x, ids_r;
-    const Tensor *sum_node = nullptr, *norm_node = nullptr;
-    const Build build = [&](Graph& g, Backend& be) {
-      Tensor* a = activations(g, be, x, c.k, 1, ids_x);
-      Tensor* r = activations(g, be, resid, c.n, 1, ids_r);
-      Tensor* p = g.mul_mat(upload(g, be, c.type, c.k, c.n, w1.data(), "w1"), a);
-      Tensor* sum = c.product_first ? g.add(p, r) : g.add(r, p);
-      Tensor* normed = g.rms_norm(sum, 1e-5f);
-      Tensor* y =
-          c.weight ? g.mul(normed, upload(g, be, DType::F32, c.n, 1, nw.data(), "nw")) : normed;
-      sum_node = sum;
-      norm_node = normed;
-      return g.add(g.mul_mat(upload(g, be, next, c.n, c.n, w2.data(), "w2"), y), sum);
-    };
-    const auto fused = run_on(*cuda_, build);
-    std::vector<float> apart;
-    {
-      Switched<cuda::set_norm_epilogue> off(false);
-      apart = run_on(*cuda_, build);
-    }
-    ASSERT_EQ(fused.size(), apart.size()) << what;
-    EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << what;
-    // Against the CPU, so that both paths being wrong alike would show (its K-quant products
-    // quantize the activation in blocks of 256: the glu test's bar).
-    EXPECT_LT(rel_err(fused, run_on(*cpu_, build)), 5e-2) << what;
-    // And the product's launch did take the add and the norm (the graph as the runs planned it).
-    Graph g;
-    g.set_output(build(g, *cuda_));
-    plan(g);
-    const auto rec = LayerGraph::launches_of_graph(g);
-    EXPECT_EQ(launches_of(rec, sum_node) + launches_of(rec, norm_node), c.fused ? 0 : 1) << what;
   }
 }
 
