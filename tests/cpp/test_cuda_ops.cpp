@@ -166,6 +166,15 @@ class CudaOps : public ::testing::Test {
   std::unique_ptr<Backend> cuda_, cpu_;
 };
 
+// A switch of the CUDA backend (one of its test hooks: sets it, returns the setting it replaced)
+// set for a scope.
+template <bool (*kSet)(bool)>
+struct Switched {
+  bool was;
+  explicit Switched(bool on) : was(kSet(on)) {}
+  ~Switched() { kSet(was); }
+};
+
 // ---- get_rows -------------------------------------------------------------------------------
 
 TEST_F(CudaOps, GetRowsDequantizesEveryType) {
@@ -1199,10 +1208,7 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
   if (major >= 9) {
     EXPECT_TRUE(cuda::decode_attention_clusters()) << "an sm_90 build on sm_90+";
   }
-  struct Restore {
-    bool was = cuda::set_decode_attention_cluster(true);
-    ~Restore() { cuda::set_decode_attention_cluster(was); }
-  } restore;
+  const Switched<cuda::set_decode_attention_cluster> clusters(true);
   std::mt19937 rng(28);
   const CheckFn chk = checker();
   const DType f16 = DType::F16, q8 = DType::Q8_0;
@@ -1898,9 +1904,8 @@ void expect_qkv_launches(const LayerGraph& lg, int q, int k, int v) {
 }
 
 // The norm's fold into the products after it (NormFold) off for a test's scope.
-struct NormFoldOff {
-  bool was = cuda::set_norm_fold(false);
-  ~NormFoldOff() { cuda::set_norm_fold(was); }
+struct NormFoldOff : Switched<cuda::set_norm_fold> {
+  NormFoldOff() : Switched(false) {}
 };
 
 TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
@@ -1936,10 +1941,9 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
     // the 8-bit form that the epilogue wrote (no launch of its own). With the epilogue off, the
     // glu is a launch that writes that form.
     for (bool on : {true, false}) {
-      const bool was = cuda::set_glu_epilogue(on);
+      const Switched<cuda::set_glu_epilogue> glu(on);
       LayerGraph lg(1, 20);
       const auto rec = lg.launches();
-      cuda::set_glu_epilogue(was);
       expect_launches(rec, {{lg.gate, 1}, {lg.up, 0}, {lg.glu, on ? 0 : 1}, {lg.down, 1}});
     }
     // Several tokens keep the glu's launch.
@@ -1983,18 +1987,9 @@ TEST(CudaLaunchPlan, DecodeGroupsProductsOfOneActivationAndFusesTheNormWeight) {
   }
 }
 
-// A switch of the CUDA backend (one of its test hooks: sets it, returns the setting it replaced)
-// set for a scope.
-template <bool (*kSet)(bool)>
-struct Switched {
-  bool was;
-  explicit Switched(bool on) : was(kSet(on)) {}
-  ~Switched() { kSet(was); }
-};
 // The rope epilogues off for a test's scope.
-struct RopeEpilogueOff {
-  bool was = cuda::set_rope_epilogue(false);
-  ~RopeEpilogueOff() { cuda::set_rope_epilogue(was); }
+struct RopeEpilogueOff : Switched<cuda::set_rope_epilogue> {
+  RopeEpilogueOff() : Switched(false) {}
 };
 // A build's output and its K and V caches (`bytes` each at k_mem and v_mem, which the build sets)
 // as a run on `be` leaves them, with the rope epilogues as they are and then off.
@@ -2020,9 +2015,8 @@ EpilogueRuns with_and_without_rope_epilogue(Backend& be, const Build& build, voi
 }
 // The warp-pipelined products' rope epilogue on for a test's scope (whatever
 // GGRAPH_CUDA_WARP_ROPE_EPILOGUE says).
-struct WarpRopeEpilogueOn {
-  bool was = cuda::set_warp_rope_epilogue(true);
-  ~WarpRopeEpilogueOn() { cuda::set_warp_rope_epilogue(was); }
+struct WarpRopeEpilogueOn : Switched<cuda::set_warp_rope_epilogue> {
+  WarpRopeEpilogueOn() : Switched(true) {}
 };
 
 // A decode batch's layer over KV pools (the model builder's order: q, k and v products, the
@@ -2385,9 +2379,10 @@ TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
   EXPECT_EQ(glu_launches(DType::Q8_0, 2048, 8192), 1);
   EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536, 2), 1);
   EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536, 1, true), 1);
-  const bool was = cuda::set_glu_epilogue(false);
-  EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536), 1);
-  cuda::set_glu_epilogue(was);
+  {
+    const Switched<cuda::set_glu_epilogue> off(false);
+    EXPECT_EQ(glu_launches(DType::Q4_1, 576, 1536), 1);
+  }
   // A glu whose products read an earlier fused glu's result keeps its launch: its 8-bit input
   // lies in the region the epilogue writes. The fused launch reads apart from where it writes.
   Graph g;
@@ -2560,10 +2555,7 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
 // pieces fold every norm; a Q8_0 v (two pieces a 32) keeps the attention norms' launch, and so
 // does a row of 48 pieces.
 TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
-  struct FoldOn {
-    bool was = cuda::set_norm_fold(true);
-    ~FoldOn() { cuda::set_norm_fold(was); }
-  } on;
+  const Switched<cuda::set_norm_fold> on(true);
   std::mt19937 rng(47);
   struct Case {
     DType type, v_type;
@@ -2661,9 +2653,8 @@ TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
     const auto folded = run(folded_kv);
     std::vector<float> apart;
     {
-      const bool was = cuda::set_norm_fold(false);
+      const NormFoldOff off;
       apart = run(apart_kv);
-      cuda::set_norm_fold(was);
     }
     ASSERT_EQ(folded.size(), apart.size()) << what;
     EXPECT_EQ(std::memcmp(folded.data(), apart.data(), folded.size() * sizeof(float)), 0) << what;
@@ -2688,9 +2679,8 @@ TEST_F(CudaOps, NormFoldedIntoItsProductsEqualsTheNormsLaunch) {
 }
 
 // The glu epilogue off for a test's scope.
-struct GluEpilogueOff {
-  bool was = cuda::set_glu_epilogue(false);
-  ~GluEpilogueOff() { cuda::set_glu_epilogue(was); }
+struct GluEpilogueOff : Switched<cuda::set_glu_epilogue> {
+  GluEpilogueOff() : Switched(false) {}
 };
 
 // A feed-forward block of one token (gate and up of x, their glu, down), built for both backends.
