@@ -4,7 +4,8 @@
         [--sass REGEX [--skip N]] [--csv FILE]
 
 Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
-(cuda_graphs="off"), all under `ncu`; prints the last step's kernels grouped by function,
+(cuda_graphs="off") under `ncu`, which profiles the two steps only (a long prompt's kernels would
+take minutes); prints the last step's kernels grouped by function,
 largest total first. --batch B has B sequences (the model and its sessions) take that prompt,
 then batched decode steps (`Model.decode_batch`), of which only the last two are profiled.
 ncu runs kernels one at a time, so launches do not overlap: the total
@@ -34,10 +35,12 @@ import subprocess
 import sys
 
 STEP = """
+import ctypes
 import ggraph
 m = ggraph.Model({model!r}, device="cuda", cuda_graphs="off", n_ctx={n_ctx},
                  kv_type={kv_type!r}, allow_longer_context=True)
 m.eval([1 + i % 100 for i in range({past})])
+ctypes.CDLL("libcuda.so.1").cuProfilerStart()
 m.eval([7])
 m.eval([8])
 """
@@ -167,7 +170,7 @@ def main() -> int:
             "ncu", "--csv", "--clock-control", "none", "--page", "source",
             "--print-source", "sass", "--section", "SourceCounters",
             "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
-            *(["--profile-from-start", "off"] if args.batch else []),
+            "--profile-from-start", "off",
             *(["--cache-control", "none"] if args.warm else []),
             sys.executable, "-c", step,
         ]  # fmt: skip
@@ -175,7 +178,7 @@ def main() -> int:
         return 0
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
-        *(["--profile-from-start", "off"] if args.batch else []),
+        "--profile-from-start", "off",
         *(["--cache-control", "none"] if args.warm else []),
         sys.executable, "-c", step,
     ]  # fmt: skip
