@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
-# Stages: build (or prebuilt), test (or quicktest), sanitize, golden, bench, kernels, sweep,
-# profile, steps, llamacpp, refbench, batchbench, ab, abenv.
+# Stages: build (or unpack and prebuilt, or prebuilt), test (or quicktest), sanitize, golden,
+# bench, kernels, sweep, profile, steps, llamacpp, refbench, batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
@@ -12,7 +12,8 @@
 # weights (tools/gemma3_shape.py), made there.
 # DEPTHS (default 0) are the context depths that bench and refbench measure at, MODES (default
 # off,recapture,update,patch) the CUDA graph modes bench runs. The ab stage builds the package
-# of another commit (.carry/ref.tar, from `git archive COMMIT`) beside this one and runs tg128
+# of another commit (.carry/ref.tar, from `git archive COMMIT`; or takes the extension that
+# stage unpack installed, built elsewhere: tools/pack_carry.sh) beside this one and runs tg128
 # of AB_MODELS (default the SmolLM2 and 7B Q4_0 shapes; /tmp/llama2-7b-q4km.gguf and
 # /tmp/gemma3-shape.gguf are made too when named) on both, in turns, at each of AB_DEPTHS
 # (default "0 0,4096": the second entry measures depth 0 in a cache sized for 4,096 tokens more),
@@ -134,6 +135,17 @@ for stage in "$@"; do
           >>"$OUT/build.log" 2>&1 ||
         { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
       install_package "$BUILD"
+      ;;
+    unpack)
+      # The builds tools/pack_carry.sh packed into .carry-pack (carried instead of .carry): the
+      # prebuilt package and op tests (then stage prebuilt), llama.cpp's source, and a reference
+      # build's extension, installed as stage ab's reference (with this tree's Python files).
+      mkdir -p .carry && tar xJf .carry-pack/pack.tar.xz -C .carry
+      if [ -f .carry-pack/llama.cpp-src.tar.xz ]; then cp .carry-pack/llama.cpp-src.tar.xz .carry/; fi
+      if [ -d .carry/ref ]; then
+        rm -rf /tmp/ref-py && mkdir -p /tmp/ref-py/ggraph
+        cp python/ggraph/*.py /tmp/ref-py/ggraph/ && cp .carry/ref/_core*.so /tmp/ref-py/ggraph/
+      fi
       ;;
     prebuilt)
       # The package and the CUDA op tests built on another machine for this one's Python
