@@ -1238,7 +1238,8 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
 }
 
 // Q8_0 caches: decode batches (staged in 8- or 4-byte units, decoded by each lane) and prompt
-// batches (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows.
+// batches (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows,
+// and decode splits of one tile a warp and of several.
 TEST_F(CudaOps, AttentionOverQ8Caches) {
   std::mt19937 rng(25);
   const CheckFn chk = checker();
@@ -1251,6 +1252,13 @@ TEST_F(CudaOps, AttentionOverQ8Caches) {
                             {2, 1, 256, 100, 600, 512, q8},    {4, 2, 192, 5, 70, 0, q8},
                             {4, 1, 128, 16384 - 64, 64, 0, q8}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
+  // Decode splits of several tiles a warp (the next tile's bytes in flight while this one's are
+  // decoded): 2 to 4 tiles at 64, 128 and 256 dims.
+  const AttnCase several[] = {{8, 2, 128, 16383, 1, 0, q8},
+                              {32, 32, 128, 4000, 1, 0, q8},
+                              {9, 3, 64, 16383, 1, 0, q8},
+                              {4, 1, 256, 9000, 1, 0, q8}};
+  for (const AttnCase& c : several) check_attention(c, rng, chk);
 }
 
 // On GPUs whose blocks take at most 99 KiB of shared memory (sm_86, sm_89; planned so here by the
