@@ -103,12 +103,13 @@ ab_turns() {
   done
 }
 
-# The Python package at /tmp/ggraph-py from the sources and DIR's extension (and its C library,
-# where DIR has one).
+# The Python package at DEST (default /tmp/ggraph-py) from the sources and DIR's extension (and
+# its C library, where DIR has one). Arguments: DIR [DEST].
 install_package() {
-  rm -rf /tmp/ggraph-py && mkdir -p /tmp/ggraph-py/ggraph/lib
-  cp python/ggraph/*.py /tmp/ggraph-py/ggraph/ && cp "$1"/_core*.so /tmp/ggraph-py/ggraph/
-  if [ -f "$1"/libggraph.so ]; then cp "$1"/libggraph.so /tmp/ggraph-py/ggraph/lib/; fi
+  local dest=${2:-/tmp/ggraph-py}
+  rm -rf "$dest" && mkdir -p "$dest"/ggraph/lib
+  cp python/ggraph/*.py "$dest"/ggraph/ && cp "$1"/_core*.so "$dest"/ggraph/
+  if [ -f "$1"/libggraph.so ]; then cp "$1"/libggraph.so "$dest"/ggraph/lib/; fi
 }
 
 # Waits (at most 450 s) for the llama.cpp build that stage llamacpp started, if it did.
@@ -142,10 +143,7 @@ for stage in "$@"; do
       # build's extension, installed as stage ab's reference (with this tree's Python files).
       mkdir -p .carry && tar xJf .carry-pack/pack.tar.xz -C .carry
       if [ -f .carry-pack/llama.cpp-src.tar.xz ]; then cp .carry-pack/llama.cpp-src.tar.xz .carry/; fi
-      if [ -d .carry/ref ]; then
-        rm -rf /tmp/ref-py && mkdir -p /tmp/ref-py/ggraph
-        cp python/ggraph/*.py /tmp/ref-py/ggraph/ && cp .carry/ref/_core*.so /tmp/ref-py/ggraph/
-      fi
+      if [ -d .carry/ref ]; then install_package .carry/ref /tmp/ref-py; fi
       ;;
     prebuilt)
       # The package and the CUDA op tests built on another machine for this one's Python
