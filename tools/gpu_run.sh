@@ -259,18 +259,20 @@ for stage in "$@"; do
       # ggraph bench and llama-bench on the same files: $REFBENCH_MODELS (space-separated
       # paths; default: the Gemma 3 file when present and a 7B-shape Q4_K_M random file). The
       # shape files are made here when named. Both engines run after llama.cpp's build, so that
-      # neither competes with the compiler for the host.
+      # neither competes with the compiler for the host. REFBENCH_ARGS are added to ggraph's bench
+      # and REFBENCH_LLAMA_ARGS to llama-bench's (e.g. "--kv-type q8_0" and "-ctk q8_0 -ctv q8_0").
       models=${REFBENCH_MODELS:-"${GGRAPH_GEMMA3:-} /tmp/llama2-7b-q4km.gguf"}
       make_shape_files $models
       wait_llama_cpp
       for m in $models; do
         python3 -m ggraph bench -m "$m" -p 512 -n 128 -r 5 --device cuda -d "${DEPTHS:-0}" \
-          --allow-longer-context --cuda-graphs "${MODES:-off,patch}" 2>&1 | tee -a "$OUT/refbench.md"
+          --allow-longer-context --cuda-graphs "${MODES:-off,patch}" ${REFBENCH_ARGS:-} 2>&1 |
+          tee -a "$OUT/refbench.md"
       done
       if [ -f $LLAMA_CPP/done ]; then
         for m in $models; do
           $LLAMA_CPP/bin/llama-bench -m "$m" -p 512 -n 128 -r 5 -ngl 99 -fa 1 \
-            -d "${DEPTHS:-0}" 2>&1 |
+            -d "${DEPTHS:-0}" ${REFBENCH_LLAMA_ARGS:-} 2>&1 |
             tee -a "$OUT/refbench.md"
         done
       else
