@@ -95,19 +95,18 @@ __device__ __forceinline__ void emit_attn_out(float v, int64_t i, float* out, __
   if (out_q) quantize_warp_block(v, q8_index(i, tiles_k), out_q, out_d);
 }
 
-// Records (m, l, acc) of online softmaxes over parts of the keys, record(s) giving part s's for
-// s < n <= N, combined at dimension d: the maximum mm, the sum ll and the value a, both scaled to
-// mm (all zero where no part had keys). Every part's loads go out before any is used.
-template <int N, typename Record>
-__device__ __forceinline__ void merge_records(Record record, int n, int d, float& mm, float& ll,
-                                              float& a) {
+// Parts (m, l, acc) of online softmaxes over parts of the keys, part(s) giving part s's (a
+// float3) for s < n <= N, combined: the maximum mm, the sum ll and the value a, both scaled to mm
+// (all zero where no part had keys). Every part's loads go out before any is used.
+template <int N, typename Part>
+__device__ __forceinline__ void merge_parts(Part part, int n, float& mm, float& ll, float& a) {
   float ms[N], ls[N], as[N];
 #pragma unroll
   for (int s = 0; s < N; ++s) {
     ms[s] = kNegInf, ls[s] = as[s] = 0.0f;
     if (s < n) {
-      const float* r = record(s);
-      ms[s] = r[0], ls[s] = r[1], as[s] = r[2 + d];
+      const float3 r = part(s);
+      ms[s] = r.x, ls[s] = r.y, as[s] = r.z;
     }
   }
   mm = kNegInf;
@@ -121,6 +120,18 @@ __device__ __forceinline__ void merge_records(Record record, int n, int d, float
     ll += ls[s] * e;
     a += as[s] * e;
   }
+}
+
+// merge_parts over records [m, l, acc...], record(s) giving part s's, at dimension d.
+template <int N, typename Record>
+__device__ __forceinline__ void merge_records(Record record, int n, int d, float& mm, float& ll,
+                                              float& a) {
+  merge_parts<N>(
+      [&](int s) {
+        const float* r = record(s);
+        return make_float3(r[0], r[1], r[2 + d]);
+      },
+      n, mm, ll, a);
 }
 
 // The warps' records ([kWarps][G][rec]) of head g combined at dimension d (merge_records), of
@@ -158,6 +169,7 @@ __device__ __forceinline__ int warps_with_keys(int k_begin, int k_end, int tile,
 // splits' (m, l), two a lane, and leaves their weights exp(m - max) / sum(l exp(m - max)) in
 // shared memory (smem: n_g * kMaxAttnSplits floats); then each output element sums its splits'
 // values with those weights. Called by the whole block.
+template <int kChunk>
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
                                   float2* out_d, int64_t tiles_k, __half* out_h, float* smem) {
@@ -185,16 +197,39 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
     if (on1) w[lane + 32] = e1 * inv;
   }
   __syncthreads();
-  const float* wts = smem;
-  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
-    const int g = idx / head_dim, d = idx % head_dim;
-    const float* r = head0 + static_cast<int64_t>(g) * n_splits * rec + 2 + d;
-    const float* w = wts + g * kMaxAttnSplits;
-    float a = 0.0f;
-#pragma unroll 16
-    for (int s = 0; s < n_used; ++s) a += __ldcg(r + s * rec) * w[s];
-    emit_attn_out(a, (static_cast<int64_t>(t) * n_head + h_first + g) * head_dim + d, out, out_h,
-                  out_q, out_d, tiles_k);
+  // A thread's two outputs idx and idx + blockDim.x take their splits' values kChunk at a time,
+  // every load of a chunk in flight together (a chunk is one trip to L2 whatever n_used is).
+  const int n_out = n_g * head_dim;
+  auto values_of = [&](int idx) {  // output idx's value in split 0
+    return head0 + static_cast<int64_t>(idx / head_dim) * n_splits * rec + 2 + idx % head_dim;
+  };
+  for (int idx0 = threadIdx.x; idx0 < n_out; idx0 += 2 * blockDim.x) {
+    const int idx1 = idx0 + blockDim.x;
+    const bool has1 = idx1 < n_out;  // the same in every lane of a warp (head_dim % 32 == 0)
+    const float* r0 = values_of(idx0);
+    const float* r1 = values_of(has1 ? idx1 : idx0);
+    const float* w0 = smem + idx0 / head_dim * kMaxAttnSplits;
+    const float* w1 = smem + (has1 ? idx1 : idx0) / head_dim * kMaxAttnSplits;
+    float a0 = 0.0f, a1 = 0.0f;
+    for (int s0 = 0; s0 < n_used; s0 += kChunk) {
+      float v0[kChunk], v1[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const bool on = s0 + j < n_used;
+        v0[j] = on ? __ldcg(r0 + (s0 + j) * rec) : 0.0f;
+        v1[j] = on && has1 ? __ldcg(r1 + (s0 + j) * rec) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if (s0 + j < n_used) {
+          a0 += v0[j] * w0[s0 + j];
+          a1 += v1[j] * w1[s0 + j];
+        }
+      }
+    }
+    const int64_t o = (static_cast<int64_t>(t) * n_head + h_first) * head_dim;
+    emit_attn_out(a0, o + idx0, out, out_h, out_q, out_d, tiles_k);
+    if (has1) emit_attn_out(a1, o + idx1, out, out_h, out_q, out_d, tiles_k);
   }
 }
 
@@ -204,7 +239,7 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
 // and write the output (one split in use) or the split's partials, and the last of the head group's
 // splits to finish (a ticket counter, left at zero again) merges them all. smem: room for
 // attn_merge_splits.
-template <int kWarps, int G>
+template <int kWarps, int G, int kChunk>
 __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_first, int n_g,
                                     int head_dim, int n_head, int split, int n_splits, int n_used,
                                     float* out, __half* out_h, int8_t* out_q, float2* out_d,
@@ -226,68 +261,75 @@ __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_fi
     }
   }
   if (n_used == 1) return;
-  // Every thread's partials are visible device-wide before the block takes its ticket.
-  __threadfence();
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    unsigned* counter = counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x;
-    last = atomicAdd(counter, 1u) == static_cast<unsigned>(n_used - 1);
-    if (last) *counter = 0;  // every split has arrived: ready for the next step
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  attn_merge_splits(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q, out_d,
-                    tiles_k, out_h, smem);
+  if (!last_block_ticket(counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x,
+                         static_cast<unsigned>(n_used)))
+    return;
+  attn_merge_splits<kChunk>(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q,
+                            out_d, tiles_k, out_h, smem);
 }
 
-// The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+): the
-// warps' records in merge are combined into the block's own (m, l, acc) in mine ([G][head_dim +
-// 2]); after the cluster's barrier each block merges its share of the outputs (whole warps of
-// 32), reading every split's records from the other blocks' shared memory with the loads in
-// flight together; a second barrier keeps the records until all have read them. With one split
-// in use its block writes the output, and there is no barrier. Where the ticket's merge goes
-// through L2 four times (partials, fence, ticket, merge), this is two cluster barriers and one
-// trip across the cluster.
+// The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+). With
+// one split in use its block combines the warps' records in merge and writes the output.
+// Otherwise the outputs are dealt out in chunks of whole warps (32), one a block, and each block
+// combines its warps' records and stores each output's (acc), and each head's (m, l), straight
+// into the shared memory of the block that owns it (inbox: [C][G][2] (m, l), then [C][chunk]
+// values); after one cluster barrier (which also makes the stores visible) each owner merges its
+// outputs from its own shared memory. The stores wait for every block of the cluster to have
+// started (the barrier's arrival at the kernel's start, decode_mma_body); no block reads another's
+// memory, so none waits for the others before it leaves. Where the ticket's merge goes through L2
+// four times (partials, fence, ticket, merge), this is one cluster barrier.
 template <int kWarps, int G, int C>
-__device__ void decode_cluster_finish(const float* merge, int n_w, float* mine, int t, int h_first,
+__device__ void decode_cluster_finish(const float* merge, int n_w, float* inbox, int t, int h_first,
                                       int n_g, int head_dim, int n_head, int split, int n_used,
                                       float* out, __half* out_h, int8_t* out_q, float2* out_d,
                                       int64_t tiles_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const int rec = head_dim + 2;
+  const int rec = head_dim + 2, total = n_g * head_dim;
   auto emit = [&](int idx, float v) {
     emit_attn_out(v, (static_cast<int64_t>(t) * n_head + h_first) * head_dim + idx, out, out_h,
                   out_q, out_d, tiles_k);
   };
-  for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
+  if (n_used == 1) {
+    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+      float mm, ll, a;
+      combine_warps<kWarps, G>(merge, rec, idx / head_dim, idx % head_dim, n_w, mm, ll, a);
+      emit(idx, ll > 0.0f ? a / ll : 0.0f);
+    }
+    return;
+  }
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int chunk = ((total + n_used - 1) / n_used + 31) / 32 * 32;
+  float* in_ml = inbox;
+  float* in_v = inbox + C * G * 2;
+  cluster.barrier_wait();  // every block has started: its shared memory takes stores
+  // (Blocks past the splits in use store nothing: their slots lie past the inbox.)
+  for (int idx = threadIdx.x; split < n_used && idx < total; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm, ll, a;
     combine_warps<kWarps, G>(merge, rec, g, d, n_w, mm, ll, a);
-    if (n_used == 1) {
-      emit(idx, ll > 0.0f ? a / ll : 0.0f);
-    } else {
-      float* b = mine + g * rec;
-      if (d == 0) b[0] = mm, b[1] = ll;
-      b[2 + d] = a;
+    const int owner = idx / chunk;
+    cluster.map_shared_rank(in_v, owner)[split * chunk + idx - owner * chunk] = a;
+    if (d == 0) {
+      for (int o = 0; o < n_used; ++o) {
+        float* r = cluster.map_shared_rank(in_ml, o) + (split * G + g) * 2;
+        r[0] = mm, r[1] = ll;
+      }
     }
   }
-  if (n_used == 1) return;
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  const int total = n_g * head_dim;
-  const int chunk = ((total + n_used - 1) / n_used + 31) / 32 * 32;
   const int end = min(total, (split + 1) * chunk);
   for (int idx = split * chunk + threadIdx.x; idx < end; idx += blockDim.x) {
-    const int g = idx / head_dim, d = idx % head_dim;
+    const int g = idx / head_dim, p = idx - split * chunk;
     float mm, ll, a;
-    merge_records<C>([&](int s) { return cluster.map_shared_rank(mine, s) + g * rec; }, n_used, d,
-                     mm, ll, a);
+    merge_parts<C>(
+        [&](int s) {
+          const float* ml = in_ml + (s * G + g) * 2;
+          return make_float3(ml[0], ml[1], in_v[s * chunk + p]);
+        },
+        n_used, mm, ll, a);
     emit(idx, ll > 0.0f ? a / ll : 0.0f);
   }
-  cluster.sync();
 #endif
 }
 
@@ -668,10 +710,11 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
   }
   __syncthreads();
-  decode_block_finish<kWarps, G>(merge, warps_with_keys(k_begin, k_end, TILE, kWarps), t, h_first,
-                                 n_g, head_dim, n_head, split, n_splits, n_used, out, out_h, out_q,
-                                 out_d, tiles_k, part, counters,
-                                 reinterpret_cast<float*>(smem_raw));
+  // 8 splits a trip: the lanes' kernels keep their registers (16 and 24 spilled).
+  decode_block_finish<kWarps, G, 8>(merge, warps_with_keys(k_begin, k_end, TILE, kWarps), t,
+                                    h_first, n_g, head_dim, n_head, split, n_splits, n_used, out,
+                                    out_h, out_q, out_d, tiles_k, part, counters,
+                                    reinterpret_cast<float*>(smem_raw));
 }
 
 // ---- Fragment steps shared by the tensor-core kernels ---------------------------------------
@@ -778,10 +821,17 @@ struct DecodeMma {
     return CL || kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
   }
   static constexpr size_t merge_floats() { return static_cast<size_t>(kWarps) * kRows * (D + 2); }
-  static constexpr size_t smem_bytes(bool q8) {
+  // CL: where the other blocks' stores for the merge land (decode_cluster_finish's inbox), past
+  // the tiles and the records, which are still in use when they arrive.
+  static constexpr size_t inbox_offset(bool q8) {
     const size_t tiles = tile_bytes(q8) + (kLowInRegs ? 0 : kRows * kPitch * sizeof(__half));
-    const size_t merge = (merge_floats() + (CL ? kRows * (D + 2) : 0)) * sizeof(float);
-    return std::max(tiles, merge);
+    return (std::max(tiles, merge_floats() * sizeof(float)) + 15) / 16 * 16;
+  }
+  static constexpr size_t inbox_floats() {
+    return CL ? static_cast<size_t>(kAttnClusterSplits) * (2 * kRows + 32) + kRows * D : 0;
+  }
+  static constexpr size_t smem_bytes(bool q8) {
+    return inbox_offset(q8) + inbox_floats() * sizeof(float);
   }
   static_assert(kRawPitch <= kPitch * static_cast<int>(sizeof(__half)),
                 "a raw Q8_0 row of K fits in a row of the V tile");
@@ -830,6 +880,13 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // A cluster's blocks past the splits in use read no keys, but take part in its barriers (all
   // of them, or none where one split suffices).
   if (split >= n_used && (!CL || n_used == 1)) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The cluster's merge stores into other blocks' shared memory once all have started: each
+  // arrives here and waits before its first store (decode_cluster_finish).
+  if constexpr (CL) {
+    if (n_used > 1) __cluster_barrier_arrive_relaxed();  // nothing to release yet
+  }
+#endif
   const int h_first = sp.h_first, n_g = sp.n_g, hkv = sp.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_begin = sp.k_begin, k_end = sp.k_end;
@@ -1056,13 +1113,13 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   __syncthreads();
   const int n_w = warps_with_keys(k_begin, k_end, BK, kWarps);
   if constexpr (CL) {
-    decode_cluster_finish<kWarps, G, kAttnClusterSplits>(merge, n_w, merge + S::merge_floats(), t,
-                                                         h_first, n_g, D, n_head, split, n_used,
-                                                         out, out_h, out_q, out_d, tiles_k);
+    decode_cluster_finish<kWarps, G, kAttnClusterSplits>(
+        merge, n_w, reinterpret_cast<float*>(smem_raw + S::inbox_offset(Q8)), t, h_first, n_g, D,
+        n_head, split, n_used, out, out_h, out_q, out_d, tiles_k);
   } else {
-    decode_block_finish<kWarps, G>(merge, n_w, t, h_first, n_g, D, n_head, split, n_splits, n_used,
-                                   out, out_h, out_q, out_d, tiles_k, part, counters,
-                                   reinterpret_cast<float*>(smem_raw));
+    decode_block_finish<kWarps, G, 24>(merge, n_w, t, h_first, n_g, D, n_head, split, n_splits,
+                                       n_used, out, out_h, out_q, out_d, tiles_k, part, counters,
+                                       reinterpret_cast<float*>(smem_raw));
   }
 }
 

@@ -167,6 +167,28 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// The ticket of a block among n that meet at *counter (left at zero again by the last): true, in
+// every thread of the block, for the last to arrive, whose reads after it see every arrived
+// block's writes before it. The block's barrier orders its threads' writes before thread 0's
+// release, and thread 0's acquire before the block's reads after the second barrier, so no
+// thread fences on its own (__threadfence is a sequentially consistent fence a thread, and the
+// acquire side a second one).
+__device__ __forceinline__ bool last_block_ticket(unsigned* counter, unsigned n) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(old)
+                 : "l"(counter)
+                 : "memory");
+    last = old == n - 1;
+    if (last) *counter = 0;  // every block has arrived: ready for the next use
+  }
+  __syncthreads();
+  return last;
+}
+
 // The KV cache row of position pos in a cache of `rows` rows: pos itself, or for a sliding-window
 // ring (graph.h's kv_row) pos modulo its size. rows <= 0: no cache.
 __device__ __forceinline__ int ring_row(int pos, int rows) {
