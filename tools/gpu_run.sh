@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
 # Stages: build (or unpack and prebuilt, or prebuilt), test (or quicktest), sanitize, golden,
-# bench, kernels, sweep, profile, steps, llamacpp, refbench, batchbench, ab, abenv.
+# bench, kernels, sweep, profile, steps, attntrace, llamacpp, refbench, batchbench, ab, abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
@@ -237,6 +237,24 @@ for stage in "$@"; do
         echo "## $(basename "$m"), past ${STEP_PAST:-64}" | tee -a "$OUT/steps.md"
         python3 tools/kernel_times.py "$m" --warm --stalls --past "${STEP_PAST:-64}" 2>&1 |
           tee -a "$OUT/steps.md" | head -${STEPS_HEAD:-40}
+      done
+      ;;
+    attntrace)
+      # The decode attention's phases per launch (tools/attn_trace.py) of TRACE_MODELS (default
+      # the SmolLM2 shape) at each of TRACE_DEPTHS (default 0 1900 4096), one bench each (its own
+      # cache size), with TRACE_ENV set (e.g. GGRAPH_CUDA_ATTN_CLUSTER=0). Needs a measurement
+      # build: GGRAPH_CUDA_ATTN_TRACE=ON tools/prebuild.sh, then stage prebuilt.
+      tmodels=${TRACE_MODELS:-/tmp/smollm2-shape.gguf}
+      make_shape_files $tmodels
+      for m in $tmodels; do
+        for d in ${TRACE_DEPTHS:-0 1900 4096}; do
+          log="$OUT/attntrace-$(basename "$m" .gguf)-d$d.txt"
+          # shellcheck disable=SC2086  # the settings, one word each
+          env ${TRACE_ENV:-} python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 2 --device cuda -d "$d" \
+            --allow-longer-context --cuda-graphs patch >"$log" 2>&1
+          echo "## $(basename "$m"), depth $d ${TRACE_ENV:-}" | tee -a "$OUT/attntrace.md"
+          python3 tools/attn_trace.py "$log" 2>&1 | tee -a "$OUT/attntrace.md"
+        done
       done
       ;;
     llamacpp)

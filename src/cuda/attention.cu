@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
@@ -43,6 +44,38 @@ namespace {
 constexpr int kAttnWarps = 4;
 constexpr int kDecodeGroup = 8;  // at most this many query heads per block share a KV head
 constexpr float kNegInf = -INFINITY;
+
+// The times of a decode attention's phases, in measurement builds (GGRAPH_CUDA_ATTN_TRACE, a
+// CMake option): thread 0 of each block of the first KV head and token reads %globaltimer at the
+// kernel's start (0), after the wait for the kernel before (1), when its first K tile has landed
+// (2), after its keys (3), after the warps' records (4) and at its end (5), in steps whose key
+// count is 4 past a multiple of 128, and prints a line "ATT keys cluster split n_used sm t0..t5".
+// tools/attn_trace.py summarizes them per launch. Other builds compile it to nothing.
+struct AttnTrace {
+#ifdef GGRAPH_CUDA_ATTN_TRACE
+  bool on;
+  unsigned long long t[6] = {};
+  __device__ explicit AttnTrace(int n_kv)
+      : on((n_kv & 127) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+    stamp(0);
+  }
+  __device__ void stamp(int i) {
+    if (on) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[i]));
+  }
+  __device__ void print(int n_kv, bool cluster, int n_used) {
+    if (!on) return;
+    stamp(5);
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    printf("ATT %d %d %d %d %u %llu %llu %llu %llu %llu %llu\n", n_kv, cluster ? 1 : 0,
+           static_cast<int>(blockIdx.y), n_used, sm, t[0], t[1], t[2], t[3], t[4], t[5]);
+  }
+#else
+  __device__ explicit AttnTrace(int) {}
+  __device__ void stamp(int) {}
+  __device__ void print(int, bool, int) {}
+#endif
+};
 
 // A KV-position value: from the step's KV record in graph steps (the kernel's arguments then stay
 // the same from step to step), by value in launches outside one.
@@ -993,6 +1026,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // SmolLM2 shape at depth 4,096: 1,588-1,592 tok/s against 1,409-1,527 on an H200). With more
   // tiles a warp (the 7B shape's splits of 512 keys) the first tile's early request measured
   // 1-3% slower, and waits as before.
+  AttnTrace trace(kv_value(n_kv_at, n_kv_value));
   const int first_tile = k_begin + warp * BK;
   const bool first_early = k_end - k_begin <= kTileStep && first_tile < k_end &&
                            min(first_tile + BK, k_end) <= sp.first_new;
@@ -1001,6 +1035,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     tile_stage(first_tile, v_head, vs, raw);
   }
   pdl_begin();
+  trace.stamp(1);
   // A first tile with this step's rows is requested before q's loads, so that the two trips to
   // memory overlap (the 7B shape's tg128 on an H200: 628-630 tok/s against 618-620).
   if (first_tile < k_end && !first_early) {
@@ -1044,6 +1079,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     }
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
     __syncwarp();
+    if (tile == first_tile) trace.stamp(2);
     decode(raw_k, ks);
 
     float s[NT][4];
@@ -1094,6 +1130,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   }
 
   // Each warp's records of its rows (m back in the natural base), then the block's end.
+  trace.stamp(3);
   __syncthreads();
   float* merge = reinterpret_cast<float*>(smem_raw);  // [kWarps][G][D + 2]
   constexpr int rec = D + 2;
@@ -1112,6 +1149,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   }
   __syncthreads();
   const int n_w = warps_with_keys(k_begin, k_end, BK, kWarps);
+  trace.stamp(4);
   if constexpr (CL) {
     decode_cluster_finish<kWarps, G, kAttnClusterSplits>(
         merge, n_w, reinterpret_cast<float*>(smem_raw + S::inbox_offset(Q8)), t, h_first, n_g, D,
@@ -1121,6 +1159,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
                                        n_used, out, out_h, out_q, out_d, tiles_k, part, counters,
                                        reinterpret_cast<float*>(smem_raw));
   }
+  trace.print(kv_value(n_kv_at, n_kv_value), CL, n_used);
 }
 
 template <int D, bool Q8>
