@@ -53,16 +53,18 @@ constexpr float kNegInf = -INFINITY;
 // tools/attn_trace.py summarizes them per launch. Other builds compile it to nothing.
 struct AttnTrace {
 #ifdef GGRAPH_CUDA_ATTN_TRACE
+  int n_kv;
   bool on;
   unsigned long long t[6] = {};
-  __device__ explicit AttnTrace(int n_kv)
-      : on((n_kv & 127) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+  __device__ explicit AttnTrace(int keys)
+      : n_kv(keys),
+        on((keys & 127) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
     stamp(0);
   }
   __device__ void stamp(int i) {
     if (on) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t[i]));
   }
-  __device__ void print(int n_kv, bool cluster, int n_used) {
+  __device__ void print(bool cluster, int n_used) {
     if (!on) return;
     stamp(5);
     unsigned sm;
@@ -73,7 +75,7 @@ struct AttnTrace {
 #else
   __device__ explicit AttnTrace(int) {}
   __device__ void stamp(int) {}
-  __device__ void print(int, bool, int) {}
+  __device__ void print(bool, int) {}
 #endif
 };
 
@@ -743,7 +745,8 @@ __global__ void __launch_bounds__(decode_warps<DPL>() * 32)
     }
   }
   __syncthreads();
-  // 8 splits a trip: the lanes' kernels keep their registers (16 and 24 spilled).
+  // 8 splits a trip: under the lanes' kernels' register caps 16 and 24 spilled in most of them
+  // (at 8, the 256-dim kernel of one query head a KV head stores 8 bytes).
   decode_block_finish<kWarps, G, 8>(merge, warps_with_keys(k_begin, k_end, TILE, kWarps), t,
                                     h_first, n_g, head_dim, n_head, split, n_splits, n_used, out,
                                     out_h, out_q, out_d, tiles_k, part, counters,
@@ -1159,7 +1162,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
                                        n_used, out, out_h, out_q, out_d, tiles_k, part, counters,
                                        reinterpret_cast<float*>(smem_raw));
   }
-  trace.print(kv_value(n_kv_at, n_kv_value), CL, n_used);
+  trace.print(CL, n_used);
 }
 
 template <int D, bool Q8>
