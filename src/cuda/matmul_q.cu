@@ -527,18 +527,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[MT][NT][4], uint8_t* sm
         }
       }
   }
-  if (!split) return;
-  __shared__ unsigned last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned ticket = atomicAdd(counters + blockIdx.x, 1u);
-    last = ticket == gridDim.y - 1;
-    if (last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!split || !last_block_ticket(counters + blockIdx.x, gridDim.y)) return;
   // Every load of a round in flight together: the splits of kU elements a thread (4 rows of a
   // column each where rows are whole 4s), then their sums, in split order.
   constexpr int kU = 2;

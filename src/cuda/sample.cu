@@ -117,7 +117,6 @@ struct Shared {
   unsigned long long found_acc;
   int32_t found_digit;
   int32_t found_id;
-  int32_t last;
   Totals totals;
 };
 
@@ -872,15 +871,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Whether this block is the last of the grid to get here (after its writes).
-__device__ bool last_block(Shared& s, unsigned* ticket) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s.last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!s.last) return false;
-  __threadfence();
-  return true;
-}
+__device__ bool last_block(unsigned* ticket) { return last_block_ticket(ticket, gridDim.x); }
 
 // The ways sample_pick goes on from its plan.
 enum Route {
@@ -984,7 +975,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int listed = compact_tile(ops, k[0], id[0], member, work.keys + size_t(tile) * kTile,
                                     work.ids + size_t(tile) * kTile, 0);
     if (tid == 0) work.tiles[tile].listed = uint32_t(listed);
-    if (!last_block(s, work.ticket)) return;
+    if (!last_block(work.ticket)) return;
     // The tiles' parts in tile order make the list in id order.
     int n = 0;
     for (int g0 = 0; g0 < n_tiles; g0 += kThreads) {
@@ -1021,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const DrawWeight dw{p.max, p.temperature};
     const uint64_t mine_total = total_weight(ops, mine, f, dw);
     if (tid == 0) work.tiles[tile].mass = mine_total;
-    if (!last_block(s, work.ticket)) return;
+    if (!last_block(work.ticket)) return;
     uint64_t total = 0;
     for (int g = tid; g < n_tiles; g += kThreads) total += __ldcg(&work.tiles[g].mass);
     total = ops.sum(total);
@@ -1066,7 +1057,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = tid; i < kBins; i += kThreads) work.masses[size_t(tile) * kBins + i] = s.hist[i];
     if (tid == 0) work.tiles[tile].mass = sum;
   }
-  if (!last_block(s, work.ticket)) return;
+  if (!last_block(work.ticket)) return;
   {
     uint64_t total = 0;
     for (int g = tid % 32; g < n_tiles; g += 32) total += __ldcg(&work.tiles[g].mass);
