@@ -48,14 +48,17 @@ constexpr float kNegInf = -INFINITY;
 // The times of a decode attention's phases, in measurement builds (GGRAPH_CUDA_ATTN_TRACE, a
 // CMake option): thread 0 of each block of the first KV head and token reads %globaltimer at the
 // kernel's start (0), after the wait for the kernel before (1), when its first K tile has landed
-// (2), after its keys (3), after the warps' records (4) and at its end (5), in steps whose key
-// count is 4 past a multiple of 128, and prints a line "ATT keys cluster split n_used sm t0..t5".
-// tools/attn_trace.py summarizes them per launch. Other builds compile it to nothing.
+// (2), after its keys (3), after the warps' records (4), at three points of the merge (5-7: the
+// ticket's partials written, its ticket won, the weights in shared memory; the cluster's barrier
+// wait passed, its stores made, its cluster barrier passed; 0 where a block does not get there)
+// and at its end (8), in steps whose key count is 4 past a multiple of 128, and prints a line
+// "ATT keys cluster split n_used sm t0..t8". tools/attn_trace.py summarizes them per launch.
+// Other builds compile it to nothing.
 struct AttnTrace {
 #ifdef GGRAPH_CUDA_ATTN_TRACE
   int n_kv;
   bool on;
-  unsigned long long t[6] = {};
+  unsigned long long t[9] = {};
   __device__ explicit AttnTrace(int keys)
       : n_kv(keys),
         on((keys & 127) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
@@ -66,11 +69,12 @@ struct AttnTrace {
   }
   __device__ void print(bool cluster, int n_used) {
     if (!on) return;
-    stamp(5);
+    stamp(8);
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    printf("ATT %d %d %d %d %u %llu %llu %llu %llu %llu %llu\n", n_kv, cluster ? 1 : 0,
-           static_cast<int>(blockIdx.y), n_used, sm, t[0], t[1], t[2], t[3], t[4], t[5]);
+    printf("ATT %d %d %d %d %u %llu %llu %llu %llu %llu %llu %llu %llu %llu\n", n_kv,
+           cluster ? 1 : 0, static_cast<int>(blockIdx.y), n_used, sm, t[0], t[1], t[2], t[3], t[4],
+           t[5], t[6], t[7], t[8]);
   }
 #else
   __device__ explicit AttnTrace(int) {}
@@ -78,6 +82,11 @@ struct AttnTrace {
   __device__ void print(bool, int) {}
 #endif
 };
+
+// Stamp i of a block's trace, where the caller passes one (measurement builds).
+__device__ __forceinline__ void trace_stamp(AttnTrace* trace, int i) {
+  if (trace) trace->stamp(i);
+}
 
 // A KV-position value: from the step's KV record in graph steps (the kernel's arguments then stay
 // the same from step to step), by value in launches outside one.
@@ -207,7 +216,8 @@ __device__ __forceinline__ int warps_with_keys(int k_begin, int k_end, int tile,
 template <int kChunk>
 __device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
-                                  float2* out_d, int64_t tiles_k, __half* out_h, float* smem) {
+                                  float2* out_d, int64_t tiles_k, __half* out_h, float* smem,
+                                  AttnTrace* trace = nullptr) {
   static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
   const int rec = head_dim + 2;
   const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
@@ -232,6 +242,7 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
     if (on1) w[lane + 32] = e1 * inv;
   }
   __syncthreads();
+  trace_stamp(trace, 7);
   // A thread's two outputs idx and idx + blockDim.x take their splits' values kChunk at a time,
   // every load of a chunk in flight together (a chunk is one trip to L2 whatever n_used is).
   const int n_out = n_g * head_dim;
@@ -278,7 +289,8 @@ template <int kWarps, int G, int kChunk>
 __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_first, int n_g,
                                     int head_dim, int n_head, int split, int n_splits, int n_used,
                                     float* out, __half* out_h, int8_t* out_q, float2* out_d,
-                                    int64_t tiles_k, float* part, unsigned* counters, float* smem) {
+                                    int64_t tiles_k, float* part, unsigned* counters, float* smem,
+                                    AttnTrace* trace = nullptr) {
   const int rec = head_dim + 2;
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
@@ -296,11 +308,13 @@ __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_fi
     }
   }
   if (n_used == 1) return;
+  trace_stamp(trace, 5);
   if (!last_block_ticket(counters + static_cast<int64_t>(t) * gridDim.x + blockIdx.x,
                          static_cast<unsigned>(n_used)))
     return;
+  trace_stamp(trace, 6);
   attn_merge_splits<kChunk>(part, out, n_head, head_dim, t, h_first, n_g, n_splits, n_used, out_q,
-                            out_d, tiles_k, out_h, smem);
+                            out_d, tiles_k, out_h, smem, trace);
 }
 
 // The end of a block of a cluster whose C blocks are the splits of one head group (sm_90+). With
@@ -317,7 +331,7 @@ template <int kWarps, int G, int C>
 __device__ void decode_cluster_finish(const float* merge, int n_w, float* inbox, int t, int h_first,
                                       int n_g, int head_dim, int n_head, int split, int n_used,
                                       float* out, __half* out_h, int8_t* out_q, float2* out_d,
-                                      int64_t tiles_k) {
+                                      int64_t tiles_k, AttnTrace* trace = nullptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const int rec = head_dim + 2, total = n_g * head_dim;
   auto emit = [&](int idx, float v) {
@@ -338,6 +352,7 @@ __device__ void decode_cluster_finish(const float* merge, int n_w, float* inbox,
   float* in_ml = inbox;
   float* in_v = inbox + C * G * 2;
   cluster.barrier_wait();  // every block has started: its shared memory takes stores
+  trace_stamp(trace, 5);
   // (Blocks past the splits in use store nothing: their slots lie past the inbox.)
   for (int idx = threadIdx.x; split < n_used && idx < total; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
@@ -352,7 +367,9 @@ __device__ void decode_cluster_finish(const float* merge, int n_w, float* inbox,
       }
     }
   }
+  trace_stamp(trace, 6);
   cluster.sync();
+  trace_stamp(trace, 7);
   const int end = min(total, (split + 1) * chunk);
   for (int idx = split * chunk + threadIdx.x; idx < end; idx += blockDim.x) {
     const int g = idx / head_dim, p = idx - split * chunk;
@@ -1156,11 +1173,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   if constexpr (CL) {
     decode_cluster_finish<kWarps, G, kAttnClusterSplits>(
         merge, n_w, reinterpret_cast<float*>(smem_raw + S::inbox_offset(Q8)), t, h_first, n_g, D,
-        n_head, split, n_used, out, out_h, out_q, out_d, tiles_k);
+        n_head, split, n_used, out, out_h, out_q, out_d, tiles_k, &trace);
   } else {
     decode_block_finish<kWarps, G, 24>(merge, n_w, t, h_first, n_g, D, n_head, split, n_splits,
                                        n_used, out, out_h, out_q, out_d, tiles_k, part, counters,
-                                       reinterpret_cast<float*>(smem_raw));
+                                       reinterpret_cast<float*>(smem_raw), &trace);
   }
   trace.print(CL, n_used);
 }
