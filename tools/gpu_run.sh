@@ -146,11 +146,12 @@ for stage in "$@"; do
       if [ -d .carry/ref ]; then install_package .carry/ref /tmp/ref-py; fi
       ;;
     prebuilt)
-      # The package and the CUDA op tests built on another machine for this one's Python
-      # (tools/prebuild.sh, carried as .carry/prebuilt): no build here.
+      # The package and the CUDA op tests (and the kernel benchmarks, where built) made on another
+      # machine for this one's Python (tools/prebuild.sh, carried as .carry/prebuilt): no build
+      # here.
       install_package .carry/prebuilt
-      mkdir -p "$BUILD" && cp .carry/prebuilt/ggraph_cuda_tests "$BUILD"/
-      chmod +x "$BUILD"/ggraph_cuda_tests
+      mkdir -p "$BUILD" && cp .carry/prebuilt/ggraph_* "$BUILD"/
+      chmod +x "$BUILD"/ggraph_*
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
