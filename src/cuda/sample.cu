@@ -870,9 +870,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Whether this block is the last of the grid to get here (after its writes).
-__device__ bool last_block(unsigned* ticket) { return last_block_ticket(ticket, gridDim.x); }
-
 // The ways sample_pick goes on from its plan.
 enum Route {
   kList,       // every block lists its tile's reachable tokens
@@ -975,7 +972,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int listed = compact_tile(ops, k[0], id[0], member, work.keys + size_t(tile) * kTile,
                                     work.ids + size_t(tile) * kTile, 0);
     if (tid == 0) work.tiles[tile].listed = uint32_t(listed);
-    if (!last_block(work.ticket)) return;
+    if (!last_block_ticket(work.ticket, gridDim.x)) return;
     // The tiles' parts in tile order make the list in id order.
     int n = 0;
     for (int g0 = 0; g0 < n_tiles; g0 += kThreads) {
@@ -1012,7 +1009,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const DrawWeight dw{p.max, p.temperature};
     const uint64_t mine_total = total_weight(ops, mine, f, dw);
     if (tid == 0) work.tiles[tile].mass = mine_total;
-    if (!last_block(work.ticket)) return;
+    if (!last_block_ticket(work.ticket, gridDim.x)) return;
     uint64_t total = 0;
     for (int g = tid; g < n_tiles; g += kThreads) total += __ldcg(&work.tiles[g].mass);
     total = ops.sum(total);
@@ -1057,7 +1054,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = tid; i < kBins; i += kThreads) work.masses[size_t(tile) * kBins + i] = s.hist[i];
     if (tid == 0) work.tiles[tile].mass = sum;
   }
-  if (!last_block(work.ticket)) return;
+  if (!last_block_ticket(work.ticket, gridDim.x)) return;
   {
     uint64_t total = 0;
     for (int g = tid % 32; g < n_tiles; g += 32) total += __ldcg(&work.tiles[g].mass);
