@@ -207,6 +207,31 @@ __device__ __forceinline__ int warps_with_keys(int k_begin, int k_end, int tile,
   return max(1, min(warps, (k_end - k_begin + tile - 1) / tile));
 }
 
+// Where a flash-decoding launch of n_splits splits keeps its splits' partials in part: first every
+// split's values, head_dim floats a split ([token][head][split][head_dim], so that a warp's 32
+// values of a split are whole sectors for the merge's loads), then every split's (m, l)
+// ([token][head][split], a head's side by side). gridDim.z is the launch's tokens.
+struct SplitPartials {
+  float* values;
+  float2* states;
+  int n_head, n_splits, head_dim;
+  __device__ SplitPartials(float* part, int n_head_, int n_splits_, int head_dim_)
+      : values(part),
+        states(reinterpret_cast<float2*>(part + static_cast<int64_t>(gridDim.z) * n_head_ *
+                                                    n_splits_ * head_dim_)),
+        n_head(n_head_),
+        n_splits(n_splits_),
+        head_dim(head_dim_) {}
+  // Split 0's index of head h of token t; split s's is s past it.
+  __device__ int64_t first(int t, int h) const {
+    return (static_cast<int64_t>(t) * n_head + h) * n_splits;
+  }
+  __device__ float* value(int t, int h, int s) const {
+    return values + (first(t, h) + s) * head_dim;
+  }
+  __device__ float2* state(int t, int h, int s) const { return states + first(t, h) + s; }
+};
+
 // Merges splits [0, n_used) of the partials of heads [h_first, h_first + n_g) of token t into
 // out (and its 8-bit form). Partials are read through L2: other blocks wrote them. Two steps,
 // each issuing its loads together rather than one split after another: a warp a head reads its
@@ -214,21 +239,19 @@ __device__ __forceinline__ int warps_with_keys(int k_begin, int k_end, int tile,
 // shared memory (smem: n_g * kMaxAttnSplits floats); then each output element sums its splits'
 // values with those weights. Called by the whole block.
 template <int kChunk>
-__device__ void attn_merge_splits(const float* part, float* out, int n_head, int head_dim, int t,
+__device__ void attn_merge_splits(float* part, float* out, int n_head, int head_dim, int t,
                                   int h_first, int n_g, int n_splits, int n_used, int8_t* out_q,
                                   float2* out_d, int64_t tiles_k, __half* out_h, float* smem,
                                   AttnTrace* trace = nullptr) {
   static_assert(kMaxAttnSplits <= 64, "two splits a lane in the weights' step");
-  const int rec = head_dim + 2;
-  const float* head0 = part + (static_cast<int64_t>(t) * n_head + h_first) * n_splits * rec;
+  const SplitPartials sp(part, n_head, n_splits, head_dim);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int g = warp; g < n_g; g += blockDim.x / 32) {
-    const float* r = head0 + static_cast<int64_t>(g) * n_splits * rec;
+    const float2* r = sp.state(t, h_first + g, 0);
     const bool on0 = lane < n_used, on1 = lane + 32 < n_used;
-    const float m0 = on0 ? __ldcg(r + lane * rec) : kNegInf;
-    const float m1 = on1 ? __ldcg(r + (lane + 32) * rec) : kNegInf;
-    const float l0 = on0 ? __ldcg(r + lane * rec + 1) : 0.0f;
-    const float l1 = on1 ? __ldcg(r + (lane + 32) * rec + 1) : 0.0f;
+    const float2 s0 = on0 ? __ldcg(r + lane) : make_float2(kNegInf, 0.0f);
+    const float2 s1 = on1 ? __ldcg(r + lane + 32) : make_float2(kNegInf, 0.0f);
+    const float m0 = s0.x, m1 = s1.x, l0 = s0.y, l1 = s1.y;
     const float mm = warp_max(fmaxf(m0, m1));
     float e0 = 0.0f, e1 = 0.0f;
     if (mm != kNegInf) {
@@ -247,7 +270,7 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
   // every load of a chunk in flight together (a chunk is one trip to L2 whatever n_used is).
   const int n_out = n_g * head_dim;
   auto values_of = [&](int idx) {  // output idx's value in split 0
-    return head0 + static_cast<int64_t>(idx / head_dim) * n_splits * rec + 2 + idx % head_dim;
+    return sp.value(t, h_first + idx / head_dim, 0) + idx % head_dim;
   };
   for (int idx0 = threadIdx.x; idx0 < n_out; idx0 += 2 * blockDim.x) {
     const int idx1 = idx0 + blockDim.x;
@@ -262,8 +285,8 @@ __device__ void attn_merge_splits(const float* part, float* out, int n_head, int
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         const bool on = s0 + j < n_used;
-        v0[j] = on ? __ldcg(r0 + (s0 + j) * rec) : 0.0f;
-        v1[j] = on && has1 ? __ldcg(r1 + (s0 + j) * rec) : 0.0f;
+        v0[j] = on ? __ldcg(r0 + (s0 + j) * head_dim) : 0.0f;
+        v1[j] = on && has1 ? __ldcg(r1 + (s0 + j) * head_dim) : 0.0f;
       }
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
@@ -292,6 +315,7 @@ __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_fi
                                     int64_t tiles_k, float* part, unsigned* counters, float* smem,
                                     AttnTrace* trace = nullptr) {
   const int rec = head_dim + 2;
+  const SplitPartials sp(part, n_head, n_splits, head_dim);
   for (int idx = threadIdx.x; idx < n_g * head_dim; idx += blockDim.x) {
     const int g = idx / head_dim, d = idx % head_dim;
     float mm, ll, a;
@@ -302,9 +326,8 @@ __device__ void decode_block_finish(const float* merge, int n_w, int t, int h_fi
                     (static_cast<int64_t>(t) * n_head + h) * head_dim + d, out, out_h, out_q, out_d,
                     tiles_k);
     } else {
-      float* pr = part + ((static_cast<int64_t>(t) * n_head + h) * n_splits + split) * rec;
-      if (d == 0) pr[0] = mm, pr[1] = ll;
-      pr[2 + d] = a;
+      sp.value(t, h, split)[d] = a;
+      if (d == 0) *sp.state(t, h, split) = make_float2(mm, ll);
     }
   }
   if (n_used == 1) return;
