@@ -231,12 +231,14 @@ for stage in "$@"; do
       ;;
     steps)
       # Each kernel of one warm decode step of STEP_MODELS (default the SmolLM2 and 7B Q4_0
-      # shapes) at STEP_PAST tokens of context, with its stall reasons (tools/kernel_times.py).
+      # shapes) at STEP_PAST tokens of context, with its stall reasons (tools/kernel_times.py;
+      # STEP_ARGS adds its options, e.g. "--kv-type q8_0").
       models=${STEP_MODELS:-/tmp/smollm2-shape.gguf /tmp/llama2-7b-shape.gguf}
       make_shape_files $models
       for m in $models; do
         echo "## $(basename "$m"), past ${STEP_PAST:-64}" | tee -a "$OUT/steps.md"
-        python3 tools/kernel_times.py "$m" --warm --stalls --past "${STEP_PAST:-64}" 2>&1 |
+        # shellcheck disable=SC2086  # the options, one word each
+        python3 tools/kernel_times.py "$m" --warm --stalls --past "${STEP_PAST:-64}" ${STEP_ARGS:-} 2>&1 |
           tee -a "$OUT/steps.md" | head -${STEPS_HEAD:-40}
       done
       ;;

@@ -231,6 +231,11 @@ size_t attn_workspace_bytes(const Graph& graph, bool counters) {
       need = std::max(
           need, counters ? attn_counters_bytes(n_head, n_tokens, seqs)
                          : attn_partials_bytes(n_head, t->params[kAttnHeadDim], n_tokens, seqs));
+    } else if (t->op == Op::KvStore && counters && kv_target(t) &&
+               kv_target(t)->type == DType::Q8_0) {
+      // The rope epilogue's tickets for one token's K and V rows into Q8_0 caches (a group of 32
+      // values each), never at the same time as an attention or a product.
+      need = std::max(need, 2 * static_cast<size_t>(t->src[0]->ne[0] / 32) * sizeof(unsigned));
     } else if (t->op == Op::MulMat) {
       // Split-k tensor-core products use the same memory (never at the same time as an
       // attention), a launch's products together (as the executor groups them).
@@ -891,9 +896,11 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // same[0..2] (already marked launched; v's weight in v_type): where the next four nodes to
   // launch are the ropes of q and k (normal mode, the same positions and parameters: ropes_pair;
   // a head-normed rope reads the norm, not the product) and the K and V stores of the rotated k
-  // and of v into F16 caches of one position. q's and k's products then exist nowhere but in
-  // registers: only their ropes may read them. The kernel reads no scratch but the positions,
-  // which none of its outputs may overlap. Returns whether it launched them all.
+  // and of v into caches of one position, both F16 or both Q8_0 (whose groups of 32 values the
+  // launch quantizes by tickets in the counters' memory, attn_workspace_bytes). q's and k's
+  // products then exist nowhere but in registers: only their ropes may read them. The kernel
+  // reads no scratch but the positions, which none of its outputs may overlap. Returns whether
+  // it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
                            DType v_type, int64_t k) {
     const Tensor* act_in = nodes[same[0]]->src[1];
@@ -910,9 +917,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         rk->src[0] == kp && uses[same[0]] == 1 && uses[same[1]] == 1 && q != graph.output() &&
         kp != graph.output() && ks->op == Op::KvStore && ks->src[0] == rk &&
         vs->op == Op::KvStore && vs->src[0] == v && vs->kv[0] == ks->kv[0] &&
-        kv_target(ks)->type == DType::F16 && kv_target(vs)->type == DType::F16 &&
-        kv_target(ks)->ne[0] == kp->ne[0] && kv_target(vs)->ne[0] == v->ne[0] &&
-        kv_target(vs)->ne[1] == kv_target(ks)->ne[1] && kv_target(vs)->data != kv_target(ks)->data;
+        (kv_target(ks)->type == DType::F16 || kv_target(ks)->type == DType::Q8_0) &&
+        kv_target(vs)->type == kv_target(ks)->type && kv_target(ks)->ne[0] == kp->ne[0] &&
+        kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
+        kv_target(vs)->data != kv_target(ks)->data;
     if (!ok) return false;
     const NormFold* f = fold_for(act_in, 3, type, v_type);
     MatVecRope r;
@@ -923,6 +931,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.v_cache = kv_target(vs)->data;
     r.q_out = fptr(rq);
     r.k_out = fptr(rk);
+    if (kv_target(ks)->type == DType::Q8_0) {
+      r.q8_tickets = buf.attn_counters;
+      r.v_tickets = static_cast<int>(kp->ne[0] / 32);
+    }
     r.head_dim = hd;
     r.n_dims = rq->params[kRopeNDims];
     r.rows = static_cast<int>(kv_target(ks)->ne[1]);

@@ -126,6 +126,21 @@ __device__ __forceinline__ void quantize_warp_block(float y, int64_t i, int8_t* 
   quantize_warp_blocks<1>(ys, is, ok, qs, ds);
 }
 
+// A Q8_0 cache block (an F16 scale, 32 int8 quants: 34 bytes at blk) of the 32 values the warp
+// holds, x in lane `lane`, as quantize_q8_0 (quant.cpp) makes it: d = amax / 127 rounded to F16,
+// q = round(x / d) with the float reciprocal, halves away from zero.
+__device__ __forceinline__ void store_q8_0_warp_block(float x, uint8_t* blk, int lane) {
+  float amax = fabsf(x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const float v = roundf(x * id);
+  const int q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0;
+  if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
+  blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
+}
+
 __device__ __forceinline__ float f16_bits_to_float(uint16_t h) {
   return __half2float(__ushort_as_half(h));
 }

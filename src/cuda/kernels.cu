@@ -520,8 +520,7 @@ __global__ void kv_store_kernel(const float* src0, const float* src1, __half* ca
   cache[row * n_embd_kv + (i - t * n_embd_kv)] = __float2half_rn(src[i]);
 }
 
-// Q8_0 rows: a warp a block of 32 values, quantized as quantize_q8_0 (quant.cpp) does: d =
-// amax / 127 rounded to F16, q = round(x / d) with the float reciprocal, halves away from zero.
+// Q8_0 rows: a warp a block of 32 values (store_q8_0_warp_block).
 __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t* cache0,
                                    uint8_t* cache1, int64_t n_embd_kv, int64_t n_blocks,
                                    const int32_t* first_row_at, int rows, const int32_t* slots) {
@@ -531,22 +530,12 @@ __global__ void kv_store_q8_kernel(const float* src0, const float* src1, uint8_t
   if (b >= n_blocks) return;
   const float* src = blockIdx.y == 0 ? src0 : src1;
   uint8_t* cache = blockIdx.y == 0 ? cache0 : cache1;
-  const float x = src[b * 32 + lane];
-  float amax = fabsf(x);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  const float v = roundf(x * id);
-  const int q = v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0;
   const int64_t per_row = n_embd_kv / 32;
   const int t = static_cast<int>(b / per_row);
   const int64_t row =
       kv_store_row(first_row_at, slots, t, static_cast<int>(n_blocks / per_row), rows);
   if (row < 0) return;
-  uint8_t* blk = cache + (row * per_row + (b - t * per_row)) * 34;
-  if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
-  blk[2 + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
+  store_q8_0_warp_block(src[b * 32 + lane], cache + (row * per_row + (b - t * per_row)) * 34, lane);
 }
 
 // ---- The step's KV record ----------------------------------------------------------------------

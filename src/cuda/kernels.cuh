@@ -406,10 +406,12 @@ bool launch_mat_vec_mixed(Launcher& l, DType type_a, DType type_b, const MatVecP
 // The ropes and the K/V stores of one token in the epilogue of its q, k and v products (parts
 // 0, 1 and 2 of one launch): pairs of adjacent rows of q and k rotate (the rope's normal mode;
 // pairs past n_dims are copied) into q_out and k_out, as launch_rope rotates them, bit for bit;
-// k's rotated rows and v's product go to the F16 caches k_cache and v_cache at the row of
-// position *first_row (ring_row over caches of `rows` rows). v's product is written to its
-// part's dst as well; q's and k's products are not written at all. No padding: a launch's
-// arguments compare bytewise from step to step.
+// k's rotated rows and v's product go to the caches k_cache and v_cache at the row of position
+// *first_row (ring_row over caches of `rows` rows). v's product is written to its part's dst as
+// well; q's and k's products are not written at all. Q8_0 caches (q8_tickets set): k_out and v's
+// dst hold the rows in F32, and the writer of the last pair of each 32 values (a ticket a group,
+// left at zero) quantizes the group into its cache block with its warp, as kv_store does. No
+// padding: a launch's arguments compare bytewise from step to step.
 struct MatVecRope {
   const int32_t* pos = nullptr;  // the token's position (device)
   const float* freq_factors = nullptr;
@@ -418,6 +420,8 @@ struct MatVecRope {
   void* v_cache = nullptr;
   float* q_out = nullptr;
   float* k_out = nullptr;
+  // Q8_0 caches: a ticket for each group of 32 values of k (first), then of v; null for F16.
+  unsigned* q8_tickets = nullptr;
   int head_dim = 0, n_dims = 0, rows = 0;
   float freq_base = 0.0f, freq_scale = 1.0f;
   // 1: the register-resident rows kernels take a row pair's angle (from the table, or worked
@@ -430,9 +434,9 @@ struct MatVecRope {
   // instructions. Positions past it, or no table, work the angle out.
   const float2* table = nullptr;
   int table_rows = 0;
-  int unused = 0;  // keeps the struct free of padding
+  int v_tickets = 0;  // Q8_0: where v's tickets start (k's groups of 32)
 };
-static_assert(sizeof(MatVecRope) == 8 * sizeof(void*) + 8 * 4, "MatVecRope has no padding");
+static_assert(sizeof(MatVecRope) == 9 * sizeof(void*) + 8 * 4, "MatVecRope has no padding");
 // One column of parts[0..2] (q, k, v; q and k in one quantized format, v in it too or in the
 // other of a pair launch_mat_vec_mixed takes; q's and k's rows whole heads, v's even in number)
 // with the rope epilogue. False, with nothing launched, where the formats or a forced kernel shape

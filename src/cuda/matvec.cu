@@ -48,38 +48,73 @@ __device__ __forceinline__ void rope_pair_angle(const MatVecRope& r, int part, i
     rope_angle_from(r.table, r.table_rows, *r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale,
                     r.freq_factors, sf, cf);
 }
-// The same with the angle given (rope_pair_angle's).
-__device__ __forceinline__ void rope_epilogue_pair_at(const MatVecRope& r, int part, int n,
+// Q8_0 caches: the ticket of the group of 32 values that holds rows row and row + 1 of part
+// `part` (1 k, 2 v), taken by the pair's writer after its stores: whether it was the group's
+// last pair (the ticket is then left at zero for the next launch).
+__device__ __forceinline__ bool rope_q8_ticket(const MatVecRope& r, int part, int row) {
+  unsigned* t = r.q8_tickets + (part == 2 ? r.v_tickets : 0) + row / 32;
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 2;" : "=r"(old) : "l"(t) : "memory");
+  if (old != 30) return false;
+  *t = 0;
+  return true;
+}
+// The same with the angle given (rope_pair_angle's). Returns whether the pair was the last of
+// its group of 32 values into a Q8_0 cache (rope_q8_ticket): its warp then stores the group
+// (rope_q8_groups).
+__device__ __forceinline__ bool rope_epilogue_pair_at(const MatVecRope& r, int part, int n,
                                                       float* dst, int row, float x0, float x1,
                                                       float sf, float cf, bool rotate) {
   const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * n + row;
   if (part == 2) {
     dst[row] = x0;
     dst[row + 1] = x1;
+    if (r.q8_tickets) return rope_q8_ticket(r, part, row);
     __half* c = static_cast<__half*>(r.v_cache) + at;
     c[0] = __float2half_rn(x0);
     c[1] = __float2half_rn(x1);
-    return;
+    return false;
   }
   float y0 = x0, y1 = x1;
   if (rotate) rope_rotate(x0, x1, sf, cf, y0, y1);
   float* out = part == 0 ? r.q_out : r.k_out;
   out[row] = y0;
   out[row + 1] = y1;
-  if (part == 1) {
-    __half* c = static_cast<__half*>(r.k_cache) + at;
-    c[0] = __float2half_rn(y0);
-    c[1] = __float2half_rn(y1);
-  }
+  if (part != 1) return false;
+  if (r.q8_tickets) return rope_q8_ticket(r, part, row);
+  __half* c = static_cast<__half*>(r.k_cache) + at;
+  c[0] = __float2half_rn(y0);
+  c[1] = __float2half_rn(y1);
+  return false;
 }
 
 // The pair's angle and epilogue, one after the other (the block kernels, after their sums).
-__device__ __forceinline__ void rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
+__device__ __forceinline__ bool rope_epilogue_pair(const MatVecRope& r, int part, int n, float* dst,
                                                    int row, float x0, float x1) {
   float sf = 0.0f, cf = 1.0f;
   bool rotate = false;
   rope_pair_angle(r, part, row, sf, cf, rotate);
-  rope_epilogue_pair_at(r, part, n, dst, row, x0, x1, sf, cf, rotate);
+  return rope_epilogue_pair_at(r, part, n, dst, row, x0, x1, sf, cf, rotate);
+}
+
+// Q8_0 caches: the whole warp quantizes the groups whose last pair one of its lanes wrote: bit p
+// of `lasts` (the same in every lane) names pair p, and pair(p, part, n, dst, row) says which
+// part, rows and output it was (k's values are read from k_out, v's from dst).
+template <typename Pair>
+__device__ __forceinline__ void rope_q8_groups(const MatVecRope& r, unsigned lasts, Pair pair) {
+  if (!lasts) return;
+  const int lane = threadIdx.x % 32;
+  __syncwarp();  // the ticket's acquire, in the lane that took it, before every lane's reads
+  for (; lasts; lasts &= lasts - 1) {
+    int part, n, row;
+    const float* dst;
+    pair(__ffs(lasts) - 1, part, n, dst, row);
+    const int group = row / 32;
+    const float x = __ldcg((part == 2 ? dst : r.k_out) + group * 32 + lane);
+    const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * (n / 32) + group;
+    store_q8_0_warp_block(x, static_cast<uint8_t*>(part == 2 ? r.v_cache : r.k_cache) + at * 34,
+                          lane);
+  }
 }
 
 // ---- Quantized mat-vec ------------------------------------------------------------------------
@@ -572,14 +607,21 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
       }
     }
   }
+  // Pair p of a warp's rows (rope_q8_groups).
+  [[maybe_unused]] auto rope_pair_of = [&](int p, int& pi, int& n, const float*& d, int& row) {
+    pi = part.index, n = part.n, d = part.dst, row = row0 + p;
+  };
   if constexpr (ROPE && KS == 1) {
+    unsigned lasts = 0;
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < R; j += 2) {
-        if (row0 + j < part.n)
-          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]);
+        if (row0 + j < part.n &&
+            rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]))
+          lasts |= 1u << j;
       }
     }
+    if (rope.q8_tickets) rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0), rope_pair_of);
   }
   if constexpr (KS > 1) {
     static_assert(R * NCOLS <= 32, "a lane per sum");
@@ -590,8 +632,10 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         float v = 0.0f;
         for (int i = 0; i < KS; ++i) v += partial[warp + i][min(lane, R - 1)];
         const float next = __shfl_down_sync(0xffffffffu, v, 1);
-        if (lane < R && lane % 2 == 0 && row0 + lane < part.n)
-          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
+        const bool last =
+            lane < R && lane % 2 == 0 && row0 + lane < part.n &&
+            rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
+        if (rope.q8_tickets) rope_q8_groups(rope, __ballot_sync(0xffffffffu, last), rope_pair_of);
       }
     } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
@@ -785,6 +829,7 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
       if (!ROPE && lane == 0 && g0 + j < n_rows) dst[j][row[j]] = sums[j];
     }
     if constexpr (ROPE) {
+      unsigned lasts = 0;
       if (lane == 0) {
 #pragma unroll
         for (int j = 0; j < R; j += 2) {
@@ -794,11 +839,19 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
             const int n = part == 0 ? n0 : part == 1 ? n1 : n2;
             if (!rope.early_angle)
               rope_pair_angle(rope, first_part + part, row[j], rsf[j / 2], rcf[j / 2], rrot[j / 2]);
-            rope_epilogue_pair_at(rope, first_part + part, n, dst[j], row[j], sums[j], sums[j + 1],
-                                  rsf[j / 2], rcf[j / 2], rrot[j / 2]);
+            if (rope_epilogue_pair_at(rope, first_part + part, n, dst[j], row[j], sums[j],
+                                      sums[j + 1], rsf[j / 2], rcf[j / 2], rrot[j / 2]))
+              lasts |= 1u << j;
           }
         }
       }
+      if (rope.q8_tickets)
+        rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0),
+                       [&](int p, int& pi, int& n, const float*& d, int& r) {
+                         const int part = part_of(g0 + p);
+                         pi = first_part + part, n = part == 0 ? n0 : part == 1 ? n1 : n2;
+                         d = dst[p], r = row[p];
+                       });
     }
     g0 += n_warps * R;
     if (g0 < n_rows) {

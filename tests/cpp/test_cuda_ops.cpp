@@ -2429,7 +2429,8 @@ TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
 // writes and the caches' bytes equal, bit for bit, those of the products, ropes and stores
 // launched apart. Every kernel shape it takes (rows held in registers at one and two pieces a
 // lane; blocks of rows with two and four warps a row, and one), partial rotation, rope factors
-// and a ring (its position past the angle table's rows: worked out).
+// and a ring (its position past the angle table's rows: worked out); F16 and Q8_0 caches (the
+// groups of 32 values quantized by the warp whose pair came last).
 TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
   struct Case {
     DType type;
@@ -2437,6 +2438,7 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     bool factors;
     int ring;                   // > 0: a ring of this many rows
     DType v_type = DType::F32;  // v's format where it differs (a K-quant mix)
+    DType kv = DType::F16;      // the caches' type
   };
   const Case cases[] = {
       {DType::Q4_1, 576, 9, 3, 64, 64, false, 0},
@@ -2450,6 +2452,14 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q4_K, 4096, 32, 8, 128, 128, true, 0, DType::Q6_K},
       {DType::Q5_K, 1536, 12, 2, 128, 128, false, 0, DType::Q6_K},
       {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0},
+      // Q8_0 caches: each kernel shape again, and a ring.
+      {DType::Q4_1, 576, 9, 3, 64, 64, false, 0, DType::F32, DType::Q8_0},
+      {DType::Q4_0, 4096, 32, 32, 128, 128, false, 0, DType::F32, DType::Q8_0},
+      {DType::Q8_0, 4096, 32, 32, 128, 96, false, 0, DType::F32, DType::Q8_0},
+      {DType::Q6_K, 4096, 32, 8, 128, 128, true, 0, DType::F32, DType::Q8_0},
+      {DType::Q4_K, 1536, 12, 2, 128, 128, false, 70, DType::F32, DType::Q8_0},
+      {DType::Q4_K, 4096, 32, 8, 128, 128, true, 0, DType::Q6_K, DType::Q8_0},
+      {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0, DType::Q8_0},
   };
   // Each case with the rows kernels' angles taken after their sums and while their loads are on
   // their way (MatVecRope::early_angle), each from the backend's angle table and worked out:
@@ -2466,7 +2476,7 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     const int rows = c.ring > 0 ? c.ring : n_past + 8, window = c.ring > 0 ? 64 : 0;
     const std::string what = std::string(type_name(c.type)) + "/" + type_name(c.v_type) +
                              " n_embd " + std::to_string(c.n_embd) + " hd " + std::to_string(c.hd) +
-                             (run % 2 ? " (angles early)" : "") +
+                             " cache " + type_name(c.kv) + (run % 2 ? " (angles early)" : "") +
                              (run % 4 < 2 ? " (angle table)" : "");
     auto bq = random_blocks(c.type, c.n_embd, c.n_embd, rng);
     auto bk = random_blocks(c.type, c.n_embd, kv_w, rng);
@@ -2476,15 +2486,19 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     auto factors = randn(size_t(c.n_dims / 2), rng, 0.5f);
     for (auto& f : factors) f = 1.0f + std::fabs(f);
     std::vector<int32_t> pos = {n_past}, ids;
-    std::vector<uint8_t> k0(size_t(kv_w) * rows * 2), v0(k0.size());
-    const auto k16 = randn_f16(size_t(kv_w) * rows, rng), v16 = randn_f16(k0.size() / 2, rng);
-    std::memcpy(k0.data(), k16.data(), k0.size());
-    std::memcpy(v0.data(), v16.data(), v0.size());
+    // The caches' earlier rows: random values in the cache's type.
+    const size_t row_bytes = row_size(c.kv, kv_w);
+    std::vector<uint8_t> k0(row_bytes * rows), v0(k0.size());
+    for (auto* cache : {&k0, &v0}) {
+      const auto vals = randn(size_t(kv_w) * rows, rng);
+      for (int r = 0; r < rows; ++r)
+        quantize_row(c.kv, vals.data() + size_t(r) * kv_w, cache->data() + r * row_bytes, kv_w);
+    }
     void *k_mem = nullptr, *v_mem = nullptr;
     Tensor* rope_q = nullptr;
     Build build = [&](Graph& g, Backend& be) {
-      Tensor* kc = kv_cache_with(g, be, DType::F16, k0, kv_w, rows, "k", c.ring > 0);
-      Tensor* vc = kv_cache_with(g, be, DType::F16, v0, kv_w, rows, "v", c.ring > 0);
+      Tensor* kc = kv_cache_with(g, be, c.kv, k0, kv_w, rows, "k", c.ring > 0);
+      Tensor* vc = kv_cache_with(g, be, c.kv, v0, kv_w, rows, "v", c.ring > 0);
       k_mem = kc->data;
       v_mem = vc->data;
       Tensor* xt = activations(g, be, x, c.n_embd, 1, ids);
@@ -2531,15 +2545,12 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     cpu_->kv_to_host(vc.data(), v_mem, vc.size());
     auto stored_row = [&](const std::vector<uint8_t>& cache, const std::vector<uint8_t>& before,
                           const std::vector<uint8_t>& of) {
-      const size_t row_bytes = size_t(kv_w) * 2;
       std::vector<float> row;
       for (int r = 0; r < rows; ++r) {
-        if (std::memcmp(cache.data() + r * row_bytes, before.data() + r * row_bytes, row_bytes))
-          for (int i = 0; i < kv_w; ++i) {
-            uint16_t h;
-            std::memcpy(&h, of.data() + r * row_bytes + 2 * i, 2);
-            row.push_back(f16_to_f32(h));
-          }
+        if (std::memcmp(cache.data() + r * row_bytes, before.data() + r * row_bytes, row_bytes)) {
+          row.resize(row.size() + size_t(kv_w));
+          dequantize_row(c.kv, of.data() + r * row_bytes, row.data() + row.size() - kv_w, kv_w);
+        }
       }
       return row;
     };
