@@ -932,6 +932,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
     r.q_out = fptr(rq);
     r.k_out = fptr(rk);
     if (kv_target(ks)->type == DType::Q8_0) {
+      if (!buf.attn_counters) return false;  // no tickets: the stores go apart
       r.q8_tickets = buf.attn_counters;
       r.v_tickets = static_cast<int>(kp->ne[0] / 32);
     }

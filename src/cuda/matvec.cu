@@ -784,8 +784,10 @@ __device__ __forceinline__ void mat_vec_q_rows_body(
     }
   };
   // Fixed weights: the first rows' are requested before waiting for the grid before this one,
-  // so that their latency overlaps its run.
-  int g0 = gw * R;
+  // so that their latency overlaps its run. Warps past n_warps (a two-format launch's last
+  // block of a format) take no rows: the others' passes cover them all, and a row's rope
+  // epilogue must run once (its Q8_0 ticket counts pairs).
+  int g0 = gw < n_warps ? gw * R : n_rows;
   if (prefetch && g0 < n_rows) load_rows(g0);
   pdl_begin();
   if (!prefetch && g0 < n_rows) load_rows(g0);

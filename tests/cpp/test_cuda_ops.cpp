@@ -2525,6 +2525,7 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     EXPECT_TRUE(kf == ku) << "K cache: " << what;
     EXPECT_TRUE(vf == vu) << "V cache: " << what;
     EXPECT_FALSE(kf == k0) << "the K store ran: " << what;
+    EXPECT_FALSE(vf == v0) << "the V store ran: " << what;
     if (run % 4 == 0) {
       first_out = fused;
       first_k = kf;
