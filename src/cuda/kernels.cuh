@@ -447,6 +447,10 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
 // Test hook: turns the rope epilogue on or off (the default: on, unless
 // GGRAPH_CUDA_ROPE_EPILOGUE=0); returns the setting it replaced.
 bool set_rope_epilogue(bool on);
+// Test hook: caps the warps of a launch of the register-resident mat-vec kernels (0: as many as
+// the device holds at once), so that they walk their rows in several passes; returns the cap it
+// replaced.
+int set_rows_kernel_warp_cap(int cap);
 // Test hook: the rope epilogue's angles early (MatVecRope::early_angle) or not; returns the
 // setting it replaced.
 bool set_rope_angle_early(bool on);

@@ -979,6 +979,14 @@ int& rows_kernel_slots() {
   return slots;
 }
 
+// A cap on a register-resident launch's warps (set_rows_kernel_warp_cap; 0: none).
+int& rows_warp_cap() {
+  static int cap = 0;
+  return cap;
+}
+// The warps a register-resident launch may take of the device's `slots`.
+int rows_warps(int slots) { return rows_warp_cap() > 0 ? std::min(slots, rows_warp_cap()) : slots; }
+
 template <int TYPE, int PL, int R, bool ROPE>
 void measure_rows_kernel(int sms) {
   int blocks = 0;
@@ -1177,7 +1185,7 @@ bool mat_vec_q_rows_launch(Launcher& l, const MatVecPart* parts, int n_parts, in
   const int plain = rows_kernel_slots<TYPE, PL, R>();
   if (plain == 0) return false;
   const int own = rope ? rows_kernel_slots<TYPE, PL, R, true>() : 0;
-  const int slots = own > 0 ? own : plain;
+  const int slots = rows_warps(own > 0 ? own : plain);
   const GroupArgs g = group_args(parts, n_parts, 1);
   int n[3];
   for (int i = 0; i < 3; ++i) n[i] = i < n_parts ? g.n[i] : 0;
@@ -1248,8 +1256,10 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
   const int nb = static_cast<int>(k / 32);
   if (pa <= kRowsKernelPieces && pb <= kRowsKernelPieces) {
     constexpr int R = 2;
-    const int slots_a = pa <= 32 ? rows_kernel_slots<TA, 1, R>() : rows_kernel_slots<TA, 2, R>();
-    const int slots_b = pb <= 32 ? rows_kernel_slots<TB, 1, R>() : rows_kernel_slots<TB, 2, R>();
+    const int slots_a =
+        rows_warps(pa <= 32 ? rows_kernel_slots<TA, 1, R>() : rows_kernel_slots<TA, 2, R>());
+    const int slots_b =
+        rows_warps(pb <= 32 ? rows_kernel_slots<TB, 1, R>() : rows_kernel_slots<TB, 2, R>());
     if (slots_a > 0 && slots_b > 0) {
       const int n0 = static_cast<int>(slot[0].n), n1 = n_a == 2 ? static_cast<int>(slot[1].n) : 0;
       const int n2 = static_cast<int>(slot[2].n);
@@ -1990,6 +2000,8 @@ bool& rope_epilogue_flag() {
 }
 
 bool set_rope_epilogue(bool on) { return std::exchange(rope_epilogue_flag(), on); }
+
+int set_rows_kernel_warp_cap(int cap) { return std::exchange(rows_warp_cap(), cap); }
 bool rope_epilogue_enabled() { return rope_epilogue_flag(); }
 
 bool& warp_rope_epilogue_flag() {

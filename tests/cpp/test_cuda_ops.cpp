@@ -2527,6 +2527,24 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
     EXPECT_FALSE(kf == k0) << "the K store ran: " << what;
     EXPECT_FALSE(vf == v0) << "the V store ran: " << what;
     if (run % 4 == 0) {
+      // Register-resident launches of fewer warps than row pairs (13: not whole blocks), which
+      // walk their rows in several passes: each row's epilogue still runs once, so the same
+      // bits (a Q8_0 group's ticket counts its pairs).
+      struct WarpCap {
+        int was = cuda::set_rows_kernel_warp_cap(13);
+        ~WarpCap() { cuda::set_rows_kernel_warp_cap(was); }
+      };
+      const EpilogueRuns capped = [&] {
+        const WarpCap cap;
+        return with_and_without_rope_epilogue(*cuda_, build, k_mem, v_mem, k0.size());
+      }();
+      ASSERT_EQ(capped.out.size(), fused.size()) << what;
+      EXPECT_EQ(std::memcmp(capped.out.data(), fused.data(), fused.size() * sizeof(float)), 0)
+          << "13 warps: " << what;
+      EXPECT_TRUE(capped.k == kf) << "K cache, 13 warps: " << what;
+      EXPECT_TRUE(capped.v == vf) << "V cache, 13 warps: " << what;
+    }
+    if (run % 4 == 0) {
       first_out = fused;
       first_k = kf;
       first_v = vf;
