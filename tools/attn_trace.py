@@ -1,7 +1,7 @@
 """The decode attention's phases per launch, from a measurement build's output.
 
 A build with the CMake option GGRAPH_CUDA_ATTN_TRACE=ON (`GGRAPH_CUDA_ATTN_TRACE=ON
-tools/prebuild.sh PYTHON`) prints, in decode steps whose key count is 4 past a multiple of 128,
+tools/prebuild.sh PYTHON`) prints, in decode steps whose key count is 4 past a multiple of 64,
 one line per block of the first KV head: "ATT keys cluster split n_used sm t0 .. t8", the
 %globaltimer (ns) at the block's start, after its wait for the kernel before, when its first K
 tile landed, after its keys, after its warps' records, at three points of the merge (0 where the

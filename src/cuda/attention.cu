@@ -51,7 +51,8 @@ constexpr float kNegInf = -INFINITY;
 // (2), after its keys (3), after the warps' records (4), at three points of the merge (5-7: the
 // ticket's partials written, its ticket won, the weights in shared memory; the cluster's barrier
 // wait passed, its stores made, its cluster barrier passed; 0 where a block does not get there)
-// and at its end (8), in steps whose key count is 4 past a multiple of 128, and prints a line
+// and at its end (8), in steps whose key count is 4 past a multiple of 64 (68 keys: three warps
+// of a short context's block), and prints a line
 // "ATT keys cluster split n_used sm t0..t8". tools/attn_trace.py summarizes them per launch.
 // Other builds compile it to nothing.
 struct AttnTrace {
@@ -60,8 +61,7 @@ struct AttnTrace {
   bool on;
   unsigned long long t[9] = {};
   __device__ explicit AttnTrace(int keys)
-      : n_kv(keys),
-        on((keys & 127) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+      : n_kv(keys), on((keys & 63) == 4 && blockIdx.x == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
     stamp(0);
   }
   __device__ void stamp(int i) {
