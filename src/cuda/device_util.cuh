@@ -182,6 +182,20 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// A ticket of `step` among those that meet at *counter until it holds `total` (left at zero
+// again by the last): true for the one that completes it. Its release orders the calling
+// thread's writes before it, its acquire the caller's reads after it, at GPU scope.
+__device__ __forceinline__ bool last_ticket(unsigned* counter, unsigned step, unsigned total) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(counter), "r"(step)
+               : "memory");
+  if (old + step != total) return false;
+  *counter = 0;  // every ticket has arrived: ready for the next use
+  return true;
+}
+
 // The ticket of a block among n that meet at *counter (left at zero again by the last): true, in
 // every thread of the block, for the last to arrive, whose reads after it see every arrived
 // block's writes before it. The block's barrier orders its threads' writes before thread 0's
@@ -191,15 +205,7 @@ __device__ __forceinline__ void pdl_begin() {
 __device__ __forceinline__ bool last_block_ticket(unsigned* counter, unsigned n) {
   __shared__ bool last;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                 : "=r"(old)
-                 : "l"(counter)
-                 : "memory");
-    last = old == n - 1;
-    if (last) *counter = 0;  // every block has arrived: ready for the next use
-  }
+  if (threadIdx.x == 0) last = last_ticket(counter, 1, n);
   __syncthreads();
   return last;
 }

@@ -48,16 +48,15 @@ __device__ __forceinline__ void rope_pair_angle(const MatVecRope& r, int part, i
     rope_angle_from(r.table, r.table_rows, *r.pos, i0 / 2, r.n_dims, r.freq_base, r.freq_scale,
                     r.freq_factors, sf, cf);
 }
+// The cache row the epilogue writes: that of position *first_row.
+__device__ __forceinline__ int64_t rope_cache_row(const MatVecRope& r) {
+  return kv_store_row(r.first_row, nullptr, 0, 1, r.rows);
+}
 // Q8_0 caches: the ticket of the group of 32 values that holds rows row and row + 1 of part
 // `part` (1 k, 2 v), taken by the pair's writer after its stores: whether it was the group's
-// last pair (the ticket is then left at zero for the next launch).
+// last pair.
 __device__ __forceinline__ bool rope_q8_ticket(const MatVecRope& r, int part, int row) {
-  unsigned* t = r.q8_tickets + (part == 2 ? r.v_tickets : 0) + row / 32;
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 2;" : "=r"(old) : "l"(t) : "memory");
-  if (old != 30) return false;
-  *t = 0;
-  return true;
+  return last_ticket(r.q8_tickets + (part == 2 ? r.v_tickets : 0) + row / 32, 2, 32);
 }
 // The same with the angle given (rope_pair_angle's). Returns whether the pair was the last of
 // its group of 32 values into a Q8_0 cache (rope_q8_ticket): its warp then stores the group
@@ -65,7 +64,7 @@ __device__ __forceinline__ bool rope_q8_ticket(const MatVecRope& r, int part, in
 __device__ __forceinline__ bool rope_epilogue_pair_at(const MatVecRope& r, int part, int n,
                                                       float* dst, int row, float x0, float x1,
                                                       float sf, float cf, bool rotate) {
-  const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * n + row;
+  const int64_t at = rope_cache_row(r) * n + row;
   if (part == 2) {
     dst[row] = x0;
     dst[row + 1] = x1;
@@ -111,7 +110,7 @@ __device__ __forceinline__ void rope_q8_groups(const MatVecRope& r, unsigned las
     pair(__ffs(lasts) - 1, part, n, dst, row);
     const int group = row / 32;
     const float x = __ldcg((part == 2 ? dst : r.k_out) + group * 32 + lane);
-    const int64_t at = kv_store_row(r.first_row, nullptr, 0, 1, r.rows) * (n / 32) + group;
+    const int64_t at = rope_cache_row(r) * (n / 32) + group;
     store_q8_0_warp_block(x, static_cast<uint8_t*>(part == 2 ? r.v_cache : r.k_cache) + at * 34,
                           lane);
   }
