@@ -1,7 +1,7 @@
 """GPU time of each kernel of one decode step, as Nsight Compute measures it.
 
     python3 tools/kernel_times.py MODEL.gguf [--past N] [--kv-type f16|q8_0] [--batch B]
-        [--sass REGEX [--skip N]] [--csv FILE]
+        [--sass REGEX [--skip N] [--keep FILE]] [--csv FILE]
 
 Evaluates a prompt of N tokens (default 64) and two decode steps with stream launches
 (cuda_graphs="off") under `ncu`, which profiles the two steps only (a long prompt's kernels would
@@ -23,8 +23,9 @@ the small kernels then take about what they take in a real step, less the launch
 the profiled range, or the one --skip N launches later) with Nsight's per-instruction source
 counters, and prints where its instructions and stall samples go: by opcode, by block of code
 (consecutive instructions that ran equally often, e.g. a loop body), and the most sampled
-instructions. --csv FILE summarizes such a profile saved before (`ncu --csv --page source
---print-source sass --section SourceCounters ...`) without running anything.
+instructions; --keep FILE also saves the profile's CSV there. --csv FILE summarizes such a
+profile saved before (`ncu --csv --page source --print-source sass --section SourceCounters ...`,
+or --keep) without running anything.
 """
 
 import argparse
@@ -151,6 +152,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="sequences a batched decode step")
     ap.add_argument("--sass", metavar="REGEX", help="per-instruction profile of one launch")
     ap.add_argument("--skip", type=int, default=0, help="matching launches to skip (--sass)")
+    ap.add_argument("--keep", metavar="FILE", help="save the --sass profile's CSV")
     ap.add_argument("--csv", metavar="FILE", help="summarize a saved --page source profile")
     args = ap.parse_args()
     if args.csv:
@@ -174,7 +176,11 @@ def main() -> int:
             *(["--cache-control", "none"] if args.warm else []),
             sys.executable, "-c", step,
         ]  # fmt: skip
-        sass_summary(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        profile = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        if args.keep:
+            with open(args.keep, "w") as f:
+                f.write(profile)
+        sass_summary(profile)
         return 0
     cmd = [
         "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
