@@ -983,9 +983,36 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     auto copy = [&](auto unit, uint8_t* d, int pitch) {
       constexpr int U = decltype(unit)::value;
       constexpr int kUnits = kHeadBytes / U;  // a row's
-      if (n_valid == BK && cache_rows - row0 >= BK) {
-        // A whole tile that does not wrap: rows row0 on, without the tests (each copy's row
-        // and unit are a division by a constant).
+      // A whole tile that does not wrap: rows row0 on, without the tests. Q8 at 128 dims (17
+      // units of 8 bytes a row): each row's first 16 units in passes over two rows, a lane keeping
+      // its unit column and moving on by an add a pass, then the 17th unit of each row, a lane
+      // each. A unit's row and column by division by 17 were a quarter of the kernel's
+      // instructions (the 7B shape's 8-bit decode at depth 4,096: 9.0 M instructions a launch,
+      // 6.8 M without; tg128 +1.3-1.6%). At 64 and 256 dims the same form spilled registers in
+      // the kernels capped at 128 and 255, which keep the division.
+      constexpr int kMain = kUnits / 16 * 16, kLeft = kUnits - kMain;
+      if constexpr (D == 128 && U == 8 && kMain > 0 && BK * kLeft % 32 == 0) {
+        if (n_valid == BK && cache_rows - row0 >= BK) {
+          constexpr int kLanesRow = kMain < 32 ? kMain : 32, kRowsPass = 32 / kLanesRow;
+          const int r0 = lane / kLanesRow, u0 = lane % kLanesRow;
+          const uint8_t* base = head + static_cast<int64_t>(row0) * row_bytes;
+          const uint8_t* src = base + r0 * row_bytes + U * u0;
+          uint8_t* dst_u = d + r0 * pitch + U * u0;
+#pragma unroll
+          for (int r = 0; r < BK; r += kRowsPass, src += kRowsPass * row_bytes) {
+#pragma unroll
+            for (int c = 0; c < kMain; c += kLanesRow)
+              cp_async_n<U>(dst_u + r * pitch + U * c, src + U * c, U);
+          }
+#pragma unroll
+          for (int j = 0; j < BK * kLeft / 32; ++j) {
+            constexpr int kL = kLeft > 0 ? kLeft : 1;  // no loop where kLeft is 0
+            const int i = lane + 32 * j, r = i / kL, u = kMain + i % kL;
+            cp_async_n<U>(d + r * pitch + U * u, base + r * row_bytes + U * u, U);
+          }
+          return;
+        }
+      } else if (n_valid == BK && cache_rows - row0 >= BK) {
         const uint8_t* base = head + static_cast<int64_t>(row0) * row_bytes;
         for (int i = lane; i < BK * kUnits; i += 32) {
           const int r = i / kUnits, u = i % kUnits;
