@@ -27,7 +27,7 @@ OUT=${OUT:-build/gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BUILD=/tmp/ggraph-gpu-build
-JOBS=$(nproc)
+JOBS=${JOBS:-$(nproc)}
 if [ -d .whl ]; then
   # One at a time: a wheel built for another Python (pyyaml) must not stop the others.
   for w in .whl/*.whl; do
@@ -262,13 +262,14 @@ for stage in "$@"; do
       ;;
     llamacpp)
       # Builds llama.cpp's llama-bench and llama-batched-bench (CUDA, this GPU) in the
-      # background, in a session of its own so that it outlives this call on a warm machine.
+      # background, in a session of its own so that it outlives this call on a warm machine, at
+      # the lowest priority (JOBS=N leaves cores to stages measured beside it).
       if [ ! -x $LLAMA_CPP/bin/llama-bench ] && [ -f .carry/llama.cpp-src.tar.xz ]; then
         rm -rf /tmp/llama.cpp-src && mkdir -p /tmp/llama.cpp-src
         tar xJf .carry/llama.cpp-src.tar.xz -C /tmp/llama.cpp-src
         printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\n' \
           >/tmp/llama.cpp-src/llama.cpp/tools/CMakeLists.txt
-        setsid nohup bash -c "cmake -S /tmp/llama.cpp-src/llama.cpp -B $LLAMA_CPP -G Ninja \
+        setsid nohup nice -n 19 bash -c "cmake -S /tmp/llama.cpp-src/llama.cpp -B $LLAMA_CPP -G Ninja \
           -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
           -DLLAMA_BUILD_APP=OFF && cmake --build $LLAMA_CPP -j $JOBS --target llama-bench \
