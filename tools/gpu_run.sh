@@ -144,6 +144,7 @@ for stage in "$@"; do
       mkdir -p .carry && tar xJf .carry-pack/pack.tar.xz -C .carry
       if [ -f .carry-pack/llama.cpp-src.tar.xz ]; then cp .carry-pack/llama.cpp-src.tar.xz .carry/; fi
       if [ -d .carry/ref ]; then install_package .carry/ref /tmp/ref-py; fi
+      if [ -d .carry/alt ]; then install_package .carry/alt /tmp/alt-py; fi
       ;;
     prebuilt)
       # The package and the CUDA op tests (and the kernel benchmarks, where built) made on another
@@ -331,7 +332,12 @@ for stage in "$@"; do
         mkdir -p /tmp/ref-py/ggraph/lib && cp /tmp/ref-src/python/ggraph/*.py /tmp/ref-py/ggraph/
         cp /tmp/ref-build/_core*.so /tmp/ref-py/ggraph/ && cp /tmp/ref-build/libggraph.so /tmp/ref-py/ggraph/lib/
       fi
-      ab_turns this "PYTHONPATH=/tmp/ggraph-py:/tmp/site" ref "PYTHONPATH=/tmp/ref-py:/tmp/site"
+      # A third build packed as .carry/alt (tools/pack_carry.sh REF_DIR ALT_DIR) takes its turns
+      # too.
+      alt=()
+      if [ -f /tmp/alt-py/ggraph/__init__.py ]; then alt=(alt "PYTHONPATH=/tmp/alt-py:/tmp/site"); fi
+      ab_turns this "PYTHONPATH=/tmp/ggraph-py:/tmp/site" ref "PYTHONPATH=/tmp/ref-py:/tmp/site" \
+        ${alt[@]+"${alt[@]}"}
       ;;
     abenv)
       # AB_ENV may name several sides, separated by ';'.
