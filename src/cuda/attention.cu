@@ -988,8 +988,8 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       // its unit column and moving on by an add a pass, then the 17th unit of each row, a lane
       // each. A unit's row and column by division by 17 were a quarter of the kernel's
       // instructions (the 7B shape's 8-bit decode at depth 4,096: 9.0 M instructions a launch,
-      // 6.8 M without; tg128 +1.3-1.6%). At 64 and 256 dims the same form spilled registers in
-      // the kernels capped at 128 and 255, which keep the division.
+      // 6.8 M without; tg128 +1.3-1.6%). At 64 dims (4-byte units) the same form measured below
+      // the division on the SmolLM2 shape, and at 256 dims it spilled registers: both keep it.
       constexpr int kMain = kUnits / 16 * 16, kLeft = kUnits - kMain;
       if constexpr (D == 128 && U == 8 && kMain > 0 && BK * kLeft % 32 == 0) {
         if (n_valid == BK && cache_rows - row0 >= BK) {
