@@ -990,26 +990,17 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       // instructions (the 7B shape's 8-bit decode at depth 4,096: 9.0 M instructions a launch,
       // 6.8 M without; tg128 +1.3-1.6%). At 64 dims (4-byte units) the same form measured below
       // the division on the SmolLM2 shape, and at 256 dims it spilled registers: both keep it.
-      constexpr int kMain = kUnits / 16 * 16, kLeft = kUnits - kMain;
-      if constexpr (D == 128 && U == 8 && kMain > 0 && BK * kLeft % 32 == 0) {
+      if constexpr (D == 128 && U == 8) {
+        static_assert(kUnits == 17 && BK == 32,
+                      "passes of two rows of 16 units, then a lane a row");
         if (n_valid == BK && cache_rows - row0 >= BK) {
-          constexpr int kLanesRow = kMain < 32 ? kMain : 32, kRowsPass = 32 / kLanesRow;
-          const int r0 = lane / kLanesRow, u0 = lane % kLanesRow;
           const uint8_t* base = head + static_cast<int64_t>(row0) * row_bytes;
-          const uint8_t* src = base + r0 * row_bytes + U * u0;
-          uint8_t* dst_u = d + r0 * pitch + U * u0;
+          const uint8_t* src = base + (lane / 16) * row_bytes + U * (lane % 16);
+          uint8_t* dst_u = d + (lane / 16) * pitch + U * (lane % 16);
 #pragma unroll
-          for (int r = 0; r < BK; r += kRowsPass, src += kRowsPass * row_bytes) {
-#pragma unroll
-            for (int c = 0; c < kMain; c += kLanesRow)
-              cp_async_n<U>(dst_u + r * pitch + U * c, src + U * c, U);
-          }
-#pragma unroll
-          for (int j = 0; j < BK * kLeft / 32; ++j) {
-            constexpr int kL = kLeft > 0 ? kLeft : 1;  // no loop where kLeft is 0
-            const int i = lane + 32 * j, r = i / kL, u = kMain + i % kL;
-            cp_async_n<U>(d + r * pitch + U * u, base + r * row_bytes + U * u, U);
-          }
+          for (int r = 0; r < BK; r += 2, src += 2 * row_bytes)
+            cp_async_n<U>(dst_u + r * pitch, src, U);
+          cp_async_n<U>(d + lane * pitch + U * 16, base + lane * row_bytes + U * 16, U);
           return;
         }
       } else if (n_valid == BK && cache_rows - row0 >= BK) {
