@@ -889,9 +889,11 @@ struct DecodeMma {
   // whose registers hold the output's fragments.
   static constexpr bool kLowInRegs = D <= 128;
   static constexpr size_t tile_bytes(bool q8) {
-    // Q8: K's raw bytes land in the warp's V tile (dead once decoded, before V's decode), so
-    // only V's have an area of their own.
-    return kWarps * 2 * kKeys * kPitch * sizeof(__half) + (q8 ? kWarps * kKeys * kRawPitch : 0);
+    // F16: a K and a V tile a warp. Q8: one half tile a warp, which K's decode and then V's take
+    // in turn, and K's and V's raw bytes in areas of their own, so that the next tile's bytes
+    // are requested as soon as this tile's are decoded.
+    return q8 ? kWarps * (kKeys * kPitch * sizeof(__half) + 2 * kKeys * kRawPitch)
+              : kWarps * 2 * kKeys * kPitch * sizeof(__half);
   }
   static constexpr int split_keys() {
     return CL || kWarps * kKeys < kAttnMinSplitKeys ? kWarps * kKeys : kAttnMinSplitKeys;
@@ -909,8 +911,6 @@ struct DecodeMma {
   static constexpr size_t smem_bytes(bool q8) {
     return inbox_offset(q8) + inbox_floats() * sizeof(float);
   }
-  static_assert(kRawPitch <= kPitch * static_cast<int>(sizeof(__half)),
-                "a raw Q8_0 row of K fits in a row of the V tile");
   static_assert(CL || merge_floats() >= static_cast<size_t>(kRows) * kMaxAttnSplits,
                 "the merge area holds attn_merge_splits' weights too");
 };
@@ -967,11 +967,13 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_begin = sp.k_begin, k_end = sp.k_end;
 
-  __half* ks = reinterpret_cast<__half*>(smem_raw) + warp * 2 * BK * P;  // the warp's [BK][P]
-  __half* vs = ks + BK * P;
-  uint8_t* raw = reinterpret_cast<uint8_t*>(smem_raw) + kWarps * 2 * BK * P * sizeof(__half) +
-                 warp * BK * RP;                    // Q8: the warp's V bytes [BK][RP]
-  uint8_t* raw_k = reinterpret_cast<uint8_t*>(vs);  // Q8: K's bytes, in the V tile
+  // The warp's half tiles [BK][P]: F16, K's and V's; Q8, one that K's decode and then V's take.
+  // Q8: K's and V's raw bytes [BK][RP] after every warp's half tile.
+  __half* ks = reinterpret_cast<__half*>(smem_raw) + warp * (Q8 ? 1 : 2) * BK * P;
+  __half* vs = Q8 ? ks : ks + BK * P;
+  uint8_t* raw_k =
+      reinterpret_cast<uint8_t*>(smem_raw) + kWarps * BK * P * sizeof(__half) + warp * 2 * BK * RP;
+  uint8_t* raw = raw_k + BK * RP;  // Q8: V's
   const int g = lane / 4, tig = lane % 4;
 
   const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * kHeadBytes;
@@ -1073,8 +1075,9 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
 
   // F16: the next tile's K is requested once the scores have read this one's, and its V once
   // P*V has, so that a warp always has a tile's K or V in flight (staged at the top of each
-  // tile, a warp waited for each tile's K with nothing else to do). Q8: K's raw bytes share the
-  // V tile, so both are requested at the top of each tile.
+  // tile, a warp waited for each tile's K with nothing else to do). Q8: the next tile's raw K
+  // is requested as soon as this tile's is decoded, and its raw V as soon as this tile's is, so
+  // that a tile's bytes are on their way through every decode, score and product.
   constexpr int kTileStep = kWarps * BK;
   auto tile_stage = [&](int tile, const uint8_t* head, __half* dst, uint8_t* raw_dst) {
     stage(tile, min(BK, k_end - tile), ring_row(tile, cache_rows), head, dst, raw_dst);
@@ -1133,15 +1136,12 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   const __half* q_low_frag = q_low + (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
   for (int tile = first_tile; tile < k_end; tile += kTileStep) {
     const int n_valid = min(BK, k_end - tile);
-    const bool more = !Q8 && tile + kTileStep < k_end;
-    if (Q8 && tile != first_tile) {
-      tile_stage(tile, k_head, ks, raw_k);
-      tile_stage(tile, v_head, vs, raw);
-    }
+    const bool more = tile + kTileStep < k_end;
     cp_async_wait<1>();  // K has landed; V keeps coming during the scores
     __syncwarp();
     if (tile == first_tile) trace.stamp(2);
-    decode(raw_k, ks);
+    decode(raw_k, ks);  // Q8: ends with the warp's raw K read
+    if (Q8 && more) tile_stage(tile + kTileStep, k_head, ks, raw_k);
 
     float s[NT][4];
 #pragma unroll
@@ -1173,7 +1173,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
           if (nt * 8 + 2 * tig + (e & 1) >= n_valid) s[nt][e] = kNegInf;
       }
     }
-    if (more) {
+    if (!Q8 && more) {
       __syncwarp();  // every lane's K fragments read
       tile_stage(tile + kTileStep, k_head, ks, raw_k);
     }
@@ -1183,11 +1183,12 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       cp_async_wait<1>();  // this tile's V, with the next K still coming
     else
       cp_async_wait<0>();
-    __syncwarp();
+    __syncwarp();  // Q8: also every lane's K fragments read before V's decode takes the tile
     decode(raw, vs);
+    if (Q8 && more) tile_stage(tile + kTileStep, v_head, vs, raw);
     frag_pv<P, true>(s, vs + v_off, o);
-    __syncwarp();  // the tile fully read before the next one is staged over it
-    if (more) tile_stage(tile + kTileStep, v_head, vs, raw);
+    __syncwarp();  // the tile fully read before the next one is staged or decoded over it
+    if (!Q8 && more) tile_stage(tile + kTileStep, v_head, vs, raw);
   }
 
   // Each warp's records of its rows (m back in the natural base), then the block's end.
