@@ -427,6 +427,12 @@ __device__ __forceinline__ void unpack_lane(const LaneHalves<DPL>& r, float (&f)
 // (a multiple of 64) is 17 * head_dim / 16 bytes, a whole number of 4-byte words, and starts on
 // one, so that it is staged with 4-byte asynchronous copies.
 __host__ __device__ constexpr int q8_head_bytes(int head_dim) { return head_dim / 32 * 34; }
+// A staged Q8_0 head's row in the decode kernel's raw area. At 128 dims (136 bytes, so that every
+// other head starts 8 bytes into a 16-byte unit) a row is copied in nine 16-byte units from the
+// unit its head starts in, where the cache's rows allow: 144 bytes.
+__host__ __device__ constexpr int q8_staged_row_bytes(int head_dim) {
+  return head_dim == 128 ? 144 : q8_head_bytes(head_dim);
+}
 
 // A staged Q8_0 block (34 bytes at 2-byte alignment) as 32 halves at dst (16-byte aligned): each
 // quant times the scale rounded to half once, as the float product would be. A pair of quants
@@ -884,7 +890,7 @@ struct DecodeMma {
   static constexpr int kRows = 16;                 // query heads a block: the MMA's rows
   static constexpr int kKeys = D > 128 ? 16 : 32;  // a warp's tile (the registers of D = 256)
   static constexpr int kPitch = D + 8;             // halves: ldmatrix rows in distinct banks
-  static constexpr int kRawPitch = q8_head_bytes(D);
+  static constexpr int kRawPitch = q8_staged_row_bytes(D);
   // q's low halves: in registers up to 128 dims, in shared memory (after the tiles) at 256,
   // whose registers hold the output's fragments.
   static constexpr bool kLowInRegs = D <= 128;
@@ -978,6 +984,14 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
 
   const uint8_t* k_head = static_cast<const uint8_t*>(kc) + hkv * kHeadBytes;
   const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * kHeadBytes;
+  // Q8 at 128 dims, where the caches and their rows are 16-byte aligned: a tile's rows in
+  // 16-byte units (which bypass L1, as the F16 tiles' do; 8-byte units can only go through it),
+  // each row's nine from the unit its head starts in, lead bytes before it. The head then ends
+  // at or before its row's end: the rows' bytes are 16-byte multiples, an even number of heads.
+  const bool q8_wide =
+      Q8 && D == 128 &&
+      ((row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) & 15) == 0;
+  const int lead = q8_wide ? static_cast<int>((hkv * kHeadBytes) & 15) : 0;
   // A tile's rows [0, n_valid) from the cache, the rest zeros. F16: 16-byte units straight into
   // the half tile; Q8: the raw bytes in 8-byte units where the rows allow, else 4-byte ones.
   auto stage = [&](int tile, int n_valid, int row0, const uint8_t* head, __half* dst,
@@ -1020,7 +1034,26 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
         cp_async_n<U>(d + r * pitch + U * u, head + row * row_bytes + U * u, ok ? U : 0);
       }
     };
-    if constexpr (Q8 && kHeadBytes % 8 == 0) {
+    if (Q8 && q8_wide) {
+      constexpr int kUnits = RP / 16;  // 9
+      const uint8_t* base = head - lead;
+      if (n_valid == BK && cache_rows - row0 >= BK) {
+        // Units 0-7 of four rows a pass, a lane keeping its unit, then unit 8 a lane a row.
+        base += static_cast<int64_t>(row0) * row_bytes;
+        const uint8_t* src = base + (lane / 8) * row_bytes + 16 * (lane % 8);
+        uint8_t* d = raw_dst + (lane / 8) * RP + 16 * (lane % 8);
+#pragma unroll
+        for (int r = 0; r < BK; r += 4, src += 4 * row_bytes) cp_async16(d + r * RP, src);
+        cp_async16(raw_dst + lane * RP + 16 * 8, base + lane * row_bytes + 16 * 8);
+      } else {
+        for (int i = lane; i < BK * kUnits; i += 32) {
+          const int r = i / kUnits, u = i % kUnits;
+          const bool ok = r < n_valid;
+          const int64_t row = ok ? ring_row_after<BK>(row0, tile, r, cache_rows) : 0;
+          cp_async16(raw_dst + r * RP + 16 * u, base + row * row_bytes + 16 * u, ok ? 16 : 0);
+        }
+      }
+    } else if constexpr (Q8 && kHeadBytes % 8 == 0) {
       if ((row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) % 8 == 0)
         copy(std::integral_constant<int, 8>(), raw_dst, RP);
       else
@@ -1059,7 +1092,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
       constexpr int nb = D / 32;
       for (int i = lane; i < BK * nb; i += 32) {
         const int r = i / nb, b = i % nb;
-        decode_q8_block_to_half(raw_src + r * RP + b * 34, dst + r * P + b * 32);
+        decode_q8_block_to_half(raw_src + r * RP + lead + b * 34, dst + r * P + b * 32);
       }
       __syncwarp();
     }

@@ -1237,7 +1237,7 @@ TEST_F(CudaOps, AttentionDecodeClustersAndTicketMerges) {
   }
 }
 
-// Q8_0 caches: decode batches (staged in 8- or 4-byte units, decoded by each lane) and prompt
+// Q8_0 caches: decode batches (staged in 16-, 8- or 4-byte units, decoded by each lane) and prompt
 // batches (tiles decoded to half in shared memory), heads of 64, 128, 192 and 256, GQA and windows,
 // and decode splits of one tile a warp and of several.
 TEST_F(CudaOps, AttentionOverQ8Caches) {
@@ -1308,7 +1308,8 @@ TEST_F(CudaOps, AttentionOverRings) {
       {4, 1, 256, 700, 40, 512, f16, 551},  {6, 1, 16, 100, 33, 7, f16, 39},
       {4, 2, 64, 50, 1, 5, f16, 8},         {8, 2, 128, 4500, 3, 64, f16, 70},
       {4, 1, 256, 600, 1, 512, q8, 515},    {2, 1, 256, 1000, 600, 512, q8, 1111},
-      {4, 2, 64, 77, 2, 5, q8, 6}};
+      {4, 2, 64, 77, 2, 5, q8, 6},          {8, 2, 128, 4500, 1, 64, q8, 64},
+      {8, 4, 128, 3000, 3, 100, q8, 102},   {8, 2, 128, 700, 40, 512, q8, 551}};
   for (const AttnCase& c : cases) check_attention(c, rng, chk);
 }
 
