@@ -986,14 +986,16 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   const uint8_t* v_head = static_cast<const uint8_t*>(vc) + hkv * kHeadBytes;
   // Q8 at 128 dims, where the caches and their rows are 16-byte aligned: a tile's rows in
   // 16-byte units (which bypass L1, as the F16 tiles' do; 8-byte units can only go through it),
-  // each row's nine from the unit its head starts in, lead bytes before it. The head then ends
-  // at or before its row's end: the rows' bytes are 16-byte multiples, an even number of heads.
+  // each row's nine from the unit its head starts in, lead bytes before it. The nine units end
+  // within the row: its bytes are a 16-byte multiple, so its heads are an even number, and the
+  // last one starts 8 bytes into a unit (lead 8) and ends with its ninth.
   const bool q8_wide =
       Q8 && D == 128 &&
       ((row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) & 15) == 0;
   const int lead = q8_wide ? static_cast<int>((hkv * kHeadBytes) & 15) : 0;
   // A tile's rows [0, n_valid) from the cache, the rest zeros. F16: 16-byte units straight into
-  // the half tile; Q8: the raw bytes in 8-byte units where the rows allow, else 4-byte ones.
+  // the half tile; Q8: the raw bytes in 16-byte units (q8_wide), else 8-byte units where the
+  // rows allow, else 4-byte ones.
   auto stage = [&](int tile, int n_valid, int row0, const uint8_t* head, __half* dst,
                    uint8_t* raw_dst) {
     auto copy = [&](auto unit, uint8_t* d, int pitch) {
