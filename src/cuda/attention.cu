@@ -998,27 +998,30 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // rows allow, else 4-byte ones.
   auto stage = [&](int tile, int n_valid, int row0, const uint8_t* head, __half* dst,
                    uint8_t* raw_dst) {
+    // A row's units from head on: a Q8 head's 136 bytes at 128 dims take nine of 16 bytes.
     auto copy = [&](auto unit, uint8_t* d, int pitch) {
       constexpr int U = decltype(unit)::value;
-      constexpr int kUnits = kHeadBytes / U;  // a row's
+      constexpr int kUnits = (kHeadBytes + U - 1) / U;  // a row's
       // A whole tile that does not wrap: rows row0 on, without the tests. Q8 at 128 dims (17
-      // units of 8 bytes a row): each row's first 16 units in passes over two rows, a lane keeping
-      // its unit column and moving on by an add a pass, then the 17th unit of each row, a lane
-      // each. A unit's row and column by division by 17 were a quarter of the kernel's
-      // instructions (the 7B shape's 8-bit decode at depth 4,096: 9.0 M instructions a launch,
-      // 6.8 M without; tg128 +1.3-1.6%). At 64 dims (4-byte units) the same form measured below
-      // the division on the SmolLM2 shape, and at 256 dims it spilled registers: both keep it.
-      if constexpr (D == 128 && U == 8) {
-        static_assert(kUnits == 17 && BK == 32,
-                      "passes of two rows of 16 units, then a lane a row");
+      // units of 8 bytes a row, or 9 of 16): each row's first 16 (8) units in passes over two
+      // (four) rows, a lane keeping its unit column and moving on by an add a pass, then the last
+      // unit of each row, a lane each. A unit's row and column by division by 17 were a quarter of
+      // the kernel's instructions (the 7B shape's 8-bit decode at depth 4,096: 9.0 M instructions
+      // a launch, 6.8 M without; tg128 +1.3-1.6%). At 64 dims (4-byte units) the same form
+      // measured below the division on the SmolLM2 shape, and at 256 dims it spilled registers:
+      // both keep it.
+      if constexpr (Q8 && D == 128 && U >= 8) {
+        constexpr int kMain = kUnits - 1, kRowsPass = 32 / kMain;
+        static_assert(BK == 32 && 32 % kMain == 0,
+                      "passes over whole rows of all but the last unit, then a lane a row");
         if (n_valid == BK && cache_rows - row0 >= BK) {
           const uint8_t* base = head + static_cast<int64_t>(row0) * row_bytes;
-          const uint8_t* src = base + (lane / 16) * row_bytes + U * (lane % 16);
-          uint8_t* dst_u = d + (lane / 16) * pitch + U * (lane % 16);
+          const uint8_t* src = base + (lane / kMain) * row_bytes + U * (lane % kMain);
+          uint8_t* dst_u = d + (lane / kMain) * pitch + U * (lane % kMain);
 #pragma unroll
-          for (int r = 0; r < BK; r += 2, src += 2 * row_bytes)
+          for (int r = 0; r < BK; r += kRowsPass, src += kRowsPass * row_bytes)
             cp_async_n<U>(dst_u + r * pitch, src, U);
-          cp_async_n<U>(d + lane * pitch + U * 16, base + lane * row_bytes + U * 16, U);
+          cp_async_n<U>(d + lane * pitch + U * kMain, base + lane * row_bytes + U * kMain, U);
           return;
         }
       } else if (n_valid == BK && cache_rows - row0 >= BK) {
@@ -1036,24 +1039,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
         cp_async_n<U>(d + r * pitch + U * u, head + row * row_bytes + U * u, ok ? U : 0);
       }
     };
-    if (Q8 && q8_wide) {
-      constexpr int kUnits = RP / 16;  // 9
-      const uint8_t* base = head - lead;
-      if (n_valid == BK && cache_rows - row0 >= BK) {
-        // Units 0-7 of four rows a pass, a lane keeping its unit, then unit 8 a lane a row.
-        base += static_cast<int64_t>(row0) * row_bytes;
-        const uint8_t* src = base + (lane / 8) * row_bytes + 16 * (lane % 8);
-        uint8_t* d = raw_dst + (lane / 8) * RP + 16 * (lane % 8);
-#pragma unroll
-        for (int r = 0; r < BK; r += 4, src += 4 * row_bytes) cp_async16(d + r * RP, src);
-        cp_async16(raw_dst + lane * RP + 16 * 8, base + lane * row_bytes + 16 * 8);
-      } else {
-        for (int i = lane; i < BK * kUnits; i += 32) {
-          const int r = i / kUnits, u = i % kUnits;
-          const bool ok = r < n_valid;
-          const int64_t row = ok ? ring_row_after<BK>(row0, tile, r, cache_rows) : 0;
-          cp_async16(raw_dst + r * RP + 16 * u, base + row * row_bytes + 16 * u, ok ? 16 : 0);
-        }
+    if (q8_wide) {
+      if constexpr (D == 128) {
+        head -= lead;  // from the unit the head starts in
+        copy(std::integral_constant<int, 16>(), raw_dst, RP);
       }
     } else if constexpr (Q8 && kHeadBytes % 8 == 0) {
       if ((row_bytes | reinterpret_cast<uintptr_t>(kc) | reinterpret_cast<uintptr_t>(vc)) % 8 == 0)
