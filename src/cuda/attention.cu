@@ -1134,8 +1134,11 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
   // pre-scaled (scores in base 2) and split into high and low halves; rows past the heads are
   // zeros. At 256 dims the low halves go to shared memory ([16][P] after the tiles), where each
   // step of the scores reads them back as a fragment.
+  // Q8: q and the probabilities as one half each (kSplit off): against 8-bit keys and values
+  // their low halves add nothing the bound sees, and cost registers and MMAs.
+  constexpr bool kSplit = !Q8;
   uint32_t qa[D / 16][4];
-  uint32_t ql[S::kLowInRegs ? D / 16 : 1][4];
+  uint32_t ql[kSplit && S::kLowInRegs ? D / 16 : 1][4];
   __half* q_low = reinterpret_cast<__half*>(smem_raw + S::tile_bytes(Q8));
   {
     const float q_scale = scale * 1.4426950408889634f;
@@ -1147,6 +1150,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
         const int row = g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1);
         float2 v = make_float2(0.0f, 0.0f);
         if (row < n_g) v = *reinterpret_cast<const float2*>(qt + row * D + col);
+        if constexpr (!kSplit) {
+          qa[kk][e] = pack_half2(v.x * q_scale, v.y * q_scale);
+          continue;
+        }
         uint32_t lo;
         split_half2(v.x * q_scale, v.y * q_scale, qa[kk][e], lo);
         if constexpr (S::kLowInRegs)
@@ -1155,7 +1162,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
           *reinterpret_cast<uint32_t*>(q_low + row * P + col + 2 * tig) = lo;
       }
     }
-    if constexpr (!S::kLowInRegs) __syncthreads();
+    if constexpr (kSplit && !S::kLowInRegs) __syncthreads();
   }
   const __half* q_low_frag = q_low + (lane % 8 + lane / 8 % 2 * 8) * P + lane / 16 * 8;
   for (int tile = first_tile; tile < k_end; tile += kTileStep) {
@@ -1173,10 +1180,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t lo[4];
-      if constexpr (S::kLowInRegs) {
+      if constexpr (kSplit && S::kLowInRegs) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) lo[e] = ql[kk][e];
-      } else {
+      } else if constexpr (kSplit) {
         ldmatrix_x4(lo, q_low_frag + kk * 16);
       }
 #pragma unroll
@@ -1185,8 +1192,10 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
         ldmatrix_x4(b, ks + np * 16 * P + k_off + kk * 16);
         mma_16816(s[2 * np], qa[kk], b[0], b[1]);
         mma_16816(s[2 * np + 1], qa[kk], b[2], b[3]);
-        mma_16816(s[2 * np], lo, b[0], b[1]);
-        mma_16816(s[2 * np + 1], lo, b[2], b[3]);
+        if constexpr (kSplit) {
+          mma_16816(s[2 * np], lo, b[0], b[1]);
+          mma_16816(s[2 * np + 1], lo, b[2], b[3]);
+        }
       }
     }
     if (n_valid < BK) {
@@ -1210,7 +1219,7 @@ __device__ __forceinline__ void decode_mma_body(GGRAPH_DECODE_MMA_PARAMS) {
     __syncwarp();  // Q8: also every lane's K fragments read before V's decode takes the tile
     decode(raw, vs);
     if (Q8 && more) tile_stage(tile + kTileStep, v_head, vs, raw);
-    frag_pv<P, true>(s, vs + v_off, o);
+    frag_pv<P, kSplit>(s, vs + v_off, o);
     __syncwarp();  // the tile fully read before the next one is staged or decoded over it
     if (!Q8 && more) tile_stage(tile + kTileStep, v_head, vs, raw);
   }
