@@ -1078,8 +1078,9 @@ Tensor* kv_cache_with(Graph& g, Backend& be, DType t, const std::vector<uint8_t>
 
 // Decode attention's bound against float64 over the cache's values: float products and sums on
 // the lanes and on tensor cores (q and the probabilities each as two halves) alike, except that
-// the tensor-core kernel decodes a Q8_0 tile into half, rounding each value's product of byte and
-// scale (a relative 2^-12).
+// over a Q8_0 cache the tensor-core kernel decodes a tile into half, rounding each value's product
+// of byte and scale (a relative 2^-12), and takes q and the probabilities as one half each (as
+// much again).
 double decode_attention_bound(int hd, DType kv) {
   return kv == DType::Q8_0 && cuda::decode_attention_mma(hd) ? 1e-3 : 2e-5;
 }
