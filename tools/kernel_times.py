@@ -23,7 +23,10 @@ the small kernels then take about what they take in a real step, less the launch
 the profiled range, or the one --skip N launches later) with Nsight's per-instruction source
 counters, and prints where its instructions and stall samples go: by opcode, by block of code
 (consecutive instructions that ran equally often, e.g. a loop body), and the most sampled
-instructions; --keep FILE also saves the profile's CSV there. --csv FILE summarizes such a
+instructions; --keep FILE also saves the profile's CSV there. With --sections NAMES
+(comma-separated Nsight Compute sections, e.g. MemoryWorkloadAnalysis,ComputeWorkloadAnalysis)
+it prints those sections' details for that launch instead: how busy shared memory, the caches
+and each pipe were. --csv FILE summarizes such a
 profile saved before (`ncu --csv --page source --print-source sass --section SourceCounters ...`,
 or --keep) without running anything.
 """
@@ -153,6 +156,9 @@ def main() -> int:
     ap.add_argument("--sass", metavar="REGEX", help="per-instruction profile of one launch")
     ap.add_argument("--skip", type=int, default=0, help="matching launches to skip (--sass)")
     ap.add_argument("--keep", metavar="FILE", help="save the --sass profile's CSV")
+    ap.add_argument(
+        "--sections", metavar="NAMES", help="--sass: these Nsight sections' details instead"
+    )
     ap.add_argument("--csv", metavar="FILE", help="summarize a saved --page source profile")
     args = ap.parse_args()
     if args.csv:
@@ -167,6 +173,18 @@ def main() -> int:
         kv_type=args.kv_type,
         batch=args.batch,
     )
+    if args.sass and args.sections:
+        sections = [x for name in args.sections.split(",") for x in ("--section", name.strip())]
+        cmd = [
+            "ncu", "--clock-control", "none", *sections,
+            "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
+            "--profile-from-start", "off",
+            *(["--cache-control", "none"] if args.warm else []),
+            sys.executable, "-c", step,
+        ]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        print("\n".join(line for line in out.splitlines() if not line.startswith("==PROF==")))
+        return 0
     if args.sass:
         cmd = [
             "ncu", "--csv", "--clock-control", "none", "--page", "source",
