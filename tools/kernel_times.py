@@ -173,26 +173,25 @@ def main() -> int:
         kv_type=args.kv_type,
         batch=args.batch,
     )
-    if args.sass and args.sections:
-        sections = [x for name in args.sections.split(",") for x in ("--section", name.strip())]
-        cmd = [
-            "ncu", "--clock-control", "none", *sections,
-            "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
-            "--profile-from-start", "off",
-            *(["--cache-control", "none"] if args.warm else []),
-            sys.executable, "-c", step,
-        ]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        print("\n".join(line for line in out.splitlines() if not line.startswith("==PROF==")))
-        return 0
+    # The step under ncu, profiled from cuProfilerStart on.
+    run = [
+        "--profile-from-start", "off",
+        *(["--cache-control", "none"] if args.warm else []),
+        sys.executable, "-c", step,
+    ]  # fmt: skip
     if args.sass:
+        launch = [
+            "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
+        ]  # fmt: skip
+        if args.sections:
+            sections = [x for name in args.sections.split(",") for x in ("--section", name.strip())]
+            cmd = ["ncu", "--clock-control", "none", *sections, *launch, *run]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            print("\n".join(line for line in out.splitlines() if not line.startswith("==PROF==")))
+            return 0
         cmd = [
             "ncu", "--csv", "--clock-control", "none", "--page", "source",
-            "--print-source", "sass", "--section", "SourceCounters",
-            "-k", f"regex:{args.sass}", "--launch-skip", str(args.skip), "--launch-count", "1",
-            "--profile-from-start", "off",
-            *(["--cache-control", "none"] if args.warm else []),
-            sys.executable, "-c", step,
+            "--print-source", "sass", "--section", "SourceCounters", *launch, *run,
         ]  # fmt: skip
         profile = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         if args.keep:
@@ -200,12 +199,7 @@ def main() -> int:
                 f.write(profile)
         sass_summary(profile)
         return 0
-    cmd = [
-        "ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics),
-        "--profile-from-start", "off",
-        *(["--cache-control", "none"] if args.warm else []),
-        sys.executable, "-c", step,
-    ]  # fmt: skip
+    cmd = ["ncu", "--csv", "--clock-control", "none", "--metrics", ",".join(metrics), *run]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = [r for r in csv.DictReader(io.StringIO(out[out.index('"ID"') :]))]
     extra = collections.defaultdict(lambda: collections.defaultdict(float))
