@@ -94,6 +94,11 @@ class CpuBackend final : public Backend {
   float* f32(const Tensor* t) const { return reinterpret_cast<float*>(ptr(t)); }
   const int32_t* i32(const Tensor* t) const { return reinterpret_cast<const int32_t*>(ptr(t)); }
 
+  // Values a task of a light per-value loop (norms, activation preparations) takes at the
+  // least: a decode batch's few columns run inline, where a loop's hand-off costs more than it
+  // saves (SmolLM2's B=8 step: 7.8 ms against 8.1 with tasks of 4,096).
+  static constexpr int64_t kLightTaskValues = 16384;
+
   // Splits n items into tasks of at least `grain` items; runs inline when there is one task.
   template <typename F>
   void parallel(int64_t n, int64_t grain, F&& fn) {
@@ -182,10 +187,8 @@ class CpuBackend final : public Backend {
     // Groups are consecutive runs of the contiguous tensor: a column, or one head of it.
     const int64_t n = t->params[kNormGroup];
     const float eps = t->param_f(kNormEps);
-    // Tasks of about 16,384 elements: a decode batch's few columns run inline, where a loop's
-    // hand-off costs more than it saves (SmolLM2's B=8 step, with prepare_act's columns alike:
-    // 7.8 ms against 8.1).
-    parallel(t->n_elements() / n, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+    const int64_t grain = std::max<int64_t>(1, kLightTaskValues / n);
+    parallel(t->n_elements() / n, grain, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         const float* xr = x + j * n;
         double sum = 0;
@@ -252,8 +255,7 @@ class CpuBackend final : public Backend {
     // Products of one activation and weight format in a row (q, k, v; gate, up) prepare it once.
     if (x != act_x_ || wt != act_type_) {
       act_x_ = nullptr;  // (until prepared)
-      // Tasks of about 16,384 values, as rms_norm's.
-      parallel(n_cols, std::max<int64_t>(1, 16384 / k), [&](int64_t b, int64_t e) {
+      parallel(n_cols, std::max<int64_t>(1, kLightTaskValues / k), [&](int64_t b, int64_t e) {
         for (int64_t c = b; c < e; ++c) prepare_act(wt, xf + c * k, act + c * act_row, k);
       });
       act_x_ = x;
