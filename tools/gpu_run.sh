@@ -247,7 +247,8 @@ for stage in "$@"; do
       # The decode attention's phases per launch (tools/attn_trace.py) of TRACE_MODELS (default
       # the SmolLM2 shape) at each of TRACE_DEPTHS (default 0 1900 4096), one bench each (its own
       # cache size), with TRACE_ENV set (e.g. GGRAPH_CUDA_ATTN_CLUSTER=0). Needs a measurement
-      # build: GGRAPH_CUDA_ATTN_TRACE=ON tools/prebuild.sh, then stage prebuilt.
+      # build: GGRAPH_CUDA_ATTN_TRACE=ON tools/prebuild.sh, then stage prebuilt. TRACE_ARGS are
+      # added to the bench (e.g. "--kv-type q8_0").
       tmodels=${TRACE_MODELS:-/tmp/smollm2-shape.gguf}
       make_shape_files $tmodels
       for m in $tmodels; do
@@ -255,8 +256,8 @@ for stage in "$@"; do
           log="$OUT/attntrace-$(basename "$m" .gguf)-d$d.txt"
           # shellcheck disable=SC2086  # the settings, one word each
           env ${TRACE_ENV:-} python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 2 --device cuda -d "$d" \
-            --allow-longer-context --cuda-graphs patch >"$log" 2>&1
-          echo "## $(basename "$m"), depth $d ${TRACE_ENV:-}" | tee -a "$OUT/attntrace.md"
+            --allow-longer-context --cuda-graphs patch ${TRACE_ARGS:-} >"$log" 2>&1
+          echo "## $(basename "$m"), depth $d ${TRACE_ENV:-} ${TRACE_ARGS:-}" | tee -a "$OUT/attntrace.md"
           python3 tools/attn_trace.py "$log" 2>&1 | tee -a "$OUT/attntrace.md"
         done
       done
