@@ -866,23 +866,22 @@ __device__ __forceinline__ void frag_pv(const float (&s)[NT][4], const __half* v
 
 // ---- Flash-decoding on tensor cores ---------------------------------------------------------
 //
-// Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each
-// warp's tile scored and weighed by mma.sync instead of by lanes' dot products: the MMA's 16 rows
-// are the query heads of one KV head (rows past them are zeros, never written out), its columns a
-// tile's keys. q, pre-scaled by scale * log2(e), and the probabilities are each split into two
-// halves (split_half2) and multiplied twice, so that a score and an output are the float products
-// of the lanes' kernel up to the order of the sums (one half's 11 bits, as the prompt kernel
-// takes them, left a relative error of a few 1e-4; the second MMAs cost no measured time). Over
-// a Q8_0 cache, whose values are 8-bit, each enters as one half: the low halves' registers (26
-// of 246 at 128 dims) and MMAs bought nothing the 8-bit values leave, and without them the 7B
-// shape's decode at depth 4,096 ran 3.5% faster. K and V
-// arrive as half (a Q8_0 tile is decoded to half in the warp's staging, as the prompt kernel
-// decodes it). A warp stages a tile of K and of V with
-// 16-byte asynchronous copies (rows past the tile's keys zero-filled: the P*V product reads every
-// row), scores it while V lands, then runs the online softmax on the score fragments (a row's
-// keys lie in the four lanes of a quad) and multiplies. Where a warp spent ~30 instructions a key
-// on its lanes' dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is
-// 128 MMAs (q and P each taken as two halves; 64 over a Q8_0 cache) and 32 ldmatrix.
+// Heads of 64, 128 or 256 dims take the same blocks, splits and merges as above, with each warp's
+// tile scored and weighed by mma.sync instead of by lanes' dot products: the MMA's 16 rows are the
+// query heads of one KV head (rows past them are zeros, never written out), its columns a tile's
+// keys. q, pre-scaled by scale * log2(e), and the probabilities are each split into two halves
+// (split_half2) and multiplied twice, so that a score and an output are the float products of the
+// lanes' kernel up to the order of the sums (one half's 11 bits, as the prompt kernel takes them,
+// left a relative error of a few 1e-4; the second MMAs cost no measured time). Over a Q8_0 cache,
+// whose values are 8-bit, each enters as one half: the low halves' registers (26 of 246 at 128
+// dims) and MMAs bought nothing the 8-bit values leave, and without them the 7B shape's decode at
+// depth 4,096 ran 3.5% faster. K and V arrive as half (a Q8_0 tile is decoded to half in the warp's
+// staging, as the prompt kernel decodes it). A warp stages a tile of K and of V with 16-byte
+// asynchronous copies (rows past the tile's keys zero-filled: the P*V product reads every row),
+// scores it while V lands, then runs the online softmax on the score fragments (a row's keys lie in
+// the four lanes of a quad) and multiplies. Where a warp spent ~30 instructions a key on its lanes'
+// dot products, conversions and transposing sums, a tile of 32 keys at 128 dims is 128 MMAs (q and
+// P each taken as two halves; 64 over a Q8_0 cache) and 32 ldmatrix.
 
 // W warps a block. CL: the block is one of a cluster of kAttnClusterSplits, which merge their
 // splits through distributed shared memory (sm_90+), each block's combined (m, l, acc) left in
