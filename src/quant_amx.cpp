@@ -219,7 +219,9 @@ struct AmxTile {
       const int64_t n_pairs = (nb + 1) / 2;
       // The weights stream from memory (a decode batch reads each once), and 16 rows' streams
       // are more than the hardware prefetchers follow: each pair requests its share of the next
-      // row group's lines, so that the group finds them in the cache.
+      // row group's lines into L2, so that the group finds them in the cache. (Into L1 the
+      // requests held the core's line-fill buffers: the prefetch took 13% of the kernel's
+      // samples, and a decode batch of 8 stepped 5% slower; BENCHMARKS.md.)
       const uint8_t* ahead = rows[0] + 16 * w_stride;
       const int64_t ahead_lines = r0 + 32 <= n_rows ? int64_t(16 * w_stride + 63) / 64
                                   : r0 + 16 < n_rows
@@ -233,7 +235,7 @@ struct AmxTile {
       for (int64_t j = 0; j < n_pairs; ++j) {
         const int64_t b = 2 * j;
         for (int64_t i = 0; i < per_pair && next_line < ahead_lines; ++i, ++next_line)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * next_line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * next_line), _MM_HINT_T1);
         const bool next = j + 1 < n_pairs, two = b + 1 < nb;
         if (j % 2 == 0) {
           if (next) TilePair45<kUnsigned>::issue(ab[1], bt + (b + 2) * 256, b + 3 < nb);
