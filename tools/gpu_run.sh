@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, test and benchmark. Usage: tools/gpu_run.sh STAGE...
 # Stages: build (or unpack and prebuilt, or prebuilt), test (or quicktest), sanitize, golden,
-# bench, kernels, sweep, profile, steps, attntrace, llamacpp, refbench, batchbench, ab, abenv.
+# bench, kernels, sweep, profile, steps, attntrace, steptrace, llamacpp, refbench, batchbench, ab,
+# abenv.
 # Logs land in $OUT (default build/gpu-logs). BUILD_TARGETS limits build to those targets (e.g.
 # "_core ggraph" for the Python package alone).
 # GoogleTest is built from .carry/googletest when the machine has none; the real SmolLM2 and
@@ -151,8 +152,10 @@ for stage in "$@"; do
       # machine for this one's Python (tools/prebuild.sh, carried as .carry/prebuilt): no build
       # here.
       install_package .carry/prebuilt
-      mkdir -p "$BUILD" && cp .carry/prebuilt/ggraph_* "$BUILD"/
-      chmod +x "$BUILD"/ggraph_*
+      mkdir -p "$BUILD"
+      for f in .carry/prebuilt/ggraph_*; do  # none where only the package travels
+        if [ -f "$f" ]; then cp "$f" "$BUILD"/ && chmod +x "$BUILD/$(basename "$f")"; fi
+      done
       ;;
     test)
       "$BUILD"/ggraph_cuda_tests 2>&1 | tail -4 | tee "$OUT/op-suite.log"
@@ -259,6 +262,26 @@ for stage in "$@"; do
             --allow-longer-context --cuda-graphs patch ${TRACE_ARGS:-} >"$log" 2>&1
           echo "## $(basename "$m"), depth $d ${TRACE_ENV:-} ${TRACE_ARGS:-}" | tee -a "$OUT/attntrace.md"
           python3 tools/attn_trace.py "$log" 2>&1 | tee -a "$OUT/attntrace.md"
+        done
+      done
+      ;;
+    steptrace)
+      # A decode step's critical path kernel by kernel (tools/step_trace.py) of STRACE_MODELS
+      # (default the 7B Q4_0 shape) at each of STRACE_DEPTHS (default 0 4096), with STRACE_ARGS
+      # added to the bench (e.g. "--kv-type q8_0"). Needs a measurement build:
+      # GGRAPH_CUDA_STEP_TRACE=ON tools/prebuild.sh, then stage prebuilt.
+      smodels=${STRACE_MODELS:-/tmp/llama2-7b-shape.gguf}
+      make_shape_files $smodels
+      for m in $smodels; do
+        for d in ${STRACE_DEPTHS:-0 4096}; do
+          log="$OUT/steptrace-$(basename "$m" .gguf)-d$d.txt"
+          # shellcheck disable=SC2086  # the options, one word each
+          python3 -m ggraph bench -m "$m" -p 0 -n 32 -r 1 --device cuda -d "$d" \
+            --allow-longer-context --cuda-graphs patch ${STRACE_ARGS:-} >"$log" 2>&1
+          echo "## $(basename "$m"), depth $d ${STRACE_ARGS:-}" | tee -a "$OUT/steptrace.md"
+          grep "tg32" "$log" | tee -a "$OUT/steptrace.md"
+          python3 tools/step_trace.py "$log" --order "${STRACE_ORDER:-12}" 2>&1 |
+            tee -a "$OUT/steptrace.md"
         done
       done
       ;;

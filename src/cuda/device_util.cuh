@@ -6,6 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#ifdef GGRAPH_CUDA_STEP_TRACE
+#include <cstdio>
+#endif
 
 #include "quant.h"
 
@@ -155,9 +158,30 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
 // their first weights there); every other access comes after it, which keeps every
 // read-after-write and write-after-read order of plain stream execution. Without the launch
 // attribute (or before sm_90) both are no-ops.
+//
+// In measurement builds (GGRAPH_CUDA_STEP_TRACE, a CMake option) thread 0 of block 0 of every
+// grid prints "STP gridid blocks threads sm arrived released": %globaltimer (ns) before and after
+// its wait. In launch order (the grid ids), one grid's release is the end of the grid before it,
+// so the releases are a step's critical path kernel by kernel (tools/step_trace.py).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef GGRAPH_CUDA_STEP_TRACE
+  const bool first = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && blockIdx.x == 0 &&
+                     blockIdx.y == 0 && blockIdx.z == 0;
+  unsigned long long arrived = 0, released = 0, grid = 0;
+  if (first) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(arrived));
+#endif
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#ifdef GGRAPH_CUDA_STEP_TRACE
+  if (first) {
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(released));
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    printf("STP %llu %u %u %u %llu %llu\n", grid, gridDim.x * gridDim.y * gridDim.z,
+           blockDim.x * blockDim.y * blockDim.z, sm, arrived, released);
+  }
+#endif
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -154,6 +155,13 @@ class Launcher {
         if (status != cudaStreamCaptureStatusActive || n_deps != 1)
           throw std::logic_error("launch under capture: expected one dependency node");
         captured_nodes->push_back(deps[0]);
+#ifdef GGRAPH_CUDA_STEP_TRACE
+        // The captured step's launches, for the grids' stamps (cuda/device_util.cuh, pdl_wait).
+        const char* name = nullptr;
+        if (cudaFuncGetName(&name, func) != cudaSuccess || !name) name = "?";
+        std::printf("LNC %d %s %u %u\n", index, name, grid.x * grid.y * grid.z,
+                    block.x * block.y * block.z);
+#endif
       }
     }
   }
