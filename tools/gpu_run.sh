@@ -268,16 +268,17 @@ for stage in "$@"; do
     steptrace)
       # A decode step's critical path kernel by kernel (tools/step_trace.py) of STRACE_MODELS
       # (default the 7B Q4_0 shape) at each of STRACE_DEPTHS (default 0 4096), with STRACE_ARGS
-      # added to the bench (e.g. "--kv-type q8_0"). Needs a measurement build:
-      # GGRAPH_CUDA_STEP_TRACE=ON tools/prebuild.sh, then stage prebuilt.
+      # added to the bench (e.g. "--kv-type q8_0") and STRACE_ENV set (e.g. PYTHONPATH=/tmp/alt-py
+      # where stage unpack installed the measurement build as the third one). Needs a measurement
+      # build: GGRAPH_CUDA_STEP_TRACE=ON tools/prebuild.sh, then stage prebuilt.
       smodels=${STRACE_MODELS:-/tmp/llama2-7b-shape.gguf}
       make_shape_files $smodels
       for m in $smodels; do
         for d in ${STRACE_DEPTHS:-0 4096}; do
           log="$OUT/steptrace-$(basename "$m" .gguf)-d$d.txt"
           # shellcheck disable=SC2086  # the options, one word each
-          python3 -m ggraph bench -m "$m" -p 0 -n 32 -r 1 --device cuda -d "$d" \
-            --allow-longer-context --cuda-graphs patch ${STRACE_ARGS:-} >"$log" 2>&1
+          env ${STRACE_ENV:-} python3 -m ggraph bench -m "$m" -p 0 -n 32 -r 1 --device cuda \
+            -d "$d" --allow-longer-context --cuda-graphs patch ${STRACE_ARGS:-} >"$log" 2>&1
           echo "## $(basename "$m"), depth $d ${STRACE_ARGS:-}" | tee -a "$OUT/steptrace.md"
           grep "tg32" "$log" | tee -a "$OUT/steptrace.md"
           python3 tools/step_trace.py "$log" --order "${STRACE_ORDER:-12}" 2>&1 |

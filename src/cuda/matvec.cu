@@ -1,6 +1,7 @@
 // Matrix products with weights: mat-vec kernels for a few columns (decode) and tensor-core tiled
 // kernels for many (prompt). Weights are [k, n] with row n contiguous (k elements).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -1325,6 +1326,19 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
   return true;
 }
 
+// GGRAPH_CUDA_MATVEC_SHAPE=R,U,KS (a measurement setting): one column's products of long rows,
+// but for q, k and v with their ropes, take that kernel shape in every format instead of
+// MatVecShape's, so that the shapes can be compared in a whole step.
+MatVecConfig mat_vec_shape_setting() {
+  static const MatVecConfig c = [] {
+    MatVecConfig s;
+    const char* e = std::getenv("GGRAPH_CUDA_MATVEC_SHAPE");
+    if (e && std::sscanf(e, "%d,%d,%d", &s.rows, &s.unroll, &s.ksplit) != 3) s = MatVecConfig{};
+    return s;
+  }();
+  return c;
+}
+
 template <int TYPE, int NCOLS>
 void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, const uint8_t* ws,
                const NormFold* fold) {
@@ -1342,6 +1356,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
       return;
     if (fold) throw std::logic_error("mat-vec: no kernel here takes the norm before it");
     using S = MatVecShape<TYPE>;
+    if (c.rows == 0) c = mat_vec_shape_setting();
     if (c.rows == 0) c = MatVecConfig{S::R, S::U, S::KS};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
