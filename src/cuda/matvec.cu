@@ -1326,17 +1326,23 @@ bool mat_vec_q_mixed(Launcher& l, const MatVecPart* parts, int n_a, int64_t k, c
   return true;
 }
 
-// GGRAPH_CUDA_MATVEC_SHAPE=R,U,KS (a measurement setting): one column's products of long rows,
-// but for q, k and v with their ropes, take that kernel shape in every format instead of
-// MatVecShape's, so that the shapes can be compared in a whole step.
-MatVecConfig mat_vec_shape_setting() {
-  static const MatVecConfig c = [] {
-    MatVecConfig s;
+// GGRAPH_CUDA_MATVEC_SHAPE=R,U,KS[,K] (a measurement setting): one column's products of long
+// rows (of at least K elements where K is given), but for q, k and v with their ropes, take
+// that kernel shape in every format instead of MatVecShape's, so that the shapes can be
+// compared in a whole step.
+MatVecConfig mat_vec_shape_setting(int64_t k) {
+  struct Setting {
+    MatVecConfig c;
+    int min_k = 0;
+  };
+  static const Setting s = [] {
+    Setting v;
     const char* e = std::getenv("GGRAPH_CUDA_MATVEC_SHAPE");
-    if (e && std::sscanf(e, "%d,%d,%d", &s.rows, &s.unroll, &s.ksplit) != 3) s = MatVecConfig{};
-    return s;
+    if (!e || std::sscanf(e, "%d,%d,%d,%d", &v.c.rows, &v.c.unroll, &v.c.ksplit, &v.min_k) < 3)
+      v = Setting{};
+    return v;
   }();
-  return c;
+  return k >= s.min_k ? s.c : MatVecConfig{};
 }
 
 template <int TYPE, int NCOLS>
@@ -1356,7 +1362,7 @@ void mat_vec_q(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
       return;
     if (fold) throw std::logic_error("mat-vec: no kernel here takes the norm before it");
     using S = MatVecShape<TYPE>;
-    if (c.rows == 0) c = mat_vec_shape_setting();
+    if (c.rows == 0) c = mat_vec_shape_setting(k);
     if (c.rows == 0) c = MatVecConfig{S::R, S::U, S::KS};
     switch (c.rows * 100 + c.unroll + 1000 * (c.ksplit - 1)) {
       case 1402:
