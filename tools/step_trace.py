@@ -2,11 +2,12 @@
 
 A build with the CMake option GGRAPH_CUDA_STEP_TRACE=ON (`GGRAPH_CUDA_STEP_TRACE=ON
 tools/prebuild.sh PYTHON`) prints a line "LNC index name blocks threads" for each launch of a
-step as it is captured into a CUDA graph, and, from thread 0 of block 0 of every grid, a line
-"STP gridid blocks threads sm arrived released": %globaltimer (ns) when the block started and
-when its wait for the grid before it ended (src/cuda/device_util.cuh, pdl_wait). Grids run in
-the order of their ids, and a grid's wait ends when the grid before it has ended, so the time
-from one grid's release to the next one's is that grid's share of the step's critical path.
+step as it is captured into a CUDA graph, and, at the process's exit, a line "STP gridid blocks
+threads sm arrived released" for each grid: %globaltimer (ns) when its block 0 started and when
+that block's wait for the grid before it ended, stamped into page-locked host memory
+(src/cuda/device_util.cuh, pdl_wait). Grids run in the order of their ids, and a grid's wait
+ends when the grid before it has ended, so the time from one grid's release to the next one's
+is that grid's share of the step's critical path.
 
 This finds the captured steps among the grids (their blocks and threads in the captured order),
 and prints, per kernel, its launches a step, the median of its share (us) over the steps, summed
@@ -35,9 +36,9 @@ def demangle(names: list[str]) -> dict[str, str]:
         out = dict(zip(names, res.stdout.splitlines()))
     short = {}
     for k, v in out.items():
+        v = re.sub(r"\b(ggraph|cuda)::|\(anonymous namespace\)::", "", v)
         v = re.sub(r"\(.*\)$", "", v)  # the parameter list
         v = re.sub(r"^void ", "", v)
-        v = re.sub(r"\b(ggraph|cuda|\(anonymous namespace\))::", "", v)
         short[k] = v
     return short
 

@@ -6,9 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#ifdef GGRAPH_CUDA_STEP_TRACE
-#include <cstdio>
-#endif
 
 #include "quant.h"
 
@@ -160,26 +157,51 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) {
 // attribute (or before sm_90) both are no-ops.
 //
 // In measurement builds (GGRAPH_CUDA_STEP_TRACE, a CMake option) thread 0 of block 0 of every
-// grid prints "STP gridid blocks threads sm arrived released": %globaltimer (ns) before and after
-// its wait. In launch order (the grid ids), one grid's release is the end of the grid before it,
-// so the releases are a step's critical path kernel by kernel (tools/step_trace.py).
+// grid stamps %globaltimer (ns) before and after its wait into a record of page-locked host
+// memory, at its grid id (step_trace_attach in kernels.cu prints them at the process's exit).
+// In launch order (the grid ids), one grid's release is the end of the grid before it, so the
+// releases are a step's critical path kernel by kernel (tools/step_trace.py). Device printf was
+// tried first: its 27 us a call on the critical path made the step 4.7 times longer.
+#ifdef GGRAPH_CUDA_STEP_TRACE
+struct StepStamp {
+  unsigned long long grid, arrived, released;
+  unsigned blocks, threads, sm, pad;
+};
+constexpr unsigned long long kStepStamps = 1ull << 18;  // the latest launches', by grid id
+// Each CUDA source's own pointer to the records (without relocatable device code a device
+// variable is one source's); step_trace_attach sets every source's through the function each
+// registers here at load time.
+static __device__ StepStamp* g_step_stamps = nullptr;
+void step_trace_register(void (*attach)(StepStamp*));
+namespace {
+void step_trace_attach_source(StepStamp* p) { cudaMemcpyToSymbol(g_step_stamps, &p, sizeof p); }
+[[maybe_unused]] const bool g_step_trace_registered =
+    (step_trace_register(&step_trace_attach_source), true);
+}  // namespace
+#endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #ifdef GGRAPH_CUDA_STEP_TRACE
   const bool first = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && blockIdx.x == 0 &&
                      blockIdx.y == 0 && blockIdx.z == 0;
-  unsigned long long arrived = 0, released = 0, grid = 0;
+  unsigned long long arrived = 0;
   if (first) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(arrived));
 #endif
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #ifdef GGRAPH_CUDA_STEP_TRACE
-  if (first) {
+  if (first && g_step_stamps) {
+    unsigned long long released, grid;
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(released));
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    printf("STP %llu %u %u %u %llu %llu\n", grid, gridDim.x * gridDim.y * gridDim.z,
-           blockDim.x * blockDim.y * blockDim.z, sm, arrived, released);
+    StepStamp* r = g_step_stamps + (grid & (kStepStamps - 1));
+    r->arrived = arrived;
+    r->released = released;
+    r->blocks = gridDim.x * gridDim.y * gridDim.z;
+    r->threads = blockDim.x * blockDim.y * blockDim.z;
+    r->sm = sm;
+    r->grid = grid;
   }
 #endif
 #endif

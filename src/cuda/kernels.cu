@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -803,6 +805,52 @@ void launch_kv_store(Launcher& l, DType cache_type, const float* src0, void* cac
     static_cast<__half*>(cache0), static_cast<__half*>(pair ? cache1 : cache0), n_embd_kv, n,
     first_row, rows, slots);
 }
+
+#ifdef GGRAPH_CUDA_STEP_TRACE
+namespace {
+std::vector<void (*)(StepStamp*)>& step_trace_sources() {
+  static std::vector<void (*)(StepStamp*)> v;
+  return v;
+}
+StepStamp* g_host_stamps = nullptr;
+
+// The records in grid order, a line each: "STP gridid blocks threads sm arrived released".
+void step_trace_print() {
+  std::vector<StepStamp> v;
+  for (unsigned long long i = 0; i < kStepStamps; ++i)
+    if (g_host_stamps[i].grid) v.push_back(g_host_stamps[i]);
+  std::sort(v.begin(), v.end(),
+            [](const StepStamp& a, const StepStamp& b) { return a.grid < b.grid; });
+  for (const StepStamp& r : v)
+    std::printf("STP %llu %u %u %u %llu %llu\n", r.grid, r.blocks, r.threads, r.sm, r.arrived,
+                r.released);
+  std::fflush(stdout);
+}
+}  // namespace
+
+void step_trace_register(void (*attach)(StepStamp*)) { step_trace_sources().push_back(attach); }
+
+void step_trace_attach() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* host = nullptr;
+    void* dev = nullptr;
+    const size_t bytes = kStepStamps * sizeof(StepStamp);
+    if (cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess) {
+      cudaGetLastError();
+      std::fprintf(stderr, "step trace: no page-locked records; no stamps\n");
+      return;
+    }
+    std::memset(host, 0, bytes);
+    g_host_stamps = static_cast<StepStamp*>(host);
+    for (auto attach : step_trace_sources()) attach(static_cast<StepStamp*>(dev));
+    std::atexit(step_trace_print);
+  });
+}
+#else
+void step_trace_attach() {}
+#endif
 
 bool env_switch_on(const char* name) {
   const char* e = std::getenv(name);

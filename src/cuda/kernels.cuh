@@ -231,6 +231,10 @@ void launch_rms_norm(Launcher& l, const NormArgs& args, int64_t ne0, int64_t col
 int64_t set_norm_cluster_min_width(int64_t width);
 // Asks once whether the cluster norms run here (part of prepare_kernels, before any capture).
 void prepare_norm_kernels();
+// Measurement builds (GGRAPH_CUDA_STEP_TRACE): once a process, page-locked records for every
+// grid's stamps (cuda/device_util.cuh, pdl_wait), printed as "STP" lines at its exit. A no-op
+// in other builds.
+void step_trace_attach();
 // op: 0 = add, 1 = mul; src1 broadcast over columns when src1_cols == 1, and its columns of
 // b_ne0 elements repeated along a column of ne0 (ne0 a multiple of b_ne0).
 void launch_binary(Launcher& l, int op, const float* a, const float* b, int64_t b_cols, float* dst,

@@ -1995,6 +1995,7 @@ void prepare_kernels() {
   prepare_attention_kernels();
   prepare_mat_mul_q_kernels();
   prepare_norm_kernels();
+  step_trace_attach();
   cudaGetLastError();
 }
 
