@@ -109,22 +109,20 @@ def main() -> None:
             f"## capture {ci}: {n} launches, {len(runs)} steps, first to last release "
             f"{span / 1000:.1f} us (median)"
         )
-        rows = collections.defaultdict(lambda: [0, 0.0, [], []])
+        # Per kernel and grid: its launches' shares and block 0's waits.
+        rows = collections.defaultdict(lambda: ([], []))
         for k in range(n - 1):
-            key = (names[cap[k][0]], cap[k][1], cap[k][2])
-            r = rows[key]
-            r[0] += 1
-            r[1] += share[k]
-            r[2].append(share[k])
-            r[3].append(early[k])
+            each, wait = rows[(names[cap[k][0]], cap[k][1], cap[k][2])]
+            each.append(share[k])
+            wait.append(early[k])
         print(
             "| kernel | blocks x threads | launches | us a step | us each (median) "
             "| block 0 waited, us (median) |"
         )
         print("|---|---|---|---|---|---|")
-        for (name, b, t), (cnt, tot, each, wait) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        for (name, b, t), (each, wait) in sorted(rows.items(), key=lambda kv: -sum(kv[1][0])):
             print(
-                f"| {name} | {b} x {t} | {cnt} | {tot / 1000:.1f} | "
+                f"| {name} | {b} x {t} | {len(each)} | {sum(each) / 1000:.1f} | "
                 f"{statistics.median(each) / 1000:.2f} | {statistics.median(wait) / 1000:.2f} |"
             )
         if args.order:

@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#ifdef GGRAPH_CUDA_STEP_TRACE
 #include <cstdio>
+#endif
 #include <cstring>
 #include <stdexcept>
 #include <string>
