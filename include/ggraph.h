@@ -28,7 +28,8 @@ enum {
   GGRAPH_ERR_ARGUMENT = -2, /* bad token id, full context, bad option */
   GGRAPH_ERR_DEVICE = -3,   /* CUDA error, out of memory */
   GGRAPH_ERR_INTERNAL = -4,
-  GGRAPH_ERR_CANCELLED = -5, /* stopped by ggraph_cancel; the model is as it was */
+  GGRAPH_ERR_CANCELLED = -5, /* stopped by ggraph_cancel; the model is as it was (but see
+                                ggraph_generate) */
 };
 
 /* Set .size to sizeof(ggraph_params) (ggraph_default_params does): a later version may add
@@ -171,7 +172,10 @@ enum {
 GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
 /* Generates a continuation of the n prompt tokens. Returns a GGRAPH_STOP_* reason (> 0) or a
  * negative error code; a refused call (bad ids or parameters, a prompt that does not fit) leaves
- * the model as it was. ggraph_cancel from another thread stops it at the next token. on_step
+ * the model as it was. ggraph_cancel from another thread stops it at the next token
+ * (GGRAPH_STOP_CANCELLED), or while the prompt goes in, before its next chunk of tokens
+ * (GGRAPH_ERR_CANCELLED): the model then holds what it held, except that a prompt that differs
+ * from the model's tokens has already replaced those past the prefix the two share. on_step
  * runs while the model is held: it must not call ggraph_* functions on this model or any of its
  * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded 8 a launch and sampled on the
  * GPU (the same tokens). However the generation ends, the model then holds the prompt and the

@@ -143,7 +143,9 @@ Context::Context(const std::string& path, const ContextOptions& o) {
         ".context_length); ask for " + std::to_string(model_->n_ctx_train) +
         " or fewer (n_ctx 0 means the training length), or set allow_longer_context to run " +
         "past it (quality usually drops beyond the training length)");
-  // FNV-1a over the file's size and tensor table: what a saved state must have been made with.
+  // FNV-1a over the file's size, its tensor table and samples of each tensor's bytes (16 runs
+  // of 16 spread over it: a fine-tune of the same layout differs there): what a saved state
+  // must have been made with.
   fingerprint_ = 1469598103934665603ull;
   auto mix = [&](const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) {
@@ -157,6 +159,12 @@ Context::Context(const std::string& path, const ContextOptions& o) {
     mix(t.name.data(), t.name.size());
     mix(t.ne, sizeof t.ne);
     mix(&t.type, sizeof t.type);
+    constexpr size_t kRuns = 16, kRun = 16;
+    if (t.nbytes <= kRuns * kRun) {
+      mix(t.data, t.nbytes);
+    } else {
+      for (size_t i = 0; i < kRuns; ++i) mix(t.data + i * ((t.nbytes - kRun) / (kRuns - 1)), kRun);
+    }
   }
   if (o.n_ctx > 0)
     n_ctx_ = o.n_ctx;

@@ -129,9 +129,9 @@ class Context {
     live().tokens.resize(size_t(n));
   }
   // The context's state: its tokens and their KV cache rows, in a versioned binary format that
-  // names the model it belongs to (a fingerprint of its file's tensor table and size) and the
-  // cache's element type. load_state checks all of it before it changes anything, and throws
-  // ArgumentError naming what does not match.
+  // names the model it belongs to (a fingerprint of its file: size, tensor table, weight samples)
+  // and the cache's element type. load_state checks all of it before it changes anything, and
+  // throws ArgumentError naming what does not match.
   std::vector<uint8_t> save_state() const;
   // The most bytes a state of this context takes (every position of the context held).
   size_t max_state_bytes() const;

@@ -81,9 +81,11 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
     hold_ = std::max(hold_, s.size() - 1);
   }
-  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1)
-                                    : std::max(1, opt_.chain);
-  chain_ = std::min(chain_, Context::kMaxChain);
+  if (opt_.chain != kAutoChain && (opt_.chain < 1 || opt_.chain > Context::kMaxChain))
+    throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxChain) +
+                        " decode steps a launch (or the backend's default), got " +
+                        std::to_string(opt_.chain));
+  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
   if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();
 }
@@ -194,7 +196,10 @@ bool Generation::next(std::string* text, GeneratedToken* token,
       while (common < cached.size() && common < prompt_.size() && cached[common] == prompt_[common])
         ++common;
       if (common == prompt_.size()) --common;
-      if (common < size_t(ctx_.n_past())) ctx_.rewind(int(common));
+      if (common < size_t(ctx_.n_past())) {
+        replaced_ = size_t(ctx_.n_past()) - common;
+        ctx_.rewind(int(common));
+      }
       prefilled_ = cached_ = common;
     }
     if (defer_ || prefill_chunk_ > 0) chain_ = 1;
@@ -211,7 +216,17 @@ bool Generation::next(std::string* text, GeneratedToken* token,
       prefilled_ += n;
       return true;
     }
-    logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
+    try {
+      logits_ = ctx_.eval(prompt_.data() + prefilled_, n, false, interrupted);
+    } catch (const Cancelled&) {
+      // The eval changed nothing, but its first chunk took the cache rows of the history past
+      // the prefix the prompt shares: those tokens are gone, and the message must say so.
+      if (replaced_ == 0) throw;
+      throw Cancelled(
+          "generate: cancelled while the prompt went in, after it had replaced the last " +
+          std::to_string(replaced_) + " tokens of the context's history: the context " +
+          "now holds the prompt's first " + std::to_string(ctx_.n_past()) + " tokens");
+    }
     prefilled_ += n;
     if (prefilled_ < prompt_.size()) return true;  // more of the prompt at the next step
   }

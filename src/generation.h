@@ -136,6 +136,7 @@ class Generation {
   int prefill_chunk_ = 0;
   size_t prefilled_ = 0;          // prompt tokens in the cache so far (once the prefix is settled)
   size_t cached_ = 0;             // of them, those the cache held before (cached_tokens)
+  size_t replaced_ = 0;           // history tokens past the shared prefix that the prompt rewound
   std::vector<int32_t> pending_;  // tokens left for the caller to evaluate (deferred)
   int seq_ = 0;                   // the context's sequence this generation runs on
   int32_t presampled_ = -1;       // presample()'s token, for the next next(); -1: none

@@ -76,6 +76,11 @@ std::vector<int32_t> to_ids(const py::handle& tokens, const char* what) {
     try {
       v = py::reinterpret_borrow<py::object>(t).cast<long long>();
     } catch (const py::cast_error&) {
+      if (py::hasattr(t, "__len__"))  // a row of a 2-D array, a nested list
+        throw ArgumentError(std::string(what) +
+                            ": expected a flat (1-D) sequence of token ids, found an element "
+                            "that is itself a sequence: " +
+                            std::string(py::str(t)));
       throw ArgumentError(std::string(what) + ": token id " + std::string(py::str(t)) +
                           " is out of range");
     }

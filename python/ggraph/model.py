@@ -139,6 +139,11 @@ def _utf8(text, what: str):
 
 
 def _check_messages(messages) -> list:
+    if isinstance(messages, (str, bytes, dict)):
+        raise ValueError(
+            "chat: expected a list of messages ({'role': ..., 'content': ...} dicts), got "
+            f"a {type(messages).__name__}"
+        )
     messages = list(messages)
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -473,7 +478,9 @@ class Model:
         for the model's lock; the stopped call raises
         ggraph.Cancelled and changes nothing (Ctrl-C stops it the same way, raising
         KeyboardInterrupt). A generation checks between tokens: break out of
-        it instead, or press Ctrl-C, which stops either."""
+        it instead, or press Ctrl-C, which stops either. A generation's prompt stops as an
+        eval does, except that a prompt which differs from the context's tokens has already
+        replaced those past the prefix the two share (the message says how many)."""
         seq = self._lock.seq
         if seq is not None:
             self._ctx.cancel(seq)  # this sequence's call alone, not another session's
@@ -715,7 +722,12 @@ class Model:
         try:
             while True:
                 with self._step(epoch):
-                    step = gen.next()
+                    try:
+                        step = gen.next()
+                    except (KeyboardInterrupt, _core.Cancelled):
+                        # Ctrl-C, or a cancel while the prompt went in.
+                        self.stop_reason = "cancelled"
+                        raise
                     self.n_generated = gen.n_generated
                     self.stop_reason = gen.stop_reason
                 if step is None:

@@ -40,7 +40,9 @@ def test_logprobs_are_those_of_the_evaluated_logits(tiny_model):
 def test_bad_generation_options_are_refused_before_anything_changes(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
     m.eval([1, 2, 3])
-    for kw in (dict(logprobs=21), dict(logprobs=-1), dict(max_tokens=-1), dict(stop=[""])):
+    bad = (dict(logprobs=21), dict(logprobs=-1), dict(max_tokens=-1), dict(stop=[""]))
+    bad += (dict(chain=0), dict(chain=-5), dict(chain=17))
+    for kw in bad:
         with pytest.raises(ValueError):
             m.generate([1, 2], **kw)
     assert m.n_past == 3 and m._tokens == [1, 2, 3]
@@ -59,6 +61,51 @@ def test_cancel_ends_a_generation_at_its_next_token(tiny_model):
     # The model goes on working, from the context the generation left.
     assert m.n_past == len(m._tokens)
     assert "".join(m.generate([1, 2, 3], max_tokens=4, temperature=0))
+
+
+def _cancelled_prompt(m, prompt):
+    """Generates from prompt while another thread cancels over and over, until the prompt's
+    eval is the call that stops (the canceller may start late); returns the Cancelled error."""
+    done = threading.Event()
+
+    def spam():
+        while not done.is_set():
+            m.cancel()
+
+    before = m._tokens
+    t = threading.Thread(target=spam)
+    t.start()
+    try:
+        for _ in range(50):
+            try:
+                list(m.generate(prompt, max_tokens=1, temperature=0))
+            except ggraph.Cancelled as e:
+                return e
+            m.reset()  # it went through: put the history back and try again
+            done.set()
+            m.eval(before)
+            done.clear()
+    finally:
+        done.set()
+        t.join()
+    pytest.fail("the cancel never landed while the prompt went in")
+
+
+def test_a_cancelled_prompt_tells_what_the_context_holds(tiny_model):
+    """A prompt that extends the context and is cancelled leaves it as it was; one that differs
+    from it has already replaced its tokens past the shared prefix, and the error says so."""
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=256, n_threads=1, n_batch=8)
+    history = [(7 * i) % 250 + 3 for i in range(40)]
+    m.eval(history)
+    e = _cancelled_prompt(m, history + [(5 * i) % 250 + 3 for i in range(150)])
+    assert "replaced" not in str(e) and m.stop_reason == "cancelled"
+    assert m._tokens == history
+    e = _cancelled_prompt(m, history[:10] + [(3 * i) % 250 + 3 for i in range(150)])
+    assert "replaced the last 30 tokens" in str(e) and "first 10 tokens" in str(e), str(e)
+    assert m.n_past == 10 and m._tokens == history[:10]
+    # What it holds is what it says: it goes on as a context of those 10 tokens.
+    ref = ggraph.Model(tiny_model, device="cpu", n_ctx=256, n_threads=1, n_batch=8)
+    np.testing.assert_array_equal(m.eval([4, 5]), ref.eval(history[:10] + [4, 5]))
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,12 @@ def test_empty_and_non_integer_inputs_are_refused(tiny_model):
         m.eval("hello")
     with pytest.raises(ValueError):
         m.eval([1.5])
+    with pytest.raises(ValueError, match="flat"):
+        m.eval(np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="found list"):
+        m.eval([[1, 2]])
+    with pytest.raises(ValueError, match="list of messages"):
+        m.chat("hi")
     assert m.n_past == 0
 
 

@@ -2,6 +2,7 @@
 original would, and a state that does not belong is refused without changing anything."""
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -57,6 +58,25 @@ def test_states_that_do_not_belong_are_refused(model, tiny_models):
         ggraph.Model(tiny_models["Q8_0"], device="auto", n_ctx=128).load_state(good)
     with pytest.raises(ValueError, match="holds 3 tokens"):
         small.load_state(good)
+
+
+def test_a_state_of_a_file_with_the_same_layout_and_other_weights_is_refused(model, tmp_path):
+    """A fine-tune has its base model's tensor table and size: its weights tell them apart."""
+    from ggraph.testing import write_random_gguf
+
+    tuned = str(tmp_path / "tuned.gguf")
+    write_random_gguf(tuned, shape="tiny", weight_type="Q4_1", seed=2)
+    assert os.path.getsize(tuned) == os.path.getsize(model.path)
+    model.eval([1, 2, 3])
+    other = ggraph.Model(tuned, device="auto", n_ctx=128)
+    other.eval([4, 5])
+    with pytest.raises(ValueError, match="another model file"):
+        other.load_state(model.save_state())
+    assert other._tokens == [4, 5]
+    # The same file loaded again is the same model.
+    again = ggraph.Model(model.path, device="auto", n_ctx=128)
+    again.load_state(model.save_state())
+    assert again._tokens == [1, 2, 3]
 
 
 def test_state_files_that_could_not_be_states_are_refused_unread(model, tmp_path):
