@@ -143,27 +143,31 @@ Context::Context(const std::string& path, const ContextOptions& o) {
         ".context_length); ask for " + std::to_string(model_->n_ctx_train) +
         " or fewer (n_ctx 0 means the training length), or set allow_longer_context to run " +
         "past it (quality usually drops beyond the training length)");
-  // FNV-1a over the file's size, its tensor table and samples of each tensor's bytes (16 runs
-  // of 16 spread over it: a fine-tune of the same layout differs there): what a saved state
-  // must have been made with.
-  fingerprint_ = 1469598103934665603ull;
-  auto mix = [&](const void* p, size_t n) {
+  // FNV-1a over the file's size and tensor table (states of format versions 1 and 2), and
+  // over those and samples of each tensor's bytes, 16 runs of 16 spread over it (version 3: a
+  // fine-tune of the same layout differs there): what a saved state must have been made with.
+  table_fingerprint_ = 1469598103934665603ull;
+  auto mix = [](uint64_t& h, const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) {
-      fingerprint_ ^= static_cast<const uint8_t*>(p)[i];
-      fingerprint_ *= 1099511628211ull;
+      h ^= static_cast<const uint8_t*>(p)[i];
+      h *= 1099511628211ull;
     }
   };
   const uint64_t file_size = file_->file_size();
-  mix(&file_size, sizeof file_size);
+  mix(table_fingerprint_, &file_size, sizeof file_size);
   for (const GGUFTensorInfo& t : file_->tensors()) {
-    mix(t.name.data(), t.name.size());
-    mix(t.ne, sizeof t.ne);
-    mix(&t.type, sizeof t.type);
+    mix(table_fingerprint_, t.name.data(), t.name.size());
+    mix(table_fingerprint_, t.ne, sizeof t.ne);
+    mix(table_fingerprint_, &t.type, sizeof t.type);
+  }
+  fingerprint_ = table_fingerprint_;
+  for (const GGUFTensorInfo& t : file_->tensors()) {
     constexpr size_t kRuns = 16, kRun = 16;
     if (t.nbytes <= kRuns * kRun) {
-      mix(t.data, t.nbytes);
+      mix(fingerprint_, t.data, t.nbytes);
     } else {
-      for (size_t i = 0; i < kRuns; ++i) mix(t.data + i * ((t.nbytes - kRun) / (kRuns - 1)), kRun);
+      for (size_t i = 0; i < kRuns; ++i)
+        mix(fingerprint_, t.data + i * ((t.nbytes - kRun) / (kRuns - 1)), kRun);
     }
   }
   if (o.n_ctx > 0)
@@ -611,7 +615,8 @@ namespace {
 constexpr char kStateMagic[4] = {'G', 'G', 'R', 'S'};
 // Version 2 adds, after the tokens, the first position each layer's saved rows start at (a
 // ring keeps the last rows only); version 1 states (every layer from position 0) still load.
-constexpr uint32_t kStateVersion = 2;
+// Version 3 names the model by samples of its weights too (Context's constructor).
+constexpr uint32_t kStateVersion = 3;
 
 struct StateHeader {
   char magic[4];
@@ -776,10 +781,10 @@ void Context::load_state(const uint8_t* data, size_t size) {
   std::memcpy(&h, data, sizeof h);
   if (std::memcmp(h.magic, kStateMagic, 4) != 0)
     throw ArgumentError("load_state: not a ggraph state (its first bytes are not 'GGRS')");
-  if (h.version != 1 && h.version != kStateVersion)
+  if (h.version < 1 || h.version > kStateVersion)
     throw ArgumentError("load_state: state format version " + std::to_string(h.version) +
                         "; this ggraph reads versions 1 to " + std::to_string(kStateVersion));
-  if (h.fingerprint != fingerprint_)
+  if (h.fingerprint != (h.version >= 3 ? fingerprint_ : table_fingerprint_))
     throw ArgumentError("load_state: the state was saved with another model file");
   if (h.kv_type != static_cast<uint32_t>(kv.type) || h.n_layer != uint32_t(kv.n_layer) ||
       h.width != uint64_t(kv.width)) {

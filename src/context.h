@@ -295,7 +295,8 @@ class Context {
     size_t n_out = 0;  // the tokens that give logits (the CPU's last_only batches: fewer)
   };
   std::map<size_t, BatchStep> batch_steps_;
-  uint64_t fingerprint_ = 0;                           // of the model file, for saved states
+  uint64_t fingerprint_ = 0;        // of the model file and weight samples, for saved states
+  uint64_t table_fingerprint_ = 0;  // of the file's size and tensor table (states before v3)
   size_t reserved_scratch_ = 0, reserved_inputs_ = 0;  // what the backend's buffers hold
   void* chain_tokens_ = nullptr;  // backend memory of the chains' sampled tokens (2 kMaxChain)
 };

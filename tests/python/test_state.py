@@ -79,6 +79,43 @@ def test_a_state_of_a_file_with_the_same_layout_and_other_weights_is_refused(mod
     assert again._tokens == [1, 2, 3]
 
 
+def _table_fingerprint(path):
+    """The model's name in states of format versions 1 and 2: FNV-1a over the file's size and,
+    per tensor, its name, four dimensions (int64) and type id (uint32)."""
+    from gguf import GGUFReader
+
+    h = 1469598103934665603
+
+    def mix(data):
+        nonlocal h
+        for b in data:
+            h = ((h ^ b) * 1099511628211) % (1 << 64)
+
+    mix(os.path.getsize(path).to_bytes(8, "little"))
+    for t in GGUFReader(path).tensors:
+        ne = [int(d) for d in t.shape] + [1] * (4 - len(t.shape))
+        mix(t.name.encode())
+        mix(b"".join(d.to_bytes(8, "little") for d in ne))
+        mix(int(t.tensor_type).to_bytes(4, "little"))
+    return h
+
+
+def test_states_of_format_version_2_still_load(model):
+    model.eval([1, 5, 9])
+    state = model.save_state()
+    assert int.from_bytes(state[4:8], "little") == 3
+    # The same state as version 2 wrote it: the model named by its tensor table alone.
+    v2 = (
+        state[:4] + (2).to_bytes(4, "little") + _table_fingerprint(model.path).to_bytes(8, "little")
+    )
+    other = ggraph.Model(model.path, device="auto", n_ctx=128)
+    other.load_state(v2 + state[16:])
+    assert other._tokens == [1, 5, 9]
+    np.testing.assert_array_equal(other.eval([3]), model.eval([3]))
+    with pytest.raises(ValueError, match="another model file"):  # a version 2 name it is not
+        other.load_state(state[:4] + (2).to_bytes(4, "little") + state[8:])
+
+
 def test_state_files_that_could_not_be_states_are_refused_unread(model, tmp_path):
     """A path to a device (bytes without end) or to a file larger than any state of this
     context is refused before it is read."""
