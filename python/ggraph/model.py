@@ -138,6 +138,14 @@ def _utf8(text, what: str):
     return text
 
 
+def _c_int(name: str, value) -> int:
+    """value as an integer the core's 32-bit options hold (the core checks their ranges)."""
+    value = operator.index(value)  # 1.5 or "3" is a TypeError
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"{name}: expected an integer below 2**31, got {value}")
+    return value
+
+
 def _check_messages(messages) -> list:
     if isinstance(messages, (str, bytes, dict)):
         raise ValueError(
@@ -318,15 +326,15 @@ class Model:
         self._ctx = _core.Context(
             path,
             device=device,
-            n_ctx=-1 if n_ctx is None else n_ctx,
-            n_threads=n_threads or 0,
-            n_batch=n_batch,
+            n_ctx=-1 if n_ctx is None else _c_int("n_ctx", n_ctx),
+            n_threads=_c_int("n_threads", n_threads or 0),
+            n_batch=_c_int("n_batch", n_batch),
             cuda_graphs=cuda_graphs,
             cuda_graph_debug=debug,
             use_mmap=use_mmap,
             kv_type=kv_type,
             allow_longer_context=allow_longer_context,
-            n_seq_max=n_seq_max,
+            n_seq_max=_c_int("n_seq_max", n_seq_max),
             swa_full=swa_full,
         )
         if self._ctx.n_ctx > self._ctx.n_ctx_train:
@@ -452,7 +460,11 @@ class Model:
     def rewind(self, n: int) -> None:
         """Keeps the first n tokens of the context and forgets the rest."""
         with self._changing():
-            self._ctx.rewind(operator.index(n))  # an integer: 1.5 or "3" is a TypeError
+            # An integer (1.5 or "3" is a TypeError) that the core's int holds.
+            n = operator.index(n)
+            if not 0 <= n <= self._ctx.n_past:  # (as the core says it, for any size of n)
+                raise ValueError(f"rewind: expected a position in [0, {self._ctx.n_past}], got {n}")
+            self._ctx.rewind(n)
             self._last_logits = None
 
     def copy_prefix(self, other: Model, n: int) -> None:

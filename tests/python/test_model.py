@@ -103,6 +103,11 @@ def test_empty_and_non_integer_inputs_are_refused(tiny_model):
         m.eval([[1, 2]])
     with pytest.raises(ValueError, match="list of messages"):
         m.chat("hi")
+    with pytest.raises(ValueError, match="position"):
+        m.rewind(2**40)
+    for kw in ("n_ctx", "n_batch", "n_threads", "n_seq_max"):
+        with pytest.raises(ValueError, match=kw):
+            ggraph.Model(tiny_model, device="cpu", **{kw: 2**31})
     assert m.n_past == 0
 
 
