@@ -13,7 +13,8 @@ least recently used one; its usage reports the prefix it found as
 prompt_tokens_details.cached_tokens. A longer prefix in another session's cache is copied over
 (Engine.share_prefixes; --no-share-prefixes turns it off). A stream whose client goes away is
 cancelled at its next token. Malformed requests get a 400 in OpenAI's error shape, and the server
-goes on serving.
+goes on serving. At shutdown (SIGINT, SIGTERM) the requests in flight and waiting end with a 503,
+or a stream with an error event, that says so: a cut-off text is never given as an answer.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # The GIL switch interval while serving, in seconds (see serve()).
 _SWITCH_INTERVAL = 0.0005
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+
+
+def _shutdown_message(n_completion: int) -> str:
+    """What a client whose request the server's shutdown cancelled is told (a request whose
+    client left is cancelled too, with nobody to tell)."""
+    return (
+        "the server is shutting down: the request was cancelled after "
+        f"{n_completion} generated tokens"
+    )
 
 
 class RequestError(ValueError):
@@ -168,7 +178,7 @@ class Engine:
                     file=sys.stderr,
                     flush=True,
                 )
-                self._post(job, ("done", (seq.stop_reason, seq.n_generated)))
+                self._post(job, ("done", ("cancelled", seq.n_generated)))
                 finished.append(entry)
             elif seq._epoch != epoch:  # the sequence changed under the generation
                 self._post(
@@ -610,7 +620,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
         obj = "chat.completion" if chat else "text_completion"
 
         if not stream:
-            texts, steps, offsets, finish, n_completion = [], [], [], None, 0
+            texts, steps, offsets, finish, n_completion, reason = [], [], [], None, 0, None
             sent = 0  # characters of text so far
 
             async def watch():  # a client that leaves cancels its generation
@@ -636,6 +646,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                 return error(500, f"{type(e).__name__}: {e}", kind="server_error")
             finally:
                 watcher.cancel()
+            if reason == "cancelled":  # not an answer: a cut-off or unstarted one
+                return error(503, _shutdown_message(n_completion), kind="server_error")
             text = "".join(texts)
             if chat:
                 choice = {
@@ -710,6 +722,10 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                             )
                     else:
                         reason, n_completion = value
+                        if reason == "cancelled":  # the text so far is not a whole answer
+                            body = _error_body(_shutdown_message(n_completion), kind="server_error")
+                            yield f"data: {json.dumps(body)}\n\n"
+                            break
                         finish = _FINISH.get(reason, "stop")
                         if chat:
                             yield chunk({"index": 0, "delta": {}, "finish_reason": finish})

@@ -314,8 +314,9 @@ def test_a_dropped_stream_is_cancelled_and_the_server_goes_on(client, local, ser
 
 def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client, server):
     """Four streams run (the server's --parallel 4) and a fifth waits when SIGTERM comes: each
-    ends with its last chunk (the waiting one unstarted), and the server stops within a second
-    or two rather than after its graceful timeout, with nothing in its log but its stop."""
+    ends with an error event saying the server shut down (the waiting one unstarted), not cut
+    off and not as if its text were a whole answer, and the server stops within a second or two
+    rather than after its graceful timeout, with nothing in its log but its stop."""
     proc, _ = server
     ended = {}
 
@@ -325,11 +326,22 @@ def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client
                 model="smollm2", prompt=f"Story number {i}:", max_tokens=400, temperature=1,
                 seed=i, stream=True,
             )  # fmt: skip
-            ended[i] = sum(1 for _ in s)
-        except Exception as e:  # a stream cut off without its end
-            ended[i] = repr(e)
+            ended[i] = sum(1 for _ in s)  # a stream that ended as if it were done
+        except openai.APIError as e:  # its error event (a stream cut off is another error)
+            ended[i] = str(e)
+
+    def whole(i):  # a request that is not a stream, waiting for a session
+        try:
+            client.with_options(max_retries=0).completions.create(
+                model="smollm2", prompt=f"Story number {i}:", max_tokens=400, temperature=1,
+                seed=i,
+            )  # fmt: skip
+            ended[i] = "answered"
+        except openai.APIStatusError as e:
+            ended[i] = f"{e.status_code} {e}"
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(5)]
+    threads.append(threading.Thread(target=whole, args=(5,)))
     for t in threads:
         t.start()
     time.sleep(1.5)
@@ -340,7 +352,9 @@ def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client
     stopped_in = time.monotonic() - t0
     for t in threads:
         t.join(timeout=30)
-    assert all(isinstance(n, int) for n in ended.values()) and len(ended) == 5, ended
+    assert len(ended) == 6, ended
+    assert all(isinstance(m, str) and "shutting down" in m for m in ended.values()), ended
+    assert ended[5].startswith("503"), ended
     assert stopped_in < 4, stopped_in
     proc.log.seek(0)
     log = proc.log.read()
