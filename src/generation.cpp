@@ -79,8 +79,16 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     throw ArgumentError("generate: top_logprobs needs logprobs");
   for (const std::string& s : opt_.stop) {
     if (s.empty()) throw ArgumentError("generate: stop strings must be non-empty");
-    hold_ = std::max(hold_, s.size() - 1);
+    if (s.size() > UINT32_MAX) throw ArgumentError("generate: a stop string of 4 GiB or more");
+    std::vector<uint32_t> fail(s.size(), 0);
+    for (size_t i = 1, k = 0; i < s.size(); ++i) {
+      while (k > 0 && s[i] != s[k]) k = fail[k - 1];
+      if (s[i] == s[k]) ++k;
+      fail[i] = uint32_t(k);
+    }
+    stop_fail_.push_back(std::move(fail));
   }
+  stop_state_.assign(opt_.stop.size(), 0);
   if (opt_.chain != kAutoChain && (opt_.chain < 1 || opt_.chain > Context::kMaxChain))
     throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxChain) +
                         " decode steps a launch (or the backend's default), got " +
@@ -176,6 +184,23 @@ void Generation::finish(StopReason reason, std::string* text) {
   *text += held_;
   if (reason != StopReason::kStop) *text += decoder_.flush();
   held_.clear();
+}
+
+size_t Generation::match_stops(const std::string& bytes) {
+  size_t keep = 0;
+  for (size_t i = 0; i < opt_.stop.size(); ++i) {
+    const std::string& s = opt_.stop[i];
+    const std::vector<uint32_t>& fail = stop_fail_[i];
+    size_t k = stop_state_[i];
+    for (const char c : bytes) {
+      if (k == s.size()) k = fail[k - 1];  // a whole match (found by the search): go on past it
+      while (k > 0 && s[k] != c) k = fail[k - 1];
+      if (s[k] == c) ++k;
+    }
+    stop_state_[i] = k;
+    keep = std::max(keep, k < s.size() ? k : 0);
+  }
+  return keep;
 }
 
 bool Generation::next(std::string* text, GeneratedToken* token,
@@ -286,7 +311,9 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     finish(StopReason::kEos, text);
     return true;
   }
-  held_ += decoder_.push(tok);
+  const std::string piece = decoder_.push(tok);
+  held_ += piece;
+  const size_t keep = match_stops(piece);
   size_t stop_at = std::string::npos;
   for (const std::string& s : opt_.stop) stop_at = std::min(stop_at, held_.find(s));
   if (stop_at != std::string::npos) {
@@ -294,8 +321,8 @@ bool Generation::next(std::string* text, GeneratedToken* token,
     finish(StopReason::kStop, text);
     return true;
   }
-  if (held_.size() > hold_) {
-    const size_t cut = utf8_boundary(held_, held_.size() - hold_);
+  if (held_.size() > keep) {
+    const size_t cut = utf8_boundary(held_, held_.size() - keep);
     *text = held_.substr(0, cut);
     held_.erase(0, cut);
   }

@@ -130,7 +130,13 @@ class Generation {
   StreamDecoder decoder_;
   std::vector<float> logits_;
   std::string held_;  // decoded text held back while it could begin a stop string
-  size_t hold_ = 0;   // bytes held back: the longest stop string's, less one
+  // Per stop string: its prefix function (Knuth-Morris-Pratt) and the longest of its prefixes
+  // that the decoded text ends with, so that only text that may begin a stop string is held.
+  std::vector<std::vector<uint32_t>> stop_fail_;
+  std::vector<size_t> stop_state_;
+  // Feeds decoded bytes to the stop strings' matchers; returns the bytes at the end of the text
+  // that may begin one of them (the longest matched prefix).
+  size_t match_stops(const std::string& bytes);
   bool started_ = false, over_ = false;
   bool defer_ = false;
   int prefill_chunk_ = 0;

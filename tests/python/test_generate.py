@@ -34,6 +34,30 @@ def test_stop_string_ends_generation_before_it(smol):
     assert text.startswith(cut)
 
 
+def _held_back(text, stops):
+    """The longest end of text that is the beginning of a stop string (not all of one)."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+@pytest.mark.parametrize("stop", ["z" * 40, "STOP", "@mid@"])
+def test_text_is_held_back_only_while_it_may_begin_a_stop_string(smol, stop):
+    prompt = "The capital of France is"
+    free = [t.text for t in smol.generate(prompt, max_tokens=16, temperature=0, logprobs=0)]
+    text = "".join(free)
+    assert text.isascii() and "z" not in text and "STOP" not in text
+    if stop == "@mid@":  # a stop string that begins like a stretch of the text, then differs
+        stop = text[5:11] + "#"
+    got = [
+        t.text for t in smol.generate(prompt, max_tokens=16, temperature=0, logprobs=0, stop=[stop])
+    ]
+    assert "".join(got) == text and smol.stop_reason == "length"
+    so_far = ""
+    for i, piece in enumerate(free[: len(got) - 1]):
+        so_far += piece
+        given = "".join(got[: i + 1])
+        assert given == so_far[: len(so_far) - _held_back(so_far, [stop])], (i, given, so_far)
+
+
 def test_seed_makes_sampling_reproducible(smol):
     runs = [
         "".join(smol.generate("Once upon a time", max_tokens=12, temperature=0.9, seed=7))
