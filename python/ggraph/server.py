@@ -450,7 +450,25 @@ def _stop(body) -> list:
     return stops
 
 
+# Parameters of OpenAI's API that this server does not implement, with the values that ask for
+# nothing (which clients often send): any other value is refused rather than ignored.
+_UNSUPPORTED = {
+    "logit_bias": lambda v: v in (None, {}),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+    "best_of": lambda v: v in (None, 1),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+}
+
+
 def _common(body, model, ids, default_max):
+    for key, asks_nothing in _UNSUPPORTED.items():
+        if key in body and not asks_nothing(body[key]):
+            raise RequestError(f"'{key}' is not supported by this server, got {body[key]!r}", key)
     if _get(body, "n", int, 1, what="1") != 1:
         raise RequestError("'n' must be 1: one choice a request", "n")
     room = model.n_ctx - len(ids)

@@ -264,6 +264,11 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
         {"messages": [{"role": "user", "content": "hi"}], "seed": 2**63 + 5},
         {"messages": [{"role": "user", "content": "hi"}], "extra_body": {"top_k": 2**40}},
+        {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 100}},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
+        },
         {"messages": [{"role": "user", "content": "word " * (N_CTX + 10)}]},
     ]
     for body in bad:
@@ -274,6 +279,14 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2", prompt=[10**9])
+    for extra in ({"echo": True}, {"suffix": "end"}, {"best_of": 3}):  # not ignored
+        with pytest.raises(openai.BadRequestError, match=next(iter(extra))):
+            client.completions.create(model="smollm2", prompt="Hello", max_tokens=2, **extra)
+    # What asks for nothing, as clients send it, is taken.
+    r = client.completions.create(
+        model="smollm2", prompt="Hello", max_tokens=2, logit_bias={}, echo=False, best_of=1
+    )
+    assert r.usage.completion_tokens == 2
     # Lone surrogates, which JSON may escape but UTF-8 cannot hold, in a stop string and a
     # prompt: refused as bad requests.
     for data in (
