@@ -248,8 +248,8 @@ def _add_model_args(p, sampling=True, kv_default="auto"):
     )
     add_context_arguments(p, kv_default)
     p.add_argument("-t", "--threads", type=_int_in(0, 1024), default=None)
-    p.add_argument("-n", "--n-predict", type=_int_in(0, INT32_MAX), default=128)
-    if sampling:
+    if sampling:  # generate and chat (serve's requests say their own max_tokens)
+        p.add_argument("-n", "--n-predict", type=_int_in(0, INT32_MAX), default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         p.add_argument("--top-k", type=_int_in(0, INT32_MAX), default=40)
         p.add_argument("--top-p", type=float, default=0.95)
