@@ -414,22 +414,52 @@ def _sampling(body) -> dict:
     number = (int, float)
     s = {
         "temperature": float(
-            _get(body, "temperature", number, _DEFAULTS["temperature"], lambda v: v >= 0, ">= 0")
+            _get(
+                body,
+                "temperature",
+                number,
+                _DEFAULTS["temperature"],
+                lambda v: v >= 0,
+                "a number >= 0",
+            )
         ),
         "top_p": float(
-            _get(body, "top_p", number, _DEFAULTS["top_p"], lambda v: 0 < v <= 1, "in (0, 1]")
+            _get(
+                body,
+                "top_p",
+                number,
+                _DEFAULTS["top_p"],
+                lambda v: 0 < v <= 1,
+                "a number in (0, 1]",
+            )
         ),
         "top_k": _get(
             body, "top_k", int, _DEFAULTS["top_k"], lambda v: 0 <= v < 2**31, "an int >= 0"
         ),
         "min_p": float(
-            _get(body, "min_p", number, _DEFAULTS["min_p"], lambda v: 0 <= v <= 1, "in [0, 1]")
+            _get(
+                body,
+                "min_p",
+                number,
+                _DEFAULTS["min_p"],
+                lambda v: 0 <= v <= 1,
+                "a number in [0, 1]",
+            )
         ),
         "frequency_penalty": float(
-            _get(body, "frequency_penalty", number, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]")
+            _get(
+                body,
+                "frequency_penalty",
+                number,
+                0.0,
+                lambda v: -2 <= v <= 2,
+                "a number in [-2, 2]",
+            )
         ),
         "presence_penalty": float(
-            _get(body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]")
+            _get(
+                body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"
+            )
         ),
     }
     seed = _get(body, "seed", int, None, lambda v: 0 <= v < 2**63, "an int in [0, 2^63)")
