@@ -39,6 +39,8 @@ _DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 # The GIL switch interval while serving, in seconds (see serve()).
 _SWITCH_INTERVAL = 0.0005
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+# The largest request body read (a 413 past it): far more text than any context holds.
+MAX_BODY_BYTES = 32 << 20
 
 
 def _shutdown_message(n_completion: int) -> str:
@@ -640,9 +642,25 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
             "prompt_tokens_details": {"cached_tokens": job.cached},
         }
 
+    async def read_body(request: Request) -> bytes | None:
+        """The request's body, or None past MAX_BODY_BYTES (read no further)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return None
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                return None
+            parts.append(part)
+        return b"".join(parts)
+
     async def handle(request: Request, chat: bool):
         try:
-            body = await request.json()
+            raw = await read_body(request)
+            if raw is None:
+                return error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            body = json.loads(raw)
         except ClientDisconnect:  # it left before its request arrived: nobody to answer
             return Response(status_code=400)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):

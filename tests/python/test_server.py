@@ -2,6 +2,7 @@
 on 127.0.0.1 serving the real SmolLM2 file on the CPU, checked against the library's own
 generation (greedy, so the same text is expected token for token)."""
 
+import http.client
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -297,6 +299,18 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req)
         assert e.value.code == 400 and "UTF-8" in json.load(e.value)["error"]["message"]
+    # A body past the server's bound: refused once its length is known, not read.
+    from ggraph.server import MAX_BODY_BYTES
+
+    host, port = urllib.parse.urlsplit(server[1]).netloc.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders(b'{"prompt": "aaaa')
+    r = conn.getresponse()
+    assert r.status == 413 and "larger than" in json.load(r)["error"]["message"]
+    conn.close()
     for data in (b"{not json", b"[" * 5000 + b"]" * 5000):  # the second nests past recursion
         req = urllib.request.Request(server[1] + "/v1/completions", data=data, method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
