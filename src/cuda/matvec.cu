@@ -1237,8 +1237,12 @@ struct MatVecShape {
 constexpr int64_t kRowsKernelPieces = 64;
 
 int mat_vec_overlap(const MatVecPart* parts, int n_parts) {
+  // GGRAPH_CUDA_MATVEC_OVERLAP=0..3 (a measurement setting) gives the block-shaped launches
+  // another overlap in a whole step: what the short kernels between the products cost while the
+  // next product's early weight loads run beside them (BENCHMARKS.md, the step's critical path).
+  static const int setting = env_int("GGRAPH_CUDA_MATVEC_OVERLAP", 0, 3, kMatVecOverlap);
   // Weights that others may write are loaded only after the wait (MatVecPart::fixed).
-  int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : kMatVecOverlap;
+  int overlap = mat_vec_override().overlap >= 0 ? mat_vec_override().overlap : setting;
   if (!all_fixed(parts, n_parts)) overlap &= ~1;
   return overlap;
 }
