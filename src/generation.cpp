@@ -186,19 +186,23 @@ void Generation::finish(StopReason reason, std::string* text) {
   held_.clear();
 }
 
-size_t Generation::match_stops(const std::string& bytes) {
+size_t Generation::match_stops(const std::string& piece, size_t* stop_at) {
+  // Every earlier byte of held_ went through the matchers, so a stop string in held_ ends in
+  // the piece: its first match there is its first occurrence.
+  const size_t before = held_.size() - piece.size();
   size_t keep = 0;
+  *stop_at = std::string::npos;
   for (size_t i = 0; i < opt_.stop.size(); ++i) {
     const std::string& s = opt_.stop[i];
     const std::vector<uint32_t>& fail = stop_fail_[i];
     size_t k = stop_state_[i];
-    for (const char c : bytes) {
-      if (k == s.size()) k = fail[k - 1];  // a whole match (found by the search): go on past it
-      while (k > 0 && s[k] != c) k = fail[k - 1];
-      if (s[k] == c) ++k;
+    for (size_t p = 0; p < piece.size() && k < s.size(); ++p) {
+      while (k > 0 && s[k] != piece[p]) k = fail[k - 1];
+      if (s[k] == piece[p]) ++k;
+      if (k == s.size()) *stop_at = std::min(*stop_at, before + p + 1 - s.size());
     }
     stop_state_[i] = k;
-    keep = std::max(keep, k < s.size() ? k : 0);
+    if (k < s.size()) keep = std::max(keep, k);
   }
   return keep;
 }
@@ -313,9 +317,8 @@ bool Generation::next(std::string* text, GeneratedToken* token,
   }
   const std::string piece = decoder_.push(tok);
   held_ += piece;
-  const size_t keep = match_stops(piece);
-  size_t stop_at = std::string::npos;
-  for (const std::string& s : opt_.stop) stop_at = std::min(stop_at, held_.find(s));
+  size_t stop_at;
+  const size_t keep = match_stops(piece, &stop_at);
   if (stop_at != std::string::npos) {
     held_.resize(stop_at);  // the text before the first stop string found
     finish(StopReason::kStop, text);

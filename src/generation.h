@@ -134,9 +134,10 @@ class Generation {
   // that the decoded text ends with, so that only text that may begin a stop string is held.
   std::vector<std::vector<uint32_t>> stop_fail_;
   std::vector<size_t> stop_state_;
-  // Feeds decoded bytes to the stop strings' matchers; returns the bytes at the end of the text
-  // that may begin one of them (the longest matched prefix).
-  size_t match_stops(const std::string& bytes);
+  // Feeds the piece just added to held_ to the stop strings' matchers: *stop_at is where the
+  // first stop string found in held_ begins (npos: none), and the result the bytes at its end
+  // that may begin one (the longest matched prefix of a string not yet found).
+  size_t match_stops(const std::string& piece, size_t* stop_at);
   bool started_ = false, over_ = false;
   bool defer_ = false;
   int prefill_chunk_ = 0;
