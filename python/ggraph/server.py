@@ -20,6 +20,7 @@ or a stream with an error event, that says so: a cut-off text is never given as 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import queue
@@ -576,6 +577,23 @@ def _token_text(model, token: int) -> str:
     return _piece_text(model._ctx.token_to_piece(token))
 
 
+class _TextOffsets:
+    """Where each generated token's text begins in the completion's text, for the legacy
+    logprobs' text_offset: the characters its tokens before it spell (a token that ends part of
+    a UTF-8 character adds nothing until the token that completes it). Counted from the tokens,
+    not from the text sent so far, which lags while a possible stop string is held back."""
+
+    def __init__(self, model):
+        self._model = model
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def next(self, token: int) -> int:
+        at = self._chars
+        self._chars += len(self._decoder.decode(self._model._ctx.token_to_piece(token)))
+        return at
+
+
 def _chat_logprob(model, step):
     def entry(token, logprob):
         piece = model._ctx.token_to_piece(token)
@@ -687,7 +705,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
 
         if not stream:
             texts, steps, offsets, finish, n_completion, reason = [], [], [], None, 0, None
-            sent = 0  # characters of text so far
+            offsets_of = _TextOffsets(model)
 
             async def watch():  # a client that leaves cancels its generation
                 while not await request.is_disconnected():
@@ -700,9 +718,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                     if kind == "token":
                         if value[1] is not None:
                             steps.append(value[1])
-                            offsets.append(sent)
+                            offsets.append(offsets_of.next(value[1].token))
                         texts.append(value[0])
-                        sent += len(value[0])
                     else:
                         reason, n_completion = value
                         finish = _FINISH.get(reason, "stop")
@@ -758,7 +775,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
             return f"data: {json.dumps(c)}\n\n"
 
         async def sse():
-            offset = 0  # the completion's text so far, for logprobs' text_offset
+            offsets_of = _TextOffsets(model)
             if chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})
             try:
@@ -769,8 +786,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                         if step is not None and chat:
                             lp = {"content": [_chat_logprob(model, step)]}
                         elif step is not None:
-                            lp = _completion_logprobs(model, [step], [offset])
-                        offset += len(text)
+                            lp = _completion_logprobs(model, [step], [offsets_of.next(step.token)])
                         if not text and lp is None:
                             continue
                         if chat:
@@ -858,8 +874,7 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
 
 def _completion_logprobs(model, steps, offsets) -> dict:
     """The legacy completions' logprobs object for the generated tokens, each at its offset of
-    the completion's text (the characters sent before it: a token that ends part of a UTF-8
-    character sends its text with the next one)."""
+    the completion's text (_TextOffsets)."""
     return {
         "tokens": [_token_text(model, s.token) for s in steps],
         "token_logprobs": [s.logprob for s in steps],

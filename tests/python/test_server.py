@@ -137,6 +137,35 @@ def test_completion_with_logprobs_equals_the_library(client, local):
     assert "".join(c.logprobs.tokens) == local.detokenize([s.token for s in steps])
 
 
+def test_text_offsets_hold_while_a_stop_string_holds_the_text(client, local):
+    """A stop string that every step's text may begin (the whole completion and one character
+    more) holds all the text back to the end: each token's text_offset is still where its text
+    begins in the completion, streamed or not."""
+    prompt = "The three primary colours are"
+    local.reset()
+    steps = local.generate(prompt, max_tokens=10, temperature=0, logprobs=1)
+    tokens = [s.token for s in steps if s.token >= 0]
+    text = local.detokenize(tokens)
+    want = [len(local.detokenize(tokens[:i])) for i in range(len(tokens))]
+    assert want[-1] > 0
+    for stream in (False, True):
+        r = client.completions.create(
+            model="smollm2",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            logprobs=1,
+            stop=[text + "\x00"],
+            stream=stream,
+        )
+        chunks = list(r) if stream else [r]
+        got = [
+            o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+        ]
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert got == want, stream
+
+
 def test_chat_logprobs_leave_out_the_end_of_generation_token(client, local):
     """A reply that ends at the end-of-generation token: its logprob entries are the reply's
     tokens, streamed or not, and none is the end token's."""
