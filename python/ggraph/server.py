@@ -538,6 +538,11 @@ def _completion_request(body, model):
     return ids, logprobs, _common(body, model, ids, 16)
 
 
+# The roles a chat message may have, as the chat template sees them: a "developer" message
+# (OpenAI's newer name for the system's instructions) is a system message.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 def _chat_request(body, model):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -553,7 +558,13 @@ def _chat_request(body, model):
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise RequestError("each message needs a 'role' and a 'content'", "messages")
-        flat.append({"role": m["role"], "content": content})
+        role = _ROLES.get(m["role"])
+        if role is None:
+            raise RequestError(
+                f"a message's role must be one of {', '.join(_ROLES)}, got {m['role']!r}",
+                "messages",
+            )
+        flat.append({"role": role, "content": content})
     ids = model.apply_chat_template(flat, tokenize=True)
     logprobs = None
     if _get(body, "logprobs", bool, False, what="a boolean"):

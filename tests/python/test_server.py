@@ -107,6 +107,21 @@ def _ask(client, content, max_tokens):
     )
 
 
+def test_a_developer_message_is_a_system_message(client, local):
+    """OpenAI's "developer" role reaches the chat template as "system"."""
+    local.reset()
+    system = [{"role": "system", "content": "Answer in French."}]
+    user = [{"role": "user", "content": "What is the capital of Spain?"}]
+    want = "".join(local.chat(system + user, max_tokens=12, temperature=0))
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "developer", "content": "Answer in French."}] + user,
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.choices[0].message.content == want
+
+
 def test_lists_its_model(client, smollm2):
     ids = [m.id for m in client.models.list().data]
     assert ids == [os.path.basename(smollm2)]
@@ -296,6 +311,8 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         {"messages": [{"role": "user", "content": "hi"}], "seed": 2**63 + 5},
         {"messages": [{"role": "user", "content": "hi"}], "extra_body": {"top_k": 2**40}},
         {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 100}},
+        {"messages": [{"role": "tool", "content": "hi"}]},
+        {"messages": [{"role": "narrator", "content": "hi"}]},
         {
             "messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "json_object"},
