@@ -192,7 +192,7 @@ template <int C>
 __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
     rms_norm_cluster_kernel(const float* src, const float* add, float* sum_out, const float* w,
                             int w_fixed, float* dst, int64_t ne0, float eps, int8_t* qs, float2* ds,
-                            int64_t tiles_k, __half* ho, int late_trigger) {
+                            int64_t tiles_k, __half* ho) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
@@ -201,13 +201,11 @@ __global__ void GGRAPH_CLUSTER_DIMS(C, 1, 1) __launch_bounds__(1024, 1)
   const int64_t e = static_cast<int64_t>(blockIdx.x) * (ne0 / C) + threadIdx.x;
   const int64_t i = static_cast<int64_t>(blockIdx.y) * ne0 + e;
   float wv = w && w_fixed ? w[e] : 0.0f;
-  pdl_wait();
-  if (!late_trigger) pdl_trigger();
+  pdl_begin();
   float v = src[i];
   if (add) v += add[i];
   if (w && !w_fixed) wv = w[e];
   const float sq = warp_sum(v * v);
-  if (late_trigger) pdl_trigger();  // its inputs in: the next grid's early loads come after
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sq;
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -616,14 +614,10 @@ void launch_rms_norm(Launcher& l, const NormArgs& a, int64_t ne0, int64_t cols, 
   if (a.add_w && (cols != 1 || per_thread > 8))
     throw std::logic_error("rms_norm: a normalized add input needs one column in registers");
   // Each wide column over a cluster of blocks, where wide enough and it runs here.
-  // GGRAPH_CUDA_NORM_LATE_TRIGGER=1 (a measurement setting): the cluster kernel lets the next
-  // grid launch once its inputs are in, not at once, so that the next product's early weight
-  // loads do not slow them (BENCHMARKS.md, the step's critical path).
-  static const int late_trigger = env_int("GGRAPH_CUDA_NORM_LATE_TRIGGER", 0, 1, 0);
   auto cluster = [&](auto kernel, int c) {
     l(kernel, dim3(c, static_cast<unsigned>(cols)), dim3(static_cast<unsigned>(ne0 / c)), 0, a.src,
       a.add, a.sum_out, a.w, a.w_fixed ? 1 : 0, a.dst, ne0, eps, q.qs, q.ds, q.tiles_k,
-      reinterpret_cast<__half*>(a.half_ws), late_trigger);
+      reinterpret_cast<__half*>(a.half_ws));
   };
   if (cols <= norm_cluster_max_cols() && !a.add_w && (!a.w || a.w_cols == 1) &&
       ne0 >= norm_cluster_min_width()) {
