@@ -2,6 +2,7 @@
 // bandwidth per weight format at the 7B FFN shapes, tiled mat-mul throughput at a 512-token
 // prompt, and attention. Weights rotate over enough copies to exceed the L2 cache, so mat-vec
 // figures are DRAM bandwidth. Prints one table; the command is the row's reproduction.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -218,6 +219,34 @@ __global__ void barrier_kernel(float* x, int phases, unsigned* count, unsigned* 
   }
 }
 
+// ---- a cluster's barrier against a kernel boundary (#14: a decode resident in one cluster) ----
+
+// `phases` steps of each cluster: in each, every block hands w values to every block of its
+// cluster through distributed shared memory (an all-gather of w * cluster-size values, as a
+// layer's phase would hand its outputs on), waits at the cluster's barrier and reads what it
+// got. Two slot arrays in turn, so that a phase's stores never land on values still being read:
+// a block stores into the array of phase p only after the barrier of phase p - 1, which the
+// others pass only once they have read the array's values of phase p - 2.
+__global__ void cluster_phases_kernel(float* x, int phases, int w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  __shared__ float slots[2][1024];
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int n = static_cast<int>(cluster.num_blocks()), t = threadIdx.x;
+  const bool on = t < w * n;
+  float v = static_cast<float>(rank + t);
+  for (int p = 0; p < phases; ++p) {
+    if (on) cluster.map_shared_rank(slots[p & 1], t / w)[rank * w + t % w] = v;
+    cluster.sync();
+    if (on) v = slots[p & 1][(t + 1) % (w * n)] * 0.5f + 1.0f;
+  }
+  x[blockIdx.x * blockDim.x + t] = v;
+#else
+  (void)x, (void)phases, (void)w;
+#endif
+}
+
 // Whether a comma-separated list in the environment variable `name` (unset: everything) holds
 // `item`.
 bool env_lists(const char* name, const std::string& item) {
@@ -229,8 +258,8 @@ bool env_lists(const char* name, const std::string& item) {
 
 }  // namespace
 
-// Sections to run: matvec, decode, matmul, gemm, attention, launch, barrier; all of them by
-// default. The decode section's formats and column counts may be narrowed, to measure: e.g.
+// Sections to run: matvec, decode, matmul, gemm, attention, launch, barrier, cluster; all of them
+// by default. The decode section's formats and column counts may be narrowed, to measure: e.g.
 // BENCH_TYPES=Q4_0 BENCH_COLS=32,64.
 int main(int argc, char** argv) {
   auto want = [&](const char* section) {
@@ -629,6 +658,54 @@ int main(int argc, char** argv) {
                 kPhases, one * 1e3 / kPhases);
     cudaFree(x);
     cudaFree(sync);
+  }
+  if (want("cluster") && prop.major >= 9) {
+    // The same 274 phases inside one kernel, each a cluster's barrier after an all-gather
+    // through distributed shared memory: one cluster, and as many as the GPU holds at once.
+    constexpr int kPhases = 274, kThreads = 1024;
+    const int max_blocks = 2 * prop.multiProcessorCount;  // two blocks of 1,024 threads an SM
+    float* x = nullptr;
+    CHECK(cudaMalloc(&x, static_cast<size_t>(max_blocks) * kThreads * sizeof(float)));
+    CHECK(cudaFuncSetAttribute(cluster_phases_kernel,
+                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    std::printf("\n");
+    for (int c : {2, 4, 8, 16}) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = c;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      cfg.blockDim = dim3(kThreads);
+      cfg.gridDim = dim3(c);
+      cfg.stream = s;
+      int most = 0;
+      if (cudaOccupancyMaxActiveClusters(&most, cluster_phases_kernel, &cfg) != cudaSuccess ||
+          most < 1) {
+        cudaGetLastError();
+        std::printf("clusters of %d blocks: not launchable here\n", c);
+        continue;
+      }
+      most = std::min(most, max_blocks / c);
+      for (int clusters : {1, most}) {
+        cfg.gridDim = dim3(c * clusters);
+        for (int w : {1, 576 / c}) {
+          auto run = [&](int phases) {
+            return ev.time_ms(s, 20, [&](int) {
+              CHECK(cudaLaunchKernelEx(&cfg, cluster_phases_kernel, x, phases, w));
+            });
+          };
+          const double per = (run(kPhases) - run(1)) / (kPhases - 1);
+          std::printf(
+              "%d cluster(s) of %d blocks, %d values a block to each a phase: %.2f us a "
+              "phase\n",
+              clusters, c, w, per * 1e3);
+        }
+      }
+    }
+    cudaFree(x);
   }
   CHECK(cudaStreamDestroy(s));
   return 0;
