@@ -201,8 +201,8 @@ for stage in "$@"; do
       done
       ;;
     kernels)
-      # KERNELS names the sections (matvec, decode, matmul, gemm, attention, launch, barrier); all
-      # by default.
+      # KERNELS names the sections (matvec, decode, matmul, gemm, attention, launch, barrier,
+      # cluster); all by default.
       "$BUILD"/ggraph_bench_cuda ${KERNELS:-} 2>&1 | tee "$OUT/kernels.log" | tail -${KERNELS_TAIL:-30}
       ;;
     sweep)
