@@ -661,47 +661,50 @@ int main(int argc, char** argv) {
   }
   if (want("cluster") && prop.major >= 9) {
     // The same 274 phases inside one kernel, each a cluster's barrier after an all-gather
-    // through distributed shared memory: one cluster, and as many as the GPU holds at once.
-    constexpr int kPhases = 274, kThreads = 1024;
+    // through distributed shared memory: one cluster, and as many as the GPU holds at once, of
+    // blocks of 128 and of 1,024 threads.
+    constexpr int kPhases = 274, kMaxThreads = 1024;
     const int max_blocks = 2 * prop.multiProcessorCount;  // two blocks of 1,024 threads an SM
     float* x = nullptr;
-    CHECK(cudaMalloc(&x, static_cast<size_t>(max_blocks) * kThreads * sizeof(float)));
+    CHECK(cudaMalloc(&x, static_cast<size_t>(max_blocks) * kMaxThreads * sizeof(float) * 8));
     CHECK(cudaFuncSetAttribute(cluster_phases_kernel,
                                cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     std::printf("\n");
-    for (int c : {2, 4, 8, 16}) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = c;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      cfg.blockDim = dim3(kThreads);
-      cfg.gridDim = dim3(c);
-      cfg.stream = s;
-      int most = 0;
-      if (cudaOccupancyMaxActiveClusters(&most, cluster_phases_kernel, &cfg) != cudaSuccess ||
-          most < 1) {
-        cudaGetLastError();
-        std::printf("clusters of %d blocks: not launchable here\n", c);
-        continue;
-      }
-      most = std::min(most, max_blocks / c);
-      for (int clusters : {1, most}) {
-        cfg.gridDim = dim3(c * clusters);
-        for (int w : {1, 576 / c}) {
-          auto run = [&](int phases) {
-            return ev.time_ms(s, 20, [&](int) {
-              CHECK(cudaLaunchKernelEx(&cfg, cluster_phases_kernel, x, phases, w));
-            });
-          };
-          const double per = (run(kPhases) - run(1)) / (kPhases - 1);
-          std::printf(
-              "%d cluster(s) of %d blocks, %d values a block to each a phase: %.2f us a "
-              "phase\n",
-              clusters, c, w, per * 1e3);
+    for (int threads : {128, kMaxThreads}) {
+      for (int c : {2, 8, 16}) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = c;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        cfg.blockDim = dim3(threads);
+        cfg.gridDim = dim3(c);
+        cfg.stream = s;
+        int most = 0;
+        if (cudaOccupancyMaxActiveClusters(&most, cluster_phases_kernel, &cfg) != cudaSuccess ||
+            most < 1) {
+          cudaGetLastError();
+          std::printf("clusters of %d blocks: not launchable here\n", c);
+          continue;
+        }
+        most = std::min(most, max_blocks * 8 / c);
+        for (int clusters : {1, most}) {
+          cfg.gridDim = dim3(c * clusters);
+          for (int w : {1, std::min(576, threads) / c}) {
+            auto run = [&](int phases) {
+              return ev.time_ms(s, 20, [&](int) {
+                CHECK(cudaLaunchKernelEx(&cfg, cluster_phases_kernel, x, phases, w));
+              });
+            };
+            const double per = (run(kPhases) - run(1)) / (kPhases - 1);
+            std::printf(
+                "%d cluster(s) of %d blocks of %d threads, %d values a block to each a phase: "
+                "%.2f us a phase\n",
+                clusters, c, threads, w, per * 1e3);
+          }
         }
       }
     }
