@@ -247,6 +247,162 @@ __global__ void cluster_phases_kernel(float* x, int phases, int w) {
 #endif
 }
 
+// ---- a decode step resident in one cluster (#14): SmolLM2's layer shapes, 8-bit weights ----
+//
+// Thirty layers of five phases (norm and q/k/v; an attention stand-in; o and the residual; norm,
+// gate/up and the gated unit; down and the residual), each a product of a slice of rows a block
+// from the weights in its shared memory, its outputs handed to every block of the cluster
+// through distributed shared memory, then the cluster's barrier. Every block keeps the whole
+// residual stream and works its norms out itself; each slice of weights is requested (16-byte
+// asynchronous copies) a phase or two before it is used, into one of two buffers. 8-bit weights
+// and activations (one scale a vector) by dp4a: the bytes are twice Q4_1's, the work of a
+// phase that of a quantized product. What it measures is the step's time without the output
+// product, against today's chain of kernels.
+namespace cl {
+constexpr int kC = 16, kThreads = 512, kWarps = kThreads / 32, kLayers = 30;
+constexpr int kEmbd = 576, kFf = 1536, kQkv = 960;
+constexpr int kQkvRows = kQkv / kC, kORows = kEmbd / kC, kGuRows = 2 * kFf / kC;
+constexpr int kDownRows = kEmbd / kC;
+constexpr int64_t kQkvBytes = int64_t(kQkv) * kEmbd, kOBytes = int64_t(kEmbd) * kEmbd;
+constexpr int64_t kGuBytes = int64_t(2 * kFf) * kEmbd, kDownBytes = int64_t(kEmbd) * kFf;
+constexpr int64_t kLayerBytes = kQkvBytes + kOBytes + kGuBytes + kDownBytes;
+constexpr int kBuf0 = kGuRows * kEmbd, kBuf1 = kDownRows * kFf;  // q/k/v or gate/up; o or down
+constexpr size_t kSmem = kBuf0 + kBuf1 + (kEmbd + kQkv + kFf + kGuRows + 32) * sizeof(float) + kFf;
+static_assert(kQkvRows * kEmbd <= kBuf0 && kORows * kEmbd <= kBuf1, "buffers hold the slices");
+static_assert(kQkvRows % 4 == 0 && kORows % 4 == 0 && kGuRows % 4 == 0, "four rows a warp");
+}  // namespace cl
+
+__global__ void __launch_bounds__(cl::kThreads)
+    cluster_layers_kernel(const int8_t* w, float* out, int stream) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cl;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(16) uint8_t smem[];
+  int8_t* buf0 = reinterpret_cast<int8_t*>(smem);
+  int8_t* buf1 = buf0 + kBuf0;
+  float* x = reinterpret_cast<float*>(buf1 + kBuf1);  // the residual stream, whole in every block
+  float* g = x + kEmbd;                               // q, k, v
+  float* h = g + kQkv;                                // the attention's or the gated unit's out
+  float* tmp = h + kFf;                               // this block's rows of a product
+  float* red = tmp + kGuRows;                         // block reductions
+  int8_t* a8 = reinterpret_cast<int8_t*>(red + 32);   // a product's 8-bit input
+  const int rank = static_cast<int>(cluster.block_rank()), t = threadIdx.x;
+  const int warp = t / 32, lane = t % 32;
+  for (int i = t; i < kEmbd; i += kThreads) x[i] = 0.01f * static_cast<float>(i % 7);
+  // A block's slice of a product of `bytes` in layer l (at `at` in the layer) into dst.
+  auto fetch = [&](int8_t* dst, int l, int64_t at, int64_t bytes) {
+    if (l < kLayers && stream) {
+      const int8_t* src = w + l * kLayerBytes + at + rank * (bytes / kC);
+      for (int64_t i = t * 16; i < bytes / kC; i += kThreads * 16) gc::cp_async16(dst + i, src + i);
+    }
+    gc::cp_async_commit();  // an empty group past the last layer keeps the counts
+  };
+  auto block_reduce = [&](float v, bool max) {
+    for (int o = 16; o > 0; o /= 2) {
+      const float u = __shfl_xor_sync(0xffffffffu, v, o);
+      v = max ? fmaxf(v, u) : v + u;
+    }
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < kWarps ? red[lane] : 0.0f;  // neutral for both: the maxima are of magnitudes
+    for (int o = 16; o > 0; o /= 2) {
+      const float u = __shfl_xor_sync(0xffffffffu, v, o);
+      v = max ? fmaxf(v, u) : v + u;
+    }
+    __syncthreads();
+    return v;
+  };
+  // n values (RMS-normalized where rms) as 8-bit a8 with one scale, which it returns.
+  auto quantize = [&](const float* in, int n, bool rms) {
+    float ss = 0.0f, mx = 0.0f;
+    for (int i = t; i < n; i += kThreads) ss += in[i] * in[i], mx = fmaxf(mx, fabsf(in[i]));
+    const float r = rms ? rsqrtf(block_reduce(ss, false) / n + 1e-5f) : 1.0f;
+    mx = block_reduce(mx, true) * r;
+    const float scale = mx > 0.0f ? mx / 127.0f : 1.0f, inv = r / scale;
+    for (int i = t; i < n; i += kThreads) a8[i] = static_cast<int8_t>(__float2int_rn(in[i] * inv));
+    __syncthreads();
+    return scale;
+  };
+  // Rows [0, rows) of a slice of rows of k bytes in buf against a8, four rows a warp at a time
+  // (their sums side by side): tmp[row].
+  auto matvec = [&](const int8_t* buf, int rows, int k, float scale) {
+    constexpr int R = 4;
+    const uint4* ar = reinterpret_cast<const uint4*>(a8);
+    for (int r0 = warp * R; r0 < rows; r0 += kWarps * R) {
+      int acc[R] = {};
+      for (int c = lane; c < k / 16; c += 32) {
+        const uint4 av = ar[c];
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          const uint4 wv = reinterpret_cast<const uint4*>(buf + (r0 + j) * k)[c];
+          acc[j] = __dp4a(static_cast<int>(wv.x), static_cast<int>(av.x), acc[j]);
+          acc[j] = __dp4a(static_cast<int>(wv.y), static_cast<int>(av.y), acc[j]);
+          acc[j] = __dp4a(static_cast<int>(wv.z), static_cast<int>(av.z), acc[j]);
+          acc[j] = __dp4a(static_cast<int>(wv.w), static_cast<int>(av.w), acc[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < R; ++j) acc[j] = gc::warp_sum_int(acc[j]);
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+          tmp[r0 + j] = static_cast<float>(acc[j]) * scale * (1.0f / 4096.0f);
+      }
+    }
+    __syncthreads();
+  };
+  // This block's n values of tmp to every block's dst[rank * n + j].
+  auto gather = [&](float* dst, int n) {
+    for (int i = t; i < n * kC; i += kThreads) {
+      const int d = i % kC, j = i / kC;
+      cluster.map_shared_rank(dst, d)[rank * n + j] = tmp[j];
+    }
+    cluster.sync();
+  };
+  fetch(buf0, 0, 0, kQkvBytes);
+  fetch(buf1, 0, kQkvBytes, kOBytes);
+  cluster.sync();  // every block has started before any store into another's memory
+  for (int l = 0; l < kLayers; ++l) {
+    gc::cp_async_wait<1>();  // q/k/v's slice; o's may still come
+    __syncthreads();
+    matvec(buf0, kQkvRows, kEmbd, quantize(x, kEmbd, true));
+    fetch(buf0, l, kQkvBytes + kOBytes, kGuBytes);
+    gather(g, kQkvRows);
+    for (int j = t; j < kORows; j += kThreads)  // the attention's stand-in at depth 0
+      tmp[j] = g[rank * kORows + j] + 0.5f * g[(rank * kORows + j + kEmbd) % kQkv];
+    __syncthreads();
+    gather(h, kORows);
+    gc::cp_async_wait<1>();  // o's slice; gate/up's may still come
+    __syncthreads();
+    matvec(buf1, kORows, kEmbd, quantize(h, kEmbd, false));
+    fetch(buf1, l, kQkvBytes + kOBytes + kGuBytes, kDownBytes);
+    for (int j = t; j < kORows; j += kThreads) tmp[j] += x[rank * kORows + j];
+    __syncthreads();
+    gather(x, kORows);
+    gc::cp_async_wait<1>();  // gate/up's slice; down's may still come
+    __syncthreads();
+    matvec(buf0, kGuRows, kEmbd, quantize(x, kEmbd, true));
+    fetch(buf0, l + 1, 0, kQkvBytes);
+    for (int j = t; j < kGuRows / 2; j += kThreads)
+      tmp[j] = tmp[j] / (1.0f + __expf(-tmp[j])) * tmp[kGuRows / 2 + j];
+    __syncthreads();
+    gather(h, kGuRows / 2);
+    gc::cp_async_wait<1>();  // down's slice; the next q/k/v's may still come
+    __syncthreads();
+    matvec(buf1, kDownRows, kFf, quantize(h, kFf, false));
+    fetch(buf1, l + 1, kQkvBytes, kOBytes);
+    for (int j = t; j < kDownRows; j += kThreads) tmp[j] += x[rank * kDownRows + j];
+    __syncthreads();
+    gather(x, kDownRows);
+  }
+  gc::cp_async_wait<0>();
+  for (int i = t; i < kEmbd; i += kThreads) out[rank * kEmbd + i] = x[i];
+#else
+  (void)w, (void)out, (void)stream;
+#endif
+}
+
 // Whether a comma-separated list in the environment variable `name` (unset: everything) holds
 // `item`.
 bool env_lists(const char* name, const std::string& item) {
@@ -709,6 +865,44 @@ int main(int argc, char** argv) {
       }
     }
     cudaFree(x);
+  }
+  if (want("cluster") && prop.major >= 9) {
+    // SmolLM2's 30 layers in one cluster of 16 blocks (cluster_layers_kernel).
+    const size_t bytes = static_cast<size_t>(cl::kLayers * cl::kLayerBytes);
+    int8_t* w = nullptr;
+    float* out = nullptr;
+    CHECK(cudaMalloc(&w, bytes));
+    CHECK(cudaMalloc(&out, cl::kC * cl::kEmbd * sizeof(float)));
+    CHECK(cudaMemset(w, 1, bytes));
+    CHECK(cudaFuncSetAttribute(cluster_layers_kernel,
+                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    CHECK(cudaFuncSetAttribute(cluster_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(cl::kSmem)));
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cl::kC;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.blockDim = dim3(cl::kThreads);
+    cfg.gridDim = dim3(cl::kC);
+    cfg.dynamicSmemBytes = cl::kSmem;
+    cfg.stream = s;
+    for (int stream : {1, 0}) {
+      const double ms = ev.time_ms(s, 20, [&](int) {
+        CHECK(cudaLaunchKernelEx(&cfg, cluster_layers_kernel, static_cast<const int8_t*>(w), out,
+                                 stream));
+      });
+      std::printf(
+          "%d SmolLM2-shaped layers in one cluster of %d blocks (8-bit weights, %.1f MB%s, no "
+          "output product): %.1f us a step, %.2f us a layer (%.2f us a phase)\n",
+          cl::kLayers, cl::kC, bytes / 1e6, stream ? "" : ", not read: the same in shared memory",
+          ms * 1e3, ms * 1e3 / cl::kLayers, ms * 1e3 / cl::kLayers / 5);
+    }
+    cudaFree(w);
+    cudaFree(out);
   }
   CHECK(cudaStreamDestroy(s));
   return 0;
