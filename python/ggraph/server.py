@@ -414,56 +414,17 @@ def _get(body, key, kinds, default=None, check=None, what=""):
 
 
 def _sampling(body) -> dict:
-    number = (int, float)
+    def number(key, default, check, bounds):  # an int or a float, as a float
+        return float(_get(body, key, (int, float), default, check, "a number " + bounds))
+
+    d = _DEFAULTS
     s = {
-        "temperature": float(
-            _get(
-                body,
-                "temperature",
-                number,
-                _DEFAULTS["temperature"],
-                lambda v: v >= 0,
-                "a number >= 0",
-            )
-        ),
-        "top_p": float(
-            _get(
-                body,
-                "top_p",
-                number,
-                _DEFAULTS["top_p"],
-                lambda v: 0 < v <= 1,
-                "a number in (0, 1]",
-            )
-        ),
-        "top_k": _get(
-            body, "top_k", int, _DEFAULTS["top_k"], lambda v: 0 <= v < 2**31, "an int >= 0"
-        ),
-        "min_p": float(
-            _get(
-                body,
-                "min_p",
-                number,
-                _DEFAULTS["min_p"],
-                lambda v: 0 <= v <= 1,
-                "a number in [0, 1]",
-            )
-        ),
-        "frequency_penalty": float(
-            _get(
-                body,
-                "frequency_penalty",
-                number,
-                0.0,
-                lambda v: -2 <= v <= 2,
-                "a number in [-2, 2]",
-            )
-        ),
-        "presence_penalty": float(
-            _get(
-                body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]"
-            )
-        ),
+        "temperature": number("temperature", d["temperature"], lambda v: v >= 0, ">= 0"),
+        "top_p": number("top_p", d["top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
+        "top_k": _get(body, "top_k", int, d["top_k"], lambda v: 0 <= v < 2**31, "an int >= 0"),
+        "min_p": number("min_p", d["min_p"], lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "frequency_penalty": number("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        "presence_penalty": number("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
     }
     seed = _get(body, "seed", int, None, lambda v: 0 <= v < 2**63, "an int in [0, 2^63)")
     if seed is not None:
@@ -729,7 +690,8 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
                     if kind == "token":
                         if value[1] is not None:
                             steps.append(value[1])
-                            offsets.append(offsets_of.next(value[1].token))
+                            if not chat:  # the legacy logprobs' text_offset
+                                offsets.append(offsets_of.next(value[1].token))
                         texts.append(value[0])
                     else:
                         reason, n_completion = value
