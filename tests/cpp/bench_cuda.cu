@@ -403,6 +403,26 @@ __global__ void __launch_bounds__(cl::kThreads)
 #endif
 }
 
+// The launch of one cluster of c blocks of `threads` threads (cfg.gridDim: more clusters).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr = {};
+  cudaLaunchConfig_t cfg = {};
+  ClusterLaunch(int c, int threads, size_t smem, cudaStream_t s) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = c;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    cfg.blockDim = dim3(threads);
+    cfg.gridDim = dim3(c);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // cfg points at attr
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // Whether a comma-separated list in the environment variable `name` (unset: everything) holds
 // `item`.
 bool env_lists(const char* name, const std::string& item) {
@@ -828,17 +848,8 @@ int main(int argc, char** argv) {
     std::printf("\n");
     for (int threads : {128, kMaxThreads}) {
       for (int c : {2, 8, 16}) {
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = c;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        cfg.blockDim = dim3(threads);
-        cfg.gridDim = dim3(c);
-        cfg.stream = s;
+        ClusterLaunch launch(c, threads, 0, s);
+        cudaLaunchConfig_t& cfg = launch.cfg;
         int most = 0;
         if (cudaOccupancyMaxActiveClusters(&most, cluster_phases_kernel, &cfg) != cudaSuccess ||
             most < 1) {
@@ -878,18 +889,8 @@ int main(int argc, char** argv) {
                                cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     CHECK(cudaFuncSetAttribute(cluster_layers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(cl::kSmem)));
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cl::kC;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    cfg.blockDim = dim3(cl::kThreads);
-    cfg.gridDim = dim3(cl::kC);
-    cfg.dynamicSmemBytes = cl::kSmem;
-    cfg.stream = s;
+    ClusterLaunch launch(cl::kC, cl::kThreads, cl::kSmem, s);
+    const cudaLaunchConfig_t& cfg = launch.cfg;
     for (int stream : {1, 0}) {
       const double ms = ev.time_ms(s, 20, [&](int) {
         CHECK(cudaLaunchKernelEx(&cfg, cluster_layers_kernel, static_cast<const int8_t*>(w), out,
