@@ -107,6 +107,15 @@ void plan(Graph& graph, bool fold_room) {
     }
   }
 
+  // A one-token rope of a product's result: the product's activation stays allocated until the
+  // rope has run, so that a backend may rotate in the product's epilogue while it still reads the
+  // activation (CUDA's MatVecRope over float weights).
+  for (const Tensor* t : nodes) {
+    const Tensor* p = t->src[0];
+    if (t->op == Op::Rope && t->ne[1] == 1 && p && p->op == Op::MulMat && p->src[1])
+      last_use[p->src[1]->index] = std::max(last_use[p->src[1]->index], t->index);
+  }
+
   size_t input = 0;
   FreeList scratch;
   std::vector<std::vector<const Tensor*>> frees_after(n);

@@ -920,7 +920,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         (kv_target(ks)->type == DType::F16 || kv_target(ks)->type == DType::Q8_0) &&
         kv_target(vs)->type == kv_target(ks)->type && kv_target(ks)->ne[0] == kp->ne[0] &&
         kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
-        kv_target(vs)->data != kv_target(ks)->data;
+        kv_target(vs)->data != kv_target(ks)->data &&
+        // Float weights: the launch reads the float activation while it writes the ropes'
+        // outputs, which the plan may have placed over it (its last readers being the products).
+        (is_quantized(type) || (!scratch_overlap(act_in, rq) && !scratch_overlap(act_in, rk)));
     if (!ok) return false;
     const NormFold* f = fold_for(act_in, 3, type, v_type);
     MatVecRope r;
@@ -945,7 +948,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       r.table = rt->data;
       r.table_rows = rt->rows;
     }
-    if (!launch_mat_vec_rope(l, type, v_type, parts, k, q8_at, r, f)) return false;
+    if (!launch_mat_vec_rope(l, type, v_type, parts, k, q8_at, r, f, fptr(act_in))) return false;
     fold_taken(f);
     for (int x : j) done[x] = 1;
     return true;
@@ -1233,7 +1236,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
           }
         }
         for (int p = 0; p < n_parts; ++p) done[same[p]] = 1;
-        if (n_parts == 3 && other < 0 && cols == 1 && is_quantized(w->type) &&
+        if (n_parts == 3 && other < 0 && cols == 1 &&
             rope_epilogue(same, parts, w->type, w->type, k))
           break;
         if (n_parts == 2 && other < 0 && cols == 1 && is_quantized(w->type) && fold.x != x &&

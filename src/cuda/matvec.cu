@@ -1039,14 +1039,15 @@ __device__ __forceinline__ void unpack16(const uint4& v, float* out) {
   }
 }
 
-template <int TYPE, int NCOLS, int RW, bool VEC>
-__global__ void __launch_bounds__(kMvThreads)
-    mat_vec_f_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
-                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
-                     const float* x, int prefetch) {
+// Block part.local_block of a part's float mat-vec: the body of mat_vec_f_kernel and of the rope
+// kernel below. ROPE (one column, RW even): the rows' pairs go through rope_epilogue_pair.
+template <int TYPE, int NCOLS, int RW, bool VEC, bool ROPE = false>
+__device__ __forceinline__ void mat_vec_f_body(const PartSel& part, int64_t k, const float* x,
+                                               int prefetch,
+                                               const MatVecRope& rope = MatVecRope{}) {
+  static_assert(!ROPE || (NCOLS == 1 && RW % 2 == 0), "the rope epilogue takes pairs of rows");
   constexpr int E = FloatInfo<TYPE>::kVecElems;
   constexpr int U = 4;
-  const PartSel part = select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = part.local_block * 8 * RW + warp * RW;
   const size_t rb = static_cast<size_t>(k) * FloatInfo<TYPE>::kElemBytes;
@@ -1114,14 +1115,55 @@ __global__ void __launch_bounds__(kMvThreads)
     }
   }
 
+  float sums[RW];  // ROPE: the rows' sums, for their pairs
 #pragma unroll
   for (int j = 0; j < RW; ++j) {
 #pragma unroll
     for (int t = 0; t < NCOLS; ++t) {
       const float v = warp_sum(acc[j][t]);
-      if (lane == 0 && row0 + j < part.n) part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
+      if (ROPE)
+        sums[j] = v;
+      else if (lane == 0 && row0 + j < part.n)
+        part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
     }
   }
+  if constexpr (ROPE) {
+    unsigned lasts = 0;
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RW; j += 2) {
+        if (row0 + j < part.n &&
+            rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]))
+          lasts |= 1u << j;
+      }
+    }
+    if (rope.q8_tickets) {
+      auto pair_of = [&](int p, int& pi, int& n, const float*& d, int& row) {
+        pi = part.index, n = part.n, d = part.dst, row = row0 + p;
+      };
+      rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0), pair_of);
+    }
+  }
+}
+
+template <int TYPE, int NCOLS, int RW, bool VEC>
+__global__ void __launch_bounds__(kMvThreads)
+    mat_vec_f_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                     int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
+                     const float* x, int prefetch) {
+  mat_vec_f_body<TYPE, NCOLS, RW, VEC>(select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2),
+                                       k, x, prefetch);
+}
+
+// q, k and v of one token (one float format) with the rope epilogue: two rows a warp, so that a
+// pair's sums meet in one lane, each row summed as mat_vec_f_kernel sums it.
+template <int TYPE, bool VEC>
+__global__ void __launch_bounds__(kMvThreads)
+    mat_vec_f_rope_kernel(const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, int n0, int n1,
+                          int n2, float* d0, float* d1, float* d2, int blk1, int blk2, int64_t k,
+                          const float* x, int prefetch, MatVecRope rope) {
+  mat_vec_f_body<TYPE, 1, 2, VEC, true>(select_part(w0, w1, w2, n0, n1, n2, d0, d1, d2, blk1, blk2),
+                                        k, x, prefetch, rope);
 }
 
 // ---- Launch helpers for the mat-vec kernels -----------------------------------------------------
@@ -1473,6 +1515,24 @@ void mat_vec_f(Launcher& l, const MatVecPart* parts, int n_parts, int64_t k, con
     l(mat_vec_f_kernel<TYPE, NCOLS, RW, false>, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1],
       g.w[2], g.n[0], g.n[1], g.n[2], g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, prefetch);
   }
+}
+
+// q, k and v of one token in a float format with the rope epilogue.
+template <int TYPE>
+void mat_vec_f_rope(Launcher& l, const MatVecPart* parts, int64_t k, const float* x,
+                    const MatVecRope& rope) {
+  const GroupArgs g = group_args(parts, 3, 8 * 2);
+  bool vec = k % FloatInfo<TYPE>::kVecElems == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  for (int i = 0; i < 3; ++i) vec = vec && reinterpret_cast<uintptr_t>(g.w[i]) % 16 == 0;
+  const int prefetch = all_fixed(parts, 3) ? 1 : 0;
+  auto go = [&](auto kernel) {
+    l(kernel, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1], g.w[2], g.n[0], g.n[1], g.n[2],
+      g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, prefetch, rope);
+  };
+  if (vec)
+    go(mat_vec_f_rope_kernel<TYPE, true>);
+  else
+    go(mat_vec_f_rope_kernel<TYPE, false>);
 }
 
 template <int NCOLS>
@@ -2050,10 +2110,23 @@ bool set_rope_table(bool on) { return std::exchange(rope_table_flag(), on); }
 bool rope_table_enabled() { return rope_table_flag(); }
 
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
-                         const uint8_t* ws, const MatVecRope& given, const NormFold* fold) {
-  if (!rope_epilogue_flag() || !is_quantized(type)) return false;
+                         const uint8_t* ws, const MatVecRope& given, const NormFold* fold,
+                         const float* x) {
+  if (!rope_epilogue_flag()) return false;
   MatVecRope rope = given;
   rope.early_angle = rope_angle_early_flag() ? 1 : 0;
+  if (!is_quantized(type)) {
+    if (v_type != type || fold || !x) return false;
+    bool launched = false;
+    with_weight_type(type, "mul_mat", [&](auto tc) {
+      constexpr int TYPE = decltype(tc)::value;
+      if constexpr (!is_split_type(TYPE)) {
+        mat_vec_f_rope<TYPE>(l, parts, k, x, rope);
+        launched = true;
+      }
+    });
+    return launched;
+  }
   if (v_type != type) return mixed_pair(type, v_type, parts, 2, k, ws, &rope, fold, l);
   bool launched = false;
   with_weight_type(type, "mul_mat", [&](auto tc) {

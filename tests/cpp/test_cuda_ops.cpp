@@ -2296,6 +2296,9 @@ TEST(CudaLaunchPlan, RopeEpilogueTakesTheRopesAndStoresOfOneToken) {
   }
   // v in the other format of a pair that one launch takes (a K-quant mix's fallbacks).
   EXPECT_EQ(count(normal(false, DType::Q8_0, 1, DType::Q5_0)), std::make_pair(1, 0));
+  // Float weights, as a model's layer plans them.
+  EXPECT_EQ(count(normal(false, DType::F16, 1, DType::F16)), std::make_pair(1, 0));
+  EXPECT_EQ(count(normal(true, DType::BF16, 1, DType::BF16)), std::make_pair(1, 0));
   // Several tokens too where the warp-pipelined kernel takes their products (4 to 16 tokens,
   // MatMulQRope), not on the kernels past it, nor with that epilogue switched off.
   {
@@ -2430,9 +2433,9 @@ TEST(CudaLaunchPlan, GluEpilogueTakesTheGluOfOneToken) {
 // The rope epilogue against the ropes' launch, on the GPU: the attention over the caches it
 // writes and the caches' bytes equal, bit for bit, those of the products, ropes and stores
 // launched apart. Every kernel shape it takes (rows held in registers at one and two pieces a
-// lane; blocks of rows with two and four warps a row, and one), partial rotation, rope factors
-// and a ring (its position past the angle table's rows: worked out); F16 and Q8_0 caches (the
-// groups of 32 values quantized by the warp whose pair came last).
+// lane; blocks of rows with two and four warps a row, and one; float weights, two rows a warp),
+// partial rotation, rope factors and a ring (its position past the angle table's rows: worked
+// out); F16 and Q8_0 caches (the groups of 32 values quantized by the warp whose pair came last).
 TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
   struct Case {
     DType type;
@@ -2462,6 +2465,12 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       {DType::Q4_K, 1536, 12, 2, 128, 128, false, 70, DType::F32, DType::Q8_0},
       {DType::Q4_K, 4096, 32, 8, 128, 128, true, 0, DType::Q6_K, DType::Q8_0},
       {DType::Q5_0, 576, 9, 3, 64, 64, false, 0, DType::Q8_0, DType::Q8_0},
+      // Float weights (two rows a warp), F16 and Q8_0 caches.
+      {DType::F16, 2048, 32, 8, 64, 64, true, 0},
+      {DType::BF16, 576, 9, 3, 64, 64, false, 70},
+      {DType::F32, 1536, 12, 2, 128, 96, false, 0},
+      {DType::F16, 576, 9, 3, 64, 64, false, 0, DType::F32, DType::Q8_0},
+      {DType::BF16, 4096, 32, 32, 128, 128, false, 70, DType::F32, DType::Q8_0},
   };
   // Each case with the rows kernels' angles taken after their sums and while their loads are on
   // their way (MatVecRope::early_angle), each from the backend's angle table and worked out:
@@ -2515,8 +2524,11 @@ TEST_F(CudaOps, RopeEpilogueOfTheQkvProductsEqualsTheRopesLaunch) {
       k = g.rope(k, p, c.n_head_kv, c.hd, c.n_dims, kRopeNormal, 10000.0f, f);
       g.kv_store(kc, k, n_past);
       g.kv_store(vc, v, n_past);
-      return g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd, 1.0f / std::sqrt(float(c.hd)),
-                         n_past + 1, n_past, window);
+      Tensor* att = g.attention(q, kc, vc, c.n_head, c.n_head_kv, c.hd,
+                                1.0f / std::sqrt(float(c.hd)), n_past + 1, n_past, window);
+      // Float weights: x read once more after the ropes, so that the plan cannot place their
+      // outputs over it, which would keep the epilogue from taking them.
+      return cuda::is_quantized(c.type) ? att : g.add(att, xt);
     };
     const EpilogueRuns runs =
         with_and_without_rope_epilogue(*cuda_, build, k_mem, v_mem, k0.size());
