@@ -107,12 +107,17 @@ void plan(Graph& graph, bool fold_room) {
     }
   }
 
-  // A one-token rope of a product's result: the product's activation stays allocated until the
-  // rope has run, so that a backend may rotate in the product's epilogue while it still reads the
-  // activation (CUDA's MatVecRope over float weights).
+  // A one-token rope (normal mode) of a product of a float model weight: the product's
+  // activation stays allocated until the rope has run, so that a backend may rotate in the
+  // product's epilogue while it still reads the activation (CUDA's MatVecRope over float
+  // weights; quantized products read their own 8-bit copy of it).
   for (const Tensor* t : nodes) {
     const Tensor* p = t->src[0];
-    if (t->op == Op::Rope && t->ne[1] == 1 && p && p->op == Op::MulMat && p->src[1])
+    if (t->op != Op::Rope || t->ne[1] != 1 || t->params[kRopeMode] != kRopeNormal || !p ||
+        p->op != Op::MulMat || !p->src[1] || p->src[0]->storage != Storage::Weight)
+      continue;
+    const DType wt = p->src[0]->type;
+    if (wt == DType::F32 || wt == DType::F16 || wt == DType::BF16)
       last_use[p->src[1]->index] = std::max(last_use[p->src[1]->index], t->index);
   }
 

@@ -9,10 +9,10 @@ namespace ggraph {
 constexpr size_t kPlanAlignment = 256;
 
 // Assigns Tensor::offset for scratch tensors and inputs; sets graph.scratch_size/input_size.
-// Scratch is reused once a tensor's last reader has run; the output is never reused. A product's
-// activation whose result a one-token rope reads stays allocated until that rope has run (a
-// backend may rotate in the product's epilogue, reading the activation as it writes the rope's
-// result).
+// Scratch is reused once a tensor's last reader has run; the output is never reused. The
+// activation of a product of a float model weight (F32, F16, BF16) whose result a one-token rope
+// of normal mode reads stays allocated until that rope has run (a backend may rotate in the
+// product's epilogue, reading the activation as it writes the rope's result).
 // With fold_room (a backend whose folds_norms() is true), a one-column norm's input, and the
 // inputs of the residual add it reads, stay allocated until node norm_fold_reach has run: the
 // backend may work the norm out inside the kernel of the products that read its weighted result

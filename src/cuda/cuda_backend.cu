@@ -899,8 +899,10 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   // and of v into caches of one position, both F16 or both Q8_0 (whose groups of 32 values the
   // launch quantizes by tickets in the counters' memory, attn_workspace_bytes). q's and k's
   // products then exist nowhere but in registers: only their ropes may read them. The kernel
-  // reads no scratch but the positions, which none of its outputs may overlap. Returns whether
-  // it launched them all.
+  // reads no scratch but the positions, which none of its outputs may overlap, and with float
+  // weights (F32, F16, BF16: model weights only) the float activation, which the ropes' outputs
+  // may not overlap either (the planner keeps it allocated until the ropes for that). Returns
+  // whether it launched them all.
   auto rope_epilogue = [&](const int(&same)[3], const MatVecPart(&parts)[3], DType type,
                            DType v_type, int64_t k) {
     const Tensor* act_in = nodes[same[0]]->src[1];
@@ -921,9 +923,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         kv_target(vs)->type == kv_target(ks)->type && kv_target(ks)->ne[0] == kp->ne[0] &&
         kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
         kv_target(vs)->data != kv_target(ks)->data &&
-        // Float weights: the launch reads the float activation while it writes the ropes'
-        // outputs, which the plan may have placed over it (its last readers being the products).
-        (is_quantized(type) || (!scratch_overlap(act_in, rq) && !scratch_overlap(act_in, rk)));
+        (is_quantized(type) || (parts[0].fixed && parts[1].fixed && parts[2].fixed &&
+                                !scratch_overlap(act_in, rq) && !scratch_overlap(act_in, rk)));
     if (!ok) return false;
     const NormFold* f = fold_for(act_in, 3, type, v_type);
     MatVecRope r;
