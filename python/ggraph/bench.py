@@ -3,7 +3,8 @@ optionally after a context of d tokens (-d, as llama-bench's: "pp512 @ d4096"). 
 is the speed of the generation loop a user's `generate()` runs (greedy sampling and detokenizing
 each token, the end of generation ignored), after a short prompt: what `ggraph generate`
 prints. On CUDA the "host us/step" column is the engine's host time an eval step for tg and a
-generated token for gen (where a chain's launch is shared by its tokens).
+generated token for gen (where a chain's launch is shared by its tokens; the last repetition's
+generation loop, its prompt excluded).
 
 python -m ggraph.bench -m MODEL -p 512 -n 128 -r 5 [-d 0,4096] [--device cuda]
     [--cuda-graphs off,patch] [--kv-type auto] [--allow-longer-context]
@@ -44,6 +45,9 @@ def _time_gen(model, n_gen, rng, depth=0):
     prompt = model._tokens[:depth] + rng.integers(0, model.n_vocab, size=8).tolist()
     model.rewind(depth)
     model.eval(prompt[depth:])
+    # The engine's counters from here: the row's host time a token is the loop's own (the last
+    # repetition's), not the prompt's graph build shared out over its tokens.
+    model.reset_graph_stats()
     t0 = time.perf_counter()
     for _ in model.generate(prompt, max_tokens=n_gen, temperature=0, ignore_eos=True):
         pass
