@@ -121,14 +121,14 @@ def run_bench(
                 "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
             }
             steps = stats.get("steps", 0)
-            if name.startswith("gen") and stats.get("tokens", 0):
-                # The engine's host time a generated token (chains share a step's over its tokens).
-                row["host_us_per_step"] = stats.get("host_us_total", 0.0) / stats["tokens"]
-            if name.startswith("tg") and steps:
-                row["host_us_per_step"] = stats.get("host_us_total", 0.0) / steps
+            # Host time an eval step (tg) or a generated token (gen: chains share a step's over
+            # its tokens), and its parts (in the JSON output).
+            per = steps if name.startswith("tg") else stats.get("tokens", 0)
+            if per and name.startswith(("tg", "gen")):
+                row["host_us_per_step"] = stats.get("host_us_total", 0.0) / per
                 for part in ("build", "record", "patch"):
-                    row[f"{part}_us_per_step"] = stats.get(f"{part}_us_total", 0.0) / steps
-                row["patched_nodes_per_step"] = stats.get("kernel_nodes_patched", 0.0) / steps
+                    row[f"{part}_us_per_step"] = stats.get(f"{part}_us_total", 0.0) / per
+                row["patched_nodes_per_step"] = stats.get("kernel_nodes_patched", 0.0) / per
             rows.append(row)
         del model
         if not device.startswith("cuda") and device != "auto":
