@@ -117,6 +117,33 @@ __device__ __forceinline__ void rope_q8_groups(const MatVecRope& r, unsigned las
   }
 }
 
+// Pair p of a warp's rows from row0 of one part, as rope_q8_groups asks for it.
+__device__ __forceinline__ auto part_pairs(const PartSel& part, int row0) {
+  return [part, row0](int p, int& pi, int& n, const float*& d, int& row) {
+    pi = part.index, n = part.n, d = part.dst, row = row0 + p;
+  };
+}
+
+// The rope epilogue of a warp's R rows from row0 of one part (R even; every lane holds the
+// rows' sums): lane 0 rotates and stores each pair, then the warp quantizes the Q8_0 groups its
+// pairs completed.
+template <int R>
+__device__ __forceinline__ void rope_warp_rows(const MatVecRope& rope, const PartSel& part,
+                                               int row0, const float (&sums)[R]) {
+  static_assert(R % 2 == 0, "pairs of rows");
+  unsigned lasts = 0;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int j = 0; j < R; j += 2) {
+      if (row0 + j < part.n &&
+          rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]))
+        lasts |= 1u << j;
+    }
+  }
+  if (rope.q8_tickets)
+    rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0), part_pairs(part, row0));
+}
+
 // ---- Quantized mat-vec ------------------------------------------------------------------------
 //
 // Weights in the split layout (cuda/weight_layout.h): a row's quants are contiguous 16-byte
@@ -607,22 +634,7 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
       }
     }
   }
-  // Pair p of a warp's rows (rope_q8_groups).
-  [[maybe_unused]] auto rope_pair_of = [&](int p, int& pi, int& n, const float*& d, int& row) {
-    pi = part.index, n = part.n, d = part.dst, row = row0 + p;
-  };
-  if constexpr (ROPE && KS == 1) {
-    unsigned lasts = 0;
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < R; j += 2) {
-        if (row0 + j < part.n &&
-            rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]))
-          lasts |= 1u << j;
-      }
-    }
-    if (rope.q8_tickets) rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0), rope_pair_of);
-  }
+  if constexpr (ROPE && KS == 1) rope_warp_rows<R>(rope, part, row0, sums);
   if constexpr (KS > 1) {
     static_assert(R * NCOLS <= 32, "a lane per sum");
     __syncthreads();
@@ -635,7 +647,8 @@ __device__ __forceinline__ void mat_vec_q_body(const PartSel& part, int nb, cons
         const bool last =
             lane < R && lane % 2 == 0 && row0 + lane < part.n &&
             rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + lane, v, next);
-        if (rope.q8_tickets) rope_q8_groups(rope, __ballot_sync(0xffffffffu, last), rope_pair_of);
+        if (rope.q8_tickets)
+          rope_q8_groups(rope, __ballot_sync(0xffffffffu, last), part_pairs(part, row0));
       }
     } else if (ks == 0 && lane < R * NCOLS) {
       const int j = lane / NCOLS, t = lane % NCOLS;
@@ -1127,23 +1140,7 @@ __device__ __forceinline__ void mat_vec_f_body(const PartSel& part, int64_t k, c
         part.dst[static_cast<int64_t>(t) * part.n + row0 + j] = v;
     }
   }
-  if constexpr (ROPE) {
-    unsigned lasts = 0;
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < RW; j += 2) {
-        if (row0 + j < part.n &&
-            rope_epilogue_pair(rope, part.index, part.n, part.dst, row0 + j, sums[j], sums[j + 1]))
-          lasts |= 1u << j;
-      }
-    }
-    if (rope.q8_tickets) {
-      auto pair_of = [&](int p, int& pi, int& n, const float*& d, int& row) {
-        pi = part.index, n = part.n, d = part.dst, row = row0 + p;
-      };
-      rope_q8_groups(rope, __shfl_sync(0xffffffffu, lasts, 0), pair_of);
-    }
-  }
+  if constexpr (ROPE) rope_warp_rows<RW>(rope, part, row0, sums);
 }
 
 template <int TYPE, int NCOLS, int RW, bool VEC>
