@@ -923,8 +923,7 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         kv_target(vs)->type == kv_target(ks)->type && kv_target(ks)->ne[0] == kp->ne[0] &&
         kv_target(vs)->ne[0] == v->ne[0] && kv_target(vs)->ne[1] == kv_target(ks)->ne[1] &&
         kv_target(vs)->data != kv_target(ks)->data &&
-        (is_quantized(type) || (parts[0].fixed && parts[1].fixed && parts[2].fixed &&
-                                !scratch_overlap(act_in, rq) && !scratch_overlap(act_in, rk)));
+        (is_quantized(type) || (!scratch_overlap(act_in, rq) && !scratch_overlap(act_in, rk)));
     if (!ok) return false;
     const NormFold* f = fold_for(act_in, 3, type, v_type);
     MatVecRope r;

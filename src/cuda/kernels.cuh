@@ -443,9 +443,9 @@ struct MatVecRope {
 static_assert(sizeof(MatVecRope) == 9 * sizeof(void*) + 8 * 4, "MatVecRope has no padding");
 // One column of parts[0..2] (q, k, v; q and k in one quantized format, v in it too or in the
 // other of a pair launch_mat_vec_mixed takes; or all three in one float format, F32, F16 or BF16,
-// whose float activation is x; q's and k's rows whole heads, v's even in number) with the rope
-// epilogue. False, with nothing launched, where the formats or a forced kernel shape have no such
-// kernel, or GGRAPH_CUDA_ROPE_EPILOGUE=0 (set_rope_epilogue) turned it off: the caller then
+// model weights whose float activation is x; q's and k's rows whole heads, v's even in number) with
+// the rope epilogue. False, with nothing launched, where the formats or a forced kernel shape have
+// no such kernel, or GGRAPH_CUDA_ROPE_EPILOGUE=0 (set_rope_epilogue) turned it off: the caller then
 // launches the products and the ropes apart.
 bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart* parts, int64_t k,
                          const uint8_t* ws, const MatVecRope& rope, const NormFold* fold = nullptr,

@@ -1521,10 +1521,10 @@ void mat_vec_f_rope(Launcher& l, const MatVecPart* parts, int64_t k, const float
   const GroupArgs g = group_args(parts, 3, 8 * 2);
   bool vec = k % FloatInfo<TYPE>::kVecElems == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
   for (int i = 0; i < 3; ++i) vec = vec && reinterpret_cast<uintptr_t>(g.w[i]) % 16 == 0;
-  const int prefetch = all_fixed(parts, 3) ? 1 : 0;
+  constexpr int kPrefetch = 1;  // model weights (launch_mat_vec_rope takes no others)
   auto go = [&](auto kernel) {
     l(kernel, dim3(g.total), dim3(kMvThreads), 0, g.w[0], g.w[1], g.w[2], g.n[0], g.n[1], g.n[2],
-      g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, prefetch, rope);
+      g.dst[0], g.dst[1], g.dst[2], g.blk1, g.blk2, k, x, kPrefetch, rope);
   };
   if (vec)
     go(mat_vec_f_rope_kernel<TYPE, true>);
@@ -2113,7 +2113,8 @@ bool launch_mat_vec_rope(Launcher& l, DType type, DType v_type, const MatVecPart
   MatVecRope rope = given;
   rope.early_angle = rope_angle_early_flag() ? 1 : 0;
   if (!is_quantized(type)) {
-    if (v_type != type || fold || !x) return false;
+    // Model weights only: the kernel reads them with non-coherent loads while it writes.
+    if (v_type != type || fold || !x || !all_fixed(parts, 3)) return false;
     bool launched = false;
     with_weight_type(type, "mul_mat", [&](auto tc) {
       constexpr int TYPE = decltype(tc)::value;
