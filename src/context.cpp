@@ -222,8 +222,9 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 
 Context::~Context() = default;
 
-void Context::decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                             uint64_t draw, int32_t* tokens, float* logprobs) {
+int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                            uint64_t draw, int32_t* tokens, float* logprobs, const int32_t* stops,
+                            size_t n_stops) {
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
   if (k < 1 || k > kMaxChain)
     throw ArgumentError("decode_sampled: k must be 1 to " + std::to_string(kMaxChain) + ", got " +
@@ -277,7 +278,8 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
   const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
   std::vector<int32_t> history(s.tokens.begin() + long(from), s.tokens.end());
   history.push_back(first);
-  fill_sample_config(params, seed, draw, history.data(), history.size(), window, c.config.data());
+  fill_sample_config(params, seed, draw, history.data(), history.size(), window, c.config.data(),
+                     stops, n_stops);
   backend_->add_host_time(
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   note_written(s.kv_lost, n_past + k, ring_rows_);
@@ -287,17 +289,20 @@ void Context::decode_sampled(int32_t first, int k, const SamplingParams& params,
   int done = k;  // steps whose sample succeeded
   for (int j = 0; j < k && done == k; ++j)
     if (words[j] < 0) done = j;
-  // The cache now holds first and the samples before the last, or through the step whose
-  // sample failed: the tokens that step and the ones before it evaluated.
-  const int evaluated = done == k ? k : done + 1;
+  // Skipped steps: the one before them sampled a stop id, and each step that ran evaluated its
+  // token. Otherwise the cache holds first and the samples before the last, or through the
+  // step whose sample failed: the tokens that step and the ones before it evaluated.
+  const bool skipped = done < k && done > 0 && words[done] == sample_word::kSkipped;
+  const int evaluated = skipped ? done : done == k ? k : done + 1;
   s.tokens.push_back(first);
   s.tokens.insert(s.tokens.end(), words, words + (evaluated - 1));
   s.n_past = n_past + evaluated;
-  if (done < k)
+  if (done < k && !skipped)
     throw ArgumentError("decode_sampled: step " + std::to_string(done) +
                         " found no logit above -inf to sample from");
-  std::copy(words, words + k, tokens);
-  std::memcpy(logprobs, out.data() + kMaxChain, size_t(k) * sizeof(float));
+  std::copy(words, words + done, tokens);
+  std::memcpy(logprobs, out.data() + kMaxChain, size_t(done) * sizeof(float));
+  return done;
 }
 
 void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_t n_out) const {

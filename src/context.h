@@ -82,8 +82,12 @@ class Context {
   // last sample is not evaluated yet. Throws ArgumentError, leaving the context unchanged, for
   // a bad id, k outside [1, kMaxChain], or k tokens that do not fit; and when a step finds no
   // logit above -inf (then the context holds the tokens that step and those before evaluated).
-  void decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                      uint64_t draw, int32_t* tokens, float* logprobs);
+  // After a step samples one of the n_stops ids `stops`, the backend may skip the steps after it
+  // (CUDA graphs do): returns the samples made, k or fewer, the last of them then a stop id; the
+  // context holds `first` and the samples before the last.
+  int decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                     uint64_t draw, int32_t* tokens, float* logprobs,
+                     const int32_t* stops = nullptr, size_t n_stops = 0);
   // The final normalized hidden state of every one of n tokens, [n][n_embd], as llama.cpp's
   // embedding mode computes it: the tokens are evaluated as a sequence of their own, from
   // position 0. The context's own tokens and cache are kept (saved and restored around it).

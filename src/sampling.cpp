@@ -259,7 +259,8 @@ int32_t float_word(float f) { return static_cast<int32_t>(sample_bits_of(f)); }
 }  // namespace
 
 void fill_sample_config(const SamplingParams& p, uint64_t seed, uint64_t draw,
-                        const int32_t* history, size_t n_history, int window, int32_t* words) {
+                        const int32_t* history, size_t n_history, int window, int32_t* words,
+                        const int32_t* stops, size_t n_stops) {
   namespace w = sample_word;
   std::fill(words, words + w::kHeader, 0);
   words[w::kTemperature] = float_word(p.temperature);
@@ -276,6 +277,9 @@ void fill_sample_config(const SamplingParams& p, uint64_t seed, uint64_t draw,
   words[w::kDrawLo] = static_cast<int32_t>(static_cast<uint32_t>(draw));
   words[w::kDrawHi] = static_cast<int32_t>(static_cast<uint32_t>(draw >> 32));
   const size_t n = std::min(n_history, static_cast<size_t>(std::max(window, 0)));
+  const size_t n_stop = std::min(n_stops, static_cast<size_t>(w::kMaxStop));
+  words[w::kNStop] = static_cast<int32_t>(n_stop);
+  if (n_stop > 0) std::copy(stops, stops + n_stop, words + w::kStop);
   words[w::kNHistory] = static_cast<int32_t>(n);
   if (n > 0) std::copy(history + (n_history - n), history + n_history, words + w::kHeader);
 }

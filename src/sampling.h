@@ -60,10 +60,12 @@ struct SamplingParams {
 void validate(const SamplingParams& params);
 
 // The configuration words of a Sample op (sampling_math.h's sample_word): the parameters, seed
-// and first draw index, then the last `window` ids of the history (fewer when it is shorter),
-// into words[0, sample_word::kHeader + window).
+// and first draw index, the first sample_word::kMaxStop of the n_stops stop ids (the backend may
+// skip a chain's steps after one), then the last `window` ids of the history (fewer when it is
+// shorter), into words[0, sample_word::kHeader + window).
 void fill_sample_config(const SamplingParams& params, uint64_t seed, uint64_t draw,
-                        const int32_t* history, size_t n_history, int window, int32_t* words);
+                        const int32_t* history, size_t n_history, int window, int32_t* words,
+                        const int32_t* stops = nullptr, size_t n_stops = 0);
 // The history a Sample op needs of a chain: the penalty window (all of it for -1), or 0 when
 // the parameters apply no penalty.
 int sample_history_window(const SamplingParams& params, int n_ctx);

@@ -151,7 +151,15 @@ constexpr int kPenaltyLastN = 8;
 constexpr int kSeedLo = 9, kSeedHi = 10;
 constexpr int kDrawLo = 11, kDrawHi = 12;  // the draw index the graph's first Sample uses
 constexpr int kNHistory = 13;              // history ids after the header, the most recent last
-constexpr int kHeader = 16;                // the history's first word
+// Stop ids (the end-of-generation tokens a generation ends at): after a step of a chain samples
+// one, the chain's later steps may be skipped, their token entries then kSkipped.
+constexpr int kNStop = 14;
+constexpr int kStop = 16;  // kMaxStop words
+constexpr int kMaxStop = 8;
+constexpr int kHeader = 24;  // the history's first word
+// A chain's token entry for a step that did not run, an earlier step having sampled a stop id
+// (-1 is a step that found nothing to sample).
+constexpr int32_t kSkipped = -2;
 }  // namespace sample_word
 
 }  // namespace ggraph

@@ -22,6 +22,7 @@
 # AB_BATCH (batch sizes, e.g. "32,64"), decode batches instead (tools/batch_bench.py --tg 32). The
 # abenv stage does the same within this build: tg128 as built against tg128 with the settings
 # AB_ENV names (e.g. "GGRAPH_CUDA_ROPE_EPILOGUE=0"; several sides separated by ';'), in turns.
+# Both stages print the gen128 rows (the generation loop) beside the tg128 ones.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-logs}
@@ -97,7 +98,7 @@ ab_turns() {
           # shellcheck disable=SC2086  # the settings, one word each
           env ${sides[i + 1]} python3 -m ggraph bench -m "$m" -p 0 -n 128 -r 5 --device cuda \
             -d "$d" --allow-longer-context --cuda-graphs patch ${AB_ARGS:-} 2>&1 |
-            grep -E "tg128|Error|error" | tee -a "$OUT/ab.md"
+            grep -E "tg128|gen128|Error|error" | tee -a "$OUT/ab.md"
         done
       done
     done

@@ -751,6 +751,7 @@ def write_random_gguf(
     direct_blocks: bool | None = None,
     std: float = 0.02,
     name: str | None = None,
+    metadata: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> ModelShape:
     """Writes a complete llama GGUF with random weights and a byte-level BPE vocabulary.
@@ -758,7 +759,9 @@ def write_random_gguf(
     Weights are normal(0, std) (norms near 1) quantized with ggml's rounding, or, with
     direct_blocks, random quantized blocks of the same spread generated without floats
     (the default for models over 500M parameters, where quantizing would take minutes).
-    overrides replace ModelShape fields (n_layer=4, n_ctx=512, ...). Returns the shape used.
+    metadata adds or replaces keys (e.g. {"tokenizer.ggml.eos_token_id": Typed("uint32", 7)});
+    the weights stay those of the seed. overrides replace ModelShape fields (n_layer=4,
+    n_ctx=512, ...). Returns the shape used.
     """
     m = resolve_shape(shape, weight_type, embd_type, output_type, tied, **overrides)
     layout = llama_tensor_layout(m)
@@ -767,7 +770,9 @@ def write_random_gguf(
     # Formats the writer cannot quantize floats to are generated as blocks.
     direct_blocks = direct_blocks or any(ggml_type(t).name not in QUANTIZABLE for _, t, _ in layout)
     label = shape if isinstance(shape, str) else "custom"
+    extra = metadata or {}
     metadata = llama_metadata(m, name or f"random {label}", m.weight_type)
+    metadata.update(extra)
 
     def generator(index: int, type_name: str, n: int, is_norm: bool) -> Callable[[], np.ndarray]:
         # Each tensor has its own stream, so one tensor's values do not depend on the others.

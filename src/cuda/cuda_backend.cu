@@ -1112,11 +1112,18 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
       case Op::Softcap:
         launch_softcap(l, fptr(t->src[0]), fptr(t), t->n_elements(), t->param_f(0));
         break;
-      case Op::Sample:
+      case Op::Sample: {
+        // A chain's steps after this one are conditional nodes of its graph, where the
+        // executor makes them so (Launcher::gate): each runs only if the step before it sampled
+        // no stop id.
+        const int next = t->params[0] + 1;
+        const bool gated = next < graph.chain;
         launch_sample(l, fptr(t->src[0]), static_cast<int>(t->src[0]->ne[0]),
                       static_cast<const int32_t*>(ptr(t->src[1])), static_cast<int32_t*>(t->data),
-                      t->params[0], t->params[1], buf.sample_work);
+                      t->params[0], t->params[1], buf.sample_work, gated ? l.step_handle(next) : 0);
+        if (gated) l.open_step(next);
         break;
+      }
       case Op::MulMat: {
         const Tensor* w = t->src[0];
         const Tensor* x = t->src[1];
@@ -1786,6 +1793,7 @@ class CudaBackend : public Backend {
       GGRAPH_CUDA_CHECK(
           cudaMemcpyAsync(out, tensor_ptr(o, buf), out_bytes, cudaMemcpyDeviceToHost, stream_));
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      count_skipped(graph, out);
       return;
     }
     if (out_bytes > output_staging_bytes_) {
@@ -1800,6 +1808,21 @@ class CudaBackend : public Backend {
                                       cudaMemcpyDeviceToHost, stream_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::memcpy(out, output_staging_, out_bytes);
+    count_skipped(graph, out);
+  }
+
+  // A sampled chain's steps that its conditional nodes skipped (their token words read
+  // kSkipped): they computed no token.
+  void count_skipped(const Graph& graph, const float* out) {
+    if (graph.chain <= 1 || graph.output()->op != Op::Sample) return;
+    const int32_t* words = reinterpret_cast<const int32_t*>(out);
+    for (int j = 1; j < graph.chain; ++j) {
+      if (words[j] != sample_word::kSkipped) continue;
+      GraphStats& s = executor_->mutable_stats();
+      s.chain_steps_skipped += graph.chain - j;
+      s.tokens -= graph.chain - j;
+      return;
+    }
   }
 
   std::map<std::string, double> stats() const override {
@@ -1819,6 +1842,7 @@ class CudaBackend : public Backend {
         {"record_us_total", s.record_us_total},
         {"patch_us_total", s.patch_us_total},
         {"tokens", s.tokens},
+        {"chain_steps_skipped", s.chain_steps_skipped},
         {"kernels", s.kernels},
         {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
         {"tokens_per_launch",

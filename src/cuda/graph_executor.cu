@@ -1,9 +1,12 @@
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include "common.h"
 #include "cuda/graph_executor.h"
+#include "cuda/kernels.cuh"  // env_int
 
 namespace ggraph::cuda {
 
@@ -16,13 +19,111 @@ GraphMode parse_graph_mode(const std::string& name) {
                       name + "'");
 }
 
+// Capture: each conditional step of a sampled chain becomes an IF node of the graph being
+// captured, after everything captured before it, and its kernels go into the node's body graph,
+// captured on a stream of its own; the steps' nodes follow one another.
+class GraphExecutor::CaptureGate : public StepGate {
+ public:
+  CaptureGate(cudaStream_t stream, cudaStream_t body_stream,
+              std::vector<cudaGraphConditionalHandle>* handles)
+      : stream_(stream), body_stream_(body_stream), handles_(handles) {
+    cudaStreamCaptureStatus status;
+    GGRAPH_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, nullptr, &graph_));
+    handles_->clear();
+  }
+  ~CaptureGate() override {
+    if (open_) {  // an exception left a body open: end it, discarding what it captured
+      cudaGraph_t body = nullptr;
+      cudaStreamEndCapture(body_stream_, &body);
+      cudaGetLastError();
+    }
+  }
+  cudaGraphConditionalHandle handle(int step) override {
+    if (size_t(step) >= handles_->size()) handles_->resize(size_t(step) + 1, 0);
+    cudaGraphConditionalHandle& h = (*handles_)[size_t(step)];
+    // 0 at each launch of the graph until the step before sets it.
+    if (!h)
+      GGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&h, graph_, 0, cudaGraphCondAssignDefault));
+    return h;
+  }
+  void open(Launcher& l, int step) override {
+    const cudaGraphConditionalHandle h = handle(step);
+    close();
+    cudaStreamCaptureStatus status;
+    const cudaGraphNode_t* deps = nullptr;
+    size_t n_deps = 0;
+    GGRAPH_CUDA_CHECK(
+        cudaStreamGetCaptureInfo(stream_, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
+    cudaGraphNodeParams p = {};
+    p.type = cudaGraphNodeTypeConditional;
+    p.conditional.handle = h;
+    p.conditional.type = cudaGraphCondTypeIf;
+    p.conditional.size = 1;
+    cudaGraphNode_t node = nullptr;
+    GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph_, deps, nullptr, n_deps, &p));
+    GGRAPH_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream_, &node, nullptr, 1,
+                                                          cudaStreamSetCaptureDependencies));
+    GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream_, p.conditional.phGraph_out[0],
+                                                    nullptr, nullptr, 0,
+                                                    cudaStreamCaptureModeThreadLocal));
+    open_ = true;
+    l.stream = body_stream_;
+  }
+  // Ends the capture of the step body in progress.
+  void close() {
+    if (!open_) return;
+    open_ = false;
+    cudaGraph_t body = nullptr;
+    GGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream_, &body));
+  }
+
+ private:
+  cudaStream_t stream_, body_stream_;
+  std::vector<cudaGraphConditionalHandle>* handles_;
+  cudaGraph_t graph_ = nullptr;
+  bool open_ = false;
+};
+
+// Recording a step to compare it with an executable: the handles that executable's steps read.
+class GraphExecutor::ReplayGate : public StepGate {
+ public:
+  explicit ReplayGate(const std::vector<cudaGraphConditionalHandle>& handles) : handles_(handles) {}
+  cudaGraphConditionalHandle handle(int step) override {
+    return size_t(step) < handles_.size() ? handles_[size_t(step)] : 0;
+  }
+  void open(Launcher&, int) override {}
+
+ private:
+  const std::vector<cudaGraphConditionalHandle>& handles_;
+};
+
+// Whether the driver makes conditional nodes (CUDA 12.4 and newer drivers).
+static bool conditional_nodes_work() {
+  cudaGraph_t g = nullptr;
+  if (cudaGraphCreate(&g, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaGraphConditionalHandle h = 0;
+  const bool ok = cudaGraphConditionalHandleCreate(&h, g, 0, 0) == cudaSuccess;
+  cudaGetLastError();
+  cudaGraphDestroy(g);
+  return ok;
+}
+
 GraphExecutor::GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug, bool pdl)
     : stream_(stream), mode_(mode), debug_(debug), pdl_(pdl) {
   recorded_.reserve(4096);
+  // Update mode captures every step anew, and an executable's conditional nodes cannot take
+  // another capture's handles: it would instantiate every chain.
+  gate_ = (mode == GraphMode::Patch || mode == GraphMode::Recapture) &&
+          env_int("GGRAPH_CUDA_CHAIN_GATE", 0, 1, 1) == 1 && conditional_nodes_work();
+  if (gate_) GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream_, cudaStreamNonBlocking));
 }
 
 GraphExecutor::~GraphExecutor() {
   for (auto& kv : cache_) release(kv.second);
+  if (body_stream_) cudaStreamDestroy(body_stream_);
 }
 
 void GraphExecutor::forget_all() {
@@ -36,14 +137,16 @@ void GraphExecutor::release(Entry& e) {
   if (e.graph) cudaGraphDestroy(e.graph);
   e.exec = nullptr;
   e.graph = nullptr;
+  e.handles.clear();
 }
 
 void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
-                            std::vector<KernelLaunch>* launches,
-                            std::vector<cudaGraphNode_t>* nodes) {
+                            std::vector<KernelLaunch>* launches, std::vector<cudaGraphNode_t>* nodes,
+                            bool gate, std::vector<cudaGraphConditionalHandle>* handles) {
   const auto t0 = std::chrono::steady_clock::now();
   launches->clear();
   nodes->clear();
+  if (handles) handles->clear();
   GGRAPH_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   Launcher L;
   L.stream = stream_;
@@ -52,7 +155,13 @@ void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
   L.record = launches;
   L.captured_nodes = nodes;
   try {
+    std::unique_ptr<CaptureGate> steps;
+    if (gate && handles) {
+      steps = std::make_unique<CaptureGate>(stream_, body_stream_, handles);
+      L.gate = steps.get();
+    }
     launch_all(L);
+    if (steps) steps->close();
   } catch (...) {
     cudaGraph_t broken = nullptr;
     cudaStreamEndCapture(stream_, &broken);
@@ -84,8 +193,11 @@ static void set_kernel_params(KernelLaunch& k, cudaKernelNodeParams* p, void** p
 
 void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
                                           std::vector<KernelLaunch>& launches,
-                                          std::vector<cudaGraphNode_t>& nodes) {
-  if (e.exec && e.launches.size() == launches.size()) {
+                                          std::vector<cudaGraphNode_t>& nodes,
+                                          std::vector<cudaGraphConditionalHandle>& handles) {
+  // An executable's conditional nodes keep their handles through an update, while the new
+  // capture's kernels name its own: such a graph is instantiated anew.
+  if (e.exec && e.launches.size() == launches.size() && handles.empty() && e.handles.empty()) {
     cudaGraphExecUpdateResultInfo info;
     if (cudaGraphExecUpdate(e.exec, graph, &info) == cudaSuccess) {
       stats_.exec_updates += 1;
@@ -107,6 +219,7 @@ void GraphExecutor::update_or_instantiate(Entry& e, cudaGraph_t graph,
   e.graph = graph;
   e.launches.swap(launches);
   e.nodes.swap(nodes);
+  e.handles.swap(handles);
   e.stale.assign(e.nodes.size(), 0);
   instantiate(e);
 }
@@ -150,17 +263,22 @@ static bool same_topology(const std::vector<KernelLaunch>& a, const std::vector<
   return true;
 }
 
-void GraphExecutor::record_step(const LaunchAll& launches) {
+void GraphExecutor::record_step(const LaunchAll& launches, const Entry* with) {
   recorded_.clear();
   Launcher L;
   L.stream = stream_;
   L.pdl = pdl_;
   L.execute = false;
   L.record = &recorded_;
+  std::optional<ReplayGate> steps;
+  if (with && !with->handles.empty()) {
+    steps.emplace(with->handles);
+    L.gate = &*steps;
+  }
   launches(L);
 }
 
-void GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
+cudaError_t GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
   KernelLaunch applied = want;
   if (corrupt_next_patch_) {
     applied.args[0] ^= 0x40;  // flips a bit of the first argument
@@ -169,17 +287,26 @@ void GraphExecutor::patch_node(Entry& e, size_t i, const KernelLaunch& want) {
   void* ptrs[KernelLaunch::kMaxArgs];
   cudaKernelNodeParams p;
   set_kernel_params(applied, &p, ptrs);
-  GGRAPH_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p));
+  const cudaError_t err = cudaGraphExecKernelNodeSetParams(e.exec, e.nodes[i], &p);
+  if (err != cudaSuccess) return err;
   e.launches[i] = applied;
   e.stale[i] = 1;  // the captured graph catches up when someone looks at it
   stats_.kernel_nodes_patched += 1;
+  return cudaSuccess;
 }
 
-void GraphExecutor::patch(Entry& e) {
+bool GraphExecutor::patch(Entry& e) {
   for (size_t i = 0; i < recorded_.size(); ++i) {
     const KernelLaunch& want = recorded_[i];
-    if (!want.same_args(e.launches[i])) patch_node(e, i, want);
+    if (want.same_args(e.launches[i])) continue;
+    const cudaError_t err = patch_node(e, i, want);
+    if (err == cudaSuccess) continue;
+    // A node inside a conditional step's body the driver would not patch: capture again.
+    if (e.handles.empty()) GGRAPH_CUDA_CHECK(err);
+    cudaGetLastError();
+    return false;
   }
+  return true;
 }
 
 void GraphExecutor::check_nodes(const Entry& e,
@@ -231,7 +358,8 @@ bool GraphExecutor::patch_kv_launches(Entry& e, const LaunchAll& launch_kv) {
     if (size_t(k.index) >= e.launches.size() || !k.same_shape(e.launches[size_t(k.index)]))
       return false;
   for (const KernelLaunch& want : recorded_)
-    if (!want.same_args(e.launches[size_t(want.index)])) patch_node(e, size_t(want.index), want);
+    if (!want.same_args(e.launches[size_t(want.index)]))
+      GGRAPH_CUDA_CHECK(patch_node(e, size_t(want.index), want));
   stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t1).count();
   return true;
 }
@@ -251,7 +379,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   if (mode_ == GraphMode::Recapture) {
     Entry& e = entry_for(key);
     release(e);
-    capture(launch_all, &e.graph, &e.launches, &e.nodes);
+    capture(launch_all, &e.graph, &e.launches, &e.nodes, gate_, &e.handles);
     e.stale.assign(e.nodes.size(), 0);
     instantiate(e);
     launch(e);
@@ -261,7 +389,8 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
     Entry& e = entry_for(key);
     cudaGraph_t g = nullptr;
     capture(launch_all, &g, &captured_, &captured_nodes_);
-    update_or_instantiate(e, g, captured_, captured_nodes_);
+    captured_handles_.clear();
+    update_or_instantiate(e, g, captured_, captured_nodes_, captured_handles_);
     launch(e);
     return;
   }
@@ -275,17 +404,19 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   }
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  record_step(launch_all);
+  Entry& e = entry_for(key);
+  record_step(launch_all, &e);
   const auto t1 = Clock::now();
   stats_.record_us_total += std::chrono::duration<double, std::micro>(t1 - t0).count();
-  Entry& e = entry_for(key);
+  bool patched = false;
   if (e.exec && same_topology(recorded_, e.launches)) {
-    patch(e);
+    patched = patch(e);
     stats_.patch_us_total += std::chrono::duration<double, std::micro>(Clock::now() - t1).count();
-  } else {
+  }
+  if (!patched) {
     cudaGraph_t g = nullptr;
-    capture(launch_all, &g, &captured_, &captured_nodes_);
-    update_or_instantiate(e, g, captured_, captured_nodes_);
+    capture(launch_all, &g, &captured_, &captured_nodes_, gate_, &captured_handles_);
+    update_or_instantiate(e, g, captured_, captured_nodes_, captured_handles_);
   }
   if (debug_) {
     sync_graph(e);

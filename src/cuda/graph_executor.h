@@ -31,6 +31,8 @@ struct GraphStats {
   double build_us_total = 0, record_us_total = 0, patch_us_total = 0;
   // Tokens the steps computed (a sampled chain's steps, a batch's tokens) and kernels they ran.
   double tokens = 0, kernels = 0;
+  // Steps of sampled chains skipped after a stop id (conditional nodes); not in tokens.
+  double chain_steps_skipped = 0;
 };
 
 class GraphExecutor {
@@ -82,27 +84,37 @@ class GraphExecutor {
     std::vector<KernelLaunch> launches;
     std::vector<cudaGraphNode_t> nodes;
     std::vector<uint8_t> stale;  // node's parameters in `graph` lag behind the executable's
+    // The handles of a sampled chain's conditional steps, by step (0 for step 0), where the
+    // capture made them (StepGate).
+    std::vector<cudaGraphConditionalHandle> handles;
     uint64_t last_used = 0;
   };
+  class CaptureGate;
+  class ReplayGate;
 
   void run_mode(uint64_t key, const LaunchAll& launch_all,
                 const std::function<std::string(int)>& node_names, const LaunchAll& launch_kv);
   // The patch step of a graph known unchanged but for the launches launch_kv issues; false if
   // those do not fit the executable (another function, grid or argument layout).
   bool patch_kv_launches(Entry& e, const LaunchAll& launch_kv);
+  // gate: make a sampled chain's steps conditional nodes (into *handles).
   void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
-               std::vector<cudaGraphNode_t>* nodes);
+               std::vector<cudaGraphNode_t>* nodes, bool gate = false,
+               std::vector<cudaGraphConditionalHandle>* handles = nullptr);
   void instantiate(Entry& e);
   void release(Entry& e);
   // Applies a freshly captured graph to an entry's executable; instantiates anew if refused.
   // Takes the capture's launches and nodes (swapped out of the arguments).
   void update_or_instantiate(Entry& e, cudaGraph_t graph, std::vector<KernelLaunch>& launches,
-                             std::vector<cudaGraphNode_t>& nodes);
-  // Records the launches that `launches` issues into recorded_, without issuing them.
-  void record_step(const LaunchAll& launches);
-  // Patches the kernel nodes whose arguments differ from recorded_ (all launches recorded).
-  void patch(Entry& e);
-  void patch_node(Entry& e, size_t i, const KernelLaunch& want);
+                             std::vector<cudaGraphNode_t>& nodes,
+                             std::vector<cudaGraphConditionalHandle>& handles);
+  // Records the launches that `launches` issues into recorded_, without issuing them; with the
+  // conditional steps' handles of the executable it is compared with, where it has them.
+  void record_step(const LaunchAll& launches, const Entry* with = nullptr);
+  // Patches the kernel nodes whose arguments differ from recorded_ (all launches recorded);
+  // false if the driver refused a patch (the executable must then be captured again).
+  bool patch(Entry& e);
+  cudaError_t patch_node(Entry& e, size_t i, const KernelLaunch& want);
   void sync_graph(Entry& e);
   void check_nodes(const Entry& e, const std::function<std::string(int)>& node_names) const;
   void launch(Entry& e);
@@ -122,6 +134,11 @@ class GraphExecutor {
   std::vector<KernelLaunch> recorded_;  // this step's launches, reused between steps
   std::vector<KernelLaunch> captured_;  // a fresh capture's launches and nodes
   std::vector<cudaGraphNode_t> captured_nodes_;
+  std::vector<cudaGraphConditionalHandle> captured_handles_;
+  // Conditional steps (patch and recapture modes, where the driver has conditional nodes and
+  // GGRAPH_CUDA_CHAIN_GATE is not 0), and the stream a step's body is captured on.
+  bool gate_ = false;
+  cudaStream_t body_stream_ = nullptr;
   static constexpr size_t kMaxCached = 8;
 };
 

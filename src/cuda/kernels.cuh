@@ -258,9 +258,12 @@ size_t sample_work_bytes(int n_vocab);
 // where raw logits are +inf, 0 for those and -inf for the others; NaN without a token. The
 // penalty history of this step is the config's ids followed by tokens[0, step) (tokens that
 // earlier launches of a chain wrote); the draw index is config's draw (kDrawLo/Hi) + step. Two
-// kernels, one block per 1024 ids.
+// kernels, one block per 1024 ids. tokens[step + 1] (below k_total) becomes sample_word::kSkipped
+// until the next step writes it; and with `next` (a conditional node's handle, 0 for none) the
+// kernel sets that node's condition: 1 unless the token is -1 or one of config's stop ids.
 void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t* config,
-                   int32_t* tokens, int step, int k_total, void* work);
+                   int32_t* tokens, int step, int k_total, void* work,
+                   cudaGraphConditionalHandle next = 0);
 // Test hook: for i < n, philox4x32_10 (sampling_math.h) of the counter first + i under seed into
 // ours[4 i, 4 i + 4), and the (i + 1)-th curand4() of curand's Philox4_32_10 state initialized
 // with (seed, 0, 4 first) into theirs (host arrays), both computed on the device. False, with

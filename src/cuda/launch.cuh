@@ -75,6 +75,21 @@ struct KernelLaunch {
   }
 };
 
+class Launcher;
+
+// The steps of a sampled chain as CUDA graphs' conditional (IF) nodes: the kernels of step j >= 1
+// run only if step j - 1's sample kernel set step j's handle, which it does unless it sampled a
+// stop id. The graph executor supplies a gate where it captures or replays a graph; without one
+// (plain stream launches) every step runs.
+class StepGate {
+ public:
+  virtual ~StepGate() = default;
+  // The handle of step j's IF node (0: the step runs unconditionally).
+  virtual cudaGraphConditionalHandle handle(int step) = 0;
+  // The launches after this call make step j's body.
+  virtual void open(Launcher& l, int step) = 0;
+};
+
 class Launcher {
  public:
   cudaStream_t stream = nullptr;
@@ -84,6 +99,11 @@ class Launcher {
   // While the stream is being captured: the kernel node each launch became, in launch order.
   std::vector<cudaGraphNode_t>* captured_nodes = nullptr;
   int launches = 0;  // launches issued or recorded so far this step
+  StepGate* gate = nullptr;
+  cudaGraphConditionalHandle step_handle(int step) { return gate ? gate->handle(step) : 0; }
+  void open_step(int step) {
+    if (gate) gate->open(*this, step);
+  }
   // Launch with programmatic stream serialization (sm_90+): the next kernel's launch overlaps
   // this one's run; every kernel begins with pdl_wait() (cuda/device_util.cuh), which keeps
   // plain stream order for memory.

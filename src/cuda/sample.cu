@@ -724,10 +724,20 @@ __device__ uint32_t count_from_top(Shared& s, const uint32_t* counts, int n_tile
   return n <= cap ? uint32_t(n) : cap + 1;
 }
 
+// Where a step's sample goes: entry `step` of the chain's token words (k_total tokens, then their
+// log-probabilities), and the handle of the next step's conditional node (0: none).
+struct Out {
+  const int32_t* config;
+  int32_t* tokens;
+  int step, k_total;
+  cudaGraphConditionalHandle next;
+};
+
 // tokens[step] and the log-probability under the raw logits, as the CPU's Sample op gives it:
 // with +inf among them, 0 for those and -inf for the rest; NaN without a token (one thread).
-__device__ void write_token(const float* logits, const Totals& t, int32_t token, int32_t* tokens,
-                            int step, int k_total) {
+// The next entry reads kSkipped until its step runs, and that step runs only if this token is
+// not one of the config's stop ids.
+__device__ void write_token(const float* logits, const Totals& t, int32_t token, const Out& o) {
   float logprob = __int_as_float(0x7FC00000);  // NaN
   if (token >= 0) {
     const float raw = clean(logits[token]);
@@ -737,8 +747,15 @@ __device__ void write_token(const float* logits, const Totals& t, int32_t token,
       logprob = (raw - t.raw_m) - logf(t.raw_s);
     }
   }
-  tokens[step] = token;
-  tokens[k_total + step] = __float_as_int(logprob);
+  o.tokens[o.step] = token;
+  o.tokens[o.k_total + o.step] = __float_as_int(logprob);
+  if (o.step + 1 < o.k_total) o.tokens[o.step + 1] = sw::kSkipped;
+  if (o.next) {
+    bool go = token >= 0;
+    const int n_stop = min(o.config[sw::kNStop], sw::kMaxStop);
+    for (int i = 0; i < n_stop; ++i) go = go && o.config[sw::kStop + i] != token;
+    cudaGraphSetConditional(o.next, go ? 1u : 0u);
+  }
 }
 
 // ---- The kernels -----------------------------------------------------------------------------
@@ -879,20 +896,20 @@ enum Route {
 };
 
 // The cuts and the draw over the list, in the last block.
-__device__ void finish_list(Shared& s, int n, const Plan& p, const float* logits, int32_t* tokens,
-                            int step, int k_total) {
+__device__ void finish_list(Shared& s, int n, const Plan& p, const float* logits, const Out& o) {
   const int32_t token =
       n <= kThreads ? finish_sorted(s, n, p) : finish(s, ListSource{s.list.key, s.list.id, n}, p);
-  if (threadIdx.x == 0) write_token(logits, s.totals, token, tokens, step, k_total);
+  if (threadIdx.x == 0) write_token(logits, s.totals, token, o);
 }
 
 // One block a tile: the plan of the cuts, this tile's part of the list, and, in the last block
 // (or block 0, when the list would not hold every token the cuts reach), the cuts and the draw.
 __global__ void __launch_bounds__(kThreads, 1)
     sample_pick(const float* logits, int n_vocab, const int32_t* config, int32_t* tokens, int step,
-                int k_total, Work work) {
+                int k_total, Work work, cudaGraphConditionalHandle next) {
   __shared__ Shared s;
   pdl_begin();
+  const Out out{config, tokens, step, k_total, next};
   const int tid = threadIdx.x;
   const int tile = blockIdx.x;
   const int n_tiles = gridDim.x;
@@ -905,7 +922,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (t.valid == 0 || c.greedy()) {
     if (tile == 0 && tid == 0) {
       const int32_t token = t.valid == 0 ? -1 : int32_t(0xFFFFFFFFu - uint32_t(t.best));
-      write_token(logits, t, token, tokens, step, k_total);
+      write_token(logits, t, token, out);
     }
     return;
   }
@@ -953,7 +970,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (route == kWhole) {
     if (tile != 0) return;
     const int32_t token = finish(s, all, p);
-    if (tid == 0) write_token(logits, t, token, tokens, step, k_total);
+    if (tid == 0) write_token(logits, t, token, out);
     return;
   }
   BlockOps ops(s);
@@ -999,7 +1016,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
       n += int(chunk);
     }
-    finish_list(s, n, p, logits, tokens, step, k_total);
+    finish_list(s, n, p, logits, out);
     return;
   }
 
@@ -1033,7 +1050,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int g = s.found_digit;
     const KeySource that{work.keys + size_t(g) * kTile, 1, p.inf_mode};
     const int32_t token = g * kTile + find_by_id(ops, s, that, f, dw, r + 1 - s.found_acc);
-    if (tid == 0) write_token(logits, t, token, tokens, step, k_total);
+    if (tid == 0) write_token(logits, t, token, out);
     return;
   }
 
@@ -1075,11 +1092,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                       t.pos_inf, p.low, kListCap);
   if (n_list > kListCap) {
     const int32_t token = finish(s, all, p);
-    if (tid == 0) write_token(logits, t, token, tokens, step, k_total);
+    if (tid == 0) write_token(logits, t, token, out);
     return;
   }
   const int n = build_list(s, all, p.low);
-  finish_list(s, n, p, logits, tokens, step, k_total);
+  finish_list(s, n, p, logits, out);
 }
 
 #ifdef GGRAPH_HAVE_CURAND
@@ -1132,12 +1149,13 @@ size_t sample_work_bytes(int n_vocab) {
 }
 
 void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t* config,
-                   int32_t* tokens, int step, int k_total, void* work) {
+                   int32_t* tokens, int step, int k_total, void* work,
+                   cudaGraphConditionalHandle next) {
   const Work w = work_at(work, n_vocab);
   const dim3 grid(static_cast<unsigned>(ceil_div(n_vocab, kTile)));
   l(sample_scan, grid, dim3(kThreads), 0, logits, n_vocab, config,
     static_cast<const int32_t*>(tokens), step, w);
-  l(sample_pick, grid, dim3(kThreads), 0, logits, n_vocab, config, tokens, step, k_total, w);
+  l(sample_pick, grid, dim3(kThreads), 0, logits, n_vocab, config, tokens, step, k_total, w, next);
 }
 
 bool philox_against_curand(uint64_t seed, uint64_t first, int n, uint32_t* ours, uint32_t* theirs) {

@@ -153,6 +153,63 @@ def test_graph_stats_count_the_tokens_of_each_launch(tiny_model):
     assert s["kernels_per_token"] > 0
 
 
+def _modes(device):
+    return ["off", "update", "recapture", "patch"] if device == "cuda" else [None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chain", [4, 8, 16])
+def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device, chain):
+    from ggraph.testing import Typed, write_random_gguf
+
+    prompt = [1, 17, 42, 99, 7]
+    free = [
+        t.token
+        for t in ggraph.Model(tiny_model, device=device, n_ctx=256).generate(
+            prompt, max_tokens=24, temperature=0.0, ignore_eos=True, chain=1, logprobs=0
+        )
+    ]
+    # The same weights with a token the greedy text first reaches a few steps in as the end of
+    # generation: a chain's later steps are skipped where the graph has conditional steps.
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    path = str(tmp_path / "eos.gguf")
+    write_random_gguf(
+        path,
+        shape="tiny",
+        weight_type="Q4_1",
+        seed=1,
+        metadata={"tokenizer.ggml.eos_token_id": Typed("uint32", free[at])},
+    )
+    ref = ggraph.Model(path, device=device, n_ctx=256)
+    want = [
+        t.token
+        for t in ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1, logprobs=0)
+    ]
+    assert ref.stop_reason == "eos"
+    assert want[:at] == free[:at]
+    want_ctx = (ref.n_past, ref.eval([3]).tolist())
+    for mode in _modes(device):
+        kw = {"cuda_graphs": mode} if mode else {}
+        m = ggraph.Model(path, device=device, n_ctx=256, **kw)
+        got = [
+            t.token
+            for t in m.generate(prompt, max_tokens=24, temperature=0.0, chain=chain, logprobs=0)
+        ]
+        assert got == want, mode
+        assert m.stop_reason == "eos"
+        # The context a step at a time leaves: the prompt and the tokens before the end.
+        assert m.n_past == want_ctx[0]
+        skipped = m.graph_stats.get("chain_steps_skipped", 0) if device == "cuda" else 0
+        assert m.eval([3]).tolist() == pytest.approx(want_ctx[1], abs=1e-4)
+        # The first token comes from the prompt's logits, the others from chains of at most
+        # `chain` steps (fewer where max_tokens ends one): the steps after the end's are
+        # skipped in the modes that have conditional steps.
+        start = 1 + (at - 1) // chain * chain
+        steps = min(chain, 24 - start)
+        expected = steps - 1 - (at - start) if mode in ("patch", "recapture") else 0
+        assert skipped == expected, mode
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stop_after", [1, 3, 8, 9])
 def test_a_loop_left_early_leaves_the_context_of_a_step_at_a_time(tiny_model, device, stop_after):
