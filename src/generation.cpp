@@ -110,10 +110,9 @@ int32_t Generation::next_chained(float* logprob) {
     // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
     // The steps after an end-of-generation token may be skipped, unless those are ignored.
     const std::vector<int32_t>& eog = ctx_.tokenizer().end_of_generation();
-    const int made = ctx_.decode_sampled(chain_first_, k, p, sampler_.seed(), sampler_.draws(),
-                                         tokens.data(), logprobs.data(),
-                                         opt_.ignore_eos ? nullptr : eog.data(),
-                                         opt_.ignore_eos ? 0 : eog.size());
+    const int made = ctx_.decode_sampled(
+        chain_first_, k, p, sampler_.seed(), sampler_.draws(), tokens.data(), logprobs.data(),
+        opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
     tokens.resize(static_cast<size_t>(made));
     logprobs.resize(static_cast<size_t>(made));
     if (!sample_is_greedy(p.temperature, p.top_k)) sampler_.set_draws(sampler_.draws() + made);

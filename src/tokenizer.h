@@ -32,8 +32,9 @@ class Tokenizer {
   bool add_bos_default() const { return add_bos_; }
   // SentencePiece vocabularies prefix text with a space; detokenize drops it again.
   bool add_space_prefix() const { return add_space_prefix_; }
-  bool is_end_of_generation(int32_t id) const;              // EOS, EOT and the like
-  const std::vector<int32_t>& end_of_generation() const { return end_of_generation_; }  // sorted
+  bool is_end_of_generation(int32_t id) const;  // EOS, EOT and the like
+  // Those ids, ascending.
+  const std::vector<int32_t>& end_of_generation() const { return end_of_generation_; }
   const std::string& model_name() const { return model_; }  // "gpt2" | "llama"
   const std::string& pre_name() const { return pre_; }
 

@@ -43,7 +43,8 @@ class GraphExecutor::CaptureGate : public StepGate {
     cudaGraphConditionalHandle& h = (*handles_)[size_t(step)];
     // 0 at each launch of the graph until the step before sets it.
     if (!h)
-      GGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&h, graph_, 0, cudaGraphCondAssignDefault));
+      GGRAPH_CUDA_CHECK(
+          cudaGraphConditionalHandleCreate(&h, graph_, 0, cudaGraphCondAssignDefault));
     return h;
   }
   void open(Launcher& l, int step) override {
@@ -141,8 +142,9 @@ void GraphExecutor::release(Entry& e) {
 }
 
 void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
-                            std::vector<KernelLaunch>* launches, std::vector<cudaGraphNode_t>* nodes,
-                            bool gate, std::vector<cudaGraphConditionalHandle>* handles) {
+                            std::vector<KernelLaunch>* launches,
+                            std::vector<cudaGraphNode_t>* nodes, bool gate,
+                            std::vector<cudaGraphConditionalHandle>* handles) {
   const auto t0 = std::chrono::steady_clock::now();
   launches->clear();
   nodes->clear();

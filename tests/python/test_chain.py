@@ -182,8 +182,7 @@ def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device
     )
     ref = ggraph.Model(path, device=device, n_ctx=256)
     want = [
-        t.token
-        for t in ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1, logprobs=0)
+        t.token for t in ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1, logprobs=0)
     ]
     assert ref.stop_reason == "eos"
     assert want[:at] == free[:at]
