@@ -200,8 +200,8 @@ Context::Context(const std::string& path, const ContextOptions& o) {
 
   // Size the buffers once, from the largest graph: a full batch with every logit.
   Graph worst;
-  Batch b;
-  build(worst, b, n_batch_, n_batch_, 0);
+  StepGraph worst_inputs;
+  build(worst_inputs, worst, n_batch_, n_batch_, 0);
   plan_graph(worst);
   size_t scratch = worst.scratch_size, inputs = worst.input_size;
   if (seqs_.size() > 1) {
@@ -503,7 +503,7 @@ void Context::close_sequence(int id) {
   seqs_[size_t(id)].n_past = 0;
   seqs_[size_t(id)].kv_lost = 0;
   seqs_[size_t(id)].tokens.clear();
-  seqs_[size_t(id)].step_graph.reset();
+  for (StepGraph& step : seqs_[size_t(id)].steps) step = StepGraph();
   seqs_[size_t(id)].chains.clear();
 }
 
@@ -530,16 +530,17 @@ const Tokenizer& Context::tokenizer() const {
   return *tokenizer_;
 }
 
-void Context::build(Graph& graph, Batch& b, int n_tokens, int n_outputs, int n_past,
+void Context::build(StepGraph& step, Graph& graph, int n_tokens, int n_outputs, int n_past,
                     bool embeddings) {
-  live().in_tokens.resize(n_tokens);
-  live().in_positions.resize(n_tokens);
-  std::iota(live().in_positions.begin(), live().in_positions.end(), n_past);
-  live().in_out_ids.resize(n_outputs);
-  std::iota(live().in_out_ids.begin(), live().in_out_ids.end(), n_tokens - n_outputs);
-  b.tokens = live().in_tokens.data();
-  b.positions = live().in_positions.data();
-  b.out_ids = live().in_out_ids.data();
+  step.in_tokens.resize(n_tokens);
+  step.in_positions.resize(n_tokens);
+  std::iota(step.in_positions.begin(), step.in_positions.end(), n_past);
+  step.in_out_ids.resize(n_outputs);
+  std::iota(step.in_out_ids.begin(), step.in_out_ids.end(), n_tokens - n_outputs);
+  Batch b;
+  b.tokens = step.in_tokens.data();
+  b.positions = step.in_positions.data();
+  b.out_ids = step.in_out_ids.data();
   b.n_tokens = n_tokens;
   b.n_outputs = n_outputs;
   b.n_past = n_past;
@@ -569,22 +570,30 @@ std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logit
     const int chunk = int(std::min<size_t>(n_batch_, n - start));
     const int n_out = all_logits ? chunk : 1;
     const auto t0 = std::chrono::steady_clock::now();
-    if (live().step_graph && live().step_tokens == chunk && live().step_outputs == n_out) {
-      live().step_graph->shift_kv(n_past - live().step_n_past);
-      std::iota(live().in_positions.begin(), live().in_positions.end(), n_past);
+    // This shape's graph, or the place of the one that ran longest ago.
+    Sequence& seq = live();
+    StepGraph* step = nullptr;
+    for (StepGraph& g : seq.steps)
+      if (g.graph && g.tokens == chunk && g.outputs == n_out) step = &g;
+    if (step) {
+      step->graph->shift_kv(n_past - step->n_past);
+      std::iota(step->in_positions.begin(), step->in_positions.end(), n_past);
     } else {
-      live().step_graph.reset();  // a failed build must not leave a half-made graph behind
+      step = &seq.steps[0];
+      for (StepGraph& g : seq.steps)
+        if (!g.graph || g.used < step->used) step = &g;
+      step->graph.reset();  // a failed build must not leave a half-made graph behind
       auto graph = std::make_unique<Graph>();
-      Batch b;
-      build(*graph, b, chunk, n_out, n_past);
+      build(*step, *graph, chunk, n_out, n_past);
       plan_graph(*graph);
-      live().step_graph = std::move(graph);
-      live().step_tokens = chunk;
-      live().step_outputs = n_out;
+      step->graph = std::move(graph);
+      step->tokens = chunk;
+      step->outputs = n_out;
     }
-    live().step_n_past = n_past;
-    std::copy(tokens + start, tokens + start + chunk, live().in_tokens.begin());
-    const Graph& graph = *live().step_graph;
+    step->n_past = n_past;
+    step->used = ++seq.clock;
+    std::copy(tokens + start, tokens + start + chunk, step->in_tokens.begin());
+    const Graph& graph = *step->graph;
     backend_->add_host_time(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     // Earlier chunks only fill the KV cache; their logit row is overwritten by the last. A
@@ -870,12 +879,11 @@ std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
   const int n_tok = int(n);
   std::vector<float> out(size_t(model_->n_embd) * n);
   try {
-    live().step_graph.reset();  // its own graph shape: the decode graph is rebuilt after
+    StepGraph step;  // a graph and inputs of its own: the sequence's step graphs stay
     Graph graph;
-    Batch b;
-    build(graph, b, n_tok, n_tok, 0, /*embeddings=*/true);
+    build(step, graph, n_tok, n_tok, 0, /*embeddings=*/true);
     plan_graph(graph);
-    std::copy(tokens, tokens + n, live().in_tokens.begin());
+    std::copy(tokens, tokens + n, step.in_tokens.begin());
     backend_->compute(graph, out.data());
   } catch (...) {
     kv_rows_from_host(saved.data(), kept);

@@ -202,7 +202,16 @@ class Context {
   const std::string& device() const { return device_; }
 
  private:
-  void build(Graph& graph, Batch& batch, int n_tokens, int n_outputs, int n_past,
+  // A planned step graph of one batch shape over the selected sequence's cache, and the host
+  // inputs its input tensors point at.
+  struct StepGraph {
+    std::unique_ptr<Graph> graph;
+    int tokens = 0, outputs = 0, n_past = 0;
+    std::vector<int32_t> in_tokens, in_positions, in_out_ids;
+    uint64_t used = 0;  // when it last ran (Sequence::clock)
+  };
+  // Builds step's graph (into step.graph's place, not yet planned) for n_tokens tokens at n_past.
+  void build(StepGraph& step, Graph& graph, int n_tokens, int n_outputs, int n_past,
              bool embeddings = false);
   // The graph of one token of each of m sequences, planned, and its host inputs: it depends on
   // m alone, so that a step of any m sequences at any positions runs it after set_decode_inputs.
@@ -270,12 +279,12 @@ class Context {
     int kv_lost = 0;
     std::vector<int32_t> tokens;
     bool open = false;
-    // Its last step's planned graph (over its own cache): a step of the same batch shape
-    // reuses it, shifted to the new position, instead of building and planning again; and the
-    // host inputs that graph's input tensors point at.
-    std::unique_ptr<Graph> step_graph;
-    int step_tokens = 0, step_outputs = 0, step_n_past = 0;
-    std::vector<int32_t> in_tokens, in_positions, in_out_ids;
+    // Its last steps' planned graphs (over its own cache), of two batch shapes at most: a step
+    // of one of those shapes reuses its graph, shifted to the new position, instead of building
+    // and planning again, so that a prompt's chunks and the one-token steps of the generation
+    // after it each keep theirs.
+    StepGraph steps[2];
+    uint64_t clock = 0;
     // Its sampled chains' graphs (decode_sampled) by steps and penalty window, each reused as
     // the step graph is, with the host inputs it points at.
     std::map<std::pair<int, int>, ChainStep> chains;

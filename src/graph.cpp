@@ -294,9 +294,14 @@ Tensor* Graph::attention_seqs(Tensor* q, Tensor* k_pool, Tensor* v_pool, Tensor*
 }
 
 void Graph::shift_kv(int32_t delta) {
-  for (Tensor* t : nodes_) {
-    const int slots = t->op == Op::KvStore ? 1 : t->op == Op::Attention ? 2 : 0;
-    for (int i = 0; i < slots; ++i) t->kv[i] += delta;
+  // A step's graph is shifted once a step, and its KV nodes are a few of its nodes.
+  for (; kv_scanned_ < nodes_.size(); ++kv_scanned_) {
+    Tensor* t = nodes_[kv_scanned_];
+    if (t->op == Op::KvStore || t->op == Op::Attention) kv_nodes_.push_back(t);
+  }
+  for (Tensor* t : kv_nodes_) {
+    t->kv[0] += delta;
+    if (t->op == Op::Attention) t->kv[1] += delta;
   }
 }
 

@@ -167,6 +167,10 @@ class Graph {
                          int head_dim, float scale, int window);
   std::deque<Tensor> storage_;  // stable addresses
   std::vector<Tensor*> nodes_;
+  // The nodes shift_kv moves, found at its first call after the graph last grew (of nodes_'s
+  // first kv_scanned_ entries).
+  std::vector<Tensor*> kv_nodes_;
+  size_t kv_scanned_ = 0;
   Tensor* output_ = nullptr;
 };
 
