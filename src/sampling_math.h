@@ -157,6 +157,7 @@ constexpr int kNStop = 14;
 constexpr int kStop = 16;  // kMaxStop words
 constexpr int kMaxStop = 8;
 constexpr int kHeader = 24;  // the history's first word
+static_assert(kNStop < kStop && kStop + kMaxStop <= kHeader, "the header's words overlap");
 // A chain's token entry for a step that did not run, an earlier step having sampled a stop id
 // (-1 is a step that found nothing to sample).
 constexpr int32_t kSkipped = -2;

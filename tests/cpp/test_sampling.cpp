@@ -744,6 +744,37 @@ TEST(SamplingOnce, EachCallEqualsANewSampler) {
   }
 }
 
+TEST(SamplingConfig, StopIdsLieBetweenTheParametersAndTheHistory) {
+  namespace w = sample_word;
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.penalty_last_n = 3;
+  p.repeat_penalty = 1.5f;
+  const int32_t history[4] = {6, 7, 8, 9};
+  const std::vector<int32_t> stops = {2, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+  std::vector<int32_t> with(w::kHeader + 3, -7), without(w::kHeader + 3, -7);
+  fill_sample_config(p, 5, 0, history, 4, 3, with.data(), stops.data(), stops.size());
+  fill_sample_config(p, 5, 0, history, 4, 3, without.data());
+  // The first kMaxStop ids are kept; a generation with more stops the others on the host.
+  ASSERT_EQ(with[w::kNStop], w::kMaxStop);
+  for (int i = 0; i < w::kMaxStop; ++i) EXPECT_EQ(with[w::kStop + i], stops[size_t(i)]);
+  EXPECT_EQ(without[w::kNStop], 0);
+  // The history's last `window` ids follow the header either way.
+  for (const std::vector<int32_t>* c : {&with, &without}) {
+    EXPECT_EQ((*c)[w::kNHistory], 3);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ((*c)[w::kHeader + i], history[i + 1]);
+  }
+  // And the stop ids change no sample: the Sample op picks the same token under both.
+  std::vector<float> logits(32);
+  for (int i = 0; i < 32; ++i) logits[size_t(i)] = float((i * 7) % 11);
+  Sampler a(p), b(p);
+  std::vector<int32_t> ta(4, 0), tb(4, 0);
+  run_sample_op(logits.data(), 32, with.data(), ta.data(), 0, 2, a);
+  run_sample_op(logits.data(), 32, without.data(), tb.data(), 0, 2, b);
+  EXPECT_EQ(ta, tb);
+  EXPECT_GE(ta[0], 0);
+}
+
 TEST(SamplingSeed, RandomSeedsDifferFromCallToCall) {
   std::vector<uint64_t> seeds;
   for (int i = 0; i < 1000; ++i) seeds.push_back(Sampler(SamplingParams{}).seed());
