@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   plan(g);
   // Record mode never dereferences these: host buffers of plausible size stand in.
   std::vector<uint8_t> scratch(g.scratch_size + 4096), input(4096), act(64 << 20), attn(64 << 20);
+  std::vector<unsigned> counters(1 << 16);
   cuda::DeviceBuffers buf{};
   buf.scratch = scratch.data();
   buf.input = input.data();
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
   buf.act_bytes = act.size();
   buf.attn = reinterpret_cast<float*>(attn.data());
   buf.attn_bytes = attn.size();
+  buf.attn_counters = counters.data();
   std::vector<int32_t> kv_record(cuda::kMaxKvSlots);
   buf.kv_record = kv_record.data();
 
