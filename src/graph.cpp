@@ -297,12 +297,10 @@ void Graph::shift_kv(int32_t delta) {
   // A step's graph is shifted once a step, and its KV nodes are a few of its nodes.
   for (; kv_scanned_ < nodes_.size(); ++kv_scanned_) {
     Tensor* t = nodes_[kv_scanned_];
-    if (t->op == Op::KvStore || t->op == Op::Attention) kv_nodes_.push_back(t);
+    if (t->n_kv() > 0) kv_nodes_.push_back(t);
   }
-  for (Tensor* t : kv_nodes_) {
-    t->kv[0] += delta;
-    if (t->op == Op::Attention) t->kv[1] += delta;
-  }
+  for (Tensor* t : kv_nodes_)
+    for (int i = 0; i < t->n_kv(); ++i) t->kv[i] += delta;
 }
 
 Tensor* Graph::glu(Tensor* gate, Tensor* up, int32_t act) {

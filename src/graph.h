@@ -69,6 +69,9 @@ struct Tensor {
   // position of the first query). They change every decode step without changing topology:
   // the CUDA graph executor patches them in place.
   int32_t kv[2] = {0, 0};
+  // How many of kv are in use (what Graph::shift_kv moves): a KvStore's row, an Attention's
+  // length and first position.
+  int n_kv() const { return op == Op::KvStore ? 1 : op == Op::Attention ? 2 : 0; }
   size_t offset = 0;     // Scratch: from the planner. Input: in the input buffer.
   void* data = nullptr;  // Weight/Kv: backend memory. Input: host source data.
   int index = -1;        // position in Graph::nodes

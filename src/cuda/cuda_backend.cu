@@ -458,8 +458,7 @@ void kv_layout(const Graph& graph, KvLayout* layout) {
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Tensor* t = nodes[i];
     // The KV parameters Graph::shift_kv moves.
-    const int n_kv = t->op == Op::KvStore ? 1 : t->op == Op::Attention ? 2 : 0;
-    for (int k = 0; k < n_kv; ++k) {
+    for (int k = 0; k < t->n_kv(); ++k) {
       const int32_t value = t->kv[k];
       int slot = layout->slot_of(value);
       if (slot < 0) {

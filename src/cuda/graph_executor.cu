@@ -29,7 +29,6 @@ class GraphExecutor::CaptureGate : public StepGate {
       : stream_(stream), body_stream_(body_stream), handles_(handles) {
     cudaStreamCaptureStatus status;
     GGRAPH_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, nullptr, &graph_));
-    handles_->clear();
   }
   ~CaptureGate() override {
     if (open_) {  // an exception left a body open: end it, discarding what it captured
@@ -143,7 +142,7 @@ void GraphExecutor::release(Entry& e) {
 
 void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
                             std::vector<KernelLaunch>* launches,
-                            std::vector<cudaGraphNode_t>* nodes, bool gate,
+                            std::vector<cudaGraphNode_t>* nodes,
                             std::vector<cudaGraphConditionalHandle>* handles) {
   const auto t0 = std::chrono::steady_clock::now();
   launches->clear();
@@ -158,7 +157,7 @@ void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
   L.captured_nodes = nodes;
   try {
     std::unique_ptr<CaptureGate> steps;
-    if (gate && handles) {
+    if (handles) {
       steps = std::make_unique<CaptureGate>(stream_, body_stream_, handles);
       L.gate = steps.get();
     }
@@ -381,7 +380,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   if (mode_ == GraphMode::Recapture) {
     Entry& e = entry_for(key);
     release(e);
-    capture(launch_all, &e.graph, &e.launches, &e.nodes, gate_, &e.handles);
+    capture(launch_all, &e.graph, &e.launches, &e.nodes, gate_ ? &e.handles : nullptr);
     e.stale.assign(e.nodes.size(), 0);
     instantiate(e);
     launch(e);
@@ -417,7 +416,7 @@ void GraphExecutor::run_mode(uint64_t key, const LaunchAll& launch_all,
   }
   if (!patched) {
     cudaGraph_t g = nullptr;
-    capture(launch_all, &g, &captured_, &captured_nodes_, gate_, &captured_handles_);
+    capture(launch_all, &g, &captured_, &captured_nodes_, gate_ ? &captured_handles_ : nullptr);
     update_or_instantiate(e, g, captured_, captured_nodes_, captured_handles_);
   }
   if (debug_) {

@@ -97,9 +97,9 @@ class GraphExecutor {
   // The patch step of a graph known unchanged but for the launches launch_kv issues; false if
   // those do not fit the executable (another function, grid or argument layout).
   bool patch_kv_launches(Entry& e, const LaunchAll& launch_kv);
-  // gate: make a sampled chain's steps conditional nodes (into *handles).
+  // With handles: a sampled chain's steps become conditional nodes, their handles into it.
   void capture(const LaunchAll& launch_all, cudaGraph_t* graph, std::vector<KernelLaunch>* launches,
-               std::vector<cudaGraphNode_t>* nodes, bool gate = false,
+               std::vector<cudaGraphNode_t>* nodes,
                std::vector<cudaGraphConditionalHandle>* handles = nullptr);
   void instantiate(Entry& e);
   void release(Entry& e);
