@@ -126,7 +126,7 @@ def run_bench(
             per = steps if name.startswith("tg") else stats.get("tokens", 0)
             if per and name.startswith(("tg", "gen")):
                 row["host_us_per_step"] = stats.get("host_us_total", 0.0) / per
-                for part in ("build", "record", "patch"):
+                for part in ("build", "input", "record", "patch", "launch"):
                     row[f"{part}_us_per_step"] = stats.get(f"{part}_us_total", 0.0) / per
                 row["patched_nodes_per_step"] = stats.get("kernel_nodes_patched", 0.0) / per
             rows.append(row)

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -494,23 +496,58 @@ bool refresh_kv_values(const Graph& graph, KvLayout* layout) {
   return true;
 }
 
+namespace {
+
+// The values validate_node accepts for a KV node's value k, all else about the node fixed.
+void kv_range(const Tensor* t, int k, int32_t* lo, int32_t* hi) {
+  constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
+  *lo = 0;
+  *hi = kMax;
+  if (t->op == Op::KvStore) {
+    const Tensor* cache = kv_target(t);
+    if (!cache->params[kKvRing]) *hi = int32_t(cache->ne[1] - t->src[0]->ne[1]);
+  } else if (k == kAttnNKv) {
+    for (int i = 1; i <= 2; ++i) {
+      const Tensor* c = cache_of(t->src[i]);
+      if (!c->params[kKvRing]) *hi = std::min(*hi, int32_t(c->ne[1]));
+    }
+  }
+}
+
+}  // namespace
+
 void plan_reuse(const Graph& graph, ReusePlan* plan) {
   plan->recheck.clear();
+  plan->kv_checks.clear();
   plan->inputs.clear();
   const std::vector<Tensor*>& nodes = graph.nodes();
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Tensor* t = nodes[i];
     const bool input_ids = t->op == Op::GetRows && t->src[1] &&
                            t->src[1]->storage == Storage::Input && t->src[1]->data;
-    if (t->op == Op::KvStore || t->op == Op::Attention || input_ids)
-      plan->recheck.push_back(static_cast<int>(i));
+    if (input_ids) plan->recheck.push_back(static_cast<int>(i));
+    for (int k = 0; k < t->n_kv(); ++k) {
+      ReusePlan::KvCheck c{static_cast<int>(i), k, 0, 0};
+      kv_range(t, k, &c.lo, &c.hi);
+      plan->kv_checks.push_back(c);
+    }
     if (t->storage == Storage::Input) plan->inputs.push_back(static_cast<int>(i));
   }
   kv_layout(graph, &plan->kv);
 }
 
 bool check_reused(const Graph& graph, ReusePlan* plan) {
-  for (int i : plan->recheck) validate_node(graph.nodes()[size_t(i)]);
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  for (int i : plan->recheck) validate_node(nodes[size_t(i)]);
+  for (const ReusePlan::KvCheck& c : plan->kv_checks) {
+    const Tensor* t = nodes[size_t(c.node)];
+    const int32_t v = t->kv[c.kv];
+    if (v < c.lo || v > c.hi) {
+      validate_node(t);  // names the fault
+      bad_node(t, "KV value " + std::to_string(v) + " outside " + std::to_string(c.lo) + ".." +
+                      std::to_string(c.hi));
+    }
+  }
   if (refresh_kv_values(graph, &plan->kv)) return true;
   kv_layout(graph, &plan->kv);
   return false;
@@ -1709,14 +1746,19 @@ class CudaBackend : public Backend {
     const auto t_enter = std::chrono::steady_clock::now();
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     const std::vector<Tensor*>& nodes = graph.nodes();
-    // The graph object the last step ran, shifted since, on the same buffers: only its KV
-    // parameters and its inputs' values can have changed.
-    const bool same_graph = graph.serial == last_graph_serial_ && buffers_version_ == last_version_;
-    last_graph_serial_ = 0;  // unknown until this step has run
-    // Whether the step's launches are the last step's but for the KV record's values.
+    if (!graph.output()) throw ArgumentError("cuda: the graph has no output");
+    // One executable per batch shape (topology_key); a changed topology within it is applied
+    // to that executable with cudaGraphExecUpdate.
+    const uint64_t batch_key = topology_key(graph);
+    // The graph object the last step of this shape ran, shifted since, on the same buffers: only
+    // its KV parameters and its inputs' values can have changed.
+    Reuse& reuse = reuse_for(batch_key);
+    const bool same_graph = graph.serial == reuse.serial && buffers_version_ == reuse.version;
+    reuse.serial = 0;  // unknown until this step has run
+    // Whether the step's launches are the last step's of this shape but for the KV record's.
     bool kv_only = false;
     if (same_graph && !debug_) {
-      kv_only = check_reused(graph, &reuse_);
+      kv_only = check_reused(graph, &reuse.plan);
     } else {
       validate_graph(graph);
       if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
@@ -1732,12 +1774,13 @@ class CudaBackend : public Backend {
                  "attention counters"))
         GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
       ensure(sample_work_, sample_work_bytes_, sample_workspace_bytes(graph), "sampling");
-      plan_reuse(graph, &reuse_);
+      plan_reuse(graph, &reuse.plan);
       prepare_blas(graph);
       prepare_rope_tables(graph);
     }
 
-    for (int i : reuse_.inputs) {
+    const auto t_input = std::chrono::steady_clock::now();
+    for (int i : reuse.plan.inputs) {
       const Tensor* t = nodes[size_t(i)];
       const size_t bytes = static_cast<size_t>(t->n_elements()) * elem_size(t->type);
       if (t->offset + bytes > input_bytes_)
@@ -1747,6 +1790,9 @@ class CudaBackend : public Backend {
     if (graph.input_size > 0)
       GGRAPH_CUDA_CHECK(cudaMemcpyAsync(input_, input_staging_, graph.input_size,
                                         cudaMemcpyHostToDevice, stream_));
+    executor_->mutable_stats().input_us_total +=
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_input)
+            .count();
 
     DeviceBuffers buf;
     buf.scratch = scratch_;
@@ -1766,15 +1812,12 @@ class CudaBackend : public Backend {
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
-    // One executable per batch shape (topology_key); a changed topology within it is applied
-    // to that executable with cudaGraphExecUpdate.
-    const uint64_t batch_key = topology_key(graph);
     // On a reused graph patch mode needs only the KV record's launch: no walk of the graph.
     GraphExecutor::LaunchAll launch_kv;
     if (kv_only && executor_->mode() == GraphMode::Patch)
-      launch_kv = [this](Launcher& l) { launch_kv_params(l, reuse_.kv.values, kv_record_); };
+      launch_kv = [&](Launcher& l) { launch_kv_params(l, reuse.plan.kv.values, kv_record_); };
     executor_->run(
-        batch_key, [&](Launcher& l) { launch_graph(graph, reuse_.kv, buf, l); },
+        batch_key, [&](Launcher& l) { launch_graph(graph, reuse.plan.kv, buf, l); },
         [&](int i) {
           if (i == -1) return std::string("the step's KV record");
           if (i < 0 || i >= static_cast<int>(nodes.size())) return std::string("?");
@@ -1782,8 +1825,8 @@ class CudaBackend : public Backend {
                  std::to_string(i) + ")";
         },
         launch_kv);
-    last_graph_serial_ = graph.serial;
-    last_version_ = buffers_version_;
+    reuse.serial = graph.serial;
+    reuse.version = buffers_version_;
     executor_->mutable_stats().tokens += graph.chain > 0 ? graph.chain : graph.n_tokens;
 
     const Tensor* o = graph.output();
@@ -1838,8 +1881,10 @@ class CudaBackend : public Backend {
         {"steps", s.steps},
         {"host_us_total", s.host_us_total},
         {"build_us_total", s.build_us_total},
+        {"input_us_total", s.input_us_total},
         {"record_us_total", s.record_us_total},
         {"patch_us_total", s.patch_us_total},
+        {"launch_us_total", s.launch_us_total},
         {"tokens", s.tokens},
         {"chain_steps_skipped", s.chain_steps_skipped},
         {"kernels", s.kernels},
@@ -1957,6 +2002,7 @@ class CudaBackend : public Backend {
                          [&](const RopeTable& h) { return same_rope_config(h, want); }),
           rope_tables_.end());
       rope_tables_.push_back(want);
+      ++buffers_version_;  // steps of other shapes read their tables anew
     }
   }
 
@@ -2008,11 +2054,29 @@ class CudaBackend : public Backend {
   std::unique_ptr<Blas> blas_;  // loaded on first need (prepare_blas)
   bool blas_tried_ = false;
   std::string blas_missing_;  // why it did not load
-  // What the last step ran: its graph and the buffers' generation (see compute).
-  uint64_t last_graph_serial_ = 0;
-  uint64_t buffers_version_ = 0, last_version_ = 0;
+  // The last step of a batch shape (topology_key): the graph it ran, the buffers' generation
+  // then, and its plan (see compute). A few shapes are kept, the least recently used dropped.
+  struct Reuse {
+    uint64_t serial = 0, version = 0, last_used = 0;
+    ReusePlan plan;
+  };
+  static constexpr size_t kMaxReused = 16;
+  Reuse& reuse_for(uint64_t key) {
+    auto it = reuse_.find(key);
+    if (it == reuse_.end()) {
+      if (reuse_.size() >= kMaxReused)
+        reuse_.erase(std::min_element(
+            reuse_.begin(), reuse_.end(),
+            [](const auto& a, const auto& b) { return a.second.last_used < b.second.last_used; }));
+      it = reuse_.emplace(key, Reuse()).first;
+    }
+    it->second.last_used = ++reuse_clock_;
+    return it->second;
+  }
+  std::map<uint64_t, Reuse> reuse_;
+  uint64_t reuse_clock_ = 0;
+  uint64_t buffers_version_ = 0;  // a step recorded in an older generation points at old buffers
   bool debug_ = false;
-  ReusePlan reuse_;                 // of the graph the last step ran
   int32_t* kv_record_ = nullptr;    // the step's KV record (kernels.cuh)
   std::vector<void*> allocations_;  // weights and KV caches, freed with the backend
   uint8_t* scratch_ = nullptr;

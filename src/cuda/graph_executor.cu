@@ -332,7 +332,10 @@ void GraphExecutor::check_nodes(const Entry& e,
 void GraphExecutor::launch(Entry& e) {
   e.last_used = ++clock_;
   current_ = &e;
+  const auto t0 = std::chrono::steady_clock::now();
   GGRAPH_CUDA_CHECK(cudaGraphLaunch(e.exec, stream_));
+  stats_.launch_us_total +=
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   stats_.replays += 1;
   key_stats_[key_].replays += 1;
   stats_.kernels += double(e.launches.size());

@@ -27,8 +27,10 @@ struct GraphStats {
   double capture_ms_total = 0;
   double steps = 0, host_us_total = 0;
   // Where patch mode's host time goes: graph build and planning (reported by the caller),
-  // the record pass over the step's launches, and the node patches.
-  double build_us_total = 0, record_us_total = 0, patch_us_total = 0;
+  // the input copy (the caller's), the record pass over the step's launches, the node patches
+  // and cudaGraphLaunch.
+  double build_us_total = 0, input_us_total = 0, record_us_total = 0, patch_us_total = 0;
+  double launch_us_total = 0;
   // Tokens the steps computed (a sampled chain's steps, a batch's tokens) and kernels they ran.
   double tokens = 0, kernels = 0;
   // Steps of sampled chains skipped after a stop id (conditional nodes); not in tokens.

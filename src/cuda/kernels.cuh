@@ -177,17 +177,24 @@ void validate_graph(const Graph& graph);
 // The same checks for one node.
 void validate_node(const Tensor* t);
 
-// What a step on the graph that the last step ran (shifted since by Graph::shift_kv) needs to
-// know of it, found once from the whole graph.
+// What a step on a graph that ran before (shifted since by Graph::shift_kv) needs to know of
+// it, found once from the whole graph.
 struct ReusePlan {
-  std::vector<int> recheck;  // nodes whose checks read per-step values: KV nodes, input ids
-  std::vector<int> inputs;   // input tensors, copied in every step
+  std::vector<int> recheck;  // nodes whose checks read input values: get_rows of token ids
+  // The range each KV value may take (validate_node's rule for it), so that a step checks
+  // values, not nodes.
+  struct KvCheck {
+    int node, kv;
+    int32_t lo, hi;
+  };
+  std::vector<KvCheck> kv_checks;
+  std::vector<int> inputs;  // input tensors, copied in every step
   KvLayout kv;
 };
 void plan_reuse(const Graph& graph, ReusePlan* plan);
-// Checks the nodes of plan->recheck again (throws ArgumentError as validate_graph does) and
-// reads the KV values into plan->kv; false (plan->kv made anew) when the launches must be
-// walked again (see refresh_kv_values).
+// Checks the nodes of plan->recheck again and the KV values against their ranges (throws
+// ArgumentError as validate_graph does) and reads the KV values into plan->kv; false (plan->kv
+// made anew) when the launches must be walked again (see refresh_kv_values).
 bool check_reused(const Graph& graph, ReusePlan* plan);
 
 // Launches the KV record's kernel with kv's values, then every node's kernels, on launcher (which

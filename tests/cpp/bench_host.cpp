@@ -109,9 +109,10 @@ int main(int argc, char** argv) {
     cuda::launch_kv_params(l, reuse.kv.values, buf.kv_record);
   }
   std::printf(
-      "reused graph, recheck + KV record's launch: %.2f us (%zu nodes rechecked, %d KV slots, "
-      "%zu launch recorded)\n",
-      us_since(t0, iters), reuse.recheck.size(), reuse.kv.n_slots, rec.size());
+      "reused graph, checks + KV record's launch: %.2f us (%zu nodes rechecked, %zu KV values "
+      "checked, %d KV slots, %zu launch recorded)\n",
+      us_since(t0, iters), reuse.recheck.size(), reuse.kv_checks.size(), reuse.kv.n_slots,
+      rec.size());
   if (!kept) {
     std::fprintf(stderr, "the reused graph needs a walk of its launches: not the fast path\n");
     return 1;

@@ -2981,8 +2981,10 @@ TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
   cuda::ReusePlan reuse;
   cuda::plan_reuse(lg.g, &reuse);
   EXPECT_EQ(reuse.kv.n_slots, 2);
-  // Per layer the K and V stores and the attention; the token ids' get_rows.
-  EXPECT_EQ(reuse.recheck.size(), 2u * 3u + 1u);
+  // The token ids' get_rows is checked again; per layer the K and V stores' rows and the
+  // attention's length and first position are checked as values.
+  EXPECT_EQ(reuse.recheck.size(), 1u);
+  EXPECT_EQ(reuse.kv_checks.size(), 2u * 4u);
   // Every depth, almost to the end of the cache (1024 rows), reuses the launches.
   int n_past = 100;
   for (; n_past + 1 < 1000; ++n_past) {
@@ -3004,8 +3006,20 @@ TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
   EXPECT_EQ(reuse.kv.n_slots, 3);
   lg.store_v->kv[0] -= 5;
   EXPECT_FALSE(cuda::check_reused(lg.g, &reuse));
-  // Rows past the end of the cache are refused before anything is launched.
-  lg.g.shift_kv(1024);
+  // Rows past the end of the cache are refused before anything is launched, with
+  // validate_node's message; the last row that fits is not.
+  const int at = lg.store_v->kv[0];
+  lg.g.shift_kv(1023 - at);
+  EXPECT_TRUE(cuda::check_reused(lg.g, &reuse));
+  lg.g.shift_kv(1);
+  try {
+    cuda::check_reused(lg.g, &reuse);
+    ADD_FAILURE() << "row 1024 of a cache of 1024 was accepted";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("outside a cache of 1024"), std::string::npos) << e.what();
+  }
+  // A negative length too.
+  lg.g.shift_kv(-2000);
   EXPECT_THROW(cuda::check_reused(lg.g, &reuse), ArgumentError);
 }
 
