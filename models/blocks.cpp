@@ -237,7 +237,7 @@ Weight load_output(ModelLoader& ld, const Hparams& hp, const Weight& tok_embd) {
 GraphContext::GraphContext(Graph& graph, const Batch& b, const KvCache& cache, const Hparams& h)
     : g(graph), batch(b), kv(cache), hp(h) {
   tokens = b.token_ids ? b.token_ids : g.input_i32(b.n_tokens, b.tokens, "tokens");
-  positions = g.input_i32(b.n_tokens, b.positions, "positions");
+  positions = b.position_ids ? b.position_ids : g.input_i32(b.n_tokens, b.positions, "positions");
   out_ids = g.input_i32(b.n_outputs, b.out_ids, "out_ids");
   if (b.n_seqs > 0) slots = g.input_i32(2 * b.n_seqs, b.slots, "slots");
   g.n_tokens = b.n_tokens;

@@ -33,6 +33,9 @@ struct Batch {
   // When set, the token ids are this tensor of the graph being built (a token a Sample op wrote,
   // Graph::token_at) instead of the input `tokens`.
   Tensor* token_ids = nullptr;
+  // When set, the positions are this I32 input of the graph being built instead of an input
+  // made of `positions` (a chain's loop advances them, Graph::chain_loop).
+  Tensor* position_ids = nullptr;
 };
 
 class Model {

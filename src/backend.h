@@ -29,6 +29,8 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H200)"
   virtual bool is_cuda() const { return false; }
+  // Whether compute runs a chain loop (Op::ChainLoop): its rounds in one launch.
+  virtual bool runs_loops() const { return false; }
   // Whether compute may fold a one-column norm into the products after it, reading its inputs
   // after its own node (planner.h: plan's fold_room).
   virtual bool folds_norms() const { return false; }

@@ -226,9 +226,15 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
                             uint64_t draw, int32_t* tokens, float* logprobs, const int32_t* stops,
                             size_t n_stops) {
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
-  if (k < 1 || k > kMaxChain)
-    throw ArgumentError("decode_sampled: k must be 1 to " + std::to_string(kMaxChain) + ", got " +
-                        std::to_string(k));
+  const bool loop = k > kMaxChain && backend_->runs_loops();
+  if (k < 1 || (k > kMaxChain && (!loop || k > kMaxLaunch || k % kLoopChain != 0)))
+    throw ArgumentError("decode_sampled: k must be 1 to " + std::to_string(kMaxChain) +
+                        (backend_->runs_loops()
+                             ? ", or a multiple of " + std::to_string(kLoopChain) + " up to " +
+                                   std::to_string(kMaxLaunch)
+                             : std::string()) +
+                        ", got " + std::to_string(k));
+  const int steps = loop ? kLoopChain : k;
   if (live().n_past + k > n_ctx_)
     throw ArgumentError("decode_sampled: " + std::to_string(k) +
                         " tokens do not fit the context: " + std::to_string(live().n_past) +
@@ -241,24 +247,30 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   const int n_past = s.n_past;
   const int window = sample_history_window(params, n_ctx_);
   if (!chain_tokens_) chain_tokens_ = backend_->alloc_kv(2 * kMaxChain * sizeof(int32_t));
+  if (loop && !loop_tokens_)
+    loop_tokens_ = backend_->alloc_kv((1 + 2 * kMaxLaunch) * sizeof(int32_t));
   // A generation's chains are mostly of one length, its last one shorter: a few graphs serve.
-  if (s.chains.size() >= 8 && !s.chains.count({k, window})) s.chains.clear();
-  ChainStep& c = s.chains[{k, window}];
+  const std::tuple<int, int, bool> key{steps, window, loop};
+  if (s.chains.size() >= 8 && !s.chains.count(key)) s.chains.clear();
+  ChainStep& c = s.chains[key];
   if (c.graph) {
     c.graph->shift_kv(n_past - c.n_past);
   } else {
     c.first.assign(1, first);
-    c.positions.assign(size_t(k), 0);
+    c.positions.assign(size_t(steps), 0);
     c.out_ids.assign(1, 0);
     c.config.assign(size_t(sample_word::kHeader + window), 0);
+    c.control.assign(2, 0);
     auto graph = std::make_unique<Graph>();
     Tensor* buffer = graph->token_buffer(chain_tokens_, kMaxChain);
     Tensor* config = graph->input_i32(int64_t(c.config.size()), c.config.data(), "sample_config");
-    for (int j = 0; j < k; ++j) {
+    Tensor* first_id = graph->input_i32(1, c.first.data(), "tokens");
+    std::vector<Tensor*> positions;
+    for (int j = 0; j < steps; ++j) {
       Batch b;
-      b.tokens = c.first.data();
-      if (j > 0) b.token_ids = graph->token_at(buffer, j - 1);
-      b.positions = &c.positions[size_t(j)];
+      b.token_ids = j > 0 ? graph->token_at(buffer, j - 1) : first_id;
+      positions.push_back(graph->input_i32(1, &c.positions[size_t(j)], "positions"));
+      b.position_ids = positions.back();
       b.out_ids = c.out_ids.data();
       b.n_tokens = 1;
       b.n_outputs = 1;
@@ -266,7 +278,12 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
       model_->build(*graph, b, s.kv);
       graph->set_output(graph->sample(graph->output(), config, buffer, j));
     }
-    graph->chain = k;
+    if (loop) {
+      Tensor* control = graph->input_i32(2, c.control.data(), "loop_control");
+      graph->set_output(graph->chain_loop(graph->output(), config, first_id, control, positions,
+                                          loop_tokens_, kMaxLaunch));
+    }
+    graph->chain = steps;
     plan_graph(*graph);
     fit_reserved(*graph);
     c.graph = std::move(graph);  // only once built: a failed build leaves none behind
@@ -274,6 +291,7 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   c.n_past = n_past;
   c.first[0] = first;
   std::iota(c.positions.begin(), c.positions.end(), n_past);
+  c.control = {k / steps, 0};
   // The penalty window's ids: the last of the sequence's tokens, then first.
   const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
   std::vector<int32_t> history(s.tokens.begin() + long(from), s.tokens.end());
@@ -283,9 +301,20 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   backend_->add_host_time(
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   note_written(s.kv_lost, n_past + k, ring_rows_);
-  std::vector<float> out(2 * size_t(kMaxChain));
+  // A chain's token words (k tokens, then their log-probabilities at kMaxChain), or a loop's
+  // (how many, then kMaxLaunch tokens, then their log-probabilities): read as a chain of the
+  // tokens its rounds made.
+  std::vector<float> out(loop ? 1 + 2 * size_t(kMaxLaunch) : 2 * size_t(kMaxChain));
   backend_->compute(*c.graph, out.data());
-  const int32_t* words = reinterpret_cast<const int32_t*>(out.data());
+  const int32_t* words = reinterpret_cast<const int32_t*>(out.data()) + (loop ? 1 : 0);
+  const float* word_logprobs = out.data() + (loop ? 1 + kMaxLaunch : kMaxChain);
+  if (loop) {
+    const int32_t made = reinterpret_cast<const int32_t*>(out.data())[0];
+    if (made < steps || made > k || made % steps != 0)
+      throw DeviceError("decode_sampled: the loop reported " + std::to_string(made) + " of " +
+                        std::to_string(k) + " tokens");
+    k = made;
+  }
   int done = k;  // steps whose sample succeeded
   for (int j = 0; j < k && done == k; ++j)
     if (words[j] < 0) done = j;
@@ -301,7 +330,7 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
     throw ArgumentError("decode_sampled: step " + std::to_string(done) +
                         " found no logit above -inf to sample from");
   std::copy(words, words + done, tokens);
-  std::memcpy(logprobs, out.data() + kMaxChain, size_t(done) * sizeof(float));
+  std::memcpy(logprobs, word_logprobs, size_t(done) * sizeof(float));
   return done;
 }
 

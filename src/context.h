@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend.h"
@@ -74,6 +75,10 @@ class Context {
                           const std::function<bool()>& interrupted = nullptr);
   // The most decode steps one sampled chain runs (decode_sampled).
   static constexpr int kMaxChain = 16;
+  // Beyond kMaxChain, a launch runs rounds of a chain of kLoopChain steps (Op::ChainLoop), up to
+  // kMaxLaunch tokens, on a backend that runs loops (Backend::runs_loops).
+  static constexpr int kLoopChain = 8;
+  static constexpr int kMaxLaunch = 256;
   // Decodes `first` (the token after the context's last) and k - 1 tokens more in one graph
   // (one CUDA graph launch), each step sampling the next step's token on the backend by
   // `params` with `seed` (not kRandomSeed) from draw index `draw` on (the Sample op); only the
@@ -82,6 +87,9 @@ class Context {
   // last sample is not evaluated yet. Throws ArgumentError, leaving the context unchanged, for
   // a bad id, k outside [1, kMaxChain], or k tokens that do not fit; and when a step finds no
   // logit above -inf (then the context holds the tokens that step and those before evaluated).
+  // k above kMaxChain (a multiple of kLoopChain, at most kMaxLaunch, where the backend runs
+  // loops) runs k / kLoopChain rounds of a chain of kLoopChain steps in one launch, as that many
+  // calls one after the other would, each from the last one's last sample and draws.
   // After a step samples one of the n_stops ids `stops`, the backend may skip the steps after it
   // (CUDA graphs do): returns the samples made, k or fewer, the last of them then a stop id; the
   // context holds `first` and the samples before the last.
@@ -269,6 +277,7 @@ class Context {
     std::unique_ptr<Graph> graph;
     int n_past = 0;
     std::vector<int32_t> first, positions, out_ids, config;
+    std::vector<int32_t> control;  // a loop's (Op::ChainLoop): its rounds, then 0
   };
   // Every sequence's cache and history; every call works on the selected one, live().
   struct Sequence {
@@ -285,9 +294,9 @@ class Context {
     // after it each keep theirs.
     StepGraph steps[2];
     uint64_t clock = 0;
-    // Its sampled chains' graphs (decode_sampled) by steps and penalty window, each reused as
-    // the step graph is, with the host inputs it points at.
-    std::map<std::pair<int, int>, ChainStep> chains;
+    // Its sampled chains' graphs (decode_sampled) by steps, penalty window and whether they
+    // loop, each reused as the step graph is, with the host inputs it points at.
+    std::map<std::tuple<int, int, bool>, ChainStep> chains;
   };
   std::vector<Sequence> seqs_;
   int cur_ = 0;
@@ -312,6 +321,7 @@ class Context {
   uint64_t table_fingerprint_ = 0;  // of the file's size and tensor table (states before v3)
   size_t reserved_scratch_ = 0, reserved_inputs_ = 0;  // what the backend's buffers hold
   void* chain_tokens_ = nullptr;  // backend memory of the chains' sampled tokens (2 kMaxChain)
+  void* loop_tokens_ = nullptr;   // and of a chain loop's (1 + 2 kMaxLaunch)
 };
 
 }  // namespace ggraph

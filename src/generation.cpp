@@ -89,11 +89,13 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     stop_fail_.push_back(std::move(fail));
   }
   stop_state_.assign(opt_.stop.size(), 0);
-  if (opt_.chain != kAutoChain && (opt_.chain < 1 || opt_.chain > Context::kMaxChain))
-    throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxChain) +
+  if (opt_.chain != kAutoChain && (opt_.chain < 1 || opt_.chain > Context::kMaxLaunch))
+    throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxLaunch) +
                         " decode steps a launch (or the backend's default), got " +
                         std::to_string(opt_.chain));
   chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
+  // More than a chain's steps a launch where the backend runs loops; elsewhere a chain's most.
+  if (!ctx_.backend().runs_loops()) chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();
 }
@@ -103,7 +105,9 @@ int32_t Generation::next_chained(float* logprob) {
     if (relaunch_) ctx_.rewind(ctx_.n_past() - 1);
     relaunch_ = false;
     const int base = ctx_.n_past();
-    const int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
+    int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
+    // Past a chain's steps, whole rounds of a loop's chain (Context::decode_sampled).
+    if (k > Context::kMaxChain) k -= k % Context::kLoopChain;
     std::vector<int32_t> tokens(static_cast<size_t>(k));
     std::vector<float> logprobs(static_cast<size_t>(k));
     const SamplingParams& p = sampler_.params();

@@ -42,6 +42,8 @@ const char* op_name(Op op) {
       return "concat";
     case Op::Sample:
       return "sample";
+    case Op::ChainLoop:
+      return "chain_loop";
     case Op::Count:
       break;
   }
@@ -331,6 +333,37 @@ Tensor* Graph::sample(Tensor* logits, Tensor* config, Tensor* tokens, int step) 
   t->src[2] = tokens;
   t->params[0] = step;
   t->params[1] = static_cast<int32_t>(tokens->ne[0] / 2);
+  return t;
+}
+
+Tensor* Graph::chain_loop(Tensor* last, Tensor* config, Tensor* first, Tensor* control,
+                          const std::vector<Tensor*>& positions, void* out, int capacity) {
+  require(last->op == Op::Sample, "chain_loop", "expected the last step of a sampled chain");
+  const int k = last->params[0] + 1;
+  auto one_input = [](const Tensor* t, int64_t n) {
+    return t->storage == Storage::Input && t->type == DType::I32 && t->ne[0] == n && t->ne[1] == 1;
+  };
+  require(config == last->src[1], "chain_loop", "expected the chain's sample config");
+  require(one_input(first, 1) && one_input(control, 2), "chain_loop",
+          "expected the first token and the control words as I32 inputs");
+  require(int(positions.size()) == k, "chain_loop",
+          "expected a position input for each of the chain's " + std::to_string(k) + " steps");
+  for (const Tensor* p : positions)
+    require(one_input(p, 1), "chain_loop", "expected each step's position as an I32 input");
+  require(out && capacity >= k && capacity % k == 0, "chain_loop",
+          "needs memory for a whole number of rounds, found room for " + std::to_string(capacity) +
+              " tokens in rounds of " + std::to_string(k));
+  require(loop_positions_.empty(), "chain_loop", "a graph holds one loop");
+  Tensor* t = new_tensor(Op::ChainLoop, DType::I32, 1 + 2 * int64_t(capacity), 1, "chain_loop");
+  t->storage = Storage::Kv;
+  t->data = out;
+  t->src[0] = last;
+  t->src[1] = config;
+  t->src[2] = first;
+  t->src[3] = control;
+  t->params[kLoopChain] = k;
+  t->params[kLoopCapacity] = capacity;
+  loop_positions_ = positions;
   return t;
 }
 

@@ -41,6 +41,16 @@ enum class Op : uint8_t {
   // entry K + j the bits of its log-probability under the raw logits. Step j's penalty history
   // is src1's ids followed by entries 0..j-1, its draw index the config's first plus j.
   Sample,
+  // A device loop around a sampled chain (src0 the chain's last Sample, whose token buffer it
+  // reads): the backend runs the chain's steps again and again in one launch, this op ending
+  // each round. It appends the round's token words to its own buffer (I32 [1 + 2C], C =
+  // params[kLoopCapacity]: the count of tokens so far, then C tokens, then C log-probability
+  // bits, as a Sample's) and, unless a token is negative or one of the config's stop ids or
+  // the rounds asked (src3, I32 [2]: rounds, then 0) are done, readies the next round: the
+  // chain's first token (src2) becomes the round's last, its positions (Graph::loop_positions)
+  // and KV values move on by params[kLoopChain], the config (src1) draws on and takes the
+  // round's tokens into its history.
+  ChainLoop,
   Count,
 };
 const char* op_name(Op op);
@@ -141,6 +151,11 @@ class Graph {
   Tensor* concat(Tensor* a, Tensor* b);
   // Step `step` of a chain sampling into `tokens` (Op::Sample).
   Tensor* sample(Tensor* logits, Tensor* config, Tensor* tokens, int step);
+  // The loop around the chain whose last step is `last` (Op::ChainLoop): positions are the
+  // chain's position inputs, one a step, out backend memory of 1 + 2 * capacity I32.
+  Tensor* chain_loop(Tensor* last, Tensor* config, Tensor* first, Tensor* control,
+                     const std::vector<Tensor*>& positions, void* out, int capacity);
+  const std::vector<Tensor*>& loop_positions() const { return loop_positions_; }
 
   // Moves every KV-position parameter by delta: the graph of one step, shifted, is the graph of
   // the step `delta` positions later with the same batch shape (what Tensor::kv means).
@@ -175,7 +190,11 @@ class Graph {
   std::vector<Tensor*> kv_nodes_;
   size_t kv_scanned_ = 0;
   Tensor* output_ = nullptr;
+  std::vector<Tensor*> loop_positions_;  // of the ChainLoop node
 };
+
+// ChainLoop op parameter slots.
+enum LoopParam { kLoopChain = 0, kLoopCapacity = 1 };
 
 // Attention op parameter slots.
 enum AttnParam {

@@ -642,7 +642,9 @@ class Model:
 
         chain=N runs N decode steps a backend launch, sampling on the backend so that only
         token ids come back (on CUDA one CUDA graph launch); the default is 8 on CUDA and 1 (a
-        token at a time, sampled on the host) on the CPU. Both give the same tokens."""
+        token at a time, sampled on the host) on the CPU. Both give the same tokens. Up to 16
+        steps are one chain; on CUDA with graphs in patch or recapture mode, up to 256 run as a
+        loop of chains of 8 on the device (the tokens then come back a launch at a time)."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt

@@ -154,6 +154,8 @@ class CpuBackend final : public Backend {
         run_sample_op(f32(t->src[0]), static_cast<int32_t>(t->src[0]->ne[0]), i32(t->src[1]),
                       reinterpret_cast<int32_t*>(ptr(t)), t->params[0], t->params[1], *sampler_);
         return;
+      case Op::ChainLoop:
+        throw ArgumentError("cpu backend: chain loops run on backends that run graph loops (CUDA)");
       case Op::Count:
         break;
     }

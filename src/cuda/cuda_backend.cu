@@ -262,7 +262,7 @@ void validate_graph(const Graph& graph) {
   const Tensor* out = graph.output();
   if (!out) throw ArgumentError("cuda: the graph has no output tensor");
   // (A sampled chain's output is its token buffer: 4-byte words too.)
-  if (out->type != DType::F32 && out->op != Op::Sample)
+  if (out->type != DType::F32 && out->op != Op::Sample && out->op != Op::ChainLoop)
     throw ArgumentError(std::string("cuda: the graph output must be F32, found ") +
                         dtype_name(out->type));
   for (const Tensor* t : graph.nodes()) validate_node(t);
@@ -332,6 +332,20 @@ void validate_node(const Tensor* t) {
         bad_node(t, "the config is shorter than its header");
       if (!t->data || t->params[0] < 0 || t->params[0] >= t->params[1])
         bad_node(t, "expected a token buffer with room for this step");
+      break;
+    }
+    case Op::ChainLoop: {
+      const Tensor* last = t->src[0];
+      const int k = t->params[kLoopChain];
+      if (!last || last->op != Op::Sample || last->params[0] + 1 != k || k > kMaxLoopSteps)
+        bad_node(t, "expected the last step of a sampled chain of at most " +
+                        std::to_string(kMaxLoopSteps) + " steps");
+      if (need_src(1, DType::I32) != last->src[1]) bad_node(t, "expected the chain's config");
+      if (need_src(2, DType::I32)->storage != Storage::Input ||
+          need_src(3, DType::I32)->storage != Storage::Input || t->src[3]->ne[0] != 2)
+        bad_node(t, "expected the first token and the control words as inputs");
+      if (!t->data || t->params[kLoopCapacity] < k || t->params[kLoopCapacity] % k != 0)
+        bad_node(t, "expected a buffer for a whole number of rounds");
       break;
     }
     case Op::Softcap:
@@ -536,18 +550,24 @@ void plan_reuse(const Graph& graph, ReusePlan* plan) {
   kv_layout(graph, &plan->kv);
 }
 
-bool check_reused(const Graph& graph, ReusePlan* plan) {
+void check_kv_values(const Graph& graph, const ReusePlan& plan, int32_t span) {
   const std::vector<Tensor*>& nodes = graph.nodes();
-  for (int i : plan->recheck) validate_node(nodes[size_t(i)]);
-  for (const ReusePlan::KvCheck& c : plan->kv_checks) {
+  for (const ReusePlan::KvCheck& c : plan.kv_checks) {
     const Tensor* t = nodes[size_t(c.node)];
     const int32_t v = t->kv[c.kv];
-    if (v < c.lo || v > c.hi) {
-      validate_node(t);  // names the fault
-      bad_node(t, "KV value " + std::to_string(v) + " outside " + std::to_string(c.lo) + ".." +
-                      std::to_string(c.hi));
-    }
+    if (v >= c.lo && v <= c.hi && int64_t(v) + span <= c.hi) continue;
+    validate_node(t);  // names the fault
+    bad_node(t, "KV value " + std::to_string(v) +
+                    (span ? " (" + std::to_string(int64_t(v) + span) + " in the loop's last round)"
+                          : std::string()) +
+                    " outside " + std::to_string(c.lo) + ".." + std::to_string(c.hi));
   }
+}
+
+bool check_reused(const Graph& graph, ReusePlan* plan, int32_t span) {
+  const std::vector<Tensor*>& nodes = graph.nodes();
+  for (int i : plan->recheck) validate_node(nodes[size_t(i)]);
+  check_kv_values(graph, *plan, span);
   if (refresh_kv_values(graph, &plan->kv)) return true;
   kv_layout(graph, &plan->kv);
   return false;
@@ -601,6 +621,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
   if (l.execute && !buf.kv_record) throw std::logic_error("launch_graph: no KV record buffer");
   l.node = -1;
   launch_kv_params(l, kv.values, buf.kv_record);
+  // A chain loop's body: everything after the KV record, which its rounds move on.
+  if (graph.output()->op == Op::ChainLoop) l.open_loop();
   // Where a KV parameter's value sits in the record (recording without buffers: nullptr).
   auto kv_at = [&](int32_t value) -> const int32_t* {
     const int slot = kv.slot_of(value);
@@ -1160,6 +1182,34 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         if (gated) l.open_step(next);
         break;
       }
+      case Op::ChainLoop: {
+        const Tensor* last = t->src[0];
+        ChainLoopArgs a;
+        a.tokens = static_cast<const int32_t*>(last->data);
+        a.k = t->params[kLoopChain];
+        a.k_total = last->params[1];
+        a.config = static_cast<int32_t*>(ptr(t->src[1]));
+        a.history_cap = static_cast<int>(t->src[1]->ne[0]) - sample_word::kHeader;
+        a.first = static_cast<int32_t*>(ptr(t->src[2]));
+        const std::vector<Tensor*>& positions = graph.loop_positions();
+        if (positions.size() != size_t(a.k))
+          throw std::logic_error("launch_graph: a chain loop without its steps' positions");
+        for (int j = 0; j < a.k; ++j) a.positions[j] = static_cast<int32_t*>(ptr(positions[j]));
+        a.record = buf.kv_record;
+        a.control = static_cast<int32_t*>(ptr(t->src[3]));
+        a.out = static_cast<int32_t*>(t->data);
+        a.capacity = t->params[kLoopCapacity];
+        // The round's kernel runs after every step, skipped or not; then the loop ends.
+        l.end_steps();
+        a.loop = l.loop_handle();
+        for (int j = 1; j < a.k; ++j) a.steps[j] = l.step_handle(j);
+        // Not programmatic: its launch follows a conditional node, not a kernel.
+        const bool pdl = std::exchange(l.pdl, false);
+        launch_chain_loop_round(l, a);
+        l.pdl = pdl;
+        l.close_loop();
+        break;
+      }
       case Op::MulMat: {
         const Tensor* w = t->src[0];
         const Tensor* x = t->src[1];
@@ -1483,19 +1533,22 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
 
 namespace {
 
-// The executor's key for a graph's topology: a decode batch of several sequences (bit 63) and a
-// sampled chain (its steps, bits 48-62) are classes of their own; then the step's tokens (bits
-// 32-47) and its output's columns.
+// The executor's key for a graph's topology: a decode batch of several sequences (bit 63), a
+// chain loop (bit 62) and a sampled chain (its steps, bits 48-61) are classes of their own; then
+// the step's tokens (bits 32-47) and its output's columns.
 uint64_t topology_key(const Graph& graph) {
-  return (uint64_t(graph.seqs) << 63) | (uint64_t(graph.chain) << 48) |
+  const bool loop = graph.output()->op == Op::ChainLoop;
+  return (uint64_t(graph.seqs) << 63) | (uint64_t(loop) << 62) | (uint64_t(graph.chain) << 48) |
          (uint64_t(graph.n_tokens) << 32) | uint64_t(graph.output()->ne[1]);
 }
 
 // The name graph_stats gives a key's class: "batch8" for decode batches of 8 (their size
-// class), "chain8" for sampled chains of 8 steps, "tokens1" for steps of one token.
+// class), "loop8" for chain loops of rounds of 8 steps, "chain8" for sampled chains of 8 steps,
+// "tokens1" for steps of one token.
 std::string topology_name(uint64_t key) {
-  const uint64_t chain = (key >> 48) & 0x7FFF, n_tokens = (key >> 32) & 0xFFFF;
+  const uint64_t chain = (key >> 48) & 0x3FFF, n_tokens = (key >> 32) & 0xFFFF;
   if (key >> 63) return "batch" + std::to_string(n_tokens);
+  if ((key >> 62) & 1) return "loop" + std::to_string(chain);
   if (chain) return "chain" + std::to_string(chain);
   return "tokens" + std::to_string(n_tokens);
 }
@@ -1747,6 +1800,8 @@ class CudaBackend : public Backend {
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     const std::vector<Tensor*>& nodes = graph.nodes();
     if (!graph.output()) throw ArgumentError("cuda: the graph has no output");
+    // A chain loop's rounds move its KV values on by the chain each: the last round's must fit.
+    const int32_t span = loop_span(graph);
     // One executable per batch shape (topology_key); a changed topology within it is applied
     // to that executable with cudaGraphExecUpdate.
     const uint64_t batch_key = topology_key(graph);
@@ -1758,7 +1813,7 @@ class CudaBackend : public Backend {
     // Whether the step's launches are the last step's of this shape but for the KV record's.
     bool kv_only = false;
     if (same_graph && !debug_) {
-      kv_only = check_reused(graph, &reuse.plan);
+      kv_only = check_reused(graph, &reuse.plan, span);
     } else {
       validate_graph(graph);
       if (graph.scratch_size > scratch_bytes_ || graph.input_size > input_bytes_ || !scratch_)
@@ -1775,6 +1830,7 @@ class CudaBackend : public Backend {
         GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
       ensure(sample_work_, sample_work_bytes_, sample_workspace_bytes(graph), "sampling");
       plan_reuse(graph, &reuse.plan);
+      check_kv_values(graph, reuse.plan, span);
       prepare_blas(graph);
       prepare_rope_tables(graph);
     }
@@ -1835,7 +1891,7 @@ class CudaBackend : public Backend {
       GGRAPH_CUDA_CHECK(
           cudaMemcpyAsync(out, tensor_ptr(o, buf), out_bytes, cudaMemcpyDeviceToHost, stream_));
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      count_skipped(graph, out);
+      count_skipped(graph, out, batch_key);
       return;
     }
     if (out_bytes > output_staging_bytes_) {
@@ -1850,21 +1906,49 @@ class CudaBackend : public Backend {
                                       cudaMemcpyDeviceToHost, stream_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::memcpy(out, output_staging_, out_bytes);
-    count_skipped(graph, out);
+    count_skipped(graph, out, batch_key);
   }
 
   // A sampled chain's steps that its conditional nodes skipped (their token words read
-  // kSkipped): they computed no token.
-  void count_skipped(const Graph& graph, const float* out) {
-    if (graph.chain <= 1 || graph.output()->op != Op::Sample) return;
+  // kSkipped): they computed no token. A chain loop's rounds: their tokens, the last round's
+  // skipped steps not among them.
+  void count_skipped(const Graph& graph, const float* out, uint64_t key) {
+    const Op op = graph.output()->op;
+    if (graph.chain <= 1 || (op != Op::Sample && op != Op::ChainLoop)) return;
     const int32_t* words = reinterpret_cast<const int32_t*>(out);
+    GraphStats& s = executor_->mutable_stats();
+    if (op == Op::ChainLoop) {
+      const int made = std::clamp(words[0], graph.chain, graph.output()->params[kLoopCapacity]);
+      s.tokens += made - graph.chain;  // compute counted one round
+      executor_->count_rounds(key, made / graph.chain);
+      words += 1 + made - graph.chain;  // the last round's
+    }
     for (int j = 1; j < graph.chain; ++j) {
       if (words[j] != sample_word::kSkipped) continue;
-      GraphStats& s = executor_->mutable_stats();
       s.chain_steps_skipped += graph.chain - j;
       s.tokens -= graph.chain - j;
       return;
     }
+  }
+
+  bool runs_loops() const override { return executor_->runs_loops(); }
+
+  // How far a chain loop's last round lies past its first (0 for other graphs); throws where the
+  // loop cannot run here or asks for more rounds than its buffer holds.
+  int32_t loop_span(const Graph& graph) const {
+    const Tensor* o = graph.output();
+    if (o->op != Op::ChainLoop) return 0;
+    if (!executor_->runs_loops())
+      throw ArgumentError(
+          "cuda: chain loops run in the patch and recapture graph modes, with conditional nodes");
+    const Tensor* control = o->src[3];
+    const int k = o->params[kLoopChain];
+    const int rounds = control && control->data ? static_cast<const int32_t*>(control->data)[0] : 0;
+    if (rounds < 1 || int64_t(rounds) * k > o->params[kLoopCapacity])
+      throw ArgumentError("cuda: a chain loop of " + std::to_string(rounds) + " rounds of " +
+                          std::to_string(k) + " tokens; its buffer holds " +
+                          std::to_string(o->params[kLoopCapacity]));
+    return int32_t(rounds - 1) * k;
   }
 
   std::map<std::string, double> stats() const override {

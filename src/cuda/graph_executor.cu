@@ -24,23 +24,26 @@ GraphMode parse_graph_mode(const std::string& name) {
 // captured on a stream of its own; the steps' nodes follow one another.
 class GraphExecutor::CaptureGate : public StepGate {
  public:
-  CaptureGate(cudaStream_t stream, cudaStream_t body_stream,
+  CaptureGate(cudaStream_t stream, cudaStream_t body_stream, cudaStream_t loop_stream,
               std::vector<cudaGraphConditionalHandle>* handles)
-      : stream_(stream), body_stream_(body_stream), handles_(handles) {
+      : stream_(stream), body_stream_(body_stream), loop_stream_(loop_stream), handles_(handles) {
     cudaStreamCaptureStatus status;
     GGRAPH_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, nullptr, &graph_));
+    outer_ = stream_;
+    outer_graph_ = graph_;
   }
   ~CaptureGate() override {
-    if (open_) {  // an exception left a body open: end it, discarding what it captured
-      cudaGraph_t body = nullptr;
-      cudaStreamEndCapture(body_stream_, &body);
-      cudaGetLastError();
-    }
+    // An exception left bodies open: end them, discarding what they captured.
+    cudaGraph_t body = nullptr;
+    if (open_) cudaStreamEndCapture(body_stream_, &body);
+    if (looping_) cudaStreamEndCapture(loop_stream_, &body);
+    cudaGetLastError();
   }
   cudaGraphConditionalHandle handle(int step) override {
+    if (step <= 0) return 0;
     if (size_t(step) >= handles_->size()) handles_->resize(size_t(step) + 1, 0);
     cudaGraphConditionalHandle& h = (*handles_)[size_t(step)];
-    // 0 at each launch of the graph until the step before sets it.
+    // 0 at each launch of the graph until the step before sets it (a handle serves one node).
     if (!h)
       GGRAPH_CUDA_CHECK(
           cudaGraphConditionalHandleCreate(&h, graph_, 0, cudaGraphCondAssignDefault));
@@ -49,25 +52,47 @@ class GraphExecutor::CaptureGate : public StepGate {
   void open(Launcher& l, int step) override {
     const cudaGraphConditionalHandle h = handle(step);
     close();
-    cudaStreamCaptureStatus status;
-    const cudaGraphNode_t* deps = nullptr;
-    size_t n_deps = 0;
-    GGRAPH_CUDA_CHECK(
-        cudaStreamGetCaptureInfo(stream_, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
-    cudaGraphNodeParams p = {};
-    p.type = cudaGraphNodeTypeConditional;
-    p.conditional.handle = h;
-    p.conditional.type = cudaGraphCondTypeIf;
-    p.conditional.size = 1;
-    cudaGraphNode_t node = nullptr;
-    GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph_, deps, nullptr, n_deps, &p));
-    GGRAPH_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream_, &node, nullptr, 1,
-                                                          cudaStreamSetCaptureDependencies));
-    GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream_, p.conditional.phGraph_out[0],
-                                                    nullptr, nullptr, 0,
+    const cudaGraph_t body = add_conditional(outer_, outer_graph_, h, cudaGraphCondTypeIf);
+    GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream_, body, nullptr, nullptr, 0,
                                                     cudaStreamCaptureModeThreadLocal));
     open_ = true;
     l.stream = body_stream_;
+  }
+  cudaGraphConditionalHandle loop_handle() override {
+    if (handles_->empty()) handles_->resize(1, 0);
+    cudaGraphConditionalHandle& h = (*handles_)[0];
+    // 1 at each launch of the graph: the loop's first round runs.
+    if (!h)
+      GGRAPH_CUDA_CHECK(
+          cudaGraphConditionalHandleCreate(&h, graph_, 1, cudaGraphCondAssignDefault));
+    return h;
+  }
+  void open_loop(Launcher& l) override {
+    if (looping_) throw std::logic_error("CaptureGate: a loop inside a loop");
+    close();
+    const cudaGraph_t body =
+        add_conditional(stream_, graph_, loop_handle(), cudaGraphCondTypeWhile);
+    GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(loop_stream_, body, nullptr, nullptr, 0,
+                                                    cudaStreamCaptureModeThreadLocal));
+    looping_ = true;
+    outer_ = loop_stream_;
+    outer_graph_ = body;
+    l.stream = loop_stream_;
+  }
+  void end_steps(Launcher& l) override {
+    close();
+    l.stream = outer_;
+  }
+  void close_loop(Launcher& l) override {
+    close();
+    if (looping_) {
+      looping_ = false;
+      cudaGraph_t body = nullptr;
+      GGRAPH_CUDA_CHECK(cudaStreamEndCapture(loop_stream_, &body));
+    }
+    outer_ = stream_;
+    outer_graph_ = graph_;
+    l.stream = stream_;
   }
   // Ends the capture of the step body in progress.
   void close() {
@@ -76,12 +101,39 @@ class GraphExecutor::CaptureGate : public StepGate {
     cudaGraph_t body = nullptr;
     GGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream_, &body));
   }
+  // Ends every body in progress.
+  void finish(Launcher& l) { close_loop(l); }
 
  private:
-  cudaStream_t stream_, body_stream_;
+  // A conditional node after what `stream` (capturing into `graph`) has captured so far, which
+  // the stream's next launches then follow; its body graph.
+  static cudaGraph_t add_conditional(cudaStream_t stream, cudaGraph_t graph,
+                                     cudaGraphConditionalHandle h,
+                                     cudaGraphConditionalNodeType type) {
+    cudaStreamCaptureStatus status;
+    const cudaGraphNode_t* deps = nullptr;
+    size_t n_deps = 0;
+    GGRAPH_CUDA_CHECK(
+        cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
+    cudaGraphNodeParams p = {};
+    p.type = cudaGraphNodeTypeConditional;
+    p.conditional.handle = h;
+    p.conditional.type = type;
+    p.conditional.size = 1;
+    cudaGraphNode_t node = nullptr;
+    GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, nullptr, n_deps, &p));
+    GGRAPH_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
+                                                          cudaStreamSetCaptureDependencies));
+    return p.conditional.phGraph_out[0];
+  }
+
+  cudaStream_t stream_, body_stream_, loop_stream_;
   std::vector<cudaGraphConditionalHandle>* handles_;
   cudaGraph_t graph_ = nullptr;
-  bool open_ = false;
+  // Where the steps' IF nodes go: the graph's stream, or within a loop the loop body's.
+  cudaStream_t outer_ = nullptr;
+  cudaGraph_t outer_graph_ = nullptr;
+  bool open_ = false, looping_ = false;
 };
 
 // Recording a step to compare it with an executable: the handles that executable's steps read.
@@ -89,9 +141,13 @@ class GraphExecutor::ReplayGate : public StepGate {
  public:
   explicit ReplayGate(const std::vector<cudaGraphConditionalHandle>& handles) : handles_(handles) {}
   cudaGraphConditionalHandle handle(int step) override {
-    return size_t(step) < handles_.size() ? handles_[size_t(step)] : 0;
+    return step > 0 && size_t(step) < handles_.size() ? handles_[size_t(step)] : 0;
   }
   void open(Launcher&, int) override {}
+  cudaGraphConditionalHandle loop_handle() override { return handles_.empty() ? 0 : handles_[0]; }
+  void open_loop(Launcher&) override {}
+  void end_steps(Launcher&) override {}
+  void close_loop(Launcher&) override {}
 
  private:
   const std::vector<cudaGraphConditionalHandle>& handles_;
@@ -118,12 +174,16 @@ GraphExecutor::GraphExecutor(cudaStream_t stream, GraphMode mode, bool debug, bo
   // another capture's handles: it would instantiate every chain.
   gate_ = (mode == GraphMode::Patch || mode == GraphMode::Recapture) &&
           env_int("GGRAPH_CUDA_CHAIN_GATE", 0, 1, 1) == 1 && conditional_nodes_work();
-  if (gate_) GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream_, cudaStreamNonBlocking));
+  if (gate_) {
+    GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream_, cudaStreamNonBlocking));
+    GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&loop_stream_, cudaStreamNonBlocking));
+  }
 }
 
 GraphExecutor::~GraphExecutor() {
   for (auto& kv : cache_) release(kv.second);
   if (body_stream_) cudaStreamDestroy(body_stream_);
+  if (loop_stream_) cudaStreamDestroy(loop_stream_);
 }
 
 void GraphExecutor::forget_all() {
@@ -158,11 +218,11 @@ void GraphExecutor::capture(const LaunchAll& launch_all, cudaGraph_t* graph,
   try {
     std::unique_ptr<CaptureGate> steps;
     if (handles) {
-      steps = std::make_unique<CaptureGate>(stream_, body_stream_, handles);
+      steps = std::make_unique<CaptureGate>(stream_, body_stream_, loop_stream_, handles);
       L.gate = steps.get();
     }
     launch_all(L);
-    if (steps) steps->close();
+    if (steps) steps->finish(L);
   } catch (...) {
     cudaGraph_t broken = nullptr;
     cudaStreamEndCapture(stream_, &broken);

@@ -57,6 +57,10 @@ class GraphExecutor {
            const std::function<std::string(int)>& node_names, const LaunchAll& launch_kv = {});
 
   GraphMode mode() const { return mode_; }
+  // Whether run() makes chain loops WHILE nodes (a loop needs a gate: patch and recapture modes).
+  bool runs_loops() const {
+    return gate_ && (mode_ == GraphMode::Patch || mode_ == GraphMode::Recapture);
+  }
   const GraphStats& stats() const { return stats_; }
   // Captures and replays by topology class (run's key).
   struct KeyStats {
@@ -68,6 +72,13 @@ class GraphExecutor {
     key_stats_.clear();
   }
   GraphStats& mutable_stats() { return stats_; }
+  // A loop's rounds: the launches of the last run of `key` but the first (outside the loop, the
+  // KV record's) ran `rounds` times, not once.
+  void count_rounds(uint64_t key, int rounds) {
+    auto it = cache_.find(key);
+    if (it != cache_.end() && rounds > 1 && !it->second.launches.empty())
+      stats_.kernels += double(rounds - 1) * double(it->second.launches.size() - 1);
+  }
   size_t cached_graphs() const { return cache_.size(); }
   // Drops every executable: the next step of each shape captures again. For buffers that nodes
   // the executor does not record (cuBLAS's) read: patching would leave those at old addresses.
@@ -137,10 +148,11 @@ class GraphExecutor {
   std::vector<KernelLaunch> captured_;  // a fresh capture's launches and nodes
   std::vector<cudaGraphNode_t> captured_nodes_;
   std::vector<cudaGraphConditionalHandle> captured_handles_;
-  // Conditional steps (patch and recapture modes, where the driver has conditional nodes and
-  // GGRAPH_CUDA_CHAIN_GATE is not 0), and the stream a step's body is captured on.
+  // Conditional steps and chain loops (patch and recapture modes, where the driver has
+  // conditional nodes and GGRAPH_CUDA_CHAIN_GATE is not 0), and the streams a step's body and a
+  // loop's body are captured on.
   bool gate_ = false;
-  cudaStream_t body_stream_ = nullptr;
+  cudaStream_t body_stream_ = nullptr, loop_stream_ = nullptr;
   static constexpr size_t kMaxCached = 8;
 };
 

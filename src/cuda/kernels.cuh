@@ -192,10 +192,13 @@ struct ReusePlan {
   KvLayout kv;
 };
 void plan_reuse(const Graph& graph, ReusePlan* plan);
-// Checks the nodes of plan->recheck again and the KV values against their ranges (throws
-// ArgumentError as validate_graph does) and reads the KV values into plan->kv; false (plan->kv
-// made anew) when the launches must be walked again (see refresh_kv_values).
-bool check_reused(const Graph& graph, ReusePlan* plan);
+// Checks the nodes of plan->recheck again and the KV values against their ranges, and those
+// values plus span (throws ArgumentError as validate_graph does), and reads the KV values into
+// plan->kv; false (plan->kv made anew) when the launches must be walked again (see
+// refresh_kv_values).
+bool check_reused(const Graph& graph, ReusePlan* plan, int32_t span = 0);
+// The KV values' checks alone; span: how far a chain loop's last round lies past the values.
+void check_kv_values(const Graph& graph, const ReusePlan& plan, int32_t span);
 
 // Launches the KV record's kernel with kv's values, then every node's kernels, on launcher (which
 // sets launcher.node for each node; -1 for the record's). kv is the graph's layout with its
@@ -271,6 +274,32 @@ size_t sample_work_bytes(int n_vocab);
 void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t* config,
                    int32_t* tokens, int step, int k_total, void* work,
                    cudaGraphConditionalHandle next = 0);
+// The end of a round of a chain loop (Op::ChainLoop), one block: appends the round's k token
+// words (tokens[0, k) and tokens[k_total, k_total + k)) to out (out[0]: the count so far), and
+// unless one of them is negative or a stop id of config, or control's rounds are done, readies
+// the next round: *first becomes the round's last token, each step's position and every KV
+// record slot move on by k, config's draw by k, and the round's tokens join config's history
+// (the newest history_cap kept). Sets `loop`'s condition to whether a next round runs, and the
+// steps' (steps[1, k), their IF nodes' handles) to 0: each round's steps run only as its own
+// samples allow. control (device I32 [2]): rounds left, then the tokens so far.
+constexpr int kMaxLoopSteps = 8;
+struct ChainLoopArgs {
+  const int32_t* tokens = nullptr;
+  int32_t* config = nullptr;
+  int32_t* first = nullptr;
+  int32_t* positions[kMaxLoopSteps] = {};
+  int32_t* record = nullptr;
+  int32_t* control = nullptr;
+  int32_t* out = nullptr;
+  int k = 0, k_total = 0, history_cap = 0, capacity = 0;
+  cudaGraphConditionalHandle loop = 0;
+  cudaGraphConditionalHandle steps[kMaxLoopSteps] = {};
+};
+// Launches are compared byte by byte: no padding.
+static_assert(sizeof(ChainLoopArgs) == (6 + kMaxLoopSteps) * sizeof(void*) + 4 * sizeof(int) +
+                                           (1 + kMaxLoopSteps) * sizeof(cudaGraphConditionalHandle),
+              "ChainLoopArgs has padding");
+void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args);
 // Test hook: for i < n, philox4x32_10 (sampling_math.h) of the counter first + i under seed into
 // ours[4 i, 4 i + 4), and the (i + 1)-th curand4() of curand's Philox4_32_10 state initialized
 // with (seed, 0, 4 first) into theirs (host arrays), both computed on the device. False, with

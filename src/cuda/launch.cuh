@@ -79,8 +79,10 @@ class Launcher;
 
 // The steps of a sampled chain as CUDA graphs' conditional (IF) nodes: the kernels of step j >= 1
 // run only if step j - 1's sample kernel set step j's handle, which it does unless it sampled a
-// stop id. The graph executor supplies a gate where it captures or replays a graph; without one
-// (plain stream launches) every step runs.
+// stop id. A chain loop (Op::ChainLoop) is a WHILE node around the chain, whose round kernel
+// ends it or sets the steps' handles back to 0 for the next round. The graph executor supplies a
+// gate where it captures or replays a graph; without one (plain stream launches) every step
+// runs, once.
 class StepGate {
  public:
   virtual ~StepGate() = default;
@@ -88,6 +90,13 @@ class StepGate {
   virtual cudaGraphConditionalHandle handle(int step) = 0;
   // The launches after this call make step j's body.
   virtual void open(Launcher& l, int step) = 0;
+  // The handle of the loop's WHILE node (0: none).
+  virtual cudaGraphConditionalHandle loop_handle() = 0;
+  // The launches after open_loop make the loop's body; end_steps closes the last step's body
+  // (the launches after it run every round), close_loop the loop's.
+  virtual void open_loop(Launcher& l) = 0;
+  virtual void end_steps(Launcher& l) = 0;
+  virtual void close_loop(Launcher& l) = 0;
 };
 
 class Launcher {
@@ -103,6 +112,16 @@ class Launcher {
   cudaGraphConditionalHandle step_handle(int step) { return gate ? gate->handle(step) : 0; }
   void open_step(int step) {
     if (gate) gate->open(*this, step);
+  }
+  cudaGraphConditionalHandle loop_handle() { return gate ? gate->loop_handle() : 0; }
+  void open_loop() {
+    if (gate) gate->open_loop(*this);
+  }
+  void end_steps() {
+    if (gate) gate->end_steps(*this);
+  }
+  void close_loop() {
+    if (gate) gate->close_loop(*this);
   }
   // Launch with programmatic stream serialization (sm_90+): the next kernel's launch overlaps
   // this one's run; every kernel begins with pdl_wait() (cuda/device_util.cuh), which keeps

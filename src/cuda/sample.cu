@@ -1099,6 +1099,72 @@ __global__ void __launch_bounds__(kThreads, 1)
   finish_list(s, n, p, logits, out);
 }
 
+// ---- A chain loop's round ---------------------------------------------------------------------
+
+constexpr int kLoopThreads = 256;
+
+__global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a) {
+  __shared__ int go_shared;
+  pdl_begin();
+  const int tid = threadIdx.x;
+  const int made = a.control[1];
+  if (tid == 0) {
+    bool go = --a.control[0] > 0;
+    const int n_stop = min(a.config[sw::kNStop], sw::kMaxStop);
+    for (int j = 0; j < a.k; ++j) {
+      const int32_t token = a.tokens[j];
+      go = go && token >= 0;
+      for (int i = 0; i < n_stop; ++i) go = go && a.config[sw::kStop + i] != token;
+    }
+    // Rounds were asked for within the capacity; a full buffer ends the loop all the same.
+    go = go && made + 2 * a.k <= a.capacity;
+    go_shared = go;
+  }
+  for (int j = tid; j < a.k; j += kLoopThreads) {
+    a.out[1 + made + j] = a.tokens[j];
+    a.out[1 + a.capacity + made + j] = a.tokens[a.k_total + j];
+  }
+  __syncthreads();
+  const bool go = go_shared;
+  if (tid == 0) {
+    a.control[1] = made + a.k;
+    a.out[0] = made + a.k;
+  }
+  if (go) {
+    if (tid == 0) {
+      *a.first = a.tokens[a.k - 1];
+      const uint64_t draw =
+          ((uint64_t(uint32_t(a.config[sw::kDrawHi])) << 32) | uint32_t(a.config[sw::kDrawLo])) +
+          uint64_t(a.k);
+      a.config[sw::kDrawLo] = int32_t(uint32_t(draw));
+      a.config[sw::kDrawHi] = int32_t(uint32_t(draw >> 32));
+    }
+    if (tid < a.k) *a.positions[tid] += a.k;
+    if (tid < kMaxKvSlots) a.record[tid] += a.k;
+    // The history: the newest history_cap of its ids and the round's tokens.
+    if (a.history_cap > 0) {
+      int32_t* h = a.config + sw::kHeader;
+      const int n = a.config[sw::kNHistory];
+      const int drop = max(0, n + a.k - a.history_cap);
+      __syncthreads();  // every thread has read n before thread 0 rewrites it
+      // In place, a block-wide chunk at a time: each chunk's reads come before its writes, and
+      // later chunks read only above what earlier ones wrote.
+      for (int base = 0; base < n - drop; base += kLoopThreads) {
+        const int i = base + tid;
+        const int32_t v = i < n - drop ? h[i + drop] : 0;
+        __syncthreads();
+        if (i < n - drop) h[i] = v;
+        __syncthreads();
+      }
+      for (int j = tid; j < a.k; j += kLoopThreads)
+        if (n - drop + j >= 0 && n - drop + j < a.history_cap) h[n - drop + j] = a.tokens[j];
+      if (tid == 0) a.config[sw::kNHistory] = min(n + a.k, a.history_cap);
+    }
+  }
+  if (tid == 0 && a.loop) cudaGraphSetConditional(a.loop, go ? 1u : 0u);
+  if (tid > 0 && tid < a.k && a.steps[tid]) cudaGraphSetConditional(a.steps[tid], 0u);
+}
+
 #ifdef GGRAPH_HAVE_CURAND
 __global__ void philox_pairs_kernel(uint64_t seed, uint64_t first, int n, uint32_t* ours,
                                     uint32_t* theirs) {
@@ -1156,6 +1222,10 @@ void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t*
   l(sample_scan, grid, dim3(kThreads), 0, logits, n_vocab, config,
     static_cast<const int32_t*>(tokens), step, w);
   l(sample_pick, grid, dim3(kThreads), 0, logits, n_vocab, config, tokens, step, k_total, w, next);
+}
+
+void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args) {
+  l(chain_loop_round, dim3(1), dim3(kLoopThreads), 0, args);
 }
 
 bool philox_against_curand(uint64_t seed, uint64_t first, int n, uint32_t* ours, uint32_t* theirs) {

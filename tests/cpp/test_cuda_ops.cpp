@@ -3417,5 +3417,103 @@ TEST(CudaSample, TokensEqualTheCpuSamplers) {
   EXPECT_GT(compared, 10000);
 }
 
+// A chain loop's round kernel (Op::ChainLoop) on words laid out as launch_graph lays them:
+// what it appends, and what it moves on for the next round or leaves where the loop ends.
+TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
+  REQUIRE_GPU();
+  namespace sw = sample_word;
+  constexpr int k = 4, k_total = 16, cap = 6, capacity = 12;
+  // Offsets of the regions in one device block.
+  constexpr int kTokens = 0, kConfig = kTokens + 2 * k_total, kFirst = kConfig + sw::kHeader + cap;
+  constexpr int kPositions = kFirst + 1, kRecord = kPositions + k;
+  constexpr int kControl = kRecord + cuda::kMaxKvSlots, kOut = kControl + 2;
+  constexpr int kWords = kOut + 1 + 2 * capacity;
+  struct Case {
+    const char* what;
+    std::vector<int32_t> tokens;
+    int rounds_left, made;
+    bool next;  // whether the round readies another
+  };
+  const Case cases[] = {
+      {"a round of tokens", {5, 6, 7, 8}, 3, 0, true},
+      {"a stop id among them", {5, 99, 7, 8}, 3, 0, false},
+      {"a step skipped", {5, 6, sw::kSkipped, 8}, 3, 0, false},
+      {"the last round asked", {5, 6, 7, 8}, 1, 0, false},
+      {"a buffer without room for another", {5, 6, 7, 8}, 5, 8, false},
+      {"the rounds before it", {5, 6, 7, 8}, 3, 4, true},
+  };
+  int32_t* dev = nullptr;
+  GGRAPH_CUDA_CHECK(cudaMalloc(&dev, sizeof(int32_t) * kWords));
+  for (const Case& c : cases) {
+    std::vector<int32_t> w(kWords, 0);
+    for (int j = 0; j < k; ++j) {
+      w[kTokens + j] = c.tokens[size_t(j)];
+      w[kTokens + k_total + j] = 100 + j;
+    }
+    int32_t* config = &w[kConfig];
+    config[sw::kNStop] = 1;
+    config[sw::kStop] = 99;
+    config[sw::kDrawLo] = -1;  // the draw carries into its high word
+    config[sw::kDrawHi] = 2;
+    config[sw::kNHistory] = 4;
+    for (int i = 0; i < 4; ++i) config[sw::kHeader + i] = 1 + i;
+    w[kFirst] = 4;
+    for (int j = 0; j < k; ++j) w[kPositions + j] = 10 + j;
+    for (int i = 0; i < cuda::kMaxKvSlots; ++i) w[kRecord + i] = 10 + i;
+    w[kControl] = c.rounds_left;
+    w[kControl + 1] = c.made;
+    for (int i = 0; i < c.made; ++i) w[kOut + 1 + i] = 50 + i;
+    GGRAPH_CUDA_CHECK(cudaMemcpy(dev, w.data(), sizeof(int32_t) * kWords, cudaMemcpyHostToDevice));
+    cuda::ChainLoopArgs a;
+    a.tokens = dev + kTokens;
+    a.k = k;
+    a.k_total = k_total;
+    a.config = dev + kConfig;
+    a.history_cap = cap;
+    a.first = dev + kFirst;
+    for (int j = 0; j < k; ++j) a.positions[j] = dev + kPositions + j;
+    a.record = dev + kRecord;
+    a.control = dev + kControl;
+    a.out = dev + kOut;
+    a.capacity = capacity;
+    cuda::Launcher l;
+    cuda::launch_chain_loop_round(l, a);
+    GGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<int32_t> got(kWords);
+    GGRAPH_CUDA_CHECK(
+        cudaMemcpy(got.data(), dev, sizeof(int32_t) * kWords, cudaMemcpyDeviceToHost));
+    SCOPED_TRACE(c.what);
+    // Appended whether or not another round follows.
+    EXPECT_EQ(got[kOut], c.made + k);
+    EXPECT_EQ(got[kControl], c.rounds_left - 1);
+    EXPECT_EQ(got[kControl + 1], c.made + k);
+    for (int i = 0; i < c.made; ++i) EXPECT_EQ(got[kOut + 1 + i], 50 + i);
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(got[kOut + 1 + c.made + j], c.tokens[size_t(j)]);
+      EXPECT_EQ(got[kOut + 1 + capacity + c.made + j], 100 + j);
+    }
+    const int32_t* cfg = &got[kConfig];
+    if (c.next) {
+      EXPECT_EQ(got[kFirst], 8);
+      for (int j = 0; j < k; ++j) EXPECT_EQ(got[kPositions + j], 14 + j);
+      for (int i = 0; i < cuda::kMaxKvSlots; ++i) EXPECT_EQ(got[kRecord + i], 14 + i);
+      EXPECT_EQ(cfg[sw::kDrawLo], 3);
+      EXPECT_EQ(cfg[sw::kDrawHi], 3);
+      // The newest six of the history and the round's tokens.
+      EXPECT_EQ(cfg[sw::kNHistory], cap);
+      const int32_t want[cap] = {3, 4, 5, 6, 7, 8};
+      for (int i = 0; i < cap; ++i) EXPECT_EQ(cfg[sw::kHeader + i], want[i]) << "history " << i;
+    } else {
+      EXPECT_EQ(got[kFirst], 4);
+      for (int j = 0; j < k; ++j) EXPECT_EQ(got[kPositions + j], 10 + j);
+      for (int i = 0; i < cuda::kMaxKvSlots; ++i) EXPECT_EQ(got[kRecord + i], 10 + i);
+      EXPECT_EQ(cfg[sw::kDrawLo], -1);
+      EXPECT_EQ(cfg[sw::kNHistory], 4);
+      for (int i = 0; i < 4; ++i) EXPECT_EQ(cfg[sw::kHeader + i], 1 + i);
+    }
+  }
+  cudaFree(dev);
+}
+
 }  // namespace
 }  // namespace ggraph

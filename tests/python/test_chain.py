@@ -36,8 +36,10 @@ def tokens_of(model, prompt, chain, max_tokens=40, **sampling):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("settings", SETTINGS)
-@pytest.mark.parametrize("chain", [2, 5, 16])
+@pytest.mark.parametrize("chain", [2, 5, 16, 64])
 def test_a_chain_gives_the_tokens_of_one_step_at_a_time(tiny_model, device, settings, chain):
+    # (64: on CUDA, loops of four rounds of eight steps, then a chain of the other seven tokens;
+    # the CPU runs chains of 16.)
     m = ggraph.Model(tiny_model, device=device, n_ctx=256)
     prompt = [1, 17, 42, 99, 7]
     one, ctx_one = tokens_of(m, prompt, 1, **settings)
@@ -135,22 +137,46 @@ def test_cuda_sampling_over_a_real_vocabulary_equals_the_host_samplers(settings)
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
-def test_graph_stats_count_the_tokens_of_each_launch(tiny_model):
+@pytest.mark.parametrize(
+    "chain, launches, classes",
+    [
+        # The prompt's new token (one step; the first token is sampled from its logits), seven
+        # chains of eight steps and one of seven for the other 63 tokens, then the last token's
+        # own step (as a step at a time ends).
+        (8, 10, {"chain8": 7, "chain7": 1}),
+        # The same tokens with a loop of seven rounds of eight steps in one launch, then a chain
+        # of seven.
+        (64, 4, {"loop8": 1, "chain7": 1}),
+    ],
+)
+def test_graph_stats_count_the_tokens_of_each_launch(tiny_model, chain, launches, classes):
     m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
     m.eval([1, 2, 3])
     m.reset_graph_stats()
-    gen = m.generate([1, 2, 3, 4], max_tokens=64, temperature=0.0, chain=8, ignore_eos=True)
+    gen = m.generate([1, 2, 3, 4], max_tokens=64, temperature=0.0, chain=chain, ignore_eos=True)
     assert len("".join(gen)) > 0
     s = m.graph_stats
-    # The prompt's new token (one step; the first token is sampled from its logits), seven chains
-    # of eight steps and one of seven for the other 63 tokens, then the last token's own step (as
-    # a step at a time ends): 1 + 63 + 1 tokens in 1 + 8 + 1 launches.
-    assert s["tokens"] == 65
-    assert s["replays"] == 10
-    assert s["chain8.replays"] == 7
-    assert s["chain7.replays"] == 1
-    assert s["tokens_per_launch"] == pytest.approx(65 / 10)
+    assert s["tokens"] == 1 + 63 + 1
+    assert s["replays"] == launches
+    for name, replays in classes.items():
+        assert s[f"{name}.replays"] == replays
+    assert s["tokens_per_launch"] == pytest.approx(65 / launches)
     assert s["kernels_per_token"] > 0
+    assert s.get("chain_steps_skipped", 0) == 0
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_a_loop_is_refused_where_it_cannot_run(tiny_model):
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
+    with pytest.raises(ValueError, match="chain must be 1 to 256"):
+        list(m.generate([1, 2, 3], max_tokens=4, chain=257))
+    # Graph modes without conditional nodes run chains of at most 16 steps instead.
+    for mode in ("off", "update"):
+        u = ggraph.Model(tiny_model, device="cuda", n_ctx=256, cuda_graphs=mode)
+        want, _ = tokens_of(m, [1, 2, 3], 1, max_tokens=30, temperature=0.0)
+        got, _ = tokens_of(u, [1, 2, 3], 64, max_tokens=30, temperature=0.0)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert not any(k.startswith("loop") for k in u.graph_stats)
 
 
 def _modes(device):
@@ -158,20 +184,25 @@ def _modes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("chain", [4, 8, 16])
-def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device, chain):
+@pytest.mark.parametrize("chain", [4, 8, 16, 64])
+@pytest.mark.parametrize("after", [2, 12])
+def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device, chain, after):
     from ggraph.testing import Typed, write_random_gguf
 
     prompt = [1, 17, 42, 99, 7]
+    n = 40
     free = [
         t.token
         for t in ggraph.Model(tiny_model, device=device, n_ctx=256).generate(
-            prompt, max_tokens=24, temperature=0.0, ignore_eos=True, chain=1, logprobs=0
+            prompt, max_tokens=n, temperature=0.0, ignore_eos=True, chain=1, logprobs=0
         )
     ]
-    # The same weights with a token the greedy text first reaches a few steps in as the end of
-    # generation: a chain's later steps are skipped where the graph has conditional steps.
-    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    # The same weights with a token the greedy text first reaches `after` steps in or later as
+    # the end of generation: a chain's later steps are skipped where the graph has conditional
+    # steps (with chain 64, in the first round of a loop of four or in a later one).
+    at = next((i for i in range(after, len(free)) if free[i] not in free[:i]), None)
+    if at is None:
+        pytest.skip(f"the greedy text reaches no new token after step {after}")
     path = str(tmp_path / "eos.gguf")
     write_random_gguf(
         path,
@@ -182,7 +213,7 @@ def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device
     )
     ref = ggraph.Model(path, device=device, n_ctx=256)
     want = [
-        t.token for t in ref.generate(prompt, max_tokens=24, temperature=0.0, chain=1, logprobs=0)
+        t.token for t in ref.generate(prompt, max_tokens=n, temperature=0.0, chain=1, logprobs=0)
     ]
     assert ref.stop_reason == "eos"
     assert want[:at] == free[:at]
@@ -192,7 +223,7 @@ def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device
         m = ggraph.Model(path, device=device, n_ctx=256, **kw)
         got = [
             t.token
-            for t in m.generate(prompt, max_tokens=24, temperature=0.0, chain=chain, logprobs=0)
+            for t in m.generate(prompt, max_tokens=n, temperature=0.0, chain=chain, logprobs=0)
         ]
         assert got == want, mode
         assert m.stop_reason == "eos"
@@ -203,8 +234,11 @@ def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device
         # The first token comes from the prompt's logits, the others from chains of at most
         # `chain` steps (fewer where max_tokens ends one): the steps after the end's are
         # skipped in the modes that have conditional steps.
-        start = 1 + (at - 1) // chain * chain
-        steps = min(chain, 24 - start)
+        # A loop (chain 64 in those modes: four rounds of eight steps for the 39 tokens after
+        # the first, then a chain of seven) counts the steps of its last round.
+        per = 8 if chain > 16 else chain
+        start = 1 + (at - 1) // per * per
+        steps = min(per, n - start)
         expected = steps - 1 - (at - start) if mode in ("patch", "recapture") else 0
         assert skipped == expected, mode
 

@@ -41,7 +41,7 @@ def test_bad_generation_options_are_refused_before_anything_changes(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
     m.eval([1, 2, 3])
     bad = (dict(logprobs=21), dict(logprobs=-1), dict(max_tokens=-1), dict(stop=[""]))
-    bad += (dict(chain=0), dict(chain=-5), dict(chain=17))
+    bad += (dict(chain=0), dict(chain=-5), dict(chain=257))
     for kw in bad:
         with pytest.raises(ValueError):
             m.generate([1, 2], **kw)
