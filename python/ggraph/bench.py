@@ -39,7 +39,7 @@ def _time_tg(model, n_gen, rng, depth=0):
     return time.perf_counter() - t0
 
 
-def _time_gen(model, n_gen, rng, depth=0):
+def _time_gen(model, n_gen, rng, depth=0, chain=None):
     # The context, then a short prompt evaluated before the clock starts, as `ggraph generate`
     # times it; the generation finds both in the cache.
     prompt = model._tokens[:depth] + rng.integers(0, model.n_vocab, size=8).tolist()
@@ -49,7 +49,7 @@ def _time_gen(model, n_gen, rng, depth=0):
     # repetition's), not the prompt's graph build shared out over its tokens.
     model.reset_graph_stats()
     t0 = time.perf_counter()
-    for _ in model.generate(prompt, max_tokens=n_gen, temperature=0, ignore_eos=True):
+    for _ in model.generate(prompt, max_tokens=n_gen, temperature=0, ignore_eos=True, chain=chain):
         pass
     elapsed = time.perf_counter() - t0
     if model.n_generated != n_gen:
@@ -70,8 +70,10 @@ def run_bench(
     depths=(0,),
     kv_type="auto",
     allow_longer_context=False,
+    chain=None,
 ):
-    """Returns one result dict per (mode, depth, test)."""
+    """Returns one result dict per (mode, depth, test); chain: the gen rows' decode steps a
+    launch (generate's chain; None: its default)."""
     from ggraph.model import Model
 
     if any(d < 0 for d in depths):
@@ -104,10 +106,12 @@ def run_bench(
                     model.eval(rng.integers(0, model.n_vocab, size=depth).tolist())
                 model._bench_depth = depth
             # Warm-up, as llama-bench's: first use and capture of the graphs of the timed shape
-            # (a prompt's batch is its own shape; decode steps are one token each).
-            fn(model, n if fn is _time_pp else min(n, 16), rng, depth)
+            # (a prompt's batch is its own shape; decode steps are one token each; a generation's
+            # launches are of the lengths its tokens split into).
+            kw = {"chain": chain} if fn is _time_gen else {}
+            fn(model, n if fn is not _time_tg else min(n, 16), rng, depth, **kw)
             model.reset_graph_stats()
-            times = [fn(model, n, rng, depth) for _ in range(reps)]
+            times = [fn(model, n, rng, depth, **kw) for _ in range(reps)]
             stats = model.graph_stats
             rates = [n / t for t in times]
             row = {
@@ -170,6 +174,12 @@ def add_arguments(p):
         "--cuda-graphs", default="patch", help="comma-separated modes: off,recapture,update,patch"
     )
     p.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    p.add_argument(
+        "--chain",
+        type=_int_in(1, 256),
+        default=None,
+        help="the gen rows' decode steps a launch (generate's chain; default: its own)",
+    )
     from ggraph.cli import add_context_arguments
 
     add_context_arguments(p)
@@ -203,6 +213,7 @@ def main_args(args):
         depths=depths,
         kv_type=args.kv_type,
         allow_longer_context=args.allow_longer_context,
+        chain=args.chain,
     )
     print(json.dumps(rows, indent=2) if args.output == "json" else format_markdown(rows))
     return 0
