@@ -1023,8 +1023,10 @@ void measure_rows_kernels(int sms) {
 
 // ---- Float-weight mat-vec (F32, F16, BF16) ------------------------------------------------------
 //
-// A warp owns RW rows; lanes read 16 consecutive bytes each (512 bytes per warp load), four loads
-// per row in flight, against float activations. VEC needs rows aligned to 16 bytes.
+// A warp owns RW rows; lanes read 16 consecutive bytes each (512 bytes per warp load), against
+// float activations, two loads per row in flight for one column (measured: BENCHMARKS.md, the
+// fifty-fourth session) and four for more. A lane sums its pieces in the same order either way.
+// VEC needs rows aligned to 16 bytes.
 
 template <int TYPE>
 struct FloatInfo {
@@ -1060,7 +1062,7 @@ __device__ __forceinline__ void mat_vec_f_body(const PartSel& part, int64_t k, c
                                                const MatVecRope& rope = MatVecRope{}) {
   static_assert(!ROPE || (NCOLS == 1 && RW % 2 == 0), "the rope epilogue takes pairs of rows");
   constexpr int E = FloatInfo<TYPE>::kVecElems;
-  constexpr int U = 4;
+  constexpr int U = NCOLS == 1 ? 2 : 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = part.local_block * 8 * RW + warp * RW;
   const size_t rb = static_cast<size_t>(k) * FloatInfo<TYPE>::kElemBytes;
