@@ -389,6 +389,11 @@ int ggraph_generate(ggraph_model* m, const int32_t* prompt, size_t n,
     if (in.flags & ~GGRAPH_GENERATE_IGNORE_EOS)
       throw ggraph::ArgumentError("ggraph_generate: unknown flags " + std::to_string(in.flags));
     o.ignore_eos = (in.flags & GGRAPH_GENERATE_IGNORE_EOS) != 0;
+    if (in.tokens_per_launch < 0)
+      throw ggraph::ArgumentError("ggraph_generate: tokens_per_launch must be 0 (the default) to " +
+                                  std::to_string(ggraph::Context::kMaxLaunch) + ", got " +
+                                  std::to_string(in.tokens_per_launch));
+    o.chain = in.tokens_per_launch == 0 ? ggraph::kAutoChain : in.tokens_per_launch;
     if (in.n_stop && !in.stop) throw ggraph::ArgumentError("ggraph_generate: stop is NULL");
     for (size_t i = 0; i < in.n_stop; ++i) {
       if (!in.stop[i]) throw ggraph::ArgumentError("ggraph_generate: stop string is NULL");

@@ -48,6 +48,7 @@ class GenParams(ctypes.Structure):
         ("n_stop", ctypes.c_size_t),
         ("top_logprobs", ctypes.c_int32),
         ("flags", ctypes.c_uint64),
+        ("tokens_per_launch", ctypes.c_int32),
     ]
 
 

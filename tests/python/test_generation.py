@@ -196,6 +196,25 @@ def test_c_generate_flags(capi):
     assert lib.ggraph_n_past(model) == n_past
 
 
+def test_c_generate_tokens_per_launch(capi):
+    lib, model = capi
+    p = lib.ggraph_default_generate_params()
+    assert p.tokens_per_launch == 0
+    p.temperature, p.max_tokens, p.flags = 0.0, 20, 1
+    rc, _, want = _generate(lib, model, [1, 2], p)
+    # A token at a time, and as many a launch as the backend runs: the same tokens.
+    for n in (1, 64):
+        p.tokens_per_launch = n
+        got_rc, _, got = _generate(lib, model, [1, 2], p)
+        assert got_rc == rc and [t for t, _, _ in got] == [t for t, _, _ in want]
+    n_past = lib.ggraph_n_past(model)
+    for bad in (-1, 257):
+        p.tokens_per_launch = bad
+        assert _generate(lib, model, [1, 2], p)[0] == -2
+        assert b"launch" in lib.ggraph_last_error(model)
+        assert lib.ggraph_n_past(model) == n_past
+
+
 def test_c_detokenize_and_rewind(capi, tiny_model):
     lib, model = capi
     py = ggraph.Model(tiny_model, device="cpu", n_ctx=64)
