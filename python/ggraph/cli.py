@@ -83,6 +83,7 @@ def cmd_generate(args):
         max_tokens=args.n_predict,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        chain=args.chain,
         **_sampling(args),
     )
     for piece in pieces:
@@ -290,6 +291,12 @@ def build_parser():
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument(
         "--ignore-eos", action="store_true", help="go on past an end-of-generation token"
+    )
+    g.add_argument(
+        "--chain",
+        type=_int_in(1, 256),
+        default=None,
+        help="decode steps a launch, sampled on the backend (generate's chain; default: its own)",
     )
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)

@@ -24,6 +24,14 @@ def test_generate_says_paris(smollm2):
     assert "tokens/s" in r.stderr
 
 
+def test_generate_with_more_tokens_a_launch_says_the_same(smollm2):
+    # (On CUDA: chains of 8, against a loop of four rounds of 8 and a chain of 7.)
+    plain = ggraph_cmd("generate", "-n", "40", "The capital of France is")
+    chained = ggraph_cmd("generate", "-n", "40", "--chain", "64", "The capital of France is")
+    assert chained.returncode == 0, chained.stderr
+    assert chained.stdout == plain.stdout
+
+
 def test_generate_with_default_model_when_installed(smollm2):
     r = ggraph_cmd("generate", "-n", "4", "--device", "cpu", "Hello")
     assert r.returncode == 0, r.stderr
@@ -177,6 +185,8 @@ def test_rewind_keeps_a_prefix(tiny_model):
         ("generate", "-c", "3000000000", "hi"),
         ("generate", "--top-k", "3000000000", "hi"),
         ("generate", "--temperature", "-1", "hi"),
+        ("generate", "--chain", "257", "hi"),
+        ("bench", "--chain", "0"),
         ("generate", ""),
         ("chat",),  # the tiny model has no chat template
         ("bench", "-r", "0"),
