@@ -3023,6 +3023,71 @@ TEST(CudaLaunchPlan, AReusedGraphNeedsOnlyTheKvRecordsLaunch) {
   EXPECT_THROW(cuda::check_reused(lg.g, &reuse), ArgumentError);
 }
 
+// A chain loop (Op::ChainLoop) of two steps: its round kernel is the last launch and reads the
+// steps' inputs where they lie, the KV record and the token buffer; a loop whose last round would
+// write past the cache is refused before anything is launched.
+TEST(CudaLaunchPlan, AChainLoopsRoundIsItsLastLaunchOverTheStepsInputs) {
+  constexpr int n_embd = 64, n_vocab = 256, n_ctx = 128, k = 2, k_total = 16, capacity = 16;
+  Graph g;
+  FakeWeights fw;
+  Tensor* buffer = g.token_buffer(fw.alloc(2 * k_total * sizeof(int32_t)), k_total);
+  std::vector<int32_t> config(sample_word::kHeader + 4, 0), first{1}, positions{10, 11};
+  std::vector<int32_t> control{3, 0};
+  Tensor* cfg = g.input_i32(int64_t(config.size()), config.data(), "sample_config");
+  Tensor* first_id = g.input_i32(1, first.data(), "tokens");
+  Tensor* kc = g.kv_cache(DType::F16, n_embd, n_ctx, fw.alloc(n_embd * n_ctx * 2), "k");
+  Tensor* vc = g.kv_cache(DType::F16, n_embd, n_ctx, fw.alloc(n_embd * n_ctx * 2), "v");
+  Tensor* table = fw.weight(g, DType::Q8_0, n_embd, n_vocab, "tok_embd");
+  Tensor* out_w = fw.weight(g, DType::Q8_0, n_embd, n_vocab, "output");
+  std::vector<Tensor*> pos;
+  Tensor* last = nullptr;
+  for (int j = 0; j < k; ++j) {
+    Tensor* ids = j > 0 ? g.token_at(buffer, j - 1) : first_id;
+    pos.push_back(g.input_i32(1, &positions[size_t(j)], "positions"));
+    Tensor* x = g.get_rows(table, ids);
+    Tensor* q = g.rope(x, pos.back(), 1, n_embd, n_embd, kRopeNeox, 10000.0f);
+    g.kv_store(kc, q, 10 + j);
+    g.kv_store(vc, x, 10 + j);
+    Tensor* a = g.attention(q, kc, vc, 1, 1, n_embd, 0.125f, 11 + j, 10 + j);
+    last = g.sample(g.mul_mat(out_w, a), cfg, buffer, j);
+  }
+  g.chain = k;
+  Tensor* ctl = g.input_i32(2, control.data(), "loop_control");
+  void* out = fw.alloc((1 + 2 * capacity) * sizeof(int32_t));
+  Tensor* loop = g.chain_loop(last, cfg, first_id, ctl, pos, out, capacity);
+  g.set_output(loop);
+  plan(g);
+  const auto rec = LayerGraph::launches_of_graph(g);
+  ASSERT_FALSE(rec.empty());
+  const cuda::KernelLaunch& round = rec.back();
+  EXPECT_EQ(round.node, loop->index);
+  EXPECT_EQ(launches_of(rec, loop), 1);
+  ASSERT_EQ(round.n_args, 1);
+  ASSERT_EQ(round.arg_size[0], sizeof(cuda::ChainLoopArgs));
+  cuda::ChainLoopArgs a;
+  std::memcpy(&a, round.args + round.arg_offset[0], sizeof(a));
+  const uint8_t* input = reinterpret_cast<const uint8_t*>(uintptr_t(0x7100000000));
+  auto at = [&](const Tensor* t) { return reinterpret_cast<const int32_t*>(input + t->offset); };
+  EXPECT_EQ(a.tokens, buffer->data);
+  EXPECT_EQ(a.k, k);
+  EXPECT_EQ(a.k_total, k_total);
+  EXPECT_EQ(a.config, at(cfg));
+  EXPECT_EQ(a.history_cap, 4);
+  EXPECT_EQ(a.first, at(first_id));
+  for (int j = 0; j < k; ++j) EXPECT_EQ(a.positions[j], at(pos[size_t(j)])) << "step " << j;
+  EXPECT_EQ(a.record, LayerGraph::record());
+  EXPECT_EQ(a.control, at(ctl));
+  EXPECT_EQ(a.out, out);
+  EXPECT_EQ(a.capacity, capacity);
+  EXPECT_EQ(a.loop, 0u);  // no gate when recording plainly: no WHILE node
+  // The last round's KV values: the attention's length reaches the cache's end at a span of
+  // n_ctx - 12 positions and no further.
+  cuda::ReusePlan reuse;
+  cuda::plan_reuse(g, &reuse);
+  EXPECT_NO_THROW(cuda::check_kv_values(g, reuse, n_ctx - 12));
+  EXPECT_THROW(cuda::check_kv_values(g, reuse, n_ctx - 11), ArgumentError);
+}
+
 TEST(CudaLaunchPlan, TheKvRecordHoldsABoundedNumberOfDistinctValues) {
   for (int n_values : {cuda::kMaxKvSlots, cuda::kMaxKvSlots + 1}) {
     Graph g;
