@@ -78,6 +78,32 @@ def test_ring_equals_full_cache_in_every_cpu_cache_type(arch_file, kv_type):
 
 
 @pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=0.9, seed=5)])
+def test_chains_over_rings_give_the_tokens_of_a_step_at_a_time(
+    arch_file, device, settings, tmp_path
+):
+    # 60 tokens after a 10-token prompt wrap the rings many times inside chains of 8 and, on
+    # CUDA, inside a loop's rounds (chain 64: rounds of 8 on the device).
+    arch = arch_file[0]
+    path = tmp_path / f"{arch}-vocab.gguf"
+    write_arch(path, arch, "F32", seed=11, vocab=True)
+    runs = []
+    for chain in (1, 8, 64):
+        m = _model(path, device, 16)
+        steps = m.generate(
+            TOKENS[:10], max_tokens=60, ignore_eos=True, logprobs=0, chain=chain, **settings
+        )
+        got = [t.token for t in steps if t.token >= 0]
+        runs.append((got, m.n_past, m.eval([3])))
+    (want, past, logits), *others = runs
+    assert len(want) == 60
+    for got, got_past, got_logits in others:
+        assert got == want
+        assert got_past == past
+        np.testing.assert_allclose(got_logits, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", _devices())
 def test_rewind_past_the_ring_reevaluates_what_it_keeps(arch_file, device):
     arch, path, _ = arch_file
     m = _model(path, device, 4)
