@@ -1024,9 +1024,9 @@ void measure_rows_kernels(int sms) {
 // ---- Float-weight mat-vec (F32, F16, BF16) ------------------------------------------------------
 //
 // A warp owns RW rows; lanes read 16 consecutive bytes each (512 bytes per warp load), against
-// float activations, two loads per row in flight for one column (measured: BENCHMARKS.md, the
-// fifty-fourth session) and four for more. A lane sums its pieces in the same order either way.
-// VEC needs rows aligned to 16 bytes.
+// float activations, two loads per row in flight for one column (measured: BENCHMARKS.md, "Two
+// loads in flight in the one-column float mat-vec") and four for more. A lane sums its pieces in
+// the same order either way. VEC needs rows aligned to 16 bytes.
 
 template <int TYPE>
 struct FloatInfo {
