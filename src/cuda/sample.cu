@@ -602,6 +602,20 @@ __device__ int build_list(Shared& s, const KeySource& src, int low) {
 
 // ---- Merging the tiles -----------------------------------------------------------------------
 
+// The config's draw index (the draw of a chain's first step).
+__device__ __forceinline__ uint64_t config_draw(const int32_t* c) {
+  return (uint64_t(uint32_t(c[sw::kDrawHi])) << 32) | uint32_t(c[sw::kDrawLo]);
+}
+
+// Whether a chain goes on after a step sampled `token`: it is a token (not -1) and none of the
+// config's stop ids.
+__device__ __forceinline__ bool goes_on_after(const int32_t* config, int32_t token) {
+  bool go = token >= 0;
+  const int n_stop = min(config[sw::kNStop], sw::kMaxStop);
+  for (int i = 0; i < n_stop; ++i) go = go && config[sw::kStop + i] != token;
+  return go;
+}
+
 // Config words as the kernels read them.
 struct Config {
   float temperature, top_p, min_p, log_min_p, repeat, frequency, presence;
@@ -620,7 +634,7 @@ struct Config {
     last_n = c[sw::kPenaltyLastN];
     n_history = c[sw::kNHistory];
     seed = (uint64_t(uint32_t(c[sw::kSeedHi])) << 32) | uint32_t(c[sw::kSeedLo]);
-    draw = ((uint64_t(uint32_t(c[sw::kDrawHi])) << 32) | uint32_t(c[sw::kDrawLo])) + step;
+    draw = config_draw(c) + step;
   }
   __device__ bool greedy() const { return sample_is_greedy(temperature, top_k); }
 };
@@ -750,12 +764,7 @@ __device__ void write_token(const float* logits, const Totals& t, int32_t token,
   o.tokens[o.step] = token;
   o.tokens[o.k_total + o.step] = __float_as_int(logprob);
   if (o.step + 1 < o.k_total) o.tokens[o.step + 1] = sw::kSkipped;
-  if (o.next) {
-    bool go = token >= 0;
-    const int n_stop = min(o.config[sw::kNStop], sw::kMaxStop);
-    for (int i = 0; i < n_stop; ++i) go = go && o.config[sw::kStop + i] != token;
-    cudaGraphSetConditional(o.next, go ? 1u : 0u);
-  }
+  if (o.next) cudaGraphSetConditional(o.next, goes_on_after(o.config, token) ? 1u : 0u);
 }
 
 // ---- The kernels -----------------------------------------------------------------------------
@@ -1110,12 +1119,7 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
   const int made = a.control[1];
   if (tid == 0) {
     bool go = --a.control[0] > 0;
-    const int n_stop = min(a.config[sw::kNStop], sw::kMaxStop);
-    for (int j = 0; j < a.k; ++j) {
-      const int32_t token = a.tokens[j];
-      go = go && token >= 0;
-      for (int i = 0; i < n_stop; ++i) go = go && a.config[sw::kStop + i] != token;
-    }
+    for (int j = 0; j < a.k; ++j) go = go && goes_on_after(a.config, a.tokens[j]);
     // Rounds were asked for within the capacity; a full buffer ends the loop all the same.
     go = go && made + 2 * a.k <= a.capacity;
     go_shared = go;
@@ -1133,9 +1137,7 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
   if (go) {
     if (tid == 0) {
       *a.first = a.tokens[a.k - 1];
-      const uint64_t draw =
-          ((uint64_t(uint32_t(a.config[sw::kDrawHi])) << 32) | uint32_t(a.config[sw::kDrawLo])) +
-          uint64_t(a.k);
+      const uint64_t draw = config_draw(a.config) + uint64_t(a.k);
       a.config[sw::kDrawLo] = int32_t(uint32_t(draw));
       a.config[sw::kDrawHi] = int32_t(uint32_t(draw >> 32));
     }
