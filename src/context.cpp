@@ -291,7 +291,8 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   c.n_past = n_past;
   c.first[0] = first;
   std::iota(c.positions.begin(), c.positions.end(), n_past);
-  c.control = {k / steps, 0};
+  c.control[0] = k / steps;  // in place: the graph's input points at these words
+  c.control[1] = 0;
   // The penalty window's ids: the last of the sequence's tokens, then first.
   const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
   std::vector<int32_t> history(s.tokens.begin() + long(from), s.tokens.end());

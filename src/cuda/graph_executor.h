@@ -57,10 +57,8 @@ class GraphExecutor {
            const std::function<std::string(int)>& node_names, const LaunchAll& launch_kv = {});
 
   GraphMode mode() const { return mode_; }
-  // Whether run() makes chain loops WHILE nodes (a loop needs a gate: patch and recapture modes).
-  bool runs_loops() const {
-    return gate_ && (mode_ == GraphMode::Patch || mode_ == GraphMode::Recapture);
-  }
+  // Whether run() makes chain loops WHILE nodes: where it has conditional steps (gate_).
+  bool runs_loops() const { return gate_; }
   const GraphStats& stats() const { return stats_; }
   // Captures and replays by topology class (run's key).
   struct KeyStats {
