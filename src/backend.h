@@ -57,6 +57,25 @@ class Backend {
   // Copies the graph's inputs in, runs every node, copies the output tensor (F32) to `out`.
   // The graph must have been planned and fit the reserved buffers.
   virtual void compute(const Graph& graph, float* out) = 0;
+  // compute in two halves, for a caller that takes a chain loop's tokens while it runs
+  // (loop_words): compute_start copies the inputs in and launches (CUDA returns at once; other
+  // backends run it all), compute_finish waits for the end and copies the output to the `out`
+  // given at the start; an error of the launch is thrown there. Between the two the graph, its
+  // inputs and `out` stay as they are, and only compute_done, loop_words and halt_loop may be
+  // called.
+  virtual void compute_start(const Graph& graph, float* out) { compute(graph, out); }
+  virtual void compute_finish() {}
+  // Whether the launch compute_start made has ended (or failed): compute_finish would not wait.
+  virtual bool compute_done() { return true; }
+  // A chain loop's words as its rounds end (Op::ChainLoop), in host memory that the device
+  // writes while the launch runs; nullptr where a loop's tokens come back only at its end. Word
+  // 0 is the count of tokens so far, with kLoopEnded added once the loop has ended; then the
+  // loop's capacity of token words, then as many log-probability words, as the op's output.
+  // The words a count covers are written before it.
+  virtual const volatile int32_t* loop_words() { return nullptr; }
+  // Asks the loop in flight to end after its round in progress (or the next one); its words and
+  // output then stop there, as if its rounds had been done.
+  virtual void halt_loop() {}
   // Host memory that compute() writes its output into fastest (on CUDA page-locked, which the
   // device copies into directly); nullptr where ordinary memory is as good.
   virtual std::shared_ptr<HostPool> host_pool() { return nullptr; }

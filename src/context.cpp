@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "planner.h"
 
@@ -225,6 +227,15 @@ Context::~Context() = default;
 int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
                             uint64_t draw, int32_t* tokens, float* logprobs, const int32_t* stops,
                             size_t n_stops) {
+  launch_sampled(first, k, params, seed, draw, stops, n_stops);
+  return land_sampled(tokens, logprobs);
+}
+
+void Context::launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                             uint64_t draw, const int32_t* stops, size_t n_stops) {
+  land();
+  // A launch nobody took (its caller gone) is dropped: its tokens are in the history already.
+  flight_.active = false;
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
   const bool loop = k > kMaxChain && backend_->runs_loops();
   if (k < 1 || (k > kMaxChain && (!loop || k > kMaxLaunch || k % kLoopChain != 0)))
@@ -305,15 +316,77 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   // A chain's token words (k tokens, then their log-probabilities at kMaxChain), or a loop's
   // (how many, then kMaxLaunch tokens, then their log-probabilities): read as a chain of the
   // tokens its rounds made.
-  std::vector<float> out(loop ? 1 + 2 * size_t(kMaxLaunch) : 2 * size_t(kMaxChain));
-  backend_->compute(*c.graph, out.data());
-  const int32_t* words = reinterpret_cast<const int32_t*>(out.data()) + (loop ? 1 : 0);
-  const float* word_logprobs = out.data() + (loop ? 1 + kMaxLaunch : kMaxChain);
-  if (loop) {
-    const int32_t made = reinterpret_cast<const int32_t*>(out.data())[0];
-    if (made < steps || made > k || made % steps != 0)
+  Flight& f = flight_;
+  f.out.assign(loop ? 1 + 2 * size_t(kMaxLaunch) : 2 * size_t(kMaxChain), 0.0f);
+  backend_->compute_start(*c.graph, f.out.data());
+  f.active = true;
+  f.landed = false;
+  f.loop = loop;
+  f.seq = cur_;
+  f.k = k;
+  f.steps = steps;
+  f.n_past = n_past;
+  f.first = first;
+  f.done = 0;
+  f.error.clear();
+}
+
+int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
+  if (!flight_.active) throw std::logic_error("poll_sampled: no launch in flight");
+  const volatile int32_t* w = flight_.loop && !flight_.landed ? backend_->loop_words() : nullptr;
+  if (!w) return -1;
+  const int cap = kMaxLaunch;
+  for (unsigned spin = 0;; ++spin) {
+    const int32_t count = w[0];
+    // The words a count covers were written before it (Backend::loop_words).
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const int n = std::min(count & ~kLoopEnded, flight_.k);
+    int ok = have;  // the words past have that are tokens (a failed or skipped step's are not)
+    while (ok < n && w[1 + ok] >= 0) ++ok;
+    if (ok > have) {
+      for (int j = have; j < ok; ++j) {
+        tokens[j] = w[1 + j];
+        const int32_t bits = w[1 + cap + j];
+        std::memcpy(&logprobs[j], &bits, sizeof(float));
+      }
+      return ok;
+    }
+    if ((count & kLoopEnded) || ok < n) return -1;
+    if (spin % 64 == 63) {
+      if (backend_->compute_done()) return -1;
+      // A cancel asked for ends the loop at its round's end; the request stays for the caller.
+      if (cancel_epoch(flight_.seq) != armed_[size_t(flight_.seq)]) backend_->halt_loop();
+    }
+    std::this_thread::yield();
+  }
+}
+
+void Context::halt_sampled() {
+  if (flight_.active && !flight_.landed && flight_.loop) backend_->halt_loop();
+}
+
+void Context::land() {
+  Flight& f = flight_;
+  if (!f.active || f.landed) return;
+  f.landed = true;
+  try {
+    backend_->compute_finish();
+  } catch (...) {
+    f.active = false;  // nothing to take: the context holds what it held before the launch
+    throw;
+  }
+  Sequence& s = seqs_[size_t(f.seq)];
+  const int steps = f.steps;
+  const int n_past = f.n_past;
+  int k = f.k;
+  const int32_t* words = reinterpret_cast<const int32_t*>(f.out.data()) + (f.loop ? 1 : 0);
+  if (f.loop) {
+    const int32_t made = reinterpret_cast<const int32_t*>(f.out.data())[0];
+    if (made < steps || made > k || made % steps != 0) {
+      f.active = false;
       throw DeviceError("decode_sampled: the loop reported " + std::to_string(made) + " of " +
                         std::to_string(k) + " tokens");
+    }
     k = made;
   }
   int done = k;  // steps whose sample succeeded
@@ -324,15 +397,27 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
   // step whose sample failed: the tokens that step and the ones before it evaluated.
   const bool skipped = done < k && done > 0 && words[done] == sample_word::kSkipped;
   const int evaluated = skipped ? done : done == k ? k : done + 1;
-  s.tokens.push_back(first);
+  s.tokens.push_back(f.first);
   s.tokens.insert(s.tokens.end(), words, words + (evaluated - 1));
   s.n_past = n_past + evaluated;
   if (done < k && !skipped)
-    throw ArgumentError("decode_sampled: step " + std::to_string(done) +
-                        " found no logit above -inf to sample from");
-  std::copy(words, words + done, tokens);
-  std::memcpy(logprobs, word_logprobs, size_t(done) * sizeof(float));
-  return done;
+    f.error = "decode_sampled: step " + std::to_string(done) +
+              " found no logit above -inf to sample from";
+  f.done = done;
+}
+
+int Context::land_sampled(int32_t* tokens, float* logprobs) {
+  if (!flight_.active)
+    throw ArgumentError("decode_sampled: no launch in flight (another call took its tokens)");
+  land();
+  Flight& f = flight_;
+  f.active = false;
+  if (!f.error.empty()) throw ArgumentError(f.error);
+  const int32_t* words = reinterpret_cast<const int32_t*>(f.out.data()) + (f.loop ? 1 : 0);
+  const float* word_logprobs = f.out.data() + (f.loop ? 1 + kMaxLaunch : kMaxChain);
+  std::copy(words, words + f.done, tokens);
+  std::memcpy(logprobs, word_logprobs, size_t(f.done) * sizeof(float));
+  return f.done;
 }
 
 void Context::build_decode_batch(Graph& graph, size_t m, DecodeInputs& in, size_t n_out) const {
@@ -394,6 +479,7 @@ size_t Context::decode_batch_rows(size_t n) const {
 
 void Context::decode_batch(const int* seqs, const int32_t* tokens, size_t n, float* out,
                            bool repeats, bool last_only) {
+  land();
   if (n == 0) throw ArgumentError("decode_batch: the batch is empty");
   if (last_only && n > size_t(n_batch_))
     throw ArgumentError("decode_batch: " + std::to_string(n) +
@@ -511,6 +597,7 @@ void Context::append_token(int seq, int32_t token) {
 }
 
 int Context::open_sequence() {
+  land();
   for (size_t i = 0; i < seqs_.size(); ++i) {
     if (seqs_[i].open) continue;
     seqs_[i].open = true;
@@ -525,6 +612,7 @@ int Context::open_sequence() {
 }
 
 void Context::close_sequence(int id) {
+  land();
   if (id <= 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
     throw ArgumentError("close_sequence: " + std::to_string(id) +
                         " is not an open sequence other than 0");
@@ -538,6 +626,7 @@ void Context::close_sequence(int id) {
 }
 
 void Context::select_sequence(int id) {
+  land();
   if (id < 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
     throw ArgumentError("select_sequence: " + std::to_string(id) + " is not an open sequence");
   cur_ = id;
@@ -580,6 +669,7 @@ void Context::build(StepGraph& step, Graph& graph, int n_tokens, int n_outputs, 
 
 std::vector<float> Context::eval(const int32_t* tokens, size_t n, bool all_logits,
                                  const std::function<bool()>& interrupted) {
+  land();
   if (n == 0) throw ArgumentError("eval: the token list is empty");
   const int n_vocab = model_->n_vocab;
   check_token_ids(tokens, n, n_vocab, "eval");
@@ -761,6 +851,7 @@ std::vector<uint8_t> Context::save_state() const {
 }
 
 void Context::copy_prefix(int from, int n) {
+  land();
   if (from < 0 || from >= n_seq_max() || !seqs_[size_t(from)].open)
     throw ArgumentError("copy_prefix: expected an open sequence id, got " + std::to_string(from));
   if (from == cur_)
@@ -796,6 +887,7 @@ void Context::copy_prefix(int from, int n) {
 }
 
 void Context::load_state_file(int fd, const std::string& path) {
+  land();
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
     throw ArgumentError("load_state: " + path + " is not a regular file");
@@ -817,6 +909,7 @@ void Context::load_state_file(int fd, const std::string& path) {
 }
 
 void Context::load_state(const uint8_t* data, size_t size) {
+  land();
   const KvCache& kv = live().kv;
   StateHeader h{};
   if (!data || size < sizeof h)
@@ -896,6 +989,7 @@ void Context::load_state(const uint8_t* data, size_t size) {
 }
 
 std::vector<float> Context::embed(const int32_t* tokens, size_t n) {
+  land();
   if (n == 0) throw ArgumentError("embed: the token list is empty");
   check_token_ids(tokens, n, model_->n_vocab, "embed");
   if (n > size_t(n_batch_))

@@ -96,6 +96,21 @@ class Context {
   int decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
                      uint64_t draw, int32_t* tokens, float* logprobs,
                      const int32_t* stops = nullptr, size_t n_stops = 0);
+  // decode_sampled in parts, for a caller that takes a loop's tokens as its rounds make them:
+  // launch_sampled checks and launches as decode_sampled does (on CUDA it returns while the
+  // launch runs); poll_sampled waits for the launch's tokens past the first `have` and copies
+  // them into tokens[have, n) and logprobs[have, n), returning n, or returns -1 once no more
+  // will come before the end (a launch that does not stream them, or whose last round or a
+  // failed step came); land_sampled waits for the end and returns what decode_sampled returns
+  // (tokens and logprobs take all of them). halt_sampled asks a loop to end after its round in
+  // progress: land_sampled then returns fewer tokens, whole rounds of them. While a launch is in
+  // flight a cancel request (cancel()) halts it too, and stays pending. Every other call that
+  // changes the context lands the launch first, keeping its result for land_sampled.
+  void launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                      uint64_t draw, const int32_t* stops = nullptr, size_t n_stops = 0);
+  int poll_sampled(int have, int32_t* tokens, float* logprobs);
+  void halt_sampled();
+  int land_sampled(int32_t* tokens, float* logprobs);
   // The final normalized hidden state of every one of n tokens, [n][n_embd], as llama.cpp's
   // embedding mode computes it: the tokens are evaluated as a sequence of their own, from
   // position 0. The context's own tokens and cache are kept (saved and restored around it).
@@ -126,6 +141,7 @@ class Context {
     return true;
   }
   void reset() {
+    land();
     live().n_past = 0;
     live().kv_lost = 0;
     live().tokens.clear();
@@ -134,6 +150,7 @@ class Context {
   // window rings have overwritten rows the next step needs, that step first re-evaluates the n
   // tokens kept.
   void rewind(int n) {
+    land();
     if (n < 0 || n > live().n_past)
       throw ArgumentError("rewind: expected a position in [0, " + std::to_string(live().n_past) +
                           "], got " + std::to_string(n));
@@ -322,6 +339,19 @@ class Context {
   size_t reserved_scratch_ = 0, reserved_inputs_ = 0;  // what the backend's buffers hold
   void* chain_tokens_ = nullptr;  // backend memory of the chains' sampled tokens (2 kMaxChain)
   void* loop_tokens_ = nullptr;   // and of a chain loop's (1 + 2 kMaxLaunch)
+  // The sampled launch in flight (launch_sampled to land_sampled), and once landed its result.
+  struct Flight {
+    bool active = false, landed = false, loop = false;
+    int seq = 0, k = 0, steps = 0, n_past = 0;
+    int32_t first = 0;
+    std::vector<float> out;  // the launch's token words, as the backend's output
+    int done = 0;            // once landed: the samples made
+    std::string error;       // once landed: why a step's sample failed (ArgumentError)
+  };
+  Flight flight_;
+  // Waits for the launch in flight and takes its tokens into the sequence's history and
+  // position, as decode_sampled does; the result stays in flight_ for land_sampled.
+  void land();
 };
 
 }  // namespace ggraph

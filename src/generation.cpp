@@ -93,44 +93,80 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxLaunch) +
                         " decode steps a launch (or the backend's default), got " +
                         std::to_string(opt_.chain));
-  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
+  // By default a loop of Context::kMaxLaunch tokens where the backend runs loops (their tokens
+  // come back as its rounds make them), a chain of kDefaultChain on other CUDA graph modes.
+  const bool loops = ctx_.backend().runs_loops();
+  chain_ = opt_.chain != kAutoChain   ? opt_.chain
+           : loops                    ? Context::kMaxLaunch
+           : ctx_.backend().is_cuda() ? kDefaultChain
+                                      : 1;
   // More than a chain's steps a launch where the backend runs loops; elsewhere a chain's most.
-  if (!ctx_.backend().runs_loops()) chain_ = std::min(chain_, Context::kMaxChain);
+  if (!loops) chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();
 }
 
+Generation::~Generation() {
+  if (!in_flight_) return;
+  try {
+    land_chain(true);
+  } catch (...) {  // (a device error: the context reports it at its next call)
+  }
+}
+
+void Generation::launch_chain() {
+  if (relaunch_) ctx_.rewind(ctx_.n_past() - 1);
+  relaunch_ = false;
+  const int base = ctx_.n_past();
+  int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
+  // Past a chain's steps, whole rounds of a loop's chain (Context::decode_sampled).
+  if (k > Context::kMaxChain) k -= k % Context::kLoopChain;
+  flight_tokens_.assign(static_cast<size_t>(k), 0);
+  flight_logprobs_.assign(static_cast<size_t>(k), 0.0f);
+  // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
+  // The steps after an end-of-generation token may be skipped, unless those are ignored.
+  const std::vector<int32_t>& eog = ctx_.tokenizer().end_of_generation();
+  ctx_.launch_sampled(chain_first_, k, sampler_.params(), sampler_.seed(), sampler_.draws(),
+                      opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
+  in_flight_ = true;
+  chain_base_ = base;
+  chain_tokens_.clear();
+  chain_logprobs_.clear();
+  chain_next_ = 0;
+}
+
+void Generation::land_chain(bool halt) {
+  if (halt) ctx_.halt_sampled();
+  in_flight_ = false;  // landed or failed, it is no longer in flight
+  const int made = ctx_.land_sampled(flight_tokens_.data(), flight_logprobs_.data());
+  const SamplingParams& p = sampler_.params();
+  if (!sample_is_greedy(p.temperature, p.top_k)) sampler_.set_draws(sampler_.draws() + made);
+  chain_tokens_.assign(flight_tokens_.begin(), flight_tokens_.begin() + made);
+  chain_logprobs_.assign(flight_logprobs_.begin(), flight_logprobs_.begin() + made);
+  chain_first_ = chain_tokens_.back();
+}
+
 int32_t Generation::next_chained(float* logprob) {
-  if (chain_next_ == chain_tokens_.size()) {
-    if (relaunch_) ctx_.rewind(ctx_.n_past() - 1);
-    relaunch_ = false;
-    const int base = ctx_.n_past();
-    int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
-    // Past a chain's steps, whole rounds of a loop's chain (Context::decode_sampled).
-    if (k > Context::kMaxChain) k -= k % Context::kLoopChain;
-    std::vector<int32_t> tokens(static_cast<size_t>(k));
-    std::vector<float> logprobs(static_cast<size_t>(k));
-    const SamplingParams& p = sampler_.params();
-    // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
-    // The steps after an end-of-generation token may be skipped, unless those are ignored.
-    const std::vector<int32_t>& eog = ctx_.tokenizer().end_of_generation();
-    const int made = ctx_.decode_sampled(
-        chain_first_, k, p, sampler_.seed(), sampler_.draws(), tokens.data(), logprobs.data(),
-        opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
-    tokens.resize(static_cast<size_t>(made));
-    logprobs.resize(static_cast<size_t>(made));
-    if (!sample_is_greedy(p.temperature, p.top_k)) sampler_.set_draws(sampler_.draws() + made);
-    chain_base_ = base;
-    chain_tokens_.swap(tokens);
-    chain_logprobs_.swap(logprobs);
-    chain_first_ = chain_tokens_.back();
-    chain_next_ = 0;
+  if (chain_next_ == chain_tokens_.size() && !in_flight_) launch_chain();
+  while (chain_next_ == chain_tokens_.size()) {
+    // The launch's tokens as its rounds make them, or all of them at its end.
+    const int have = static_cast<int>(chain_tokens_.size());
+    const int n = ctx_.poll_sampled(have, flight_tokens_.data(), flight_logprobs_.data());
+    if (n < 0) {
+      land_chain(false);
+      if (chain_next_ == chain_tokens_.size())
+        throw std::logic_error("generate: a launch ended without the tokens it had shown");
+    } else {
+      chain_tokens_.assign(flight_tokens_.begin(), flight_tokens_.begin() + n);
+      chain_logprobs_.assign(flight_logprobs_.begin(), flight_logprobs_.begin() + n);
+    }
   }
   *logprob = chain_logprobs_[chain_next_];
   return chain_tokens_[chain_next_++];
 }
 
 void Generation::settle_chain(bool stopped, bool evaluate_last) {
+  if (in_flight_) land_chain(true);
   if (chain_tokens_.empty()) return;
   // The last launch evaluated tokens past what a step at a time would have: keep those the
   // caller was given, less one that stopped the generation.
@@ -147,6 +183,7 @@ void Generation::settle_chain(bool stopped, bool evaluate_last) {
 }
 
 void Generation::settle() {
+  if (in_flight_) land_chain(true);
   if (over_ || chain_next_ == 0) return;
   const int given = static_cast<int>(chain_next_);
   const int k = static_cast<int>(chain_tokens_.size());

@@ -34,9 +34,11 @@ struct GenerateOptions {
   bool ignore_eos = false;
   // Decode steps a backend launch runs, each sampling the next step's token on the backend
   // (Context::decode_sampled), so that only token ids come back: kAutoChain takes
-  // kDefaultChain on CUDA and 1 on the CPU; 1 evaluates and samples a token at a time on the
-  // host. Up to Context::kMaxLaunch where the backend runs loops (CUDA graphs in patch and
-  // recapture modes), past Context::kMaxChain elsewhere a chain's most. A chain needs
+  // Context::kMaxLaunch where the backend runs loops (CUDA graphs in patch and recapture
+  // modes), kDefaultChain on CUDA's other modes and 1 on the CPU; 1 evaluates and samples a
+  // token at a time on the host. Up to Context::kMaxLaunch where the backend runs loops (their
+  // tokens are taken as the rounds make them: Context::poll_sampled), past Context::kMaxChain
+  // elsewhere a chain's most. A chain needs
   // top_logprobs 0 and is not used in deferred (batched) generation; what a stop leaves unused is
   // rewound.
   int chain = kAutoChain;
@@ -63,6 +65,11 @@ class Generation {
   // deferred generation ends as cancelled; the context keeps the prefix it shares with the
   // prompt).
   Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOptions options);
+  // A launch still in flight is halted and landed (its tokens past those given stay in the
+  // context, as they do after settle()).
+  ~Generation();
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
 
   // One step: at most one token. Returns false once the generation is over and its text all
   // given; otherwise true, with the text that became final (often empty: held back or not yet
@@ -117,8 +124,12 @@ class Generation {
 
  private:
   void finish(StopReason reason, std::string* text);
-  // The next sampled token of a chain, launching one when none is left.
+  // The next sampled token of a chain, launching one when none is left; a launch's tokens are
+  // taken as its rounds make them (Context::poll_sampled).
   int32_t next_chained(float* logprob);
+  void launch_chain();
+  // Ends the launch in flight (halted first when `halt`) and takes all its tokens.
+  void land_chain(bool halt);
   // Rewinds what the last launch evaluated past the tokens given (and past the stopping one,
   // when `stopped`); with evaluate_last, evaluates the last token given where the launch did
   // not.
@@ -149,10 +160,15 @@ class Generation {
   int seq_ = 0;                   // the context's sequence this generation runs on
   int32_t presampled_ = -1;       // presample()'s token, for the next next(); -1: none
   // Chains: the steps a launch runs (1: none); the last launch's samples not handed out yet
-  // (chain_tokens_[chain_next_..]); the token that starts the next launch once they are.
+  // (chain_tokens_[chain_next_..]); the token that starts the next launch once they are. While
+  // a launch is in flight (in_flight_), chain_tokens_ holds those it has made so far and
+  // flight_tokens_ has room for all it may make.
   int chain_ = 1;
   std::vector<int32_t> chain_tokens_;
   std::vector<float> chain_logprobs_;
+  bool in_flight_ = false;
+  std::vector<int32_t> flight_tokens_;
+  std::vector<float> flight_logprobs_;
   size_t chain_next_ = 0;
   int32_t chain_first_ = -1;  // -1 until the first token is sampled (on the host)
   // The context's n_past before the last launch (for the first token, one less than after the

@@ -195,6 +195,8 @@ class Graph {
 
 // ChainLoop op parameter slots.
 enum LoopParam { kLoopChain = 0, kLoopCapacity = 1 };
+// Added to a streamed loop's count of tokens (Backend::loop_words) once its last round has ended.
+constexpr int32_t kLoopEnded = 1 << 30;
 
 // Attention op parameter slots.
 enum AttnParam {

@@ -1199,6 +1199,8 @@ void launch_graph(const Graph& graph, const KvLayout& kv, const DeviceBuffers& b
         a.control = static_cast<int32_t*>(ptr(t->src[3]));
         a.out = static_cast<int32_t*>(t->data);
         a.capacity = t->params[kLoopCapacity];
+        a.host = buf.loop_host;
+        a.halt = buf.loop_halt;
         // The round's kernel runs after every step, skipped or not; then the loop ends.
         l.end_steps();
         a.loop = l.loop_handle();
@@ -1686,6 +1688,7 @@ class CudaBackend : public Backend {
     cudaFree(kv_record_);
     cudaFreeHost(input_staging_);
     cudaFreeHost(output_staging_);
+    if (loop_words_) cudaFreeHost(const_cast<int32_t*>(loop_words_));
     executor_.reset();
     blas_.reset();
     if (stream_) cudaStreamDestroy(stream_);
@@ -1796,6 +1799,12 @@ class CudaBackend : public Backend {
   }
 
   void compute(const Graph& graph, float* out) override {
+    compute_start(graph, out);
+    compute_finish();
+  }
+
+  void compute_start(const Graph& graph, float* out) override {
+    if (pending_.graph) throw std::logic_error("cuda: a compute is already in flight");
     const auto t_enter = std::chrono::steady_clock::now();
     GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     const std::vector<Tensor*>& nodes = graph.nodes();
@@ -1829,6 +1838,7 @@ class CudaBackend : public Backend {
                  "attention counters"))
         GGRAPH_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, attn_counters_bytes_, stream_));
       ensure(sample_work_, sample_work_bytes_, sample_workspace_bytes(graph), "sampling");
+      ensure_loop_words(graph);
       plan_reuse(graph, &reuse.plan);
       check_kv_values(graph, reuse.plan, span);
       prepare_blas(graph);
@@ -1865,6 +1875,13 @@ class CudaBackend : public Backend {
     buf.wdeq_bytes = wdeq_bytes_;
     buf.rope_tables = rope_tables_.data();
     buf.n_rope_tables = static_cast<int>(rope_tables_.size());
+    buf.loop_host = loop_words_device_;
+    buf.loop_halt = loop_words_device_ ? loop_words_device_ + loop_halt_word() : nullptr;
+    if (loop_words_) {
+      // The stream is idle: the last loop's words are read, and this one starts from none.
+      loop_words_[0] = 0;
+      loop_words_[loop_halt_word()] = 0;
+    }
     executor_->mutable_stats().host_us_total +=
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_enter)
             .count();
@@ -1887,14 +1904,8 @@ class CudaBackend : public Backend {
 
     const Tensor* o = graph.output();
     const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
-    if (host_pool_->holds(out)) {  // page-locked: no staging copy
-      GGRAPH_CUDA_CHECK(
-          cudaMemcpyAsync(out, tensor_ptr(o, buf), out_bytes, cudaMemcpyDeviceToHost, stream_));
-      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      count_skipped(graph, out, batch_key);
-      return;
-    }
-    if (out_bytes > output_staging_bytes_) {
+    const bool staged = !host_pool_->holds(out);  // page-locked memory needs no staging copy
+    if (staged && out_bytes > output_staging_bytes_) {
       GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
       if (output_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(output_staging_));
       output_staging_ = nullptr;
@@ -1902,11 +1913,30 @@ class CudaBackend : public Backend {
       GGRAPH_CUDA_CHECK(cudaMallocHost(&output_staging_, out_bytes));
       output_staging_bytes_ = out_bytes;
     }
-    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(output_staging_, tensor_ptr(o, buf), out_bytes,
+    GGRAPH_CUDA_CHECK(cudaMemcpyAsync(staged ? output_staging_ : out, tensor_ptr(o, buf), out_bytes,
                                       cudaMemcpyDeviceToHost, stream_));
+    pending_ = Pending{&graph, out, staged ? out_bytes : 0, batch_key};
+  }
+
+  void compute_finish() override {
+    const Pending p = std::exchange(pending_, Pending{});
+    if (!p.graph) return;
+    GGRAPH_CUDA_CHECK(cudaSetDevice(device_));
     GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::memcpy(out, output_staging_, out_bytes);
-    count_skipped(graph, out, batch_key);
+    if (p.staged_bytes > 0) std::memcpy(p.out, output_staging_, p.staged_bytes);
+    count_skipped(*p.graph, p.out, p.key);
+  }
+
+  bool compute_done() override {
+    if (!pending_.graph) return true;
+    const cudaError_t e = cudaStreamQuery(stream_);
+    // An error ends it too: compute_finish reports it.
+    return e != cudaErrorNotReady;
+  }
+
+  const volatile int32_t* loop_words() override { return loop_words_; }
+  void halt_loop() override {
+    if (loop_words_) loop_words_[loop_halt_word()] = 1;
   }
 
   // A sampled chain's steps that its conditional nodes skipped (their token words read
@@ -1932,6 +1962,33 @@ class CudaBackend : public Backend {
   }
 
   bool runs_loops() const override { return executor_->runs_loops(); }
+
+  // The words a chain loop streams to the host (loop_words): the count, kMaxLaunch-sized token
+  // and log-probability rows as the op's output, then the host's halt word. Allocated at the
+  // first loop, mapped into the device's address space; a larger loop later moves them.
+  size_t loop_halt_word() const { return 1 + 2 * size_t(loop_capacity_); }
+  void ensure_loop_words(const Graph& graph) {
+    const Tensor* o = graph.output();
+    if (o->op != Op::ChainLoop || o->params[kLoopCapacity] <= loop_capacity_) return;
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (loop_words_) GGRAPH_CUDA_CHECK(cudaFreeHost(const_cast<int32_t*>(loop_words_)));
+    loop_words_ = nullptr;
+    loop_words_device_ = nullptr;
+    loop_capacity_ = 0;
+    const int capacity = o->params[kLoopCapacity];
+    void* host = nullptr;
+    GGRAPH_CUDA_CHECK(
+        cudaHostAlloc(&host, (2 + 2 * size_t(capacity)) * sizeof(int32_t), cudaHostAllocMapped));
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+      cudaFreeHost(host);
+      throw DeviceError("cuda: no device address for the chain loop's host words");
+    }
+    loop_words_ = static_cast<volatile int32_t*>(host);
+    loop_words_device_ = static_cast<int32_t*>(device);
+    loop_capacity_ = capacity;
+    ++buffers_version_;  // graphs recorded before point at no words, or the old ones
+  }
 
   // How far a chain loop's last round lies past its first (0 for other graphs); throws where the
   // loop cannot run here or asks for more rounds than its buffer holds.
@@ -2182,6 +2239,19 @@ class CudaBackend : public Backend {
   void* sample_work_ = nullptr;  // the sample kernel's workspace
   size_t sample_work_bytes_ = 0;
   std::vector<RopeTable> rope_tables_;  // prepare_rope_tables
+  // A chain loop's streamed words (ensure_loop_words): host and device addresses.
+  volatile int32_t* loop_words_ = nullptr;
+  int32_t* loop_words_device_ = nullptr;
+  int loop_capacity_ = 0;
+  // The launch compute_start made, until compute_finish: its output's place and size to copy
+  // from the staging buffer (0: copied straight into out), and its batch shape.
+  struct Pending {
+    const Graph* graph = nullptr;
+    float* out = nullptr;
+    size_t staged_bytes = 0;
+    uint64_t key = 0;
+  };
+  Pending pending_;
 };
 
 }  // namespace

@@ -156,6 +156,10 @@ struct DeviceBuffers {
   size_t wdeq_bytes = 0;
   const RopeTable* rope_tables = nullptr;  // n_rope_tables of them (the rope configurations')
   int n_rope_tables = 0;
+  // A chain loop's words streamed to the host, and the host's halt word (mapped host memory,
+  // device addresses; ChainLoopArgs), or none.
+  int32_t* loop_host = nullptr;
+  const int32_t* loop_halt = nullptr;
 };
 
 // Device address of a tensor's data.
@@ -281,7 +285,10 @@ void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t*
 // record slot move on by k, config's draw by k, and the round's tokens join config's history
 // (the newest history_cap kept). Sets `loop`'s condition to whether a next round runs, and the
 // steps' (steps[1, k), their IF nodes' handles) to 0: each round's steps run only as its own
-// samples allow. control (device I32 [2]): rounds left, then the tokens so far.
+// samples allow. control (device I32 [2]): rounds left, then the tokens so far. With `host`
+// (mapped host memory laid out as out), the round's words go there too, then the count, plus
+// kLoopEnded when no next round runs; a nonzero *halt (mapped host memory, written by the host)
+// ends the loop after the round.
 constexpr int kMaxLoopSteps = 8;
 struct ChainLoopArgs {
   const int32_t* tokens = nullptr;
@@ -291,12 +298,14 @@ struct ChainLoopArgs {
   int32_t* record = nullptr;
   int32_t* control = nullptr;
   int32_t* out = nullptr;
+  int32_t* host = nullptr;
+  const int32_t* halt = nullptr;
   int k = 0, k_total = 0, history_cap = 0, capacity = 0;
   cudaGraphConditionalHandle loop = 0;
   cudaGraphConditionalHandle steps[kMaxLoopSteps] = {};
 };
 // Launches are compared byte by byte: no padding.
-static_assert(sizeof(ChainLoopArgs) == (6 + kMaxLoopSteps) * sizeof(void*) + 4 * sizeof(int) +
+static_assert(sizeof(ChainLoopArgs) == (8 + kMaxLoopSteps) * sizeof(void*) + 4 * sizeof(int) +
                                            (1 + kMaxLoopSteps) * sizeof(cudaGraphConditionalHandle),
               "ChainLoopArgs has padding");
 void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args);

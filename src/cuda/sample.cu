@@ -1122,7 +1122,24 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
     for (int j = 0; j < a.k; ++j) go = go && goes_on_after(a.config, a.tokens[j]);
     // Rounds were asked for within the capacity; a full buffer ends the loop all the same.
     go = go && made + 2 * a.k <= a.capacity;
+    // The host's word, read over the bus at system scope: a halt asked for ends the loop here.
+    if (a.halt) {
+      int32_t halt;
+      asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(halt) : "l"(a.halt) : "memory");
+      go = go && halt == 0;
+    }
     go_shared = go;
+    if (a.host) {
+      // The round's words to the host, then (after a fence that orders them before it) the
+      // count that covers them.
+      for (int j = 0; j < a.k; ++j) {
+        a.host[1 + made + j] = a.tokens[j];
+        a.host[1 + a.capacity + made + j] = a.tokens[a.k_total + j];
+      }
+      __threadfence_system();
+      const int32_t count = made + a.k + (go ? 0 : kLoopEnded);
+      asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(a.host), "r"(count) : "memory");
+    }
   }
   for (int j = tid; j < a.k; j += kLoopThreads) {
     a.out[1 + made + j] = a.tokens[j];

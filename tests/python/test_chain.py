@@ -326,19 +326,57 @@ def test_a_held_generator_between_steps_shows_the_context_of_a_step_at_a_time(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device):
+@pytest.mark.parametrize("chain", [8, 64])
+def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device, chain):
+    # With chain 64 on CUDA each read lands a loop in flight: halted, its look-ahead rewound.
     m = ggraph.Model(tiny_model, device=device, n_ctx=256)
     prompt = [2, 30, 31]
-    settings = dict(max_tokens=20, logprobs=0, ignore_eos=True, temperature=1.0, seed=11)
+    settings = dict(max_tokens=40, logprobs=0, ignore_eos=True, temperature=1.0, seed=11)
     want = [t.token for t in m.generate(prompt, chain=1, **settings) if t.token >= 0]
     got = []
-    for t in m.generate(prompt, chain=8, **settings):
+    for t in m.generate(prompt, chain=chain, **settings):
         if t.token >= 0:
             got.append(t.token)
             assert m.n_past == len(prompt) + len(got)
             assert m.n_past == len(prompt) + len(got)  # a second settle changes nothing
     assert got == want
     assert m._tokens == prompt + want
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1]])
+def test_a_stop_string_halts_the_loop_in_flight(tiny_model, settings):
+    # generate() on CUDA runs loops of up to 256 tokens by default and takes their tokens as
+    # the rounds make them: a stop string found early halts the loop a round or two later
+    # instead of running all the tokens asked for, and what it ran past is rewound.
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=512)
+    prompt = [1, 17, 42, 99, 7]
+    n = 240
+    pieces = list(m.generate(prompt, max_tokens=n, ignore_eos=True, chain=1, **settings))
+    text = "".join(pieces)
+    # A stop string that first appears in the text of step 20 or later.
+    starts = [len("".join(pieces[:i])) for i in range(len(pieces))]
+    at = next((i for i in range(20, 60) if pieces[i] and text.find(pieces[i]) == starts[i]), None)
+    if at is None:
+        pytest.skip("no piece of the text between steps 20 and 60 appears there first")
+    stop = pieces[at]
+    ref = ggraph.Model(tiny_model, device="cuda", n_ctx=512)
+    want = "".join(
+        ref.generate(prompt, max_tokens=n, stop=stop, ignore_eos=True, chain=1, **settings)
+    )
+    assert ref.stop_reason == "stop"
+    m.reset()
+    m.reset_graph_stats()
+    got = "".join(m.generate(prompt, max_tokens=n, stop=stop, ignore_eos=True, **settings))
+    assert got == want
+    assert m.stop_reason == "stop"
+    assert m.n_past == ref.n_past
+    assert m.eval([3]).tolist() == pytest.approx(ref.eval([3]).tolist(), abs=1e-3)
+    s = m.graph_stats
+    assert s["loop8.replays"] >= 1
+    # The prompt, the tokens through the stop and at most a few rounds past them; without the
+    # halt, the loop would have run on to all 240.
+    assert s["tokens"] - len(prompt) <= at + 1 + 4 * 8, s["tokens"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
