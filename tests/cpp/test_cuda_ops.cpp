@@ -3497,7 +3497,8 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     const char* what;
     std::vector<int32_t> tokens;
     int rounds_left, made;
-    bool next;  // whether the round readies another
+    bool next;          // whether the round readies another
+    bool halt = false;  // the host's halt word set
   };
   const Case cases[] = {
       {"a round of tokens", {5, 6, 7, 8}, 3, 0, true},
@@ -3506,10 +3507,20 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
       {"the last round asked", {5, 6, 7, 8}, 1, 0, false},
       {"a buffer without room for another", {5, 6, 7, 8}, 5, 8, false},
       {"the rounds before it", {5, 6, 7, 8}, 3, 4, true},
+      {"a halt from the host", {5, 6, 7, 8}, 3, 4, false, true},
   };
   int32_t* dev = nullptr;
   GGRAPH_CUDA_CHECK(cudaMalloc(&dev, sizeof(int32_t) * kWords));
+  // The words streamed to the host (laid out as out), then the host's halt word: mapped memory.
+  const int halt_word = 1 + 2 * capacity;
+  void* mapped = nullptr;
+  GGRAPH_CUDA_CHECK(cudaHostAlloc(&mapped, sizeof(int32_t) * (halt_word + 1), cudaHostAllocMapped));
+  int32_t* host = static_cast<int32_t*>(mapped);
+  int32_t* host_dev = nullptr;
+  GGRAPH_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), mapped, 0));
   for (const Case& c : cases) {
+    std::fill(host, host + halt_word + 1, -7);
+    host[halt_word] = c.halt ? 1 : 0;
     std::vector<int32_t> w(kWords, 0);
     for (int j = 0; j < k; ++j) {
       w[kTokens + j] = c.tokens[size_t(j)];
@@ -3541,6 +3552,8 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     a.control = dev + kControl;
     a.out = dev + kOut;
     a.capacity = capacity;
+    a.host = host_dev;
+    a.halt = host_dev + halt_word;
     cuda::Launcher l;
     cuda::launch_chain_loop_round(l, a);
     GGRAPH_CUDA_CHECK(cudaDeviceSynchronize());
@@ -3557,6 +3570,15 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
       EXPECT_EQ(got[kOut + 1 + c.made + j], c.tokens[size_t(j)]);
       EXPECT_EQ(got[kOut + 1 + capacity + c.made + j], 100 + j);
     }
+    // The host's copy: the round's words, and the count with the end marked after a last round;
+    // nothing else written.
+    EXPECT_EQ(host[0], c.made + k + (c.next ? 0 : kLoopEnded));
+    for (int i = 0; i < capacity; ++i) {
+      const bool round = i >= c.made && i < c.made + k;
+      EXPECT_EQ(host[1 + i], round ? c.tokens[size_t(i - c.made)] : -7) << "token word " << i;
+      EXPECT_EQ(host[1 + capacity + i], round ? 100 + i - c.made : -7) << "logprob word " << i;
+    }
+    EXPECT_EQ(host[halt_word], c.halt ? 1 : 0);
     const int32_t* cfg = &got[kConfig];
     if (c.next) {
       EXPECT_EQ(got[kFirst], 8);
@@ -3578,6 +3600,7 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     }
   }
   cudaFree(dev);
+  cudaFreeHost(mapped);
 }
 
 }  // namespace
