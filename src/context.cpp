@@ -352,12 +352,18 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
       return ok;
     }
     if ((count & kLoopEnded) || ok < n) return -1;
-    if (spin % 64 == 63) {
+    // Rounds take milliseconds: after a short spin the wait sleeps between looks, so that a
+    // generation does not hold a host core (a token then reaches the caller up to a sleep late).
+    constexpr unsigned kSpins = 256;
+    if (spin % 64 == 63 || spin >= kSpins) {
       if (backend_->compute_done()) return -1;
       // A cancel asked for ends the loop at its round's end; the request stays for the caller.
       if (cancel_epoch(flight_.seq) != armed_[size_t(flight_.seq)]) backend_->halt_loop();
     }
-    std::this_thread::yield();
+    if (spin < kSpins)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 
