@@ -147,15 +147,15 @@ void Generation::land_chain(bool halt) {
 }
 
 int32_t Generation::next_chained(float* logprob) {
-  if (chain_next_ == chain_tokens_.size() && !in_flight_) launch_chain();
   while (chain_next_ == chain_tokens_.size()) {
-    // The launch's tokens as its rounds make them, or all of them at its end.
+    // Every token made so far given: the launch's next ones as its rounds make them, or all of
+    // them at its end (a launch whose tokens were all given already ends with none new, and the
+    // next one starts from its last).
+    if (!in_flight_) launch_chain();
     const int have = static_cast<int>(chain_tokens_.size());
     const int n = ctx_.poll_sampled(have, flight_tokens_.data(), flight_logprobs_.data());
     if (n < 0) {
       land_chain(false);
-      if (chain_next_ == chain_tokens_.size())
-        throw std::logic_error("generate: a launch ended without the tokens it had shown");
     } else {
       chain_tokens_.assign(flight_tokens_.begin(), flight_tokens_.begin() + n);
       chain_logprobs_.assign(flight_logprobs_.begin(), flight_logprobs_.begin() + n);
