@@ -61,12 +61,9 @@ class Backend {
   // (loop_words): compute_start copies the inputs in and launches (CUDA returns at once; other
   // backends run it all), compute_finish waits for the end and copies the output to the `out`
   // given at the start; an error of the launch is thrown there. Between the two the graph, its
-  // inputs and `out` stay as they are, and only compute_done, loop_words and halt_loop may be
-  // called.
+  // inputs and `out` stay as they are, and only loop_words and halt_loop may be called.
   virtual void compute_start(const Graph& graph, float* out) { compute(graph, out); }
   virtual void compute_finish() {}
-  // Whether the launch compute_start made has ended (or failed): compute_finish would not wait.
-  virtual bool compute_done() { return true; }
   // A chain loop's words as its rounds end (Op::ChainLoop), in host memory that the device
   // writes while the launch runs; nullptr where a loop's tokens come back only at its end. Word
   // 0 is the count of tokens so far, with kLoopEnded added once the loop has ended; then the

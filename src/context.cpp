@@ -336,6 +336,12 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
   const volatile int32_t* w = flight_.loop && !flight_.landed ? backend_->loop_words() : nullptr;
   if (!w) return -1;
   const int cap = kMaxLaunch;
+  // Only the words are read while the loop runs: a query of the stream (cudaStreamQuery) blocks
+  // until a loop's graph has ended. A launch that shows nothing new for kQuiet (a failed one,
+  // or rounds slower than that) is landed instead: its tokens then come at its end, and an
+  // error with them.
+  constexpr auto kQuiet = std::chrono::seconds(2);
+  const auto since = std::chrono::steady_clock::now();
   for (unsigned spin = 0;; ++spin) {
     const int32_t count = w[0];
     // The words a count covers were written before it (Backend::loop_words).
@@ -356,7 +362,7 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
     // generation does not hold a host core (a token then reaches the caller up to a sleep late).
     constexpr unsigned kSpins = 256;
     if (spin % 64 == 63 || spin >= kSpins) {
-      if (backend_->compute_done()) return -1;
+      if (std::chrono::steady_clock::now() - since > kQuiet) return -1;
       // A cancel asked for ends the loop at its round's end; the request stays for the caller.
       if (cancel_epoch(flight_.seq) != armed_[size_t(flight_.seq)]) backend_->halt_loop();
     }

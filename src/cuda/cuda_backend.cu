@@ -1927,13 +1927,6 @@ class CudaBackend : public Backend {
     count_skipped(*p.graph, p.out, p.key);
   }
 
-  bool compute_done() override {
-    if (!pending_.graph) return true;
-    const cudaError_t e = cudaStreamQuery(stream_);
-    // An error ends it too: compute_finish reports it.
-    return e != cudaErrorNotReady;
-  }
-
   const volatile int32_t* loop_words() override { return loop_words_; }
   void halt_loop() override {
     if (loop_words_) loop_words_[loop_halt_word()] = 1;
