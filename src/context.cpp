@@ -358,18 +358,12 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
       return ok;
     }
     if ((count & kLoopEnded) || ok < n) return -1;
-    // Rounds take milliseconds: after a short spin the wait sleeps between looks, so that a
-    // generation does not hold a host core (a token then reaches the caller up to a sleep late).
-    constexpr unsigned kSpins = 256;
-    if (spin % 64 == 63 || spin >= kSpins) {
+    if (spin % 64 == 63) {
       if (std::chrono::steady_clock::now() - since > kQuiet) return -1;
       // A cancel asked for ends the loop at its round's end; the request stays for the caller.
       if (cancel_epoch(flight_.seq) != armed_[size_t(flight_.seq)]) backend_->halt_loop();
     }
-    if (spin < kSpins)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    std::this_thread::yield();
   }
 }
 

@@ -93,13 +93,8 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxLaunch) +
                         " decode steps a launch (or the backend's default), got " +
                         std::to_string(opt_.chain));
-  // By default a loop of Context::kMaxLaunch tokens where the backend runs loops (their tokens
-  // come back as its rounds make them), a chain of kDefaultChain on other CUDA graph modes.
+  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
   const bool loops = ctx_.backend().runs_loops();
-  chain_ = opt_.chain != kAutoChain   ? opt_.chain
-           : loops                    ? Context::kMaxLaunch
-           : ctx_.backend().is_cuda() ? kDefaultChain
-                                      : 1;
   // More than a chain's steps a launch where the backend runs loops; elsewhere a chain's most.
   if (!loops) chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;

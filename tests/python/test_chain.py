@@ -344,11 +344,16 @@ def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device, c
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.xfail(
+    strict=True,
+    reason="on the H100 measured, a loop's counts in mapped host memory reach the host only at "
+    "the launch's end (BENCHMARKS.md, streamed loop tokens), so the halt comes too late",
+)
 @pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1]])
 def test_a_stop_string_halts_the_loop_in_flight(tiny_model, settings):
-    # generate() on CUDA runs loops of up to 256 tokens by default and takes their tokens as
-    # the rounds make them: a stop string found early halts the loop a round or two later
-    # instead of running all the tokens asked for, and what it ran past is rewound.
+    # A loop of up to 256 tokens whose tokens the host takes as the rounds make them: a stop
+    # string found early halts the loop a round or two later instead of running all the tokens
+    # asked for, and what it ran past is rewound.
     m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
     prompt = [1, 17, 42, 99, 7]
     n = 240
@@ -367,7 +372,9 @@ def test_a_stop_string_halts_the_loop_in_flight(tiny_model, settings):
     assert ref.stop_reason == "stop"
     m.reset()
     m.reset_graph_stats()
-    got = "".join(m.generate(prompt, max_tokens=n, stop=stop, ignore_eos=True, **settings))
+    got = "".join(
+        m.generate(prompt, max_tokens=n, stop=stop, ignore_eos=True, chain=256, **settings)
+    )
     assert got == want
     assert m.stop_reason == "stop"
     assert m.n_past == ref.n_past
