@@ -336,10 +336,9 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
   const volatile int32_t* w = flight_.loop && !flight_.landed ? backend_->loop_words() : nullptr;
   if (!w) return -1;
   const int cap = kMaxLaunch;
-  // Only the words are read while the loop runs: a query of the stream (cudaStreamQuery) blocks
-  // until a loop's graph has ended. A launch that shows nothing new for kQuiet (a failed one,
-  // or rounds slower than that) is landed instead: its tokens then come at its end, and an
-  // error with them.
+  // Only the words are read while the loop runs, no CUDA call (a query of the stream may wait
+  // for the graph). A launch that shows nothing new for kQuiet (a failed one, or rounds slower
+  // than that) is landed instead: its tokens then come at its end, and an error with them.
   constexpr auto kQuiet = std::chrono::seconds(2);
   const auto since = std::chrono::steady_clock::now();
   for (unsigned spin = 0;; ++spin) {
