@@ -17,9 +17,11 @@
 // of that key goes by id, in a scan in id order), and the draw is a scan of the integer weights
 // in id order. Everything after the float weights is integer arithmetic, so the order in which
 // threads add never changes the result.
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <thread>
 
 #include "cuda/device_util.cuh"
 #include "cuda/kernels.cuh"
@@ -1245,6 +1247,101 @@ void launch_sample(Launcher& l, const float* logits, int n_vocab, const int32_t*
 
 void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args) {
   l(chain_loop_round, dim3(1), dim3(kLoopThreads), 0, args);
+}
+
+namespace {
+
+// A round of loop_words_late_rounds: the round's number to the host (as chain_loop_round writes
+// its count), then a wait of at most `limit` cycles for the host to acknowledge it. state: the
+// rounds so far, the rounds asked, the rounds whose acknowledgement did not come in time.
+__global__ void ping_round(int32_t* host, int32_t* state, long long limit,
+                           cudaGraphConditionalHandle loop) {
+  const int r = ++state[0];
+  __threadfence_system();
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(host), "r"(r) : "memory");
+  const long long t0 = clock64();
+  int32_t ack = 0;
+  do {
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(ack) : "l"(host + 1) : "memory");
+  } while (ack < r && clock64() - t0 < limit);
+  if (ack < r) ++state[2];
+  if (loop) cudaGraphSetConditional(loop, r < state[1] ? 1u : 0u);
+}
+
+}  // namespace
+
+int loop_words_late_rounds(int rounds, bool in_graph_loop) {
+  void* mapped = nullptr;
+  GGRAPH_CUDA_CHECK(cudaHostAlloc(&mapped, 2 * sizeof(int32_t), cudaHostAllocMapped));
+  volatile int32_t* host = static_cast<volatile int32_t*>(mapped);
+  host[0] = host[1] = 0;
+  int32_t* host_dev = nullptr;
+  int32_t* state = nullptr;
+  cudaStream_t stream = nullptr, body_stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::atomic<bool> done{false};
+  // The host's side: acknowledges each count it sees.
+  std::thread acker([&] {
+    int32_t acked = 0;
+    while (!done.load(std::memory_order_relaxed)) {
+      const int32_t c = host[0];
+      if (c > acked) host[1] = acked = c;
+    }
+  });
+  int late = -1;
+  try {
+    GGRAPH_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), mapped, 0));
+    GGRAPH_CUDA_CHECK(cudaMalloc(&state, 3 * sizeof(int32_t)));
+    const int32_t init[3] = {0, rounds, 0};
+    GGRAPH_CUDA_CHECK(cudaMemcpy(state, init, sizeof(init), cudaMemcpyHostToDevice));
+    GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    int clock_khz = 0, device = 0;
+    GGRAPH_CUDA_CHECK(cudaGetDevice(&device));
+    GGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+    const long long limit = 100LL * clock_khz;  // 100 ms of cycles
+    if (!in_graph_loop) {
+      for (int r = 0; r < rounds; ++r) ping_round<<<1, 1, 0, stream>>>(host_dev, state, limit, 0);
+    } else {
+      // As a chain loop runs: a WHILE node whose body the round's kernel ends.
+      GGRAPH_CUDA_CHECK(cudaGraphCreate(&graph, 0));
+      cudaGraphConditionalHandle h = 0;
+      GGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&h, graph, 1, cudaGraphCondAssignDefault));
+      cudaGraphNodeParams p = {};
+      p.type = cudaGraphNodeTypeConditional;
+      p.conditional.handle = h;
+      p.conditional.type = cudaGraphCondTypeWhile;
+      p.conditional.size = 1;
+      cudaGraphNode_t node = nullptr;
+      GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph, nullptr, nullptr, 0, &p));
+      GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream, cudaStreamNonBlocking));
+      GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, p.conditional.phGraph_out[0],
+                                                      nullptr, nullptr, 0,
+                                                      cudaStreamCaptureModeThreadLocal));
+      ping_round<<<1, 1, 0, body_stream>>>(host_dev, state, limit, h);
+      cudaGraph_t body = nullptr;
+      GGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream, &body));
+      GGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      GGRAPH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    }
+    GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
+    int32_t out[3] = {};
+    GGRAPH_CUDA_CHECK(cudaMemcpy(out, state, sizeof(out), cudaMemcpyDeviceToHost));
+    late = out[0] == rounds ? out[2] : -1;
+  } catch (...) {
+    done = true;
+    acker.join();
+    throw;
+  }
+  done = true;
+  acker.join();
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  if (body_stream) cudaStreamDestroy(body_stream);
+  if (stream) cudaStreamDestroy(stream);
+  cudaFree(state);
+  cudaFreeHost(mapped);
+  return late;
 }
 
 bool philox_against_curand(uint64_t seed, uint64_t first, int n, uint32_t* ours, uint32_t* theirs) {

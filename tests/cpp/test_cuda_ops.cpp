@@ -3484,6 +3484,14 @@ TEST(CudaSample, TokensEqualTheCpuSamplers) {
 
 // A chain loop's round kernel (Op::ChainLoop) on words laid out as launch_graph lays them:
 // what it appends, and what it moves on for the next round or leaves where the loop ends.
+// What a chain loop's streamed tokens need: the host sees a round's words while the rounds run,
+// and the device sees the host's word (the halt), as kernels and inside a graph's WHILE node.
+TEST(CudaSample, TheHostSeesEachRoundsWordsWhileTheRoundsRun) {
+  REQUIRE_GPU();
+  EXPECT_EQ(cuda::loop_words_late_rounds(8, false), 0) << "kernels one after the other";
+  EXPECT_EQ(cuda::loop_words_late_rounds(8, true), 0) << "a graph's WHILE node";
+}
+
 TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
   REQUIRE_GPU();
   namespace sw = sample_word;
