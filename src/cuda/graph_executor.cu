@@ -10,6 +10,21 @@
 
 namespace ggraph::cuda {
 
+cudaGraph_t StepGate::add_conditional_node(cudaGraph_t graph, const cudaGraphNode_t* deps,
+                                           size_t n_deps, cudaGraphConditionalHandle h,
+                                           cudaGraphConditionalNodeType type,
+                                           cudaGraphNode_t* node) {
+  cudaGraphNodeParams p = {};
+  p.type = cudaGraphNodeTypeConditional;
+  p.conditional.handle = h;
+  p.conditional.type = type;
+  p.conditional.size = 1;
+  cudaGraphNode_t added = nullptr;
+  GGRAPH_CUDA_CHECK(cudaGraphAddNode(&added, graph, deps, nullptr, n_deps, &p));
+  if (node) *node = added;
+  return p.conditional.phGraph_out[0];
+}
+
 GraphMode parse_graph_mode(const std::string& name) {
   if (name == "off") return GraphMode::Off;
   if (name == "recapture") return GraphMode::Recapture;
@@ -115,16 +130,11 @@ class GraphExecutor::CaptureGate : public StepGate {
     size_t n_deps = 0;
     GGRAPH_CUDA_CHECK(
         cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n_deps));
-    cudaGraphNodeParams p = {};
-    p.type = cudaGraphNodeTypeConditional;
-    p.conditional.handle = h;
-    p.conditional.type = type;
-    p.conditional.size = 1;
     cudaGraphNode_t node = nullptr;
-    GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, nullptr, n_deps, &p));
+    const cudaGraph_t body = add_conditional_node(graph, deps, n_deps, h, type, &node);
     GGRAPH_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
                                                           cudaStreamSetCaptureDependencies));
-    return p.conditional.phGraph_out[0];
+    return body;
   }
 
   cudaStream_t stream_, body_stream_, loop_stream_;

@@ -86,6 +86,12 @@ class Launcher;
 class StepGate {
  public:
   virtual ~StepGate() = default;
+  // Adds a conditional node of `type` on handle h to graph after deps[n_deps] (*node takes it,
+  // where given) and returns its body graph.
+  static cudaGraph_t add_conditional_node(cudaGraph_t graph, const cudaGraphNode_t* deps,
+                                          size_t n_deps, cudaGraphConditionalHandle h,
+                                          cudaGraphConditionalNodeType type,
+                                          cudaGraphNode_t* node = nullptr);
   // The handle of step j's IF node (0: the step runs unconditionally).
   virtual cudaGraphConditionalHandle handle(int step) = 0;
   // The launches after this call make step j's body.

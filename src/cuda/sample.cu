@@ -1307,16 +1307,10 @@ int loop_words_late_rounds(int rounds, bool in_graph_loop) {
       GGRAPH_CUDA_CHECK(cudaGraphCreate(&graph, 0));
       cudaGraphConditionalHandle h = 0;
       GGRAPH_CUDA_CHECK(cudaGraphConditionalHandleCreate(&h, graph, 1, cudaGraphCondAssignDefault));
-      cudaGraphNodeParams p = {};
-      p.type = cudaGraphNodeTypeConditional;
-      p.conditional.handle = h;
-      p.conditional.type = cudaGraphCondTypeWhile;
-      p.conditional.size = 1;
-      cudaGraphNode_t node = nullptr;
-      GGRAPH_CUDA_CHECK(cudaGraphAddNode(&node, graph, nullptr, nullptr, 0, &p));
+      const cudaGraph_t loop =
+          StepGate::add_conditional_node(graph, nullptr, 0, h, cudaGraphCondTypeWhile);
       GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream, cudaStreamNonBlocking));
-      GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, p.conditional.phGraph_out[0],
-                                                      nullptr, nullptr, 0,
+      GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, loop, nullptr, nullptr, 0,
                                                       cudaStreamCaptureModeThreadLocal));
       ping_round<<<1, 1, 0, body_stream>>>(host_dev, state, limit, h);
       cudaGraph_t body = nullptr;
