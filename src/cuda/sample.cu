@@ -1256,6 +1256,7 @@ namespace {
 // rounds so far, the rounds asked, the rounds whose acknowledgement did not come in time.
 __global__ void ping_round(int32_t* host, int32_t* state, long long limit,
                            cudaGraphConditionalHandle loop) {
+  pdl_begin();
   const int r = ++state[0];
   __threadfence_system();
   asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(host), "r"(r) : "memory");
