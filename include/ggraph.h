@@ -181,11 +181,10 @@ GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
  * (GGRAPH_ERR_CANCELLED): the model then holds what it held, except that a prompt that differs
  * from the model's tokens has already replaced those past the prefix the two share. on_step
  * runs while the model is held: it must not call ggraph_* functions on this model or any of its
- * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded 8 a launch and sampled on
- * the GPU (the same tokens; .tokens_per_launch sets the count). However the
- * generation ends, the model then holds the prompt and the generated tokens, less a final one
- * that ended it (an end-of-generation token, one completing a stop string, or one the full
- * context had no room for).
+ * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded 8 a launch and sampled on the
+ * GPU (the same tokens; .tokens_per_launch sets the count). However the generation ends, the model
+ * then holds the prompt and the generated tokens, less a final one that ended it (an
+ * end-of-generation token, one completing a stop string, or one the full context had no room for).
  */
 GGRAPH_API int ggraph_generate(ggraph_model* model, const int32_t* prompt, size_t n,
                                const ggraph_generate_params* params, ggraph_step_fn on_step,

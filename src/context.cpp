@@ -313,9 +313,8 @@ void Context::launch_sampled(int32_t first, int k, const SamplingParams& params,
   backend_->add_host_time(
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   note_written(s.kv_lost, n_past + k, ring_rows_);
-  // A chain's token words (k tokens, then their log-probabilities at kMaxChain), or a loop's
-  // (how many, then kMaxLaunch tokens, then their log-probabilities): read as a chain of the
-  // tokens its rounds made.
+  // The launch's token words (Flight::tokens): a loop's are read as a chain of the tokens its
+  // rounds made.
   Flight& f = flight_;
   f.out.assign(loop ? 1 + 2 * size_t(kMaxLaunch) : 2 * size_t(kMaxChain), 0.0f);
   backend_->compute_start(*c.graph, f.out.data());
@@ -384,7 +383,7 @@ void Context::land() {
   const int steps = f.steps;
   const int n_past = f.n_past;
   int k = f.k;
-  const int32_t* words = reinterpret_cast<const int32_t*>(f.out.data()) + (f.loop ? 1 : 0);
+  const int32_t* words = f.tokens();
   if (f.loop) {
     const int32_t made = reinterpret_cast<const int32_t*>(f.out.data())[0];
     if (made < steps || made > k || made % steps != 0) {
@@ -418,10 +417,8 @@ int Context::land_sampled(int32_t* tokens, float* logprobs) {
   Flight& f = flight_;
   f.active = false;
   if (!f.error.empty()) throw ArgumentError(f.error);
-  const int32_t* words = reinterpret_cast<const int32_t*>(f.out.data()) + (f.loop ? 1 : 0);
-  const float* word_logprobs = f.out.data() + (f.loop ? 1 + kMaxLaunch : kMaxChain);
-  std::copy(words, words + f.done, tokens);
-  std::memcpy(logprobs, word_logprobs, size_t(f.done) * sizeof(float));
+  std::copy(f.tokens(), f.tokens() + f.done, tokens);
+  std::memcpy(logprobs, f.logprobs(), size_t(f.done) * sizeof(float));
   return f.done;
 }
 

@@ -347,6 +347,12 @@ class Context {
     std::vector<float> out;  // the launch's token words, as the backend's output
     int done = 0;            // once landed: the samples made
     std::string error;       // once landed: why a step's sample failed (ArgumentError)
+    // A chain's words in out (k tokens, then their log-probabilities at kMaxChain), or a
+    // loop's (how many, then kMaxLaunch tokens, then their log-probabilities).
+    const int32_t* tokens() const {
+      return reinterpret_cast<const int32_t*>(out.data()) + (loop ? 1 : 0);
+    }
+    const float* logprobs() const { return out.data() + (loop ? 1 + kMaxLaunch : kMaxChain); }
   };
   Flight flight_;
   // Waits for the launch in flight and takes its tokens into the sequence's history and

@@ -94,9 +94,8 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
                         " decode steps a launch (or the backend's default), got " +
                         std::to_string(opt_.chain));
   chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
-  const bool loops = ctx_.backend().runs_loops();
   // More than a chain's steps a launch where the backend runs loops; elsewhere a chain's most.
-  if (!loops) chain_ = std::min(chain_, Context::kMaxChain);
+  if (!ctx_.backend().runs_loops()) chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;
   ctx_.clear_cancel();
 }
