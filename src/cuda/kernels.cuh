@@ -309,16 +309,23 @@ static_assert(sizeof(ChainLoopArgs) == (8 + kMaxLoopSteps) * sizeof(void*) + 4 *
                                            (1 + kMaxLoopSteps) * sizeof(cudaGraphConditionalHandle),
               "ChainLoopArgs has padding");
 void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args);
+// How a kernel hands a word to the host through mapped memory while it runs: kHostWordStore
+// stores it at system scope after a system-scope fence (the writes before it first);
+// kHostWordFenced fences again after it, kHostWordVolatile stores it as a volatile store between
+// the two fences. chain_loop_round hands its count over the kLoopHostWord way.
+enum HostWordWay : int { kHostWordStore = 0, kHostWordFenced = 1, kHostWordVolatile = 2 };
+constexpr int kHostWordWays = 3;
+constexpr HostWordWay kLoopHostWord = kHostWordFenced;
+// Test hook: `rounds` rounds, as kernels launched one after the other or (in_graph_loop) as a
+// CUDA graph's WHILE node, each handing its number to the host the `way` way and then waiting (at
+// most 100 ms) for a host thread to acknowledge it; returns the rounds whose acknowledgement did
+// not come in time (0: the host saw every round while it ran), or -1 where the rounds did not all
+// run.
+int loop_words_late_rounds(int rounds, bool in_graph_loop, HostWordWay way);
 // Test hook: for i < n, philox4x32_10 (sampling_math.h) of the counter first + i under seed into
 // ours[4 i, 4 i + 4), and the (i + 1)-th curand4() of curand's Philox4_32_10 state initialized
 // with (seed, 0, 4 first) into theirs (host arrays), both computed on the device. False, with
 // nothing written, where the build had no curand headers.
-// Test hook: `rounds` rounds, as kernels launched one after the other or (in_graph_loop) as a
-// CUDA graph's WHILE node, each writing its number to mapped host memory as chain_loop_round
-// writes its count and then waiting (at most 100 ms) for a host thread to acknowledge it; returns
-// the rounds whose acknowledgement did not come in time (0: the host saw every round while it
-// ran), or -1 where the rounds did not all run.
-int loop_words_late_rounds(int rounds, bool in_graph_loop);
 bool philox_against_curand(uint64_t seed, uint64_t first, int n, uint32_t* ours, uint32_t* theirs);
 // The K/V stores that may ride along with a q and k rope: rotated k rows and v's rows (as wide
 // as k's) go to F16 caches at positions *first_row... (first_row points into the KV record), in

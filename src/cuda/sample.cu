@@ -1114,6 +1114,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr int kLoopThreads = 256;
 
+// A word to the host through mapped memory while the kernel runs (HostWordWay), and one from it.
+__device__ __forceinline__ void host_word_store(int32_t* p, int32_t v, HostWordWay way) {
+  __threadfence_system();  // the writes before it, first
+  if (way == kHostWordVolatile)
+    *static_cast<volatile int32_t*>(p) = v;
+  else
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  if (way != kHostWordStore) __threadfence_system();
+}
+__device__ __forceinline__ int32_t host_word_load(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a) {
   __shared__ int go_shared;
   pdl_begin();
@@ -1125,22 +1140,15 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
     // Rounds were asked for within the capacity; a full buffer ends the loop all the same.
     go = go && made + 2 * a.k <= a.capacity;
     // The host's word, read over the bus at system scope: a halt asked for ends the loop here.
-    if (a.halt) {
-      int32_t halt;
-      asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(halt) : "l"(a.halt) : "memory");
-      go = go && halt == 0;
-    }
+    if (a.halt) go = go && host_word_load(a.halt) == 0;
     go_shared = go;
     if (a.host) {
-      // The round's words to the host, then (after a fence that orders them before it) the
-      // count that covers them.
+      // The round's words to the host, then the count that covers them.
       for (int j = 0; j < a.k; ++j) {
         a.host[1 + made + j] = a.tokens[j];
         a.host[1 + a.capacity + made + j] = a.tokens[a.k_total + j];
       }
-      __threadfence_system();
-      const int32_t count = made + a.k + (go ? 0 : kLoopEnded);
-      asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(a.host), "r"(count) : "memory");
+      host_word_store(a.host, made + a.k + (go ? 0 : kLoopEnded), kLoopHostWord);
     }
   }
   for (int j = tid; j < a.k; j += kLoopThreads) {
@@ -1251,19 +1259,18 @@ void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args) {
 
 namespace {
 
-// A round of loop_words_late_rounds: the round's number to the host (as chain_loop_round writes
-// its count), then a wait of at most `limit` cycles for the host to acknowledge it. state: the
-// rounds so far, the rounds asked, the rounds whose acknowledgement did not come in time.
-__global__ void ping_round(int32_t* host, int32_t* state, long long limit,
+// A round of loop_words_late_rounds: the round's number to the host (the `way` way), then a wait
+// of at most `limit` cycles for the host to acknowledge it. state: the rounds so far, the rounds
+// asked, the rounds whose acknowledgement did not come in time.
+__global__ void ping_round(int32_t* host, int32_t* state, long long limit, HostWordWay way,
                            cudaGraphConditionalHandle loop) {
   pdl_begin();
   const int r = ++state[0];
-  __threadfence_system();
-  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(host), "r"(r) : "memory");
+  host_word_store(host, r, way);
   const long long t0 = clock64();
   int32_t ack = 0;
   do {
-    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(ack) : "l"(host + 1) : "memory");
+    ack = host_word_load(host + 1);
   } while (ack < r && clock64() - t0 < limit);
   if (ack < r) ++state[2];
   if (loop) cudaGraphSetConditional(loop, r < state[1] ? 1u : 0u);
@@ -1271,7 +1278,7 @@ __global__ void ping_round(int32_t* host, int32_t* state, long long limit,
 
 }  // namespace
 
-int loop_words_late_rounds(int rounds, bool in_graph_loop) {
+int loop_words_late_rounds(int rounds, bool in_graph_loop, HostWordWay way) {
   void* mapped = nullptr;
   GGRAPH_CUDA_CHECK(cudaHostAlloc(&mapped, 2 * sizeof(int32_t), cudaHostAllocMapped));
   volatile int32_t* host = static_cast<volatile int32_t*>(mapped);
@@ -1302,7 +1309,8 @@ int loop_words_late_rounds(int rounds, bool in_graph_loop) {
     GGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
     const long long limit = 100LL * clock_khz;  // 100 ms of cycles
     if (!in_graph_loop) {
-      for (int r = 0; r < rounds; ++r) ping_round<<<1, 1, 0, stream>>>(host_dev, state, limit, 0);
+      for (int r = 0; r < rounds; ++r)
+        ping_round<<<1, 1, 0, stream>>>(host_dev, state, limit, way, 0);
     } else {
       // As a chain loop runs: a WHILE node whose body the round's kernel ends.
       GGRAPH_CUDA_CHECK(cudaGraphCreate(&graph, 0));
@@ -1313,7 +1321,7 @@ int loop_words_late_rounds(int rounds, bool in_graph_loop) {
       GGRAPH_CUDA_CHECK(cudaStreamCreateWithFlags(&body_stream, cudaStreamNonBlocking));
       GGRAPH_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body_stream, loop, nullptr, nullptr, 0,
                                                       cudaStreamCaptureModeThreadLocal));
-      ping_round<<<1, 1, 0, body_stream>>>(host_dev, state, limit, h);
+      ping_round<<<1, 1, 0, body_stream>>>(host_dev, state, limit, way, h);
       cudaGraph_t body = nullptr;
       GGRAPH_CUDA_CHECK(cudaStreamEndCapture(body_stream, &body));
       GGRAPH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
