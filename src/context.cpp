@@ -334,7 +334,6 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
   if (!flight_.active) throw std::logic_error("poll_sampled: no launch in flight");
   const volatile int32_t* w = flight_.loop && !flight_.landed ? backend_->loop_words() : nullptr;
   if (!w) return -1;
-  const int cap = kMaxLaunch;
   // Only the words are read while the loop runs, no CUDA call (a query of the stream may wait
   // for the graph). A launch that shows nothing new for kQuiet (a failed one, or rounds slower
   // than that) is landed instead: its tokens then come at its end, and an error with them.
@@ -346,11 +345,11 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
     std::atomic_thread_fence(std::memory_order_acquire);
     const int n = std::min(count & ~kLoopEnded, flight_.k);
     int ok = have;  // the words past have that are tokens (a failed or skipped step's are not)
-    while (ok < n && w[1 + ok] >= 0) ++ok;
+    while (ok < n && w[loop_token_word(ok)] >= 0) ++ok;
     if (ok > have) {
       for (int j = have; j < ok; ++j) {
-        tokens[j] = w[1 + j];
-        const int32_t bits = w[1 + cap + j];
+        tokens[j] = w[loop_token_word(j)];
+        const int32_t bits = w[loop_logprob_word(kMaxLaunch, j)];
         std::memcpy(&logprobs[j], &bits, sizeof(float));
       }
       return ok;

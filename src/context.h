@@ -350,9 +350,11 @@ class Context {
     // A chain's words in out (k tokens, then their log-probabilities at kMaxChain), or a
     // loop's (how many, then kMaxLaunch tokens, then their log-probabilities).
     const int32_t* tokens() const {
-      return reinterpret_cast<const int32_t*>(out.data()) + (loop ? 1 : 0);
+      return reinterpret_cast<const int32_t*>(out.data()) + (loop ? loop_token_word(0) : 0);
     }
-    const float* logprobs() const { return out.data() + (loop ? 1 + kMaxLaunch : kMaxChain); }
+    const float* logprobs() const {
+      return out.data() + (loop ? loop_logprob_word(kMaxLaunch, 0) : kMaxChain);
+    }
   };
   Flight flight_;
   // Waits for the launch in flight and takes its tokens into the sequence's history and

@@ -197,6 +197,10 @@ class Graph {
 enum LoopParam { kLoopChain = 0, kLoopCapacity = 1 };
 // Added to a streamed loop's count of tokens (Backend::loop_words) once its last round has ended.
 constexpr int32_t kLoopEnded = 1 << 30;
+// Where a chain loop of `capacity` tokens keeps its j-th token id and log-probability, in its
+// output and in the words it hands the host (Backend::loop_words): after the count (word 0).
+constexpr int loop_token_word(int j) { return 1 + j; }
+constexpr int loop_logprob_word(int capacity, int j) { return 1 + capacity + j; }
 
 // Attention op parameter slots.
 enum AttnParam {

@@ -1944,7 +1944,7 @@ class CudaBackend : public Backend {
       const int made = std::clamp(words[0], graph.chain, graph.output()->params[kLoopCapacity]);
       s.tokens += made - graph.chain;  // compute counted one round
       executor_->count_rounds(key, made / graph.chain);
-      words += 1 + made - graph.chain;  // the last round's
+      words += loop_token_word(made - graph.chain);  // the last round's
     }
     for (int j = 1; j < graph.chain; ++j) {
       if (words[j] != sample_word::kSkipped) continue;
@@ -1959,7 +1959,9 @@ class CudaBackend : public Backend {
   // The words a chain loop streams to the host (loop_words): the count, kMaxLaunch-sized token
   // and log-probability rows as the op's output, then the host's halt word. Allocated at the
   // first loop, mapped into the device's address space; a larger loop later moves them.
-  size_t loop_halt_word() const { return 1 + 2 * size_t(loop_capacity_); }
+  size_t loop_halt_word() const {
+    return size_t(loop_logprob_word(loop_capacity_, loop_capacity_));
+  }
   void ensure_loop_words(const Graph& graph) {
     const Tensor* o = graph.output();
     if (o->op != Op::ChainLoop || o->params[kLoopCapacity] <= loop_capacity_) return;
