@@ -83,6 +83,11 @@ class Backend {
   // Host time the caller spent on this step before compute (graph build, planning), so that the
   // backend can report host time per step from eval call to launch.
   virtual void add_host_time(double microseconds) {}
+  // What the caller saw of a chain loop's words (loop_words) while it ran: how many times it
+  // looked, the tokens it took from them before the loop had ended, and whether it stopped
+  // looking before the loop had ended (nothing new for long, or words it could not take) to
+  // wait for its end instead.
+  virtual void add_loop_looks(double looks, double tokens_streamed, bool gave_up) {}
 
   // CUDA graph inspection; other backends refuse.
   virtual uint64_t graph_handle() { throw ArgumentError(name() + " has no CUDA graph"); }

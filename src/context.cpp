@@ -352,11 +352,18 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
         const int32_t bits = w[loop_logprob_word(kMaxLaunch, j)];
         std::memcpy(&logprobs[j], &bits, sizeof(float));
       }
+      backend_->add_loop_looks(spin + 1, (count & kLoopEnded) ? 0 : ok - have, false);
       return ok;
     }
-    if ((count & kLoopEnded) || ok < n) return -1;
+    if ((count & kLoopEnded) || ok < n) {
+      backend_->add_loop_looks(spin + 1, 0, !(count & kLoopEnded));
+      return -1;
+    }
     if (spin % 64 == 63) {
-      if (std::chrono::steady_clock::now() - since > kQuiet) return -1;
+      if (std::chrono::steady_clock::now() - since > kQuiet) {
+        backend_->add_loop_looks(spin + 1, 0, true);
+        return -1;
+      }
       // A cancel asked for ends the loop at its round's end; the request stays for the caller.
       if (cancel_epoch(flight_.seq) != armed_[size_t(flight_.seq)]) backend_->halt_loop();
     }

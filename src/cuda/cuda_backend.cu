@@ -2023,6 +2023,9 @@ class CudaBackend : public Backend {
         {"launch_us_total", s.launch_us_total},
         {"tokens", s.tokens},
         {"chain_steps_skipped", s.chain_steps_skipped},
+        {"loop_looks", s.loop_looks},
+        {"loop_tokens_streamed", s.loop_tokens_streamed},
+        {"loop_looks_given_up", s.loop_looks_given_up},
         {"kernels", s.kernels},
         {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
         {"tokens_per_launch",
@@ -2048,6 +2051,12 @@ class CudaBackend : public Backend {
   void add_host_time(double microseconds) override {
     executor_->mutable_stats().host_us_total += microseconds;
     executor_->mutable_stats().build_us_total += microseconds;
+  }
+  void add_loop_looks(double looks, double tokens_streamed, bool gave_up) override {
+    GraphStats& s = executor_->mutable_stats();
+    s.loop_looks += looks;
+    s.loop_tokens_streamed += tokens_streamed;
+    s.loop_looks_given_up += gave_up ? 1 : 0;
   }
 
   size_t graph_pool_bytes() const {

@@ -35,6 +35,10 @@ struct GraphStats {
   double tokens = 0, kernels = 0;
   // Steps of sampled chains skipped after a stop id (conditional nodes); not in tokens.
   double chain_steps_skipped = 0;
+  // The host's looks at chain loops' words while they ran, the tokens it took from them before
+  // their loops had ended, and the times it stopped looking to wait for a loop's end
+  // (Backend::add_loop_looks).
+  double loop_looks = 0, loop_tokens_streamed = 0, loop_looks_given_up = 0;
 };
 
 class GraphExecutor {
