@@ -316,12 +316,16 @@ void launch_chain_loop_round(Launcher& l, const ChainLoopArgs& args);
 enum HostWordWay : int { kHostWordStore = 0, kHostWordFenced = 1, kHostWordVolatile = 2 };
 constexpr int kHostWordWays = 3;
 constexpr HostWordWay kLoopHostWord = kHostWordFenced;
-// Test hook: `rounds` rounds, as kernels launched one after the other or (in_graph_loop) as a
-// CUDA graph's WHILE node, each handing its number to the host the `way` way and then waiting (at
-// most 100 ms) for a host thread to acknowledge it; returns the rounds whose acknowledgement did
-// not come in time (0: the host saw every round while it ran), or -1 where the rounds did not all
-// run.
-int loop_words_late_rounds(int rounds, bool in_graph_loop, HostWordWay way);
+// How loop_words_late_rounds runs its rounds: kernels launched one after the other; a CUDA
+// graph's WHILE node around the round's kernel alone; or a chain loop's shape as the graph
+// executor captures it in patch mode (a WHILE node whose body holds conditional steps of
+// programmatic launches, then the round's kernel).
+enum class RoundsAs { kKernels, kWhileNode, kExecutorLoop };
+// Test hook: `rounds` rounds run `as` given, each handing its number to the host the `way` way
+// and then waiting (at most 100 ms) for a host thread to acknowledge it; returns the rounds whose
+// acknowledgement did not come in time (0: the host saw every round while it ran), or -1 where
+// the rounds did not all run.
+int loop_words_late_rounds(int rounds, RoundsAs as, HostWordWay way);
 // Test hook: for i < n, philox4x32_10 (sampling_math.h) of the counter first + i under seed into
 // ours[4 i, 4 i + 4), and the (i + 1)-th curand4() of curand's Philox4_32_10 state initialized
 // with (seed, 0, 4 first) into theirs (host arrays), both computed on the device. False, with

@@ -21,9 +21,12 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "cuda/device_util.cuh"
+#include "cuda/graph_executor.h"
 #include "cuda/kernels.cuh"
 #include "sampling_math.h"
 
@@ -1278,7 +1281,13 @@ __global__ void ping_round(int32_t* host, int32_t* state, long long limit, HostW
 
 }  // namespace
 
-int loop_words_late_rounds(int rounds, bool in_graph_loop, HostWordWay way) {
+// A conditional step of loop_words_late_rounds's executor loop: lets the next step run.
+__global__ void ping_step(cudaGraphConditionalHandle next) {
+  pdl_begin();
+  if (threadIdx.x == 0 && next) cudaGraphSetConditional(next, 1u);
+}
+
+int loop_words_late_rounds(int rounds, RoundsAs as, HostWordWay way) {
   void* mapped = nullptr;
   GGRAPH_CUDA_CHECK(cudaHostAlloc(&mapped, 2 * sizeof(int32_t), cudaHostAllocMapped));
   volatile int32_t* host = static_cast<volatile int32_t*>(mapped);
@@ -1308,9 +1317,33 @@ int loop_words_late_rounds(int rounds, bool in_graph_loop, HostWordWay way) {
     GGRAPH_CUDA_CHECK(cudaGetDevice(&device));
     GGRAPH_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
     const long long limit = 100LL * clock_khz;  // 100 ms of cycles
-    if (!in_graph_loop) {
+    if (as == RoundsAs::kKernels) {
       for (int r = 0; r < rounds; ++r)
         ping_round<<<1, 1, 0, stream>>>(host_dev, state, limit, way, 0);
+    } else if (as == RoundsAs::kExecutorLoop) {
+      // As launch_graph lays out a chain loop: each step's kernel opens the next step's
+      // conditional node, and the round's kernel (not programmatic) follows the steps.
+      GraphExecutor executor(stream, GraphMode::Patch, false, true);
+      if (!executor.runs_loops()) throw DeviceError("loop_words_late_rounds: no loops here");
+      constexpr int kSteps = 4;
+      executor.run(
+          1,
+          [&](Launcher& l) {
+            l.open_loop();
+            for (int j = 0; j < kSteps; ++j) {
+              const bool gated = j + 1 < kSteps;
+              l(ping_step, dim3(1), dim3(32), 0,
+                gated ? l.step_handle(j + 1) : cudaGraphConditionalHandle(0));
+              if (gated) l.open_step(j + 1);
+            }
+            l.end_steps();
+            const bool pdl = std::exchange(l.pdl, false);
+            l(ping_round, dim3(1), dim3(1), 0, host_dev, state, limit, way, l.loop_handle());
+            l.pdl = pdl;
+            l.close_loop();
+          },
+          [](int) { return std::string("the loop words' test rounds"); });
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream));
     } else {
       // As a chain loop runs: a WHILE node whose body the round's kernel ends.
       GGRAPH_CUDA_CHECK(cudaGraphCreate(&graph, 0));

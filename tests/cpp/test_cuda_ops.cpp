@@ -3492,14 +3492,18 @@ TEST(CudaSample, TheHostSeesEachRoundsWordsWhileTheRoundsRun) {
   // Every way, so that a failure tells which of them the host sees in time; the way the chain
   // loop's round kernel hands its count over must be one.
   const char* names[cuda::kHostWordWays] = {"a store", "a store fenced after", "a volatile store"};
+  using cuda::RoundsAs;
+  const std::pair<RoundsAs, const char*> shapes[] = {
+      {RoundsAs::kKernels, "kernels one after the other"},
+      {RoundsAs::kWhileNode, "a graph's WHILE node"},
+      {RoundsAs::kExecutorLoop, "a chain loop's graph as the executor captures it"}};
   for (int w = 0; w < cuda::kHostWordWays; ++w) {
     const auto way = static_cast<cuda::HostWordWay>(w);
-    for (const bool in_graph : {false, true}) {
-      const int late = cuda::loop_words_late_rounds(8, in_graph, way);
-      std::printf("  %s, %s: %d of 8 rounds late\n", names[w],
-                  in_graph ? "a graph's WHILE node" : "kernels one after the other", late);
+    for (const auto& [as, shape] : shapes) {
+      const int late = cuda::loop_words_late_rounds(8, as, way);
+      std::printf("  %s, %s: %d of 8 rounds late\n", names[w], shape, late);
       if (way == cuda::kLoopHostWord) {
-        EXPECT_EQ(late, 0) << names[w] << ", in a graph " << in_graph;
+        EXPECT_EQ(late, 0) << names[w] << ", " << shape;
       }
     }
   }
