@@ -185,6 +185,7 @@ Context::Context(const std::string& path, const ContextOptions& o) {
   seqs_.resize(size_t(o.n_seq_max));
   cancels_.reset(new std::atomic<uint64_t>[seqs_.size()]());
   armed_.assign(seqs_.size(), 0);
+  untaken_.resize(seqs_.size());
   // A windowed layer reads at most its window's rows and writes one batch's: a ring of
   // window + n_batch - 1 rows holds both, where that is shorter than the context. Every
   // windowed layer takes the largest window's ring, so that one position per sequence
@@ -227,15 +228,20 @@ Context::~Context() = default;
 int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
                             uint64_t draw, int32_t* tokens, float* logprobs, const int32_t* stops,
                             size_t n_stops) {
-  launch_sampled(first, k, params, seed, draw, stops, n_stops);
-  return land_sampled(tokens, logprobs);
+  return land_sampled(launch_sampled(first, k, params, seed, draw, stops, n_stops), tokens,
+                      logprobs);
 }
 
-void Context::launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                             uint64_t draw, const int32_t* stops, size_t n_stops) {
+uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                                 uint64_t draw, const int32_t* stops, size_t n_stops) {
   land();
-  // A launch nobody took (its caller gone) is dropped: its tokens are in the history already.
-  flight_.active = false;
+  // A launch whose tokens its caller has not taken: its sequence keeps them (they are in its
+  // history already) for the caller's land_sampled, until the sequence launches again.
+  if (flight_.active) {
+    untaken_[size_t(flight_.seq)] = flight_;
+    flight_.active = false;
+  }
+  untaken_[size_t(cur_)].active = false;
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
   const bool loop = k > kMaxChain && backend_->runs_loops();
   if (k < 1 || (k > kMaxChain && (!loop || k > kMaxLaunch || k % kLoopChain != 0)))
@@ -328,10 +334,13 @@ void Context::launch_sampled(int32_t first, int k, const SamplingParams& params,
   f.first = first;
   f.done = 0;
   f.error.clear();
+  f.id = ++launches_;
+  return f.id;
 }
 
-int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
-  if (!flight_.active) throw std::logic_error("poll_sampled: no launch in flight");
+int Context::poll_sampled(uint64_t launch, int have, int32_t* tokens, float* logprobs) {
+  // A launch landed since, or kept by its sequence: land_sampled has its tokens.
+  if (!flight_.active || flight_.id != launch) return -1;
   const volatile int32_t* w = flight_.loop && !flight_.landed ? backend_->loop_words() : nullptr;
   if (!w) return -1;
   // Only the words are read while the loop runs, no CUDA call (a query of the stream may wait
@@ -371,8 +380,9 @@ int Context::poll_sampled(int have, int32_t* tokens, float* logprobs) {
   }
 }
 
-void Context::halt_sampled() {
-  if (flight_.active && !flight_.landed && flight_.loop) backend_->halt_loop();
+void Context::halt_sampled(uint64_t launch) {
+  if (flight_.active && flight_.id == launch && !flight_.landed && flight_.loop)
+    backend_->halt_loop();
 }
 
 void Context::land() {
@@ -416,11 +426,14 @@ void Context::land() {
   f.done = done;
 }
 
-int Context::land_sampled(int32_t* tokens, float* logprobs) {
-  if (!flight_.active)
+int Context::land_sampled(uint64_t launch, int32_t* tokens, float* logprobs) {
+  Flight* kept = nullptr;
+  for (Flight& u : untaken_)
+    if (u.active && u.id == launch) kept = &u;
+  if (!kept && !(flight_.active && flight_.id == launch))
     throw ArgumentError("decode_sampled: no launch in flight (another call took its tokens)");
-  land();
-  Flight& f = flight_;
+  if (!kept) land();
+  Flight& f = kept ? *kept : flight_;
   f.active = false;
   if (!f.error.empty()) throw ArgumentError(f.error);
   std::copy(f.tokens(), f.tokens() + f.done, tokens);
@@ -631,12 +644,17 @@ void Context::close_sequence(int id) {
   seqs_[size_t(id)].tokens.clear();
   for (StepGraph& step : seqs_[size_t(id)].steps) step = StepGraph();
   seqs_[size_t(id)].chains.clear();
+  untaken_[size_t(id)].active = false;
 }
 
 void Context::select_sequence(int id) {
-  land();
   if (id < 0 || id >= n_seq_max() || !seqs_[size_t(id)].open)
     throw ArgumentError("select_sequence: " + std::to_string(id) + " is not an open sequence");
+  // Selecting the sequence selected already changes nothing: a loop in flight stays in flight
+  // (the Python wrapper selects its sequence around every step of a generation, between the
+  // rounds a loop streams).
+  if (id == cur_) return;
+  land();
   cur_ = id;
 }
 

@@ -105,12 +105,15 @@ class Context {
   // (tokens and logprobs take all of them). halt_sampled asks a loop to end after its round in
   // progress: land_sampled then returns fewer tokens, whole rounds of them. While a launch is in
   // flight a cancel request (cancel()) halts it too, and stays pending. Every other call that
-  // changes the context lands the launch first, keeping its result for land_sampled.
-  void launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                      uint64_t draw, const int32_t* stops = nullptr, size_t n_stops = 0);
-  int poll_sampled(int have, int32_t* tokens, float* logprobs);
-  void halt_sampled();
-  int land_sampled(int32_t* tokens, float* logprobs);
+  // changes the context lands the launch first, keeping its result for land_sampled: another
+  // sequence's launch too (its sequence keeps the result until its own next launch), so that
+  // generations on several sequences may take turns. launch_sampled returns the launch's id,
+  // which the other three take.
+  uint64_t launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
+                          uint64_t draw, const int32_t* stops = nullptr, size_t n_stops = 0);
+  int poll_sampled(uint64_t launch, int have, int32_t* tokens, float* logprobs);
+  void halt_sampled(uint64_t launch);
+  int land_sampled(uint64_t launch, int32_t* tokens, float* logprobs);
   // The final normalized hidden state of every one of n tokens, [n][n_embd], as llama.cpp's
   // embedding mode computes it: the tokens are evaluated as a sequence of their own, from
   // position 0. The context's own tokens and cache are kept (saved and restored around it).
@@ -342,6 +345,7 @@ class Context {
   // The sampled launch in flight (launch_sampled to land_sampled), and once landed its result.
   struct Flight {
     bool active = false, landed = false, loop = false;
+    uint64_t id = 0;  // launch_sampled's
     int seq = 0, k = 0, steps = 0, n_past = 0;
     int32_t first = 0;
     std::vector<float> out;  // the launch's token words, as the backend's output
@@ -357,6 +361,10 @@ class Context {
     }
   };
   Flight flight_;
+  uint64_t launches_ = 0;  // launch_sampled's so far: the ids
+  // A sequence's landed launch whose tokens its caller had not taken when another launch took
+  // the context's flight (launch_sampled).
+  std::vector<Flight> untaken_;
   // Waits for the launch in flight and takes its tokens into the sequence's history and
   // position, as decode_sampled does; the result stays in flight_ for land_sampled.
   void land();

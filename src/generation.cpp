@@ -120,8 +120,9 @@ void Generation::launch_chain() {
   // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
   // The steps after an end-of-generation token may be skipped, unless those are ignored.
   const std::vector<int32_t>& eog = ctx_.tokenizer().end_of_generation();
-  ctx_.launch_sampled(chain_first_, k, sampler_.params(), sampler_.seed(), sampler_.draws(),
-                      opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
+  launch_ =
+      ctx_.launch_sampled(chain_first_, k, sampler_.params(), sampler_.seed(), sampler_.draws(),
+                          opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
   in_flight_ = true;
   chain_base_ = base;
   chain_tokens_.clear();
@@ -130,9 +131,9 @@ void Generation::launch_chain() {
 }
 
 void Generation::land_chain(bool halt) {
-  if (halt) ctx_.halt_sampled();
+  if (halt) ctx_.halt_sampled(launch_);
   in_flight_ = false;  // landed or failed, it is no longer in flight
-  const int made = ctx_.land_sampled(flight_tokens_.data(), flight_logprobs_.data());
+  const int made = ctx_.land_sampled(launch_, flight_tokens_.data(), flight_logprobs_.data());
   const SamplingParams& p = sampler_.params();
   if (!sample_is_greedy(p.temperature, p.top_k)) sampler_.set_draws(sampler_.draws() + made);
   chain_tokens_.assign(flight_tokens_.begin(), flight_tokens_.begin() + made);
@@ -147,7 +148,7 @@ int32_t Generation::next_chained(float* logprob) {
     // next one starts from its last).
     if (!in_flight_) launch_chain();
     const int have = static_cast<int>(chain_tokens_.size());
-    const int n = ctx_.poll_sampled(have, flight_tokens_.data(), flight_logprobs_.data());
+    const int n = ctx_.poll_sampled(launch_, have, flight_tokens_.data(), flight_logprobs_.data());
     if (n < 0) {
       land_chain(false);
     } else {

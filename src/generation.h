@@ -166,6 +166,7 @@ class Generation {
   std::vector<int32_t> chain_tokens_;
   std::vector<float> chain_logprobs_;
   bool in_flight_ = false;
+  uint64_t launch_ = 0;  // the launch's id (Context::launch_sampled)
   std::vector<int32_t> flight_tokens_;
   std::vector<float> flight_logprobs_;
   size_t chain_next_ = 0;

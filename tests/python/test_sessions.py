@@ -114,6 +114,32 @@ def test_generators_of_two_sessions_step_in_turns(tiny_model, device):
         next(g1)
 
 
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA (loops run on CUDA graphs)")
+@pytest.mark.parametrize("chain", [8, 64])
+def test_loops_of_two_sessions_in_turns_give_each_its_own_tokens(tiny_model, chain):
+    # Each session's launch lands the other's loop in flight before its caller has taken its
+    # tokens: the other session keeps them for its generator's next step.
+    settings = dict(max_tokens=100, temperature=1.0, seed=5, ignore_eos=True, logprobs=0)
+
+    def alone(prompt):
+        m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
+        return [t.token for t in m.generate(prompt, chain=1, **settings)], m.n_past
+
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=256, n_seq_max=2)
+    s = m.session()
+    gens = [m.generate(A, chain=chain, **settings), s.generate(B, chain=chain, **settings)]
+    outs = ([], [])
+    while any(gens):
+        for i, g in enumerate(gens):
+            t = next(g, None) if g else None
+            if t is None:
+                gens[i] = None
+            elif t.token >= 0:
+                outs[i].append(t.token)
+    assert (outs[0], m.n_past) == alone(A)
+    assert (outs[1], s.n_past) == alone(B)
+
+
 def test_rewind_and_states_stay_within_a_session(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
     s = m.session()
