@@ -235,13 +235,6 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
 uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
                                  uint64_t draw, const int32_t* stops, size_t n_stops) {
   land();
-  // A launch whose tokens its caller has not taken: its sequence keeps them (they are in its
-  // history already) for the caller's land_sampled, until the sequence launches again.
-  if (flight_.active) {
-    untaken_[size_t(flight_.seq)] = flight_;
-    flight_.active = false;
-  }
-  untaken_[size_t(cur_)].active = false;
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
   const bool loop = k > kMaxChain && backend_->runs_loops();
   if (k < 1 || (k > kMaxChain && (!loop || k > kMaxLaunch || k % kLoopChain != 0)))
@@ -258,6 +251,14 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
                         " of " + std::to_string(n_ctx_) + " positions are used");
   if (seed == kRandomSeed) throw ArgumentError("decode_sampled: the seed must be resolved");
   validate(params);
+  // (A refused launch changes nothing.) A launch whose tokens its caller has not taken: its
+  // sequence keeps them (they are in its history already) for the caller's land_sampled, until the
+  // sequence launches again.
+  if (flight_.active) {
+    untaken_[size_t(flight_.seq)] = flight_;
+    flight_.active = false;
+  }
+  untaken_[size_t(cur_)].active = false;
   if (needs_repair()) repair();
   const auto t0 = std::chrono::steady_clock::now();
   Sequence& s = live();

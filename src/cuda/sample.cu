@@ -1148,15 +1148,15 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
     if (a.host) {
       // The round's words to the host, then the count that covers them.
       for (int j = 0; j < a.k; ++j) {
-        a.host[1 + made + j] = a.tokens[j];
-        a.host[1 + a.capacity + made + j] = a.tokens[a.k_total + j];
+        a.host[loop_token_word(made + j)] = a.tokens[j];
+        a.host[loop_logprob_word(a.capacity, made + j)] = a.tokens[a.k_total + j];
       }
       host_word_store(a.host, made + a.k + (go ? 0 : kLoopEnded), kLoopHostWord);
     }
   }
   for (int j = tid; j < a.k; j += kLoopThreads) {
-    a.out[1 + made + j] = a.tokens[j];
-    a.out[1 + a.capacity + made + j] = a.tokens[a.k_total + j];
+    a.out[loop_token_word(made + j)] = a.tokens[j];
+    a.out[loop_logprob_word(a.capacity, made + j)] = a.tokens[a.k_total + j];
   }
   __syncthreads();
   const bool go = go_shared;
@@ -1279,13 +1279,13 @@ __global__ void ping_round(int32_t* host, int32_t* state, long long limit, HostW
   if (loop) cudaGraphSetConditional(loop, r < state[1] ? 1u : 0u);
 }
 
-}  // namespace
-
 // A conditional step of loop_words_late_rounds's executor loop: lets the next step run.
 __global__ void ping_step(cudaGraphConditionalHandle next) {
   pdl_begin();
   if (threadIdx.x == 0 && next) cudaGraphSetConditional(next, 1u);
 }
+
+}  // namespace
 
 int loop_words_late_rounds(int rounds, RoundsAs as, HostWordWay way) {
   void* mapped = nullptr;
