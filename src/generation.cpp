@@ -93,7 +93,14 @@ Generation::Generation(Context& ctx, std::vector<int32_t> prompt, GenerateOption
     throw ArgumentError("generate: chain must be 1 to " + std::to_string(Context::kMaxLaunch) +
                         " decode steps a launch (or the backend's default), got " +
                         std::to_string(opt_.chain));
-  chain_ = opt_.chain == kAutoChain ? (ctx_.backend().is_cuda() ? kDefaultChain : 1) : opt_.chain;
+  // By default a loop where the backend runs them (its tokens stream back a round at a time),
+  // else a chain of kDefaultChain on CUDA, and a token at a time (sampled on the host) on the CPU.
+  if (opt_.chain != kAutoChain)
+    chain_ = opt_.chain;
+  else if (ctx_.backend().runs_loops())
+    chain_ = Context::kMaxLaunch;
+  else
+    chain_ = ctx_.backend().is_cuda() ? kDefaultChain : 1;
   // More than a chain's steps a launch where the backend runs loops; elsewhere a chain's most.
   if (!ctx_.backend().runs_loops()) chain_ = std::min(chain_, Context::kMaxChain);
   if (opt_.top_logprobs > 0) chain_ = 1;
