@@ -68,9 +68,10 @@ def _error_body(message, kind="invalid_request_error", param=None, code=None):
 class _Job:
     """One request's generation: its arguments, its events and whether its client left."""
 
-    def __init__(self, loop, ids, max_tokens, stop, logprobs, sampling):
+    def __init__(self, loop, ids, max_tokens, stop, logprobs, sampling, ignore_eos=False):
         self.loop, self.ids, self.max_tokens = loop, ids, max_tokens
         self.stop, self.logprobs, self.sampling = stop, logprobs, sampling
+        self.ignore_eos = ignore_eos
         self.cached = 0  # prompt tokens its sequence's cache held already (set before "done")
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -160,6 +161,7 @@ class Engine:
             job.max_tokens,
             job.stop,
             job.logprobs,
+            ignore_eos=job.ignore_eos,
             prefill_chunk=self.prefill_chunk,
             **job.sampling,
         )
@@ -664,13 +666,16 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
             )
             _core.validate_sampling(**sampling)
             stream = _get(body, "stream", bool, False, what="a boolean")
+            # An end-of-generation token generated as any other (vLLM's and llama.cpp's
+            # extension): a request then runs to max_tokens or a stop string.
+            ignore_eos = _get(body, "ignore_eos", bool, False, what="a boolean")
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         except RequestError as e:
             return error(400, str(e), param=e.param, code=e.code)
         except (ValueError, TypeError, OverflowError) as e:  # a template's, the sampler's
             return error(400, str(e))
-        job = _Job(asyncio.get_running_loop(), ids, max_tokens, stop, logprobs, sampling)
+        job = _Job(asyncio.get_running_loop(), ids, max_tokens, stop, logprobs, sampling, ignore_eos)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"

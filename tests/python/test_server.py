@@ -136,6 +136,27 @@ def test_chat_equals_the_librarys_greedy_generation(client, local):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_ignore_eos_runs_a_request_past_its_end_of_generation_token(client, local):
+    """ignore_eos (vLLM's and llama.cpp's extension) generates the end-of-generation token as
+    any other: the answer runs to max_tokens, as the library's generate(ignore_eos=True) does."""
+    question = "What is the capital of France?"
+    ended, reason = _chat_reference(local, question, 60)
+    assert reason == "eos"  # the plain answer ends on its own before 60 tokens
+    local.reset()
+    messages = [{"role": "user", "content": question}]
+    want = "".join(local.chat(messages, max_tokens=60, temperature=0, ignore_eos=True))
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].message.content == want and want.startswith(ended)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 60
+
+
 def test_completion_with_logprobs_equals_the_library(client, local):
     prompt = "The three primary colours are"
     local.reset()
@@ -311,6 +332,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
         {"messages": [{"role": "user", "content": "hi"}], "seed": 2**63 + 5},
         {"messages": [{"role": "user", "content": "hi"}], "extra_body": {"top_k": 2**40}},
         {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 100}},
+        {"messages": [{"role": "user", "content": "hi"}], "extra_body": {"ignore_eos": "yes"}},
         {"messages": [{"role": "tool", "content": "hi"}]},
         {"messages": [{"role": "narrator", "content": "hi"}]},
         {
@@ -397,7 +419,7 @@ def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client
         try:
             s = client.completions.create(
                 model="smollm2", prompt=f"Story number {i}:", max_tokens=400, temperature=1,
-                seed=i, stream=True,
+                seed=i, stream=True, extra_body={"ignore_eos": True},
             )  # fmt: skip
             ended[i] = sum(1 for _ in s)  # a stream that ended as if it were done
         except openai.APIError as e:  # its error event (a stream cut off is another error)
@@ -407,7 +429,7 @@ def test_sigterm_ends_the_requests_in_flight_and_stops_the_server_at_once(client
         try:
             client.with_options(max_retries=0).completions.create(
                 model="smollm2", prompt=f"Story number {i}:", max_tokens=400, temperature=1,
-                seed=i,
+                seed=i, extra_body={"ignore_eos": True},
             )  # fmt: skip
             ended[i] = "answered"
         except openai.APIStatusError as e:
