@@ -1845,6 +1845,20 @@ class CudaBackend : public Backend {
       prepare_rope_tables(graph);
     }
 
+    // The output's staging buffer grows before the launch: page-locked frees and allocations
+    // wait for the device, and a chain loop hands its tokens over while it runs.
+    const Tensor* o = graph.output();
+    const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
+    const bool staged = !host_pool_->holds(out);  // page-locked memory needs no staging copy
+    if (staged && out_bytes > output_staging_bytes_) {
+      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (output_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(output_staging_));
+      output_staging_ = nullptr;
+      output_staging_bytes_ = 0;
+      GGRAPH_CUDA_CHECK(cudaMallocHost(&output_staging_, out_bytes));
+      output_staging_bytes_ = out_bytes;
+    }
+
     const auto t_input = std::chrono::steady_clock::now();
     for (int i : reuse.plan.inputs) {
       const Tensor* t = nodes[size_t(i)];
@@ -1902,17 +1916,6 @@ class CudaBackend : public Backend {
     reuse.version = buffers_version_;
     executor_->mutable_stats().tokens += graph.chain > 0 ? graph.chain : graph.n_tokens;
 
-    const Tensor* o = graph.output();
-    const size_t out_bytes = static_cast<size_t>(o->n_elements()) * sizeof(float);
-    const bool staged = !host_pool_->holds(out);  // page-locked memory needs no staging copy
-    if (staged && out_bytes > output_staging_bytes_) {
-      GGRAPH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (output_staging_) GGRAPH_CUDA_CHECK(cudaFreeHost(output_staging_));
-      output_staging_ = nullptr;
-      output_staging_bytes_ = 0;
-      GGRAPH_CUDA_CHECK(cudaMallocHost(&output_staging_, out_bytes));
-      output_staging_bytes_ = out_bytes;
-    }
     GGRAPH_CUDA_CHECK(cudaMemcpyAsync(staged ? output_staging_ : out, tensor_ptr(o, buf), out_bytes,
                                       cudaMemcpyDeviceToHost, stream_));
     pending_ = Pending{&graph, out, staged ? out_bytes : 0, batch_key};
@@ -2023,15 +2026,17 @@ class CudaBackend : public Backend {
         {"launch_us_total", s.launch_us_total},
         {"tokens", s.tokens},
         {"chain_steps_skipped", s.chain_steps_skipped},
-        {"loop_looks", s.loop_looks},
-        {"loop_tokens_streamed", s.loop_tokens_streamed},
-        {"loop_looks_given_up", s.loop_looks_given_up},
         {"kernels", s.kernels},
         {"kernels_per_token", s.tokens > 0 ? s.kernels / s.tokens : 0.0},
         {"tokens_per_launch",
          s.replays + s.eager_evals > 0 ? s.tokens / (s.replays + s.eager_evals) : 0.0},
         {"cached_graphs", double(executor_->cached_graphs())},
         {"graph_pool_bytes", double(graph_pool_bytes())}};
+    if (executor_->runs_loops()) {  // the host's looks at a chain loop's words
+      out["loop_looks"] = s.loop_looks;
+      out["loop_tokens_streamed"] = s.loop_tokens_streamed;
+      out["loop_looks_given_up"] = s.loop_looks_given_up;
+    }
     // Per topology class: "batch8.replays", "chain8.captures", "tokens1.replays".
     for (const auto& [key, k] : executor_->key_stats()) {
       const std::string name = topology_name(key);

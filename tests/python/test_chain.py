@@ -344,11 +344,6 @@ def test_reads_between_every_step_leave_a_chain_its_tokens(tiny_model, device, c
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
-@pytest.mark.xfail(
-    strict=True,
-    reason="on the H100 measured, a loop's counts in mapped host memory reach the host only at "
-    "the launch's end (BENCHMARKS.md, streamed loop tokens), so the halt comes too late",
-)
 @pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1]])
 def test_a_stop_string_halts_the_loop_in_flight(tiny_model, settings):
     # A loop of up to 256 tokens whose tokens the host takes as the rounds make them: a stop
