@@ -675,7 +675,9 @@ def create_app(model, model_name: str, parallel: int = 1, share_prefixes: bool |
             return error(400, str(e), param=e.param, code=e.code)
         except (ValueError, TypeError, OverflowError) as e:  # a template's, the sampler's
             return error(400, str(e))
-        job = _Job(asyncio.get_running_loop(), ids, max_tokens, stop, logprobs, sampling, ignore_eos)
+        job = _Job(
+            asyncio.get_running_loop(), ids, max_tokens, stop, logprobs, sampling, ignore_eos
+        )
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
