@@ -143,9 +143,10 @@ typedef struct {
   size_t n_stop;
   int32_t top_logprobs; /* 0 to 20 alternatives passed to the callback each step */
   uint64_t flags;       /* GGRAPH_GENERATE_* bits (a field past the padding of older versions) */
-  /* Decode steps a launch, sampled on the backend: 0 = the backend's default (8 on CUDA, 1 on
-   * the CPU); 1 evaluates and samples a token at a time on the host; up to 256 on CUDA with
-   * graphs in patch or recapture mode (a loop on the GPU), 16 elsewhere. The same tokens. */
+  /* Decode steps a launch, sampled on the backend: 0 = the backend's default (a loop of 256 on
+   * CUDA with graphs in patch or recapture mode, else 8 on CUDA, 1 on the CPU); 1 evaluates and
+   * samples a token at a time on the host; up to 256 on CUDA with graphs in patch or recapture
+   * mode (a loop on the GPU), 16 elsewhere. The same tokens. */
   int32_t tokens_per_launch;
 } ggraph_generate_params;
 
@@ -181,10 +182,12 @@ GGRAPH_API ggraph_generate_params ggraph_default_generate_params(void);
  * (GGRAPH_ERR_CANCELLED): the model then holds what it held, except that a prompt that differs
  * from the model's tokens has already replaced those past the prefix the two share. on_step
  * runs while the model is held: it must not call ggraph_* functions on this model or any of its
- * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded 8 a launch and sampled on the
- * GPU (the same tokens; .tokens_per_launch sets the count). However the generation ends, the model
- * then holds the prompt and the generated tokens, less a final one that ended it (an
- * end-of-generation token, one completing a stop string, or one the full context had no room for).
+ * sessions (ggraph_cancel excepted). On CUDA the tokens are decoded as a loop of up to 256 a
+ * launch (8 in the graph modes off and update) and sampled on the GPU, the same tokens, each round
+ * of 8 reaching on_step as the GPU makes it (.tokens_per_launch sets the count). However the
+ * generation ends, the model then holds the prompt and the generated tokens, less a final one
+ * that ended it (an end-of-generation token, one completing a stop string, or one the full
+ * context had no room for).
  */
 GGRAPH_API int ggraph_generate(ggraph_model* model, const int32_t* prompt, size_t n,
                                const ggraph_generate_params* params, ggraph_step_fn on_step,

@@ -34,12 +34,12 @@ struct GenerateOptions {
   bool ignore_eos = false;
   // Decode steps a backend launch runs, each sampling the next step's token on the backend
   // (Context::decode_sampled), so that only token ids come back: kAutoChain takes
-  // kDefaultChain on CUDA and 1 on the CPU; 1 evaluates and samples a token at a time on the
-  // host. Up to Context::kMaxLaunch where the backend runs loops (CUDA graphs in patch and
-  // recapture modes; their tokens are read as the rounds write them: Context::poll_sampled),
-  // past Context::kMaxChain elsewhere a chain's most. A chain needs
-  // top_logprobs 0 and is not used in deferred (batched) generation; what a stop leaves unused is
-  // rewound.
+  // Context::kMaxLaunch where the backend runs loops, else kDefaultChain on CUDA and 1 on the
+  // CPU; 1 evaluates and samples a token at a time on the host. Up to Context::kMaxLaunch where
+  // the backend runs loops (CUDA graphs in patch and recapture modes; their tokens are read as
+  // the rounds write them: Context::poll_sampled), past Context::kMaxChain elsewhere a chain's
+  // most. A chain needs top_logprobs 0 and is not used in deferred (batched) generation; what a
+  // stop leaves unused is rewound.
   int chain = kAutoChain;
 };
 

@@ -641,12 +641,12 @@ class Model:
         end-of-generation token as any other instead of stopping there (benchmarks).
 
         chain=N runs N decode steps a backend launch, sampling on the backend so that only
-        token ids come back (on CUDA one CUDA graph launch); the default is 8 on CUDA and 1 (a
-        token at a time, sampled on the host) on the CPU. Both give the same tokens. Up to 16
-        steps are one chain; on CUDA with graphs in patch or recapture mode, up to 256 run as a
-        loop of chains of 8 on the device, whose tokens are read as the device writes them
-        (measured so far: at the launch's end), and which a stop string or a call on the model
-        between steps halts."""
+        token ids come back (on CUDA one CUDA graph launch). Both give the same tokens. Up to
+        16 steps are one chain; on CUDA with graphs in patch or recapture mode, up to 256 run as
+        a loop of chains of 8 on the device, whose tokens are yielded a round (8) at a time as
+        the device writes them, and which a stop string or a call on the model between steps
+        halts at its round's end. The default is such a loop (256) where graphs run loops, 8
+        elsewhere on CUDA, and 1 (a token at a time, sampled on the host) on the CPU."""
         _check_keys(sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.tokenize(prompt, add_bos, special) if isinstance(prompt, str) else prompt
