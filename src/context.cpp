@@ -233,17 +233,20 @@ int Context::decode_sampled(int32_t first, int k, const SamplingParams& params, 
 }
 
 uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                                 uint64_t draw, const int32_t* stops, size_t n_stops) {
+                                 uint64_t draw, const int32_t* stops, size_t n_stops,
+                                 bool as_loop) {
   land();
   check_token_ids(&first, 1, model_->n_vocab, "decode_sampled");
-  const bool loop = k > kMaxChain && backend_->runs_loops();
-  if (k < 1 || (k > kMaxChain && (!loop || k > kMaxLaunch || k % kLoopChain != 0)))
-    throw ArgumentError("decode_sampled: k must be 1 to " + std::to_string(kMaxChain) +
-                        (backend_->runs_loops()
-                             ? ", or a multiple of " + std::to_string(kLoopChain) + " up to " +
-                                   std::to_string(kMaxLaunch)
-                             : std::string()) +
-                        ", got " + std::to_string(k));
+  const bool loops = backend_->runs_loops();
+  if (k < 1 || k > (loops ? kMaxLaunch : kMaxChain))
+    throw ArgumentError("decode_sampled: k must be 1 to " +
+                        std::to_string(loops ? kMaxLaunch : kMaxChain) + ", got " +
+                        std::to_string(k));
+  // A loop's rounds end at its k-th token on the device (the config's limit), the last one
+  // part-way: so with as_loop, launches of every length run in the loop's one graph, where a
+  // chain of each length would be captured anew. Not where a round's steps would pass the
+  // context's end.
+  const bool loop = loops && (k > kMaxChain || (as_loop && live().n_past + kLoopChain <= n_ctx_));
   const int steps = loop ? kLoopChain : k;
   if (live().n_past + k > n_ctx_)
     throw ArgumentError("decode_sampled: " + std::to_string(k) +
@@ -309,7 +312,7 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
   c.n_past = n_past;
   c.first[0] = first;
   std::iota(c.positions.begin(), c.positions.end(), n_past);
-  c.control[0] = k / steps;  // in place: the graph's input points at these words
+  c.control[0] = (k + steps - 1) / steps;  // in place: the graph's input points at these words
   c.control[1] = 0;
   // The penalty window's ids: the last of the sequence's tokens, then first.
   const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
@@ -317,6 +320,7 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
   history.push_back(first);
   fill_sample_config(params, seed, draw, history.data(), history.size(), window, c.config.data(),
                      stops, n_stops);
+  if (loop) c.config[sample_word::kLimit] = k;
   backend_->add_host_time(
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   note_written(s.kv_lost, n_past + k, ring_rows_);
@@ -403,12 +407,12 @@ void Context::land() {
   const int32_t* words = f.tokens();
   if (f.loop) {
     const int32_t made = reinterpret_cast<const int32_t*>(f.out.data())[0];
-    if (made < steps || made > k || made % steps != 0) {
+    if (made < steps || made > (k + steps - 1) / steps * steps || made % steps != 0) {
       f.active = false;
       throw DeviceError("decode_sampled: the loop reported " + std::to_string(made) + " of " +
                         std::to_string(k) + " tokens");
     }
-    k = made;
+    k = std::min(k, int(made));  // (a last round that ended part-way reports its whole round)
   }
   int done = k;  // steps whose sample succeeded
   for (int j = 0; j < k && done == k; ++j)

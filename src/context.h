@@ -85,11 +85,13 @@ class Context {
   // sampled tokens and their log-probabilities (under the raw logits) come back, into
   // tokens[k] and logprobs[k]. The context then holds `first` and the first k - 1 samples; the
   // last sample is not evaluated yet. Throws ArgumentError, leaving the context unchanged, for
-  // a bad id, k outside [1, kMaxChain], or k tokens that do not fit; and when a step finds no
-  // logit above -inf (then the context holds the tokens that step and those before evaluated).
-  // k above kMaxChain (a multiple of kLoopChain, at most kMaxLaunch, where the backend runs
-  // loops) runs k / kLoopChain rounds of a chain of kLoopChain steps in one launch, as that many
-  // calls one after the other would, each from the last one's last sample and draws.
+  // a bad id, k outside [1, kMaxChain] (kMaxLaunch where the backend runs loops), or k tokens
+  // that do not fit; and when a step finds no logit above -inf (then the context holds the
+  // tokens that step and those before evaluated). k above kMaxChain (where the backend runs
+  // loops) runs rounds of a chain of kLoopChain steps in one launch, the last one ended at the
+  // k-th token on the device, as that many calls one after the other would, each from the last
+  // one's last sample and draws. as_loop (where the backend runs loops) runs any k as a loop,
+  // so that launches of every length share one graph.
   // After a step samples one of the n_stops ids `stops`, the backend may skip the steps after it
   // (CUDA graphs do): returns the samples made, k or fewer, the last of them then a stop id; the
   // context holds `first` and the samples before the last.
@@ -110,7 +112,8 @@ class Context {
   // generations on several sequences may take turns. launch_sampled returns the launch's id,
   // which the other three take.
   uint64_t launch_sampled(int32_t first, int k, const SamplingParams& params, uint64_t seed,
-                          uint64_t draw, const int32_t* stops = nullptr, size_t n_stops = 0);
+                          uint64_t draw, const int32_t* stops = nullptr, size_t n_stops = 0,
+                          bool as_loop = false);
   int poll_sampled(uint64_t launch, int have, int32_t* tokens, float* logprobs);
   void halt_sampled(uint64_t launch);
   int land_sampled(uint64_t launch, int32_t* tokens, float* logprobs);

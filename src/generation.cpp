@@ -119,17 +119,16 @@ void Generation::launch_chain() {
   if (relaunch_) ctx_.rewind(ctx_.n_past() - 1);
   relaunch_ = false;
   const int base = ctx_.n_past();
-  int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
-  // Past a chain's steps, whole rounds of a loop's chain (Context::decode_sampled).
-  if (k > Context::kMaxChain) k -= k % Context::kLoopChain;
+  const int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
   flight_tokens_.assign(static_cast<size_t>(k), 0);
   flight_logprobs_.assign(static_cast<size_t>(k), 0.0f);
   // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
   // The steps after an end-of-generation token may be skipped, unless those are ignored.
   const std::vector<int32_t>& eog = ctx_.tokenizer().end_of_generation();
-  launch_ =
-      ctx_.launch_sampled(chain_first_, k, sampler_.params(), sampler_.seed(), sampler_.draws(),
-                          opt_.ignore_eos ? nullptr : eog.data(), opt_.ignore_eos ? 0 : eog.size());
+  // A generation of loops runs its shorter launches as loops too: one graph serves them all.
+  launch_ = ctx_.launch_sampled(chain_first_, k, sampler_.params(), sampler_.seed(),
+                                sampler_.draws(), opt_.ignore_eos ? nullptr : eog.data(),
+                                opt_.ignore_eos ? 0 : eog.size(), chain_ > Context::kMaxChain);
   in_flight_ = true;
   chain_base_ = base;
   chain_tokens_.clear();

@@ -48,8 +48,9 @@ enum class Op : uint8_t {
   // bits, as a Sample's) and, unless a token is negative or one of the config's stop ids or
   // the rounds asked (src3, I32 [2]: rounds, then 0) are done, readies the next round: the
   // chain's first token (src2) becomes the round's last, its positions (Graph::loop_positions)
-  // and KV values move on by params[kLoopChain], the config (src1) draws on and takes the
-  // round's tokens into its history.
+  // and KV values move on by params[kLoopChain], the config (src1) draws on, counts the round
+  // off its limit (sample_word::kLimit: the steps past it skipped, the last round then ending
+  // part-way) and takes the round's tokens into its history.
   ChainLoop,
   Count,
 };

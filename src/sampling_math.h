@@ -154,12 +154,17 @@ constexpr int kNHistory = 13;              // history ids after the header, the 
 // Stop ids (the end-of-generation tokens a generation ends at): after a step of a chain samples
 // one, the chain's later steps may be skipped, their token entries then kSkipped.
 constexpr int kNStop = 14;
+// The steps a launch may still run, from its (or its loop round's) first step: where conditional
+// graph nodes skip steps, the step before the limit ends the chain as a stop id does (the
+// entries past it read kSkipped). 0: none (the host sized the chain to its tokens).
+constexpr int kLimit = 15;
 constexpr int kStop = 16;  // kMaxStop words
 constexpr int kMaxStop = 8;
 constexpr int kHeader = 24;  // the history's first word
-static_assert(kNStop < kStop && kStop + kMaxStop <= kHeader, "the header's words overlap");
+static_assert(kNStop < kLimit && kLimit < kStop && kStop + kMaxStop <= kHeader,
+              "the header's words overlap");
 // A chain's token entry for a step that did not run, an earlier step having sampled a stop id
-// (-1 is a step that found nothing to sample).
+// or reached the limit (-1 is a step that found nothing to sample).
 constexpr int32_t kSkipped = -2;
 }  // namespace sample_word
 

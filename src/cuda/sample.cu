@@ -755,7 +755,7 @@ struct Out {
 // tokens[step] and the log-probability under the raw logits, as the CPU's Sample op gives it:
 // with +inf among them, 0 for those and -inf for the rest; NaN without a token (one thread).
 // The next entry reads kSkipped until its step runs, and that step runs only if this token is
-// not one of the config's stop ids.
+// not one of the config's stop ids and the config's limit allows it.
 __device__ void write_token(const float* logits, const Totals& t, int32_t token, const Out& o) {
   float logprob = __int_as_float(0x7FC00000);  // NaN
   if (token >= 0) {
@@ -769,7 +769,11 @@ __device__ void write_token(const float* logits, const Totals& t, int32_t token,
   o.tokens[o.step] = token;
   o.tokens[o.k_total + o.step] = __float_as_int(logprob);
   if (o.step + 1 < o.k_total) o.tokens[o.step + 1] = sw::kSkipped;
-  if (o.next) cudaGraphSetConditional(o.next, goes_on_after(o.config, token) ? 1u : 0u);
+  if (o.next) {
+    const int limit = o.config[sw::kLimit];
+    const bool go = goes_on_after(o.config, token) && (limit <= 0 || o.step + 1 < limit);
+    cudaGraphSetConditional(o.next, go ? 1u : 0u);
+  }
 }
 
 // ---- The kernels -----------------------------------------------------------------------------
@@ -1170,6 +1174,7 @@ __global__ void __launch_bounds__(kLoopThreads) chain_loop_round(ChainLoopArgs a
       const uint64_t draw = config_draw(a.config) + uint64_t(a.k);
       a.config[sw::kDrawLo] = int32_t(uint32_t(draw));
       a.config[sw::kDrawHi] = int32_t(uint32_t(draw >> 32));
+      if (a.config[sw::kLimit] > 0) a.config[sw::kLimit] -= a.k;
     }
     if (tid < a.k) *a.positions[tid] += a.k;
     if (tid < kMaxKvSlots) a.record[tid] += a.k;

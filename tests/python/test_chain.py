@@ -38,8 +38,8 @@ def tokens_of(model, prompt, chain, max_tokens=40, **sampling):
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("chain", [2, 5, 16, 64])
 def test_a_chain_gives_the_tokens_of_one_step_at_a_time(tiny_model, device, settings, chain):
-    # (64: on CUDA, loops of four rounds of eight steps, then a chain of the other seven tokens;
-    # the CPU runs chains of 16.)
+    # (64: on CUDA, a loop of five rounds of eight steps, the last ending after seven; the CPU
+    # runs chains of 16.)
     m = ggraph.Model(tiny_model, device=device, n_ctx=256)
     prompt = [1, 17, 42, 99, 7]
     one, ctx_one = tokens_of(m, prompt, 1, **settings)
@@ -138,18 +138,18 @@ def test_cuda_sampling_over_a_real_vocabulary_equals_the_host_samplers(settings)
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "chain, launches, classes",
+    "chain, launches, classes, skipped",
     [
         # The prompt's new token (one step; the first token is sampled from its logits), seven
         # chains of eight steps and one of seven for the other 63 tokens, then the last token's
         # own step (as a step at a time ends).
-        (8, 10, {"chain8": 7, "chain7": 1}),
-        # The same tokens with a loop of seven rounds of eight steps in one launch, then a chain
-        # of seven.
-        (64, 4, {"loop8": 1, "chain7": 1}),
+        (8, 10, {"chain8": 7, "chain7": 1}, 0),
+        # The same tokens with a loop of eight rounds of eight steps in one launch, the last
+        # round's last step skipped on the device.
+        (64, 3, {"loop8": 1}, 1),
     ],
 )
-def test_graph_stats_count_the_tokens_of_each_launch(tiny_model, chain, launches, classes):
+def test_graph_stats_count_the_tokens_of_each_launch(tiny_model, chain, launches, classes, skipped):
     m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
     m.eval([1, 2, 3])
     m.reset_graph_stats()
@@ -162,7 +162,33 @@ def test_graph_stats_count_the_tokens_of_each_launch(tiny_model, chain, launches
         assert s[f"{name}.replays"] == replays
     assert s["tokens_per_launch"] == pytest.approx(65 / launches)
     assert s["kernels_per_token"] > 0
-    assert s.get("chain_steps_skipped", 0) == 0
+    assert s.get("chain_steps_skipped", 0) == skipped
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1], SETTINGS[5]])
+def test_loops_of_every_length_run_in_one_graph(tiny_model, settings):
+    # A generation of loops (the default on CUDA) ends each launch at its last token on the
+    # device, a last round part-way: 2 to 41 tokens, whole rounds and parts of them, give the
+    # tokens and the context of a step at a time, and one loop graph serves every length.
+    prompt = [1, 17, 42, 99, 7]
+    ref = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
+    for n in (2, 3, 9, 10, 17, 24, 25, 31, 41):
+        want, want_ctx = tokens_of(ref, prompt, 1, max_tokens=n, **settings)
+        got, got_ctx = tokens_of(m, prompt, 256, max_tokens=n, **settings)
+        assert [t for t, _ in got] == [t for t, _ in want], n
+        assert got_ctx[0] == want_ctx[0], n
+        assert got_ctx[1] == pytest.approx(want_ctx[1], abs=1e-4), n
+    s = m.graph_stats
+    assert s["loop8.captures"] == 1
+    assert not any(k.startswith("chain") and k.endswith(".captures") for k in s), s
+    # Near the context's end, where a round's steps would pass it, a short launch is a chain.
+    m.reset()
+    near = [5] * 250
+    got = [t.token for t in m.generate(near, max_tokens=5, chain=256, logprobs=0, ignore_eos=True)]
+    want = [t.token for t in ref.generate(near, max_tokens=5, chain=1, logprobs=0, ignore_eos=True)]
+    assert got == want and m.n_past == ref.n_past
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
@@ -234,11 +260,12 @@ def test_a_chain_ends_at_an_end_of_generation_token(tiny_model, tmp_path, device
         # The first token comes from the prompt's logits, the others from chains of at most
         # `chain` steps (fewer where max_tokens ends one): the steps after the end's are
         # skipped in the modes that have conditional steps.
-        # A loop (chain 64 in those modes: four rounds of eight steps for the 39 tokens after
-        # the first, then a chain of seven) counts the steps of its last round.
+        # A loop (chain 64 in those modes: five rounds of eight steps for the 39 tokens after
+        # the first, the last one's last step skipped for the length) counts the steps of its
+        # last round.
         per = 8 if chain > 16 else chain
         start = 1 + (at - 1) // per * per
-        steps = min(per, n - start)
+        steps = 8 if chain > 16 else min(per, n - start)
         expected = steps - 1 - (at - start) if mode in ("patch", "recapture") else 0
         assert skipped == expected, mode
 
