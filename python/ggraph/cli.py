@@ -57,6 +57,19 @@ def _sampling(args):
     }
 
 
+def _warm_up(model, args):
+    """On CUDA, runs a two-token generation with the command's settings and empties the model
+    again, as llama.cpp's warm-up run does: the decode graphs a generation uses (the one-token
+    step and the generation loop) are captured here, tens of milliseconds the first time, so
+    that the first reply and the speed `generate` prints are the generation's own."""
+    if not model.device.startswith("cuda"):
+        return
+    chain = getattr(args, "chain", None)  # (chat has none: generate's default)
+    for _ in model.generate([0], max_tokens=2, ignore_eos=True, chain=chain, **_sampling(args)):
+        pass
+    model.reset()
+
+
 def _check_sampling(args):
     from ggraph import _core
 
@@ -69,6 +82,7 @@ def cmd_generate(args):
         _utf8(s, "--stop")
     _check_sampling(args)
     model = _load(args)
+    _warm_up(model, args)
     ids = model.tokenize(args.prompt)
     if not ids:
         raise ValueError("the prompt is empty (it gives no tokens and the model adds no BOS)")
@@ -108,6 +122,7 @@ def cmd_chat(args):
     model = _load(args)
     if not model.chat_template:
         raise ValueError(f"chat: {args.model or 'the model'} has no chat template (use generate)")
+    _warm_up(model, args)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
