@@ -479,10 +479,8 @@ def _run_engine(path, prompts, max_tokens, n_ctx, sampling=None, cached=None, **
         loop = asyncio.get_running_loop()
         jobs = []
         for i, p in enumerate(prompts):
-            job_sampling = {"temperature": 0.0, "ignore_eos": True}
-            if sampling is not None:
-                job_sampling = {**sampling(i), "ignore_eos": True}
-            job = Recorded(loop, p, max_tokens, [], None, job_sampling)
+            job_sampling = {"temperature": 0.0} if sampling is None else sampling(i)
+            job = Recorded(loop, p, max_tokens, [], None, job_sampling, ignore_eos=True)
             job.index = i
             jobs.append(job)
             eng.submit(job)
