@@ -3524,6 +3524,7 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     int rounds_left, made;
     bool next;          // whether the round readies another
     bool halt = false;  // the host's halt word set
+    int limit = 0;      // the config's limit (0: none)
   };
   const Case cases[] = {
       {"a round of tokens", {5, 6, 7, 8}, 3, 0, true},
@@ -3533,6 +3534,8 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
       {"a buffer without room for another", {5, 6, 7, 8}, 5, 8, false},
       {"the rounds before it", {5, 6, 7, 8}, 3, 4, true},
       {"a halt from the host", {5, 6, 7, 8}, 3, 4, false, true},
+      {"a limit past the round", {5, 6, 7, 8}, 3, 4, true, false, 10},
+      {"a limit within the round", {5, 6, sw::kSkipped, 8}, 1, 4, false, false, 2},
   };
   int32_t* dev = nullptr;
   GGRAPH_CUDA_CHECK(cudaMalloc(&dev, sizeof(int32_t) * kWords));
@@ -3557,6 +3560,7 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     config[sw::kDrawLo] = -1;  // the draw carries into its high word
     config[sw::kDrawHi] = 2;
     config[sw::kNHistory] = 4;
+    config[sw::kLimit] = c.limit;
     for (int i = 0; i < 4; ++i) config[sw::kHeader + i] = 1 + i;
     w[kFirst] = 4;
     for (int j = 0; j < k; ++j) w[kPositions + j] = 10 + j;
@@ -3605,6 +3609,8 @@ TEST(CudaSample, AChainLoopRoundAppendsItsTokensAndReadiesTheNext) {
     }
     EXPECT_EQ(host[halt_word], c.halt ? 1 : 0);
     const int32_t* cfg = &got[kConfig];
+    // A limit counts the rounds that go on off it.
+    EXPECT_EQ(cfg[sw::kLimit], c.next && c.limit > 0 ? c.limit - k : c.limit);
     if (c.next) {
       EXPECT_EQ(got[kFirst], 8);
       for (int j = 0; j < k; ++j) EXPECT_EQ(got[kPositions + j], 14 + j);
