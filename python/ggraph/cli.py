@@ -62,7 +62,7 @@ def _warm_up(model, args):
     again, as llama.cpp's warm-up run does: the decode graphs a generation uses (the one-token
     step and the generation loop) are captured here, tens of milliseconds the first time, so
     that the first reply and the speed `generate` prints are the generation's own."""
-    if not model.device.startswith("cuda"):
+    if not model.device.startswith("cuda") or model.n_ctx < 3:
         return
     chain = getattr(args, "chain", None)  # (chat has none: generate's default)
     for _ in model.generate([0], max_tokens=2, ignore_eos=True, chain=chain, **_sampling(args)):
