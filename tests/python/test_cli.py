@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import cuda_available
 
 
 def ggraph_cmd(*args, input=None, timeout=600):
@@ -25,11 +26,30 @@ def test_generate_says_paris(smollm2):
 
 
 def test_generate_with_more_tokens_a_launch_says_the_same(smollm2):
-    # (On CUDA: chains of 8, against a loop of four rounds of 8 and a chain of 7.)
+    # (On CUDA: a loop of five rounds of 8, the last ending part-way, against chains of 8 and one
+    # of 7; on the CPU a token at a time against chains.)
     plain = ggraph_cmd("generate", "-n", "40", "The capital of France is")
-    chained = ggraph_cmd("generate", "-n", "40", "--chain", "64", "The capital of France is")
+    chained = ggraph_cmd("generate", "-n", "40", "--chain", "8", "The capital of France is")
     assert chained.returncode == 0, chained.stderr
     assert chained.stdout == plain.stdout
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--seed", "3"]])
+def test_generate_on_cuda_after_its_warm_up_prints_a_fresh_models_text(tiny_model, sampling):
+    # The command warms up on CUDA (a short generation, then a reset) before the prompt: what it
+    # prints is what a model that never generated before gives, greedy and sampled.
+    import ggraph
+
+    prompt = "The capital of France is"
+    r = ggraph_cmd("generate", "-m", tiny_model, "--device", "cuda", "-n", "24", *sampling, prompt)
+    assert r.returncode == 0, r.stderr
+    m = ggraph.Model(tiny_model, device="cuda")
+    ids = m.tokenize(prompt)
+    m.eval(ids)  # as the command does: the prompt first, then the generation finds it
+    settings = dict(temperature=0.8, seed=3) if sampling else dict(temperature=0.0)
+    want = "".join(m.generate(ids, max_tokens=24, top_k=40, top_p=0.95, min_p=0.05, **settings))
+    assert r.stdout == prompt + want + "\n"
 
 
 def test_generate_with_default_model_when_installed(smollm2):
