@@ -65,29 +65,27 @@ def test_cancel_ends_a_generation_at_its_next_token(tiny_model):
 
 def _cancelled_prompt(m, prompt):
     """Generates from prompt while another thread cancels over and over, until the prompt's
-    eval is the call that stops (the canceller may start late); returns the Cancelled error."""
-    done = threading.Event()
-
-    def spam():
-        while not done.is_set():
-            m.cancel()
-
+    eval is the call that stops (the canceller may start late); returns the Cancelled error.
+    Each try has a canceller of its own, stopped before the history is put back."""
     before = m._tokens
-    t = threading.Thread(target=spam)
-    t.start()
-    try:
-        for _ in range(50):
-            try:
-                list(m.generate(prompt, max_tokens=1, temperature=0))
-            except ggraph.Cancelled as e:
-                return e
-            m.reset()  # it went through: put the history back and try again
+    for _ in range(50):
+        done = threading.Event()
+
+        def spam(done=done):
+            while not done.is_set():
+                m.cancel()
+
+        t = threading.Thread(target=spam)
+        t.start()
+        try:
+            list(m.generate(prompt, max_tokens=1, temperature=0))
+        except ggraph.Cancelled as e:
+            return e
+        finally:
             done.set()
-            m.eval(before)
-            done.clear()
-    finally:
-        done.set()
-        t.join()
+            t.join()
+        m.reset()  # it went through: put the history back and try again
+        m.eval(before)  # (cancels made before this call do not stop it)
     pytest.fail("the cancel never landed while the prompt went in")
 
 
