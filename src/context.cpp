@@ -242,16 +242,22 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
     throw ArgumentError("decode_sampled: k must be 1 to " +
                         std::to_string(loops ? kMaxLaunch : kMaxChain) + ", got " +
                         std::to_string(k));
-  // A loop's rounds end at its k-th token on the device (the config's limit), the last one
-  // part-way: so with as_loop, launches of every length run in the loop's one graph, where a
-  // chain of each length would be captured anew. Not where a round's steps would pass the
-  // context's end.
-  const bool loop = loops && (k > kMaxChain || (as_loop && live().n_past + kLoopChain <= n_ctx_));
-  const int steps = loop ? kLoopChain : k;
   if (live().n_past + k > n_ctx_)
     throw ArgumentError("decode_sampled: " + std::to_string(k) +
                         " tokens do not fit the context: " + std::to_string(live().n_past) +
                         " of " + std::to_string(n_ctx_) + " positions are used");
+  // A loop's rounds end at its k-th token on the device (the config's limit), the last one
+  // part-way: so with as_loop, launches of every length run in the loop's one graph, where a
+  // chain of each length would be captured anew. The positions of its whole rounds must fit the
+  // context all the same (the backend checks every step's KV values against it).
+  const int rounds_end = live().n_past + (k + kLoopChain - 1) / kLoopChain * kLoopChain;
+  if (loops && k > kMaxChain && rounds_end > n_ctx_)
+    throw ArgumentError("decode_sampled: a loop of " + std::to_string(k) +
+                        " tokens runs whole rounds of " + std::to_string(kLoopChain) +
+                        " steps, to position " + std::to_string(rounds_end) +
+                        "; the context holds " + std::to_string(n_ctx_));
+  const bool loop = loops && (k > kMaxChain || as_loop) && rounds_end <= n_ctx_;
+  const int steps = loop ? kLoopChain : k;
   if (seed == kRandomSeed) throw ArgumentError("decode_sampled: the seed must be resolved");
   validate(params);
   // (A refused launch changes nothing.) A launch whose tokens its caller has not taken: its

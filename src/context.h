@@ -90,8 +90,9 @@ class Context {
   // tokens that step and those before evaluated). k above kMaxChain (where the backend runs
   // loops) runs rounds of a chain of kLoopChain steps in one launch, the last one ended at the
   // k-th token on the device, as that many calls one after the other would, each from the last
-  // one's last sample and draws. as_loop (where the backend runs loops) runs any k as a loop,
-  // so that launches of every length share one graph.
+  // one's last sample and draws; its whole rounds' positions must fit the context. as_loop
+  // (where the backend runs loops) runs any k as a loop where they fit, so that launches of
+  // every length share one graph.
   // After a step samples one of the n_stops ids `stops`, the backend may skip the steps after it
   // (CUDA graphs do): returns the samples made, k or fewer, the last of them then a stop id; the
   // context holds `first` and the samples before the last.

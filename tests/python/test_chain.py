@@ -194,6 +194,25 @@ def test_loops_of_every_length_run_in_one_graph(tiny_model, settings):
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prompt_len", [3, 4, 9, 20])
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1]])
+def test_loops_run_to_the_contexts_end(tiny_model, prompt_len, settings):
+    # A loop's whole rounds must fit the context: near its end, a generation of loops launches
+    # the rounds that fit, then a chain of the rest. The tokens, the stop and the context are
+    # a step at a time's.
+    prompt = [(7 * i) % 250 + 3 for i in range(prompt_len)]
+    kw = dict(max_tokens=100, logprobs=0, ignore_eos=True, **settings)
+    ref = ggraph.Model(tiny_model, device="cuda", n_ctx=32)
+    want = [t.token for t in ref.generate(prompt, chain=1, **kw) if t.token >= 0]
+    m = ggraph.Model(tiny_model, device="cuda", n_ctx=32)
+    got = [t.token for t in m.generate(prompt, **kw) if t.token >= 0]
+    assert got == want
+    assert m.stop_reason == ref.stop_reason == "context_full"
+    assert m.n_past == ref.n_past
+    assert m.graph_stats["loop8.replays"] >= 1
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 def test_a_loop_is_refused_where_it_cannot_run(tiny_model):
     m = ggraph.Model(tiny_model, device="cuda", n_ctx=256)
     with pytest.raises(ValueError, match="chain must be 1 to 256"):
