@@ -248,11 +248,14 @@ class _SequenceLock:
     """The model's lock, taken for one sequence of its context: entering selects the sequence,
     so that every call made under it reads and changes that sequence alone."""
 
-    def __init__(self, base, ctx, seq: int | None):
+    def __init__(self, base, ctx, seq: int | None, held=None):
         self.base = base
         self._ctx = ctx
         self.seq = seq
-        self._prev = []  # the sequence each nested entry found selected, restored at its exit
+        self._prev = []  # the sequence each entry found selected
+        # Entries of the model's sequence locks (its own and its sessions') now held, shared by
+        # all of them: only the owning thread changes it, under base.
+        self.held = [0] if held is None else held
 
     def __enter__(self):
         self.base.acquire()
@@ -267,13 +270,20 @@ class _SequenceLock:
             self.base.release()
             raise
         self._prev.append(prev)
+        self.held[0] += 1
         return self
 
     def __exit__(self, *exc):
         try:
             prev = self._prev.pop()
-            with contextlib.suppress(ValueError):  # that sequence was closed meanwhile
-                self._ctx.select_sequence(prev)
+            self.held[0] -= 1
+            # A nested entry gives the outer call its sequence back. An outermost one leaves its
+            # own selected (the next entry selects its own): selecting another sequence lands a
+            # launch in flight, and a session's generation loop streams its tokens between its
+            # steps.
+            if self.held[0] > 0:
+                with contextlib.suppress(ValueError):  # that sequence was closed meanwhile
+                    self._ctx.select_sequence(prev)
         finally:
             self.base.release()
         return False
@@ -840,7 +850,7 @@ class Session(Model):
         base = model._lock.base
         with base:
             seq = self._ctx.open_sequence()
-        self._lock = _SequenceLock(base, self._ctx, seq)
+        self._lock = _SequenceLock(base, self._ctx, seq, model._lock.held)
         self._last_logits = None
         self._epoch = 0
         self._live = None

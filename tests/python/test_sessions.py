@@ -140,6 +140,31 @@ def test_loops_of_two_sessions_in_turns_give_each_its_own_tokens(tiny_model, cha
     assert (outs[1], s.n_past) == alone(B)
 
 
+def test_a_sessions_step_leaves_its_sequence_selected_and_nested_calls_give_it_back(tiny_model):
+    # Selecting another sequence lands a launch in flight: after a session's generator step the
+    # session's sequence stays selected, so that its generation loop streams between its steps
+    # (on CUDA). A call nested in another (a signal handler, a finalizer) gives the outer call
+    # its sequence back.
+    m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
+    s = m.session()
+    m.eval([1, 2])
+    gen = s.generate([3, 4], max_tokens=4, temperature=0.0)
+    next(gen)
+    assert m._ctx.sequence == s._lock.seq
+    next(gen)
+    assert m._ctx.sequence == s._lock.seq
+    assert m.n_past == 2 and m.eval([5]).shape == (m.n_vocab,)
+    assert m._ctx.sequence == 0 and m.n_past == 3
+    with m._lock:
+        with s._lock:
+            assert m._ctx.sequence == s._lock.seq
+        assert m._ctx.sequence == 0
+        with s._lock, m._lock:
+            assert m._ctx.sequence == 0
+        assert m._ctx.sequence == 0
+    assert list(gen)  # the session's generation goes on with its own tokens
+
+
 def test_rewind_and_states_stay_within_a_session(tiny_model):
     m = ggraph.Model(tiny_model, device="cpu", n_ctx=64, n_seq_max=2)
     s = m.session()
