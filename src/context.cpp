@@ -250,7 +250,7 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
   // part-way: so with as_loop, launches of every length run in the loop's one graph, where a
   // chain of each length would be captured anew. The positions of its whole rounds must fit the
   // context all the same (the backend checks every step's KV values against it).
-  const int rounds_end = live().n_past + (k + kLoopChain - 1) / kLoopChain * kLoopChain;
+  const int rounds_end = live().n_past + loop_positions(k);
   if (loops && k > kMaxChain && rounds_end > n_ctx_)
     throw ArgumentError("decode_sampled: a loop of " + std::to_string(k) +
                         " tokens runs whole rounds of " + std::to_string(kLoopChain) +
@@ -318,7 +318,8 @@ uint64_t Context::launch_sampled(int32_t first, int k, const SamplingParams& par
   c.n_past = n_past;
   c.first[0] = first;
   std::iota(c.positions.begin(), c.positions.end(), n_past);
-  c.control[0] = (k + steps - 1) / steps;  // in place: the graph's input points at these words
+  // In place: the graph's input points at these words.
+  c.control[0] = loop ? loop_positions(k) / kLoopChain : 1;
   c.control[1] = 0;
   // The penalty window's ids: the last of the sequence's tokens, then first.
   const size_t from = s.tokens.size() - std::min(s.tokens.size(), size_t(window));
@@ -413,7 +414,7 @@ void Context::land() {
   const int32_t* words = f.tokens();
   if (f.loop) {
     const int32_t made = reinterpret_cast<const int32_t*>(f.out.data())[0];
-    if (made < steps || made > (k + steps - 1) / steps * steps || made % steps != 0) {
+    if (made < steps || made > loop_positions(k) || made % steps != 0) {
       f.active = false;
       throw DeviceError("decode_sampled: the loop reported " + std::to_string(made) + " of " +
                         std::to_string(k) + " tokens");

@@ -79,6 +79,11 @@ class Context {
   // kMaxLaunch tokens, on a backend that runs loops (Backend::runs_loops).
   static constexpr int kLoopChain = 8;
   static constexpr int kMaxLaunch = 256;
+  // The positions a loop of k tokens runs through: its whole rounds, a last one that ends
+  // part-way included (its skipped steps' positions must fit the context too).
+  static constexpr int loop_positions(int k) {
+    return (k + kLoopChain - 1) / kLoopChain * kLoopChain;
+  }
   // Decodes `first` (the token after the context's last) and k - 1 tokens more in one graph
   // (one CUDA graph launch), each step sampling the next step's token on the backend by
   // `params` with `seed` (not kRandomSeed) from draw index `draw` on (the Sample op); only the

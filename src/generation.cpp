@@ -122,10 +122,9 @@ void Generation::launch_chain() {
   int k = std::min({chain_, ctx_.n_ctx() - base, opt_.max_tokens - n_generated_});
   // A loop's whole rounds must fit the context (Context::decode_sampled): near its end, the
   // rounds that fit, then a chain of the rest.
-  const int round = Context::kLoopChain;
-  if (chain_ > Context::kMaxChain && k > round &&
-      base + (k + round - 1) / round * round > ctx_.n_ctx())
-    k -= k % round;
+  if (chain_ > Context::kMaxChain && k > Context::kLoopChain &&
+      base + Context::loop_positions(k) > ctx_.n_ctx())
+    k -= k % Context::kLoopChain;
   flight_tokens_.assign(static_cast<size_t>(k), 0);
   flight_logprobs_.assign(static_cast<size_t>(k), 0.0f);
   // (A step that fails leaves the context with what it evaluated, and the chain as it was.)
